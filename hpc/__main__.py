@@ -1,0 +1,5 @@
+import sys
+
+from hpc.cli.main import main
+
+sys.exit(main())

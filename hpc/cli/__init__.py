@@ -1,0 +1,1 @@
+"""The `hpc` command line."""

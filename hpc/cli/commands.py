@@ -1,0 +1,92 @@
+"""Handlers of the declarative commands: validate, plan, render, launch, recipes, clusters."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from hpc.cli.show import plan_table, table
+from hpc.errors import UserError
+from hpc.resolve import Resolved, resolve
+from hpc.spec.base import load_yaml
+from hpc.spec.catalog import available, find
+
+
+def _resolve(args: argparse.Namespace) -> Resolved:
+    return resolve(args.cluster, args.recipe, args.overrides)
+
+
+def _title(r: Resolved) -> str:
+    p = r.plan
+    return (f"{r.recipe.name} on {r.cluster.name}: {p.job_nodes} node(s), {p.total_gpus} GPU(s) in "
+            f"{len(p.workers)} worker(s), backend {r.recipe.backend.value}")
+
+
+def validate(args: argparse.Namespace) -> int:
+    r = _resolve(args)
+    print(f"ok: {_title(r)}")
+    return 0
+
+
+def show_plan(args: argparse.Namespace) -> int:
+    r = _resolve(args)
+    if args.json:
+        print(json.dumps(r.plan.model_dump(mode="json"), indent=2))
+    else:
+        print(plan_table(r.plan, _title(r)))
+    return 0
+
+
+def render(args: argparse.Namespace) -> int:
+    import datetime as dt
+    from pathlib import Path
+
+    from hpc.render.sbatch import render_sbatch
+    from hpc.rundir import new_run_id, runs_root
+
+    r = _resolve(args)
+    now = dt.datetime.now()
+    path = runs_root().resolve() / new_run_id(r.recipe.name, now)
+    print(render_sbatch(r.manifest(Path(path), path.name, now)), end="")
+    return 0
+
+
+def launch(args: argparse.Namespace) -> int:
+    from hpc import rundir
+    from hpc.render.sbatch import render_sbatch
+
+    r = _resolve(args)
+    run = rundir.create(r, render_sbatch)
+    print(plan_table(r.plan, _title(r)))
+    print(f"run directory: {run.path}")
+    if args.dry_run:
+        print(f"dry run: nothing submitted. Submit it yourself with: sbatch {run.script_path}")
+        return 0
+    if r.cluster.is_local:
+        from hpc.launch.local import launch_local
+
+        return launch_local(run, wait=not args.no_wait, smoke=not args.no_smoke)
+    from hpc.launch.slurm import launch_slurm
+
+    return launch_slurm(run, wait=not args.no_wait, smoke=not args.no_smoke)
+
+
+def _describe(kind: str) -> list[list[str]]:
+    rows = []
+    for name in available(kind):
+        try:
+            data = load_yaml(find(kind, name))
+        except UserError:
+            data = {}
+        rows.append([name, str(data.get("description", ""))])
+    return rows
+
+
+def list_recipes(args: argparse.Namespace) -> int:
+    print(table(["RECIPE", "DESCRIPTION"], _describe("recipes")))
+    return 0
+
+
+def list_clusters(args: argparse.Namespace) -> int:
+    print(table(["CLUSTER", "DESCRIPTION"], _describe("clusters")))
+    return 0

@@ -1,0 +1,88 @@
+"""`hpc`: validate, plan, render and launch LLM serving jobs; status, logs, cancel.
+
+Exit codes: 0 ok, 2 bad input (one message, no traceback), 1 internal error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from hpc.errors import UserError
+
+EXIT_OK, EXIT_INTERNAL, EXIT_USER = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own errors are user errors too: exit 2
+        self.print_usage(sys.stderr)
+        raise UserError(message)
+
+
+def _add_target(p: argparse.ArgumentParser, default_cluster: str | None = "local") -> None:
+    p.add_argument("--cluster", "-c", default=default_cluster,
+                   help="cluster profile name from clusters/ or a YAML path (default: %(default)s)")
+    p.add_argument("--recipe", "-r", required=True, help="recipe name from recipes/ or a YAML path")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                   help="override any recipe field, e.g. --set roles.decode.count=2 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from hpc.cli import commands, runtime_commands
+
+    parser = _Parser(prog="hpc", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("validate", help="check a recipe against a cluster; nothing is written")
+    _add_target(p)
+    p.set_defaults(func=commands.validate)
+
+    p = sub.add_parser("plan", help="show which node runs what")
+    _add_target(p)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=commands.show_plan)
+
+    p = sub.add_parser("render", help="print the sbatch script (nothing is written or submitted)")
+    _add_target(p)
+    p.set_defaults(func=commands.render)
+
+    p = sub.add_parser("launch", help="validate, write the run directory, submit, wait until ready, smoke test")
+    _add_target(p)
+    p.add_argument("--dry-run", action="store_true", help="write the run directory and stop")
+    p.add_argument("--no-wait", action="store_true", help="return after submission")
+    p.add_argument("--no-smoke", action="store_true", help="skip the smoke tests after readiness")
+    p.set_defaults(func=commands.launch)
+
+    p = sub.add_parser("recipes", help="list recipes")
+    p.set_defaults(func=commands.list_recipes)
+    p = sub.add_parser("clusters", help="list cluster profiles")
+    p.set_defaults(func=commands.list_clusters)
+
+    runtime_commands.add_parsers(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                            format="%(levelname)s %(name)s: %(message)s")
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        print(f"error: {exc.render()}", file=sys.stderr)
+        return EXIT_USER
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception:  # internal bug: keep the traceback for the report
+        import traceback
+
+        traceback.print_exc()
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

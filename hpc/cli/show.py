@@ -1,0 +1,32 @@
+"""Plain-text tables for the CLI (no dependencies, works on any login node)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from hpc.plan.placement import Plan
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    return "\n".join(lines)
+
+
+def _span(nodes: list[int]) -> str:
+    return f"n{nodes[0]}" if len(nodes) == 1 else f"n{nodes[0]}-n{nodes[-1]}"
+
+
+def plan_table(plan: Plan, title: str) -> str:
+    rows: list[list[object]] = []
+    for s in plan.services:
+        rows.append([f"n{s.node}", s.name, 1, "-", " ".join(f"{k}={v}" for k, v in s.ports.items())])
+    for w in plan.workers:
+        per_node = {}
+        for r in w.ranks:
+            per_node.setdefault(r.node, []).append(r.gpu)
+        gpus = "; ".join(f"n{n}:{g[0]}-{g[-1]}" if len(g) > 1 else f"n{n}:{g[0]}" for n, g in per_node.items())
+        rows.append([_span(w.nodes), w.name, w.tasks, gpus, " ".join(f"{k}={v}" for k, v in w.ports.items())])
+    body = table(["NODE", "COMPONENT", "TASKS", "GPUS", "PORTS"], rows)
+    return f"{title}\n{body}\nreadiness: {' -> '.join(plan.readiness_order)}"

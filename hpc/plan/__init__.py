@@ -1,0 +1,1 @@
+"""Pure placement: which node runs what. No I/O, no clock."""

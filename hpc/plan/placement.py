@@ -1,0 +1,132 @@
+"""Placement: a pure function of (cluster, recipe) -> Plan."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from hpc.errors import UserError
+from hpc.plan.topology import rank_coords
+from hpc.spec.cluster import ClusterProfile
+from hpc.spec.recipe import Recipe, RoleName
+
+# Port layout within a job, from the cluster's port_base.
+ETCD_CLIENT, ETCD_PEER, NATS_CLIENT, NATS_MONITOR = 0, 1, 2, 3
+WORKER_PORTS_START, PORTS_PER_WORKER = 10, 3  # rpc, http (health/metrics), dist (torch.distributed)
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ServicePlan(_Frozen):
+    name: str  # etcd | nats | frontend
+    node: int
+    ports: dict[str, int]
+
+
+class RankPlan(_Frozen):
+    rank: int
+    node: int
+    local_rank: int
+    gpu: int
+    pp: int
+    tp: int
+    ep: int
+    dp: int
+
+
+class WorkerPlan(_Frozen):
+    role: RoleName
+    index: int
+    nodes: list[int]
+    tasks: int  # MPI world size = TP x PP
+    tasks_per_node: int
+    gpus_per_node: int  # GPUs this worker uses on each of its nodes
+    gpu_offset: int  # first GPU index on a node shared with other workers of the role
+    ports: dict[str, int]
+    ranks: list[RankPlan]
+
+    @property
+    def name(self) -> str:
+        return f"{self.role.value}-{self.index}"
+
+
+class Plan(_Frozen):
+    job_nodes: int
+    gpus_per_node: int  # what the job asks for per node
+    services: list[ServicePlan]
+    workers: list[WorkerPlan]
+    readiness_order: list[str]
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(w.tasks for w in self.workers)
+
+    def worker(self, role: RoleName | str, index: int) -> WorkerPlan:
+        role = RoleName(role)
+        for w in self.workers:
+            if w.role is role and w.index == index:
+                return w
+        raise KeyError(f"{role.value}-{index}")
+
+    def service(self, name: str) -> ServicePlan:
+        return next(s for s in self.services if s.name == name)
+
+
+def plan(cluster: ClusterProfile, recipe: Recipe) -> Plan:
+    """Which node runs etcd, NATS, the frontend and each worker; GPUs, ranks and ports."""
+    local = cluster.is_local
+    gpn = cluster.gpus_per_node
+    base = cluster.port_base
+    dedicated_infra = recipe.infra.placement == "dedicated" and not local
+
+    services = []
+    if recipe.infra.etcd and cluster.discovery == "etcd":
+        services.append(ServicePlan(name="etcd", node=0, ports={"client": base + ETCD_CLIENT,
+                                                                "peer": base + ETCD_PEER}))
+    if recipe.infra.nats:
+        services.append(ServicePlan(name="nats", node=0, ports={"client": base + NATS_CLIENT,
+                                                                "monitor": base + NATS_MONITOR}))
+    services.append(ServicePlan(name="frontend", node=0, ports={"http": recipe.frontend.port}))
+
+    node, used_on_node = (1, 0) if dedicated_infra else (0, 0)
+    workers: list[WorkerPlan] = []
+    serial = 0
+    for role_name, role in recipe.roles.items():
+        if used_on_node and not local:
+            node, used_on_node = node + 1, 0  # roles never share a node on a real cluster
+        tasks = role.gpus_per_worker
+        for index in range(role.count):
+            if local or tasks <= gpn or gpn == 0:
+                if not local and gpn and used_on_node + tasks > gpn:
+                    node, used_on_node = node + 1, 0
+                nodes, tasks_per_node, offset = [node], tasks, used_on_node
+                used_on_node += tasks
+            else:
+                if tasks % gpn:
+                    raise UserError(
+                        f"a worker of {tasks} GPUs spans nodes but is not a whole number of "
+                        f"{gpn}-GPU nodes", field=f"roles.{role_name.value}",
+                        hint=f"use a TP x PP that is a multiple of {gpn}")
+                if used_on_node:
+                    node, used_on_node = node + 1, 0
+                span = tasks // gpn
+                nodes, tasks_per_node, offset = list(range(node, node + span)), gpn, 0
+                node += span
+            ranks = []
+            for rank in range(tasks):
+                c = rank_coords(rank, tp=role.tensor_parallel_size, pp=role.pipeline_parallel_size,
+                                ep=role.expert_parallel_size, attention_dp=role.enable_attention_dp,
+                                tasks_per_node=tasks_per_node, gpu_offset=offset)
+                ranks.append(RankPlan(rank=rank, node=nodes[c.node_offset], local_rank=c.local_rank,
+                                      gpu=c.gpu, pp=c.pp, tp=c.tp, ep=c.ep, dp=c.dp))
+            first = base + WORKER_PORTS_START + PORTS_PER_WORKER * serial
+            workers.append(WorkerPlan(
+                role=role_name, index=index, nodes=nodes, tasks=tasks, tasks_per_node=tasks_per_node,
+                gpus_per_node=tasks_per_node, gpu_offset=offset,
+                ports={"rpc": first, "http": first + 1, "dist": first + 2}, ranks=ranks))
+            serial += 1
+    job_nodes = 1 if local else max([0] + [n for w in workers for n in w.nodes]) + 1
+    order = [s.name for s in services if s.name != "frontend"] + ["frontend"] + [w.name for w in workers]
+    return Plan(job_nodes=job_nodes, gpus_per_node=gpn, services=services, workers=workers,
+                readiness_order=order)

@@ -1,0 +1,1 @@
+"""Pure rendering of the sbatch script from Jinja templates."""

@@ -1,0 +1,146 @@
+"""Render one sbatch script per job from templates/job.sbatch.j2 (pure: manifest in, text out)."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jinja2
+
+from hpc.plan.placement import WorkerPlan
+from hpc.resolve import Manifest
+from hpc.spec.catalog import project_root
+from hpc.spec.cluster import GpuRequest, time_to_minutes
+
+
+def shell_quote(value: object) -> str:
+    """Every value in a template goes through this: the script treats it as inert data."""
+    if isinstance(value, bool):
+        value = "true" if value else "false"
+    return shlex.quote(str(value))
+
+
+def comment_text(value: object) -> str:
+    """Text inside a `#` comment: one line, so nothing after it can become a command."""
+    return " ".join(str(value).split())
+
+
+def template_env(root: Path | None = None) -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str((root or project_root()) / "templates")),
+        undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True,
+        trim_blocks=True, lstrip_blocks=True)
+    env.filters["q"] = shell_quote
+    env.filters["comment"] = comment_text
+    return env
+
+
+@dataclass(frozen=True)
+class Step:
+    """One srun step: its flags (already split into words) and its command words."""
+
+    name: str
+    comment: str
+    srun_flags: list[str]
+    nodelist: str  # bash expression over the NODES array, e.g. ${NODES[1]},${NODES[2]}
+    command: list[str]
+
+
+@dataclass(frozen=True)
+class View:
+    """The small view-model the template sees."""
+
+    title: str
+    sbatch_flags: list[str]
+    env: dict[str, str]
+    python_env: str | None
+    slurm_conf: str | None
+    run_dir: str
+    manifest: str
+    python: str
+    services: list[Step] = field(default_factory=list)
+    workers: list[Step] = field(default_factory=list)
+    ready_command: list[str] = field(default_factory=list)
+    smoke_command: list[str] | None = None
+
+
+def _nodelist(nodes: list[int]) -> str:
+    return ",".join(f"${{NODES[{n}]}}" for n in nodes)
+
+
+def _gpu_flag(style: GpuRequest, count: int) -> list[str]:
+    if style is GpuRequest.GPUS_PER_NODE:
+        return [f"--gpus-per-node={count}"]
+    if style is GpuRequest.GRES:
+        return [f"--gres=gpu:{count}"]
+    return []
+
+
+def build_view(m: Manifest) -> View:
+    c, plan = m.cluster, m.plan
+    run_dir = m.run_dir
+    logs = f"{run_dir}/logs"
+    manifest = f"{run_dir}/manifest.json"
+    tasks_per_node = max([w.tasks_per_node for w in plan.workers] + [1])
+    flags = [f"--job-name={m.job_name}", f"--nodes={plan.job_nodes}", f"--ntasks-per-node={tasks_per_node}",
+             f"--time={time_to_minutes(m.recipe.time_limit or c.time_limit)}",
+             f"--output={logs}/job.out", f"--error={logs}/job.out"]
+    if plan.gpus_per_node and any(w.tasks for w in plan.workers) and m.recipe.backend.value != "mock":
+        flags += _gpu_flag(c.gpu_request, plan.gpus_per_node)
+    for key in ("partition", "account", "qos"):
+        if getattr(c, key):
+            flags.append(f"--{key}={getattr(c, key)}")
+    if c.memory:
+        flags.append(f"--mem={c.memory}")
+    if c.exclusive:
+        flags.append("--exclusive")
+    flags += list(c.sbatch_args)
+
+    container: list[str] = []
+    if c.container:
+        container.append(f"--container-image={c.container.image}")
+        if c.container.mounts:
+            container.append(f"--container-mounts={','.join(c.container.mounts)}")
+        if c.container.workdir:
+            container.append(f"--container-workdir={c.container.workdir}")
+        if c.container.writable:
+            container.append("--container-writable")
+    py = [c.python, "-m"]
+    services = []
+    for s in plan.services:
+        module = "hpc.runtime.frontend" if s.name == "frontend" else "hpc.runtime.infra"
+        args = [manifest] if s.name == "frontend" else [manifest, "--service", s.name]
+        services.append(Step(
+            name=s.name, comment=f"{s.name} on node {s.node}, ports {s.ports}",
+            srun_flags=["--overlap", "--nodes=1", "--ntasks=1", f"--output={logs}/{s.name}.log",
+                        *container, *c.srun_args],
+            nodelist=_nodelist([s.node]), command=[*py, module, *args]))
+    workers = [_worker_step(m, w, container, logs, manifest, py) for w in plan.workers]
+    smoke = [*py, "hpc.runtime.smoke", manifest] if m.recipe.smoke.enabled else None
+    title = f"recipe {m.recipe.name} on cluster {c.name}, {plan.job_nodes} node(s), {plan.total_gpus} GPU(s)"
+    return View(title=title, sbatch_flags=flags, env=dict(c.env), python_env=c.python_env, slurm_conf=c.slurm_conf,
+                run_dir=run_dir, manifest=manifest, python=c.python, services=services, workers=workers,
+                ready_command=[*py, "hpc.runtime.ready", manifest], smoke_command=smoke)
+
+
+def _worker_step(m: Manifest, w: WorkerPlan, container: list[str], logs: str, manifest: str,
+                 py: list[str]) -> Step:
+    c = m.cluster
+    flags = [f"--nodes={len(w.nodes)}", f"--ntasks={w.tasks}", f"--ntasks-per-node={w.tasks_per_node}",
+             f"--output={logs}/{w.name}.log", "--label"]
+    if w.tasks > 1:
+        flags.append(f"--mpi={c.mpi}")
+    if m.recipe.backend.value != "mock" and c.gpus_per_node:
+        flags += _gpu_flag(c.gpu_request, w.gpus_per_node)
+    else:
+        flags.append("--overlap")
+    ranks = ", ".join(f"r{r.rank}:n{r.node}/gpu{r.gpu}" for r in w.ranks[:8]) + (" ..." if w.tasks > 8 else "")
+    return Step(
+        name=w.name, comment=f"{w.name}: TPxPP={w.tasks} on nodes {w.nodes} ({ranks})",
+        srun_flags=[*flags, *container, *c.srun_args], nodelist=_nodelist(w.nodes),
+        command=[*py, "hpc.runtime.worker", manifest, "--role", w.role.value, "--index", str(w.index)])
+
+
+def render_sbatch(m: Manifest, root: Path | None = None) -> str:
+    return template_env(root).get_template("job.sbatch.j2").render(v=build_view(m))

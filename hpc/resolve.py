@@ -1,0 +1,216 @@
+"""Load a cluster + recipe, merge engine args, validate everything, plan: the resolved manifest.
+
+Nothing is written here; every mistake found is reported before anything is submitted.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from hpc.engine_args.precedence import forced_values, merge_engine_args, recipe_defaults
+from hpc.engine_args.schema import check_engine_config
+from hpc.errors import UserError, UserErrors
+from hpc.plan.placement import PORTS_PER_WORKER, WORKER_PORTS_START, Plan, plan
+from hpc.spec.base import load_yaml
+from hpc.spec.catalog import load_cluster, load_recipe, resolve_config_path
+from hpc.spec.cluster import ClusterProfile, time_to_minutes
+from hpc.spec.recipe import Backend, Recipe, RoleName
+
+
+class Manifest(BaseModel):
+    """Everything a component needs, in one file: the only input of `python -m hpc.*` entry points."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    version: int = 1
+    run_id: str
+    run_dir: str
+    created: str
+    cluster: ClusterProfile
+    recipe: Recipe
+    plan: Plan
+    engine_args: dict[str, dict[str, Any]]  # role -> merged engine args
+    engine_config_files: dict[str, str | None]
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Manifest":
+        return cls.model_validate_json(Path(path).read_text())
+
+    @property
+    def job_name(self) -> str:
+        return f"hpc-{self.recipe.name}"
+
+
+class Resolved(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    cluster: ClusterProfile
+    cluster_file: str
+    recipe: Recipe
+    recipe_file: str
+    plan: Plan
+    engine_args: dict[str, dict[str, Any]]
+    engine_config_files: dict[str, str | None]
+
+    def manifest(self, run_dir: Path, run_id: str, created: _dt.datetime) -> Manifest:
+        return Manifest(run_id=run_id, run_dir=str(run_dir), created=created.isoformat(timespec="seconds"),
+                        cluster=self.cluster, recipe=self.recipe, plan=self.plan,
+                        engine_args=self.engine_args, engine_config_files=self.engine_config_files)
+
+
+def resolve(cluster_name: str, recipe_name: str, overrides: list[str] | None = None) -> Resolved:
+    cluster, cluster_path = load_cluster(cluster_name)
+    recipe, recipe_path = load_recipe(recipe_name, overrides)
+    return resolve_specs(cluster, cluster_path, recipe, recipe_path)
+
+
+def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, recipe_path: Path) -> Resolved:
+    errors: list[UserError] = []
+    rfile = str(recipe_path)
+    engine_args: dict[str, dict[str, Any]] = {}
+    config_files: dict[str, str | None] = {}
+    for role_name, role in recipe.roles.items():
+        field = f"roles.{role_name.value}"
+        extra: dict[str, Any] = {}
+        efile = None
+        if role.engine_config:
+            path = resolve_config_path(role.engine_config, recipe_path)
+            efile = str(path)
+            if not path.is_file():
+                errors.append(UserError(f"engine config not found: {path}", file=rfile,
+                                        field=f"{field}.engine_config", hint="fix the path (relative to the recipe or the project)"))
+                continue
+            try:
+                extra = load_yaml(path)
+            except UserError as exc:
+                errors.append(exc)
+                continue
+            errors += check_engine_config(extra, file=efile)
+        if role.override_engine_args:
+            errors += check_engine_config(role.override_engine_args, file=f"{rfile}: {field}.override_engine_args")
+        merged = merge_engine_args(recipe_defaults(recipe, role), extra, role.override_engine_args,
+                                   forced_values(publish_kv_events=recipe.runtime.publish_kv_events
+                                                 and recipe.backend is Backend.TRTLLM))
+        engine_args[role_name.value] = merged
+        config_files[role_name.value] = efile
+        errors += _check_role(recipe, role_name, merged, rfile, efile)
+    errors += _check_disagg_pair(recipe, engine_args, config_files, rfile)
+    if recipe.roles.encode is not None and not recipe.model.multimodal:
+        errors.append(UserError("an encode role needs a multimodal model", file=rfile, field="roles.encode",
+                                hint="set model.multimodal: true or remove roles.encode"))
+    errors += _check_time(cluster, recipe, str(cluster_path), rfile)
+    placement = None
+    try:
+        placement = plan(cluster, recipe)
+    except UserError as exc:
+        errors.append(UserError(exc.message, file=rfile, field=exc.field, hint=exc.hint))
+    if placement is not None:
+        errors += _check_fit(cluster, recipe, placement, str(cluster_path), rfile)
+    if errors:
+        raise errors[0] if len(errors) == 1 else UserErrors(errors)
+    assert placement is not None
+    return Resolved(cluster=cluster, cluster_file=str(cluster_path), recipe=recipe, recipe_file=rfile,
+                    plan=placement, engine_args=engine_args, engine_config_files=config_files)
+
+
+def _source(key: str, efile: str | None, rfile: str, field: str, args_from_yaml: bool) -> tuple[str, str]:
+    return (efile, key) if (efile and args_from_yaml) else (rfile, field)
+
+
+def _check_role(recipe: Recipe, role_name: RoleName, merged: dict[str, Any], rfile: str,
+                efile: str | None) -> list[UserError]:
+    role = getattr(recipe.roles, role_name.value)
+    field = f"roles.{role_name.value}"
+    errors = []
+    tp = merged.get("tensor_parallel_size", 1)
+    pp = merged.get("pipeline_parallel_size", 1)
+    ep = merged.get("moe_expert_parallel_size") or 1
+    where = efile or rfile
+    if isinstance(tp, int) and isinstance(pp, int) and tp * pp != role.gpus_per_worker:
+        errors.append(UserError(
+            f"engine TP x PP = {tp} x {pp} = {tp * pp}, but the recipe gives each {role_name.value} worker "
+            f"{role.gpus_per_worker} GPUs ({field}.tensor_parallel_size x pipeline_parallel_size)",
+            file=where, field="tensor_parallel_size", hint="make the engine config and the recipe agree"))
+    if isinstance(tp, int) and isinstance(pp, int) and isinstance(ep, int) and (tp * pp) % ep:
+        errors.append(UserError(f"expert-parallel size {ep} does not divide TP x PP = {tp * pp}",
+                                file=where, field="moe_expert_parallel_size",
+                                hint="use an expert-parallel size that divides TP x PP"))
+    if merged.get("enable_attention_dp") and tp == 1:
+        errors.append(UserError("attention-DP needs tensor_parallel_size > 1", file=where,
+                                field="enable_attention_dp", hint="disable it or raise TP"))
+    return errors
+
+
+def _check_disagg_pair(recipe: Recipe, args: dict[str, dict[str, Any]], files: dict[str, str | None],
+                       rfile: str) -> list[UserError]:
+    if not recipe.disaggregated or "prefill" not in args or "decode" not in args:
+        return []
+    errors = []
+    dtypes = {r: (args[r].get("kv_cache_config") or {}).get("dtype", "auto") for r in ("prefill", "decode")}
+    if dtypes["prefill"] != dtypes["decode"]:
+        errors.append(UserError(
+            f"prefill uses KV-cache dtype {dtypes['prefill']!r} but decode uses {dtypes['decode']!r}",
+            file=files["decode"] or rfile, field="kv_cache_config.dtype",
+            hint="prefill and decode must share one KV-cache dtype to transfer the cache"))
+    if recipe.backend is Backend.TRTLLM:
+        for role in ("prefill", "decode"):
+            ctc = args[role].get("cache_transceiver_config") or {}
+            where = files[role] or rfile
+            if not ctc.get("backend"):
+                errors.append(UserError("disaggregated serving needs a cache transceiver", file=where,
+                                        field="cache_transceiver_config.backend", hint="set e.g. backend: UCX"))
+            limit = ctc.get("max_tokens_in_buffer")
+            if limit is not None and limit < recipe.limits.max_input_tokens:
+                errors.append(UserError(
+                    f"max_tokens_in_buffer {limit} is below the longest input the recipe allows "
+                    f"({recipe.limits.max_input_tokens}); KV transfers of longer prompts deadlock",
+                    file=where, field="cache_transceiver_config.max_tokens_in_buffer",
+                    hint=f"raise it to at least {recipe.limits.max_input_tokens} or lower limits.max_input_tokens"))
+    return errors
+
+
+def _check_time(cluster: ClusterProfile, recipe: Recipe, cfile: str, rfile: str) -> list[UserError]:
+    try:
+        wanted = time_to_minutes(recipe.time_limit or cluster.time_limit)
+    except ValueError as exc:
+        return [UserError(str(exc), file=rfile, field="time_limit")]
+    if cluster.max_time_limit and wanted > time_to_minutes(cluster.max_time_limit):
+        return [UserError(f"time limit {recipe.time_limit or cluster.time_limit} exceeds the partition's "
+                          f"maximum {cluster.max_time_limit}", file=rfile if recipe.time_limit else cfile,
+                          field="time_limit", hint="shorten it")]
+    return []
+
+
+def _check_fit(cluster: ClusterProfile, recipe: Recipe, placement: Plan, cfile: str,
+               rfile: str) -> list[UserError]:
+    errors = []
+    if placement.job_nodes > cluster.nodes_available:
+        errors.append(UserError(
+            f"the job needs {placement.job_nodes} nodes but cluster '{cluster.name}' has {cluster.nodes_available}",
+            file=rfile, field="roles", hint="use fewer or smaller workers, or another cluster"))
+    if cluster.is_local and recipe.backend is Backend.TRTLLM and placement.total_gpus > cluster.gpus_per_node:
+        errors.append(UserError(
+            f"the recipe needs {placement.total_gpus} GPUs but this machine has {cluster.gpus_per_node}",
+            file=rfile, field="roles", hint="run it on a Slurm cluster profile"))
+    if not cluster.is_local and recipe.backend is not Backend.MOCK:
+        for w in placement.workers:
+            if w.gpus_per_node > cluster.gpus_per_node:
+                errors.append(UserError(
+                    f"{w.name} needs {w.gpus_per_node} GPUs on a node but nodes have {cluster.gpus_per_node}",
+                    file=rfile, field=f"roles.{w.role.value}", hint="lower TP x PP"))
+                break
+    base = cluster.port_base
+    top = base + WORKER_PORTS_START + PORTS_PER_WORKER * len(placement.workers)
+    if base <= recipe.frontend.port < top:
+        errors.append(UserError(
+            f"frontend port {recipe.frontend.port} clashes with the job's ports {base}-{top - 1} "
+            f"(cluster port_base {base})", file=rfile, field="frontend.port",
+            hint=f"pick a port outside {base}-{top - 1}"))
+    if top > 65535:
+        errors.append(UserError(f"ports run past 65535 from port_base {base}", file=cfile, field="port_base",
+                                hint="lower port_base"))
+    return errors

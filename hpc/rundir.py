@@ -1,0 +1,139 @@
+"""The run directory: runs/<recipe>-<timestamp>/ with the manifest, engine configs, job.sbatch, logs/.
+
+Components report into it (state/<component>.json); the launcher records submission in run.json.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hpc.resolve import Manifest, Resolved
+
+RUNS_DIR_NAME = "runs"
+
+
+def runs_root() -> Path:
+    return Path(os.environ.get("HPC_RUNS_DIR", Path.cwd() / RUNS_DIR_NAME))
+
+
+def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
+    """Readers on a shared filesystem never see a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, data: Any, mode: int | None = None) -> None:
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n", mode)
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+class RunDir:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    manifest_path = property(lambda self: self.path / "manifest.json")
+    script_path = property(lambda self: self.path / "job.sbatch")
+    logs = property(lambda self: self.path / "logs")
+    state = property(lambda self: self.path / "state")
+    run_info_path = property(lambda self: self.path / "run.json")
+    secrets = property(lambda self: self.path / "secrets")
+
+    def manifest(self) -> Manifest:
+        return Manifest.load(self.manifest_path)
+
+    def run_info(self) -> dict[str, Any]:
+        return read_json(self.run_info_path) or {}
+
+    def update_run_info(self, **fields: Any) -> None:
+        info = self.run_info()
+        info.update(fields)
+        write_json(self.run_info_path, info)
+
+    def component_states(self) -> dict[str, dict[str, Any]]:
+        states = {}
+        for path in sorted(self.state.glob("*.json")):
+            data = read_json(path)
+            if isinstance(data, dict):
+                states[path.stem] = data
+        return states
+
+    def log_path(self, component: str) -> Path:
+        return self.logs / f"{component}.log"
+
+
+def new_run_id(recipe_name: str, now: _dt.datetime) -> str:
+    return f"{recipe_name}-{now.strftime('%Y%m%d-%H%M%S')}"
+
+
+def create(resolved: Resolved, script_renderer, root: Path | None = None,
+           now: _dt.datetime | None = None) -> RunDir:
+    """Write a new run directory; render first so nothing is left behind on a render error."""
+    now = now or _dt.datetime.now()
+    root = (root or runs_root()).resolve()
+    run_id = new_run_id(resolved.recipe.name, now)
+    path = root / run_id
+    suffix = 1
+    while path.exists():
+        suffix += 1
+        path = root / f"{run_id}-{suffix}"
+    manifest = resolved.manifest(path, path.name, now)
+    script = script_renderer(manifest)
+    run = RunDir(path)
+    run.logs.mkdir(parents=True)
+    run.state.mkdir()
+    write_atomic(run.manifest_path, manifest.model_dump_json(indent=2) + "\n")
+    for role, args in manifest.engine_args.items():
+        write_atomic(path / "engine_configs" / f"{role}.yaml", yaml.safe_dump(args, sort_keys=True))
+    write_atomic(run.script_path, script, mode=0o755)
+    run.update_run_info(run_id=path.name, recipe=resolved.recipe.name, cluster=resolved.cluster.name,
+                        created=manifest.created, submitted=False)
+    return run
+
+
+def find_run(ref: str | None) -> RunDir:
+    """A run directory by path, run id, or Slurm job id; the newest run when `ref` is None."""
+    from hpc.errors import UserError
+
+    root = runs_root()
+    if ref and Path(ref).is_dir() and (Path(ref) / "manifest.json").is_file():
+        return RunDir(Path(ref).resolve())
+    runs = list_runs()
+    if ref is None:
+        if not runs:
+            raise UserError(f"no runs under {root}", hint="start one with: hpc launch --recipe tiny-disagg")
+        return runs[0]
+    for run in runs:
+        info = run.run_info()
+        if run.path.name == ref or str(info.get("job_id")) == ref:
+            return run
+    raise UserError(f"no run '{ref}' under {root}", hint="hpc status lists recent runs")
+
+
+def list_runs() -> list[RunDir]:
+    root = runs_root()
+    if not root.is_dir():
+        return []
+    runs = [RunDir(p) for p in root.iterdir() if (p / "manifest.json").is_file()]
+    return sorted(runs, key=lambda r: r.manifest_path.stat().st_mtime, reverse=True)

@@ -1,0 +1,1 @@
+"""Typed, frozen, strict inputs: cluster profiles and recipes."""

@@ -1,0 +1,106 @@
+"""Strict pydantic base, YAML loading and readable validation errors."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+import re
+from typing import Annotated, Any, TypeVar
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
+
+from hpc.errors import UserError, UserErrors
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class StrictModel(BaseModel):
+    """Frozen, and an unknown key is an error."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+def _check_env_names(value: dict[str, str]) -> dict[str, str]:
+    for key in value:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise ValueError(f"environment variable name {key!r} is not a valid shell name")
+    return value
+
+
+EnvMap = Annotated[dict[str, str], AfterValidator(_check_env_names)]
+
+
+def closest(word: str, choices: list[str]) -> str | None:
+    match = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise UserError(f"cannot read: {exc.strerror}", file=str(path)) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else None
+        raise UserError(f"not valid YAML: {getattr(exc, 'problem', exc)}", file=str(path), field=where,
+                        hint="fix the YAML syntax") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError("the file must hold a mapping of keys to values", file=str(path))
+    return data
+
+
+def _model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model that owns the last key of `loc` (for listing valid keys)."""
+    current: Any = model
+    for part in loc[:-1]:
+        if isinstance(part, int) or not (isinstance(current, type) and issubclass(current, BaseModel)):
+            continue
+        field = current.model_fields.get(part)
+        if field is None:
+            return None
+        current = _unwrap(field.annotation)
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _unwrap(annotation: Any) -> Any:
+    """The BaseModel inside Optional[X], dict[str, X] or list[X], if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = _unwrap(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def parse_model(model: type[M], data: dict[str, Any], *, file: str) -> M:
+    """Validate `data` into `model`; every problem becomes one `file: field: message` line."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        errors: list[UserError] = []
+        for err in exc.errors():
+            loc = tuple(err["loc"])
+            field = ".".join(str(p) for p in loc) or "(top level)"
+            if err["type"] == "extra_forbidden":
+                owner = _model_at(model, loc)
+                valid = sorted(owner.model_fields) if owner else []
+                guess = closest(str(loc[-1]), valid)
+                hint = (f"did you mean '{guess}'? " if guess else "") + f"valid keys: {', '.join(valid)}"
+                errors.append(UserError("unknown key", file=file, field=field, hint=hint))
+            elif err["type"] == "missing":
+                errors.append(UserError("required key is missing", file=file, field=field,
+                                        hint="add it"))
+            else:
+                msg = err["msg"].removeprefix("Value error, ")
+                got = err.get("input")
+                if not isinstance(got, (dict, list)):
+                    msg += f", got {got!r}"
+                errors.append(UserError(msg, file=file, field=field))
+        raise (errors[0] if len(errors) == 1 else UserErrors(errors)) from None

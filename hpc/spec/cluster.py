@@ -1,0 +1,88 @@
+"""Cluster profiles: where and how a job runs (clusters/*.yaml)."""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from hpc.spec.base import EnvMap, StrictModel
+
+_TIME = re.compile(r"^(?:(\d+)-)?(\d{1,3}):(\d{2}):(\d{2})$")
+
+
+def time_to_minutes(value: str) -> int:
+    """Slurm `[D-]HH:MM:SS` to whole minutes (rounded up)."""
+    m = _TIME.match(value)
+    if not m:
+        raise ValueError(f"time must look like HH:MM:SS or D-HH:MM:SS, got {value!r}")
+    days, hours, minutes, seconds = (int(g or 0) for g in m.groups())
+    return days * 1440 + hours * 60 + minutes + (1 if seconds else 0)
+
+
+class Scheduler(str, Enum):
+    SLURM = "slurm"
+    LOCAL = "local"  # no Slurm: every component is a process on this machine
+
+
+class GpuRequest(str, Enum):
+    GPUS_PER_NODE = "gpus-per-node"  # --gpus-per-node=N
+    GRES = "gres"  # --gres=gpu:N
+    NONE = "none"  # the cluster hands out whole nodes; ask for no GPUs
+
+
+class Container(StrictModel):
+    """A pyxis/enroot container for every step (--container-* flags)."""
+
+    image: str
+    mounts: list[str] = Field(default_factory=list, description="src:dst[:flags]")
+    workdir: str | None = None
+    writable: bool = False
+
+
+class Network(StrictModel):
+    """What address services bind to: an interface's address, or the node name's address."""
+
+    interface: str | None = None
+    address_family: Literal["ipv4", "ipv6"] = "ipv4"
+
+
+class ClusterProfile(StrictModel):
+    name: str
+    description: str = ""
+    scheduler: Scheduler = Scheduler.SLURM
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time_limit: str = "01:00:00"
+    max_time_limit: str | None = Field(None, description="the partition's MaxTime; the job must fit")
+    nodes_available: int = Field(1, ge=1)
+    gpus_per_node: int = Field(8, ge=0)
+    cpus_per_node: int = Field(1, ge=1)
+    memory: str | None = Field(None, description="--mem per node, e.g. 0 (all) or 480G")
+    gpu_request: GpuRequest = GpuRequest.GPUS_PER_NODE
+    exclusive: bool = False
+    container: Container | None = None
+    python_env: str | None = Field(None, description="a virtualenv/conda prefix to activate")
+    python: str = "python3"
+    mpi: str = "pmix"
+    network: Network = Field(default_factory=Network)
+    port_base: int = Field(20000, ge=1024, le=65000)
+    discovery: Literal["etcd", "file"] = "etcd"
+    sbatch_args: list[str] = Field(default_factory=list)
+    srun_args: list[str] = Field(default_factory=list)
+    env: EnvMap = Field(default_factory=dict)
+    slurm_conf: str | None = Field(None, description="SLURM_CONF for clients (the dev cluster needs it)")
+
+    @field_validator("time_limit", "max_time_limit")
+    @classmethod
+    def _time_format(cls, value: str | None) -> str | None:
+        if value is not None:
+            time_to_minutes(value)
+        return value
+
+    @property
+    def is_local(self) -> bool:
+        return self.scheduler is Scheduler.LOCAL

@@ -1,0 +1,179 @@
+"""Recipes: what to serve and how (recipes/*.yaml)."""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from hpc.spec.base import EnvMap, StrictModel
+
+
+class Backend(str, Enum):
+    TRTLLM = "trtllm"
+    TORCH = "torch"
+    MOCK = "mock"
+
+
+class RoleName(str, Enum):
+    """Also the disaggregation mode the role's workers run in."""
+
+    AGG = "agg"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    ENCODE = "encode"
+
+
+class RouterPolicy(str, Enum):
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+
+
+class OnFailure(str, Enum):
+    FAIL_JOB = "fail-job"
+    CONTINUE = "continue"
+    RESTART = "restart"
+
+
+class ModelSpec(StrictModel):
+    path: str = Field(description="weights directory (HF layout) or hub id")
+    served_name: str
+    tokenizer: str | None = Field(None, description="defaults to the model path")
+    multimodal: bool = False
+    generate: Literal["tiny", "tiny-multimodal"] | None = Field(
+        None, description="build this random-weight model at `path` before launch if it is missing")
+    chat_template: str | None = Field(None, description="a Jinja file replacing the tokenizer's template")
+
+
+class FrontendSpec(StrictModel):
+    port: int = Field(8000, ge=1024, le=65535)
+    router: RouterPolicy = RouterPolicy.ROUND_ROBIN
+    request_timeout_s: float = Field(600.0, gt=0)
+
+
+class InfraSpec(StrictModel):
+    etcd: bool = True
+    nats: bool = True
+    placement: Literal["shared", "dedicated"] = Field(
+        "shared", description="dedicated: etcd, NATS and the frontend get a node of their own")
+
+
+class FailurePolicy(StrictModel):
+    on_failure: OnFailure = OnFailure.FAIL_JOB
+    max_restarts: int = Field(3, ge=0)
+
+
+class RoleSpec(StrictModel):
+    count: int = Field(1, ge=1, description="number of independent workers (engines) of this role")
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    expert_parallel_size: int = Field(1, ge=1)
+    enable_attention_dp: bool = False
+    engine_config: str | None = Field(None, description="TensorRT-LLM LLM-API YAML (--extra-engine-args)")
+    override_engine_args: dict[str, Any] | None = Field(
+        None, description="a mapping, or a JSON object string (--override-engine-args)")
+    env: EnvMap = Field(default_factory=dict)
+    failure: FailurePolicy = Field(default_factory=FailurePolicy)
+
+    @field_validator("override_engine_args", mode="before")
+    @classmethod
+    def _parse_json(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"malformed JSON ({exc.msg} at column {exc.colno}); "
+                                 "pass a JSON object such as '{\"max_batch_size\": 64}'") from None
+            if not isinstance(value, dict):
+                raise ValueError("override_engine_args must be a JSON object")
+        return value
+
+    @property
+    def gpus_per_worker(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+class Roles(StrictModel):
+    agg: RoleSpec | None = None
+    prefill: RoleSpec | None = None
+    encode: RoleSpec | None = None
+    decode: RoleSpec | None = None
+
+    def items(self) -> list[tuple[RoleName, RoleSpec]]:
+        """Present roles in start order: encode before prefill before decode."""
+        order = (RoleName.AGG, RoleName.ENCODE, RoleName.PREFILL, RoleName.DECODE)
+        return [(name, getattr(self, name.value)) for name in order if getattr(self, name.value)]
+
+
+class MockSpec(StrictModel):
+    prefill_delay_ms: float = Field(0.0, ge=0)
+    per_token_delay_ms: float = Field(0.0, ge=0)
+
+
+class Limits(StrictModel):
+    max_input_tokens: int = Field(4096, ge=1, description="longest prompt the frontend accepts")
+    max_output_tokens: int = Field(1024, ge=1)
+
+
+class SmokeSpec(StrictModel):
+    enabled: bool = True
+    prompt: str = "The capital of France is"
+    max_tokens: int = Field(16, ge=1)
+    image: str | None = Field(None, description="image for multimodal smoke requests")
+    timeout_s: float = Field(120.0, gt=0)
+
+
+class BenchShape(StrictModel):
+    input_tokens: int = Field(128, ge=1)
+    output_tokens: int = Field(64, ge=1)
+
+
+class BenchmarkSpec(StrictModel):
+    concurrency: list[int] = Field(default_factory=lambda: [1, 4, 16])
+    shapes: list[BenchShape] = Field(default_factory=lambda: [BenchShape()])
+    requests_per_level: int = Field(64, ge=1)
+    warmup_requests: int = Field(4, ge=0)
+    streaming: bool = True
+
+
+class RuntimeSpec(StrictModel):
+    publish_kv_events: bool = True
+    readiness_timeout_s: float = Field(1800.0, gt=0)
+    allowed_local_media_path: str | None = None
+    max_file_size_mb: float = Field(16.0, gt=0)
+
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"  # it names the Slurm job and the run directory
+
+
+class Recipe(StrictModel):
+    name: str = Field(pattern=NAME_PATTERN, max_length=64)
+    description: str = ""
+    model: ModelSpec
+    backend: Backend
+    time_limit: str | None = Field(None, description="overrides the cluster's default time limit")
+    frontend: FrontendSpec = Field(default_factory=FrontendSpec)
+    infra: InfraSpec = Field(default_factory=InfraSpec)
+    roles: Roles
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
+    limits: Limits = Field(default_factory=Limits)
+    mock: MockSpec = Field(default_factory=MockSpec)
+    smoke: SmokeSpec = Field(default_factory=SmokeSpec)
+    benchmark: BenchmarkSpec = Field(default_factory=BenchmarkSpec)
+
+    @model_validator(mode="after")
+    def _role_shape(self) -> "Recipe":
+        roles = self.roles
+        if roles.agg is None and roles.decode is None:
+            raise ValueError("roles: define 'agg' (aggregated) or 'prefill' + 'decode' (disaggregated)")
+        if roles.agg is not None and (roles.prefill or roles.decode):
+            raise ValueError("roles: 'agg' cannot be mixed with 'prefill'/'decode'; pick one serving mode")
+        if (roles.prefill is None) != (roles.decode is None):
+            raise ValueError("roles: disaggregated serving needs both 'prefill' and 'decode'")
+        return self
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.roles.prefill is not None
