@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jinja2
 
+from hpc.errors import UserError
 from hpc.plan.placement import WorkerPlan
 from hpc.resolve import Manifest
 from hpc.spec.catalog import project_root
@@ -18,7 +19,14 @@ def shell_quote(value: object) -> str:
     """Every value in a template goes through this: the script treats it as inert data."""
     if isinstance(value, bool):
         value = "true" if value else "false"
-    return shlex.quote(str(value))
+    text = str(value)
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in text):
+        # ANSI-C quoting keeps the word on one line, so no line of the script can start inside a value.
+        escaped = "".join(
+            "\\\\" if ch == "\\" else "\\'" if ch == "'" else
+            (f"\\x{ord(ch):02x}" if ord(ch) < 32 or ord(ch) == 127 else ch) for ch in text)
+        return f"$'{escaped}'"
+    return shlex.quote(text)
 
 
 def comment_text(value: object) -> str:
@@ -80,6 +88,9 @@ def _gpu_flag(style: GpuRequest, count: int) -> list[str]:
 def build_view(m: Manifest) -> View:
     c, plan = m.cluster, m.plan
     run_dir = m.run_dir
+    if any(ord(ch) < 32 for ch in run_dir):
+        raise UserError(f"the run directory {run_dir!r} contains a newline or control character, which "
+                        "#SBATCH lines cannot carry", field="HPC_RUNS_DIR", hint="use another runs directory")
     logs = f"{run_dir}/logs"
     manifest = f"{run_dir}/manifest.json"
     tasks_per_node = max([w.tasks_per_node for w in plan.workers] + [1])

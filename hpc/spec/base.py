@@ -28,6 +28,15 @@ def _check_env_names(value: dict[str, str]) -> dict[str, str]:
     return value
 
 
+def _single_line(value: str) -> str:
+    if any(ord(ch) < 32 for ch in value):
+        raise ValueError("must be a single line without control characters")
+    return value
+
+
+# Values that land in #SBATCH lines, which sbatch (not bash) parses line by line.
+SingleLine = Annotated[str, AfterValidator(_single_line)]
+
 EnvMap = Annotated[dict[str, str], AfterValidator(_check_env_names)]
 
 
@@ -87,7 +96,7 @@ def parse_model(model: type[M], data: dict[str, Any], *, file: str) -> M:
         errors: list[UserError] = []
         for err in exc.errors():
             loc = tuple(err["loc"])
-            field = ".".join(str(p) for p in loc) or "(top level)"
+            field = ".".join(str(p) for p in loc) or None
             if err["type"] == "extra_forbidden":
                 owner = _model_at(model, loc)
                 valid = sorted(owner.model_fields) if owner else []

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from hpc.spec.base import EnvMap, StrictModel
+from hpc.spec.base import EnvMap, SingleLine, StrictModel
 
 _TIME = re.compile(r"^(?:(\d+)-)?(\d{1,3}):(\d{2}):(\d{2})$")
 
@@ -53,15 +53,15 @@ class ClusterProfile(StrictModel):
     name: str
     description: str = ""
     scheduler: Scheduler = Scheduler.SLURM
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
+    partition: SingleLine | None = None
+    account: SingleLine | None = None
+    qos: SingleLine | None = None
     time_limit: str = "01:00:00"
     max_time_limit: str | None = Field(None, description="the partition's MaxTime; the job must fit")
     nodes_available: int = Field(1, ge=1)
     gpus_per_node: int = Field(8, ge=0)
     cpus_per_node: int = Field(1, ge=1)
-    memory: str | None = Field(None, description="--mem per node, e.g. 0 (all) or 480G")
+    memory: SingleLine | None = Field(None, description="--mem per node, e.g. 0 (all) or 480G")
     gpu_request: GpuRequest = GpuRequest.GPUS_PER_NODE
     exclusive: bool = False
     container: Container | None = None
@@ -71,7 +71,7 @@ class ClusterProfile(StrictModel):
     network: Network = Field(default_factory=Network)
     port_base: int = Field(20000, ge=1024, le=65000)
     discovery: Literal["etcd", "file"] = "etcd"
-    sbatch_args: list[str] = Field(default_factory=list)
+    sbatch_args: list[SingleLine] = Field(default_factory=list)
     srun_args: list[str] = Field(default_factory=list)
     env: EnvMap = Field(default_factory=dict)
     slurm_conf: str | None = Field(None, description="SLURM_CONF for clients (the dev cluster needs it)")

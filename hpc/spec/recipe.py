@@ -166,12 +166,12 @@ class Recipe(StrictModel):
     @model_validator(mode="after")
     def _role_shape(self) -> "Recipe":
         roles = self.roles
-        if roles.agg is None and roles.decode is None:
-            raise ValueError("roles: define 'agg' (aggregated) or 'prefill' + 'decode' (disaggregated)")
         if roles.agg is not None and (roles.prefill or roles.decode):
             raise ValueError("roles: 'agg' cannot be mixed with 'prefill'/'decode'; pick one serving mode")
         if (roles.prefill is None) != (roles.decode is None):
             raise ValueError("roles: disaggregated serving needs both 'prefill' and 'decode'")
+        if roles.agg is None and roles.decode is None:
+            raise ValueError("roles: define 'agg' (aggregated) or 'prefill' + 'decode' (disaggregated)")
         return self
 
     @property

@@ -1,0 +1,47 @@
+import json
+
+import pytest
+
+from hpc.cli.main import main
+
+pytestmark = pytest.mark.unit
+
+
+def test_validate_ok(capsys):
+    assert main(["validate", "-c", "dev", "-r", "tiny-disagg"]) == 0
+    assert "ok: tiny-disagg on dev: 3 node(s)" in capsys.readouterr().out
+
+
+def test_bad_input_exits_2_with_one_message_and_no_traceback(capsys):
+    assert main(["validate", "-c", "dev", "-r", "tiny-disagg", "--set", "roles.decode.count=0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "roles.decode.count" in err and "Traceback" not in err
+    assert main(["plan", "-c", "nowhere", "-r", "tiny-agg"]) == 2
+    assert main(["plan", "--bogus-flag"]) == 2
+
+
+def test_plan_json(capsys):
+    assert main(["plan", "-c", "eos", "-r", "deepseek-r1-disagg", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["job_nodes"] == 4 and len(data["workers"]) == 3
+
+
+def test_dry_run_writes_run_dir_and_submits_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HPC_RUNS_DIR", str(tmp_path))
+    assert main(["launch", "-c", "eos", "-r", "deepseek-r1-disagg", "--dry-run"]) == 0
+    (run,) = list(tmp_path.iterdir())
+    assert (run / "manifest.json").is_file() and (run / "job.sbatch").is_file() and (run / "logs").is_dir()
+    assert (run / "engine_configs" / "decode.yaml").is_file()
+    assert json.loads((run / "run.json").read_text())["submitted"] is False
+    assert "dry run: nothing submitted" in capsys.readouterr().out
+
+
+def test_bad_input_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("HPC_RUNS_DIR", str(tmp_path))
+    assert main(["launch", "-c", "dev", "-r", "deepseek-r1-disagg", "--dry-run"]) == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_listing(capsys):
+    assert main(["recipes"]) == 0 and "tiny-epd" in capsys.readouterr().out
+    assert main(["clusters"]) == 0 and "eos" in capsys.readouterr().out

@@ -1,0 +1,44 @@
+"""Shared fixtures: hostile inputs, project paths, the golden-update flag."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Values that would run commands if anything reached the shell unquoted.
+HOSTILE = [
+    "with space",
+    "single'quote",
+    'double"quote',
+    "$(touch PWNED_subst)",
+    "`touch PWNED_tick`",
+    "x; touch PWNED_semi",
+    "line\ntouch PWNED_newline",
+    "$HOME ${PATH} \\ * ? [a]",
+]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--update-golden", action="store_true",
+                     help="rewrite tests/golden/*.sbatch from the current templates")
+
+
+@pytest.fixture
+def update_golden(request: pytest.FixtureRequest) -> bool:
+    return bool(request.config.getoption("--update-golden"))
+
+
+@pytest.fixture
+def weird_tmp_path(tmp_path: Path) -> Path:
+    """A directory whose name has spaces, quotes, `$(...)` and a newline."""
+    path = tmp_path / "we ird 'q' \"dq\" $(touch PWNED) `x`\nnl"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def project_root() -> Path:
+    return ROOT

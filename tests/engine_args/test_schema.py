@@ -1,0 +1,54 @@
+import glob
+
+import pytest
+import yaml
+
+from hpc.engine_args.schema import check_engine_config
+
+pytestmark = pytest.mark.unit
+
+
+def _messages(cfg):
+    return [e.render() for e in check_engine_config(cfg, file="e.yaml")]
+
+
+def test_shipped_engine_configs_are_valid(project_root):
+    files = sorted(glob.glob(str(project_root / "engine_configs/*/*.yaml")))
+    assert len(files) >= 14
+    for f in files:
+        assert check_engine_config(yaml.safe_load(open(f)), file=f) == []
+
+
+def test_unknown_key_suggests_closest():
+    (msg,) = _messages({"tensor_paralel_size": 2})
+    assert "e.yaml: tensor_paralel_size: unknown TensorRT-LLM engine key" in msg
+    assert "did you mean 'tensor_parallel_size'" in msg
+
+
+def test_nested_unknown_key_and_type_errors():
+    msgs = _messages({"kv_cache_config": {"dtyp": "fp8", "free_gpu_memory_fraction": "lots"},
+                      "max_batch_size": "8", "enable_chunked_prefill": "yes"})
+    assert any("kv_cache_config.dtyp" in m and "'dtype'" in m for m in msgs)
+    assert any("kv_cache_config.free_gpu_memory_fraction: expected" in m for m in msgs)
+    assert any("max_batch_size: expected" in m for m in msgs)
+    assert any("enable_chunked_prefill: expected bool" in m for m in msgs)
+
+
+def test_enum_values():
+    (msg,) = _messages({"cache_transceiver_config": {"backend": "TCP"}})
+    assert "must be one of DEFAULT, UCX, NIXL, MOONCAKE, MPI" in msg
+    (msg,) = _messages({"backend": "tensorrt"})
+    assert "pytorch, _autodeploy" in msg
+
+
+def test_speculative_union_by_decoding_type():
+    assert _messages({"speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 1}}) == []
+    (msg,) = _messages({"speculative_config": {"decoding_type": "Medusa"}})
+    assert "speculative_config.decoding_type: must be one of" in msg
+    (msg,) = _messages({"speculative_config": {"decoding_type": "Eagle3", "max_draft_length": 3}})
+    assert "max_draft_length" in msg and "max_draft_len" in msg
+
+
+def test_constraints_and_bool_is_not_int():
+    assert _messages({"cache_transceiver_config": {"kv_cache_bounce_size_mb": -1}})
+    assert _messages({"tensor_parallel_size": True})

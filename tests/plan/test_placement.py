@@ -1,0 +1,73 @@
+import pytest
+
+from hpc.errors import UserError
+from hpc.plan.placement import plan
+from hpc.plan.topology import rank_coords
+from hpc.spec.catalog import load_cluster, load_recipe
+from hpc.spec.cluster import ClusterProfile
+from hpc.spec.recipe import Recipe
+
+pytestmark = pytest.mark.unit
+
+
+def _recipe(roles, **extra):
+    return Recipe.model_validate({"name": "r", "model": {"path": "/m", "served_name": "m"}, "backend": "trtllm",
+                                  "roles": roles, **extra})
+
+
+def _cluster(**extra):
+    return ClusterProfile.model_validate({"name": "c", "nodes_available": 64, "gpus_per_node": 8, **extra})
+
+
+def test_tiny_disagg_on_dev_is_infra_prefill_decode_on_three_nodes():
+    p = plan(load_cluster("dev")[0], load_recipe("tiny-disagg")[0])
+    assert p.job_nodes == 3
+    assert {s.name: s.node for s in p.services} == {"etcd": 0, "nats": 0, "frontend": 0}
+    assert p.worker("prefill", 0).nodes == [1] and p.worker("decode", 0).nodes == [2]
+    assert p.readiness_order == ["etcd", "nats", "frontend", "prefill-0", "decode-0"]
+
+
+def test_multi_node_worker_uses_whole_nodes_and_block_ranks():
+    p = plan(_cluster(), _recipe({"agg": {"tensor_parallel_size": 16}}))
+    w = p.workers[0]
+    assert w.nodes == [0, 1] and w.tasks == 16 and w.tasks_per_node == 8
+    assert [(r.node, r.gpu) for r in w.ranks[7:9]] == [(0, 7), (1, 0)]
+
+
+def test_workers_of_a_role_share_a_node_with_distinct_gpus_and_ports():
+    p = plan(_cluster(), _recipe({"agg": {"count": 4, "tensor_parallel_size": 2}}))
+    assert [w.nodes for w in p.workers] == [[0]] * 4
+    assert [w.gpu_offset for w in p.workers] == [0, 2, 4, 6]
+    ports = [port for w in p.workers for port in w.ports.values()]
+    assert len(ports) == len(set(ports))
+
+
+def test_fifth_worker_spills_to_next_node_and_roles_do_not_share_nodes():
+    p = plan(_cluster(), _recipe({"prefill": {"count": 5, "tensor_parallel_size": 2},
+                                  "decode": {"tensor_parallel_size": 4}}))
+    assert [w.nodes[0] for w in p.workers] == [0, 0, 0, 0, 1, 2]
+    assert p.job_nodes == 3
+
+
+def test_partial_multi_node_worker_is_rejected():
+    with pytest.raises(UserError, match="not a whole number of 8-GPU nodes"):
+        plan(_cluster(), _recipe({"agg": {"tensor_parallel_size": 12}}))
+
+
+def test_dedicated_infra_node():
+    p = plan(_cluster(), _recipe({"agg": {"tensor_parallel_size": 8}}, infra={"placement": "dedicated"}))
+    assert p.service("frontend").node == 0 and p.workers[0].nodes == [1]
+
+
+def test_local_profile_puts_everything_on_one_node():
+    p = plan(load_cluster("local")[0], load_recipe("tiny-epd")[0])
+    assert p.job_nodes == 1 and {n for w in p.workers for n in w.nodes} == {0}
+
+
+def test_topology_coordinates():
+    c = rank_coords(13, tp=8, pp=2, ep=4, attention_dp=True, tasks_per_node=8)
+    assert (c.pp, c.tp, c.ep, c.dp, c.node_offset, c.local_rank) == (1, 5, 1, 5, 1, 5)
+    c = rank_coords(3, tp=4, pp=1, ep=1, attention_dp=False, tasks_per_node=4, gpu_offset=4)
+    assert (c.gpu, c.dp, c.ep) == (7, 0, 0)
+    with pytest.raises(ValueError):
+        rank_coords(8, tp=4, pp=2, ep=1, attention_dp=False, tasks_per_node=8)

@@ -1,0 +1,115 @@
+"""Golden scripts for every shipped recipe x cluster pair, linted; hostile values stay inert."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpc.errors import UserError
+from hpc.render.sbatch import render_sbatch
+from hpc.resolve import resolve
+from hpc.spec.base import parse_model
+from hpc.spec.catalog import available, load_recipe
+from hpc.spec.cluster import ClusterProfile
+from hpc.resolve import resolve_specs
+from tests.conftest import HOSTILE
+
+pytestmark = pytest.mark.unit
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+FIXED_TIME = dt.datetime(2026, 1, 2, 3, 4, 5)
+PAIRS = [(c, r) for c in available("clusters") for r in available("recipes")]
+
+
+def _render(cluster: str, recipe: str) -> str | None:
+    try:
+        resolved = resolve(cluster, recipe)
+    except UserError:
+        return None
+    return render_sbatch(resolved.manifest(Path(f"/runs/{recipe}"), recipe, FIXED_TIME))
+
+
+def _shellcheck() -> str | None:
+    return shutil.which("shellcheck")
+
+
+@pytest.mark.parametrize("cluster,recipe", PAIRS, ids=[f"{c}-{r}" for c, r in PAIRS])
+def test_golden(cluster, recipe, update_golden, tmp_path):
+    golden = GOLDEN / f"{cluster}__{recipe}.sbatch"
+    text = _render(cluster, recipe)
+    if text is None:  # the recipe does not fit this cluster: it must stay that way, and no golden exists
+        assert not golden.exists(), f"{golden.name} exists but {recipe} no longer validates on {cluster}"
+        return
+    if update_golden:
+        golden.write_text(text)
+    assert golden.exists(), f"missing {golden.name}; run pytest --update-golden to create it"
+    assert text == golden.read_text(), (
+        f"{golden.name} differs from the rendered script; if the change is intended, rerun with --update-golden")
+    subprocess.run(["bash", "-n", str(golden)], check=True)
+    if _shellcheck():
+        subprocess.run([_shellcheck(), "-s", "bash", str(golden)], check=True)
+
+
+def test_every_recipe_has_a_golden_somewhere():
+    goldens = {p.name.split("__")[1].removesuffix(".sbatch") for p in GOLDEN.glob("*.sbatch")}
+    assert set(available("recipes")) <= goldens
+
+
+def _fake_bin(tmp_path: Path) -> Path:
+    """Fake srun/scontrol/python that record their argv, one NUL-separated record per call."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "calls"
+    record.mkdir()
+    for name in ("srun", "python3"):  # one file per call: concurrent background steps cannot interleave
+        (bin_dir / name).write_text(
+            f"#!/bin/bash\nprintf '%s\\0' {name} \"$@\" > \"$(mktemp {str(record)!r}/call.XXXXXX)\"\n")
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho node-a\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    return bin_dir
+
+
+def test_run_dir_with_newline_is_a_user_error(weird_tmp_path):
+    resolved = resolve("dev", "tiny-agg")
+    with pytest.raises(UserError, match="HPC_RUNS_DIR: the run directory"):
+        render_sbatch(resolved.manifest(weird_tmp_path, "run", FIXED_TIME))
+
+
+def test_hostile_values_render_inert(tmp_path):
+    weird = tmp_path / "we ird 'q' \"dq\" $(touch PWNED) `x` ;y"
+    weird.mkdir()
+    hostile = "\n".join(HOSTILE)
+    cluster = parse_model(ClusterProfile, {
+        "name": "h", "nodes_available": 4, "gpus_per_node": 8, "partition": HOSTILE[3], "account": HOSTILE[4],
+        "env": {"HOSTILE": hostile}, "srun_args": [HOSTILE[5]],
+        "container": {"image": HOSTILE[1], "mounts": [HOSTILE[6]], "workdir": HOSTILE[2]}}, file="c.yaml")
+    recipe, recipe_path = load_recipe("tiny-disagg", [f"model.path={HOSTILE[3]}"])
+    resolved = resolve_specs(cluster, Path("c.yaml"), recipe, recipe_path)
+    script = render_sbatch(resolved.manifest(weird, "run", FIXED_TIME))
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    if _shellcheck():  # SC2016 ("expressions don't expand in single quotes") is the point here
+        subprocess.run([_shellcheck(), "-s", "bash", "-e", "SC2016", str(path)], check=True)
+    env = {**os.environ, "PATH": f"{_fake_bin(tmp_path)}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "x",
+           "SLURM_JOB_ID": "1"}
+    work = tmp_path / "work"
+    work.mkdir()
+    run = subprocess.run(["bash", str(path)], cwd=work, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert not list(tmp_path.rglob("PWNED*")) and not list(weird.parent.rglob("PWNED*"))
+    calls = [f.read_text().split("\0")[:-1] for f in (tmp_path / "calls").iterdir()]
+    srun_calls = [c for c in calls if c[0] == "srun"]
+    assert len(srun_calls) == 5
+    # Each hostile value arrives as exactly one argument, byte for byte.
+    assert all(f"--container-image={HOSTILE[1]}" in c for c in srun_calls)
+    assert all(f"--container-mounts={HOSTILE[6]}" in c for c in srun_calls)
+    assert all(HOSTILE[5] in c for c in srun_calls)
+    manifest_arg = str(weird / "manifest.json")
+    assert all(manifest_arg in c for c in calls)
+    assert f"#SBATCH --partition={HOSTILE[3]}" not in script  # quoted, not raw

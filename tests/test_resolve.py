@@ -1,0 +1,109 @@
+"""One failing case per validation rule; every message names the file and field."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hpc.errors import UserError
+from hpc.resolve import resolve
+
+pytestmark = pytest.mark.unit
+
+
+def _write_recipe(tmp_path: Path, roles: dict, engine: dict[str, dict] | None = None, **extra) -> str:
+    for name, cfg in (engine or {}).items():
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+    data = {"name": "t", "model": {"path": "/m", "served_name": "m"}, "backend": "trtllm", "roles": roles, **extra}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def _error(cluster: str, recipe: str) -> str:
+    with pytest.raises(UserError) as err:
+        resolve(cluster, recipe)
+    return err.value.render()
+
+
+def test_engine_tp_must_match_recipe_gpus(tmp_path):
+    r = _write_recipe(tmp_path, {"agg": {"tensor_parallel_size": 8, "engine_config": "e.yaml"}},
+                      {"e": {"tensor_parallel_size": 4}})
+    msg = _error("eos", r)
+    assert "e.yaml: tensor_parallel_size: engine TP x PP = 4 x 1 = 4" in msg and "8 GPUs" in msg
+
+
+def test_expert_parallel_must_divide(tmp_path):
+    r = _write_recipe(tmp_path, {"agg": {"tensor_parallel_size": 8, "expert_parallel_size": 3}})
+    assert "moe_expert_parallel_size: expert-parallel size 3 does not divide TP x PP = 8" in _error("eos", r)
+
+
+def test_attention_dp_needs_tp(tmp_path):
+    r = _write_recipe(tmp_path, {"agg": {"enable_attention_dp": True}})
+    assert "enable_attention_dp: attention-DP needs tensor_parallel_size > 1" in _error("eos", r)
+
+
+def test_kv_dtype_must_match(tmp_path):
+    ctc = {"backend": "UCX", "max_tokens_in_buffer": 8192}
+    r = _write_recipe(tmp_path, {"prefill": {"engine_config": "p.yaml"}, "decode": {"engine_config": "d.yaml"}},
+                      {"p": {"kv_cache_config": {"dtype": "fp8"}, "cache_transceiver_config": ctc},
+                       "d": {"kv_cache_config": {"dtype": "auto"}, "cache_transceiver_config": ctc}})
+    assert "d.yaml: kv_cache_config.dtype: prefill uses KV-cache dtype 'fp8' but decode uses 'auto'" in _error("eos", r)
+
+
+def test_transceiver_buffer_must_hold_longest_input(tmp_path):
+    ctc = {"backend": "UCX", "max_tokens_in_buffer": 1024}
+    r = _write_recipe(tmp_path, {"prefill": {"engine_config": "p.yaml"}, "decode": {"engine_config": "p.yaml"}},
+                      {"p": {"cache_transceiver_config": ctc}}, limits={"max_input_tokens": 4096})
+    msg = _error("eos", r)
+    assert "p.yaml: cache_transceiver_config.max_tokens_in_buffer: max_tokens_in_buffer 1024 is below" in msg
+
+
+def test_transceiver_required_for_disagg(tmp_path):
+    r = _write_recipe(tmp_path, {"prefill": {}, "decode": {}})
+    assert "cache_transceiver_config.backend: disaggregated serving needs a cache transceiver" in _error("eos", r)
+
+
+def test_encode_needs_multimodal(tmp_path):
+    r = _write_recipe(tmp_path, {"encode": {}, "prefill": {}, "decode": {}}, backend="torch")
+    assert "roles.encode: an encode role needs a multimodal model" in _error("eos", r)
+
+
+def test_job_must_fit_nodes(tmp_path):
+    r = _write_recipe(tmp_path, {"agg": {"count": 4, "tensor_parallel_size": 2}}, backend="torch")
+    assert "the job needs 4 nodes but cluster 'dev' has 3" in _error("dev", r)
+
+
+def test_time_limit_must_fit(tmp_path):
+    r = _write_recipe(tmp_path, {"agg": {}}, backend="torch", time_limit="08:00:00")
+    assert "time_limit: time limit 08:00:00 exceeds the partition's maximum 04:00:00" in _error("eos", r)
+
+
+def test_port_clash(tmp_path):
+    r = _write_recipe(tmp_path, {"agg": {}}, backend="torch", frontend={"port": 24011})
+    assert "frontend.port: frontend port 24011 clashes with the job's ports" in _error("eos", r)
+
+
+def test_unknown_engine_key_in_yaml_and_override(tmp_path):
+    r = _write_recipe(tmp_path, {"agg": {"engine_config": "e.yaml", "override_engine_args": {"max_batch_sise": 2}}},
+                      {"e": {"kv_cache_config": {"free_gpu_mem_fraction": 0.5}}})
+    msg = _error("eos", r)
+    assert "e.yaml: kv_cache_config.free_gpu_mem_fraction: unknown" in msg
+    assert "override_engine_args: max_batch_sise: unknown" in msg and "max_batch_size" in msg
+
+
+def test_missing_engine_config_file(tmp_path):
+    r = _write_recipe(tmp_path, {"agg": {"engine_config": "nope.yaml"}})
+    assert "roles.agg.engine_config: engine config not found" in _error("eos", r)
+
+
+def test_override_wins_in_the_resolved_args(tmp_path):
+    r = _write_recipe(tmp_path, {"agg": {"engine_config": "e.yaml", "override_engine_args": '{"max_batch_size": 7}'}},
+                      {"e": {"max_batch_size": 3}}, backend="torch")
+    assert resolve("eos", r).engine_args["agg"]["max_batch_size"] == 7
+
+
+def test_bad_yaml_names_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: x\nroles: [\n")
+    assert "bad.yaml: line" in _error("eos", str(path))
