@@ -68,7 +68,7 @@ def _fake_bin(tmp_path: Path) -> Path:
     for name in ("srun", "python3"):  # one file per call: concurrent background steps cannot interleave
         (bin_dir / name).write_text(
             f"#!/bin/bash\nprintf '%s\\0' {name} \"$@\" > \"$(mktemp {str(record)!r}/call.XXXXXX)\"\n")
-    (bin_dir / "scontrol").write_text("#!/bin/bash\necho node-a\n")
+    (bin_dir / "scontrol").write_text("#!/bin/bash\nprintf 'node-%s\\n' a b c\n")
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     return bin_dir
