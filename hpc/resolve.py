@@ -62,8 +62,11 @@ class Resolved(BaseModel):
                         engine_args=self.engine_args, engine_config_files=self.engine_config_files)
 
 
-def resolve(cluster_name: str, recipe_name: str, overrides: list[str] | None = None) -> Resolved:
+def resolve(cluster_name: str, recipe_name: str, overrides: list[str] | None = None,
+            adjust_cluster=None) -> Resolved:
     cluster, cluster_path = load_cluster(cluster_name)
+    if adjust_cluster is not None:
+        cluster = adjust_cluster(cluster)
     recipe, recipe_path = load_recipe(recipe_name, overrides)
     return resolve_specs(cluster, cluster_path, recipe, recipe_path)
 

@@ -12,8 +12,17 @@ from hpc.spec.base import load_yaml
 from hpc.spec.catalog import available, find
 
 
-def _resolve(args: argparse.Namespace) -> Resolved:
-    return resolve(args.cluster, args.recipe, args.overrides)
+def _resolve(args: argparse.Namespace, for_launch: bool = False) -> Resolved:
+    adjust = None
+    if for_launch:
+        def adjust(cluster):
+            if not cluster.is_local:
+                return cluster
+            from hpc.launch.local import free_port_base
+
+            # Several local runs may live side by side: move this one's internal ports to a free range.
+            return cluster.model_copy(update={"port_base": free_port_base(cluster.port_base, 64)})
+    return resolve(args.cluster, args.recipe, args.overrides, adjust_cluster=adjust)
 
 
 def _title(r: Resolved) -> str:
@@ -55,7 +64,14 @@ def launch(args: argparse.Namespace) -> int:
     from hpc import rundir
     from hpc.render.sbatch import render_sbatch
 
-    r = _resolve(args)
+    r = _resolve(args, for_launch=not args.dry_run)
+    if r.cluster.is_local and not args.dry_run:
+        from hpc.launch.local import _free
+
+        port = r.recipe.frontend.port
+        if not _free(port):
+            raise UserError(f"port {port} is already in use on this machine", field="frontend.port",
+                            hint=f"pick another: --set frontend.port={port + 1}")
     run = rundir.create(r, render_sbatch)
     print(plan_table(r.plan, _title(r)))
     print(f"run directory: {run.path}")

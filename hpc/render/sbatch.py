@@ -85,6 +85,19 @@ def _gpu_flag(style: GpuRequest, count: int) -> list[str]:
     return []
 
 
+def service_argv(m: Manifest, name: str, python: str) -> list[str]:
+    """The command of a service step (etcd, nats, frontend): the same under Slurm and on the local profile."""
+    manifest = f"{m.run_dir}/manifest.json"
+    if name == "frontend":
+        return [python, "-m", "hpc.runtime.frontend", manifest]
+    return [python, "-m", "hpc.runtime.infra", manifest, "--service", name]
+
+
+def worker_argv(m: Manifest, w: WorkerPlan, python: str) -> list[str]:
+    return [python, "-m", "hpc.runtime.worker", f"{m.run_dir}/manifest.json", "--role", w.role.value,
+            "--index", str(w.index)]
+
+
 def build_view(m: Manifest) -> View:
     c, plan = m.cluster, m.plan
     run_dir = m.run_dir
@@ -120,14 +133,12 @@ def build_view(m: Manifest) -> View:
     py = [c.python, "-m"]
     services = []
     for s in plan.services:
-        module = "hpc.runtime.frontend" if s.name == "frontend" else "hpc.runtime.infra"
-        args = [manifest] if s.name == "frontend" else [manifest, "--service", s.name]
         services.append(Step(
             name=s.name, comment=f"{s.name} on node {s.node}, ports {s.ports}",
             srun_flags=["--overlap", "--nodes=1", "--ntasks=1", f"--output={logs}/{s.name}.log",
                         *container, *c.srun_args],
-            nodelist=_nodelist([s.node]), command=[*py, module, *args]))
-    workers = [_worker_step(m, w, container, logs, manifest, py) for w in plan.workers]
+            nodelist=_nodelist([s.node]), command=service_argv(m, s.name, c.python)))
+    workers = [_worker_step(m, w, container, logs) for w in plan.workers]
     smoke = [*py, "hpc.runtime.smoke", manifest] if m.recipe.smoke.enabled else None
     title = f"recipe {m.recipe.name} on cluster {c.name}, {plan.job_nodes} node(s), {plan.total_gpus} GPU(s)"
     return View(title=title, sbatch_flags=flags, env=dict(c.env), python_env=c.python_env, slurm_conf=c.slurm_conf,
@@ -135,8 +146,7 @@ def build_view(m: Manifest) -> View:
                 ready_command=[*py, "hpc.runtime.ready", manifest], smoke_command=smoke)
 
 
-def _worker_step(m: Manifest, w: WorkerPlan, container: list[str], logs: str, manifest: str,
-                 py: list[str]) -> Step:
+def _worker_step(m: Manifest, w: WorkerPlan, container: list[str], logs: str) -> Step:
     c = m.cluster
     flags = [f"--nodes={len(w.nodes)}", f"--ntasks={w.tasks}", f"--ntasks-per-node={w.tasks_per_node}",
              f"--output={logs}/{w.name}.log", "--label"]
@@ -150,7 +160,7 @@ def _worker_step(m: Manifest, w: WorkerPlan, container: list[str], logs: str, ma
     return Step(
         name=w.name, comment=f"{w.name}: TPxPP={w.tasks} on nodes {w.nodes} ({ranks})",
         srun_flags=[*flags, *container, *c.srun_args], nodelist=_nodelist(w.nodes),
-        command=[*py, "hpc.runtime.worker", manifest, "--role", w.role.value, "--index", str(w.index)])
+        command=worker_argv(m, w, c.python))
 
 
 def render_sbatch(m: Manifest, root: Path | None = None) -> str:

@@ -1,0 +1,1 @@
+"""Launch a rendered run: on this machine (local profile) or through Slurm."""

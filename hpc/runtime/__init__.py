@@ -1,0 +1,1 @@
+"""The serving runtime: engines, workers, frontend, infrastructure (installed with the `serve` extra)."""

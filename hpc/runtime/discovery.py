@@ -1,0 +1,188 @@
+"""Discovery: workers register with a lease; the frontend watches. etcd (aetcd) or a shared-file store."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+from pydantic import BaseModel, ConfigDict
+
+from hpc.resolve import Manifest
+
+log = logging.getLogger(__name__)
+LEASE_TTL_S = 1  # with etcd's 50 ms heartbeat (see infra.py) a dead worker's key is gone within ~1.5 s
+FILE_STALE_S = 1.5
+
+
+class Instance(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: str
+    index: int
+    instance_id: str
+    host: str
+    rpc_port: int
+    http_port: int
+    node: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.role}/{self.index}"
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.rpc_port}"
+
+
+Snapshot = dict[str, Instance]  # key -> instance
+
+
+class EtcdDiscovery:
+    def __init__(self, host: str, port: int, prefix: str) -> None:
+        self.host, self.port, self.prefix = host, port, prefix
+        self._client = None
+        self._lease = None
+        self._tasks: list[asyncio.Task] = []
+
+    async def _connect(self):
+        import aetcd
+
+        if self._client is None:
+            self._client = aetcd.Client(host=self.host, port=self.port, timeout=5)
+            await self._client.connect()
+        return self._client
+
+    async def register(self, instance: Instance) -> None:
+        client = await self._connect()
+        self._lease = await client.lease(LEASE_TTL_S)
+        await client.put((self.prefix + instance.key).encode(), instance.model_dump_json().encode(), lease=self._lease)
+        self._tasks.append(asyncio.create_task(self._keepalive()))
+
+    async def _keepalive(self) -> None:
+        while True:
+            await asyncio.sleep(LEASE_TTL_S / 4)
+            try:
+                await self._lease.refresh()
+            except Exception as exc:  # etcd gone: keep trying; the lease may expire meanwhile
+                log.warning("lease refresh failed: %s", exc)
+
+    async def deregister(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._lease is not None:
+            try:
+                await self._lease.revoke()
+            except Exception:
+                pass
+
+    async def snapshot(self) -> Snapshot:
+        client = await self._connect()
+        result = await client.get_prefix(self.prefix.encode())
+        out = {}
+        for kv in result:
+            inst = Instance.model_validate_json(kv.value)
+            out[inst.key] = inst
+        return out
+
+    async def watch(self, on_change: Callable[[Snapshot], None]) -> None:
+        """Call on_change with every new snapshot, forever (reconnecting after errors)."""
+        from aetcd.rtypes import EventKind
+
+        while True:
+            try:
+                client = await self._connect()
+                current = await self.snapshot()
+                on_change(dict(current))
+                watch = await client.watch_prefix(self.prefix.encode())
+                async for event in watch:
+                    key = event.kv.key.decode()[len(self.prefix):]
+                    if event.kind == EventKind.PUT:
+                        current[key] = Instance.model_validate_json(event.kv.value)
+                    else:
+                        current.pop(key, None)
+                    on_change(dict(current))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("etcd watch failed (%s); retrying", exc)
+                self._client = None
+                await asyncio.sleep(0.2)
+
+    async def close(self) -> None:
+        await self.deregister()
+        if self._client is not None:
+            try:
+                await self._client.close()
+            except Exception:
+                pass
+
+
+class FileDiscovery:
+    """Shared-directory store: one file per instance, its mtime the heartbeat."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self._task: asyncio.Task | None = None
+        self._path: Path | None = None
+
+    async def register(self, instance: Instance) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._path = self.dir / f"{instance.role}-{instance.index}.json"
+        tmp = self._path.with_suffix(".tmp")
+        tmp.write_text(instance.model_dump_json())
+        os.replace(tmp, self._path)
+        self._task = asyncio.create_task(self._heartbeat())
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(FILE_STALE_S / 5)
+            try:
+                os.utime(self._path)
+            except FileNotFoundError:
+                return
+
+    async def deregister(self) -> None:
+        if self._task:
+            self._task.cancel()
+        if self._path:
+            self._path.unlink(missing_ok=True)
+
+    async def snapshot(self) -> Snapshot:
+        out = {}
+        now = time.time()
+        for path in self.dir.glob("*.json") if self.dir.is_dir() else []:
+            try:
+                if now - path.stat().st_mtime > FILE_STALE_S:
+                    continue
+                inst = Instance.model_validate(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue
+            out[inst.key] = inst
+        return out
+
+    async def watch(self, on_change: Callable[[Snapshot], None]) -> None:
+        last = None
+        while True:
+            snap = await self.snapshot()
+            if snap != last:
+                on_change(dict(snap))
+                last = snap
+            await asyncio.sleep(0.1)
+
+    async def close(self) -> None:
+        await self.deregister()
+
+
+def open_discovery(manifest: Manifest, timeout: float = 600.0):
+    """The store the cluster profile names; waits for etcd to publish its endpoint."""
+    if manifest.cluster.discovery == "file" or not manifest.recipe.infra.etcd:
+        return FileDiscovery(Path(manifest.run_dir) / "discovery")
+    from hpc.runtime.node import wait_endpoint
+
+    ep = wait_endpoint(manifest, "etcd", timeout)
+    return EtcdDiscovery(ep["host"], ep["port"], f"/hpc/{manifest.run_id}/instances/")

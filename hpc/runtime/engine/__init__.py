@@ -1,0 +1,1 @@
+"""Engines behind one interface shaped like TensorRT-LLM's LLM API."""

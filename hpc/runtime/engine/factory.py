@@ -1,0 +1,28 @@
+"""Choose and build the engine for a worker from the manifest."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from hpc.resolve import Manifest
+from hpc.runtime.engine.types import DisaggregationMode
+from hpc.spec.recipe import Backend
+
+
+def build_engine(manifest: Manifest, role: str, *, self_address: str, tp=None,
+                 fetch_kv: Callable[..., Any] | None = None, device: str | None = None):
+    recipe = manifest.recipe
+    mode = DisaggregationMode(role)
+    args = manifest.engine_args[role]
+    if recipe.backend is Backend.MOCK:
+        from hpc.runtime.engine.mock_engine import MockEngine
+
+        return MockEngine(mode, recipe.mock.prefill_delay_ms, recipe.mock.per_token_delay_ms, self_address)
+    if recipe.backend is Backend.TORCH:
+        from hpc.runtime.engine.torch_engine import TorchEngine
+
+        return TorchEngine(recipe.model.path, mode, args, device=device, tp=tp, fetch_kv=fetch_kv,
+                           self_address=self_address)
+    from hpc.runtime.engine.trtllm_engine import TrtllmEngine
+
+    return TrtllmEngine(recipe.model.path, mode, args, self_address=self_address)

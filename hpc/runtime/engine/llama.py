@@ -1,0 +1,247 @@
+"""A compact Llama-architecture decoder in torch, with a slot-based KV cache and tensor parallelism.
+
+Weights use Hugging Face's LlamaForCausalLM names, so a checkpoint written here loads in transformers
+too. With a process group, attention heads and MLP columns are split across ranks (Megatron style:
+column-parallel q/k/v/gate/up, row-parallel o/down followed by an all-reduce).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    vision: dict | None = None  # {"image_size", "patch_size", "image_token_id", "num_image_tokens"}
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def load(cls, model_dir: Path) -> "LlamaConfig":
+        raw = json.loads((model_dir / "config.json").read_text())
+        fields = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+        fields["vision"] = raw.get("hpc_vision")
+        return cls(**fields)
+
+    def to_hf(self) -> dict:
+        data = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "vision"}
+        data.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+                    tie_word_embeddings=False, torch_dtype="float32", head_dim=self.head_dim)
+        if self.vision:
+            data["hpc_vision"] = self.vision
+        return data
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+
+
+def rope_tables(cfg: LlamaConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device).float() / cfg.head_dim))
+    t = torch.arange(cfg.max_position_embeddings, device=device).float()
+    freqs = torch.outer(t, inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, H, T, D]; cos/sin: [B, T, D]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+class TensorParallel:
+    """The rank's share of the model; `group` None means a single rank."""
+
+    def __init__(self, rank: int = 0, size: int = 1, group=None) -> None:
+        self.rank, self.size, self.group = rank, size, group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        if cfg.num_key_value_heads % tp.size or cfg.num_attention_heads % tp.size:
+            raise ValueError(f"heads ({cfg.num_attention_heads}/{cfg.num_key_value_heads} kv) do not split "
+                             f"over tensor-parallel size {tp.size}")
+        self.tp = tp
+        self.heads = cfg.num_attention_heads // tp.size
+        self.kv_heads = cfg.num_key_value_heads // tp.size
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, cache_k, cache_v, slots, positions, lengths):
+        """x: [B, T, H]; positions: [B, T]; writes K/V into the cache slots, attends over `lengths`."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # cache_*: [slots, kv_heads, max_len, head_dim]; positions are contiguous per row
+        start = positions[:, 0]
+        for i in range(b):
+            s = int(start[i])
+            cache_k[slots[i], :, s:s + t] = k[i]
+            cache_v[slots[i], :, s:s + t] = v[i]
+        max_len = int(lengths.max())
+        keys = cache_k[slots, :, :max_len]
+        values = cache_v[slots, :, :max_len]
+        if self.kv_heads != self.heads:
+            rep = self.heads // self.kv_heads
+            keys = keys.repeat_interleave(rep, dim=1)
+            values = values.repeat_interleave(rep, dim=1)
+        key_pos = torch.arange(max_len, device=x.device)
+        mask = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < lengths[:, None, None])
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.unsqueeze(1))
+        out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+        return self.tp.all_reduce(self.o_proj(out))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        if cfg.intermediate_size % tp.size:
+            raise ValueError(f"intermediate size {cfg.intermediate_size} does not split over TP {tp.size}")
+        inner = cfg.intermediate_size // tp.size
+        self.tp = tp
+        self.gate_proj = nn.Linear(cfg.hidden_size, inner, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, inner, bias=False)
+        self.down_proj = nn.Linear(inner, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, tp)
+        self.mlp = MLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Layer(cfg, tp) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tp = tp or TensorParallel()
+        self.model = Backbone(cfg, self.tp)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rope(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rope is None or self._rope[0].device != device:
+            self._rope = rope_tables(self.cfg, device)
+        return self._rope
+
+    def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+        """Per layer: a [2, slots, kv_heads, max_len, head_dim] tensor."""
+        attn = self.model.layers[0].self_attn
+        return [torch.zeros(2, slots, attn.kv_heads, max_len, attn.head_dim, dtype=dtype, device=device)
+                for _ in self.model.layers]
+
+    @torch.inference_mode()
+    def forward_step(self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                     cache: list[torch.Tensor], last_only: bool = True) -> torch.Tensor:
+        """embeds [B, T, H] at positions [B, T] -> logits of each row's last position [B, V]."""
+        cos_t, sin_t = self.rope(embeds.device)
+        cos, sin = cos_t[positions].to(embeds.dtype), sin_t[positions].to(embeds.dtype)
+        lengths = positions[:, -1] + 1
+        h = embeds
+        for layer, kv in zip(self.model.layers, cache):
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv[0], kv[1], slots, positions, lengths)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = self.model.norm(h[:, -1] if last_only else h)
+        return self.lm_head(h).float()
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(token_ids)
+
+
+def shard_state_dict(state: dict[str, torch.Tensor], tp: TensorParallel) -> dict[str, torch.Tensor]:
+    """This rank's slice of a full checkpoint: rows of column-parallel, columns of row-parallel weights."""
+    if tp.size == 1:
+        return state
+    out = {}
+    for name, tensor in state.items():
+        if any(name.endswith(f"{p}.weight") for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+            out[name] = tensor.chunk(tp.size, dim=0)[tp.rank].contiguous()
+        elif any(name.endswith(f"{p}.weight") for p in ("o_proj", "down_proj")):
+            out[name] = tensor.chunk(tp.size, dim=1)[tp.rank].contiguous()
+        else:
+            out[name] = tensor
+    return out
+
+
+class VisionEncoder(nn.Module):
+    """A small patch encoder: image [3, S, S] -> [num_patches, hidden] embeddings."""
+
+    def __init__(self, hidden: int, image_size: int, patch_size: int) -> None:
+        super().__init__()
+        self.patch_size = patch_size
+        self.image_size = image_size
+        self.proj = nn.Linear(3 * patch_size * patch_size, hidden)
+        self.mix = nn.Linear(hidden, hidden)
+
+    @torch.inference_mode()
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        p = self.patch_size
+        patches = pixels.unfold(1, p, p).unfold(2, p, p)  # [3, n, n, p, p]
+        patches = patches.permute(1, 2, 0, 3, 4).reshape(-1, 3 * p * p)
+        return self.mix(F.gelu(self.proj(patches)))
+
+
+def init_weights(model: nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in sorted(model.named_parameters()):
+        if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        elif param.dim() >= 2:
+            std = 1.0 / math.sqrt(param.shape[-1])
+            param.data.copy_(torch.randn(param.shape, generator=gen) * std)
+        else:
+            param.data.zero_()

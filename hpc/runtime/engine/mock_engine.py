@@ -1,0 +1,69 @@
+"""The mock engine: no model; configurable prefill and per-token delays (0 allowed)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
+                                      GenerateRequest)
+
+
+class MockEngine:
+    def __init__(self, mode: DisaggregationMode, prefill_delay_ms: float = 0.0, per_token_delay_ms: float = 0.0,
+                 self_address: str = "", vocab_size: int = 4096) -> None:
+        self.mode = mode
+        self.prefill_delay = prefill_delay_ms / 1000
+        self.token_delay = per_token_delay_ms / 1000
+        self.self_address = self_address
+        self.vocab_size = vocab_size
+        self._counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "running": 0, "waiting": 0}
+
+    async def __aenter__(self) -> "MockEngine":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        return None
+
+    def _token(self, i: int, prompt: list[int]) -> int:
+        # Deterministic and never a special token: ids 100.. cycle through the vocabulary.
+        return 100 + (sum(prompt[-4:]) + i * 7) % (self.vocab_size - 100)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        self._counters["requests"] += 1
+        self._counters["prompt_tokens"] += len(request.token_ids)
+        self._counters["running"] += 1
+        try:
+            start = 0
+            if request.disaggregated_params is not None:
+                start = 1  # the prefill worker produced token 0
+            elif self.prefill_delay:
+                await asyncio.sleep(self.prefill_delay)
+            if self.mode is DisaggregationMode.PREFILL:
+                first = self._token(0, request.token_ids)
+                self._counters["generated_tokens"] += 1
+                params = DisaggregatedParams(request_handle="mock", prefill_address=self.self_address,
+                                             first_token_id=first, prompt_length=len(request.token_ids))
+                yield GenerateOutput(token_ids=[first], finished=True, finish_reason="length",
+                                     prompt_tokens=len(request.token_ids), disaggregated_params=params)
+                return
+            n = request.sampling.max_tokens
+            for i in range(start, n):
+                if self.token_delay and i > start:
+                    await asyncio.sleep(self.token_delay)
+                self._counters["generated_tokens"] += 1
+                last = i == n - 1
+                yield GenerateOutput(token_ids=[self._token(i, request.token_ids)], finished=last,
+                                     finish_reason="length" if last else None, prompt_tokens=len(request.token_ids))
+        finally:
+            self._counters["running"] -= 1
+
+    async def encode(self, pixels: Any) -> EncodedMedia:
+        self._counters["requests"] += 1
+        return EncodedMedia(shape=[0, 0], data_b64="")
+
+    def take_handoff(self, handle: str) -> tuple[dict, bytes]:
+        return {"shape": [0], "dtype": "torch.float32"}, b""
+
+    def stats(self) -> dict[str, float]:
+        return {**self._counters, "kv_usage": 0.0}

@@ -1,0 +1,98 @@
+"""Build the tiny random-weight Llama (and its multimodal variant) with a byte-level BPE tokenizer, offline.
+
+    hpc model tiny --out DIR [--multimodal]
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|system|>", "<|user|>", "<|assistant|>",
+                  "<|end|>", "<|image|>", "<|pad|>"]
+VOCAB_SIZE = 4096
+SEED = 1234
+
+
+def _corpus(limit_bytes: int = 3_000_000) -> list[str]:
+    """Text that exists offline on every machine: the Python standard library's own sources."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    texts, total = [], 0
+    for path in sorted(lib.glob("*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        texts.append(text)
+        total += len(text)
+        if total >= limit_bytes:
+            break
+    return texts
+
+
+def train_tokenizer(out_dir: Path) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.save(str(out_dir / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>", "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 2048, "clean_up_tokenization_spaces": False,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (out_dir / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": config["bos_token"], "eos_token": config["eos_token"], "pad_token": config["pad_token"]}))
+    return tok.get_vocab_size()
+
+
+def build_tiny(out_dir: Path, multimodal: bool = False, hidden: int = 128, layers: int = 2) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    from hpc.runtime.engine.llama import LlamaConfig, LlamaForCausalLM, VisionEncoder, init_weights
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab = train_tokenizer(out_dir)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    vision = None
+    if multimodal:
+        vision = {"image_size": 32, "patch_size": 8, "image_token_id": tok.token_to_id("<|image|>"),
+                  "num_image_tokens": 16}
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2 + hidden // 2 * 2,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      bos_token_id=tok.token_to_id("<|begin_of_text|>"),
+                      eos_token_id=tok.token_to_id("<|end_of_text|>"), vision=vision)
+    model = LlamaForCausalLM(cfg)
+    init_weights(model, SEED)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out_dir / "model.safetensors"))
+    if vision:
+        enc = VisionEncoder(hidden, vision["image_size"], vision["patch_size"])
+        init_weights(enc, SEED + 1)
+        save_file(enc.state_dict(), str(out_dir / "vision.safetensors"))
+    (out_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
+    (out_dir / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}))
+    return out_dir
+
+
+def ensure_model(path: str, kind: str | None) -> Path:
+    """The model directory, built first when the recipe asks for a generated model that is missing."""
+    model_dir = Path(path).expanduser()
+    if kind and not (model_dir / "config.json").is_file():
+        build_tiny(model_dir, multimodal=kind == "tiny-multimodal")
+    return model_dir

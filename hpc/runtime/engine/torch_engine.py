@@ -1,0 +1,308 @@
+"""The torch reference engine: a KV cache in slots, iteration-level batching, streaming, cancellation.
+
+One scheduler thread owns the model. Each iteration it admits new requests (prefill, one at a time),
+then runs one batched decode step over every running request. With tensor parallelism, rank 0 runs the
+scheduler and broadcasts each step to the follower ranks, which run the same forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+import torch
+
+from hpc.runtime.engine import kv as kvpack
+from hpc.runtime.engine.llama import (LlamaConfig, LlamaForCausalLM, TensorParallel, VisionEncoder,
+                                      shard_state_dict)
+from hpc.runtime.engine.sampling import make_generator, sample
+from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
+                                      GenerateRequest)
+
+log = logging.getLogger(__name__)
+HANDOFF_TTL_S = 120.0
+
+
+@dataclass
+class _Seq:
+    request: GenerateRequest
+    emit: Callable[[GenerateOutput], None]
+    slot: int = -1
+    length: int = 0  # tokens in the KV cache
+    last_token: int = -1
+    generated: int = 0
+    gen: Any = None
+    cancelled: bool = False
+    imported_kv: torch.Tensor | None = None
+    media: torch.Tensor | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+
+class TorchEngine:
+    def __init__(self, model_dir: Path, mode: DisaggregationMode, engine_args: dict[str, Any], *,
+                 device: str | None = None, tp: TensorParallel | None = None,
+                 fetch_kv: Callable[[DisaggregatedParams], Any] | None = None,
+                 self_address: str = "") -> None:
+        self.model_dir = Path(model_dir).expanduser()
+        self.mode = mode
+        self.args = dict(engine_args)  # a copy: the caller's dict is never changed
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.tp = tp or TensorParallel()
+        self.max_batch = int(self.args.get("max_batch_size") or 32)
+        self.max_len = int(self.args.get("max_seq_len") or 2048)
+        self.fetch_kv = fetch_kv
+        self.self_address = self_address
+        self.cfg: LlamaConfig | None = None
+        self.model: LlamaForCausalLM | None = None
+        self.vision: VisionEncoder | None = None
+        self._inbox: queue.Queue = queue.Queue()
+        self._handoff: dict[str, tuple[float, torch.Tensor]] = {}
+        self._handoff_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self._counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "running": 0, "waiting": 0}
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    async def __aenter__(self) -> "TorchEngine":
+        await asyncio.to_thread(self.load)
+        self._running = True
+        if self.mode is not DisaggregationMode.ENCODE:
+            self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self._running = False
+        self._inbox.put(None)
+        if self._thread:
+            await asyncio.to_thread(self._thread.join, 10)
+
+    def load(self) -> None:
+        from safetensors.torch import load_file
+
+        self.cfg = LlamaConfig.load(self.model_dir)
+        if self.mode in (DisaggregationMode.ENCODE, DisaggregationMode.AGGREGATED, DisaggregationMode.PREFILL) \
+                and self.cfg.vision and (self.model_dir / "vision.safetensors").is_file():
+            v = self.cfg.vision
+            self.vision = VisionEncoder(self.cfg.hidden_size, v["image_size"], v["patch_size"])
+            self.vision.load_state_dict(load_file(str(self.model_dir / "vision.safetensors")))
+            self.vision.to(self.device, self.dtype).eval()
+        if self.mode is DisaggregationMode.ENCODE:
+            return
+        model = LlamaForCausalLM(self.cfg, self.tp)
+        model.load_state_dict(shard_state_dict(load_file(str(self.model_dir / "model.safetensors")), self.tp))
+        self.model = model.to(self.device, self.dtype).eval()
+        self.max_len = min(self.max_len, self.cfg.max_position_embeddings)
+        self.cache = self.model.new_cache(self.max_batch, self.max_len, self.dtype, self.device)
+        self.free_slots = list(range(self.max_batch))
+
+    # ---- public API ------------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[GenerateOutput] = asyncio.Queue()
+        seq = _Seq(request=request, emit=lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+        self._validate(request)
+        if request.disaggregated_params is not None and self.mode is DisaggregationMode.DECODE:
+            if self.fetch_kv is None:
+                raise RuntimeError("decode engine has no KV fetcher")
+            seq.imported_kv = await self.fetch_kv(request.disaggregated_params)
+        if request.media is not None:
+            seq.media = torch.frombuffer(bytearray(base64.b64decode(request.media.data_b64)),
+                                         dtype=torch.float32).reshape(request.media.shape)
+        self._counters["waiting"] += 1
+        self._inbox.put(seq)
+        try:
+            while True:
+                out = await outputs.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            seq.cancelled = True  # client went away or the stream ended: the scheduler frees the slot
+
+    def _validate(self, request: GenerateRequest) -> None:
+        if not request.token_ids:
+            raise ValueError("empty prompt")
+        if len(request.token_ids) + request.sampling.max_tokens > self.max_len:
+            raise ValueError(f"prompt ({len(request.token_ids)} tokens) + max_tokens "
+                             f"({request.sampling.max_tokens}) exceeds max_seq_len {self.max_len}")
+        if self.cfg and max(request.token_ids) >= self.cfg.vocab_size:
+            raise ValueError("token id outside the vocabulary")
+
+    async def encode(self, pixels: torch.Tensor) -> EncodedMedia:
+        if self.vision is None:
+            raise RuntimeError("this model has no vision encoder")
+        emb = await asyncio.to_thread(lambda: self.vision(pixels.to(self.device, self.dtype)).float().cpu())
+        self._counters["requests"] += 1
+        return EncodedMedia(shape=list(emb.shape), data_b64=base64.b64encode(emb.numpy().tobytes()).decode())
+
+    def take_handoff(self, handle: str) -> tuple[dict, bytes]:
+        """The prefilled KV of `handle` (once): [layers, 2, kv_heads, length, head_dim]."""
+        with self._handoff_lock:
+            _, tensor = self._handoff.pop(handle)
+        return kvpack.pack(tensor)
+
+    def stats(self) -> dict[str, float]:
+        kv_usage = 0.0
+        if self.model is not None:
+            kv_usage = 1.0 - len(self.free_slots) / self.max_batch
+        return {**self._counters, "kv_usage": kv_usage, "handoffs_waiting": len(self._handoff)}
+
+    # ---- scheduler thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        running: list[_Seq] = []
+        while self._running:
+            try:
+                block = not running
+                item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                item = None
+                self._expire_handoffs()
+            if item is not None:
+                self._counters["waiting"] -= 1
+                self._admit(item, running)
+                while self.free_slots:  # take every waiting request that fits before decoding
+                    try:
+                        nxt = self._inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if nxt is None:
+                        continue
+                    self._counters["waiting"] -= 1
+                    self._admit(nxt, running)
+            elif not self._running:
+                break
+            running = [s for s in running if self._still_running(s)]
+            if running:
+                try:
+                    self._decode_step(running)
+                except Exception as exc:  # keep serving others; fail the batch clearly
+                    log.exception("decode step failed")
+                    for s in running:
+                        self._finish(s, "error", error=str(exc))
+                    running = []
+            self._counters["running"] = len(running)
+
+    def _still_running(self, seq: _Seq) -> bool:
+        if seq.cancelled and seq.slot >= 0:
+            self._release(seq)
+            return False
+        return seq.slot >= 0
+
+    def _admit(self, seq: _Seq, running: list[_Seq]) -> None:
+        if seq.cancelled:
+            return
+        if not self.free_slots:
+            self._inbox.put(seq)  # retry next iteration, after a decode step frees slots
+            self._counters["waiting"] += 1
+            return
+        seq.slot = self.free_slots.pop()
+        seq.gen = make_generator(seq.request.sampling)
+        self._counters["requests"] += 1
+        try:
+            if seq.imported_kv is not None:
+                self._import(seq)
+                running.append(seq)
+                return
+            first = self._prefill(seq)
+        except Exception as exc:
+            log.exception("prefill failed")
+            self._finish(seq, "error", error=str(exc))
+            return
+        if self.mode is DisaggregationMode.PREFILL:
+            handle = uuid.uuid4().hex
+            kv = torch.stack([layer[:, seq.slot, :, :seq.length] for layer in self.cache]).clone()
+            with self._handoff_lock:
+                self._handoff[handle] = (time.monotonic(), kv)
+            params = DisaggregatedParams(request_handle=handle, prefill_address=self.self_address,
+                                         first_token_id=first, prompt_length=seq.length)
+            self._finish(seq, "length", tokens=[first], params=params)
+            return
+        if self._emit_token(seq, first):
+            running.append(seq)
+
+    def _prefill(self, seq: _Seq) -> int:
+        ids = seq.request.token_ids
+        self._counters["prompt_tokens"] += len(ids)
+        token_tensor = torch.tensor([ids], device=self.device)
+        embeds = self.model.embed(token_tensor)
+        if seq.media is not None and self.cfg.vision:
+            mask = token_tensor[0] == self.cfg.vision["image_token_id"]
+            count = int(mask.sum())
+            if count != seq.media.shape[0]:
+                raise ValueError(f"prompt has {count} image tokens but the image gave {seq.media.shape[0]}")
+            embeds[0, mask] = seq.media.to(self.device, self.dtype)
+        positions = torch.arange(len(ids), device=self.device)[None]
+        slots = torch.tensor([seq.slot], device=self.device)
+        logits = self._forward("prefill", embeds, positions, slots)
+        seq.length = len(ids)
+        return sample(logits[0], seq.request.sampling, seq.gen)
+
+    def _import(self, seq: _Seq) -> None:
+        kv = seq.imported_kv.to(self.device, self.dtype)  # [layers, 2, kvh, T, d]
+        length = kv.shape[3]
+        for layer, block in zip(self.cache, kv):
+            layer[:, seq.slot, :, :length] = block
+        seq.length = length
+        params = seq.request.disaggregated_params
+        seq.last_token = params.first_token_id
+        seq.generated = 1  # the prefill worker produced the first token
+        seq.imported_kv = None
+        self._counters["prompt_tokens"] += length
+
+    def _decode_step(self, running: list[_Seq]) -> None:
+        tokens = torch.tensor([[s.last_token] for s in running], device=self.device)
+        positions = torch.tensor([[s.length] for s in running], device=self.device)
+        slots = torch.tensor([s.slot for s in running], device=self.device)
+        logits = self._forward("decode", self.model.embed(tokens), positions, slots)
+        for i, s in enumerate(running):
+            s.length += 1
+            self._emit_token(s, sample(logits[i], s.request.sampling, s.gen))
+
+    def _forward(self, kind: str, embeds, positions, slots) -> torch.Tensor:
+        if self.tp.size > 1:
+            from hpc.runtime.engine.tp import broadcast_step
+
+            broadcast_step(self.tp, kind, embeds, positions, slots)
+        return self.model.forward_step(embeds, positions, slots, self.cache)
+
+    def _emit_token(self, seq: _Seq, token: int) -> bool:
+        """Send one token; False when the sequence finished with it."""
+        seq.generated += 1
+        seq.last_token = token
+        self._counters["generated_tokens"] += 1
+        p = seq.request.sampling
+        if (token == self.cfg.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+            self._finish(seq, "stop", tokens=[token])
+            return False
+        if seq.generated >= p.max_tokens or seq.length + 1 >= self.max_len:
+            self._finish(seq, "length", tokens=[token])
+            return False
+        seq.emit(GenerateOutput(token_ids=[token], prompt_tokens=len(seq.request.token_ids)))
+        return True
+
+    def _finish(self, seq: _Seq, reason: str, tokens: list[int] | None = None,
+                params: DisaggregatedParams | None = None, error: str | None = None) -> None:
+        seq.emit(GenerateOutput(token_ids=tokens or [], finished=True, finish_reason=reason, error=error,
+                                prompt_tokens=len(seq.request.token_ids), disaggregated_params=params))
+        self._release(seq)
+
+    def _release(self, seq: _Seq) -> None:
+        if seq.slot >= 0:
+            self.free_slots.append(seq.slot)
+            seq.slot = -1
+
+    def _expire_handoffs(self) -> None:
+        now = time.monotonic()
+        with self._handoff_lock:
+            for handle in [h for h, (t, _) in self._handoff.items() if now - t > HANDOFF_TTL_S]:
+                del self._handoff[handle]

@@ -1,0 +1,62 @@
+"""Tensor parallelism for the torch engine: process group from the MPI/Slurm ranks, step broadcast."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from hpc.runtime.engine.llama import TensorParallel
+
+_STOP, _PREFILL, _DECODE = 0, 1, 2
+_KINDS = {"prefill": _PREFILL, "decode": _DECODE}
+
+
+def world_rank() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from whichever launcher started us: Open MPI, PMIx, Slurm, or hpc."""
+    for rank_var, size_var, local_var in (
+            ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+            ("PMIX_RANK", "SLURM_NTASKS", "SLURM_LOCALID"),
+            ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+            ("HPC_RANK", "HPC_WORLD_SIZE", "HPC_LOCAL_RANK")):
+        if rank_var in os.environ and size_var in os.environ:
+            return int(os.environ[rank_var]), int(os.environ[size_var]), int(os.environ.get(local_var, 0))
+    return 0, 1, 0
+
+
+def init_group(rank: int, world: int, master: str, device: torch.device) -> TensorParallel:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank, world_size=world)
+    return TensorParallel(rank=rank, size=world, group=dist.group.WORLD)
+
+
+def broadcast_step(tp: TensorParallel, kind: str, embeds: torch.Tensor, positions: torch.Tensor,
+                   slots: torch.Tensor) -> None:
+    b, t, h = embeds.shape
+    header = torch.tensor([_KINDS[kind], b, t, h], dtype=torch.long, device=embeds.device)
+    dist.broadcast(header, 0, group=tp.group)
+    dist.broadcast(embeds.contiguous(), 0, group=tp.group)
+    dist.broadcast(positions.contiguous(), 0, group=tp.group)
+    dist.broadcast(slots.contiguous(), 0, group=tp.group)
+
+
+def broadcast_stop(tp: TensorParallel, device: torch.device) -> None:
+    dist.broadcast(torch.tensor([_STOP, 0, 0, 0], dtype=torch.long, device=device), 0, group=tp.group)
+
+
+def follow(engine) -> None:
+    """Ranks > 0: run every forward pass rank 0 broadcasts, until it says stop."""
+    device, tp = engine.device, engine.tp
+    while True:
+        header = torch.empty(4, dtype=torch.long, device=device)
+        dist.broadcast(header, 0, group=tp.group)
+        kind, b, t, h = header.tolist()
+        if kind == _STOP:
+            return
+        embeds = torch.empty(b, t, h, dtype=engine.dtype, device=device)
+        positions = torch.empty(b, t, dtype=torch.long, device=device)
+        slots = torch.empty(b, dtype=torch.long, device=device)
+        for tensor in (embeds, positions, slots):
+            dist.broadcast(tensor, 0, group=tp.group)
+        engine.model.forward_step(embeds, positions, slots, engine.cache)

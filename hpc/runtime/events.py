@@ -1,0 +1,64 @@
+"""Event plane on NATS: KV-cache events and load metrics from each worker (nats-py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, Callable
+
+from hpc.resolve import Manifest
+from hpc.runtime.node import nats_token, wait_endpoint
+
+log = logging.getLogger(__name__)
+
+
+def subject(manifest: Manifest, kind: str, component: str) -> str:
+    return f"hpc.{manifest.run_id}.{kind}.{component}".replace("-", "_")
+
+
+class EventPublisher:
+    """Publishes without ever blocking serving: events are dropped while NATS is unreachable."""
+
+    def __init__(self, manifest: Manifest, component: str) -> None:
+        self.manifest = manifest
+        self.component = component
+        self.nc = None
+        self._task: asyncio.Task | None = None
+        self.published = 0
+
+    async def connect(self, timeout: float = 30.0) -> "EventPublisher":
+        import nats
+
+        ep = await asyncio.to_thread(wait_endpoint, self.manifest, "nats", timeout)
+        self.nc = await nats.connect(ep["url"], token=nats_token(self.manifest), max_reconnect_attempts=-1,
+                                     reconnect_time_wait=0.5, connect_timeout=5)
+        return self
+
+    def kv_event(self, event: str, **data: Any) -> None:
+        self._publish("kv_events", {"event": event, "worker": self.component, "ts": time.time(), **data})
+
+    def _publish(self, kind: str, data: dict[str, Any]) -> None:
+        if self.nc is None or not self.nc.is_connected:
+            return
+        payload = json.dumps(data).encode()
+        asyncio.ensure_future(self.nc.publish(subject(self.manifest, kind, self.component), payload))
+        self.published += 1
+
+    def start_load_reports(self, stats: Callable[[], dict[str, float]], every_s: float = 1.0) -> None:
+        async def loop() -> None:
+            while True:
+                self._publish("load", {"worker": self.component, "ts": time.time(), **stats()})
+                await asyncio.sleep(every_s)
+
+        self._task = asyncio.create_task(loop())
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+        if self.nc is not None:
+            try:
+                await self.nc.drain()
+            except Exception:
+                pass

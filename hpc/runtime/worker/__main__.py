@@ -1,0 +1,22 @@
+"""`python -m hpc.runtime.worker MANIFEST --role ROLE --index I`: one worker (all of its MPI ranks)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hpc.runtime.worker.serve import main_entry
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpc.runtime.worker")
+    parser.add_argument("manifest")
+    parser.add_argument("--role", required=True, choices=["agg", "prefill", "decode", "encode"])
+    parser.add_argument("--index", type=int, default=0)
+    parser.add_argument("--no-supervise", action="store_true", help="run the engine in this process")
+    args = parser.parse_args(argv)
+    return main_entry(args.manifest, args.role, args.index, supervise=not args.no_supervise)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

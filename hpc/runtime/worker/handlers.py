@@ -1,0 +1,162 @@
+"""Request handlers, one per disaggregation mode, chosen from an enum-keyed registry."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from hpc.runtime.engine.types import DisaggregationMode, EncodedMedia, GenerateOutput, GenerateRequest
+from hpc.runtime.media import MediaError, read_image_bytes, to_pixels
+from hpc.runtime.transport import RemoteError, RpcClient
+
+Frame = tuple[dict[str, Any], bytes]
+
+
+class Peers:
+    """RPC clients to other workers (prefill for KV, encode for embeddings), one connection each."""
+
+    def __init__(self) -> None:
+        self.clients: dict[str, RpcClient] = {}
+        self.instances: dict[str, Any] = {}  # discovery snapshot, kept fresh by the worker
+
+    def client(self, address: str) -> RpcClient:
+        c = self.clients.get(address)
+        if c is None or not c.alive:
+            host, _, port = address.rpartition(":")
+            c = self.clients[address] = RpcClient(host, int(port))
+        return c
+
+    def pick(self, role: str) -> str:
+        live = sorted(i.address for i in self.instances.values() if i.role == role)
+        if not live:
+            raise RemoteError(f"no live {role} worker", 503)
+        return live[int(time.monotonic() * 1000) % len(live)]
+
+    async def close(self) -> None:
+        for c in self.clients.values():
+            await c.close()
+
+
+@dataclass
+class HandlerDeps:
+    """Everything a handler needs, in one typed bundle."""
+
+    engine: Any
+    mode: DisaggregationMode
+    peers: Peers
+    allowed_local_media_path: str | None
+    max_file_size_mb: float
+    image_size: int | None
+    has_encode_role: bool
+    on_first_token: Callable[[], None] = lambda: None
+    on_request_done: Callable[[GenerateRequest, int], None] = lambda req, n: None
+    counters: dict[str, float] = field(default_factory=lambda: {"requests_total": 0, "errors_total": 0,
+                                                                "tokens_total": 0})
+
+
+class HandlerBase:
+    def __init__(self, deps: HandlerDeps) -> None:
+        self.deps = deps
+
+    def ops(self) -> dict[str, Callable[[dict, bytes], AsyncIterator[Frame]]]:
+        return {"generate": self.generate, "stats": self.stats}
+
+    async def stats(self, body: dict, payload: bytes) -> AsyncIterator[Frame]:
+        yield {**self.deps.engine.stats(), **self.deps.counters}, b""
+
+    async def _media(self, request: GenerateRequest) -> GenerateRequest:
+        """Attach image embeddings: from an encode worker when the recipe has one, else encode here."""
+        if not request.image or request.media is not None:
+            return request
+        if self.deps.has_encode_role:
+            client = self.deps.peers.client(self.deps.peers.pick("encode"))
+            body, _ = await client.call("encode", {"image": request.image})
+            return request.model_copy(update={"media": EncodedMedia.model_validate(body)})
+        pixels = await _load_pixels(self.deps, request.image)
+        return request.model_copy(update={"media": await self.deps.engine.encode(pixels)})
+
+    async def generate(self, body: dict, payload: bytes) -> AsyncIterator[Frame]:
+        request = GenerateRequest.model_validate(body)
+        request = await self._media(request)
+        self.deps.counters["requests_total"] += 1
+        produced = 0
+        try:
+            async for out in self.deps.engine.generate(request):
+                if out.token_ids and produced == 0:
+                    self.deps.on_first_token()
+                produced += len(out.token_ids)
+                if out.error:
+                    raise RemoteError(out.error, 500)
+                yield out.model_dump(mode="json", exclude_defaults=True), b""
+        except Exception:
+            self.deps.counters["errors_total"] += 1
+            raise
+        finally:
+            self.deps.counters["tokens_total"] += produced
+            self.deps.on_request_done(request, produced)
+
+
+async def _load_pixels(deps: HandlerDeps, image: str):
+    if deps.image_size is None:
+        raise RemoteError("this model takes no images", 400)
+    try:
+        data = await asyncio.to_thread(read_image_bytes, image, allowed_local_path=deps.allowed_local_media_path,
+                                       max_file_size_mb=deps.max_file_size_mb)
+        return await asyncio.to_thread(to_pixels, data, deps.image_size)
+    except MediaError as exc:
+        raise RemoteError(str(exc), 400) from None
+
+
+class AggregatedHandler(HandlerBase):
+    """Prefill and decode in one engine."""
+
+
+class PrefillHandler(HandlerBase):
+    """Runs the prompt, returns the first token and where its KV cache waits; serves KV fetches."""
+
+    def ops(self):
+        return {**super().ops(), "fetch_kv": self.fetch_kv}
+
+    async def fetch_kv(self, body: dict, payload: bytes) -> AsyncIterator[Frame]:
+        try:
+            meta, data = self.deps.engine.take_handoff(body["handle"])
+        except KeyError:
+            raise RemoteError(f"no KV cache waiting under handle {body.get('handle')!r}", 404) from None
+        yield meta, data
+
+
+class DecodeHandler(HandlerBase):
+    """Continues from a prefill worker's params; the engine pulls the KV cache from that worker."""
+
+    async def generate(self, body: dict, payload: bytes) -> AsyncIterator[Frame]:
+        if not body.get("disaggregated_params"):
+            raise RemoteError("a decode worker needs disaggregated_params from a prefill worker", 400)
+        async for frame in super().generate(body, payload):
+            yield frame
+
+
+class EncodeHandler(HandlerBase):
+    """Image -> embeddings."""
+
+    def ops(self):
+        return {"encode": self.encode, "stats": self.stats}
+
+    async def encode(self, body: dict, payload: bytes) -> AsyncIterator[Frame]:
+        self.deps.counters["requests_total"] += 1
+        pixels = await _load_pixels(self.deps, str(body.get("image", "")))
+        media = await self.deps.engine.encode(pixels)
+        yield media.model_dump(mode="json"), b""
+
+
+HANDLERS: dict[DisaggregationMode, type[HandlerBase]] = {
+    DisaggregationMode.AGGREGATED: AggregatedHandler,
+    DisaggregationMode.PREFILL: PrefillHandler,
+    DisaggregationMode.DECODE: DecodeHandler,
+    DisaggregationMode.ENCODE: EncodeHandler,
+}
+
+
+def make_handler(deps: HandlerDeps) -> HandlerBase:
+    return HANDLERS[deps.mode](deps)

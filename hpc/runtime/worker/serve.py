@@ -1,0 +1,232 @@
+"""The worker's lifecycle: engine in `async with`, RPC + HTTP servers, discovery lease, drain on SIGTERM.
+
+Rank 0 serves; ranks > 0 of a tensor-parallel worker follow rank 0's forward passes. A supervisor
+(single-rank workers) applies the role's failure policy: fail-job, continue, or restart up to N times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from hpc.resolve import Manifest
+from hpc.runtime.discovery import Instance, open_discovery
+from hpc.runtime.engine.factory import build_engine
+from hpc.runtime.engine.kv import unpack
+from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode
+from hpc.runtime.httpserver import HttpServer, Request, Response, json_response
+from hpc.runtime.metrics import prometheus
+from hpc.runtime.node import Reporter, node_address, publish_endpoint, wait_endpoint
+from hpc.runtime.transport import RpcServer
+from hpc.runtime.worker.handlers import HandlerDeps, Peers, make_handler
+from hpc.spec.recipe import OnFailure
+
+log = logging.getLogger("hpc.worker")
+DRAIN_TIMEOUT_S = 30.0
+
+
+def main_entry(manifest_path: str, role: str, index: int, supervise: bool) -> int:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}-{index} %(levelname)s %(message)s")
+    manifest = Manifest.load(manifest_path)
+    plan = manifest.plan.worker(role, index)
+    if supervise and plan.tasks == 1:
+        return supervise_worker(manifest, manifest_path, role, index)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    return asyncio.run(serve(manifest, role, index))
+
+
+def supervise_worker(manifest: Manifest, manifest_path: str, role: str, index: int) -> int:
+    """Run the worker as a child; apply the role's failure policy when it dies."""
+    policy = getattr(manifest.recipe.roles, role).failure
+    cmd = [sys.executable, "-m", "hpc.runtime.worker", manifest_path, "--role", role, "--index", str(index),
+           "--no-supervise"]
+    restarts = 0
+    stopping = False
+    child: subprocess.Popen | None = None
+
+    def stop(signum, _frame):
+        nonlocal stopping
+        stopping = True
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    reporter = Reporter(manifest, f"{role}-{index}")
+    while True:
+        child = subprocess.Popen(cmd)
+        code = child.wait()
+        if stopping or code == 0:
+            return 0
+        reporter.data["history"].append({"ts": time.time(), "exit_code": code})
+        if policy.on_failure is OnFailure.RESTART and restarts < policy.max_restarts:
+            restarts += 1
+            reporter.data["restarts"] = restarts
+            reporter.phase("restarting", exit_code=code)
+            log.warning("worker exited with %s; restart %d of %d", code, restarts, policy.max_restarts)
+            continue
+        reporter.phase("failed", exit_code=code)
+        if policy.on_failure is OnFailure.CONTINUE:
+            log.error("worker exited with %s; policy 'continue' keeps the job running", code)
+            return 0
+        return code or 1
+
+
+async def serve(manifest: Manifest, role: str, index: int) -> int:
+    from hpc.runtime.engine.tp import broadcast_stop, follow, init_group, world_rank
+
+    plan = manifest.plan.worker(role, index)
+    name = plan.name
+    rank, world, _local = world_rank()
+    if plan.tasks == 1:
+        rank, world = 0, 1
+    host = node_address(manifest)
+    reporter = Reporter(manifest, name if rank == 0 else f"{name}.rank{rank}")
+    reporter.phase("started", rank=rank, world=world)
+    tp = None
+    device = _device(rank, world)
+    if world > 1:
+        if rank == 0:
+            publish_endpoint(manifest, f"{name}-dist", host=host, port=plan.ports["dist"])
+        ep = await asyncio.to_thread(wait_endpoint, manifest, f"{name}-dist", 600)
+        import torch
+
+        tp = await asyncio.to_thread(init_group, rank, world, f"{ep['host']}:{ep['port']}", torch.device(device))
+        reporter.phase("group_ready")
+    rpc_address = f"{host}:{plan.ports['rpc']}"
+    peers = Peers()
+
+    async def fetch_kv(params: DisaggregatedParams):
+        meta, data = await peers.client(params.prefill_address).call("fetch_kv", {"handle": params.request_handle})
+        return unpack(meta, data)
+
+    engine = build_engine(manifest, role, self_address=rpc_address, tp=tp, fetch_kv=fetch_kv, device=device)
+    if rank > 0:
+        await asyncio.to_thread(engine.load)
+        reporter.phase("weights_loaded")
+        await asyncio.to_thread(follow, engine)
+        reporter.phase("stopped")
+        return 0
+    async with engine:
+        reporter.phase("weights_loaded")
+        code = await _serve_engine(manifest, role, index, engine, peers, host, reporter)
+        if tp is not None:
+            broadcast_stop(tp, engine.device)
+    reporter.phase("stopped")
+    return code
+
+
+def _device(rank: int, world: int) -> str | None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            # Slurm/MPI give each rank its GPUs; the local rank picks among those visible to the task.
+            local = int(os.environ.get("SLURM_LOCALID", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", rank)))
+            return f"cuda:{local % torch.cuda.device_count()}"
+    except ImportError:
+        pass
+    return None
+
+
+async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers: Peers, host: str,
+                        reporter: Reporter) -> int:
+    plan = manifest.plan.worker(role, index)
+    recipe = manifest.recipe
+    mode = DisaggregationMode(role)
+    events = None
+    if recipe.infra.nats and recipe.runtime.publish_kv_events:
+        from hpc.runtime.events import EventPublisher
+
+        try:
+            events = await EventPublisher(manifest, plan.name).connect()
+        except Exception as exc:  # the event plane is optional for serving
+            log.warning("NATS unavailable, no events: %s", exc)
+    first_token_seen = False
+
+    def on_first_token() -> None:
+        nonlocal first_token_seen
+        if not first_token_seen:
+            first_token_seen = True
+            reporter.phase("first_token")
+
+    def on_done(request, produced: int) -> None:
+        if events is not None:
+            events.kv_event("stored", request_id=request.request_id, tokens=len(request.token_ids) + produced)
+            if mode is not DisaggregationMode.PREFILL:
+                events.kv_event("removed", request_id=request.request_id)
+
+    model_dir = Path(recipe.model.path).expanduser()
+    vision = None
+    if recipe.model.multimodal and (model_dir / "config.json").is_file():
+        import json
+
+        vision = (json.loads((model_dir / "config.json").read_text()).get("hpc_vision") or {}).get("image_size")
+    deps = HandlerDeps(engine=engine, mode=mode, peers=peers,
+                       allowed_local_media_path=recipe.runtime.allowed_local_media_path,
+                       max_file_size_mb=recipe.runtime.max_file_size_mb, image_size=vision,
+                       has_encode_role=recipe.roles.encode is not None and mode is not DisaggregationMode.ENCODE,
+                       on_first_token=on_first_token, on_request_done=on_done)
+    handler = make_handler(deps)
+    rpc = RpcServer(handler.ops())
+    await rpc.start(host, plan.ports["rpc"])
+    labels = {"role": role, "index": str(index), "run": manifest.run_id}
+    draining = False
+
+    async def http(req: Request) -> Response:
+        if req.path in ("/health", "/live"):
+            status = "draining" if draining else "ready"
+            return json_response({"status": status, "role": role, "index": index}, 503 if draining else 200)
+        if req.path == "/metrics":
+            stats = {**engine.stats(), **deps.counters, "inflight": rpc.inflight}
+            return Response(body=prometheus("hpc_worker", stats, labels), content_type="text/plain; version=0.0.4")
+        return json_response({"error": {"message": "not found", "code": 404}}, 404)
+
+    web = HttpServer(http)
+    await web.start(host, plan.ports["http"])
+    discovery = open_discovery(manifest)
+    if recipe.roles.encode is not None or mode is DisaggregationMode.DECODE:
+        def keep(snapshot):
+            peers.instances = snapshot
+
+        watch_task = asyncio.create_task(discovery.watch(keep))
+    else:
+        watch_task = None
+    instance = Instance(role=role, index=index, instance_id=uuid.uuid4().hex[:12], host=host,
+                        rpc_port=plan.ports["rpc"], http_port=plan.ports["http"], node=os.uname().nodename)
+    await discovery.register(instance)
+    reporter.phase("registered", address=instance.address, http=f"http://{host}:{plan.ports['http']}")
+    if events is not None:
+        events.start_load_reports(lambda: {**engine.stats(), **deps.counters})
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    draining = True
+    reporter.phase("draining")
+    await discovery.deregister()  # no new requests are routed here
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    while rpc.inflight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if watch_task:
+        watch_task.cancel()
+    await rpc.close()
+    await web.close()
+    await discovery.close()
+    await peers.close()
+    if events is not None:
+        await events.close()
+    return 0
