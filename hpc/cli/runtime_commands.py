@@ -1,9 +1,262 @@
-"""Parsers of the commands that touch running jobs: status, logs, cancel, smoke, model, dev-cluster."""
+"""Commands on running jobs and runtime tools: status, logs, cancel, smoke, model, dev-cluster."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hpc.cli.show import table
+from hpc.errors import UserError
+from hpc.rundir import RunDir, find_run, list_runs, read_json
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    pass
+    p = sub.add_parser("status", help="Slurm state, each component's health and the smoke verdict")
+    p.add_argument("run", nargs="?", help="run directory, run id or Slurm job id (default: list recent runs)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--watch", action="store_true", help="refresh every 2 s")
+    p.set_defaults(func=status)
+
+    p = sub.add_parser("logs", help="per-component logs of a run")
+    p.add_argument("run", nargs="?")
+    p.add_argument("--component", help="etcd, nats, frontend, agg, prefill, decode, encode, job")
+    p.add_argument("--index", type=int, default=0)
+    p.add_argument("-f", "--follow", action="store_true")
+    p.add_argument("-n", "--lines", type=int, default=50)
+    p.set_defaults(func=logs)
+
+    p = sub.add_parser("cancel", help="stop a run: TERM first, then kill after a grace period")
+    p.add_argument("run")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds between TERM and kill")
+    p.set_defaults(func=cancel)
+
+    p = sub.add_parser("smoke", help="run the smoke checks of a running job through submitit")
+    p.add_argument("run", nargs="?")
+    p.set_defaults(func=smoke)
+
+    p = sub.add_parser("model", help="build the tiny random-weight model offline")
+    p.add_argument("kind", choices=["tiny", "tiny-multimodal"])
+    p.add_argument("--out", required=True, type=Path)
+    p.set_defaults(func=model)
+
+    p = sub.add_parser("dev-cluster", help="a multi-node Slurm cluster on this machine (needs root)")
+    p.add_argument("action", choices=["up", "status", "exec", "down", "env"])
+    p.add_argument("args", nargs=argparse.REMAINDER, help="up: --nodes N --gpus-per-node G; exec: NODE CMD...; "
+                                                          "down: --purge")
+    p.set_defaults(func=dev_cluster)
+
+    from hpc.cli import bench_command
+
+    bench_command.add_parser(sub)
+
+
+# ---- status ------------------------------------------------------------------------------------------
+def _slurm_state(run: RunDir) -> dict[str, Any]:
+    info = run.run_info()
+    if not info.get("submitted"):
+        return {"state": "NOT SUBMITTED" if "submit_error" not in info else "SUBMIT FAILED"}
+    if info.get("scheduler") == "local":
+        from hpc.launch.local import alive, local_pids
+
+        pids = local_pids(run)
+        up = sum(1 for ps in pids.values() for p in ps if alive(p))
+        total = sum(len(ps) for ps in pids.values())
+        state = "RUNNING" if up == total and total else ("DEGRADED" if up else "STOPPED")
+        elapsed = time.time() - info.get("submitted_at", time.time())
+        return {"state": state, "processes": f"{up}/{total}", "elapsed": f"{elapsed:.0f}s", "nodes": "localhost"}
+    from hpc.launch.slurm import runner_for
+    from hpc.slurm.client import SlurmClient
+
+    st = SlurmClient(runner_for(run)).status(str(info["job_id"]))
+    if st is None:
+        return {"state": "UNKNOWN"}
+    failing = [f"{s.step_id}:{s.name} exit {s.exit_code}" for s in st.steps
+               if s.state in ("FAILED", "NODE_FAIL", "OUT_OF_MEMORY") or s.exit_code]
+    return {"state": st.state, "elapsed": st.elapsed, "nodes": st.nodes, "reason": st.reason,
+            "exit_code": st.exit_code, "failed_steps": failing,
+            "steps": [{"id": s.step_id, "name": s.name, "state": s.state, "exit_code": s.exit_code}
+                      for s in st.steps]}
+
+
+def _health(url: str | None) -> str:
+    if not url:
+        return "-"
+    from hpc.runtime.probe import get_json
+
+    try:
+        code, body = get_json(url, 1.0)
+    except OSError:
+        return "unreachable"
+    return (body or {}).get("status", str(code)) if isinstance(body, dict) else str(code)
+
+
+def collect_status(run: RunDir) -> dict[str, Any]:
+    m = run.manifest()
+    info = run.run_info()
+    states = run.component_states()
+    endpoint = (read_json(run.path / "endpoints" / "frontend.json") or {}).get("url")
+    components = []
+    for s in m.plan.services:
+        st = states.get(s.name, {})
+        health = _health(endpoint + "/health") if s.name == "frontend" and endpoint else "-"
+        components.append({"component": s.name, "node": st.get("node", f"n{s.node}"),
+                           "phase": st.get("phase", "not started"), "health": health})
+    frontend_view = {}
+    if endpoint:
+        from hpc.runtime.probe import get_json
+
+        try:
+            frontend_view = get_json(endpoint + "/health", 1.0)[1] or {}
+        except OSError:
+            frontend_view = {}
+    live = {(role, i["index"]) for role, items in (frontend_view.get("instances") or {}).items() for i in items}
+    for w in m.plan.workers:
+        st = states.get(w.name, {})
+        routed = "routed" if (w.role.value, w.index) in live else "not routed"
+        components.append({"component": w.name, "node": st.get("node", f"n{w.nodes[0]}"),
+                           "phase": st.get("phase", "not started"),
+                           "health": f"{_health((st.get('http') or '') + '/health' if st.get('http') else None)}, "
+                                     f"{routed}", "restarts": st.get("restarts", 0)})
+    roles = {}
+    for role, spec in m.recipe.roles.items():
+        n = (frontend_view.get("live") or {}).get(role.value, 0)
+        roles[role.value] = {"live": n, "expected": spec.count,
+                             "state": "ok" if n >= spec.count else ("degraded" if n else "down")}
+    smoke = read_json(run.path / "smoke.json")
+    ready = read_json(run.state / "ready.json")
+    return {"run": run.path.name, "run_dir": str(run.path), "recipe": m.recipe.name, "cluster": m.cluster.name,
+            "job_id": info.get("job_id"), "scheduler": _slurm_state(run), "endpoint": endpoint,
+            "ready": ready, "roles": roles, "components": components,
+            "smoke": None if smoke is None else {"passed": smoke["passed"],
+                                                 "failed": [c["name"] for c in smoke["checks"] if not c["ok"]]}}
+
+
+def _print_status(data: dict[str, Any]) -> None:
+    sch = data["scheduler"]
+    print(f"run {data['run']}  recipe {data['recipe']}  cluster {data['cluster']}  job {data['job_id']}")
+    extra = "  ".join(f"{k} {v}" for k, v in sch.items() if k in ("elapsed", "nodes", "reason", "processes") and v)
+    print(f"state: {sch['state']}  {extra}")
+    for step in sch.get("failed_steps") or []:
+        print(f"failed step: {step}")
+    if data["endpoint"]:
+        print(f"endpoint: {data['endpoint']}/v1")
+    if data["ready"]:
+        print(f"readiness: {data['ready'].get('phase')} ({json.dumps(data['ready'].get('seconds'))})")
+    roles = ", ".join(f"{r} {v['live']}/{v['expected']} {v['state']}" for r, v in data["roles"].items())
+    print(f"roles: {roles}")
+    rows = [[c["component"], c["node"], c["phase"], c["health"], c.get("restarts", "")] for c in data["components"]]
+    print(table(["COMPONENT", "NODE", "PHASE", "HEALTH", "RESTARTS"], rows))
+    smoke = data["smoke"]
+    print("smoke: " + ("not run" if smoke is None else "PASSED" if smoke["passed"]
+                       else f"FAILED ({', '.join(smoke['failed'])})"))
+
+
+def status(args: argparse.Namespace) -> int:
+    if args.run is None:
+        runs = list_runs()[:20]
+        rows = []
+        for run in runs:
+            info = run.run_info()
+            smoke = read_json(run.path / "smoke.json")
+            rows.append([run.path.name, info.get("cluster", "?"), info.get("job_id", "-"),
+                         _slurm_state(run)["state"], "-" if smoke is None else ("pass" if smoke["passed"] else "FAIL")])
+        print(table(["RUN", "CLUSTER", "JOB", "STATE", "SMOKE"], rows) if rows else "no runs yet")
+        return 0
+    run = find_run(args.run)
+    while True:
+        data = collect_status(run)
+        if args.json:
+            print(json.dumps(data, indent=2, default=str))
+        else:
+            if args.watch:
+                print("\033[2J\033[H", end="")
+            _print_status(data)
+        if not args.watch:
+            return 0
+        time.sleep(2)
+
+
+# ---- logs, cancel, smoke -------------------------------------------------------------------------------
+def logs(args: argparse.Namespace) -> int:
+    run = find_run(args.run)
+    if args.component is None:
+        files = sorted(run.logs.glob("*.log")) + sorted(run.logs.glob("*.out"))
+        print(table(["LOG", "BYTES"], [[f.name, f.stat().st_size] for f in files]) if files else "no logs yet")
+        print(f"show one: hpc logs {run.path.name} --component frontend")
+        return 0
+    name = args.component
+    if name in ("agg", "prefill", "decode", "encode"):
+        name = f"{name}-{args.index}"
+    path = run.logs / ("job.out" if name == "job" else f"{name}.log")
+    if not path.is_file():
+        have = ", ".join(sorted(p.stem for p in run.logs.glob("*.log"))) or "none yet"
+        raise UserError(f"no log for component '{name}' in {run.path.name}", hint=f"logs: {have}")
+    lines = path.read_text(errors="replace").splitlines()
+    print("\n".join(lines[-args.lines:]))
+    if args.follow:
+        with path.open(errors="replace") as handle:
+            handle.seek(0, 2)
+            try:
+                while True:
+                    line = handle.readline()
+                    if line:
+                        sys.stdout.write(line)
+                        sys.stdout.flush()
+                    else:
+                        time.sleep(0.2)
+            except KeyboardInterrupt:
+                return 0
+    return 0
+
+
+def cancel(args: argparse.Namespace) -> int:
+    run = find_run(args.run)
+    info = run.run_info()
+    if not info.get("submitted"):
+        raise UserError(f"run {run.path.name} was never submitted; nothing to cancel")
+    if info.get("scheduler") == "local":
+        from hpc.launch.local import stop_local
+
+        left = stop_local(run, args.grace)
+        run.update_run_info(cancelled_at=time.time())
+        print(f"stopped {run.path.name}" + (f"; still alive: {left}" if left else ""))
+        return 1 if left else 0
+    from hpc.launch.slurm import runner_for
+    from hpc.slurm.client import SlurmClient
+
+    state = SlurmClient(runner_for(run)).cancel(str(info["job_id"]), grace_s=args.grace)
+    run.update_run_info(cancelled_at=time.time())
+    print(f"job {info['job_id']}: {state.state if state else 'gone'}")
+    return 0
+
+
+def smoke(args: argparse.Namespace) -> int:
+    from hpc.launch.smoke import submit_smoke
+    from hpc.runtime.smoke import print_verdict
+
+    run = find_run(args.run)
+    verdict = submit_smoke(run)
+    print_verdict(verdict)
+    return 0 if verdict["passed"] else 1
+
+
+def model(args: argparse.Namespace) -> int:
+    from hpc.runtime.engine.tiny import build_tiny
+
+    t0 = time.monotonic()
+    out = build_tiny(args.out, multimodal=args.kind == "tiny-multimodal")
+    print(f"built {args.kind} model in {out} ({time.monotonic() - t0:.1f} s)")
+    return 0
+
+
+def dev_cluster(args: argparse.Namespace) -> int:
+    import subprocess
+
+    from hpc.spec.catalog import project_root
+
+    script = project_root() / "scripts" / "dev-cluster.sh"
+    return subprocess.call(["bash", str(script), args.action, *args.args])

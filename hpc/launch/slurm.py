@@ -1,0 +1,58 @@
+"""Submission to Slurm and the follow-up (readiness via the run directory, smoke through submitit)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from hpc.rundir import RunDir, read_json
+from hpc.slurm.client import SlurmClient, SubmitError
+from hpc.slurm.runner import LocalRunner, Runner
+
+
+def runner_for(run: RunDir) -> Runner:
+    conf = run.manifest().cluster.slurm_conf
+    return LocalRunner({"SLURM_CONF": conf} if conf else None)
+
+
+def launch_slurm(run: RunDir, wait: bool = True, smoke: bool = True, runner: Runner | None = None) -> int:
+    from hpc.launch.local import follow_up
+    from hpc.runtime.engine.tiny import ensure_model
+
+    m = run.manifest()
+    if m.recipe.model.generate:
+        ensure_model(m.recipe.model.path, m.recipe.model.generate)
+    client = SlurmClient(runner or runner_for(run))
+    # hpc launch runs the smoke checks through submitit; the script's own smoke stage then stands aside.
+    run.update_run_info(smoke_via="submitit" if (wait and smoke) else "job")
+    t0 = time.monotonic()
+    try:
+        job_id = client.submit(run.script_path)
+    except SubmitError as exc:
+        run.update_run_info(submitted=False, submit_error=str(exc))
+        print(f"sbatch failed: {exc}", file=sys.stderr)
+        print(f"nothing was submitted; the run directory is kept: {run.path}", file=sys.stderr)
+        return 1
+    run.update_run_info(submitted=True, scheduler="slurm", job_id=job_id, submitted_at=time.time())
+    print(f"submitted job {job_id}")
+    if wait:
+        state = _wait_running(client, job_id, run)
+        if state is not None:
+            return state
+    return follow_up(run, t0, wait=wait, smoke=smoke)
+
+
+def _wait_running(client: SlurmClient, job_id: str, run: RunDir) -> int | None:
+    """Until the in-job readiness stage reports, watching that the job did not end first."""
+    last = None
+    while True:
+        st = client.status(job_id)
+        if st is not None and st.state != last:
+            print(f"  slurm: {st.state}{' (' + st.reason + ')' if st.reason else ''}", flush=True)
+            last = st.state
+        if st is not None and st.finished:
+            print(f"job {job_id} ended {st.state} before it was ready; see: hpc logs {job_id}", file=sys.stderr)
+            return 1
+        if read_json(run.state / "ready.json") is not None or (st is not None and st.state == "RUNNING"):
+            return None
+        time.sleep(0.2)

@@ -1,0 +1,1 @@
+"""The only place that runs Slurm commands, all through one injected Runner."""

@@ -1,0 +1,53 @@
+"""Slurm verbs (submit, status, cancel) over the Runner; parsing stays in parse.py."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from hpc.slurm.parse import SACCT_FIELDS, SQUEUE_FORMAT, JobState, parse_sacct, parse_sbatch, parse_squeue
+from hpc.slurm.runner import Runner
+
+
+class SubmitError(Exception):
+    """sbatch refused the job; the message is Slurm's own."""
+
+
+class SlurmClient:
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+
+    def submit(self, script: Path) -> str:
+        result = self.runner.run(["sbatch", "--parsable", str(script)], cwd=str(script.parent))
+        if result.returncode != 0:
+            raise SubmitError((result.stderr or result.stdout).strip() or f"sbatch exited {result.returncode}")
+        return parse_sbatch(result.stdout)
+
+    def status(self, job_id: str) -> JobState | None:
+        """squeue while the job is known to the controller, sacct for steps and after it ends."""
+        queued = self.runner.run(["squeue", "-h", "-j", job_id, "-o", SQUEUE_FORMAT])
+        live = parse_squeue(queued.stdout, job_id) if queued.returncode == 0 else None
+        acct = self.runner.run(["sacct", "-n", "-P", "-j", job_id, "-o", SACCT_FIELDS])
+        record = parse_sacct(acct.stdout, job_id) if acct.returncode == 0 else None
+        if live is not None and not live.finished:
+            steps = record.steps if record else []
+            return JobState(job_id=job_id, state=live.state, elapsed=live.elapsed, nodes=live.nodes,
+                            reason=live.reason, steps=steps)
+        return record or live
+
+    def cancel(self, job_id: str, grace_s: float = 10.0, poll_s: float = 0.5) -> JobState | None:
+        """Tiered: TERM to the job's steps, then kill the job after the grace period. By id only."""
+        self.runner.run(["scancel", "--signal=TERM", job_id])
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            state = self.status(job_id)
+            if state is None or state.finished:
+                break
+            time.sleep(poll_s)
+        self.runner.run(["scancel", job_id])
+        deadline = time.monotonic() + 30
+        state = self.status(job_id)
+        while state is not None and not state.finished and time.monotonic() < deadline:
+            time.sleep(poll_s)
+            state = self.status(job_id)
+        return state

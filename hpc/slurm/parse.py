@@ -1,0 +1,89 @@
+"""Pure parsers: Slurm command output -> typed states."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+            "BOOT_FAIL", "DEADLINE", "REVOKED"}
+
+# squeue/sacct format strings the parsers below expect.
+SQUEUE_FORMAT = "%i|%T|%M|%D|%N|%R"
+SACCT_FIELDS = "JobID,JobName,State,ExitCode,Elapsed,NodeList"
+
+
+class ParseError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class StepState:
+    step_id: str
+    name: str
+    state: str
+    exit_code: int
+    signal: int
+    nodes: str
+
+
+@dataclass(frozen=True)
+class JobState:
+    job_id: str
+    state: str  # PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, ...
+    elapsed: str = ""
+    nodes: str = ""
+    reason: str = ""
+    exit_code: int = 0
+    steps: list[StepState] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.state in TERMINAL
+
+
+def parse_sbatch(stdout: str) -> str:
+    """`sbatch --parsable` prints `ID` or `ID;cluster`; plain sbatch `Submitted batch job ID`."""
+    text = stdout.strip()
+    m = re.search(r"Submitted batch job (\d+)", text) or re.fullmatch(r"(\d+)(?:;\S+)?", text.splitlines()[-1]
+                                                                      if text else "")
+    if not m:
+        raise ParseError(f"cannot find a job id in sbatch output: {stdout!r}")
+    return m.group(1)
+
+
+def parse_squeue(stdout: str, job_id: str) -> JobState | None:
+    for line in stdout.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) < 6 or parts[0] != job_id:
+            continue
+        return JobState(job_id=job_id, state=parts[1].split()[0], elapsed=parts[2], nodes=parts[4],
+                        reason=parts[5] if parts[1] == "PENDING" else "")
+    return None
+
+
+def _exit(code: str) -> tuple[int, int]:
+    a, _, b = code.partition(":")
+    return int(a or 0), int(b or 0)
+
+
+def parse_sacct(stdout: str, job_id: str) -> JobState | None:
+    """`sacct -n -P -o JobID,JobName,State,ExitCode,Elapsed,NodeList -j ID`."""
+    job: list[str] | None = None
+    steps: list[StepState] = []
+    for line in stdout.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) < 6:
+            continue
+        jid, name, state, code, elapsed, nodes = parts[:6]
+        state = state.split()[0]  # "CANCELLED by 0" -> CANCELLED
+        if jid == job_id:
+            job = [state, code, elapsed, nodes]
+        elif jid.startswith(job_id + "."):
+            ec, sig = _exit(code)
+            steps.append(StepState(step_id=jid[len(job_id) + 1:], name=name, state=state, exit_code=ec, signal=sig,
+                                   nodes=nodes))
+    if job is None:
+        return None
+    ec, _ = _exit(job[1])
+    return JobState(job_id=job_id, state=job[0], elapsed=job[2], nodes=job[3], exit_code=ec, steps=steps)

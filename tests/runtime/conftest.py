@@ -1,0 +1,59 @@
+"""A real local stack per recipe: etcd, NATS, frontend and torch workers as processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from hpc.cli.main import main
+from hpc.launch.local import stop_local
+from hpc.rundir import RunDir, list_runs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    def __init__(self, run: RunDir) -> None:
+        self.run = run
+        self.manifest = run.manifest()
+        self.url = json.loads((run.path / "endpoints" / "frontend.json").read_text())["url"]
+        self.model = self.manifest.recipe.model.served_name
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> Path:
+    """Models are built once per session (a few seconds each) under a shared directory."""
+    path = Path(os.environ.get("HPC_TEST_MODELS", tmp_path_factory.mktemp("models")))
+    return path
+
+
+def launch_stack(tmp_path_factory, model_cache: Path, recipe: str, *extra: str) -> Stack:
+    runs = tmp_path_factory.mktemp(f"runs-{recipe}")
+    os.environ["HPC_RUNS_DIR"] = str(runs)
+    model = "tiny-mm" if recipe == "tiny-epd" else "tiny"
+    code = main(["launch", "-r", recipe, "--no-smoke", "--set", f"frontend.port={free_port()}",
+                 "--set", f"model.path={model_cache / model}", *extra])
+    (run,) = list_runs()
+    if code != 0:
+        stop_local(run, 2)
+        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in run.logs.glob("*.log"))
+        pytest.fail(f"launch of {recipe} failed:\n{logs}")
+    return Stack(run)
+
+
+def stack_fixture(recipe: str, *extra: str):
+    @pytest.fixture(scope="module")
+    def fixture(tmp_path_factory, model_cache):
+        stack = launch_stack(tmp_path_factory, model_cache, recipe, *extra)
+        yield stack
+        left = stop_local(stack.run, 5)
+        assert left == [], f"processes left behind: {left}"
+    return fixture

@@ -1,0 +1,119 @@
+"""The whole stack on this machine with real etcd, NATS, workers and frontend (tiny torch model)."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from hpc.runtime.probe import get_json, get_text, metric_values, post_json, post_sse
+from tests.runtime.conftest import stack_fixture
+
+pytestmark = pytest.mark.integration
+
+agg = stack_fixture("tiny-agg")
+disagg = stack_fixture("tiny-disagg")
+
+PROMPT = "The capital of France is"
+
+
+def _complete(stack, **extra):
+    body = {"model": stack.model, "prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, **extra}
+    return post_json(stack.url + "/v1/completions", body)
+
+
+@pytest.mark.parametrize("name", ["agg", "disagg"])
+def test_completions_and_chat_streaming_and_not(name, request):
+    stack = request.getfixturevalue(name)
+    status, body = _complete(stack)
+    assert status == 200 and body["choices"][0]["text"] and body["usage"]["completion_tokens"] == 12
+    events = list(post_sse(stack.url + "/v1/completions", {"model": stack.model, "prompt": PROMPT, "max_tokens": 12,
+                                                           "ignore_eos": True, "stream": True,
+                                                           "stream_options": {"include_usage": True}}))
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    assert text == body["choices"][0]["text"]  # greedy: streamed and whole answers agree
+    assert events[-1]["usage"]["completion_tokens"] == 12
+    chat = {"model": stack.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "ignore_eos": True}
+    status, body = post_json(stack.url + "/v1/chat/completions", chat)
+    assert status == 200 and body["object"] == "chat.completion" and body["choices"][0]["message"]["content"]
+    chunks = list(post_sse(stack.url + "/v1/chat/completions", {**chat, "stream": True}))
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == \
+        body["choices"][0]["message"]["content"]
+
+
+def test_same_greedy_text_aggregated_and_disaggregated(agg, disagg):
+    for prompt in (PROMPT, "def main():", "Slurm schedules jobs on"):
+        a = post_json(agg.url + "/v1/completions", {"model": agg.model, "prompt": prompt, "max_tokens": 24,
+                                                    "ignore_eos": True})[1]
+        d = post_json(disagg.url + "/v1/completions", {"model": disagg.model, "prompt": prompt, "max_tokens": 24,
+                                                       "ignore_eos": True})[1]
+        assert a["choices"][0]["text"] == d["choices"][0]["text"]
+
+
+def test_disaggregated_path_really_ran(disagg):
+    def served(role):
+        state = json.loads((disagg.run.state / f"{role}-0.json").read_text())
+        return metric_values(get_text(state["http"] + "/metrics"), "hpc_worker_requests_total")
+
+    before = served("prefill"), served("decode")
+    _complete(disagg)
+    after = served("prefill"), served("decode")
+    assert after[0] == before[0] + 1 and after[1] == before[1] + 1
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    ({"prompt": "x", "max_tokens": 4}, 400, "model"),
+    ({"model": "hpc/tiny", "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ({"model": "nope", "prompt": "x"}, 404, "does not exist"),
+    ({"model": "hpc/tiny", "prompt": "word " * 2000}, 400, "limit"),
+    ({"model": "hpc/tiny", "prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+    ({"model": "hpc/tiny", "prompt": [1, -2]}, 400, "non-negative"),
+])
+def test_bad_requests_get_openai_errors(disagg, body, status, needle):
+    code, resp = post_json(disagg.url + "/v1/completions", body)
+    assert code == status
+    assert needle in resp["error"]["message"] and resp["error"]["type"]
+
+
+def test_malformed_json_and_unknown_route(disagg):
+    code, resp = post_json(disagg.url + "/v1/completions", b"{not json")
+    assert code == 400 and "not valid JSON" in resp["error"]["message"]
+    code, resp = get_json(disagg.url + "/v1/nothing")
+    assert code == 404 and "error" in resp
+
+
+def test_health_models_metrics(disagg):
+    code, health = get_json(disagg.url + "/health")
+    assert code == 200 and health["status"] == "healthy" and health["live"] == {"prefill": 1, "decode": 1}
+    assert get_json(disagg.url + "/v1/models")[1]["data"][0]["id"] == "hpc/tiny"
+    text = get_text(disagg.url + "/metrics")
+    assert metric_values(text, "hpc_frontend_requests_total") >= 1
+
+
+def test_stop_strings_cut_the_text(agg):
+    full = _complete(agg)[1]["choices"][0]["text"]
+    stop = full[5:8]
+    cut = _complete(agg, stop=[stop])[1]
+    assert cut["choices"][0]["text"] == full[:full.index(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+
+
+def test_client_disconnect_cancels_engine_request(agg):
+    req = urllib.request.Request(agg.url + "/v1/completions", data=json.dumps(
+        {"model": agg.model, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}).encode(),
+        headers={"content-type": "application/json"})
+    resp = urllib.request.urlopen(req, timeout=30)
+    resp.readline()
+    resp.close()  # the client goes away mid-stream
+    state = json.loads((agg.run.state / "agg-0.json").read_text())
+    import time
+
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        running = metric_values(get_text(state["http"] + "/metrics"), "hpc_worker_running")
+        if running == 0:
+            break
+        time.sleep(0.05)
+    assert running == 0
