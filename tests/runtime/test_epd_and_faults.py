@@ -1,0 +1,141 @@
+"""Encode -> prefill -> decode with images, media safety, and worker faults under a live frontend."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from hpc.runtime.probe import get_json, get_text, metric_values, post_json, post_sse
+from tests.runtime.conftest import stack_fixture
+
+pytestmark = pytest.mark.integration
+
+MEDIA = "/tmp/hpc-test-media"
+epd = stack_fixture("tiny-epd", "--set", f"runtime.allowed_local_media_path={MEDIA}",
+                    "--set", "runtime.max_file_size_mb=0.01")
+mock = stack_fixture("mock-agg", "--set", "roles.agg.count=2", "--set", "mock.per_token_delay_ms=20",
+                     "--set", "frontend.router=round_robin")
+
+
+def _png(color=(10, 200, 30), size=32) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (size, size), color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _chat(stack, image: str, stream=False):
+    body = {"model": stack.model, "max_tokens": 6, "ignore_eos": True, "stream": stream,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                      {"type": "image_url", "image_url": {"url": image}}]}]}
+    if stream:
+        return list(post_sse(stack.url + "/v1/chat/completions", body))
+    return post_json(stack.url + "/v1/chat/completions", body)
+
+
+def _requests(stack, name):
+    state = json.loads((stack.run.state / f"{name}.json").read_text())
+    return metric_values(get_text(state["http"] + "/metrics"), "hpc_worker_requests_total")
+
+
+def test_epd_chat_with_image_uses_all_three_roles(epd):
+    before = {r: _requests(epd, f"{r}-0") for r in ("encode", "prefill", "decode")}
+    data_url = "data:image/png;base64," + base64.b64encode(_png()).decode()
+    status, body = _chat(epd, data_url)
+    assert status == 200 and body["choices"][0]["message"]["content"]
+    events = _chat(epd, data_url, stream=True)
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == \
+        body["choices"][0]["message"]["content"]
+    after = {r: _requests(epd, f"{r}-0") for r in before}
+    assert all(after[r] >= before[r] + 2 for r in before), (before, after)
+
+
+def test_epd_different_images_give_different_answers(epd):
+    a = _chat(epd, "data:image/png;base64," + base64.b64encode(_png((255, 0, 0))).decode())[1]
+    b = _chat(epd, "data:image/png;base64," + base64.b64encode(_png((0, 0, 255))).decode())[1]
+    assert a["choices"][0]["message"]["content"] != b["choices"][0]["message"]["content"]
+
+
+def test_local_media_inside_allowed_path_works_and_escapes_are_rejected(epd, tmp_path):
+    os.makedirs(MEDIA, exist_ok=True)
+    with open(f"{MEDIA}/ok.png", "wb") as f:
+        f.write(_png(size=8))
+    assert _chat(epd, f"{MEDIA}/ok.png")[0] == 200
+    secret = tmp_path / "secret.png"
+    secret.write_bytes(_png(size=8))
+    link = f"{MEDIA}/link.png"
+    if os.path.lexists(link):
+        os.unlink(link)
+    os.symlink(secret, link)
+    for ref, needle in ((f"{MEDIA}/../etc/passwd", ".."), (str(secret), "outside"), (link, "outside"),
+                        (f"file://{secret}", "outside")):
+        code, body = _chat(epd, ref)
+        assert code == 400 and needle in body["error"]["message"], (ref, body)
+
+
+def test_oversize_image_rejected(epd):
+    big = "data:image/png;base64," + base64.b64encode(_png(size=512) + os.urandom(20000)).decode()
+    code, body = _chat(epd, big)
+    assert code == 400 and "max_file_size_mb" in body["error"]["message"]
+
+
+def test_text_only_model_rejects_images(mock):
+    code, body = _chat(mock, "data:image/png;base64,AAAA")
+    assert code == 400
+
+
+def _worker_pid(stack, name) -> int:
+    pids = json.loads((stack.run.path / "local.json").read_text())["pids"]
+    return pids[name][0]
+
+
+def test_killed_worker_mid_stream_ends_stream_with_error_and_others_keep_serving(mock):
+    body = {"model": mock.model, "prompt": "hello", "max_tokens": 300, "stream": True}
+    stream = post_sse(mock.url + "/v1/completions", body, timeout=30)
+    first = next(stream)
+    assert first["choices"][0]["text"]
+    # find the worker serving it: the one with a request in flight
+    busy = None
+    for name in ("agg-0", "agg-1"):
+        state = json.loads((mock.run.state / f"{name}.json").read_text())
+        if metric_values(get_text(state["http"] + "/metrics"), "hpc_worker_inflight") > 0:
+            busy = name
+    assert busy is not None
+    os.killpg(_worker_pid(mock, busy), signal.SIGKILL)
+    t0 = time.monotonic()
+    rest = list(stream)  # must end, not hang
+    assert time.monotonic() - t0 < 5
+    assert "error" in rest[-1]
+    # requests right after the kill are routed to the survivor (or retried there): none fails
+    for _ in range(10):
+        code, resp = post_json(mock.url + "/v1/completions", {"model": mock.model, "prompt": "x", "max_tokens": 3})
+        assert code == 200, resp
+    code, health = get_json(mock.url + "/health")
+    assert health["live"] == {"agg": 1} and health["status"] == "degraded"
+
+
+def test_hung_worker_leaves_routing_within_two_seconds(mock):
+    """SIGSTOP keeps the TCP connection open, so only the lease expiry can remove it."""
+    code, health = get_json(mock.url + "/health")
+    (survivor,) = health["instances"]["agg"]
+    name = f"agg-{survivor['index']}"
+    state = json.loads((mock.run.state / f"{name}.json").read_text())
+    pid = state["pid"]  # the engine process itself (the supervisor is its parent)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 5:
+            if get_json(mock.url + "/health")[1]["live"].get("agg", 0) == 0:
+                break
+            time.sleep(0.05)
+        gone_after = time.monotonic() - t0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert gone_after <= 2.0, f"hung worker still routed after {gone_after:.2f} s"
