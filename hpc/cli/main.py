@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `hpc status | head`: the reader left, nothing went wrong
+        sys.stderr.close()
+        return 0
     except Exception:  # internal bug: keep the traceback for the report
         import traceback
 

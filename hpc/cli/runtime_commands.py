@@ -228,7 +228,13 @@ def cancel(args: argparse.Namespace) -> int:
     from hpc.launch.slurm import runner_for
     from hpc.slurm.client import SlurmClient
 
-    state = SlurmClient(runner_for(run)).cancel(str(info["job_id"]), grace_s=args.grace)
+    workers = [w.name for w in run.manifest().plan.workers]
+
+    def drained() -> bool:
+        states = run.component_states()
+        return all(states.get(w, {}).get("phase") in ("drained", "stopped", "failed", None) for w in workers)
+
+    state = SlurmClient(runner_for(run)).cancel(str(info["job_id"]), grace_s=args.grace, drained=drained)
     run.update_run_info(cancelled_at=time.time())
     print(f"job {info['job_id']}: {state.state if state else 'gone'}")
     return 0

@@ -24,7 +24,7 @@ def launch_slurm(run: RunDir, wait: bool = True, smoke: bool = True, runner: Run
         ensure_model(m.recipe.model.path, m.recipe.model.generate)
     client = SlurmClient(runner or runner_for(run))
     # hpc launch runs the smoke checks through submitit; the script's own smoke stage then stands aside.
-    run.update_run_info(smoke_via="submitit" if (wait and smoke) else "job")
+    run.update_run_info(smoke_via="none" if not smoke else "submitit" if wait else "job")
     t0 = time.monotonic()
     try:
         job_id = client.submit(run.script_path)

@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     reporter.phase("started")
     host = node_address(manifest)
     cmd, health = (etcd_command if args.service == "etcd" else nats_command)(manifest, host)
-    # Clean up when the job stops us; never survive the step.
+    # The drain tier (SIGUSR1) is for workers; servers ignore it, and etcd/nats inherit the ignore.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
     signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
     signal.signal(signal.SIGINT, lambda *_: proc.terminate())

@@ -139,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="run even when hpc launch runs them via submitit")
     args = parser.parse_args(argv)
     info = read_json(Path(args.manifest).parent / "run.json") or {}
-    if info.get("smoke_via") == "submitit" and not args.force:
-        print("hpc: smoke checks run through submitit (hpc launch); skipping the in-job stage", flush=True)
+    if info.get("smoke_via") in ("submitit", "none") and not args.force:
+        print(f"hpc: in-job smoke stage skipped (smoke: {info['smoke_via']}, set by hpc launch)", flush=True)
         return 0
     verdict = run_smoke(args.manifest)
     print_verdict(verdict, lambda s: print(s, flush=True))

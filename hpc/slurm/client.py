@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Callable
 
 from hpc.slurm.parse import SACCT_FIELDS, SQUEUE_FORMAT, JobState, parse_sacct, parse_sbatch, parse_squeue
 from hpc.slurm.runner import Runner
@@ -35,15 +36,16 @@ class SlurmClient:
                             reason=live.reason, steps=steps)
         return record or live
 
-    def cancel(self, job_id: str, grace_s: float = 10.0, poll_s: float = 0.5) -> JobState | None:
-        """Tiered: TERM to the job's steps, then kill the job after the grace period. By id only."""
-        self.runner.run(["scancel", "--signal=TERM", job_id])
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            state = self.status(job_id)
-            if state is None or state.finished:
-                break
-            time.sleep(poll_s)
+    def cancel(self, job_id: str, grace_s: float = 10.0, poll_s: float = 0.2,
+               drained: Callable[[], bool] = lambda: True) -> JobState | None:
+        """Tiered, by job id only: USR1 asks every step to drain (leave routing, finish in-flight work);
+        once `drained()` or after the grace period, scancel sends TERM and, KillWait later, KILL."""
+        state = self.status(job_id)
+        if state is not None and state.state == "RUNNING":
+            self.runner.run(["scancel", "--signal=USR1", job_id])
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and not drained():
+                time.sleep(poll_s)
         self.runner.run(["scancel", job_id])
         deadline = time.monotonic() + 30
         state = self.status(job_id)

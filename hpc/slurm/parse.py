@@ -58,7 +58,7 @@ def parse_squeue(stdout: str, job_id: str) -> JobState | None:
         if len(parts) < 6 or parts[0] != job_id:
             continue
         return JobState(job_id=job_id, state=parts[1].split()[0], elapsed=parts[2], nodes=parts[4],
-                        reason=parts[5] if parts[1] == "PENDING" else "")
+                        reason=parts[5].strip("()") if parts[1] == "PENDING" else "")
     return None
 
 

@@ -36,6 +36,7 @@ async def serve(manifest: Manifest, bind: str | None = None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, lambda: None)  # drain tier: keep serving while workers leave
     await stop.wait()
     watch.cancel()
     await server.close()

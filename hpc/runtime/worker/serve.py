@@ -64,6 +64,7 @@ def supervise_worker(manifest: Manifest, manifest_path: str, role: str, index: i
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # drain requests reach the engine process directly
     reporter = Reporter(manifest, f"{role}-{index}")
     while True:
         child = subprocess.Popen(cmd)
@@ -114,6 +115,7 @@ async def serve(manifest: Manifest, role: str, index: int) -> int:
 
     engine = build_engine(manifest, role, self_address=rpc_address, tp=tp, fetch_kv=fetch_kv, device=device)
     if rank > 0:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         await asyncio.to_thread(engine.load)
         reporter.phase("weights_loaded")
         await asyncio.to_thread(follow, engine)
@@ -210,17 +212,23 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
     reporter.phase("registered", address=instance.address, http=f"http://{host}:{plan.ports['http']}")
     if events is not None:
         events.start_load_reports(lambda: {**engine.stats(), **deps.counters})
-    stop = asyncio.Event()
+    stop, drain = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    # SIGUSR1 (hpc cancel's first tier): leave routing, finish what is in flight, then wait for TERM.
+    loop.add_signal_handler(signal.SIGUSR1, drain.set)
+    await asyncio.wait([asyncio.create_task(stop.wait()), asyncio.create_task(drain.wait())],
+                       return_when=asyncio.FIRST_COMPLETED)
     draining = True
     reporter.phase("draining")
     await discovery.deregister()  # no new requests are routed here
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     while rpc.inflight and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
+    if not stop.is_set():
+        reporter.phase("drained")
+        await stop.wait()
     if watch_task:
         watch_task.cancel()
     await rpc.close()
