@@ -135,7 +135,8 @@ def build_view(m: Manifest) -> View:
     for s in plan.services:
         services.append(Step(
             name=s.name, comment=f"{s.name} on node {s.node}, ports {s.ports}",
-            srun_flags=["--overlap", "--nodes=1", "--ntasks=1", f"--output={logs}/{s.name}.log",
+            srun_flags=["--overlap", f"--job-name={s.name}", "--nodes=1", "--ntasks=1",
+                        f"--output={logs}/{s.name}.log",
                         *container, *c.srun_args],
             nodelist=_nodelist([s.node]), command=service_argv(m, s.name, c.python)))
     workers = [_worker_step(m, w, container, logs) for w in plan.workers]
@@ -148,7 +149,7 @@ def build_view(m: Manifest) -> View:
 
 def _worker_step(m: Manifest, w: WorkerPlan, container: list[str], logs: str) -> Step:
     c = m.cluster
-    flags = [f"--nodes={len(w.nodes)}", f"--ntasks={w.tasks}", f"--ntasks-per-node={w.tasks_per_node}",
+    flags = [f"--job-name={w.name}", f"--nodes={len(w.nodes)}", f"--ntasks={w.tasks}", f"--ntasks-per-node={w.tasks_per_node}",
              f"--output={logs}/{w.name}.log", "--label"]
     if w.tasks > 1:
         flags.append(f"--mpi={c.mpi}")
