@@ -111,7 +111,7 @@ def launch_local(run: RunDir, wait: bool = True, smoke: bool = True) -> int:
     return follow_up(run, t0, wait=wait, smoke=smoke)
 
 
-def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool) -> int:
+def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: None) -> int:
     """Shared by local and Slurm launches: readiness, smoke, and what to do next."""
     from hpc.runtime.ready import NotReady, wait_ready
 
@@ -120,7 +120,7 @@ def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool) -> int:
     if wait:
         print("waiting for readiness:")
         try:
-            wait_ready(m, progress=lambda s: print(s, flush=True))
+            wait_ready(m, progress=lambda s: print(s, flush=True), abort=abort)
         except NotReady as exc:
             print(f"not ready: {exc}", file=sys.stderr)
             print(f"inspect: hpc logs {ref}   stop: hpc cancel {ref}", file=sys.stderr)

@@ -39,7 +39,16 @@ def launch_slurm(run: RunDir, wait: bool = True, smoke: bool = True, runner: Run
         state = _wait_running(client, job_id, run)
         if state is not None:
             return state
-    return follow_up(run, t0, wait=wait, smoke=smoke)
+    last_check = [0.0]
+
+    def job_ended() -> str | None:
+        if time.monotonic() - last_check[0] < 1.0:
+            return None
+        last_check[0] = time.monotonic()
+        st = client.status(job_id)
+        return f"job {job_id} ended {st.state}" if st is not None and st.finished else None
+
+    return follow_up(run, t0, wait=wait, smoke=smoke, abort=job_ended)
 
 
 def _wait_running(client: SlurmClient, job_id: str, run: RunDir) -> int | None:

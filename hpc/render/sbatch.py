@@ -106,7 +106,11 @@ def build_view(m: Manifest) -> View:
                         "#SBATCH lines cannot carry", field="HPC_RUNS_DIR", hint="use another runs directory")
     logs = f"{run_dir}/logs"
     manifest = f"{run_dir}/manifest.json"
-    tasks_per_node = max([w.tasks_per_node for w in plan.workers] + [1])
+    per_node: dict[int, int] = {}
+    for w in plan.workers:  # workers packed on one node each need their own task slots (CPUs)
+        for n in w.nodes:
+            per_node[n] = per_node.get(n, 0) + w.tasks_per_node
+    tasks_per_node = max([*per_node.values(), 1])
     flags = [f"--job-name={m.job_name}", f"--nodes={plan.job_nodes}", f"--ntasks-per-node={tasks_per_node}",
              f"--time={time_to_minutes(m.recipe.time_limit or c.time_limit)}",
              f"--output={logs}/job.out", f"--error={logs}/job.out"]

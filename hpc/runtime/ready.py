@@ -42,7 +42,9 @@ def _failed_component(manifest: Manifest) -> str | None:
 
 
 def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float | None = None,
-               progress: Callable[[str], None] = print) -> dict[str, float]:
+               progress: Callable[[str], None] = print,
+               abort: Callable[[], str | None] = lambda: None) -> dict[str, float]:
+    """Block until ready; `abort` may return a reason to give up (e.g. the Slurm job ended)."""
     timeout = timeout or manifest.recipe.runtime.readiness_timeout_s
     stall_s = stall_s or timeout
     start = time.monotonic()
@@ -60,8 +62,13 @@ def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float 
             now = time.monotonic()
             failed = _failed_component(manifest)
             if failed:
+                log = failed.split(".rank")[0]
                 raise NotReady(f"{failed} failed while waiting for {stage}; last lines of its log:\n"
-                               f"{log_tail(manifest, failed)}")
+                               f"{log_tail(manifest, log)}")
+            reason = abort()
+            if reason:
+                raise NotReady(f"{reason} while waiting for {stage}; last lines of {component}'s log:\n"
+                               f"{log_tail(manifest, component)}")
             if now - start > timeout or now - last_progress > stall_s:
                 raise NotReady(f"stuck waiting for {stage} after {now - start:.0f} s; last lines of "
                                f"{component}'s log:\n{log_tail(manifest, component)}")

@@ -44,7 +44,19 @@ def main_entry(manifest_path: str, role: str, index: int, supervise: bool) -> in
         uvloop.install()
     except ImportError:
         pass
-    return asyncio.run(serve(manifest, role, index))
+    try:
+        return asyncio.run(serve(manifest, role, index))
+    except Exception as exc:  # report it where readiness and status look, then fail the step
+        rank = _rank_suffix(plan.tasks)
+        Reporter(manifest, f"{role}-{index}{rank}").phase("failed", error=f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _rank_suffix(tasks: int) -> str:
+    from hpc.runtime.engine.tp import world_rank
+
+    rank = world_rank()[0] if tasks > 1 else 0
+    return f".rank{rank}" if rank else ""
 
 
 def supervise_worker(manifest: Manifest, manifest_path: str, role: str, index: int) -> int:
@@ -140,7 +152,7 @@ def _device(rank: int, world: int) -> str | None:
             return f"cuda:{local % torch.cuda.device_count()}"
     except ImportError:
         pass
-    return None
+    return "cpu"
 
 
 async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers: Peers, host: str,

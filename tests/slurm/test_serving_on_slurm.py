@@ -1,0 +1,162 @@
+"""The real stack on the dev cluster: launch, smoke, requests from the host, TP over MPI, faults, cancel."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc.cli.main import main
+from hpc.rundir import RunDir, list_runs
+from hpc.runtime.probe import get_json, post_json, post_sse
+from tests.slurm.conftest import DEV, dev_cluster_file
+
+pytestmark = pytest.mark.slurm
+LAB = Path(DEV["slurm_conf"]).parents[1]
+
+
+def _launch(*args: str) -> RunDir:
+    code = main(["launch", *args])
+    run = list_runs()[0]  # the newest
+    if code != 0:
+        main(["cancel", run.path.name, "--grace", "1"])
+        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(run.logs.glob("*")))
+        pytest.fail(f"launch failed:\n{logs}")
+    return run
+
+
+def _url(run: RunDir) -> str:
+    return json.loads((run.path / "endpoints" / "frontend.json").read_text())["url"]
+
+
+def _node_processes() -> dict[str, list[str]]:
+    """Every process left in each node's namespace apart from slurmd itself."""
+    left = {}
+    for ns in sorted(p.name for p in Path("/run/netns").glob("hpc-node*")):
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        names = []
+        for pid in pids:
+            try:
+                comm = Path(f"/proc/{pid}/comm").read_text().strip()
+                state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+            except OSError:
+                continue
+            if comm != "slurmd" and state != "Z":
+                names.append(f"{pid}:{comm}")
+        left[ns] = names
+    return left
+
+
+def _cancel_and_check_clean(run: RunDir, capsys=None) -> None:
+    job = run.run_info()["job_id"]
+    assert main(["cancel", job]) == 0
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(_node_processes().values()):
+        time.sleep(0.2)
+    assert not any(_node_processes().values()), _node_processes()
+    from hpc.cli.runtime_commands import _slurm_state
+
+    assert _slurm_state(run)["state"] == "CANCELLED"
+
+
+def _complete(url: str, model: str, prompt: str = "Hello from the host", n: int = 16):
+    status, body = post_json(url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": n,
+                                                       "ignore_eos": True})
+    assert status == 200, body
+    return body["choices"][0]["text"]
+
+
+def test_tiny_disagg_as_planned_with_smoke_and_clean_cancel(slurm_env, tmp_path):
+    run = _launch("-c", "dev", "-r", "tiny-disagg")
+    smoke = json.loads((run.path / "smoke.json").read_text())
+    assert smoke["passed"], smoke
+    assert run.run_info().get("smoke_job_id")  # it ran as a submitit job
+    states = run.component_states()
+    assert {states[c]["node"] for c in ("etcd", "nats", "frontend")} == {"node1"}
+    assert states["prefill-0"]["node"] == "node2" and states["decode-0"]["node"] == "node3"
+    url = _url(run)
+    assert url.startswith("http://10.77.0.11:")  # bound to node1's own address, reached from the host
+    assert _complete(url, "hpc/tiny")
+    _cancel_and_check_clean(run)
+
+
+def test_tiny_epd_on_dev(slurm_env):
+    run = _launch("-c", "dev", "-r", "tiny-epd")
+    smoke = json.loads((run.path / "smoke.json").read_text())
+    assert smoke["passed"], smoke
+    _cancel_and_check_clean(run)
+
+
+def test_tp2_worker_spanning_two_nodes_matches_tp1(slurm_env, tmp_path):
+    one_gpu_nodes = dev_cluster_file(tmp_path, gpus_per_node=1)
+    prompts = ["The capital of France is", "def main():", "Slurm schedules"]
+    run1 = _launch("-c", "dev", "-r", "tiny-agg", "--no-smoke")
+    ref = [_complete(_url(run1), "hpc/tiny", p, 24) for p in prompts]
+    _cancel_and_check_clean(run1)
+    run2 = _launch("-c", one_gpu_nodes, "-r", "tiny-agg", "--no-smoke",
+                   "--set", "roles.agg.tensor_parallel_size=2")
+    w = run2.manifest().plan.workers[0]
+    assert w.tasks == 2 and w.nodes == [1, 2]
+    ranks = {json.loads(p.read_text())["node"] for p in run2.state.glob("agg-0*.json")}
+    assert ranks == {"node2", "node3"}
+    got = [_complete(_url(run2), "hpc/tiny", p, 24) for p in prompts]
+    assert got == ref
+    _cancel_and_check_clean(run2)
+
+
+def test_killed_decode_worker_under_load_recovers(slurm_env):
+    run = _launch("-c", "dev", "-r", "tiny-disagg", "--no-smoke", "--set", "roles.decode.count=2",
+                  "--set", "roles.decode.failure.on_failure=restart")
+    url = _url(run)
+    results: list[str] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            try:
+                events = list(post_sse(url + "/v1/completions", {"model": "hpc/tiny", "prompt": "load",
+                                                                 "max_tokens": 32, "ignore_eos": True,
+                                                                 "stream": True}, timeout=20))
+                results.append("error" if any("error" in e for e in events) else "ok")
+            except Exception as exc:  # a hung request would show up as a timeout here
+                results.append(f"exception {type(exc).__name__}")
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    victim = json.loads((run.state / "decode-0.json").read_text())
+    os.kill(victim["pid"], signal.SIGKILL)  # the nodes share one PID namespace
+    t_kill = time.monotonic()
+    dropped_after = None
+    while time.monotonic() - t_kill < 5:
+        live = get_json(url + "/health")[1]["live"]
+        if live.get("decode") == 1 and dropped_after is None:
+            dropped_after = time.monotonic() - t_kill
+        if dropped_after is not None:
+            break
+        time.sleep(0.02)
+    # with policy 'restart' a new instance registers
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and get_json(url + "/health")[1]["live"].get("decode") != 2:
+        time.sleep(0.1)
+    restarted = get_json(url + "/health")[1]["live"].get("decode") == 2
+    time.sleep(1.0)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a client request hung"
+    assert dropped_after is not None and dropped_after <= 2.0, dropped_after
+    assert restarted
+    assert all(r in ("ok", "error") for r in results), results  # no hangs, no timeouts
+    assert results.count("error") <= 4 and results.count("ok") >= 4
+    assert json.loads((run.state / "decode-0.json").read_text())["restarts"] == 1
+    print(f"kill -> out of routing {dropped_after:.3f} s; {results.count('error')} of {len(results)} streams "
+          f"ended with an error event")
+    _cancel_and_check_clean(run)
