@@ -158,7 +158,9 @@ def _worker_step(m: Manifest, w: WorkerPlan, container: list[str], logs: str) ->
     if w.tasks > 1:
         flags.append(f"--mpi={c.mpi}")
     if m.recipe.backend.value != "mock" and c.gpus_per_node:
-        flags += _gpu_flag(c.gpu_request, w.gpus_per_node)
+        # --exact: only the CPUs and GPUs this step asks for, so workers packed on a node run side by side
+        # on distinct GPUs (without it a step takes the whole node and the next one waits).
+        flags += ["--exact", *_gpu_flag(c.gpu_request, w.gpus_per_node)]
     else:
         flags.append("--overlap")
     ranks = ", ".join(f"r{r.rank}:n{r.node}/gpu{r.gpu}" for r in w.ranks[:8]) + (" ..." if w.tasks > 8 else "")

@@ -1,0 +1,39 @@
+"""Start a recipe's whole stack on this machine for a benchmark, and stop it afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from hpc.cli.main import main
+from hpc.launch.local import stop_local
+from hpc.rundir import RunDir, list_runs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_stack(recipe: str, *overrides: str) -> Iterator[tuple[RunDir, str]]:
+    with tempfile.TemporaryDirectory(prefix="hpc-bench-") as runs:
+        os.environ["HPC_RUNS_DIR"] = runs
+        args = ["launch", "-r", recipe, "--no-smoke", "--set", f"frontend.port={free_port()}"]
+        for o in overrides:
+            args += ["--set", o]
+        code = main(args)
+        run = list_runs()[0]
+        try:
+            if code != 0:
+                raise SystemExit(f"launch of {recipe} failed; logs in {run.logs}")
+            url = json.loads((Path(run.path) / "endpoints" / "frontend.json").read_text())["url"]
+            yield run, url
+        finally:
+            stop_local(run, 5)

@@ -1,0 +1,1 @@
+"""Load generation against OpenAI-compatible endpoints (hpc bench) and its HTTP client."""
