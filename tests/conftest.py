@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -42,3 +43,10 @@ def weird_tmp_path(tmp_path: Path) -> Path:
 @pytest.fixture
 def project_root() -> Path:
     return ROOT
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> Path:
+    """Models are built once per session (a few seconds each) under a shared directory."""
+    path = Path(os.environ.get("HPC_TEST_MODELS", tmp_path_factory.mktemp("models")))
+    return path

@@ -1,9 +1,98 @@
-"""`hpc bench` (filled in by the benchmark issue)."""
+"""`hpc bench RUN | --url URL`: load sweeps with a validity gate; `hpc bench --compare A B`."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import time
+from pathlib import Path
+
+from hpc.errors import UserError
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("values must be >= 1")
+    return values
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    return None
+    p = sub.add_parser("bench", help="load sweep (TTFT, ITL, latency, throughput) with a validity gate")
+    p.add_argument("run", nargs="?", help="run directory, run id or job id (uses its frontend and recipe)")
+    p.add_argument("--url", help="any OpenAI-compatible base URL instead of a run, e.g. http://host:8000")
+    p.add_argument("--model", help="model name (default: the run's served name)")
+    p.add_argument("--concurrency", type=_ints, help="e.g. 1,4,16 (default: the recipe's)")
+    p.add_argument("--input-tokens", type=_ints, help="input lengths, e.g. 128,1024")
+    p.add_argument("--output-tokens", type=_ints, help="output lengths (paired with --input-tokens)")
+    p.add_argument("--requests", type=int, help="requests per level")
+    p.add_argument("--rate", type=float, help="open loop: requests/s (Poisson) instead of a closed loop")
+    p.add_argument("--warmup", type=int, help="warm-up requests per level")
+    p.add_argument("--no-stream", action="store_true", help="non-streaming requests (no TTFT/ITL)")
+    p.add_argument("--out", type=Path, help="output directory (default: RUN/bench/<time> or ./bench/<time>)")
+    p.add_argument("--compare", nargs=2, metavar=("A", "B"), type=Path,
+                   help="plot two results.json (or their directories) against each other")
+    p.set_defaults(func=bench)
+
+
+def _load(path: Path) -> dict:
+    path = path / "results.json" if path.is_dir() else path
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read bench results: {exc}", file=str(path)) from None
+
+
+def bench(args: argparse.Namespace) -> int:
+    from hpc.bench import report
+    from hpc.bench.loadgen import Level, run_sweep
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if args.compare:
+        a, b = (_load(p) for p in args.compare)
+        out = args.out or Path("bench") / f"compare-{stamp}"
+        out.mkdir(parents=True, exist_ok=True)
+        paths = report.plot({str(args.compare[0]): a, str(args.compare[1]): b}, out)
+        for label, res in ((args.compare[0], a), (args.compare[1], b)):
+            print(f"{label}:\n{report.table(res)}")
+        print("plots: " + ", ".join(str(p) for p in paths))
+        return 0
+    spec = None
+    run = None
+    if args.url:
+        url, model = args.url.rstrip("/").removesuffix("/v1"), args.model
+        if not model:
+            raise UserError("--model is required with --url", field="--model")
+    else:
+        from hpc.rundir import find_run, read_json
+
+        run = find_run(args.run)
+        m = run.manifest()
+        spec = m.recipe.benchmark
+        ep = read_json(run.path / "endpoints" / "frontend.json")
+        if not ep:
+            raise UserError(f"run {run.path.name} has no frontend endpoint yet", hint=f"hpc status {run.path.name}")
+        url, model = ep["url"], args.model or m.recipe.model.served_name
+    concurrency = args.concurrency or (spec.concurrency if spec else [1, 4, 16])
+    ins = args.input_tokens or ([s.input_tokens for s in spec.shapes] if spec else [128])
+    outs = args.output_tokens or ([s.output_tokens for s in spec.shapes] if spec else [64])
+    if len(ins) != len(outs):
+        raise UserError("--input-tokens and --output-tokens need the same number of values")
+    requests = args.requests or (spec.requests_per_level if spec else 64)
+    warmup = args.warmup if args.warmup is not None else (spec.warmup_requests if spec else 4)
+    streaming = not args.no_stream and (spec.streaming if spec else True)
+    levels = [Level(c, i, o, requests, args.rate) for i, o in zip(ins, outs) for c in concurrency]
+    results = {"target": url, "model": model, "streaming": streaming, "started": stamp,
+               "levels": run_sweep(url, model, levels, streaming, warmup)}
+    results["valid"] = all(lv["valid"] for lv in results["levels"])
+    out = args.out or ((run.path / "bench" / stamp) if run else Path("bench") / stamp)
+    paths = report.write(results, out)
+    print(report.table(results))
+    print("wrote: " + ", ".join(str(p) for p in paths))
+    if not results["valid"]:
+        print("INVALID: this result must not be reported (see the 'valid' column)")
+        return 1
+    return 0

@@ -28,13 +28,6 @@ class Stack:
         self.model = self.manifest.recipe.model.served_name
 
 
-@pytest.fixture(scope="session")
-def model_cache(tmp_path_factory) -> Path:
-    """Models are built once per session (a few seconds each) under a shared directory."""
-    path = Path(os.environ.get("HPC_TEST_MODELS", tmp_path_factory.mktemp("models")))
-    return path
-
-
 def launch_stack(tmp_path_factory, model_cache: Path, recipe: str, *extra: str) -> Stack:
     runs = tmp_path_factory.mktemp(f"runs-{recipe}")
     os.environ["HPC_RUNS_DIR"] = str(runs)

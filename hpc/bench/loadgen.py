@@ -1,0 +1,184 @@
+"""Async load generation against an OpenAI-compatible server: TTFT, ITL, latency, throughput, validity.
+
+A level is one (concurrency, input length, output length) point. A result is invalid when no tokens came
+back, more than 5 % of requests failed, or fewer requests completed than were asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from hpc.bench.httpclient import Pool
+
+MAX_FAILURE_RATE = 0.05
+
+
+@dataclass(frozen=True)
+class Level:
+    concurrency: int
+    input_tokens: int
+    output_tokens: int
+    requests: int
+    rate: float | None = None  # requests/s (Poisson arrivals) instead of a closed loop
+
+
+@dataclass
+class Sample:
+    ok: bool
+    e2e: float = 0.0
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)
+    tokens: int = 0
+    error: str = ""
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    v = sorted(values)
+    pick = lambda q: v[min(len(v) - 1, int(q * len(v)))]  # noqa: E731
+    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "mean": sum(v) / len(v)}
+
+
+def prompt_ids(n: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(100, 3000) for _ in range(n)]
+
+
+async def one_request(pool: Pool, model: str, level: Level, streaming: bool, rng: random.Random) -> Sample:
+    body = {"model": model, "prompt": prompt_ids(level.input_tokens, rng), "max_tokens": level.output_tokens,
+            "ignore_eos": True, "stream": streaming}
+    if streaming:
+        body["stream_options"] = {"include_usage": True}
+    conn = pool.take()
+    t0 = time.perf_counter()
+    sample = Sample(ok=False)
+    last = None
+    try:
+        if not streaming:
+            status, raw = await conn.request("POST", "/v1/completions", json.dumps(body).encode())
+            data = json.loads(raw)
+            if status != 200:
+                sample.error = data.get("error", {}).get("message", f"HTTP {status}")
+            else:
+                sample.tokens = int(data["usage"]["completion_tokens"])
+                sample.ok = True
+                sample.ttft = time.perf_counter() - t0
+        else:
+            buffer = b""
+            status = 0
+            async for status, piece in conn.chunks("POST", "/v1/completions", json.dumps(body).encode()):
+                buffer += piece
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                        continue
+                    data = json.loads(event[6:])
+                    if "error" in data:
+                        sample.error = data["error"].get("message", "error event")
+                        continue
+                    if data.get("usage"):
+                        sample.tokens = int(data["usage"]["completion_tokens"])
+                    if data.get("choices") and data["choices"][0].get("text"):
+                        now = time.perf_counter()
+                        if sample.ttft is None:
+                            sample.ttft = now - t0
+                        elif last is not None:
+                            sample.itls.append(now - last)
+                        last = now
+            if status != 200 and not sample.error:
+                try:
+                    sample.error = json.loads(buffer)["error"]["message"]
+                except (ValueError, KeyError):
+                    sample.error = f"HTTP {status}"
+            sample.ok = status == 200 and not sample.error
+        pool.give(conn, True)
+    except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+        sample.error = f"{type(exc).__name__}: {exc}"
+        pool.give(conn, False)
+    sample.e2e = time.perf_counter() - t0
+    return sample
+
+
+async def run_level(url: str, model: str, level: Level, streaming: bool, warmup: int,
+                    progress: Callable[[int, int], None] = lambda done, total: None, seed: int = 0) -> dict[str, Any]:
+    pool = Pool(url)
+    rng = random.Random(seed)
+    for _ in range(warmup):
+        await one_request(pool, model, level, streaming, rng)
+    samples: list[Sample] = []
+    queue = list(range(level.requests))
+    t0 = time.perf_counter()
+
+    async def user() -> None:
+        while queue:
+            queue.pop()
+            samples.append(await one_request(pool, model, level, streaming, rng))
+            progress(len(samples), level.requests)
+
+    if level.rate:
+        tasks = []
+        for _ in range(level.requests):
+            tasks.append(asyncio.create_task(one_request(pool, model, level, streaming, rng)))
+            await asyncio.sleep(rng.expovariate(level.rate))
+        for task in asyncio.as_completed(tasks):
+            samples.append(await task)
+            progress(len(samples), level.requests)
+    else:
+        await asyncio.gather(*[user() for _ in range(level.concurrency)])
+    wall = time.perf_counter() - t0
+    pool.close()
+    return summarize(level, samples, wall)
+
+
+def summarize(level: Level, samples: list[Sample], wall: float) -> dict[str, Any]:
+    ok = [s for s in samples if s.ok]
+    tokens = sum(s.tokens for s in ok)
+    failures = len(samples) - len(ok)
+    failure_rate = failures / len(samples) if samples else 1.0
+    reasons = []
+    if tokens == 0:
+        reasons.append("no output tokens")
+    if failure_rate > MAX_FAILURE_RATE:
+        reasons.append(f"{failure_rate:.0%} of requests failed (limit {MAX_FAILURE_RATE:.0%})")
+    if len(ok) < level.requests:
+        reasons.append(f"{len(ok)} of {level.requests} requests completed")
+    errors = sorted({s.error for s in samples if s.error})[:5]
+    return {
+        **asdict(level), "completed": len(ok), "failed": failures, "failure_rate": failure_rate,
+        "output_tokens": tokens, "duration_s": wall, "output_tokens_per_s": tokens / wall if wall else 0.0,
+        "requests_per_s": len(ok) / wall if wall else 0.0,
+        "ttft_s": percentiles([s.ttft for s in ok if s.ttft is not None]),
+        "itl_s": percentiles([x for s in ok for x in s.itls]),
+        "e2e_s": percentiles([s.e2e for s in ok]),
+        "valid": not reasons, "invalid_reasons": reasons, "errors": errors,
+    }
+
+
+def bar(label: str) -> Callable[[int, int], None]:
+    def show(done: int, total: int) -> None:
+        width = 30
+        filled = int(width * done / max(total, 1))
+        sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+    return show
+
+
+def run_sweep(url: str, model: str, levels: list[Level], streaming: bool, warmup: int,
+              show_progress: bool = True) -> list[dict[str, Any]]:
+    async def sweep() -> list[dict[str, Any]]:
+        out = []
+        for lv in levels:  # one after another on the same warm engines
+            label = f"c={lv.concurrency} in={lv.input_tokens} out={lv.output_tokens}"
+            out.append(await run_level(url, model, lv, streaming, warmup,
+                                       bar(label) if show_progress else (lambda d, t: None)))
+        return out
+
+    return asyncio.run(sweep())

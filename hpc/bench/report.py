@@ -1,0 +1,92 @@
+"""Bench results: JSON, CSV, a table, and PNG plots (single run or two runs compared)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+COLUMNS = ["concurrency", "input_tokens", "output_tokens", "requests", "completed", "failure_rate",
+           "output_tokens_per_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+           "e2e_p50_ms", "e2e_p90_ms", "e2e_p99_ms", "valid"]
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 3)
+
+
+def flat(level: dict[str, Any]) -> dict[str, Any]:
+    row = {k: level[k] for k in COLUMNS if k in level}
+    for metric in ("ttft", "itl", "e2e"):
+        for q in ("p50", "p90", "p99"):
+            row[f"{metric}_{q}_ms"] = _ms(level[f"{metric}_s"][q])
+    return {k: row.get(k) for k in COLUMNS}
+
+
+def write(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    with (out_dir / "results.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer.writeheader()
+        for level in results["levels"]:
+            writer.writerow(flat(level))
+    return [out_dir / "results.json", out_dir / "results.csv", *plot({"": results}, out_dir)]
+
+
+def table(results: dict[str, Any]) -> str:
+    head = f"{'conc':>5} {'in':>5} {'out':>5} {'ok':>6} {'fail%':>6} {'tok/s':>9} {'req/s':>8} " \
+           f"{'TTFT p50':>9} {'ITL p50':>8} {'e2e p50':>8} {'e2e p99':>8}  valid"
+    lines = [head]
+    for lv in results["levels"]:
+        f = flat(lv)
+        fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+        lines.append(f"{f['concurrency']:>5} {f['input_tokens']:>5} {f['output_tokens']:>5} "
+                     f"{lv['completed']:>6} {100 * lv['failure_rate']:>5.1f}% {lv['output_tokens_per_s']:>9.1f} "
+                     f"{lv['requests_per_s']:>8.2f} {fmt(f['ttft_p50_ms']):>9} {fmt(f['itl_p50_ms']):>8} "
+                     f"{fmt(f['e2e_p50_ms']):>8} {fmt(f['e2e_p99_ms']):>8}  "
+                     f"{'yes' if lv['valid'] else 'NO: ' + '; '.join(lv['invalid_reasons'])}")
+    return "\n".join(lines)
+
+
+def plot(runs: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, res in runs.items():
+        lv = res["levels"]
+        xs = [l["e2e_s"]["p50"] * 1000 if l["e2e_s"]["p50"] else 0 for l in lv]
+        ax.plot(xs, [l["output_tokens_per_s"] for l in lv], marker="o", label=label or res.get("target", ""))
+        for l, x in zip(lv, xs):
+            ax.annotate(f"c={l['concurrency']}", (x, l["output_tokens_per_s"]), fontsize=7)
+    ax.set_xlabel("end-to-end latency p50 (ms)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("throughput vs latency")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out_dir / "throughput_vs_latency.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for label, res in runs.items():
+        lv = res["levels"]
+        cs = [l["concurrency"] for l in lv]
+        a1.plot(cs, [(l["ttft_s"]["p50"] or 0) * 1000 for l in lv], marker="o", label=label or "TTFT p50")
+        a2.plot(cs, [(l["itl_s"]["p50"] or 0) * 1000 for l in lv], marker="o", label=label or "ITL p50")
+    for a, name in ((a1, "TTFT p50 (ms)"), (a2, "ITL p50 (ms)")):
+        a.set_xlabel("concurrency")
+        a.set_ylabel(name)
+        a.set_xscale("log", base=2)
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out_dir / "ttft_itl_vs_concurrency.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    return paths

@@ -1,0 +1,112 @@
+"""hpc bench: consistent numbers against real stacks; the validity gate against misbehaving servers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+from PIL import Image
+
+from hpc.bench.loadgen import Level, run_sweep
+from hpc.cli.main import main
+from hpc.runtime.httpserver import HttpServer, Response, json_response
+from hpc.runtime.probe import get_text, metric_values
+from tests.runtime.conftest import free_port, stack_fixture
+
+mock = stack_fixture("mock-agg", "--set", "mock.per_token_delay_ms=1")
+disagg = stack_fixture("tiny-disagg")
+
+
+@pytest.mark.integration
+def test_bench_against_mock_run_is_consistent_and_plots(mock, tmp_path, capsys):
+    before = metric_values(get_text(mock.url + "/metrics"), "hpc_frontend_completion_tokens_total")
+    out = tmp_path / "b"
+    assert main(["bench", str(mock.run.path), "--concurrency", "1,4", "--input-tokens", "16",
+                 "--output-tokens", "8", "--requests", "12", "--warmup", "0", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    after = metric_values(get_text(mock.url + "/metrics"), "hpc_frontend_completion_tokens_total")
+    assert sum(lv["output_tokens"] for lv in res["levels"]) == after - before == 2 * 12 * 8
+    for lv in res["levels"]:
+        assert lv["valid"] and lv["completed"] == 12
+        assert lv["ttft_s"]["p50"] <= lv["e2e_s"]["p50"] and lv["ttft_s"]["p99"] <= lv["e2e_s"]["p99"]
+        assert lv["itl_s"]["p50"] is not None
+    for png in ("throughput_vs_latency.png", "ttft_itl_vs_concurrency.png"):
+        with Image.open(out / png) as img:
+            assert img.format == "PNG" and img.size[0] > 100
+    assert (out / "results.csv").read_text().count("\n") == 3
+    cmp = tmp_path / "cmp"
+    assert main(["bench", "--compare", str(out), str(out), "--out", str(cmp)]) == 0
+    assert (cmp / "throughput_vs_latency.png").is_file()
+
+
+@pytest.mark.integration
+def test_bench_against_tiny_disagg_counts_match_server(disagg, tmp_path):
+    res = run_sweep(disagg.url, disagg.model, [Level(2, 32, 6, 8)], streaming=True, warmup=1, show_progress=False)
+    (lv,) = res
+    assert lv["valid"] and lv["output_tokens"] == 8 * 6
+    assert lv["ttft_s"]["p50"] <= lv["e2e_s"]["p50"]
+
+
+class FakeServer:
+    """An OpenAI-ish server that misbehaves on purpose."""
+
+    def __init__(self, behaviour: str) -> None:
+        self.behaviour = behaviour
+        self.count = 0
+        self.port = free_port()
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+        self.ready.wait(5)
+
+    async def handle(self, req) -> Response:
+        self.count += 1
+        body = json.loads(req.body)
+        if self.behaviour == "fail-quarter" and self.count % 4 == 0:
+            return json_response({"error": {"message": "overloaded", "type": "server_error", "code": 503}}, 503)
+        tokens = 0 if self.behaviour == "empty" else body["max_tokens"]
+        text = "" if self.behaviour == "empty" else "x" * tokens
+        if body.get("stream"):
+            async def events():
+                if text:
+                    yield b'data: {"choices": [{"text": "' + text.encode() + b'"}]}\n\n'
+                yield b'data: {"choices": [], "usage": {"completion_tokens": %d}}\n\n' % tokens
+                yield b"data: [DONE]\n\n"
+            return Response(content_type="text/event-stream", stream=events())
+        return json_response({"choices": [{"text": text}], "usage": {"completion_tokens": tokens}})
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        server = HttpServer(self.handle)
+        self.loop.run_until_complete(server.start("127.0.0.1", self.port))
+        self.ready.set()
+        self.loop.run_forever()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("streaming", [True, False])
+def test_gate_flags_empty_text(streaming):
+    srv = FakeServer("empty")
+    (lv,) = run_sweep(f"http://127.0.0.1:{srv.port}", "m", [Level(2, 8, 4, 20)], streaming, 0, False)
+    assert not lv["valid"] and "no output tokens" in lv["invalid_reasons"]
+
+
+@pytest.mark.unit
+def test_gate_flags_quarter_failures_and_cli_exits_nonzero(tmp_path):
+    srv = FakeServer("fail-quarter")
+    (lv,) = run_sweep(f"http://127.0.0.1:{srv.port}", "m", [Level(1, 8, 4, 40)], True, 0, False)
+    assert not lv["valid"] and lv["failure_rate"] == pytest.approx(0.25, abs=0.03)
+    assert any("failed" in r for r in lv["invalid_reasons"]) and lv["output_tokens"] > 0
+    code = main(["bench", "--url", f"http://127.0.0.1:{srv.port}", "--model", "m", "--concurrency", "2",
+                 "--requests", "20", "--warmup", "0", "--out", str(tmp_path / "o")])
+    assert code == 1
+    assert json.loads((tmp_path / "o" / "results.json").read_text())["valid"] is False
+
+
+@pytest.mark.unit
+def test_gate_passes_a_good_server():
+    srv = FakeServer("good")
+    (lv,) = run_sweep(f"http://127.0.0.1:{srv.port}", "m", [Level(4, 8, 5, 40)], True, 0, False)
+    assert lv["valid"] and lv["output_tokens"] == 200 and lv["failure_rate"] == 0
