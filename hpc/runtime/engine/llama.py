@@ -105,7 +105,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, cache_k, cache_v, slots, positions, lengths):
+    def forward(self, x, cos, sin, cache_k, cache_v, slots, positions, lengths, window=None,
+                contiguous_slots=False):
         """x: [B, T, H]; positions: [B, T]; writes K/V into the cache slots, attends over `lengths`."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
@@ -113,14 +114,20 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # cache_*: [slots, kv_heads, max_len, head_dim]; positions are contiguous per row
-        start = positions[:, 0]
-        for i in range(b):
-            s = int(start[i])
-            cache_k[slots[i], :, s:s + t] = k[i]
-            cache_v[slots[i], :, s:s + t] = v[i]
-        max_len = int(lengths.max())
-        keys = cache_k[slots, :, :max_len]
-        values = cache_v[slots, :, :max_len]
+        if t == 1:  # decode: one vectorised write, no host sync (CUDA-graph friendly)
+            cache_k[slots, :, positions[:, 0]] = k[:, :, 0]
+            cache_v[slots, :, positions[:, 0]] = v[:, :, 0]
+        else:
+            start = positions[:, 0]
+            for i in range(b):
+                s = int(start[i])
+                cache_k[slots[i], :, s:s + t] = k[i]
+                cache_v[slots[i], :, s:s + t] = v[i]
+        max_len = window or int(lengths.max())
+        if contiguous_slots:  # slots 0..B-1: a view of the cache, no gather copy
+            keys, values = cache_k[:b, :, :max_len], cache_v[:b, :, :max_len]
+        else:
+            keys, values = cache_k[slots, :, :max_len], cache_v[slots, :, :max_len]
         if self.kv_heads != self.heads:
             rep = self.heads // self.kv_heads
             keys = keys.repeat_interleave(rep, dim=1)
@@ -186,14 +193,21 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward_step(self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                     cache: list[torch.Tensor], last_only: bool = True) -> torch.Tensor:
-        """embeds [B, T, H] at positions [B, T] -> logits of each row's last position [B, V]."""
+                     cache: list[torch.Tensor], last_only: bool = True, window: int | None = None,
+                     contiguous_slots: bool = False) -> torch.Tensor:
+        """embeds [B, T, H] at positions [B, T] -> logits of each row's last position [B, V].
+
+        `window` fixes how many cache positions attention reads (instead of the longest row), and
+        `contiguous_slots` promises slots == 0..B-1: together they make a decode step capturable in a
+        CUDA graph.
+        """
         cos_t, sin_t = self.rope(embeds.device)
         cos, sin = cos_t[positions].to(embeds.dtype), sin_t[positions].to(embeds.dtype)
         lengths = positions[:, -1] + 1
         h = embeds
         for layer, kv in zip(self.model.layers, cache):
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv[0], kv[1], slots, positions, lengths)
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv[0], kv[1], slots, positions, lengths,
+                                    window, contiguous_slots)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = self.model.norm(h[:, -1] if last_only else h)
         return self.lm_head(h).float()

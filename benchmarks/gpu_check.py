@@ -1,0 +1,224 @@
+"""GPU check: the torch reference engine's model on CUDA, TP=1 vs TP=2 over MPI + NCCL, decode speed vs roofline.
+
+    python benchmarks/gpu_check.py            # needs 2 GPUs, mpi4py and an MPI (mpiexec) for the TP=2 part
+
+It builds a random-weight Llama of about 1 B parameters (hidden 2048, 16 layers, vocabulary 32k) from a
+seeded CUDA generator (identical on every rank), then:
+  1. greedy tokens for a fixed prompt set with TP=1, and with TP=2 launched as 2 MPI ranks (mpiexec),
+     the process group initialised from the MPI ranks and each rank pinned to its own GPU;
+     compared in fp32 (bf16 agreement is reported too);
+  2. decode tokens/s at batch 1, 8 and 64 in bf16 (decode step captured in a CUDA graph), and batch 1
+     against the HBM roofline: bytes read per token (weights + KV) / measured device copy bandwidth.
+Prints one table; `--json PATH` also writes the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from hpc.runtime.engine.llama import LlamaConfig, LlamaForCausalLM, TensorParallel, shard_state_dict  # noqa: E402
+
+CFG = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                  num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)
+PROMPTS = [[1, 15043, 29892, 590, 1024, 338], [1, 450, 7483, 310, 3444, 338], [1, 822, 1667, 7295],
+           [1, 3532, 833, 4909, 310, 278, 21589, 29871], [1, 29871, 29896, 29974, 29896, 29922]]
+GREEDY_TOKENS = 32
+SEED = 1234
+
+
+def full_state(device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(SEED)
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in LlamaForCausalLM(CFG).named_parameters()}
+    state = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if name.endswith("norm.weight"):
+            state[name] = torch.ones(shape, device=device, dtype=dtype)
+        else:
+            std = 1.0 / shape[-1] ** 0.5
+            state[name] = (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype)
+    return state
+
+
+def build(tp: TensorParallel, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(CFG, tp)
+    model.load_state_dict(shard_state_dict(full_state(device, dtype), tp), assign=True)
+    return model.to(device).eval()
+
+
+@torch.inference_mode()
+def greedy(model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype) -> list[list[int]]:
+    out = []
+    for prompt in PROMPTS:
+        cache = model.new_cache(1, 256, dtype, device)
+        slots = torch.zeros(1, dtype=torch.long, device=device)
+        ids = torch.tensor([prompt], device=device)
+        logits = model.forward_step(model.embed(ids), torch.arange(len(prompt), device=device)[None], slots, cache)
+        tokens = [int(logits[0].argmax())]
+        for i in range(GREEDY_TOKENS - 1):
+            pos = torch.tensor([[len(prompt) + i]], device=device)
+            logits = model.forward_step(model.embed(torch.tensor([[tokens[-1]]], device=device)), pos, slots, cache)
+            tokens.append(int(logits[0].argmax()))
+        out.append(tokens)
+    return out
+
+
+@torch.inference_mode()
+def decode_speed(model: LlamaForCausalLM, device: torch.device, batch: int, context: int = 512,
+                 steps: int = 64) -> float:
+    """Tokens/s of batched decode at `context` tokens of KV, the step replayed from a CUDA graph."""
+    dtype = torch.bfloat16
+    window = context + steps + 1
+    cache = model.new_cache(batch, window, dtype, device)
+    slots = torch.arange(batch, device=device)
+    tokens = torch.randint(100, 30000, (batch, 1), device=device)
+    positions = torch.full((batch, 1), context, device=device)
+    embeds = model.embed(tokens)
+
+    def step() -> torch.Tensor:
+        return model.forward_step(embeds, positions, slots, cache, window=window, contiguous_slots=True)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = step()
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        graph.replay()
+        embeds.copy_(model.embed(logits.argmax(-1, keepdim=True)))  # the next token feeds the next step
+        positions.add_(1)
+    torch.cuda.synchronize()
+    return batch * steps / (time.perf_counter() - t0)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a device-to-device copy (each byte read once and written once)."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    reps = 20
+    for _ in range(reps):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * n * reps / (time.perf_counter() - t0)
+
+
+def weight_bytes(model: LlamaForCausalLM) -> int:
+    # embeddings are looked up (one row), not streamed; every other weight is read once per step
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+
+
+def run_rank(tp_size: int, out_path: str) -> None:
+    """One rank: TP=1 in this process, or rank r of TP=2 started by mpiexec."""
+    rank, world = 0, 1
+    if tp_size > 1:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        rank, world = comm.Get_rank(), comm.Get_size()
+        local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("MPI_LOCALRANKID", rank)))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        master = comm.bcast(f"127.0.0.1:{29500 + os.getpid() % 1000}" if rank == 0 else None, root=0)
+        torch.distributed.init_process_group("nccl", init_method=f"tcp://{master}", rank=rank, world_size=world,
+                                             device_id=torch.device("cuda", torch.cuda.current_device()))
+        tp = TensorParallel(rank, world, torch.distributed.group.WORLD)
+    else:
+        tp = TensorParallel()
+    device = torch.device("cuda", torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(device)
+    result = {"rank": rank, "world": world, "gpu": torch.cuda.current_device(), "name": props.name,
+              "uuid": str(getattr(props, "uuid", "")), "pci_bus": getattr(props, "pci_bus_id", None)}
+    fp32 = build(tp, device, torch.float32)
+    result["greedy_fp32"] = greedy(fp32, device, torch.float32)
+    del fp32
+    torch.cuda.empty_cache()
+    bf16 = build(tp, device, torch.bfloat16)
+    result["greedy_bf16"] = greedy(bf16, device, torch.bfloat16)
+    result["params"] = sum(p.numel() for p in bf16.parameters()) * world
+    result["weight_bytes_per_rank"] = weight_bytes(bf16)
+    result["decode_tps"] = {b: decode_speed(bf16, device, b) for b in (1, 8, 64)}
+    result["copy_bandwidth"] = copy_bandwidth(device)
+    if tp_size > 1:
+        gathered = comm.gather(result, root=0)
+        if rank == 0:
+            with open(out_path, "w") as handle:
+                json.dump(gathered, handle)
+        torch.distributed.destroy_process_group()
+    else:
+        with open(out_path, "w") as handle:
+            json.dump([result], handle)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank-of", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--mpiexec", default="mpiexec")
+    args = parser.parse_args()
+    if args.rank_of:
+        run_rank(args.rank_of, args.out)
+        return
+    tmp = tempfile.mkdtemp(prefix="gpu-check-")
+    run_rank(1, f"{tmp}/tp1.json")
+    tp1 = json.load(open(f"{tmp}/tp1.json"))[0]
+    tp2 = None
+    if torch.cuda.device_count() >= 2:
+        cmd = [args.mpiexec, "-n", "2", sys.executable, __file__, "--rank-of", "2", "--out", f"{tmp}/tp2.json"]
+        subprocess.run(cmd, check=True)
+        tp2 = json.load(open(f"{tmp}/tp2.json"))
+    context_kv = 2 * CFG.num_hidden_layers * CFG.num_key_value_heads * CFG.head_dim * 2 * 512  # bf16, 512 tokens
+    rows = []
+    for label, ranks in (("TP=1", [tp1]), ("TP=2", tp2)):
+        if not ranks:
+            continue
+        r0 = ranks[0]
+        bw = min(r["copy_bandwidth"] for r in ranks)
+        per_token_bytes = r0["weight_bytes_per_rank"] + context_kv / len(ranks)
+        roof = bw / per_token_bytes  # tokens/s if batch-1 decode only streamed its bytes at copy speed
+        rows.append((label, r0["decode_tps"], roof, bw))
+    print(f"GPU check on {tp1['name']}: {tp1['params'] / 1e9:.2f} B parameters, bf16 decode, KV context 512")
+    print("ranks: " + "; ".join(f"TP=2 rank {r['rank']} -> cuda:{r['gpu']} {r['uuid'] or r['pci_bus']}"
+                                for r in (tp2 or [])))
+    if tp2:
+        same32 = tp2[0]["greedy_fp32"] == tp1["greedy_fp32"]
+        same16 = sum(a == b for a, b in zip(tp2[0]["greedy_bf16"], tp1["greedy_bf16"]))
+        distinct = len({(r["uuid"], r["pci_bus"]) for r in tp2}) == len(tp2)
+        print(f"greedy tokens TP=2 == TP=1 (fp32, {len(PROMPTS)} prompts x {GREEDY_TOKENS}): {same32}; "
+              f"bf16: {same16}/{len(PROMPTS)} prompts identical; distinct GPUs per rank: {distinct}")
+    print(f"{'':6} {'b=1 tok/s':>10} {'b=8 tok/s':>10} {'b=64 tok/s':>11} {'b=1 roofline':>13} {'b=1 / roof':>10} "
+          f"{'copy GB/s':>10}")
+    for label, tps, roof, bw in rows:
+        print(f"{label:6} {tps['1']:>10.1f} {tps['8']:>10.1f} {tps['64']:>11.1f} {roof:>13.1f} "
+              f"{tps['1'] / roof:>10.0%} {bw / 1e9:>10.0f}")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"tp1": tp1, "tp2": tp2}, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
