@@ -105,13 +105,26 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
 
+    def fuse(self) -> None:
+        """One matmul for q, k and v: fewer, larger kernels (decode at small batch is bandwidth-bound)."""
+        weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        self.qkv_proj = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
+                                  dtype=weight.dtype)
+        self.qkv_proj.weight = nn.Parameter(weight, requires_grad=False)
+        del self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x, cos, sin, cache_k, cache_v, slots, positions, lengths, window=None,
                 contiguous_slots=False):
         """x: [B, T, H]; positions: [B, T]; writes K/V into the cache slots, attends over `lengths`."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.qkv_proj(x).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                                              self.kv_heads * self.head_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # cache_*: [slots, kv_heads, max_len, head_dim]; positions are contiguous per row
         if t == 1:  # decode: one vectorised write, no host sync (CUDA-graph friendly)
@@ -128,13 +141,11 @@ class Attention(nn.Module):
             keys, values = cache_k[:b, :, :max_len], cache_v[:b, :, :max_len]
         else:
             keys, values = cache_k[slots, :, :max_len], cache_v[slots, :, :max_len]
-        if self.kv_heads != self.heads:
-            rep = self.heads // self.kv_heads
-            keys = keys.repeat_interleave(rep, dim=1)
-            values = values.repeat_interleave(rep, dim=1)
         key_pos = torch.arange(max_len, device=x.device)
         mask = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < lengths[:, None, None])
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.unsqueeze(1))
+        # grouped-query attention without materialising repeated K/V heads
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.unsqueeze(1),
+                                             enable_gqa=self.kv_heads != self.heads)
         out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         return self.tp.all_reduce(self.o_proj(out))
 
@@ -150,8 +161,19 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, inner, bias=False)
         self.down_proj = nn.Linear(inner, cfg.hidden_size, bias=False)
 
+    def fuse(self) -> None:
+        weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        self.gate_up_proj = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
+                                      dtype=weight.dtype)
+        self.gate_up_proj.weight = nn.Parameter(weight, requires_grad=False)
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        if hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class Layer(nn.Module):
@@ -211,6 +233,13 @@ class LlamaForCausalLM(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = self.model.norm(h[:, -1] if last_only else h)
         return self.lm_head(h).float()
+
+    def fuse_projections(self) -> "LlamaForCausalLM":
+        """After loading: q/k/v and gate/up as single matmuls (the checkpoint keeps HF's names)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(token_ids)

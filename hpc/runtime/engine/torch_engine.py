@@ -100,7 +100,7 @@ class TorchEngine:
             return
         model = LlamaForCausalLM(self.cfg, self.tp)
         model.load_state_dict(shard_state_dict(load_file(str(self.model_dir / "model.safetensors")), self.tp))
-        self.model = model.to(self.device, self.dtype).eval()
+        self.model = model.to(self.device, self.dtype).eval().fuse_projections()
         self.max_len = min(self.max_len, self.cfg.max_position_embeddings)
         self.cache = self.model.new_cache(self.max_batch, self.max_len, self.dtype, self.device)
         self.free_slots = list(range(self.max_batch))
