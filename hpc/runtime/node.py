@@ -38,6 +38,17 @@ def node_address(manifest: Manifest) -> str:
     return socket.getaddrinfo(host, None, family)[0][4][0]
 
 
+def process_start_time() -> float:
+    """When this process was exec'd (so start-up imports count as the component's own time)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration):
+        return time.time()
+
+
 class Reporter:
     """Writes state/<component>.json: phase, times of each phase, node, pid. One writer per file."""
 
@@ -46,7 +57,8 @@ class Reporter:
         previous = read_json(self.path) or {}
         self.data: dict[str, Any] = {
             "component": component, "node": socket.gethostname(), "pid": os.getpid(), "phase": "starting",
-            "phases": {}, "restarts": previous.get("restarts", 0), "history": previous.get("history", [])}
+            "phases": {"process_start": process_start_time()}, "restarts": previous.get("restarts", 0),
+            "history": previous.get("history", [])}
 
     def phase(self, name: str, **fields: Any) -> None:
         now = time.time()
