@@ -10,7 +10,7 @@
 # Each node is a network namespace with its own address (10.77.0.(10+i)), hostname and /etc/hosts, on a
 # bridge with no uplink; the controller, slurmdbd and MariaDB share the ctl namespace (10.77.0.1).
 # Settings: HPC_DEVCLUSTER_DIR (/tmp/hpc-devcluster), HPC_DEVCLUSTER_NET (10.77.0),
-# HPC_DEVCLUSTER_SKIP_INSTALL=1. Facts and pitfalls this follows: docs/dev-cluster.md.
+# HPC_DEVCLUSTER_SKIP_INSTALL=1. What it relies on: docs/dev-cluster.md.
 set -euo pipefail
 
 LAB=${HPC_DEVCLUSTER_DIR:-/tmp/hpc-devcluster}
@@ -167,8 +167,9 @@ network_up() {
     [ -e "/run/netns/${NSP}node$i" ] || add_ns "node$i" "$NET.$((10 + i))"
   done
   if [ -r /proc/sys/net/bridge/bridge-nf-call-iptables ] && \
-     [ "$(cat /proc/sys/net/bridge/bridge-nf-call-iptables)" = 1 ]; then
-    say "warning: br_netfilter is active; if nodes never register, allow forwarding on $BRIDGE"
+     [ "$(cat /proc/sys/net/bridge/bridge-nf-call-iptables)" = 1 ] && command -v iptables >/dev/null && \
+     iptables -S FORWARD 2>/dev/null | grep -q '^-P FORWARD DROP'; then
+    say "warning: bridged traffic is filtered and FORWARD drops; allow it: iptables -I FORWARD -i $BRIDGE -j ACCEPT"
   fi
 }
 
