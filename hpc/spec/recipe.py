@@ -21,6 +21,7 @@ class RoleName(str, Enum):
     """Also the disaggregation mode the role's workers run in."""
 
     AGG = "agg"
+    AGGREGATED = "agg"  # alias: TensorRT-LLM's and Dynamo's name for the same mode
     PREFILL = "prefill"
     DECODE = "decode"
     ENCODE = "encode"

@@ -7,12 +7,11 @@ from typing import Any, AsyncIterator, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hpc.spec.recipe import RoleName
 
-class DisaggregationMode(str, Enum):
-    AGGREGATED = "agg"
-    PREFILL = "prefill"
-    DECODE = "decode"
-    ENCODE = "encode"
+
+# A worker's disaggregation mode is its recipe role: one enum for both.
+DisaggregationMode = RoleName
 
 
 class Modality(str, Enum):
