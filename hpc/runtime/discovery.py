@@ -58,16 +58,22 @@ class EtcdDiscovery:
         return self._client
 
     async def register(self, instance: Instance) -> None:
+        await self._put(instance)
+        self._tasks.append(asyncio.create_task(self._keepalive(instance)))
+
+    async def _put(self, instance: Instance) -> None:
         client = await self._connect()
         self._lease = await client.lease(LEASE_TTL_S)
         await client.put((self.prefix + instance.key).encode(), instance.model_dump_json().encode(), lease=self._lease)
-        self._tasks.append(asyncio.create_task(self._keepalive()))
 
-    async def _keepalive(self) -> None:
+    async def _keepalive(self, instance: Instance) -> None:
         while True:
             await asyncio.sleep(LEASE_TTL_S / 4)
             try:
-                await self._lease.refresh()
+                reply = await self._lease.refresh()
+                if reply is None or reply.TTL <= 0:  # expired while we were stopped or cut off: come back
+                    log.warning("lease expired; registering again")
+                    await self._put(instance)
             except Exception as exc:  # etcd gone: keep trying; the lease may expire meanwhile
                 log.warning("lease refresh failed: %s", exc)
 

@@ -139,3 +139,7 @@ def test_hung_worker_leaves_routing_within_two_seconds(mock):
     finally:
         os.kill(pid, signal.SIGCONT)
     assert gone_after <= 2.0, f"hung worker still routed after {gone_after:.2f} s"
+    deadline = time.monotonic() + 5  # resumed, it takes a new lease and is routed again
+    while time.monotonic() < deadline and get_json(mock.url + "/health")[1]["live"].get("agg", 0) == 0:
+        time.sleep(0.05)
+    assert get_json(mock.url + "/health")[1]["live"].get("agg", 0) == 1

@@ -1,0 +1,101 @@
+"""Slurm verbs against a small fake runner that answers with outputs recorded on the dev cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hpc.slurm.client import SlurmClient, SubmitError
+from hpc.slurm.parse import ParseError, parse_sacct, parse_sbatch, parse_squeue
+from hpc.slurm.runner import Completed
+
+pytestmark = pytest.mark.unit
+
+# Recorded on the dev cluster (slurm-wlm 22.05.8), jobs 5, 6 and 9.
+SACCT_CANCELLED = """6|hpc-tiny-disagg|CANCELLED by 0|0:0|00:00:08|node[1-3]
+6.batch|batch|CANCELLED|0:15|00:00:08|node1
+6.0|etcd|COMPLETED|0:0|00:00:08|node1
+6.3|prefill-0|COMPLETED|0:0|00:00:07|node2
+"""
+SACCT_FAILED = """9|hpc-tiny-disagg|FAILED|3:0|00:00:01|node[1-3]
+9.batch|batch|FAILED|3:0|00:00:01|node1
+9.4|decode-0|FAILED|3:0|00:00:00|node3
+9.3|prefill-0|COMPLETED|0:0|00:00:00|node2
+"""
+SQUEUE_RUNNING = "6|RUNNING|0:05|3|node[1-3]|node[1-3]\n"
+SQUEUE_PENDING = "7|PENDING|0:00|3||(Resources)\n"
+
+
+class FakeSlurm:
+    """Records argv; answers from state the test sets. No subprocess anywhere."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+        self.queue: dict[str, str] = {}
+        self.acct: dict[str, str] = {}
+        self.sbatch = Completed(0, "6\n", "")
+
+    def run(self, argv: list[str], cwd: str | None = None, timeout: float = 60.0) -> Completed:
+        assert isinstance(argv, list) and all(isinstance(a, str) for a in argv)  # never a shell string
+        self.calls.append(argv)
+        tool = argv[0]
+        if tool == "sbatch":
+            return self.sbatch
+        job = argv[argv.index("-j") + 1] if "-j" in argv else argv[-1]
+        if tool == "squeue":
+            return Completed(0, self.queue.get(job, ""), "")
+        if tool == "sacct":
+            return Completed(0, self.acct.get(job, ""), "")
+        if tool == "scancel":
+            if "--signal=USR1" not in argv:
+                self.queue.pop(job, None)
+                self.acct[job] = SACCT_CANCELLED
+            return Completed(0, "", "")
+        raise AssertionError(f"unexpected command {argv}")
+
+
+def test_parsers():
+    assert parse_sbatch("Submitted batch job 42\n") == "42"
+    assert parse_sbatch("43;dev\n") == "43"
+    with pytest.raises(ParseError):
+        parse_sbatch("sbatch: error: invalid partition")
+    st = parse_squeue(SQUEUE_PENDING, "7")
+    assert st.state == "PENDING" and st.reason == "Resources" and not st.finished
+    st = parse_sacct(SACCT_FAILED, "9")
+    assert st.state == "FAILED" and st.exit_code == 3 and st.finished
+    assert [(s.name, s.exit_code) for s in st.steps if s.state == "FAILED"] == [("batch", 3), ("decode-0", 3)]
+    assert parse_sacct(SACCT_CANCELLED, "6").state == "CANCELLED"  # "CANCELLED by 0"
+    assert parse_sacct("", "6") is None
+
+
+def test_submit_and_status_through_the_runner(tmp_path: Path):
+    fake = FakeSlurm()
+    client = SlurmClient(fake)
+    script = tmp_path / "job with space.sbatch"
+    script.write_text("#!/bin/bash\n")
+    assert client.submit(script) == "6"
+    assert fake.calls[0] == ["sbatch", "--parsable", str(script)]
+    fake.queue["6"] = SQUEUE_RUNNING
+    assert client.status("6").state == "RUNNING"
+    del fake.queue["6"]
+    fake.acct["6"] = SACCT_CANCELLED
+    assert client.status("6").state == "CANCELLED"
+
+
+def test_failed_sbatch_keeps_slurms_message():
+    fake = FakeSlurm()
+    fake.sbatch = Completed(1, "", "sbatch: error: invalid partition specified: nope\n")
+    with pytest.raises(SubmitError, match="invalid partition specified: nope"):
+        SlurmClient(fake).submit(Path("/tmp/x.sbatch"))
+
+
+def test_cancel_is_tiered_and_by_job_id_only():
+    fake = FakeSlurm()
+    fake.queue["6"] = SQUEUE_RUNNING
+    drained = iter([False, True])
+    state = SlurmClient(fake).cancel("6", grace_s=5, poll_s=0.01, drained=lambda: next(drained))
+    cancels = [c for c in fake.calls if c[0] == "scancel"]
+    assert cancels == [["scancel", "--signal=USR1", "6"], ["scancel", "6"]]
+    assert state.state == "CANCELLED"
+    assert not any("--name" in a or "-n" == a for c in cancels for a in c)
