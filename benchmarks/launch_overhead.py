@@ -15,7 +15,6 @@ import os
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import yaml
 

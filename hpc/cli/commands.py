@@ -12,17 +12,18 @@ from hpc.spec.base import load_yaml
 from hpc.spec.catalog import available, find
 
 
-def _resolve(args: argparse.Namespace, for_launch: bool = False) -> Resolved:
-    adjust = None
-    if for_launch:
-        def adjust(cluster):
-            if not cluster.is_local:
-                return cluster
-            from hpc.launch.local import free_port_base
+def _free_local_ports(cluster):
+    """Several local runs may live side by side: move this one's internal ports to a free range."""
+    if not cluster.is_local:
+        return cluster
+    from hpc.launch.local import free_port_base
 
-            # Several local runs may live side by side: move this one's internal ports to a free range.
-            return cluster.model_copy(update={"port_base": free_port_base(cluster.port_base, 64)})
-    return resolve(args.cluster, args.recipe, args.overrides, adjust_cluster=adjust)
+    return cluster.model_copy(update={"port_base": free_port_base(cluster.port_base, 64)})
+
+
+def _resolve(args: argparse.Namespace, for_launch: bool = False) -> Resolved:
+    return resolve(args.cluster, args.recipe, args.overrides,
+                   adjust_cluster=_free_local_ports if for_launch else None)
 
 
 def _title(r: Resolved) -> str:

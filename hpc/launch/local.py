@@ -118,20 +118,28 @@ def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: Non
     m = run.manifest()
     ref = run.run_info().get("job_id", run.path.name)
     if wait:
+        smoke_job = None
+        if smoke and m.recipe.smoke.enabled:
+            from hpc.launch.smoke import start_smoke
+
+            smoke_job = start_smoke(run, wait_ready_s=m.recipe.runtime.readiness_timeout_s)
         print("waiting for readiness:")
         try:
             wait_ready(m, progress=lambda s: print(s, flush=True), abort=abort)
         except NotReady as exc:
+            if smoke_job is not None:
+                smoke_job.cancel(check=False)
             print(f"not ready: {exc}", file=sys.stderr)
             print(f"inspect: hpc logs {ref}   stop: hpc cancel {ref}", file=sys.stderr)
             return 1
         print(f"ready in {time.monotonic() - t0:.1f} s")
-        if smoke and m.recipe.smoke.enabled:
-            from hpc.launch.smoke import submit_smoke
+        if smoke_job is not None:
+            from hpc.launch.smoke import finish_smoke
             from hpc.runtime.smoke import print_verdict
 
-            verdict = submit_smoke(run)
+            verdict = finish_smoke(smoke_job)
             print_verdict(verdict)
+            print(f"smoke passed {time.monotonic() - t0:.1f} s after submission" if verdict["passed"] else "")
             if not verdict["passed"]:
                 return 1
     ep = read_json(run.path / "endpoints" / "frontend.json") or {}

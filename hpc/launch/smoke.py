@@ -1,22 +1,28 @@
-"""Run the smoke checks as a submitit job on the run's own cluster (local executor on the local profile)."""
+"""Run the smoke checks as a submitit job on the run's own cluster (local executor on the local profile).
+
+`hpc launch` starts the smoke job right after submission, so its scheduling and Python start-up overlap the
+workers' loading; the job itself waits for the run to report ready, then checks.
+"""
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from hpc.rundir import RunDir
 from hpc.spec.cluster import time_to_minutes
 
 
-def submit_smoke(run: RunDir, timeout_s: float | None = None) -> dict[str, Any]:
+def start_smoke(run: RunDir, wait_ready_s: float | None = None):
     import submitit
 
-    from hpc.runtime.smoke import run_smoke
+    from hpc.runtime.smoke import run_smoke_when_ready
 
     m = run.manifest()
     folder = run.path / "smoke"
-    minutes = max(2, int((timeout_s or m.recipe.smoke.timeout_s) // 60) + 2)
+    budget = (wait_ready_s or 0) + m.recipe.smoke.timeout_s
+    minutes = max(2, int(budget // 60) + 2)
     if m.cluster.is_local:
         executor = submitit.LocalExecutor(folder=folder)
         executor.update_parameters(timeout_min=minutes)
@@ -31,6 +37,18 @@ def submit_smoke(run: RunDir, timeout_s: float | None = None) -> dict[str, Any]:
         if m.cluster.account:
             params["slurm_account"] = m.cluster.account
         executor.update_parameters(**params)
-    job = executor.submit(run_smoke, str(run.manifest_path))
+    job = executor.submit(run_smoke_when_ready, str(run.manifest_path), wait_ready_s or 0.0)
     run.update_run_info(smoke_job_id=str(job.job_id))
+    return job
+
+
+def finish_smoke(job, poll_s: float = 0.05) -> dict[str, Any]:
+    """The verdict; polls for submitit's result file itself (its own polling adds seconds)."""
+    result_file = job.paths.result_pickle
+    while not result_file.exists() and not job.done():
+        time.sleep(poll_s)
     return job.result()
+
+
+def submit_smoke(run: RunDir) -> dict[str, Any]:
+    return finish_smoke(start_smoke(run))

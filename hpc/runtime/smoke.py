@@ -127,6 +127,15 @@ def run_smoke(manifest_path: str) -> dict[str, Any]:
     return verdict
 
 
+def run_smoke_when_ready(manifest_path: str, wait_ready_s: float) -> dict[str, Any]:
+    """Wait (up to wait_ready_s) until readiness reports ready, then run the checks."""
+    ready_file = Path(manifest_path).parent / "state" / "ready.json"
+    deadline = time.monotonic() + wait_ready_s
+    while time.monotonic() < deadline and not (read_json(ready_file) or {}).get("ready"):
+        time.sleep(0.05)
+    return run_smoke(manifest_path)
+
+
 def print_verdict(verdict: dict[str, Any], out: Callable[[str], None] = print) -> None:
     for c in verdict["checks"]:
         out(f"  {'PASS' if c['ok'] else 'FAIL'}  {c['name']:<18} {c['detail']}")

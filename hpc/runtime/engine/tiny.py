@@ -59,7 +59,6 @@ def train_tokenizer(out_dir: Path) -> int:
 
 
 def build_tiny(out_dir: Path, multimodal: bool = False, hidden: int = 128, layers: int = 2) -> Path:
-    import torch
     from safetensors.torch import save_file
 
     from hpc.runtime.engine.llama import LlamaConfig, LlamaForCausalLM, VisionEncoder, init_weights

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpc.runtime.worker.serve import main_entry
+from hpc.runtime.worker.entry import main_entry
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from hpc.runtime.engine.types import DisaggregationMode, EncodedMedia, GenerateOutput, GenerateRequest
+from hpc.runtime.engine.types import DisaggregationMode, EncodedMedia, GenerateRequest
 from hpc.runtime.media import MediaError, read_image_bytes, to_pixels
 from hpc.runtime.transport import RemoteError, RpcClient
 

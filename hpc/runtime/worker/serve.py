@@ -1,7 +1,7 @@
 """The worker's lifecycle: engine in `async with`, RPC + HTTP servers, discovery lease, drain on SIGTERM.
 
-Rank 0 serves; ranks > 0 of a tensor-parallel worker follow rank 0's forward passes. A supervisor
-(single-rank workers) applies the role's failure policy: fail-job, continue, or restart up to N times.
+Rank 0 serves; ranks > 0 of a tensor-parallel worker follow rank 0's forward passes. The supervisor and
+the failure policy live in entry.py.
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ import asyncio
 import logging
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -26,75 +24,9 @@ from hpc.runtime.metrics import prometheus
 from hpc.runtime.node import Reporter, node_address, publish_endpoint, wait_endpoint
 from hpc.runtime.transport import RpcServer
 from hpc.runtime.worker.handlers import HandlerDeps, Peers, make_handler
-from hpc.spec.recipe import OnFailure
 
 log = logging.getLogger("hpc.worker")
 DRAIN_TIMEOUT_S = 30.0
-
-
-def main_entry(manifest_path: str, role: str, index: int, supervise: bool) -> int:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}-{index} %(levelname)s %(message)s")
-    manifest = Manifest.load(manifest_path)
-    plan = manifest.plan.worker(role, index)
-    if supervise and plan.tasks == 1:
-        return supervise_worker(manifest, manifest_path, role, index)
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    try:
-        return asyncio.run(serve(manifest, role, index))
-    except Exception as exc:  # report it where readiness and status look, then fail the step
-        rank = _rank_suffix(plan.tasks)
-        Reporter(manifest, f"{role}-{index}{rank}").phase("failed", error=f"{type(exc).__name__}: {exc}")
-        raise
-
-
-def _rank_suffix(tasks: int) -> str:
-    from hpc.runtime.engine.tp import world_rank
-
-    rank = world_rank()[0] if tasks > 1 else 0
-    return f".rank{rank}" if rank else ""
-
-
-def supervise_worker(manifest: Manifest, manifest_path: str, role: str, index: int) -> int:
-    """Run the worker as a child; apply the role's failure policy when it dies."""
-    policy = getattr(manifest.recipe.roles, role).failure
-    cmd = [sys.executable, "-m", "hpc.runtime.worker", manifest_path, "--role", role, "--index", str(index),
-           "--no-supervise"]
-    restarts = 0
-    stopping = False
-    child: subprocess.Popen | None = None
-
-    def stop(signum, _frame):
-        nonlocal stopping
-        stopping = True
-        if child is not None and child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # drain requests reach the engine process directly
-    reporter = Reporter(manifest, f"{role}-{index}")
-    while True:
-        child = subprocess.Popen(cmd)
-        code = child.wait()
-        if stopping or code == 0:
-            return 0
-        reporter.data["history"].append({"ts": time.time(), "exit_code": code})
-        if policy.on_failure is OnFailure.RESTART and restarts < policy.max_restarts:
-            restarts += 1
-            reporter.data["restarts"] = restarts
-            reporter.phase("restarting", exit_code=code)
-            log.warning("worker exited with %s; restart %d of %d", code, restarts, policy.max_restarts)
-            continue
-        reporter.phase("failed", exit_code=code)
-        if policy.on_failure is OnFailure.CONTINUE:
-            log.error("worker exited with %s; policy 'continue' keeps the job running", code)
-            return 0
-        return code or 1
 
 
 async def serve(manifest: Manifest, role: str, index: int) -> int:
