@@ -67,10 +67,10 @@ def launch(args: argparse.Namespace) -> int:
 
     r = _resolve(args, for_launch=not args.dry_run)
     if r.cluster.is_local and not args.dry_run:
-        from hpc.launch.local import _free
+        from hpc.launch.local import port_free
 
         port = r.recipe.frontend.port
-        if not _free(port):
+        if not port_free(port):
             raise UserError(f"port {port} is already in use on this machine", field="frontend.port",
                             hint=f"pick another: --set frontend.port={port + 1}")
     run = rundir.create(r, render_sbatch)

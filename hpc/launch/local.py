@@ -23,13 +23,13 @@ def free_port_base(start: int, span: int) -> int:
     """The first base at or after `start` whose `span` ports are all free on loopback."""
     base = start
     while base + span < 65535:
-        if all(_free(base + i) for i in range(span)):
+        if all(port_free(base + i) for i in range(span)):
             return base
         base += span
     raise UserError("no free local port range found", hint="set port_base in clusters/local.yaml")
 
 
-def _free(port: int) -> bool:
+def port_free(port: int) -> bool:
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))
@@ -108,45 +108,6 @@ def launch_local(run: RunDir, wait: bool = True, smoke: bool = True) -> int:
     start_processes(run)
     run.update_run_info(submitted=True, scheduler="local", job_id=run.path.name, submitted_at=time.time())
     print(f"started {m.recipe.name} locally: {run.path.name}")
+    from hpc.launch.follow import follow_up
+
     return follow_up(run, t0, wait=wait, smoke=smoke)
-
-
-def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: None) -> int:
-    """Shared by local and Slurm launches: readiness, smoke, and what to do next."""
-    from hpc.runtime.ready import NotReady, wait_ready
-
-    m = run.manifest()
-    ref = run.run_info().get("job_id", run.path.name)
-    if wait:
-        smoke_job = None
-        if smoke and m.recipe.smoke.enabled:
-            from hpc.launch.smoke import start_smoke
-
-            smoke_job = start_smoke(run, wait_ready_s=m.recipe.runtime.readiness_timeout_s)
-        print("waiting for readiness:")
-        try:
-            wait_ready(m, progress=lambda s: print(s, flush=True), abort=abort)
-        except NotReady as exc:
-            if smoke_job is not None:
-                smoke_job.cancel(check=False)
-            print(f"not ready: {exc}", file=sys.stderr)
-            print(f"inspect: hpc logs {ref}   stop: hpc cancel {ref}", file=sys.stderr)
-            return 1
-        print(f"ready in {time.monotonic() - t0:.1f} s")
-        if smoke_job is not None:
-            from hpc.launch.smoke import finish_smoke
-            from hpc.runtime.smoke import print_verdict
-
-            verdict = finish_smoke(smoke_job)
-            print_verdict(verdict)
-            print(f"smoke passed {time.monotonic() - t0:.1f} s after submission" if verdict["passed"] else "")
-            if not verdict["passed"]:
-                return 1
-    ep = read_json(run.path / "endpoints" / "frontend.json") or {}
-    url = ep.get("url", f"http://<frontend node>:{m.recipe.frontend.port}")
-    print(f"\nendpoint: {url}/v1")
-    print(f"try:      curl {url}/v1/chat/completions -H 'content-type: application/json' "
-          f"-d '{{\"model\": \"{m.recipe.model.served_name}\", \"messages\": [{{\"role\": \"user\", "
-          f"\"content\": \"Hello\"}}], \"max_tokens\": 16}}'")
-    print(f"next:     hpc status {ref}   hpc logs {ref} --component frontend   hpc cancel {ref}")
-    return 0

@@ -16,7 +16,7 @@ def runner_for(run: RunDir) -> Runner:
 
 
 def launch_slurm(run: RunDir, wait: bool = True, smoke: bool = True, runner: Runner | None = None) -> int:
-    from hpc.launch.local import follow_up
+    from hpc.launch.follow import follow_up
     from hpc.runtime.engine.tiny import ensure_model
 
     m = run.manifest()

@@ -94,8 +94,13 @@ def service_argv(m: Manifest, name: str, python: str) -> list[str]:
 
 
 def worker_argv(m: Manifest, w: WorkerPlan, python: str) -> list[str]:
-    return [python, "-m", "hpc.runtime.worker", f"{m.run_dir}/manifest.json", "--role", w.role.value,
+    argv = [python, "-m", "hpc.runtime.worker", f"{m.run_dir}/manifest.json", "--role", w.role.value,
             "--index", str(w.index)]
+    if m.recipe.backend.value == "trtllm" and w.tasks > 1:
+        # TensorRT-LLM's MPI model: rank 0 runs our worker and builds the LLM; the launcher keeps the other
+        # ranks in TensorRT-LLM's own MPI worker loop.
+        argv.insert(0, "trtllm-llmapi-launch")
+    return argv
 
 
 def build_view(m: Manifest) -> View:

@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 from hpc.resolve import Manifest
+from hpc.spec.recipe import Backend
 from hpc.runtime.discovery import Instance, open_discovery
 from hpc.runtime.engine.factory import build_engine
 from hpc.runtime.engine.kv import unpack
@@ -35,8 +36,8 @@ async def serve(manifest: Manifest, role: str, index: int) -> int:
     plan = manifest.plan.worker(role, index)
     name = plan.name
     rank, world, _local = world_rank()
-    if plan.tasks == 1:
-        rank, world = 0, 1
+    if plan.tasks == 1 or manifest.recipe.backend is not Backend.TORCH:
+        rank, world = 0, 1  # TensorRT-LLM forms its own MPI world (trtllm-llmapi-launch); mock has none
     host = node_address(manifest)
     reporter = Reporter(manifest, name if rank == 0 else f"{name}.rank{rank}")
     reporter.phase("started", rank=rank, world=world)

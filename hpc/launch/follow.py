@@ -1,0 +1,49 @@
+"""After submission (Slurm or local): readiness with progress, the smoke verdict, and what to do next."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from hpc.rundir import RunDir, read_json
+
+
+def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: None) -> int:
+    """Shared by local and Slurm launches: readiness, smoke, and what to do next."""
+    from hpc.runtime.ready import NotReady, wait_ready
+
+    m = run.manifest()
+    ref = run.run_info().get("job_id", run.path.name)
+    if wait:
+        smoke_job = None
+        if smoke and m.recipe.smoke.enabled:
+            from hpc.launch.smoke import start_smoke
+
+            smoke_job = start_smoke(run, wait_ready_s=m.recipe.runtime.readiness_timeout_s)
+        print("waiting for readiness:")
+        try:
+            wait_ready(m, progress=lambda s: print(s, flush=True), abort=abort)
+        except NotReady as exc:
+            if smoke_job is not None:
+                smoke_job.cancel(check=False)
+            print(f"not ready: {exc}", file=sys.stderr)
+            print(f"inspect: hpc logs {ref}   stop: hpc cancel {ref}", file=sys.stderr)
+            return 1
+        print(f"ready in {time.monotonic() - t0:.1f} s")
+        if smoke_job is not None:
+            from hpc.launch.smoke import finish_smoke
+            from hpc.runtime.smoke import print_verdict
+
+            verdict = finish_smoke(smoke_job)
+            print_verdict(verdict)
+            print(f"smoke passed {time.monotonic() - t0:.1f} s after submission" if verdict["passed"] else "")
+            if not verdict["passed"]:
+                return 1
+    ep = read_json(run.path / "endpoints" / "frontend.json") or {}
+    url = ep.get("url", f"http://<frontend node>:{m.recipe.frontend.port}")
+    print(f"\nendpoint: {url}/v1")
+    print(f"try:      curl {url}/v1/chat/completions -H 'content-type: application/json' "
+          f"-d '{{\"model\": \"{m.recipe.model.served_name}\", \"messages\": [{{\"role\": \"user\", "
+          f"\"content\": \"Hello\"}}], \"max_tokens\": 16}}'")
+    print(f"next:     hpc status {ref}   hpc logs {ref} --component frontend   hpc cancel {ref}")
+    return 0
