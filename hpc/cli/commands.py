@@ -73,6 +73,8 @@ def launch(args: argparse.Namespace) -> int:
         if not port_free(port):
             raise UserError(f"port {port} is already in use on this machine", field="frontend.port",
                             hint=f"pick another: --set frontend.port={port + 1}")
+    if not r.cluster.is_local and not args.dry_run:
+        _check_slurm_reachable(r)
     run = rundir.create(r, render_sbatch)
     print(plan_table(r.plan, _title(r)))
     print(f"run directory: {run.path}")
@@ -86,6 +88,26 @@ def launch(args: argparse.Namespace) -> int:
     from hpc.launch.slurm import launch_slurm
 
     return launch_slurm(run, wait=not args.no_wait, smoke=not args.no_smoke)
+
+
+def _check_slurm_reachable(r: Resolved) -> None:
+    """Before writing anything: can this machine submit to the cluster at all?"""
+    import shutil
+    from pathlib import Path
+
+    if shutil.which("sbatch") is None:
+        raise UserError("sbatch is not on PATH: submit from a Slurm login node", file=r.cluster_file,
+                        hint="or use --dry-run to write the run directory and submit it later")
+    hint = "start it: hpc dev-cluster up" if r.cluster.name == "dev" else "check the cluster profile"
+    if r.cluster.slurm_conf and not Path(r.cluster.slurm_conf).is_file():
+        raise UserError(f"{r.cluster.slurm_conf} does not exist", file=r.cluster_file, field="slurm_conf",
+                        hint=hint)
+    from hpc.slurm.client import SlurmClient
+    from hpc.slurm.runner import LocalRunner
+
+    problem = SlurmClient(LocalRunner({"SLURM_CONF": r.cluster.slurm_conf} if r.cluster.slurm_conf else None)).ping()
+    if problem:
+        raise UserError(f"the Slurm controller does not answer ({problem})", file=r.cluster_file, hint=hint)
 
 
 def _describe(kind: str) -> list[list[str]]:

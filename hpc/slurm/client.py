@@ -18,6 +18,13 @@ class SlurmClient:
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
 
+    def ping(self) -> str | None:
+        """None when the controller answers, else what scontrol said."""
+        result = self.runner.run(["scontrol", "ping"], timeout=30)
+        if result.returncode == 0 and "DOWN" not in result.stdout:
+            return None
+        return (result.stdout.strip().splitlines() or [result.stderr.strip()])[0]
+
     def submit(self, script: Path) -> str:
         result = self.runner.run(["sbatch", "--parsable", str(script)], cwd=str(script.parent))
         if result.returncode != 0:

@@ -35,6 +35,7 @@ class FakeSlurm:
         self.queue: dict[str, str] = {}
         self.acct: dict[str, str] = {}
         self.sbatch = Completed(0, "6\n", "")
+        self.controller_up = True
 
     def run(self, argv: list[str], cwd: str | None = None, timeout: float = 60.0) -> Completed:
         assert isinstance(argv, list) and all(isinstance(a, str) for a in argv)  # never a shell string
@@ -47,6 +48,9 @@ class FakeSlurm:
             return Completed(0, self.queue.get(job, ""), "")
         if tool == "sacct":
             return Completed(0, self.acct.get(job, ""), "")
+        if tool == "scontrol":
+            return Completed(0 if self.controller_up else 1,
+                             "Slurmctld(primary) at slurmctl is " + ("UP" if self.controller_up else "DOWN"), "")
         if tool == "scancel":
             if "--signal=USR1" not in argv:
                 self.queue.pop(job, None)
@@ -99,3 +103,10 @@ def test_cancel_is_tiered_and_by_job_id_only():
     assert cancels == [["scancel", "--signal=USR1", "6"], ["scancel", "6"]]
     assert state.state == "CANCELLED"
     assert not any("--name" in a or "-n" == a for c in cancels for a in c)
+
+
+def test_ping():
+    fake = FakeSlurm()
+    assert SlurmClient(fake).ping() is None
+    fake.controller_up = False
+    assert "DOWN" in SlurmClient(fake).ping()
