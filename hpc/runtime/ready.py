@@ -56,10 +56,11 @@ def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float 
         write_json(out, {"phase": stage, "seconds": phases, "ready": stage == "ready"})
         progress(f"  {stage:<28} {phases[stage]:7.2f} s")
 
-    def until(stage: str, component: str, check: Callable[[], bool]) -> None:
+    def until(stage: str, component: str | Callable[[], str], check: Callable[[], bool]) -> None:
         last_progress = time.monotonic()
         while not check():
             now = time.monotonic()
+            culprit = component() if callable(component) else component
             failed = _failed_component(manifest)
             if failed:
                 log = failed.split(".rank")[0]
@@ -67,11 +68,11 @@ def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float 
                                f"{log_tail(manifest, log)}")
             reason = abort()
             if reason:
-                raise NotReady(f"{reason} while waiting for {stage}; last lines of {component}'s log:\n"
-                               f"{log_tail(manifest, component)}")
+                raise NotReady(f"{reason} while waiting for {stage}; last lines of {culprit}'s log:\n"
+                               f"{log_tail(manifest, culprit)}")
             if now - start > timeout or now - last_progress > stall_s:
                 raise NotReady(f"stuck waiting for {stage} after {now - start:.0f} s; last lines of "
-                               f"{component}'s log:\n{log_tail(manifest, component)}")
+                               f"{culprit}'s log:\n{log_tail(manifest, culprit)}")
             time.sleep(POLL_S)
 
     endpoints = Path(manifest.run_dir) / "endpoints"
@@ -104,8 +105,8 @@ def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float 
                     seen.add(name)
                     record(f"{name} registered")
         return seen == names
-    pending = sorted(names)
-    until("workers registered", pending[0] if pending else "frontend", registered)
+    # a stuck stage names the first worker that has not registered yet
+    until("workers registered", lambda: min(names - seen, default="frontend"), registered)
     record("ready")
     return phases
 
