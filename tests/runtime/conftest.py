@@ -47,6 +47,9 @@ def stack_fixture(recipe: str, *extra: str):
     def fixture(tmp_path_factory, model_cache):
         stack = launch_stack(tmp_path_factory, model_cache, recipe, *extra)
         yield stack
-        left = stop_local(stack.run, 5)
+        assert main(["cancel", str(stack.run.path), "--grace", "5"]) == 0  # hpc cancel on the local profile
+        from hpc.launch.local import alive, local_pids
+
+        left = [p for pids in local_pids(stack.run).values() for p in pids if alive(p)]
         assert left == [], f"processes left behind: {left}"
     return fixture

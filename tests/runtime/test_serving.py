@@ -117,3 +117,17 @@ def test_client_disconnect_cancels_engine_request(agg):
             break
         time.sleep(0.05)
     assert running == 0
+
+
+def test_status_and_logs_on_the_local_profile(disagg, capsys):
+    from hpc.cli.main import main
+
+    ref = str(disagg.run.path)
+    assert main(["status", ref, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["scheduler"]["state"] == "RUNNING" and data["endpoint"] == disagg.url
+    phases = {c["component"]: c["phase"] for c in data["components"]}
+    assert phases["etcd"] == phases["nats"] == phases["frontend"] == "ready"
+    assert phases["prefill-0"] in ("registered", "first_token") and data["roles"]["decode"]["state"] == "ok"
+    assert main(["logs", ref, "--component", "decode", "--index", "0", "-n", "5"]) == 0
+    assert main(["logs", ref, "--component", "nope"]) == 2
