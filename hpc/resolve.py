@@ -120,10 +120,6 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
                     plan=placement, engine_args=engine_args, engine_config_files=config_files)
 
 
-def _source(key: str, efile: str | None, rfile: str, field: str, args_from_yaml: bool) -> tuple[str, str]:
-    return (efile, key) if (efile and args_from_yaml) else (rfile, field)
-
-
 def _check_role(recipe: Recipe, role_name: RoleName, merged: dict[str, Any], rfile: str,
                 efile: str | None) -> list[UserError]:
     role = getattr(recipe.roles, role_name.value)

@@ -7,10 +7,6 @@ from typing import AsyncIterator
 from urllib.parse import urlsplit
 
 
-class HttpError(Exception):
-    pass
-
-
 class Connection:
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port

@@ -69,10 +69,7 @@ def plot(runs: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
     ax.set_title("throughput vs latency")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out_dir / "throughput_vs_latency.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    paths.append(_save(plt, fig, out_dir / "throughput_vs_latency.png"))
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5))
     for label, res in runs.items():
         lv = res["levels"]
@@ -85,8 +82,12 @@ def plot(runs: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
         a.set_xscale("log", base=2)
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out_dir / "ttft_itl_vs_concurrency.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    paths.append(_save(plt, fig, out_dir / "ttft_itl_vs_concurrency.png"))
     return paths
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

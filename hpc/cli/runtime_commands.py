@@ -99,20 +99,23 @@ def collect_status(run: RunDir) -> dict[str, Any]:
     info = run.run_info()
     states = run.component_states()
     endpoint = (read_json(run.path / "endpoints" / "frontend.json") or {}).get("url")
-    components = []
-    for s in m.plan.services:
-        st = states.get(s.name, {})
-        health = _health(endpoint + "/health") if s.name == "frontend" and endpoint else "-"
-        components.append({"component": s.name, "node": st.get("node", f"n{s.node}"),
-                           "phase": st.get("phase", "not started"), "health": health})
-    frontend_view = {}
-    if endpoint:
+    frontend_view: dict[str, Any] = {}
+    frontend_health = "-"
+    if endpoint:  # one probe of the frontend serves its own row, the workers' routing and the roles
         from hpc.runtime.probe import get_json
 
         try:
-            frontend_view = get_json(endpoint + "/health", 1.0)[1] or {}
+            code, body = get_json(endpoint + "/health", 1.0)
+            frontend_view = body if isinstance(body, dict) else {}
+            frontend_health = frontend_view.get("status", str(code))
         except OSError:
-            frontend_view = {}
+            frontend_health = "unreachable"
+    components = []
+    for s in m.plan.services:
+        st = states.get(s.name, {})
+        components.append({"component": s.name, "node": st.get("node", f"n{s.node}"),
+                           "phase": st.get("phase", "not started"),
+                           "health": frontend_health if s.name == "frontend" else "-"})
     live = {(role, i["index"]) for role, items in (frontend_view.get("instances") or {}).items() for i in items}
     for w in m.plan.workers:
         st = states.get(w.name, {})

@@ -43,11 +43,6 @@ def _legacy_keys(model: str) -> frozenset[str]:
     return frozenset(keys)
 
 
-def top_level_fields() -> list[str]:
-    table = field_table()
-    return sorted(table["models"][table["top_level_model"]]["fields"])
-
-
 def _split_args(inner: str) -> list[str]:
     """Split 'A, B[C, D], E' on top-level commas."""
     parts, depth, start = [], 0, 0

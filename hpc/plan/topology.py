@@ -7,7 +7,7 @@ attention data-parallel rank. srun's default block distribution puts consecutive
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -20,9 +20,6 @@ class RankCoords:
     tp: int
     ep: int
     dp: int
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 def rank_coords(rank: int, *, tp: int, pp: int, ep: int, attention_dp: bool, tasks_per_node: int,

@@ -26,7 +26,6 @@ class EventPublisher:
         self.component = component
         self.nc = None
         self._task: asyncio.Task | None = None
-        self.published = 0
 
     async def connect(self, timeout: float = 30.0) -> "EventPublisher":
         import nats
@@ -44,7 +43,6 @@ class EventPublisher:
             return
         payload = json.dumps(data).encode()
         asyncio.ensure_future(self.nc.publish(subject(self.manifest, kind, self.component), payload))
-        self.published += 1
 
     def start_load_reports(self, stats: Callable[[], dict[str, float]], every_s: float = 1.0) -> None:
         async def loop() -> None:

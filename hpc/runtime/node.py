@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import socket
 import struct
@@ -94,7 +93,3 @@ def wait_endpoint(manifest: Manifest, name: str, timeout: float = 600.0) -> dict
 def nats_token(manifest: Manifest) -> str | None:
     path = Path(manifest.run_dir) / "secrets" / "nats.token"
     return path.read_text().strip() if path.is_file() else None
-
-
-def dump(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True)
