@@ -9,7 +9,9 @@ seeded CUDA generator (identical on every rank), then:
      compared in fp32 (bf16 agreement is reported too);
   2. decode tokens/s at batch 1, 8 and 64 in bf16 (decode step captured in a CUDA graph), and batch 1
      against the HBM roofline: bytes read per token (weights + KV) / measured device copy bandwidth.
-Prints one table; `--json PATH` also writes the figures.
+     Batch 1 and 8 run the engine's fused Triton decode kernels (five per layer); batch 64 the torch
+     path compiled by inductor. `--torch-b1` also times batch 1 on the compiled torch path.
+Prints one table; `--json PATH` also writes the figures; `--profile` adds the batch-1 kernel times.
 """
 
 from __future__ import annotations
@@ -52,11 +54,12 @@ def full_state(device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tens
     return state
 
 
-def build(tp: TensorParallel, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+def build(tp: TensorParallel, device: torch.device, dtype: torch.dtype, fused: bool) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(CFG, tp)
     model.load_state_dict(shard_state_dict(full_state(device, dtype), tp), assign=True)
-    return model.to(device).eval().fuse_projections()
+    model = model.to(device).eval().fuse_projections()
+    return model.enable_fused_decode() if fused else model
 
 
 @torch.inference_mode()
@@ -89,7 +92,8 @@ def decode_speed(model: LlamaForCausalLM, device: torch.device, batch: int, cont
     embeds = model.embed(tokens)
 
     forward = model.forward_step
-    if COMPILE:  # compile the undecorated method; we already run under inference_mode
+    fused = model.fused_decode is not None and model.fused_decode.supports(embeds)
+    if COMPILE and not fused:  # compile the undecorated method; we already run under inference_mode
         raw = type(model).forward_step.__wrapped__
         forward = torch.compile(lambda *a, **k: raw(model, *a, **k), dynamic=False)
 
@@ -138,6 +142,28 @@ def weight_bytes(model: LlamaForCausalLM) -> int:
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
 
 
+@torch.inference_mode()
+def profile_step(model: LlamaForCausalLM, device: torch.device, context: int = 512) -> list[tuple[str, int, float]]:
+    """(kernel, launches per token, µs per token) of batch-1 fused decode steps, longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = model.new_cache(1, context + 64, torch.bfloat16, device)
+    slots = torch.zeros(1, dtype=torch.long, device=device)
+    embeds = model.embed(torch.tensor([[1000]], device=device))
+    positions = torch.full((1, 1), context, device=device)
+    for _ in range(3):
+        model.forward_step(embeds, positions, slots, cache)
+    torch.cuda.synchronize()
+    steps = 10
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            model.forward_step(embeds, positions, slots, cache)
+        torch.cuda.synchronize()
+    rows = [(e.key[:60], e.count // steps, e.device_time_total / steps) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[2])
+
+
 def run_rank(tp_size: int, out_path: str) -> None:
     """One rank: TP=1 in this process, or rank r of TP=2 started by mpiexec."""
     rank, world = 0, 1
@@ -158,15 +184,23 @@ def run_rank(tp_size: int, out_path: str) -> None:
     props = torch.cuda.get_device_properties(device)
     result = {"rank": rank, "world": world, "gpu": torch.cuda.current_device(), "name": props.name,
               "uuid": str(getattr(props, "uuid", "")), "pci_bus": getattr(props, "pci_bus_id", None)}
-    fp32 = build(tp, device, torch.float32)
+    fp32 = build(tp, device, torch.float32, fused=False)  # the reference path, where rounding is smallest
     result["greedy_fp32"] = greedy(fp32, device, torch.float32)
     del fp32
     torch.cuda.empty_cache()
-    bf16 = build(tp, device, torch.bfloat16)
+    bf16 = build(tp, device, torch.bfloat16, fused=True)
     result["greedy_bf16"] = greedy(bf16, device, torch.bfloat16)
     result["params"] = sum(p.numel() for p in bf16.parameters()) * world
     result["weight_bytes_per_rank"] = weight_bytes(bf16)
     result["decode_tps"] = {b: decode_speed(bf16, device, b) for b in (1, 8, 64)}
+    if os.environ.get("HPC_GPU_CHECK_PROFILE") == "1":
+        result["profile_b1"] = profile_step(bf16, device)
+        from hpc.runtime.engine.decode_kernels import tuned_configs
+
+        result["tuned"] = tuned_configs()
+    if os.environ.get("HPC_GPU_CHECK_TORCH_B1") == "1":
+        bf16.fused_decode = None
+        result["decode_tps_torch_b1"] = decode_speed(bf16, device, 1)
     result["copy_bandwidth"] = copy_bandwidth(device)
     if tp_size > 1:
         gathered = comm.gather(result, root=0)
@@ -185,7 +219,12 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--mpiexec", default="mpiexec")
+    parser.add_argument("--profile", action="store_true", help="print batch-1 kernel times (fused path)")
+    parser.add_argument("--torch-b1", action="store_true", help="also time batch 1 on the compiled torch path")
     args = parser.parse_args()
+    # the MPI ranks are separate processes: the choices travel in their environment
+    os.environ["HPC_GPU_CHECK_PROFILE"] = "1" if args.profile else os.environ.get("HPC_GPU_CHECK_PROFILE", "0")
+    os.environ["HPC_GPU_CHECK_TORCH_B1"] = "1" if args.torch_b1 else os.environ.get("HPC_GPU_CHECK_TORCH_B1", "0")
     if args.rank_of:
         run_rank(args.rank_of, args.out)
         return
@@ -193,6 +232,7 @@ def main() -> None:
     run_rank(1, f"{tmp}/tp1.json")
     tp1 = json.load(open(f"{tmp}/tp1.json"))[0]
     tp2 = None
+    result_ok = True
     if torch.cuda.device_count() >= 2:
         cmd = [args.mpiexec, "-n", "2", sys.executable, __file__, "--rank-of", "2", "--out", f"{tmp}/tp2.json"]
         subprocess.run(cmd, check=True)
@@ -212,8 +252,9 @@ def main() -> None:
                                 for r in (tp2 or [])))
     if tp2:
         same32 = tp2[0]["greedy_fp32"] == tp1["greedy_fp32"]
-        same16 = sum(a == b for a, b in zip(tp2[0]["greedy_bf16"], tp1["greedy_bf16"]))
         distinct = len({(r["uuid"], r["pci_bus"]) for r in tp2}) == len(tp2)
+        same16 = sum(a == b for a, b in zip(tp2[0]["greedy_bf16"], tp1["greedy_bf16"]))
+        result_ok = same32 and same16 == len(PROMPTS) and distinct
         print(f"greedy tokens TP=2 == TP=1 (fp32, {len(PROMPTS)} prompts x {GREEDY_TOKENS}): {same32}; "
               f"bf16: {same16}/{len(PROMPTS)} prompts identical; distinct GPUs per rank: {distinct}")
     print(f"{'':6} {'b=1 tok/s':>10} {'b=8 tok/s':>10} {'b=64 tok/s':>11} {'b=1 roofline':>13} {'b=1 / roof':>10} "
@@ -221,9 +262,22 @@ def main() -> None:
     for label, tps, roof, bw in rows:
         print(f"{label:6} {tps['1']:>10.1f} {tps['8']:>10.1f} {tps['64']:>11.1f} {roof:>13.1f} "
               f"{tps['1'] / roof:>10.0%} {bw / 1e9:>10.0f}")
+    for label, ranks in (("TP=1", [tp1]), ("TP=2", tp2)):
+        if ranks and "decode_tps_torch_b1" in ranks[0]:
+            print(f"{label} batch 1 on the compiled torch path: {ranks[0]['decode_tps_torch_b1']:.1f} tok/s")
+        if ranks and "profile_b1" in ranks[0]:
+            print(f"{label} rank 0, batch-1 fused step, GPU time per token by kernel:")
+            for name, count, micros in ranks[0]["profile_b1"][:12]:
+                print(f"  {micros:8.1f} µs {count:5d}x  {name}")
+            total = sum(r[2] for r in ranks[0]["profile_b1"])
+            print(f"  {total:8.1f} µs in {sum(r[1] for r in ranks[0]['profile_b1'])} launches")
+            for key, config in ranks[0].get("tuned", {}).items():
+                print(f"  tuned {key}: {config}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"tp1": tp1, "tp2": tp2}, handle, indent=1)
+    if not result_ok:
+        sys.exit("GPU check FAILED: TP=2 tokens differ from TP=1, or two ranks share a GPU")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Triton kernels run on CPU through its interpreter; it must be chosen before Triton is first imported.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidiactl").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Values that would run commands if anything reached the shell unquoted.
 HOSTILE = [
     "with space",

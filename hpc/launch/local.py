@@ -105,9 +105,17 @@ def launch_local(run: RunDir, wait: bool = True, smoke: bool = True) -> int:
     m = run.manifest()
     ensure_model(m.recipe.model.path, m.recipe.model.generate)
     t0 = time.monotonic()
-    start_processes(run)
+    pids = start_processes(run)
     run.update_run_info(submitted=True, scheduler="local", job_id=run.path.name, submitted_at=time.time())
     print(f"started {m.recipe.name} locally: {run.path.name}")
     from hpc.launch.follow import follow_up
 
-    return follow_up(run, t0, wait=wait, smoke=smoke)
+    return follow_up(run, t0, wait=wait, smoke=smoke, abort=lambda: first_exited(pids))
+
+
+def first_exited(pids: dict[str, list[int]]) -> str | None:
+    """Why to stop waiting for readiness: a component that exited (they all serve until stopped)."""
+    for name, group in pids.items():
+        if not all(alive(pid) for pid in group):
+            return f"{name} exited"
+    return None

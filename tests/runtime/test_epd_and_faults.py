@@ -143,3 +143,24 @@ def test_hung_worker_leaves_routing_within_two_seconds(mock):
     while time.monotonic() < deadline and get_json(mock.url + "/health")[1]["live"].get("agg", 0) == 0:
         time.sleep(0.05)
     assert get_json(mock.url + "/health")[1]["live"].get("agg", 0) == 1
+
+
+def test_a_component_that_dies_at_start_fails_the_launch_at_once(tmp_path, monkeypatch, model_cache, capsys):
+    """Not a readiness timeout later: the launch notices the exited process and says which one."""
+    import time
+
+    from hpc.cli.main import main
+    from hpc.launch.local import alive, local_pids
+    from hpc.rundir import list_runs
+
+    monkeypatch.setenv("HPC_RUNS_DIR", str(tmp_path))
+    started = time.monotonic()
+    code = main(["launch", "-r", "tiny-agg", "--no-smoke", "--set", "roles.agg.env.PYTHONHOME=/nonexistent",
+                 "--set", f"model.path={model_cache / 'tiny'}", "--set", "runtime.readiness_timeout_s=600"])
+    elapsed = time.monotonic() - started
+    (run,) = list_runs()
+    main(["cancel", str(run.path), "--grace", "2"])
+    assert code == 1
+    assert "agg-0 exited" in capsys.readouterr().err
+    assert elapsed < 60, f"took {elapsed:.0f} s: the launch waited instead of noticing the exit"
+    assert not [p for pids in local_pids(run).values() for p in pids if alive(p)]

@@ -201,6 +201,16 @@ class LlamaForCausalLM(nn.Module):
         self.model = Backbone(cfg, self.tp)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.fused_decode = None  # a FusedDecoder once enable_fused_decode() ran
+
+    def enable_fused_decode(self) -> "LlamaForCausalLM":
+        """Route small-batch one-token steps through the fused Triton kernels (needs Triton)."""
+        from hpc.runtime.engine.fused_decode import FusedDecoder
+
+        if not hasattr(self.model.layers[0].self_attn, "qkv_proj"):
+            self.fuse_projections()
+        self.fused_decode = FusedDecoder(self)
+        return self
 
     def rope(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._rope is None or self._rope[0].device != device:
@@ -223,6 +233,8 @@ class LlamaForCausalLM(nn.Module):
         `contiguous_slots` promises slots == 0..B-1: together they make a decode step capturable in a
         CUDA graph.
         """
+        if self.fused_decode is not None and self.fused_decode.supports(embeds):
+            return self.fused_decode(embeds, positions, slots, cache)
         cos_t, sin_t = self.rope(embeds.device)
         cos, sin = cos_t[positions].to(embeds.dtype), sin_t[positions].to(embeds.dtype)
         lengths = positions[:, -1] + 1

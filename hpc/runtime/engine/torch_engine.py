@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Callable
 
 import torch
 
+from hpc.runtime.engine import fused_decode
 from hpc.runtime.engine import kv as kvpack
 from hpc.runtime.engine.llama import (LlamaConfig, LlamaForCausalLM, TensorParallel, VisionEncoder,
                                       shard_state_dict)
@@ -101,6 +102,10 @@ class TorchEngine:
         model = LlamaForCausalLM(self.cfg, self.tp)
         model.load_state_dict(shard_state_dict(load_file(str(self.model_dir / "model.safetensors")), self.tp))
         self.model = model.to(self.device, self.dtype).eval().fuse_projections()
+        if fused_decode.available(self.cfg, self.device):
+            self.model.enable_fused_decode()
+        log.info("torch engine on %s (%s), TP rank %d of %d, fused decode kernels: %s", self.device, self.dtype,
+                 self.tp.rank, self.tp.size, "on" if self.model.fused_decode else "off")
         self.max_len = min(self.max_len, self.cfg.max_position_embeddings)
         self.cache = self.model.new_cache(self.max_batch, self.max_len, self.dtype, self.device)
         self.free_slots = list(range(self.max_batch))

@@ -1,0 +1,234 @@
+"""Fused Triton kernels for small-batch decode: five launches per layer instead of dozens.
+
+Batch-1 decode is bound by how fast the weights stream from memory, and by how many kernels each
+token pays a launch-and-drain gap for. These kernels fold the element-wise work into the matmuls:
+
+- `gemv`: y = W·x for a few rows of x, with an optional RMSNorm prologue (the row's sum of squares is
+  accumulated in the same pass over K, so the norm costs no extra read), an optional SiLU(gate)·up
+  prologue (the MLP's activation) and an optional residual epilogue;
+- `decode_attention`: RoPE on q and k, the new K/V written into the cache slot, and attention over the
+  cached positions split into chunks of `ATTN_CHUNK` (one program per query head and chunk, so a single
+  token's attention still spreads over the whole GPU), then a small kernel that merges the chunks.
+
+Per layer: norm+qkv, rope+kv-write+attention, merge, o+residual, norm+gate/up, act+down+residual.
+On Hopper and later the kernels use programmatic dependent launch: each one is launched while the
+previous drains, starts loading its weights, and waits (`gdc_wait`) only before reading what the
+previous kernel wrote.
+Accumulation is fp32 throughout; inputs and weights keep their dtype. Imported only where Triton is
+(CUDA machines; the tests run the same kernels on CPU under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Block sizes and warps tried the first time each shape runs (before CUDA-graph capture).
+# A BLOCK_K as wide as K lets a program fetch all its weights before it waits on the previous kernel.
+_GEMV_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
+                 for n, k, w in ((4, 512, 4), (8, 256, 4), (2, 1024, 4), (4, 1024, 4), (1, 2048, 4), (2, 2048, 4),
+                                 (4, 2048, 8), (8, 1024, 8))]
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if _INTERPRET:  # the CPU interpreter has nothing to time: one config
+    _GEMV_CONFIGS = _GEMV_CONFIGS[1:2]
+ATTN_CHUNK = 64  # cached positions per attention program
+
+
+def _use_pdl(device: torch.device) -> bool:
+    return (not _INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+            and os.environ.get("HPC_PDL", "1") == "1")
+
+
+@triton.jit
+def _gemv_block(acc, squares, x_row, norm_ptr, k0, K, w,
+                HAS_NORM: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One BLOCK_K slice: acc += w * prologue(x); w is this slice's weight tile, already loaded."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    k_mask = ks < K
+    if SILU_MUL:  # x holds [gate | up] of width 2K
+        gate = tl.load(x_row + ks, mask=k_mask, other=0.0).to(tl.float32)
+        up = tl.load(x_row + K + ks, mask=k_mask, other=0.0).to(tl.float32)
+        x = gate * tl.sigmoid(gate) * up
+    else:
+        x = tl.load(x_row + ks, mask=k_mask, other=0.0).to(tl.float32)
+    if HAS_NORM:  # the sum of squares rides along; the norm's scale is applied to the dot product at the end
+        squares += x * x
+        x = x * tl.load(norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+    return acc + w.to(tl.float32) * x[None, :], squares
+
+
+@triton.jit
+def _weight_tile(w_ptr, cols_n, n_mask, k0, K, BLOCK_K: tl.constexpr):
+    ks = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + cols_n[:, None] * K + ks[None, :], mask=n_mask[:, None] & (ks < K)[None, :], other=0.0)
+
+
+@triton.autotune(configs=_GEMV_CONFIGS, key=["N", "K", "HAS_NORM", "SILU_MUL"])
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_ptr, N, K, stride_x, stride_out, eps,
+                 HAS_NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0)  # batch row fastest: programs reading the same weight tile run together
+    cols_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = cols_n < N
+    x_row = x_ptr + row * stride_x
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    first = _weight_tile(w_ptr, cols_n, n_mask, 0, K, BLOCK_K)  # weights never change: load before waiting
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    acc, squares = _gemv_block(acc, squares, x_row, norm_ptr, 0, K, first, HAS_NORM, SILU_MUL, BLOCK_K)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        w = _weight_tile(w_ptr, cols_n, n_mask, k0, K, BLOCK_K)
+        acc, squares = _gemv_block(acc, squares, x_row, norm_ptr, k0, K, w, HAS_NORM, SILU_MUL, BLOCK_K)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    y = tl.sum(acc, axis=1)
+    if HAS_NORM:
+        y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+    if HAS_RES:
+        y += tl.load(res_ptr + row * stride_out + cols_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def tuned_configs() -> dict[str, str]:
+    """What autotuning chose, per kernel and key (for benchmark reports)."""
+    return {f"gemv{key[:4]}": str(config) for key, config in _gemv_kernel.cache.items()}
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 1e-5,
+         silu_mul: bool = False, residual: torch.Tensor | None = None,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] (or [M, 2K] with silu_mul) times weight [N, K]ᵀ -> [M, N]; M is small (decode)."""
+    rows = x.shape[0]
+    n, k = weight.shape
+    assert x.is_contiguous() and weight.is_contiguous() and x.shape[1] == (2 * k if silu_mul else k)
+    out = torch.empty(rows, n, dtype=out_dtype or x.dtype, device=x.device)
+    if residual is not None:
+        assert residual.shape == out.shape and residual.is_contiguous()
+    grid = lambda meta: (rows, triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
+    pdl = _use_pdl(x.device)
+    _gemv_kernel[grid](x, weight, out, residual if residual is not None else out,
+                       norm if norm is not None else weight, n, k, x.stride(0), out.stride(0), eps,
+                       HAS_NORM=norm is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None,
+                       USE_PDL=pdl, launch_pdl=pdl)
+    return out
+
+
+@triton.jit
+def _rope(at, d, rotated, sign, cos, sin):
+    return tl.load(at + d).to(tl.float32) * cos + sign * tl.load(at + rotated).to(tl.float32) * sin
+
+
+@triton.jit
+def _attention_chunk_kernel(qkv_ptr, k_cache, v_cache, part_acc, part_stat, slots_ptr, pos_ptr, cos_ptr, sin_ptr,
+                            stride_qkv, stride_slot, stride_head, stride_pos, scale, chunks,
+                            HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (row, head, chunk): softmax statistics and weighted values over one chunk of positions.
+
+    Chunk 0 also takes the new token (from registers) and its head-group leader writes the new K/V into
+    the cache; other chunks read only positions before it, so nothing reads what this launch writes.
+    """
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    chunk = tl.program_id(2)
+    group: tl.constexpr = HEADS // KV_HEADS
+    kv_head = head // group
+    if USE_PDL:  # one wave of small programs: let the merge kernel take its place at once
+        tl.extra.cuda.gdc_launch_dependents()
+    # Positions, slots, the RoPE tables and the cached K/V are not written by the kernel before this one
+    # (the q/k/v matmul): they load while it drains; only q/k/v wait for it.
+    pos = tl.load(pos_ptr + row)
+    if chunk == 0 or chunk * CHUNK < pos:
+        slot = tl.load(slots_ptr + row)
+        d = tl.arange(0, HEAD_DIM)
+        cache_row = slot * stride_slot + kv_head * stride_head
+        ls = chunk * CHUNK + tl.arange(0, CHUNK)
+        l_mask = ls < pos
+        offsets = cache_row + ls[:, None] * stride_pos + d[None, :]
+        keys = tl.load(k_cache + offsets, mask=l_mask[:, None], other=0.0).to(tl.float32)
+        values = tl.load(v_cache + offsets, mask=l_mask[:, None], other=0.0).to(tl.float32)
+        half: tl.constexpr = HEAD_DIM // 2
+        rotated = (d + half) % HEAD_DIM  # rotate_half: [-x2, x1]
+        sign = tl.where(d < half, -1.0, 1.0)
+        cos = tl.load(cos_ptr + pos * HEAD_DIM + d)
+        sin = tl.load(sin_ptr + pos * HEAD_DIM + d)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+        base = qkv_ptr + row * stride_qkv
+        q = _rope(base + head * HEAD_DIM, d, rotated, sign, cos, sin) * scale
+        scores = tl.where(l_mask, tl.sum(keys * q[None, :], axis=1), float("-inf"))
+        if chunk == 0:  # the new token joins chunk 0, as the cache will keep it
+            k_new = _rope(base + (HEADS + kv_head) * HEAD_DIM, d, rotated, sign, cos, sin).to(k_cache.dtype.element_ty)
+            v_new = tl.load(base + (HEADS + KV_HEADS + kv_head) * HEAD_DIM + d)
+            if head % group == 0:
+                tl.store(k_cache + cache_row + pos * stride_pos + d, k_new)
+                tl.store(v_cache + cache_row + pos * stride_pos + d, v_new.to(v_cache.dtype.element_ty))
+            score_new = tl.sum(q * k_new.to(tl.float32), axis=0)
+            best = tl.maximum(tl.max(scores, axis=0), score_new)
+            p = tl.exp(scores - best)
+            p_new = tl.exp(score_new - best)
+            total = tl.sum(p, axis=0) + p_new
+            acc = tl.sum(p[:, None] * values, axis=0) + p_new * v_new.to(tl.float32)
+        else:
+            best = tl.max(scores, axis=0)
+            p = tl.exp(scores - best)
+            total = tl.sum(p, axis=0)
+            acc = tl.sum(p[:, None] * values, axis=0)
+        at = (row * HEADS + head) * chunks + chunk
+        tl.store(part_acc + at * HEAD_DIM + d, acc)
+        tl.store(part_stat + at * 2, best)
+        tl.store(part_stat + at * 2 + 1, total)
+
+
+@triton.jit
+def _attention_merge_kernel(part_acc, part_stat, pos_ptr, out_ptr, chunks, HEADS: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+                            USE_PDL: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    if USE_PDL:  # the o matmul after this can start fetching its weights now
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    used = tl.maximum(tl.cdiv(tl.load(pos_ptr + row), CHUNK), 1)
+    c = tl.arange(0, MAX_CHUNKS)
+    c_mask = c < used
+    at = (row * HEADS + head) * chunks + c
+    best = tl.load(part_stat + at * 2, mask=c_mask, other=float("-inf"))
+    total = tl.load(part_stat + at * 2 + 1, mask=c_mask, other=0.0)
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.load(part_acc + at[:, None] * HEAD_DIM + d[None, :], mask=c_mask[:, None], other=0.0)
+    weight = tl.where(c_mask, tl.exp(best - tl.max(best, axis=0)), 0.0)
+    out = tl.sum(weight[:, None] * acc, axis=0) / tl.sum(weight * total, axis=0)
+    tl.store(out_ptr + row * HEADS * HEAD_DIM + head * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                     kv_heads: int) -> torch.Tensor:
+    """qkv [M, (heads + 2 kv_heads) * D] of one new token per row at `positions` [M] in cache `slots` [M].
+
+    Writes the token's K/V into the caches ([slots, kv_heads, max_len, D]) and returns attention [M, heads * D].
+    cos/sin are the fp32 RoPE tables [max_len, D]. The launch covers the whole cache length, so one
+    captured graph serves every position; chunks past a row's position return at once.
+    """
+    rows = qkv.shape[0]
+    head_dim = k_cache.shape[-1]
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and qkv.is_contiguous()
+    chunks = triton.cdiv(k_cache.shape[2], ATTN_CHUNK)
+    part_acc = torch.empty(rows, heads, chunks, head_dim, dtype=torch.float32, device=qkv.device)
+    part_stat = torch.empty(rows, heads, chunks, 2, dtype=torch.float32, device=qkv.device)
+    out = torch.empty(rows, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+    pdl = _use_pdl(qkv.device)
+    _attention_chunk_kernel[(rows, heads, chunks)](
+        qkv, k_cache, v_cache, part_acc, part_stat, slots, positions, cos, sin, qkv.stride(0), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), head_dim ** -0.5, chunks, HEADS=heads, KV_HEADS=kv_heads,
+        HEAD_DIM=head_dim, CHUNK=ATTN_CHUNK, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+    _attention_merge_kernel[(rows, heads)](
+        part_acc, part_stat, positions, out, chunks, HEADS=heads, HEAD_DIM=head_dim, CHUNK=ATTN_CHUNK,
+        MAX_CHUNKS=triton.next_power_of_2(chunks), USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+    return out

@@ -1,0 +1,92 @@
+"""The fused decode kernels against the torch reference path (on CPU through Triton's interpreter)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hpc.runtime.engine.llama import LlamaConfig, LlamaForCausalLM, init_weights
+
+pytestmark = pytest.mark.unit
+
+triton = pytest.importorskip("triton", reason="Triton is not installed (the CI installs it for these tests)")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("without a GPU these kernels run only under TRITON_INTERPRET=1 (set in tests/conftest.py)",
+                allow_module_level=True)
+
+CFG = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _models(device: torch.device, dtype: torch.dtype):
+    reference = LlamaForCausalLM(CFG)
+    init_weights(reference, seed=3)
+    for name, param in reference.named_parameters():  # non-trivial norms, so a skipped scale shows
+        if name.endswith("norm.weight"):
+            param.data.uniform_(0.5, 1.5)
+    fused = LlamaForCausalLM(CFG)
+    fused.load_state_dict(reference.state_dict())
+    reference = reference.to(device, dtype).eval().fuse_projections()
+    fused = fused.to(device, dtype).eval().enable_fused_decode()
+    return reference, fused
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("chunk", [4, 64], ids=["many-chunks", "one-chunk"])
+@pytest.mark.parametrize("slots", [[0], [2, 0, 3]])
+def test_decode_steps_match_the_reference(slots: list[int], chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpc.runtime.engine import decode_kernels
+
+    monkeypatch.setattr(decode_kernels, "ATTN_CHUNK", chunk)  # positions 0..13 span up to 4 chunks of 4
+    device, dtype = _device(), torch.float32
+    reference, fused = _models(device, dtype)
+    gen = torch.Generator().manual_seed(7)
+    caches = [m.new_cache(4, 32, dtype, device) for m in (reference, fused)]
+    slot_ids = torch.tensor(slots, device=device)
+    # prefill rows of different lengths (torch path for both), then one-token steps
+    lengths = [5, 1, 9][:len(slots)]
+    for row, length in enumerate(lengths):
+        ids = torch.randint(2, CFG.vocab_size, (1, length), generator=gen).to(device)
+        for model, cache in zip((reference, fused), caches):
+            model.forward_step(model.embed(ids), torch.arange(length, device=device)[None], slot_ids[row:row + 1],
+                               cache)
+    positions = torch.tensor([[n] for n in lengths], device=device)
+    for _ in range(4):
+        ids = torch.randint(2, CFG.vocab_size, (len(slots), 1), generator=gen).to(device)
+        want = reference.forward_step(reference.embed(ids), positions, slot_ids, caches[0])
+        got = fused.forward_step(fused.embed(ids), positions, slot_ids, caches[1])
+        assert fused.fused_decode.supports(fused.embed(ids))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for ref_layer, fused_layer in zip(*caches):  # the new K/V landed in the right slot and position
+            torch.testing.assert_close(fused_layer, ref_layer, rtol=1e-5, atol=1e-5)
+        positions += 1
+
+
+def test_prefill_and_large_batches_keep_the_torch_path() -> None:
+    _, fused = _models(_device(), torch.float32)
+    assert not fused.fused_decode.supports(torch.zeros(1, 4, CFG.hidden_size))
+    assert not fused.fused_decode.supports(torch.zeros(64, 1, CFG.hidden_size))
+    assert fused.fused_decode.supports(torch.zeros(3, 1, CFG.hidden_size))
+
+
+def test_gemv_prologues_and_epilogue() -> None:
+    from hpc.runtime.engine.decode_kernels import gemv
+
+    gen = torch.Generator().manual_seed(1)
+    device = _device()
+    x = torch.randn(3, 2 * 40, generator=gen).to(device)
+    weight = torch.randn(30, 40, generator=gen).to(device)
+    residual = torch.randn(3, 30, generator=gen).to(device)
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(gemv(x, weight, silu_mul=True, residual=residual),
+                               residual + (torch.nn.functional.silu(gate) * up) @ weight.T, rtol=1e-4, atol=1e-4)
+    norm = torch.rand(40, generator=gen).to(device) + 0.5
+    plain = x[:, :40].contiguous()
+    normed = plain * torch.rsqrt(plain.pow(2).mean(-1, keepdim=True) + 1e-5) * norm
+    torch.testing.assert_close(gemv(plain, weight, norm=norm, out_dtype=torch.float64),
+                               (normed @ weight.T).double(), rtol=1e-4, atol=1e-4)
