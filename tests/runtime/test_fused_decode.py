@@ -90,3 +90,16 @@ def test_gemv_prologues_and_epilogue() -> None:
     normed = plain * torch.rsqrt(plain.pow(2).mean(-1, keepdim=True) + 1e-5) * norm
     torch.testing.assert_close(gemv(plain, weight, norm=norm, out_dtype=torch.float64),
                                (normed @ weight.T).double(), rtol=1e-4, atol=1e-4)
+
+
+def test_add_residual_rounds_once() -> None:
+    from hpc.runtime.engine.decode_kernels import add_residual
+
+    gen = torch.Generator().manual_seed(2)
+    partial = torch.randn(2, 3000, generator=gen).to(_device())
+    residual = torch.randn(2, 3000, generator=gen).to(_device(), torch.bfloat16)
+    got, want = add_residual(partial, residual), (partial + residual.float()).to(torch.bfloat16)
+    if torch.cuda.is_available():
+        assert torch.equal(got, want)
+    else:  # Triton's CPU interpreter truncates to bf16 where the GPU rounds to nearest: one unit apart at most
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0)

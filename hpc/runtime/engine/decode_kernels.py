@@ -232,3 +232,25 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         part_acc, part_stat, positions, out, chunks, HEADS=heads, HEAD_DIM=head_dim, CHUNK=ATTN_CHUNK,
         MAX_CHUNKS=triton.next_power_of_2(chunks), USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
+
+
+@triton.jit
+def _add_kernel(partial_ptr, residual_ptr, out_ptr, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    total = tl.load(partial_ptr + offsets, mask=mask) + tl.load(residual_ptr + offsets, mask=mask).to(tl.float32)
+    tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_residual(partial: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + partial (fp32, e.g. after a tensor-parallel all-reduce), rounded once: one launch."""
+    assert partial.shape == residual.shape and partial.is_contiguous() and residual.is_contiguous()
+    out = torch.empty_like(residual)
+    pdl = _use_pdl(residual.device)
+    block = 1024
+    _add_kernel[(triton.cdiv(out.numel(), block),)](partial, residual, out, out.numel(), BLOCK=block, USE_PDL=pdl,
+                                                     launch_pdl=pdl)
+    return out

@@ -58,4 +58,5 @@ class FusedDecoder:
             return self.kernels.gemv(x, weight, silu_mul=silu_mul, residual=residual)
         partial = self.kernels.gemv(x, weight, silu_mul=silu_mul, out_dtype=torch.float32)
         tp.all_reduce(partial)
-        return (partial + residual).to(residual.dtype)
+        # add in fp32 and round once, as the TP=1 kernel's residual epilogue does
+        return self.kernels.add_residual(partial, residual)
