@@ -23,9 +23,10 @@ CFG = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=88, num_hidde
 def _models(device: torch.device, dtype: torch.dtype):
     reference = LlamaForCausalLM(CFG)
     init_weights(reference, seed=3)
+    gen = torch.Generator().manual_seed(4)
     for name, param in reference.named_parameters():  # non-trivial norms, so a skipped scale shows
         if name.endswith("norm.weight"):
-            param.data.uniform_(0.5, 1.5)
+            param.data.copy_(torch.rand(param.shape, generator=gen) + 0.5)
     fused = LlamaForCausalLM(CFG)
     fused.load_state_dict(reference.state_dict())
     reference = reference.to(device, dtype).eval().fuse_projections()
@@ -103,3 +104,27 @@ def test_add_residual_rounds_once() -> None:
         assert torch.equal(got, want)
     else:  # Triton's CPU interpreter truncates to bf16 where the GPU rounds to nearest: one unit apart at most
         torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 on the GPU (the CPU interpreter truncates bf16)")
+def test_bf16_fused_logits_are_as_close_to_fp32_as_the_torch_path() -> None:
+    device = torch.device("cuda")
+    reference, _ = _models(device, torch.float32)
+    plain, fused = _models(device, torch.bfloat16)
+    gen = torch.Generator().manual_seed(11)
+    caches = [m.new_cache(2, 64, dtype, device) for m, dtype in
+              ((reference, torch.float32), (plain, torch.bfloat16), (fused, torch.bfloat16))]
+    prompt = torch.randint(2, CFG.vocab_size, (1, 20), generator=gen).to(device)
+    slots = torch.tensor([1], device=device)
+    for model, cache in zip((reference, plain, fused), caches):
+        model.forward_step(model.embed(prompt), torch.arange(20, device=device)[None], slots, cache)
+    errors = {"torch": [], "fused": []}
+    for step in range(20):
+        ids = torch.randint(2, CFG.vocab_size, (1, 1), generator=gen).to(device)
+        pos = torch.tensor([[20 + step]], device=device)
+        want = reference.forward_step(reference.embed(ids), pos, slots, caches[0])
+        for name, model, cache in (("torch", plain, caches[1]), ("fused", fused, caches[2])):
+            got = model.forward_step(model.embed(ids), pos, slots, cache)
+            errors[name].append(float((got - want).norm() / want.norm()))
+    assert max(errors["fused"]) < 5e-2, errors  # bf16 keeps ~3 significant digits
+    assert sum(errors["fused"]) <= 1.5 * sum(errors["torch"]), errors
