@@ -9,7 +9,7 @@ seeded CUDA generator (identical on every rank), then:
      compared in fp32 (bf16 agreement is reported too);
   2. decode tokens/s at batch 1, 8 and 64 in bf16 (decode step captured in a CUDA graph), and batch 1
      against the HBM roofline: bytes read per token (weights + KV) / measured device copy bandwidth.
-     Batch 1 and 8 run the engine's fused Triton decode kernels (five per layer); batch 64 the torch
+     Batch 1 runs the engine's fused Triton decode kernels (six per layer); batch 8 and 64 the torch
      path compiled by inductor. `--torch-b1` also times batch 1 on the compiled torch path.
 Prints one table; `--json PATH` also writes the figures; `--profile` adds the batch-1 kernel times.
 """

@@ -1,4 +1,4 @@
-"""Fused Triton kernels for small-batch decode: five launches per layer instead of dozens.
+"""Fused Triton kernels for small-batch decode: six launches per layer instead of dozens.
 
 Batch-1 decode is bound by how fast the weights stream from memory, and by how many kernels each
 token pays a launch-and-drain gap for. These kernels fold the element-wise work into the matmuls:

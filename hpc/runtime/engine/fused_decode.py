@@ -1,4 +1,6 @@
-"""The decode step through the fused Triton kernels (`decode_kernels`): five launches per layer.
+"""The decode step through the fused Triton kernels (`decode_kernels`): six launches per layer.
+
+With tensor parallelism each row-parallel matmul adds an all-reduce and a residual-add launch.
 
 Used for one-token steps of up to `MAX_BATCH` rows; prefill and larger batches take the torch path
 (`LlamaForCausalLM.forward_step`), which is also the reference these kernels are tested against.
