@@ -257,18 +257,35 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens(token_ids)
 
 
+# Megatron-style plan in torch's tensor-parallel terms: column-parallel weights shard their output rows
+# (Shard(0)), row-parallel ones their input columns (Shard(1)); the rest is replicated.
+_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROWWISE = ("o_proj", "down_proj")
+
+
 def shard_state_dict(state: dict[str, torch.Tensor], tp: TensorParallel) -> dict[str, torch.Tensor]:
-    """This rank's slice of a full checkpoint: rows of column-parallel, columns of row-parallel weights."""
+    """This rank's slice of a full checkpoint, cut by torch's DTensor placements over the TP group.
+
+    Every rank reads the whole checkpoint, so no data moves (`src_data_rank=None`): each keeps its local
+    shard as a plain tensor, which the fused kernels and CUDA-graph replay need.
+    """
     if tp.size == 1:
         return state
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    meshes: dict[str, DeviceMesh] = {}
     out = {}
     for name, tensor in state.items():
-        if any(name.endswith(f"{p}.weight") for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
-            out[name] = tensor.chunk(tp.size, dim=0)[tp.rank].contiguous()
-        elif any(name.endswith(f"{p}.weight") for p in ("o_proj", "down_proj")):
-            out[name] = tensor.chunk(tp.size, dim=1)[tp.rank].contiguous()
-        else:
+        layer = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+        dim = 0 if layer in _COLWISE else 1 if layer in _ROWWISE else None
+        if dim is None:
             out[name] = tensor
+            continue
+        mesh = meshes.get(tensor.device.type)
+        if mesh is None:
+            mesh = meshes[tensor.device.type] = DeviceMesh.from_group(tp.group, tensor.device.type)
+        out[name] = distribute_tensor(tensor, mesh, [Shard(dim)], src_data_rank=None).to_local().contiguous()
     return out
 
 
