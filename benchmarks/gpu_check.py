@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from hpc.runtime.engine.llama import LlamaConfig, LlamaForCausalLM, TensorParallel, shard_state_dict  # noqa: E402
+from hpc.runtime.engine.tp import init_group, world_rank  # noqa: E402
 
 CFG = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                   num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)
@@ -63,7 +64,8 @@ def build(tp: TensorParallel, device: torch.device, dtype: torch.dtype, fused: b
 
 
 @torch.inference_mode()
-def greedy(model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype) -> tuple[list[list[int]], list[list[float]]]:
+def greedy(model: LlamaForCausalLM, device: torch.device,
+           dtype: torch.dtype) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy tokens per prompt, and at each step the gap between the two highest logits."""
     out, gaps = [], []
     for prompt in PROMPTS:
@@ -98,8 +100,8 @@ def decode_speed(model: LlamaForCausalLM, device: torch.device, batch: int, cont
     embeds = model.embed(tokens)
 
     forward = model.forward_step
-    fused = model.fused_decode is not None and model.fused_decode.supports(embeds)
-    if COMPILE and not fused:  # compile the undecorated method; we already run under inference_mode
+    # compile the undecorated method (we already run under inference_mode); the fused path is Triton already
+    if COMPILE and not model.takes_fused_path(embeds):
         raw = type(model).forward_step.__wrapped__
         forward = torch.compile(lambda *a, **k: raw(model, *a, **k), dynamic=False)
 
@@ -178,12 +180,9 @@ def run_rank(tp_size: int, out_path: str) -> None:
 
         comm = MPI.COMM_WORLD
         rank, world = comm.Get_rank(), comm.Get_size()
-        local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("MPI_LOCALRANKID", rank)))
-        torch.cuda.set_device(local % torch.cuda.device_count())
+        torch.cuda.set_device(world_rank()[2] % torch.cuda.device_count())  # the launcher's local rank
         master = comm.bcast(f"127.0.0.1:{29500 + os.getpid() % 1000}" if rank == 0 else None, root=0)
-        torch.distributed.init_process_group("nccl", init_method=f"tcp://{master}", rank=rank, world_size=world,
-                                             device_id=torch.device("cuda", torch.cuda.current_device()))
-        tp = TensorParallel(rank, world, torch.distributed.group.WORLD)
+        tp = init_group(rank, world, master, torch.device("cuda", torch.cuda.current_device()))
     else:
         tp = TensorParallel()
     device = torch.device("cuda", torch.cuda.current_device())

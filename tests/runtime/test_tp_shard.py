@@ -1,7 +1,8 @@
-"""Tensor-parallel sharding of a checkpoint: two gloo ranks, each keeps its Megatron slice."""
+"""Tensor parallelism: ranks from each launcher, and each rank's Megatron slice of a checkpoint (two gloo ranks)."""
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -46,3 +47,23 @@ def test_each_rank_keeps_its_rows_or_columns() -> None:
 def test_one_rank_keeps_the_checkpoint_as_is() -> None:
     full = _checkpoint()
     assert shard_state_dict(full, TensorParallel()) is full
+
+
+@pytest.mark.parametrize("env, want", [
+    ({}, (0, 1, 0)),
+    ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}, (3, 4, 1)),
+    ({"PMIX_RANK": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "5"}, (5, 8, 5)),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"}, (1, 2, 1)),  # MPICH's mpiexec
+    ({"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"}, (2, 4, 0)),
+    ({"HPC_RANK": "1", "HPC_WORLD_SIZE": "2", "HPC_LOCAL_RANK": "1"}, (1, 2, 1)),
+], ids=["none", "open-mpi", "pmix", "mpich", "slurm", "hpc-local"])
+def test_world_rank_from_each_launcher(env: dict[str, str], want: tuple[int, int, int],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpc.runtime.engine.tp import world_rank
+
+    for name in list(os.environ):
+        if name.startswith(("OMPI_", "PMIX_", "PMI_", "MPI_", "SLURM_", "HPC_RANK", "HPC_WORLD", "HPC_LOCAL")):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert world_rank() == want

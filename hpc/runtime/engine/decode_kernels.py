@@ -20,6 +20,7 @@ Accumulation is fp32 throughout; inputs and weights keep their dtype. Imported o
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -37,6 +38,7 @@ if _INTERPRET:  # the CPU interpreter has nothing to time: one config
 ATTN_CHUNK = 64  # cached positions per attention program
 
 
+@functools.cache  # asked at every launch of the decode hot path
 def _use_pdl(device: torch.device) -> bool:
     return (not _INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
             and os.environ.get("HPC_PDL", "1") == "1")

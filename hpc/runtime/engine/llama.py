@@ -107,6 +107,8 @@ class Attention(nn.Module):
 
     def fuse(self) -> None:
         """One matmul for q, k and v: fewer, larger kernels (decode at small batch is bandwidth-bound)."""
+        if hasattr(self, "qkv_proj"):
+            return
         weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
         self.qkv_proj = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
                                   dtype=weight.dtype)
@@ -162,6 +164,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, cfg.hidden_size, bias=False)
 
     def fuse(self) -> None:
+        if hasattr(self, "gate_up_proj"):
+            return
         weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
         self.gate_up_proj = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
                                       dtype=weight.dtype)
@@ -207,10 +211,11 @@ class LlamaForCausalLM(nn.Module):
         """Route small-batch one-token steps through the fused Triton kernels (needs Triton)."""
         from hpc.runtime.engine.fused_decode import FusedDecoder
 
-        if not hasattr(self.model.layers[0].self_attn, "qkv_proj"):
-            self.fuse_projections()
-        self.fused_decode = FusedDecoder(self)
+        self.fused_decode = FusedDecoder(self.fuse_projections())
         return self
+
+    def takes_fused_path(self, embeds: torch.Tensor) -> bool:
+        return self.fused_decode is not None and self.fused_decode.supports(embeds)
 
     def rope(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._rope is None or self._rope[0].device != device:
@@ -233,7 +238,7 @@ class LlamaForCausalLM(nn.Module):
         `contiguous_slots` promises slots == 0..B-1: together they make a decode step capturable in a
         CUDA graph.
         """
-        if self.fused_decode is not None and self.fused_decode.supports(embeds):
+        if self.takes_fused_path(embeds):
             return self.fused_decode(embeds, positions, slots, cache)
         cos_t, sin_t = self.rope(embeds.device)
         cos, sin = cos_t[positions].to(embeds.dtype), sin_t[positions].to(embeds.dtype)
@@ -247,7 +252,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(h).float()
 
     def fuse_projections(self) -> "LlamaForCausalLM":
-        """After loading: q/k/v and gate/up as single matmuls (the checkpoint keeps HF's names)."""
+        """After loading: q/k/v and gate/up as single matmuls (the checkpoint keeps HF's names). Idempotent."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()

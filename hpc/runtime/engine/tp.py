@@ -14,10 +14,11 @@ _KINDS = {"prefill": _PREFILL, "decode": _DECODE}
 
 
 def world_rank() -> tuple[int, int, int]:
-    """(rank, world size, local rank) from whichever launcher started us: Open MPI, PMIx, Slurm, or hpc."""
+    """(rank, world size, local rank) from whichever launcher started us: Open MPI, PMIx, MPICH, Slurm, or hpc."""
     for rank_var, size_var, local_var in (
             ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
             ("PMIX_RANK", "SLURM_NTASKS", "SLURM_LOCALID"),
+            ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
             ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
             ("HPC_RANK", "HPC_WORLD_SIZE", "HPC_LOCAL_RANK")):
         if rank_var in os.environ and size_var in os.environ:
@@ -26,8 +27,12 @@ def world_rank() -> tuple[int, int, int]:
 
 
 def init_group(rank: int, world: int, master: str, device: torch.device) -> TensorParallel:
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank, world_size=world)
+    """The TP process group: NCCL bound to this rank's GPU, or gloo on CPU."""
+    if device.type == "cuda":
+        dist.init_process_group("nccl", init_method=f"tcp://{master}", rank=rank, world_size=world,
+                                device_id=device)
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world)
     return TensorParallel(rank=rank, size=world, group=dist.group.WORLD)
 
 

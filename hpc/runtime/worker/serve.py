@@ -35,14 +35,14 @@ async def serve(manifest: Manifest, role: str, index: int) -> int:
 
     plan = manifest.plan.worker(role, index)
     name = plan.name
-    rank, world, _local = world_rank()
+    rank, world, local = world_rank()
     if plan.tasks == 1 or manifest.recipe.backend is not Backend.TORCH:
         rank, world = 0, 1  # TensorRT-LLM forms its own MPI world (trtllm-llmapi-launch); mock has none
     host = node_address(manifest)
     reporter = Reporter(manifest, name if rank == 0 else f"{name}.rank{rank}")
     reporter.phase("started", rank=rank, world=world)
     tp = None
-    device = _device(rank, world)
+    device = _device(local)
     if world > 1:
         if rank == 0:
             publish_endpoint(manifest, f"{name}-dist", host=host, port=plan.ports["dist"])
@@ -75,14 +75,13 @@ async def serve(manifest: Manifest, role: str, index: int) -> int:
     return code
 
 
-def _device(rank: int, world: int) -> str | None:
+def _device(local_rank: int) -> str:
     try:
         import torch
 
         if torch.cuda.is_available():
             # Slurm/MPI give each rank its GPUs; the local rank picks among those visible to the task.
-            local = int(os.environ.get("SLURM_LOCALID", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", rank)))
-            return f"cuda:{local % torch.cuda.device_count()}"
+            return f"cuda:{local_rank % torch.cuda.device_count()}"
     except ImportError:
         pass
     return "cpu"
