@@ -11,7 +11,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from hpc.engine_args.precedence import forced_values, merge_engine_args, recipe_defaults
+from hpc.engine_args.flags import EngineArgFlags, apply_engine_flags
+from hpc.engine_args.precedence import (forced_values, merge_engine_args, overridden, prune_for_autodeploy,
+                                        recipe_defaults)
 from hpc.engine_args.schema import check_engine_config
 from hpc.errors import UserError, UserErrors
 from hpc.plan.placement import PORTS_PER_WORKER, WORKER_PORTS_START, Plan, plan
@@ -55,6 +57,7 @@ class Resolved(BaseModel):
     plan: Plan
     engine_args: dict[str, dict[str, Any]]
     engine_config_files: dict[str, str | None]
+    warnings: list[str] = []
 
     def manifest(self, run_dir: Path, run_id: str, created: _dt.datetime) -> Manifest:
         return Manifest(run_id=run_id, run_dir=str(run_dir), created=created.isoformat(timespec="seconds"),
@@ -63,17 +66,23 @@ class Resolved(BaseModel):
 
 
 def resolve(cluster_name: str, recipe_name: str, overrides: list[str] | None = None,
-            adjust_cluster=None) -> Resolved:
+            adjust_cluster=None, engine_flags: EngineArgFlags | None = None) -> Resolved:
     cluster, cluster_path = load_cluster(cluster_name)
     if adjust_cluster is not None:
         cluster = adjust_cluster(cluster)
     recipe, recipe_path = load_recipe(recipe_name, overrides)
-    return resolve_specs(cluster, cluster_path, recipe, recipe_path)
+    return resolve_specs(cluster, cluster_path, recipe, recipe_path, engine_flags)
 
 
-def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, recipe_path: Path) -> Resolved:
+def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, recipe_path: Path,
+                  engine_flags: EngineArgFlags | None = None) -> Resolved:
     errors: list[UserError] = []
+    warnings: list[str] = []
     rfile = str(recipe_path)
+    flag_sources: dict[str, str] = {}
+    if engine_flags:
+        recipe, flag_sources = apply_engine_flags(recipe, engine_flags, rfile)
+    trtllm = recipe.backend is Backend.TRTLLM
     engine_args: dict[str, dict[str, Any]] = {}
     config_files: dict[str, str | None] = {}
     for role_name, role in recipe.roles.items():
@@ -94,13 +103,19 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
                 continue
             errors += check_engine_config(extra, file=efile)
         if role.override_engine_args:
-            errors += check_engine_config(role.override_engine_args, file=f"{rfile}: {field}.override_engine_args")
-        merged = merge_engine_args(recipe_defaults(recipe, role), extra, role.override_engine_args,
-                                   forced_values(publish_kv_events=recipe.runtime.publish_kv_events
-                                                 and recipe.backend is Backend.TRTLLM))
+            source = flag_sources.get(role_name.value) or f"{rfile}: {field}.override_engine_args"
+            errors += check_engine_config(role.override_engine_args, file=source)
+        unforced = merge_engine_args(recipe_defaults(recipe, role, trtllm=trtllm), extra, role.override_engine_args, {})
+        backend = str(unforced.get("backend", "pytorch"))
+        forced = forced_values(publish_kv_events=recipe.runtime.publish_kv_events and trtllm, backend=backend)
+        warnings += [f"{role_name.value}: the runtime sets {change} (KV events and metrics are published; "
+                     "runtime.publish_kv_events: false turns that off)" for change in overridden(unforced, forced)]
+        merged = merge_engine_args(unforced, None, None, forced)
+        errors += _check_role(recipe, role_name, merged, rfile, efile)
+        if trtllm and backend == "_autodeploy":
+            merged = prune_for_autodeploy(merged, warn=lambda w, r=role_name.value: warnings.append(f"{r}: {w}"))
         engine_args[role_name.value] = merged
         config_files[role_name.value] = efile
-        errors += _check_role(recipe, role_name, merged, rfile, efile)
     errors += _check_disagg_pair(recipe, engine_args, config_files, rfile)
     if recipe.roles.encode is not None and not recipe.model.multimodal:
         errors.append(UserError("an encode role needs a multimodal model", file=rfile, field="roles.encode",
@@ -117,7 +132,7 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
         raise errors[0] if len(errors) == 1 else UserErrors(errors)
     assert placement is not None
     return Resolved(cluster=cluster, cluster_file=str(cluster_path), recipe=recipe, recipe_file=rfile,
-                    plan=placement, engine_args=engine_args, engine_config_files=config_files)
+                    plan=placement, engine_args=engine_args, engine_config_files=config_files, warnings=warnings)
 
 
 def _check_role(recipe: Recipe, role_name: RoleName, merged: dict[str, Any], rfile: str,

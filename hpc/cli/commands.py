@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from hpc.cli.show import plan_table, table
 from hpc.errors import UserError
@@ -22,8 +23,13 @@ def _free_local_ports(cluster):
 
 
 def _resolve(args: argparse.Namespace, for_launch: bool = False) -> Resolved:
-    return resolve(args.cluster, args.recipe, args.overrides,
-                   adjust_cluster=_free_local_ports if for_launch else None)
+    from hpc.engine_args.flags import EngineArgFlags
+
+    r = resolve(args.cluster, args.recipe, args.overrides, adjust_cluster=_free_local_ports if for_launch else None,
+                engine_flags=EngineArgFlags(extra=args.extra_engine_args, override=args.override_engine_args))
+    for warning in r.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    return r
 
 
 def _title(r: Resolved) -> str:

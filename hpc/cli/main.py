@@ -26,6 +26,11 @@ def _add_target(p: argparse.ArgumentParser, default_cluster: str | None = "local
     p.add_argument("--recipe", "-r", required=True, help="recipe name from recipes/ or a YAML path")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                    help="override any recipe field, e.g. --set roles.decode.count=2 (repeatable)")
+    p.add_argument("--extra-engine-args", action="append", default=[], metavar="[ROLE=]PATH",
+                   help="a TensorRT-LLM engine config YAML for ROLE (every role without ROLE=), as Dynamo's "
+                        "worker takes it; replaces the role's engine_config (repeatable)")
+    p.add_argument("--override-engine-args", action="append", default=[], metavar="[ROLE=]JSON",
+                   help="a JSON object merged over the role's engine arguments, above the YAML (repeatable)")
 
 
 def build_parser() -> argparse.ArgumentParser:

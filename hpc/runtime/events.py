@@ -38,6 +38,14 @@ class EventPublisher:
     def kv_event(self, event: str, **data: Any) -> None:
         self._publish("kv_events", {"event": event, "worker": self.component, "ts": time.time(), **data})
 
+    def engine_kv_event(self, event: dict[str, Any]) -> None:
+        """A record from TensorRT-LLM's get_kv_cache_events_async, as the engine gave it."""
+        self._publish("kv_events", {"event": "engine", "worker": self.component, "ts": time.time(), "record": event})
+
+    def engine_stats(self, stat: dict[str, Any]) -> None:
+        """A record from TensorRT-LLM's get_stats_async (iteration stats)."""
+        self._publish("engine_stats", {"worker": self.component, "ts": time.time(), "record": stat})
+
     def _publish(self, kind: str, data: dict[str, Any]) -> None:
         if self.nc is None or not self.nc.is_connected:
             return

@@ -24,5 +24,11 @@ def build_engine(manifest: Manifest, role: str, *, self_address: str, tp=None,
         return TorchEngine(recipe.model.path, mode, args, device=device, tp=tp, fetch_kv=fetch_kv,
                            self_address=self_address)
     from hpc.runtime.engine.trtllm_engine import TrtllmEngine
+    from hpc.runtime.media import read_image_bytes
 
-    return TrtllmEngine(recipe.model.path, mode, args, self_address=self_address)
+    def load_image_bytes(ref: str) -> bytes:
+        return read_image_bytes(ref, allowed_local_path=recipe.runtime.allowed_local_media_path,
+                                max_file_size_mb=recipe.runtime.max_file_size_mb)
+
+    return TrtllmEngine(recipe.model.path, mode, args, self_address=self_address,
+                        load_image_bytes=load_image_bytes if recipe.model.multimodal else None)

@@ -1,123 +1,274 @@
-"""TensorRT-LLM adapter (the seeds' TensorRTLLMEngine), written against the documented LLM API.
+"""TensorRT-LLM adapter (the seeds' TensorRTLLMEngine), written against the LLM API of TensorRT-LLM >= 1.2.
 
-TensorRT-LLM is imported lazily: everything else in hpc works without it. Disaggregation follows the
-LLM API: a prefill request is `context_only` and returns DisaggregatedParams (opaque KV state + first
-token); the decode request is `generation_only` with those params, and the cache transceiver moves
-the KV cache between the two engines.
+TensorRT-LLM is imported lazily: everything else in hpc works without it. What the adapter relies on, and where
+upstream defines it (NVIDIA/TensorRT-LLM):
+
+- tensorrt_llm/llmapi/llm.py: `LLM(model, **llm_args)` refuses unknown kwargs; `generate_async(inputs,
+  sampling_params, streaming, disaggregated_params)` returns a GenerationResult; a `context_only` request
+  runs the prompt and stops after one token; `get_stats_async(timeout)` and `get_kv_cache_events_async(timeout)`
+  return async iterables that end after `timeout` seconds without data, so they are drained in a loop.
+- tensorrt_llm/executor/result.py: outputs hold *cumulative* token ids; the context phase's
+  DisaggregatedParams (first_gen_tokens, ctx_request_id, opaque_state, draft_tokens) come back on the output; a
+  generation-only output starts with the first token the context phase produced, which the frontend has
+  already sent, so the decode side skips it; `abort()` cancels a request in the executor.
+- tensorrt_llm/disaggregated_params.py: the generation-only request needs the context's request id (or the
+  shared disagg_request_id), its first tokens and opaque state.
+- tensorrt_llm/sampling_params.py: greedy means temperature, top_p and top_k unset, or top_k == 1 (every
+  release), so a request with temperature 0 goes in as top_k=1 with the others unset; `stop` strings stop
+  the engine itself.
+- tensorrt_llm/llmapi/mm_encoder.py: the encode worker is a MultimodalEncoder; its result's
+  disaggregated_params.multimodal_embedding_handles go to the prefill (context_only) request.
+- tensorrt_llm/_torch/auto_deploy/llm.py: AutoDeploy has its own LLM class.
+
+The engine arguments arrive final (hpc/engine_args/precedence.py builds them into the manifest); this module
+only turns nested dicts into the LLM API's config classes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import copy
+import io
 import logging
+import secrets
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
-from hpc.engine_args.precedence import prune_for_autodeploy
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
-                                      GenerateRequest)
+                                      GenerateRequest, SamplingParams, TrtllmContextParams)
 
 log = logging.getLogger(__name__)
+
+# How long one drain call of stats / KV events waits for data before it is called again.
+DRAIN_TIMEOUT_S = 2.0
+STATS_KEYS = ("numActiveRequests", "maxNumActiveRequests", "numQueuedRequests")
 
 
 def import_trtllm():
     try:
-        import tensorrt_llm  # noqa: F401
+        import tensorrt_llm
         from tensorrt_llm import llmapi
     except ImportError as exc:
         raise RuntimeError(
             "TensorRT-LLM is not installed in this environment (pip cannot install it here). Use a container "
-            "with TensorRT-LLM (cluster profile 'container'), or run the recipe with the torch reference engine: "
-            f"--set backend=torch ({exc})") from None
+            "with TensorRT-LLM (a cluster profile with container.image), or run the recipe with the torch "
+            f"reference engine: --set backend=torch ({exc})") from None
     return tensorrt_llm, llmapi
+
+
+def llm_kwargs(args: dict[str, Any], llmapi: Any) -> dict[str, Any]:
+    """The manifest's engine args as LLM(...) keyword arguments: nested dicts become the API's config classes."""
+    kwargs = copy.deepcopy(args)
+    if isinstance(kwargs.get("kv_cache_config"), dict):
+        kwargs["kv_cache_config"] = llmapi.KvCacheConfig(**kwargs["kv_cache_config"])
+    scheduler = kwargs.get("scheduler_config")
+    if isinstance(scheduler, dict):
+        scheduler = dict(scheduler)
+        if isinstance(scheduler.get("dynamic_batch_config"), dict):
+            scheduler["dynamic_batch_config"] = llmapi.DynamicBatchConfig(**scheduler["dynamic_batch_config"])
+        if isinstance(scheduler.get("capacity_scheduler_policy"), str):
+            scheduler["capacity_scheduler_policy"] = llmapi.CapacitySchedulerPolicy(
+                scheduler["capacity_scheduler_policy"])
+        kwargs["scheduler_config"] = llmapi.SchedulerConfig(**scheduler)
+    return kwargs
+
+
+def engine_class(tensorrt_llm: Any, llmapi: Any, mode: DisaggregationMode, backend: str) -> Callable[..., Any]:
+    if mode is DisaggregationMode.ENCODE:
+        return llmapi.MultimodalEncoder
+    if backend == "_autodeploy":
+        from tensorrt_llm._torch.auto_deploy.llm import LLM as AutoDeployLLM
+
+        return AutoDeployLLM
+    return tensorrt_llm.LLM
+
+
+def trtllm_sampling(s: SamplingParams, sampling_cls: Any) -> Any:
+    greedy = s.temperature == 0.0
+    return sampling_cls(
+        max_tokens=s.max_tokens,
+        temperature=None if greedy else s.temperature,
+        top_p=None if greedy or s.top_p >= 1.0 else s.top_p,
+        top_k=1 if greedy else (s.top_k or None),
+        seed=s.seed,
+        stop=list(s.stop) or None,
+        stop_token_ids=list(s.stop_token_ids) or None,
+        ignore_eos=s.ignore_eos)
 
 
 class TrtllmEngine:
     def __init__(self, model_dir: str, mode: DisaggregationMode, engine_args: dict[str, Any],
-                 self_address: str = "") -> None:
+                 self_address: str = "", load_image_bytes: Callable[[str], bytes] | None = None) -> None:
         self.model_dir = str(Path(model_dir).expanduser())
         self.mode = mode
         self.args = copy.deepcopy(engine_args)  # never change the caller's dict
+        self.backend = self.args.pop("backend", "pytorch")  # AutoDeploy's LLM class sets it itself
         self.self_address = self_address
+        self.load_image_bytes = load_image_bytes
         self._llm = None
-        self._counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "running": 0, "waiting": 0}
-
-    def _build_kwargs(self, llmapi) -> dict[str, Any]:
-        args = copy.deepcopy(self.args)
-        backend = args.pop("backend", "pytorch")
-        if backend == "_autodeploy":
-            args = prune_for_autodeploy(args)
-        kv = args.pop("kv_cache_config", {}) or {}
-        args["kv_cache_config"] = llmapi.KvCacheConfig(**kv)
-        scheduler = args.pop("scheduler_config", {}) or {}
-        dyn = scheduler.pop("dynamic_batch_config", None)
-        scheduler.setdefault("capacity_scheduler_policy", llmapi.CapacitySchedulerPolicy.GUARANTEED_NO_EVICT)
-        if dyn:
-            scheduler["dynamic_batch_config"] = llmapi.DynamicBatchConfig(**dyn)
-        args["scheduler_config"] = llmapi.SchedulerConfig(**scheduler)
-        args["backend"] = backend
-        return args
+        self._drains: list[asyncio.Task] = []
+        self.on_kv_event: Callable[[dict], None] | None = None
+        self.on_stats: Callable[[dict], None] | None = None
+        self._engine_stats: dict[str, float] = {}
+        self._counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "running": 0,
+                          "aborted": 0, "kv_events": 0, "stats_records": 0}
 
     async def __aenter__(self) -> "TrtllmEngine":
         tensorrt_llm, llmapi = import_trtllm()
-        kwargs = self._build_kwargs(llmapi)
-        if self.mode is DisaggregationMode.ENCODE:
-            from tensorrt_llm.llmapi import MultimodalEncoder
-
-            keep = {"tensor_parallel_size", "max_batch_size", "max_num_tokens", "trust_remote_code"}
-            self._llm = MultimodalEncoder(model=self.model_dir, **{k: v for k, v in kwargs.items() if k in keep})
-        else:
-            self._llm = tensorrt_llm.LLM(model=self.model_dir, **kwargs)
+        self._api = (tensorrt_llm, llmapi)
+        cls = engine_class(tensorrt_llm, llmapi, self.mode, self.backend)
+        kwargs = llm_kwargs(self.args, llmapi)
+        if self.backend != "_autodeploy" and self.mode is not DisaggregationMode.ENCODE:
+            kwargs["backend"] = self.backend
+        log.info("building %s for %s from %s", cls.__name__, self.mode.value, self.model_dir)
+        self._llm = await asyncio.to_thread(lambda: cls(model=self.model_dir, **kwargs))
+        if self.mode is not DisaggregationMode.ENCODE:
+            self._drains = [asyncio.create_task(self._drain(self._llm.get_stats_async, self._stat)),
+                            asyncio.create_task(self._drain(self._llm.get_kv_cache_events_async, self._kv_event))]
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
+        for task in self._drains:
+            task.cancel()
         if self._llm is not None:
-            self._llm.shutdown()
+            await asyncio.to_thread(self._llm.shutdown)
 
     def attention_dp_size(self) -> int:
         return int(self.args.get("tensor_parallel_size", 1)) if self.args.get("enable_attention_dp") else 1
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
-        from tensorrt_llm import SamplingParams
-        from tensorrt_llm.llmapi import DisaggregatedParams as TrtDisagg
+    # ---- stats and KV events --------------------------------------------------------------------------------
+    async def _drain(self, source: Callable[..., Any], sink: Callable[[dict], None]) -> None:
+        """Keep the engine's bounded buffers empty: a call yields what arrived, then ends after a quiet timeout."""
+        while True:
+            try:
+                async for item in source(timeout=DRAIN_TIMEOUT_S):
+                    sink(item)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a failed drain must never take serving down
+                log.warning("draining %s failed: %s", getattr(source, "__name__", source), exc)
+                await asyncio.sleep(DRAIN_TIMEOUT_S)
+            await asyncio.sleep(0)
 
-        s = request.sampling
-        params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature or None, top_p=s.top_p,
-                                top_k=s.top_k or None, seed=s.seed, stop_token_ids=s.stop_token_ids or None,
-                                ignore_eos=s.ignore_eos)
-        disagg = None
-        if self.mode is DisaggregationMode.PREFILL:
-            disagg = TrtDisagg(request_type="context_only")
-            params.max_tokens = 1
-        elif request.disaggregated_params is not None:
+    def _stat(self, stat: dict) -> None:
+        self._counters["stats_records"] += 1
+        kv = stat.get("kvCacheStats") or {}
+        self._engine_stats = {**{k: float(stat.get(k, 0)) for k in STATS_KEYS},
+                              "kv_used_blocks": float(kv.get("usedNumBlocks", 0)),
+                              "kv_max_blocks": float(kv.get("maxNumBlocks", 0))}
+        if self.on_stats is not None:
+            self.on_stats(stat)
+
+    def _kv_event(self, event: dict) -> None:
+        self._counters["kv_events"] += 1
+        if self.on_kv_event is not None:
+            self.on_kv_event(event)
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+    def _image(self, ref: str) -> Any:
+        if self.load_image_bytes is None:
+            raise ValueError("this worker takes no images")
+        return self.load_image(self.load_image_bytes(ref))
+
+    @staticmethod
+    def load_image(data: bytes) -> Any:
+        """Image bytes -> the PIL image TensorRT-LLM's multimodal input processors take."""
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            return Image.open(io.BytesIO(data)).convert("RGB")
+        except (UnidentifiedImageError, OSError) as exc:
+            raise ValueError(f"not a readable image: {exc}") from None
+
+    async def _inputs(self, request: GenerateRequest) -> tuple[Any, Any, int]:
+        """(inputs, DisaggregatedParams or None, tokens of the output the frontend already has)."""
+        _, llmapi = self._api
+        Disagg = llmapi.DisaggregatedParams
+        if self.mode is DisaggregationMode.DECODE or request.disaggregated_params is not None:
             p = request.disaggregated_params
-            state = base64.b64decode(p.request_handle) if p.request_handle else None
-            disagg = TrtDisagg(request_type="generation_only", first_gen_tokens=[p.first_token_id],
-                               opaque_state=state)
-        self._counters["requests"] += 1
-        sent = 0
-        async for out in self._llm.generate_async(request.token_ids, sampling_params=params,
-                                                  streaming=request.streaming, disaggregated_params=disagg):
-            completion = out.outputs[0]
-            new = list(completion.token_ids[sent:])
-            sent = len(completion.token_ids)
-            self._counters["generated_tokens"] += len(new)
-            handoff = None
-            if self.mode is DisaggregationMode.PREFILL and out.finished:
-                dp = completion.disaggregated_params
-                handoff = DisaggregatedParams(
-                    request_handle=base64.b64encode(dp.opaque_state or b"").decode(),
-                    prefill_address=self.self_address, first_token_id=dp.first_gen_tokens[0],
-                    prompt_length=len(request.token_ids))
-            yield GenerateOutput(token_ids=new, finished=out.finished, finish_reason=completion.finish_reason,
-                                 prompt_tokens=len(request.token_ids), disaggregated_params=handoff)
+            if p is None or p.trtllm is None:
+                raise ValueError("a TensorRT-LLM decode request needs the context phase's parameters")
+            t = p.trtllm
+            dp = Disagg(request_type="generation_only", first_gen_tokens=list(t.first_gen_tokens),
+                        ctx_request_id=t.ctx_request_id, disagg_request_id=t.disagg_request_id,
+                        opaque_state=base64.b64decode(t.opaque_state_b64) if t.opaque_state_b64 else None,
+                        draft_tokens=t.draft_tokens, ctx_dp_rank=t.ctx_dp_rank, ctx_info_endpoint=t.ctx_info_endpoint)
+            return list(t.prompt_token_ids), dp, len(t.first_gen_tokens)
+        dp = None
+        if self.mode is DisaggregationMode.PREFILL:
+            # One id for both sides, so the decode engine finds this context whichever prefill worker ran it.
+            dp = Disagg(request_type="context_only", disagg_request_id=secrets.randbits(62))
+        inputs: Any = list(request.token_ids)
+        if request.media is not None and request.media.handles:
+            if dp is None:
+                dp = Disagg(request_type="context_and_generation")
+            dp.multimodal_embedding_handles = request.media.handles
+            dp.multimodal_hashes = request.media.hashes
+            # The model's input processor expands the image placeholder in the text prompt itself.
+            inputs = {"prompt": self._llm.tokenizer.decode(request.token_ids)}
+        elif request.image:
+            image = await asyncio.to_thread(self._image, request.image)
+            inputs = {"prompt_token_ids": list(request.token_ids), "multi_modal_data": {"image": [image]}}
+        return inputs, dp, 0
 
-    async def encode(self, pixels: Any) -> EncodedMedia:
-        raise NotImplementedError("TensorRT-LLM encode workers take image URLs through MultimodalEncoder")
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        tensorrt_llm, _ = self._api
+        inputs, dp, cursor = await self._inputs(request)
+        params = trtllm_sampling(request.sampling, tensorrt_llm.SamplingParams)
+        streaming = request.streaming and self.mode is not DisaggregationMode.PREFILL
+        result = self._llm.generate_async(inputs, sampling_params=params, streaming=streaming,
+                                          disaggregated_params=dp)
+        self._counters["requests"] += 1
+        self._counters["prompt_tokens"] += len(request.token_ids)
+        self._counters["running"] += 1
+        try:
+            async for out in result:
+                completion = out.outputs[0]
+                new = list(completion.token_ids[cursor:])
+                cursor = len(completion.token_ids)
+                self._counters["generated_tokens"] += len(new)
+                handoff = None
+                if self.mode is DisaggregationMode.PREFILL and out.finished:
+                    handoff = self._handoff(request, out, completion.disaggregated_params, dp)
+                yield GenerateOutput(token_ids=new, finished=out.finished,
+                                     finish_reason=completion.finish_reason if out.finished else None,
+                                     prompt_tokens=len(request.token_ids), disaggregated_params=handoff)
+        finally:
+            self._counters["running"] -= 1
+            if not result.finished:
+                # The client left, the deadline passed, or the caller stopped reading: free the engine's slot.
+                result.abort()
+                self._counters["aborted"] += 1
+
+    def _handoff(self, request: GenerateRequest, out: Any, ctx: Any, sent: Any) -> DisaggregatedParams:
+        if ctx is None or not ctx.first_gen_tokens:
+            raise RuntimeError("the context phase returned no disaggregated params")
+        t = TrtllmContextParams(
+            first_gen_tokens=list(ctx.first_gen_tokens), ctx_request_id=ctx.ctx_request_id,
+            disagg_request_id=getattr(ctx, "disagg_request_id", None) or sent.disagg_request_id,
+            opaque_state_b64=base64.b64encode(ctx.opaque_state).decode() if ctx.opaque_state else None,
+            draft_tokens=ctx.draft_tokens, ctx_dp_rank=getattr(ctx, "ctx_dp_rank", None),
+            ctx_info_endpoint=getattr(ctx, "ctx_info_endpoint", None),
+            prompt_token_ids=list(out.prompt_token_ids or request.token_ids))
+        return DisaggregatedParams(request_handle="trtllm", prefill_address=self.self_address,
+                                   first_token_id=t.first_gen_tokens[0], prompt_length=len(t.prompt_token_ids),
+                                   trtllm=t)
+
+    async def encode(self, image: Any) -> EncodedMedia:
+        """One image (a PIL image from load_image) -> TensorRT-LLM's multimodal embedding handles."""
+        result = self._llm.generate_async({"prompt": "<image>", "multi_modal_data": {"image": [image]}})
+        await result.aresult()
+        dp = result.disaggregated_params
+        handles = getattr(dp, "multimodal_embedding_handles", None)
+        if not handles:
+            raise RuntimeError("the multimodal encoder returned no embedding handles")
+        self._counters["requests"] += 1
+        return EncodedMedia(shape=list(handles[0].get("tensor_size", [])), handles=handles,
+                            hashes=getattr(dp, "multimodal_hashes", None))
 
     def take_handoff(self, handle: str) -> tuple[dict, bytes]:
         raise RuntimeError("with TensorRT-LLM the cache transceiver moves the KV cache, not hpc")
 
     def stats(self) -> dict[str, float]:
-        return dict(self._counters)
+        return {**self._counters, **self._engine_stats}

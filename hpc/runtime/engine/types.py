@@ -30,7 +30,25 @@ class SamplingParams(_Model):
     top_k: int = Field(0, ge=0)
     seed: int | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
+    stop: list[str] = Field(default_factory=list)  # stop strings, for engines that stop on them themselves
     ignore_eos: bool = False
+
+
+class TrtllmContextParams(_Model):
+    """TensorRT-LLM's context-phase parameters (tensorrt_llm/disaggregated_params.py), carried prefill -> decode.
+
+    The generation-only request needs all of them: the C++ executor finds the context's KV cache through the
+    cache transceiver by request id, and the prompt must be the one the context phase ran.
+    """
+
+    first_gen_tokens: list[int]
+    ctx_request_id: int | None = None
+    disagg_request_id: int | None = None
+    opaque_state_b64: str | None = None
+    draft_tokens: list[int] | None = None
+    ctx_dp_rank: int | None = None
+    ctx_info_endpoint: str | None = None
+    prompt_token_ids: list[int]
 
 
 class DisaggregatedParams(_Model):
@@ -40,13 +58,17 @@ class DisaggregatedParams(_Model):
     prefill_address: str  # host:port of the prefill worker's RPC server
     first_token_id: int
     prompt_length: int
+    trtllm: TrtllmContextParams | None = None
 
 
 class EncodedMedia(_Model):
-    """Image embeddings from an encode worker, sent on to prefill."""
+    """Image embeddings from an encode worker, sent on to prefill: the tensor itself (torch engine), or
+    TensorRT-LLM's multimodal embedding handles (CUDA IPC, so encode and prefill share a node)."""
 
-    shape: list[int]
-    data_b64: str
+    shape: list[int] = Field(default_factory=list)
+    data_b64: str = ""
+    handles: list[dict[str, Any]] | None = None
+    hashes: list[list[int]] | None = None
 
 
 class GenerateRequest(_Model):

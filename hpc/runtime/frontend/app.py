@@ -113,7 +113,8 @@ class Frontend:
             raise ApiError(400, f"max_tokens {wanted} exceeds the limit {limits.max_output_tokens}",
                            param="max_tokens")
         sampling = SamplingParams(max_tokens=wanted, temperature=body.temperature, top_p=body.top_p,
-                                  top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos)
+                                  top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos,
+                                  stop=body.stop_strings)
         return GenerateRequest(request_id=new_id("req"), token_ids=ids, sampling=sampling,
                                streaming=body.stream, image=image)
 

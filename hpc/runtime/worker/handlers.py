@@ -74,6 +74,8 @@ class HandlerBase:
             client = self.deps.peers.client(self.deps.peers.pick("encode"))
             body, _ = await client.call("encode", {"image": request.image})
             return request.model_copy(update={"media": EncodedMedia.model_validate(body)})
+        if hasattr(self.deps.engine, "load_image"):
+            return request  # the engine takes the image with the prompt (TensorRT-LLM's input processor)
         pixels = await _load_pixels(self.deps, request.image)
         return request.model_copy(update={"media": await self.deps.engine.encode(pixels)})
 
@@ -99,13 +101,17 @@ class HandlerBase:
 
 
 async def _load_pixels(deps: HandlerDeps, image: str):
-    if deps.image_size is None:
+    """The image in the form the engine encodes: its own loader (TensorRT-LLM), else a pixel tensor."""
+    own_loader = getattr(deps.engine, "load_image", None)
+    if deps.image_size is None and own_loader is None:
         raise RemoteError("this model takes no images", 400)
     try:
         data = await asyncio.to_thread(read_image_bytes, image, allowed_local_path=deps.allowed_local_media_path,
                                        max_file_size_mb=deps.max_file_size_mb)
+        if own_loader is not None:
+            return await asyncio.to_thread(own_loader, data)
         return await asyncio.to_thread(to_pixels, data, deps.image_size)
-    except MediaError as exc:
+    except (MediaError, ValueError) as exc:
         raise RemoteError(str(exc), 400) from None
 
 

@@ -108,8 +108,13 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
             first_token_seen = True
             reporter.phase("first_token")
 
+    engine_events = hasattr(engine, "on_kv_event")  # TensorRT-LLM reports its own per-block KV events
+    if events is not None and engine_events:
+        engine.on_kv_event = events.engine_kv_event
+        engine.on_stats = events.engine_stats
+
     def on_done(request, produced: int) -> None:
-        if events is not None:
+        if events is not None and not engine_events:
             events.kv_event("stored", request_id=request.request_id, tokens=len(request.token_ids) + produced)
             if mode is not DisaggregationMode.PREFILL:
                 events.kv_event("removed", request_id=request.request_id)

@@ -1,0 +1,1 @@
+from .result import CompletionOutput, GenerationResult, IterationResult  # noqa: F401

@@ -1,0 +1,37 @@
+"""Upstream: tensorrt_llm/llmapi/mm_encoder.py (MultimodalEncoder, a _TorchLLM subclass).
+
+Modelled: generate_async(inputs, sampling_params=None) on a multimodal prompt returns a result whose
+`disaggregated_params.multimodal_embedding_handles` is a list of dicts with a "tensor_size" (the shape the
+OpenAI server checks in serve/openai_server.py, openai_mm_encoder) — one per image; a prompt without an image
+is refused. The handles here carry a digest of the image instead of a CUDA IPC handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Optional
+
+from tensorrt_llm.disaggregated_params import DisaggregatedParams
+from tensorrt_llm.executor.result import Response
+from tensorrt_llm.llmapi.llm import BaseLLM, _log, image_digest
+
+
+class MultimodalEncoder(BaseLLM):
+    def __init__(self, model: str, trust_remote_code: bool = False, tensor_parallel_size: int = 1,
+                 dtype: str = "auto", **kwargs: Any) -> None:
+        kwargs.setdefault("max_num_tokens", 16384)
+        super().__init__(model, trust_remote_code=trust_remote_code, tensor_parallel_size=tensor_parallel_size,
+                         dtype=dtype, **kwargs)
+
+    def generate_async(self, inputs: Any, sampling_params: Optional[Any] = None):
+        if not isinstance(inputs, dict) or not (inputs.get("multi_modal_data") or {}).get("image"):
+            raise ValueError("MultimodalEncoder needs a prompt with multi_modal_data['image']")
+        images = inputs["multi_modal_data"]["image"]
+        hidden = int(self._config.get("hidden_size", 64))
+        handles = [{"tensor_size": [16, hidden], "dtype": "bfloat16", "fake_digest": image_digest(img)}
+                   for img in images]
+        result = super().generate_async({"prompt_token_ids": [1]}, sampling_params)
+        result.disaggregated_params = DisaggregatedParams(multimodal_embedding_handles=handles)
+        result.mm_embedding_handle = handles[0]
+        _log("encode", images=len(images))
+        return result
