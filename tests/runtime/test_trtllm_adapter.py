@@ -1,0 +1,232 @@
+"""The TensorRT-LLM adapter against the strict fake of the LLM API (tests/fakes/trtllm), in one process.
+
+The fake refuses what the real API refuses (unknown kwargs, generation-only requests without the context's
+ids, AutoDeploy-only fields), so these tests fail if the adapter drifts from the real API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc.engine_args.precedence import forced_values, merge_engine_args, prune_for_autodeploy, recipe_defaults
+from hpc.runtime.engine.trtllm_engine import TrtllmEngine, llm_kwargs, trtllm_sampling
+from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
+from hpc.spec.recipe import Recipe
+
+pytestmark = pytest.mark.unit
+FAKE = Path(__file__).resolve().parents[1] / "fakes" / "trtllm"
+AGG, PREFILL, DECODE, ENCODE = (DisaggregationMode.AGG, DisaggregationMode.PREFILL, DisaggregationMode.DECODE,
+                                DisaggregationMode.ENCODE)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_trtllm(tmp_path_factory):
+    import os
+
+    sys.path.insert(0, str(FAKE))
+    os.environ["FAKE_TRTLLM_TRANSCEIVER_DIR"] = str(tmp_path_factory.mktemp("transceiver"))
+    yield
+    sys.path.remove(str(FAKE))
+    for name in [m for m in sys.modules if m == "tensorrt_llm" or m.startswith("tensorrt_llm.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def tiny(model_cache) -> str:
+    from hpc.runtime.engine.tiny import ensure_model
+
+    return str(ensure_model(str(model_cache / "tiny"), "tiny"))
+
+
+@pytest.fixture(scope="module")
+def tiny_mm(model_cache) -> str:
+    from hpc.runtime.engine.tiny import ensure_model
+
+    return str(ensure_model(str(model_cache / "tiny-mm"), "tiny-multimodal"))
+
+
+def engine_args(backend: str = "pytorch") -> dict:
+    """What resolve puts in the manifest for a one-GPU TensorRT-LLM role with events on."""
+    recipe = Recipe.model_validate({"name": "t", "model": {"path": "/m", "served_name": "m"}, "backend": "trtllm",
+                                    "roles": {"agg": {}}})
+    merged = merge_engine_args(recipe_defaults(recipe, recipe.roles.agg, trtllm=True), {"backend": backend}, None,
+                               forced_values(publish_kv_events=True, backend=backend))
+    return prune_for_autodeploy(merged, warn=lambda w: None) if backend == "_autodeploy" else merged
+
+
+def request(max_tokens=8, streaming=True, temperature=0.0, **kw) -> GenerateRequest:
+    return GenerateRequest(request_id="r", token_ids=[11, 12, 13, 14, 15, 16], streaming=streaming,
+                           sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature, **kw))
+
+
+async def tokens(engine, req) -> list[int]:
+    return [t async for out in engine.generate(req) for t in out.token_ids]
+
+
+async def disaggregated(prefill, decode, req) -> tuple[list[int], list]:
+    outs = [o async for o in prefill.generate(req.model_copy(update={"streaming": False}))]
+    params = outs[-1].disaggregated_params
+    rest = [o async for o in decode.generate(req.model_copy(update={"disaggregated_params": params}))]
+    return [params.first_token_id] + [t for o in rest for t in o.token_ids], rest
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_disaggregated_greedy_equals_aggregated_and_sends_each_token_once(tiny):
+    async def main():
+        args = engine_args()
+        async with TrtllmEngine(tiny, AGG, args) as agg, \
+                TrtllmEngine(tiny, PREFILL, args, self_address="h:1") as pre, TrtllmEngine(tiny, DECODE, args) as dec:
+            for streaming in (True, False):
+                req = request(max_tokens=8, streaming=streaming)
+                whole = await tokens(agg, req)
+                split, rest = await disaggregated(pre, dec, req)
+                assert len(whole) == 8 and split == whole  # 8, not 9: the first token is not re-emitted
+                assert rest[-1].finished and rest[-1].finish_reason == "length"
+            params = [o async for o in pre.generate(request(streaming=False))][-1].disaggregated_params.trtllm
+            # Everything the generation-only request needs from the context phase travelled along.
+            assert params.ctx_request_id is not None and params.disagg_request_id is not None
+            assert params.opaque_state_b64 and params.first_gen_tokens and params.prompt_token_ids
+    run(main())
+
+
+def test_temperature_zero_is_greedy_and_sampling_is_not(tiny):
+    async def main():
+        async with TrtllmEngine(tiny, AGG, engine_args()) as agg:
+            greedy = [await tokens(agg, request(max_tokens=12)) for _ in range(3)]
+            sampled = [await tokens(agg, request(max_tokens=12, temperature=1.0)) for _ in range(3)]
+            assert greedy[0] == greedy[1] == greedy[2]
+            assert len({tuple(s) for s in sampled}) == 3
+    run(main())
+    from tensorrt_llm import SamplingParams as Real
+
+    greedy = trtllm_sampling(SamplingParams(temperature=0.0, top_p=1.0), Real)
+    assert greedy._greedy_decoding and greedy.top_k == 1 and greedy.temperature is None
+    sampled = trtllm_sampling(SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=3), Real)
+    assert not sampled._greedy_decoding and (sampled.temperature, sampled.top_p, sampled.top_k) == (0.7, 0.9, 40)
+
+
+def test_stop_strings_stop_the_engine(tiny):
+    async def main():
+        async with TrtllmEngine(tiny, AGG, engine_args()) as agg:
+            whole = await tokens(agg, request(max_tokens=20))
+            stop_text = agg._llm.tokenizer.decode([whole[4]])
+            outs = [o async for o in agg.generate(request(max_tokens=20, stop=[stop_text]))]
+            got = [t for o in outs for t in o.token_ids]
+            assert outs[-1].finish_reason == "stop"
+            assert got == whole[:len(got)] and len(got) <= 4 < 20  # stopped there, stop string left out
+    run(main())
+
+
+def test_a_caller_that_stops_reading_aborts_the_request_within_a_second(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_TRTLLM_LOG", str(tmp_path / "events.jsonl"))
+
+    async def main():
+        async with TrtllmEngine(tiny, AGG, engine_args()) as agg:
+            stream = agg.generate(request(max_tokens=2000))
+            async for _ in stream:
+                break
+            left = time.time()
+            await stream.aclose()  # what a cancelled RPC stream does to the engine generator
+            await asyncio.sleep(0.2)
+            assert agg.stats()["aborted"] == 1 and agg.stats()["running"] == 0
+            return left
+    left = run(main())
+    log = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    aborts = [e for e in log if e["event"] == "abort"]
+    finish = [e for e in log if e["event"] == "finish"]
+    assert len(aborts) == 1 and aborts[0]["ts"] - left < 1.0
+    assert finish and finish[-1]["reason"] == "CANCELLED" and finish[-1]["tokens"] < 2000
+
+
+def test_stats_and_kv_events_are_drained_into_the_sinks(tiny):
+    async def main():
+        async with TrtllmEngine(tiny, AGG, engine_args()) as agg:
+            stats, events = [], []
+            agg.on_stats, agg.on_kv_event = stats.append, events.append
+            long_prompt = GenerateRequest(request_id="r", token_ids=list(range(100, 200)),
+                                          sampling=SamplingParams(max_tokens=4))
+            await tokens(agg, long_prompt)
+            await asyncio.sleep(0.3)
+            return stats, events, agg.stats()
+    stats, events, counters = run(main())
+    assert stats and "kvCacheStats" in stats[-1] and counters["stats_records"] >= 4
+    stored = [e for e in events if e["data"]["type"] == "stored"]
+    assert stored and len(stored[0]["data"]["blocks"]) == 3  # 100 tokens, 32 per block
+    assert stored[0]["data"]["blocks"][0]["tokens"][0]["token_id"] == 100
+
+
+def test_engine_args_become_the_api_config_classes_and_stay_strict(tiny):
+    from tensorrt_llm import llmapi
+
+    kwargs = llm_kwargs(engine_args(), llmapi)
+    assert isinstance(kwargs["kv_cache_config"], llmapi.KvCacheConfig)
+    scheduler = kwargs["scheduler_config"]
+    assert isinstance(scheduler.dynamic_batch_config, llmapi.DynamicBatchConfig)  # on by default, as in Dynamo
+    assert scheduler.capacity_scheduler_policy is llmapi.CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
+    with pytest.raises(ValueError, match="dtyp"):
+        llm_kwargs({"kv_cache_config": {"dtyp": "fp8"}}, llmapi)
+
+    async def main():
+        async with TrtllmEngine(tiny, AGG, {**engine_args(), "max_batch_sise": 2}):
+            pass
+    with pytest.raises(ValueError, match="invalid argument: max_batch_sise"):
+        run(main())
+
+
+def test_autodeploy_runs_through_its_own_llm_class_with_the_pruned_args(tiny):
+    args = engine_args("_autodeploy")
+    assert "scheduler_config" not in args and args["kv_cache_config"]["event_buffer_max_size"] > 0
+
+    async def main(a):
+        async with TrtllmEngine(tiny, AGG, a) as engine:
+            return type(engine._llm).__module__, await tokens(engine, request(max_tokens=4))
+    module, out = run(main(args))
+    assert module == "tensorrt_llm._torch.auto_deploy.llm" and len(out) == 4
+    with pytest.raises(ValueError, match="scheduler_config"):  # unpruned args are what AutoDeploy refuses
+        run(main({**args, "scheduler_config": {}}))
+
+
+def _png(color) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (24, 24), color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_encode_prefill_decode_with_an_image_matches_the_image_in_one_engine(tiny_mm):
+    images = {"red": _png((200, 0, 0)), "blue": _png((0, 0, 200))}
+
+    def loader(ref: str) -> bytes:
+        return images[ref]
+
+    async def main():
+        args = engine_args()
+        async with TrtllmEngine(tiny_mm, ENCODE, args, load_image_bytes=loader) as enc, \
+                TrtllmEngine(tiny_mm, PREFILL, args, load_image_bytes=loader) as pre, \
+                TrtllmEngine(tiny_mm, DECODE, args) as dec, TrtllmEngine(tiny_mm, AGG, args, load_image_bytes=loader) as agg:
+            media = await enc.encode(enc.load_image(images["red"]))
+            assert media.handles and media.handles[0]["tensor_size"]
+            # A prompt that survives decode -> encode: with embedding handles the engine takes the text.
+            ids = pre._llm.tokenizer.encode("What is in this picture?", add_special_tokens=False)
+            req = request(max_tokens=6).model_copy(update={"token_ids": ids})
+            with_handles = req.model_copy(update={"media": media})
+            epd, _ = await disaggregated(pre, dec, with_handles)
+            pd, _ = await disaggregated(pre, dec, req.model_copy(update={"image": "red"}))
+            one = await tokens(agg, req.model_copy(update={"image": "red"}))
+            other = await tokens(agg, req.model_copy(update={"image": "blue"}))
+            text_only = await tokens(agg, req)
+            return epd, pd, one, other, text_only
+    epd, pd, one, other, text_only = run(main())
+    assert epd == pd == one and len(one) == 6
+    assert other != one and text_only != one  # the image really reached the engine
