@@ -120,7 +120,9 @@ def collect_status(run: RunDir) -> dict[str, Any]:
     for w in m.plan.workers:
         st = states.get(w.name, {})
         routed = "routed" if (w.role.value, w.index) in live else "not routed"
+        visible = st.get("cuda_visible_devices")
         components.append({"component": w.name, "node": st.get("node", f"n{w.nodes[0]}"),
+                           "gpus": w.gpu_text() + (f" (visible {visible})" if visible else ""),
                            "phase": st.get("phase", "not started"),
                            "health": f"{_health((st.get('http') or '') + '/health' if st.get('http') else None)}, "
                                      f"{routed}", "restarts": st.get("restarts", 0)})
@@ -151,8 +153,9 @@ def _print_status(data: dict[str, Any]) -> None:
         print(f"readiness: {data['ready'].get('phase')} ({json.dumps(data['ready'].get('seconds'))})")
     roles = ", ".join(f"{r} {v['live']}/{v['expected']} {v['state']}" for r, v in data["roles"].items())
     print(f"roles: {roles}")
-    rows = [[c["component"], c["node"], c["phase"], c["health"], c.get("restarts", "")] for c in data["components"]]
-    print(table(["COMPONENT", "NODE", "PHASE", "HEALTH", "RESTARTS"], rows))
+    rows = [[c["component"], c["node"], c.get("gpus", "-"), c["phase"], c["health"], c.get("restarts", "")]
+            for c in data["components"]]
+    print(table(["COMPONENT", "NODE", "GPUS", "PHASE", "HEALTH", "RESTARTS"], rows))
     smoke = data["smoke"]
     print("smoke: " + ("not run" if smoke is None else "PASSED" if smoke["passed"]
                        else f"FAILED ({', '.join(smoke['failed'])})"))

@@ -23,10 +23,6 @@ def plan_table(plan: Plan, title: str) -> str:
     for s in plan.services:
         rows.append([f"n{s.node}", s.name, 1, "-", " ".join(f"{k}={v}" for k, v in s.ports.items())])
     for w in plan.workers:
-        per_node = {}
-        for r in w.ranks:
-            per_node.setdefault(r.node, []).append(r.gpu)
-        gpus = "; ".join(f"n{n}:{g[0]}-{g[-1]}" if len(g) > 1 else f"n{n}:{g[0]}" for n, g in per_node.items())
-        rows.append([_span(w.nodes), w.name, w.tasks, gpus, " ".join(f"{k}={v}" for k, v in w.ports.items())])
+        rows.append([_span(w.nodes), w.name, w.tasks, w.gpu_text(), " ".join(f"{k}={v}" for k, v in w.ports.items())])
     body = table(["NODE", "COMPONENT", "TASKS", "GPUS", "PORTS"], rows)
     return f"{title}\n{body}\nreadiness: {' -> '.join(plan.readiness_order)}"

@@ -50,6 +50,13 @@ class WorkerPlan(_Frozen):
     def name(self) -> str:
         return f"{self.role.value}-{self.index}"
 
+    def gpu_text(self) -> str:
+        """The GPUs this worker holds, per node: 'n0:0-3' or 'n1:2; n2:0'."""
+        per_node: dict[int, list[int]] = {}
+        for r in self.ranks:
+            per_node.setdefault(r.node, []).append(r.gpu)
+        return "; ".join(f"n{n}:{g[0]}-{g[-1]}" if len(g) > 1 else f"n{n}:{g[0]}" for n, g in per_node.items())
+
 
 class Plan(_Frozen):
     job_nodes: int
@@ -93,8 +100,8 @@ def plan(cluster: ClusterProfile, recipe: Recipe) -> Plan:
     workers: list[WorkerPlan] = []
     serial = 0
     for role_name, role in recipe.roles.items():
-        if used_on_node and not local:
-            node, used_on_node = node + 1, 0  # roles never share a node on a real cluster
+        if used_on_node and not local and recipe.placement == "spread":
+            node, used_on_node = node + 1, 0  # spread: each role starts on a node of its own
         tasks = role.gpus_per_worker
         for index in range(role.count):
             if local or tasks <= gpn or gpn == 0:

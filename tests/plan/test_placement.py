@@ -42,11 +42,34 @@ def test_workers_of_a_role_share_a_node_with_distinct_gpus_and_ports():
     assert len(ports) == len(set(ports))
 
 
-def test_fifth_worker_spills_to_next_node_and_roles_do_not_share_nodes():
+def test_spread_puts_each_role_on_nodes_of_its_own():
     p = plan(_cluster(), _recipe({"prefill": {"count": 5, "tensor_parallel_size": 2},
-                                  "decode": {"tensor_parallel_size": 4}}))
+                                  "decode": {"tensor_parallel_size": 4}}, placement="spread"))
     assert [w.nodes[0] for w in p.workers] == [0, 0, 0, 0, 1, 2]
     assert p.job_nodes == 3
+
+
+def test_pack_shares_nodes_between_roles_with_disjoint_gpus():
+    p = plan(_cluster(), _recipe({"prefill": {"count": 5, "tensor_parallel_size": 2},
+                                  "decode": {"tensor_parallel_size": 4}}))
+    assert [w.nodes[0] for w in p.workers] == [0, 0, 0, 0, 1, 1]
+    assert p.job_nodes == 2
+    held = [(r.node, r.gpu) for w in p.workers for r in w.ranks]
+    assert len(held) == len(set(held)) == 14  # each GPU held by one worker
+
+
+@pytest.mark.parametrize("recipe, nodes, gpus", [("gpt-oss-120b-disagg", 1, {"prefill-0": "n0:0-3", "decode-0": "n0:4-7"}),
+                                                 ("llava-epd", 1, {"encode-0": "n0:0", "prefill-0": "n0:1",
+                                                                   "decode-0": "n0:2"})])
+def test_shipped_recipes_that_fit_one_node_use_one(recipe, nodes, gpus):
+    p = plan(load_cluster("eos")[0], load_recipe(recipe)[0])
+    assert p.job_nodes == nodes
+    assert {w.name: w.gpu_text() for w in p.workers} == gpus
+
+
+def test_a_multi_node_worker_after_a_packed_one_starts_on_a_fresh_node():
+    p = plan(_cluster(), _recipe({"prefill": {"tensor_parallel_size": 4}, "decode": {"tensor_parallel_size": 16}}))
+    assert p.worker("prefill", 0).nodes == [0] and p.worker("decode", 0).nodes == [1, 2]
 
 
 def test_partial_multi_node_worker_is_rejected():

@@ -40,7 +40,7 @@ async def serve(manifest: Manifest, role: str, index: int) -> int:
         rank, world = 0, 1  # TensorRT-LLM forms its own MPI world (trtllm-llmapi-launch); mock has none
     host = node_address(manifest)
     reporter = Reporter(manifest, name if rank == 0 else f"{name}.rank{rank}")
-    reporter.phase("started", rank=rank, world=world)
+    reporter.phase("started", rank=rank, world=world, cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
     tp = None
     device = _device(local)
     if world > 1:
