@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # hpc's dev cluster: a real multi-node Slurm (Debian slurm-wlm 22.05) on one Linux machine.
 #
-#   dev-cluster.sh up [--nodes N] [--gpus-per-node G] [--cpus C]   idempotent; installs what it needs
+#   dev-cluster.sh up [--nodes N] [--gpus-per-node G] [--cpus C] [--containers]
+#                                                                  idempotent; installs what it needs;
+#                                                                  --containers: pyxis + enroot and local images
 #   dev-cluster.sh status                                          namespaces, daemons, sinfo, squeue
 #   dev-cluster.sh exec NODE CMD...                                run CMD in NODE's net/uts/mount namespaces
 #   dev-cluster.sh env                                             print: export SLURM_CONF=...
@@ -13,6 +15,7 @@
 # HPC_DEVCLUSTER_SKIP_INSTALL=1. What it relies on: docs/dev-cluster.md.
 set -euo pipefail
 
+HERE=$(cd "$(dirname "$0")" && pwd)
 LAB=${HPC_DEVCLUSTER_DIR:-/tmp/hpc-devcluster}
 NET=${HPC_DEVCLUSTER_NET:-10.77.0}
 BRIDGE=hpcbr0
@@ -142,7 +145,6 @@ StorageLoc=slurm_acct_db
 EOF
   chmod 600 "$LAB/etc/slurmdbd.conf"
   for ((i = 1; i <= nodes; i++)); do mkdir -p "$LAB/nodes/node$i"/{spool,tmp}; done
-  echo "$nodes $gpus $cpus" > "$LAB/settings"
 }
 
 add_ns() {  # add_ns NAME IP
@@ -222,13 +224,14 @@ daemons_up() {
 }
 
 cmd_up() {
-  local nodes=3 gpus=2 cpus=4
+  local nodes=3 gpus=2 cpus=4 containers=0
   while [ $# -gt 0 ]; do
     case $1 in
       --nodes) nodes=$2; shift 2 ;;
       --gpus-per-node) gpus=$2; shift 2 ;;
       --cpus) cpus=$2; shift 2 ;;
-      *) die "unknown option $1 (up takes --nodes N --gpus-per-node G --cpus C)" ;;
+      --containers) containers=1; shift ;;
+      *) die "unknown option $1 (up takes --nodes N --gpus-per-node G --cpus C --containers)" ;;
     esac
   done
   [[ $nodes =~ ^[0-9]+$ && $nodes -ge 1 && $nodes -le 200 ]] || die "--nodes must be 1..200"
@@ -237,20 +240,31 @@ cmd_up() {
   local t0
   t0=$(now)
   install_packages
-  if [ -f "$LAB/settings" ] && [ "$(cat "$LAB/settings")" != "$nodes $gpus $cpus" ] && cluster_running; then
-    say "settings changed ($(cat "$LAB/settings") -> $nodes $gpus $cpus): recreating"
+  local settings="$nodes $gpus $cpus"
+  [ "$containers" = 1 ] && settings="$settings containers"
+  if [ -f "$LAB/settings" ] && [ "$(cat "$LAB/settings")" != "$settings" ] && cluster_running; then
+    say "settings changed ($(cat "$LAB/settings") -> $settings): recreating"
     cmd_down
   fi
+  if [ "$containers" = 1 ]; then
+    bash "$HERE/dev-containers.sh" images
+  fi
   if cluster_running && nodes_idle_or_busy "$nodes"; then
-    say "already up ($nodes nodes, $gpus GPUs each) in $(since "$t0") s"
+    say "already up ($settings) in $(since "$t0") s"
     return 0
   fi
   local first_job=1
   [ -f "$LAB/next_job_id" ] && first_job=$(cat "$LAB/next_job_id")
   write_configs "$nodes" "$gpus" "$cpus" "$first_job"
+  if [ "$containers" = 1 ]; then
+    bash "$HERE/dev-containers.sh" build "$LAB"
+    # pyxis finds enroot (and enroot its helpers) on slurmstepd's PATH only: slurmd's, at start.
+    export PATH="$LAB/containers/enroot/bin:$PATH"
+  fi
+  echo "$settings" > "$LAB/settings"
   network_up "$nodes"
   daemons_up "$nodes" "$gpus" "$cpus"
-  say "up: $nodes nodes x $gpus GPUs in $(since "$t0") s (SLURM_CONF=$SLURM_CONF)"
+  say "up: $nodes nodes x $gpus GPUs$([ "$containers" = 1 ] && echo ', pyxis containers') in $(since "$t0") s (SLURM_CONF=$SLURM_CONF)"
 }
 
 cluster_running() { pidfile_alive "$LAB/run/slurmctld.pid" slurmctld; }

@@ -81,6 +81,8 @@ def launch(args: argparse.Namespace) -> int:
                             hint=f"pick another: --set frontend.port={port + 1}")
     if not r.cluster.is_local and not args.dry_run:
         _check_slurm_reachable(r)
+    if r.cluster.container is not None and not args.dry_run:
+        _ensure_runtime_bundle(r)
     run = rundir.create(r, render_sbatch)
     print(plan_table(r.plan, _title(r)))
     print(f"run directory: {run.path}")
@@ -94,6 +96,21 @@ def launch(args: argparse.Namespace) -> int:
     from hpc.launch.slurm import launch_slurm
 
     return launch_slurm(run, wait=not args.no_wait, smoke=not args.no_smoke)
+
+
+def _ensure_runtime_bundle(r: Resolved) -> None:
+    """hpc's runtime for the container image, beside the run directories (built once per version)."""
+    import time
+
+    from hpc.launch.bundle import bundle_dir, ensure_bundle
+    from hpc.rundir import runs_root
+
+    version = r.cluster.container.python_version
+    target = bundle_dir(runs_root().resolve() / "run", version)
+    t0 = time.monotonic()
+    ensure_bundle(target, version)
+    if time.monotonic() - t0 > 1:
+        print(f"built hpc's runtime for the image's Python {version}: {target} ({time.monotonic() - t0:.0f} s)")
 
 
 def _check_slurm_reachable(r: Resolved) -> None:

@@ -8,6 +8,16 @@ import time
 from hpc.rundir import RunDir, read_json
 
 
+def preflight_failure(run: RunDir) -> str | None:
+    """The preflight step's failure line (a missing module, a wrong Python, no Python at all), if it failed."""
+    try:
+        lines = [ln.strip() for ln in (run.logs / "preflight.log").read_text(errors="replace").splitlines()]
+    except OSError:
+        return None
+    failed = [ln for ln in lines if ln and ": ok (" not in ln]
+    return failed[-1] if failed else None
+
+
 def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: None) -> int:
     """Shared by local and Slurm launches: readiness, smoke, and what to do next."""
     from hpc.runtime.ready import NotReady, wait_ready
@@ -27,6 +37,9 @@ def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: Non
             if smoke_job is not None:
                 smoke_job.cancel(check=False)
             print(f"not ready: {exc}", file=sys.stderr)
+            reason = preflight_failure(run)
+            if reason:
+                print(f"preflight failed: {reason}", file=sys.stderr)
             print(f"inspect: hpc logs {ref}   stop: hpc cancel {ref}", file=sys.stderr)
             return 1
         print(f"ready in {time.monotonic() - t0:.1f} s")

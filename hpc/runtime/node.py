@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import fcntl
 import os
+import platform
 import socket
+import sys
 import struct
 import time
 from pathlib import Path
@@ -56,6 +58,7 @@ class Reporter:
         previous = read_json(self.path) or {}
         self.data: dict[str, Any] = {
             "component": component, "node": socket.gethostname(), "pid": os.getpid(), "phase": "starting",
+            "python": f"{sys.executable} {platform.python_version()}",  # which interpreter: image or host
             "phases": {"process_start": process_start_time()}, "restarts": previous.get("restarts", 0),
             "history": previous.get("history", [])}
 

@@ -34,12 +34,19 @@ class GpuRequest(str, Enum):
 
 
 class Container(StrictModel):
-    """A pyxis/enroot container for every step (--container-* flags)."""
+    """A pyxis/enroot container for every step (--container-* flags).
+
+    The image is a stock one (TensorRT-LLM, Dynamo): it brings Python, torch, transformers and TensorRT-LLM, not
+    hpc. hpc's runtime reaches it as a read-only directory mounted next to the run directory (see
+    hpc/launch/bundle.py), built for the image's Python; a preflight step checks both before any server starts.
+    """
 
     image: str
     mounts: list[str] = Field(default_factory=list, description="src:dst[:flags]")
     workdir: str | None = None
     writable: bool = False
+    python_version: str = Field("3.12", pattern=r"^3\.[0-9]{1,2}$",
+                                description="the image's Python (major.minor): the runtime bundle is built for it")
 
 
 class Network(StrictModel):

@@ -105,10 +105,13 @@ def test_hostile_values_render_inert(tmp_path):
     assert not list(tmp_path.rglob("PWNED*")) and not list(weird.parent.rglob("PWNED*"))
     calls = [f.read_text().split("\0")[:-1] for f in (tmp_path / "calls").iterdir()]
     srun_calls = [c for c in calls if c[0] == "srun"]
-    assert len(srun_calls) == 5
+    # preflight, etcd, nats, frontend, prefill, decode, ready, smoke: all in the container
+    assert sorted(next(a for a in c if a.startswith("--job-name=")) for c in srun_calls) == [
+        f"--job-name={n}" for n in ("decode-0", "etcd", "frontend", "nats", "prefill-0", "preflight", "ready", "smoke")]
     # Each hostile value arrives as exactly one argument, byte for byte.
     assert all(f"--container-image={HOSTILE[1]}" in c for c in srun_calls)
-    assert all(f"--container-mounts={HOSTILE[6]}" in c for c in srun_calls)
+    mounts = [a for c in srun_calls for a in c if a.startswith("--container-mounts=")]
+    assert len(mounts) == 8 and all(a.startswith(f"--container-mounts={HOSTILE[6]},{weird}:{weird},") for a in mounts)
     assert all(HOSTILE[5] in c for c in srun_calls)
     manifest_arg = str(weird / "manifest.json")
     assert all(manifest_arg in c for c in calls)

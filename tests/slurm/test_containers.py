@@ -1,0 +1,76 @@
+"""pyxis + enroot on the dev cluster (hpc dev-cluster up --containers): the same job, every component in a
+container of a stock image that has no hpc, and images that cannot run it failing in preflight with one line."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hpc.cli.main import main
+from hpc.rundir import list_runs
+from hpc.runtime.probe import post_json
+from hpc.spec.catalog import project_root
+from tests.slurm.conftest import DEV
+
+pytestmark = pytest.mark.slurm
+LAB = Path(DEV["slurm_conf"]).parents[1]
+PROFILE = yaml.safe_load((project_root() / "clusters" / "dev-containers.yaml").read_text())
+IMAGES = Path(PROFILE["container"]["image"]).parent
+
+
+@pytest.fixture(autouse=True)
+def containers_up():
+    settings = LAB / "settings"
+    if not settings.is_file() or "containers" not in settings.read_text():
+        pytest.skip("the dev cluster runs without containers (hpc dev-cluster up --containers)")
+
+
+def _profile(tmp_path: Path, image: str) -> str:
+    data = {**PROFILE, "name": f"dev-{Path(image).stem}", "container": {**PROFILE["container"], "image": image}}
+    path = tmp_path / f"{data['name']}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_tiny_disagg_runs_every_component_in_a_container(slurm_env, model_cache, capsys):
+    code = main(["launch", "--cluster", "dev-containers", "--recipe", "tiny-disagg",
+                 "--set", f"model.path={model_cache / 'tiny'}"])
+    out = capsys.readouterr()
+    run = list_runs()[0]
+    try:
+        assert code == 0, out.out[-3000:] + out.err[-3000:]
+        assert "smoke: PASSED" in out.out
+        states = run.component_states()
+        components = ["etcd", "nats", "frontend", "prefill-0", "decode-0"]
+        for name in components:
+            # The image's Debian interpreter, not this machine's: the component ran inside the container.
+            assert states[name]["python"].startswith("/usr/bin/python3 3.11."), (name, states[name]["python"])
+        assert {states[n]["node"] for n in ("prefill-0", "decode-0")} == {"node2", "node3"}  # spread recipe
+        preflight = (run.logs / "preflight.log").read_text()
+        assert preflight.count(": ok (Python 3.11") == 3  # one per node, before anything started
+        url = json.loads((run.path / "endpoints" / "frontend.json").read_text())["url"]
+        status, body = post_json(url + "/v1/completions", {"model": "hpc/tiny", "prompt": "Hello", "max_tokens": 5})
+        assert status == 200 and body["usage"]["completion_tokens"] == 5
+    finally:
+        main(["cancel", run.path.name, "--grace", "2"])
+
+
+@pytest.mark.parametrize("image, expected", [
+    ("nohpc.sqsh", "hpc's runtime does not load in this image (ModuleNotFoundError: No module named 'pydantic')"),
+    ("nopython.sqsh", "python3"),
+])
+def test_a_broken_image_fails_in_preflight_with_one_line(slurm_env, model_cache, tmp_path, capsys, image, expected):
+    t0 = time.monotonic()
+    code = main(["launch", "--cluster", _profile(tmp_path, str(IMAGES / image)), "--recipe", "tiny-agg",
+                 "--set", f"model.path={model_cache / 'tiny'}", "--no-smoke"])
+    err = capsys.readouterr().err
+    assert code == 1
+    lines = [ln for ln in err.splitlines() if ln.startswith("preflight failed: ")]
+    assert len(lines) == 1 and expected in lines[0], err
+    assert time.monotonic() - t0 < 60
+    run = list_runs()[0]
+    assert not (run.state / "etcd.json").exists()  # nothing started after preflight
