@@ -48,9 +48,10 @@ build() {
     (cd "$ct/src/enroot-8ea147d" &&
       mkdir -p deps/dist/linux/include deps/linux-headers deps/makeself &&
       touch deps/linux-headers/.stamp && cp /usr/bin/makeself deps/makeself/makeself.sh &&
-      CPPFLAGS="-D_GNU_SOURCE -include bsd/string.h" make -s -j2 FORCE_GLIBC=1 LDLIBS="-l:libbsd.a -l:libbsd.so" \
-        prefix="$ct/enroot" >"$ct/enroot-build.log" 2>&1 &&
-      make -s install prefix="$ct/enroot" >>"$ct/enroot-build.log" 2>&1) || die "enroot build failed: $ct/enroot-build.log"
+      export CPPFLAGS="-D_GNU_SOURCE -include bsd/string.h" &&
+      make -s -j2 FORCE_GLIBC=1 LDLIBS="-l:libbsd.a -l:libbsd.so" prefix="$ct/enroot" >"$ct/enroot-build.log" 2>&1 &&
+      make -s install FORCE_GLIBC=1 LDLIBS="-l:libbsd.a -l:libbsd.so" prefix="$ct/enroot" >>"$ct/enroot-build.log" 2>&1) \
+      || die "enroot build failed: $ct/enroot-build.log"
     (cd "$ct/src/pyxis-0.24.0" && make -s >"$ct/pyxis-build.log" 2>&1 &&
       make -s install prefix="$ct/pyxis" >>"$ct/pyxis-build.log" 2>&1) || die "pyxis build failed: $ct/pyxis-build.log"
   fi

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -184,6 +185,9 @@ def container_flags(m: Manifest) -> list[str]:
         model = str(Path(m.recipe.model.path).expanduser())
         mounts.append(f"{model}:{model}:ro")
     flags = [f"--container-image={c.image}", f"--container-mounts={','.join(mounts)}", "--container-env=PYTHONPATH"]
+    if c.reuse:
+        # The name follows the image, so another image never runs in a container unpacked from this one.
+        flags.append(f"--container-name=hpc-{hashlib.sha256(c.image.encode()).hexdigest()[:12]}")
     if c.workdir:
         flags.append(f"--container-workdir={c.workdir}")
     if c.writable:

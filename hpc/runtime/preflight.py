@@ -7,30 +7,43 @@ failure (exit 3), written to the step's log, which `hpc launch` and `hpc status`
 
 from __future__ import annotations
 
-import importlib
+import importlib.metadata
+import json
+import importlib.util
 import socket
 import sys
 
 EXIT_FAILED = 3
 
 
-def required_modules(manifest) -> list[tuple[str, str]]:
+def required_modules(manifest: dict) -> list[tuple[str, str]]:
     """(module, why) for this job, in the order a missing one is reported."""
-    need = [("pydantic", "the manifest"), ("yaml", "engine configs"), ("aetcd", "etcd discovery"),
-            ("nats", "the event plane")]
-    backend = manifest.recipe.backend.value
+    need = [("hpc", "every component"), ("pydantic", "the manifest"), ("yaml", "engine configs"),
+            ("aetcd", "etcd discovery"), ("nats", "the event plane")]
+    backend = manifest["recipe"]["backend"]
     if backend == "torch":
         need += [("torch", "the torch engine"), ("transformers", "the tokenizer"), ("safetensors", "the weights")]
     elif backend == "trtllm":
-        need += [("tensorrt_llm", "TensorRT-LLM workers"), ("transformers", "the tokenizer")]
+        need += [("tensorrt_llm", "a TensorRT-LLM worker"), ("transformers", "the tokenizer")]
     return need
+
+
+DISTRIBUTIONS = {"yaml": "PyYAML", "nats": "nats-py", "tensorrt_llm": "tensorrt-llm"}
+
+
+def _version(module: str) -> str:
+    try:
+        return importlib.metadata.version(DISTRIBUTIONS.get(module, module))
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
 
 
 def _binaries(manifest) -> str | None:
     """The servers' executables (etcd, nats-server): the first one missing, as an error line part."""
-    from hpc.runtime import infra
+    from hpc.runtime import binaries as infra
 
-    wanted = [(manifest.recipe.infra.etcd, infra.etcd_binary), (manifest.recipe.infra.nats, infra.nats_binary)]
+    services = manifest["recipe"].get("infra") or {}
+    wanted = [(services.get("etcd", True), infra.etcd_binary), (services.get("nats", True), infra.nats_binary)]
     for enabled, find in wanted:
         if enabled:
             try:
@@ -40,21 +53,27 @@ def _binaries(manifest) -> str | None:
     return None
 
 
-def check(manifest) -> tuple[bool, str]:
-    container = manifest.cluster.container
+def check(manifest: dict) -> tuple[bool, str]:
+    """`manifest` as plain JSON: the check must not need the packages it checks for."""
+    container = manifest["cluster"].get("container") or {}
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
     node = socket.gethostname()
-    if container is not None and here != container.python_version:
+    wanted = container.get("python_version")
+    if wanted and here != wanted:
         return False, (f"hpc preflight on {node}: the image runs Python {here} but hpc's runtime was built for "
-                       f"{container.python_version}; set container.python_version: \"{here}\" in the cluster profile")
+                       f"{wanted}; set container.python_version: \"{here}\" in the cluster profile")
     versions = {}
     for module, why in required_modules(manifest):
+        # Found, not imported: importing torch or tensorrt_llm here would cost the job seconds per node; the
+        # components import them moments later and report a broken install themselves.
         try:
-            mod = importlib.import_module(module)
-        except Exception as exc:  # ImportError, or a broken install raising anything
-            return False, (f"hpc preflight on {node}: {module} cannot be imported in the image ({why} needs it): "
-                           f"{type(exc).__name__}: {exc}; use an image that has it")
-        versions[module] = getattr(mod, "__version__", "?")
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            return False, (f"hpc preflight on {node}: {module} is not installed in the image ({why} needs it); "
+                           "use an image that has it")
+        versions[module] = _version(module)
     missing = _binaries(manifest)
     if missing:
         return False, f"hpc preflight on {node}: {missing}"
@@ -68,12 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m hpc.runtime.preflight MANIFEST", file=sys.stderr)
         return 2
     try:
-        from hpc.resolve import Manifest
-
-        manifest = Manifest.load(args[0])
-    except Exception as exc:
-        print(f"hpc preflight on {socket.gethostname()}: hpc's runtime does not load in this image "
-              f"({type(exc).__name__}: {exc}); check the image's Python and the mounted runtime", flush=True)
+        with open(args[0], encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as exc:
+        print(f"hpc preflight on {socket.gethostname()}: cannot read the manifest ({exc}); is the run directory "
+              "mounted in the container?", flush=True)
         return EXIT_FAILED
     ok, line = check(manifest)
     print(line, flush=True)

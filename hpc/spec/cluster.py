@@ -45,6 +45,9 @@ class Container(StrictModel):
     mounts: list[str] = Field(default_factory=list, description="src:dst[:flags]")
     workdir: str | None = None
     writable: bool = False
+    reuse: bool = Field(
+        False, description="unpack the image once per node into a named container (hpc-<hash of the image>) that "
+                           "every step, and later jobs, reuse; otherwise each step starts from the image itself")
     python_version: str = Field("3.12", pattern=r"^3\.[0-9]{1,2}$",
                                 description="the image's Python (major.minor): the runtime bundle is built for it")
 

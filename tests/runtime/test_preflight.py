@@ -1,0 +1,55 @@
+"""The preflight step's checks, on this machine's Python (the container tests run it in images)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hpc.resolve import resolve
+from hpc.runtime.preflight import check
+
+pytestmark = pytest.mark.unit
+
+
+def _manifest(tmp_path, cluster="dev-containers", recipe="tiny-disagg", *sets) -> dict:
+    r = resolve(cluster, recipe, list(sets))
+    import datetime as dt
+
+    m = r.manifest(tmp_path / "run", "run", dt.datetime(2026, 1, 1))
+    return json.loads(m.model_dump_json())
+
+
+def test_ok_names_the_python_and_the_engine(tmp_path):
+    m = _manifest(tmp_path)
+    m["cluster"]["container"]["python_version"] = f"{sys.version_info.major}.{sys.version_info.minor}"
+    ok, line = check(m)
+    assert ok and ": ok (Python 3." in line and "torch=" in line
+
+
+def test_a_wrong_python_is_one_line_with_the_fix(tmp_path):
+    m = _manifest(tmp_path)
+    m["cluster"]["container"]["python_version"] = "3.99"
+    ok, line = check(m)
+    assert not ok and "runs Python 3." in line and 'set container.python_version: "3.' in line
+
+
+def test_a_missing_engine_is_named(tmp_path):
+    m = _manifest(tmp_path, "dev-containers", "tiny-agg", "backend=trtllm")
+    m["cluster"]["container"]["python_version"] = f"{sys.version_info.major}.{sys.version_info.minor}"
+    ok, line = check(m)
+    assert not ok and "tensorrt_llm is not installed in the image (a TensorRT-LLM worker needs it)" in line
+
+
+def test_the_entry_point_exits_3_with_one_line(tmp_path):
+    m = _manifest(tmp_path)
+    m["cluster"]["container"]["python_version"] = "3.99"
+    path = tmp_path / "manifest.json"
+    path.write_text(json.dumps(m))
+    done = subprocess.run([sys.executable, "-m", "hpc.runtime.preflight", str(path)], capture_output=True, text=True)
+    assert done.returncode == 3 and len(done.stdout.strip().splitlines()) == 1 and "hpc preflight on" in done.stdout
+    missing = subprocess.run([sys.executable, "-m", "hpc.runtime.preflight", str(tmp_path / "nope.json")],
+                             capture_output=True, text=True)
+    assert missing.returncode == 3 and "cannot read the manifest" in missing.stdout
