@@ -116,3 +116,22 @@ def test_hostile_values_render_inert(tmp_path):
     manifest_arg = str(weird / "manifest.json")
     assert all(manifest_arg in c for c in calls)
     assert f"#SBATCH --partition={HOSTILE[3]}" not in script  # quoted, not raw
+
+
+def test_container_jobs_mount_the_run_dir_and_the_runtime_and_check_first(tmp_path):
+    resolved = resolve("dev-containers", "tiny-disagg")
+    script = render_sbatch(resolved.manifest(tmp_path / "run", "run", FIXED_TIME))
+    run = str(tmp_path / "run")
+    bundle = str(tmp_path / ".hpc-runtime" / "py3.11")
+    assert f"export PYTHONPATH={bundle}" in script
+    steps = [line for line in script.splitlines() if line.startswith("srun ")]
+    assert len(steps) == 8 and all(f"{run}:{run}," in s and f"{bundle}:{bundle}:ro" in s for s in steps)
+    assert len({s.split("--container-name=")[1].split()[0] for s in steps}) == 1  # one named container per image
+    assert steps[0].startswith("srun --overlap --job-name=preflight --nodes=3 --ntasks=3 --ntasks-per-node=1")
+    assert script.index("hpc.runtime.preflight") < script.index("--service etcd")
+
+
+def test_a_run_dir_pyxis_cannot_mount_is_a_user_error(tmp_path):
+    resolved = resolve("dev-containers", "tiny-agg")
+    with pytest.raises(UserError, match="pyxis mounts cannot carry"):
+        render_sbatch(resolved.manifest(tmp_path / "a,b", "run", FIXED_TIME))

@@ -76,3 +76,25 @@ def test_a_broken_image_fails_in_preflight_with_one_line(slurm_env, model_cache,
     assert len(lines) == 1 and expected in lines[0], err
     assert time.monotonic() - t0 < 60
     assert not (run.state / "etcd.json").exists()  # nothing started after preflight
+
+
+def test_a_tp2_worker_runs_its_mpi_ranks_in_containers_on_two_nodes(slurm_env, model_cache, tmp_path, capsys):
+    """srun --mpi=pmix inside pyxis (enroot's PMI hook): two ranks on two nodes, one container each."""
+    one_gpu_nodes = _profile(tmp_path, PROFILE["container"]["image"])
+    data = yaml.safe_load(Path(one_gpu_nodes).read_text())
+    Path(one_gpu_nodes).write_text(yaml.safe_dump({**data, "gpus_per_node": 1}))
+    code = main(["launch", "--cluster", one_gpu_nodes, "--recipe", "tiny-agg", "--no-smoke",
+                 "--set", f"model.path={model_cache / 'tiny'}", "--set", "roles.agg.tensor_parallel_size=2"])
+    out = capsys.readouterr()
+    run = list_runs()[0]
+    try:
+        assert code == 0, out.out[-2000:] + out.err[-2000:]
+        states = {p.stem: json.loads(p.read_text()) for p in run.state.glob("agg-0*.json")}
+        assert {s["node"] for s in states.values()} == {"node2", "node3"}
+        assert {s.get("world") for s in states.values() if "world" in s} == {2}
+        assert all(s["python"].startswith("/usr/bin/python3 3.11.") for s in states.values())
+        url = json.loads((run.path / "endpoints" / "frontend.json").read_text())["url"]
+        status, body = post_json(url + "/v1/completions", {"model": "hpc/tiny", "prompt": "Hi", "max_tokens": 4})
+        assert status == 200 and body["usage"]["completion_tokens"] == 4
+    finally:
+        main(["cancel", run.path.name, "--grace", "2"])
