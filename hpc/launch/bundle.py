@@ -14,6 +14,7 @@ transformers, and tensorrt_llm for TensorRT-LLM roles. The preflight step checks
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -50,23 +51,43 @@ def _stamp(python_version: str) -> str:
     return h.hexdigest()[:20]
 
 
+def _cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hpc" / "runtime-bundles"
+
+
+def _pip_install(work: Path, python_version: str) -> None:
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-warn-script-location", "--target", str(work),
+           "--python-version", python_version, "--implementation", "cp", "--only-binary=:all:",
+           *[arg for platform in PLATFORMS for arg in ("--platform", platform)], *BUNDLE_REQUIREMENTS]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["pip failed"])[-1]
+        raise UserError(f"cannot build hpc's runtime bundle for Python {python_version}: {last}",
+                        field="container.python_version",
+                        hint="check the image's Python version and that pip can reach the package index")
+
+
 def ensure_bundle(target: Path, python_version: str) -> Path:
-    """Build the bundle at `target` unless it is current; atomic, so running jobs never see half of one."""
+    """Build the bundle at `target` unless it is current; atomic, so running jobs never see half of one.
+    The dependencies come from a per-user cache when one for this Python and these requirements exists."""
     stamp = _stamp(python_version)
     if (target / STAMP).is_file() and (target / STAMP).read_text().strip() == stamp:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-warn-script-location", "--target", str(work),
-               "--python-version", python_version, "--implementation", "cp", "--only-binary=:all:",
-               *[arg for platform in PLATFORMS for arg in ("--platform", platform)], *BUNDLE_REQUIREMENTS]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["pip failed"])[-1]
-            raise UserError(f"cannot build hpc's runtime bundle for Python {python_version}: {last}",
-                            field="container.python_version",
-                            hint="check the image's Python version and that pip can reach the package index")
+        deps_key = hashlib.sha256(f"{python_version}\n{BUNDLE_REQUIREMENTS}".encode()).hexdigest()[:16]
+        cached = _cache_root() / f"py{python_version}-{deps_key}"
+        if not (cached / STAMP).is_file():
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            fresh = Path(tempfile.mkdtemp(prefix=".deps-", dir=cached.parent))
+            _pip_install(fresh, python_version)
+            (fresh / STAMP).write_text(deps_key + "\n")
+            try:
+                fresh.rename(cached)
+            except OSError:  # another launch filled the cache first
+                shutil.rmtree(fresh, ignore_errors=True)
+        shutil.copytree(cached, work, dirs_exist_ok=True, ignore=shutil.ignore_patterns(STAMP))
         shutil.copytree(_package_root(), work / "hpc", ignore=shutil.ignore_patterns("__pycache__"))
         (work / STAMP).write_text(stamp + "\n")
         work.chmod(0o755)
