@@ -121,6 +121,9 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
         errors.append(UserError("an encode role needs a multimodal model", file=rfile, field="roles.encode",
                                 hint="set model.multimodal: true or remove roles.encode"))
     errors += _check_time(cluster, recipe, str(cluster_path), rfile)
+    too_big = _check_size(cluster, recipe, str(cluster_path), rfile)
+    if too_big:  # before planning: a billion workers must not be built to find out they do not fit
+        raise too_big
     placement = None
     try:
         placement = plan(cluster, recipe)
@@ -153,6 +156,11 @@ def _check_role(recipe: Recipe, role_name: RoleName, merged: dict[str, Any], rfi
         errors.append(UserError(f"expert-parallel size {ep} does not divide TP x PP = {tp * pp}",
                                 file=where, field="moe_expert_parallel_size",
                                 hint="use an expert-parallel size that divides TP x PP"))
+    if isinstance(ep, int) and ep != role.expert_parallel_size:
+        errors.append(UserError(
+            f"engine expert-parallel size {ep} but the recipe plans {role.expert_parallel_size} "
+            f"({field}.expert_parallel_size)", file=where, field="moe_expert_parallel_size",
+            hint="make the engine config and the recipe agree"))
     if merged.get("enable_attention_dp") and tp == 1:
         errors.append(UserError("attention-DP needs tensor_parallel_size > 1", file=where,
                                 field="enable_attention_dp", hint="disable it or raise TP"))
@@ -197,6 +205,27 @@ def _check_time(cluster: ClusterProfile, recipe: Recipe, cfile: str, rfile: str)
                           f"maximum {cluster.max_time_limit}", file=rfile if recipe.time_limit else cfile,
                           field="time_limit", hint="shorten it")]
     return []
+
+
+MAX_LOCAL_PROCESSES = 64
+
+
+def _check_size(cluster: ClusterProfile, recipe: Recipe, cfile: str, rfile: str) -> UserError | None:
+    """The recipe's total size against what the cluster (or this machine) can hold, from the numbers alone."""
+    ranks = sum(role.count * role.gpus_per_worker for _, role in recipe.roles.items())
+    if cluster.is_local:
+        if ranks > MAX_LOCAL_PROCESSES:
+            return UserError(f"the recipe needs {ranks} worker processes; one machine runs at most "
+                             f"{MAX_LOCAL_PROCESSES}", file=rfile, field="roles",
+                             hint="use fewer or smaller workers, or a Slurm cluster profile")
+        return None
+    capacity = cluster.nodes_available * max(cluster.gpus_per_node, 1)
+    if ranks > capacity:
+        return UserError(f"the recipe needs {ranks} GPUs (count x TP x PP over its roles) but cluster "
+                         f"'{cluster.name}' has {capacity} ({cluster.nodes_available} nodes x "
+                         f"{cluster.gpus_per_node})", file=rfile, field="roles",
+                         hint="use fewer or smaller workers, or another cluster")
+    return None
 
 
 def _check_fit(cluster: ClusterProfile, recipe: Recipe, placement: Plan, cfile: str,

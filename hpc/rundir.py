@@ -8,12 +8,14 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from hpc.errors import UserError
 from hpc.resolve import Manifest, Resolved
 
 RUNS_DIR_NAME = "runs"
@@ -89,10 +91,12 @@ def new_run_id(recipe_name: str, now: _dt.datetime) -> str:
 
 def create(resolved: Resolved, script_renderer, root: Path | None = None,
            now: _dt.datetime | None = None) -> RunDir:
-    """Write a new run directory; render first so nothing is left behind on a render error."""
+    """Write a new run directory; render first, write under a temporary name and rename at the end, so an error
+    (a render problem, a full disk) leaves nothing behind."""
     now = now or _dt.datetime.now()
     root = (root or runs_root()).resolve()
     run_id = new_run_id(resolved.recipe.name, now)
+    _check_runs_root(root)
     path = root / run_id
     suffix = 1
     while path.exists():
@@ -100,16 +104,42 @@ def create(resolved: Resolved, script_renderer, root: Path | None = None,
         path = root / f"{run_id}-{suffix}"
     manifest = resolved.manifest(path, path.name, now)
     script = script_renderer(manifest)
+    partial = root / f".{path.name}.partial"
+    try:
+        (partial / "logs").mkdir(parents=True)
+        (partial / "state").mkdir()
+        write_atomic(partial / "manifest.json", manifest.model_dump_json(indent=2) + "\n")
+        for role, args in manifest.engine_args.items():
+            write_atomic(partial / "engine_configs" / f"{role}.yaml", yaml.safe_dump(args, sort_keys=True))
+        write_atomic(partial / "job.sbatch", script, mode=0o755)
+        partial.rename(path)
+    except OSError as exc:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise UserError(f"cannot write the run directory {path}: {exc.strerror or exc}", field="HPC_RUNS_DIR",
+                        hint="point HPC_RUNS_DIR at a writable directory with free space") from None
     run = RunDir(path)
-    run.logs.mkdir(parents=True)
-    run.state.mkdir()
-    write_atomic(run.manifest_path, manifest.model_dump_json(indent=2) + "\n")
-    for role, args in manifest.engine_args.items():
-        write_atomic(path / "engine_configs" / f"{role}.yaml", yaml.safe_dump(args, sort_keys=True))
-    write_atomic(run.script_path, script, mode=0o755)
     run.update_run_info(run_id=path.name, recipe=resolved.recipe.name, cluster=resolved.cluster.name,
                         created=manifest.created, submitted=False)
     return run
+
+
+def _check_runs_root(root: Path) -> None:
+    problem = None
+    if len(str(root)) > 3000:
+        problem = "the path is too long"
+    elif root.exists() and not root.is_dir():
+        problem = "it is a file, not a directory"
+    else:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            problem = exc.strerror or str(exc)
+        else:
+            if not os.access(root, os.W_OK | os.X_OK):
+                problem = "it is not writable"
+    if problem:
+        raise UserError(f"runs directory {str(root)[:200]}: {problem}", field="HPC_RUNS_DIR",
+                        hint="point HPC_RUNS_DIR at a writable directory")
 
 
 def find_run(ref: str | None) -> RunDir:
@@ -135,5 +165,5 @@ def list_runs() -> list[RunDir]:
     root = runs_root()
     if not root.is_dir():
         return []
-    runs = [RunDir(p) for p in root.iterdir() if (p / "manifest.json").is_file()]
+    runs = [RunDir(p) for p in root.iterdir() if not p.name.startswith(".") and (p / "manifest.json").is_file()]
     return sorted(runs, key=lambda r: r.manifest_path.stat().st_mtime, reverse=True)

@@ -70,8 +70,20 @@ def test_encode_needs_multimodal(tmp_path):
 
 
 def test_job_must_fit_nodes(tmp_path):
-    r = _write_recipe(tmp_path, {"agg": {"count": 4, "tensor_parallel_size": 2}}, backend="torch")
+    r = _write_recipe(tmp_path, {"agg": {"count": 3, "tensor_parallel_size": 2}}, backend="torch",
+                      infra={"placement": "dedicated"})
     assert "the job needs 4 nodes but cluster 'dev' has 3" in _error("dev", r)
+
+
+def test_a_huge_recipe_is_refused_before_anything_is_planned(tmp_path):
+    r = _write_recipe(tmp_path, {"agg": {"count": 4000, "tensor_parallel_size": 1000}}, backend="torch")
+    assert "the recipe needs 4000000 GPUs (count x TP x PP over its roles) but cluster 'dev' has 6" in _error("dev", r)
+
+
+def test_engine_and_recipe_expert_parallel_sizes_must_agree(tmp_path):
+    r = _write_recipe(tmp_path, {"agg": {"tensor_parallel_size": 8, "expert_parallel_size": 2,
+                                         "override_engine_args": {"moe_expert_parallel_size": 8}}})
+    assert "engine expert-parallel size 8 but the recipe plans 2" in _error("eos", r)
 
 
 def test_time_limit_must_fit(tmp_path):

@@ -7,8 +7,7 @@ from pathlib import Path
 import re
 from typing import Annotated, Any, TypeVar
 
-import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, model_validator
 
 from hpc.errors import UserError, UserErrors
 
@@ -16,9 +15,26 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class StrictModel(BaseModel):
-    """Frozen, and an unknown key is an error."""
+    """Frozen, and an unknown key is an error; a boolean is never taken for a number (YAML's `yes` is True)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name) if isinstance(name, str) else None
+                if isinstance(value, bool) and field is not None and _wants_number(field.annotation):
+                    raise ValueError(f"{name}: expected a number, got the boolean {str(value).lower()} "
+                                     "(YAML reads yes/no/on/off as booleans)")
+        return data
+
+
+def _wants_number(annotation: Any) -> bool:
+    """int or float (possibly Optional), and not also bool."""
+    args = set(getattr(annotation, "__args__", ()) or ()) or {annotation}
+    return bool(args & {int, float}) and bool not in args
 
 
 def _check_env_names(value: dict[str, str]) -> dict[str, str]:
@@ -46,17 +62,10 @@ def closest(word: str, choices: list[str]) -> str | None:
 
 
 def load_yaml(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise UserError(f"cannot read: {exc.strerror}", file=str(path)) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else None
-        raise UserError(f"not valid YAML: {getattr(exc, 'problem', exc)}", file=str(path), field=where,
-                        hint="fix the YAML syntax") from None
+    """A user's YAML file as a mapping (strict: see hpc/spec/yamlsafe.py)."""
+    from hpc.spec.yamlsafe import load_yaml_text, read_text
+
+    data = load_yaml_text(read_text(path), str(path))
     if data is None:
         return {}
     if not isinstance(data, dict):

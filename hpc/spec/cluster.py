@@ -19,7 +19,13 @@ def time_to_minutes(value: str) -> int:
     if not m:
         raise ValueError(f"time must look like HH:MM:SS or D-HH:MM:SS, got {value!r}")
     days, hours, minutes, seconds = (int(g or 0) for g in m.groups())
-    return days * 1440 + hours * 60 + minutes + (1 if seconds else 0)
+    if minutes > 59 or seconds > 59:
+        raise ValueError(f"time {value!r} has more than 59 minutes or seconds")
+    total = days * 1440 + hours * 60 + minutes + (1 if seconds else 0)
+    if total < 1:
+        raise ValueError(f"time limit {value!r} is zero, which Slurm reads as no limit at all; give at least "
+                         "00:01:00")
+    return total
 
 
 class Scheduler(str, Enum):
@@ -60,7 +66,7 @@ class Network(StrictModel):
 
 
 class ClusterProfile(StrictModel):
-    name: str
+    name: SingleLine = Field(min_length=1, max_length=128)
     description: str = ""
     scheduler: Scheduler = Scheduler.SLURM
     partition: SingleLine | None = None
@@ -68,9 +74,9 @@ class ClusterProfile(StrictModel):
     qos: SingleLine | None = None
     time_limit: str = "01:00:00"
     max_time_limit: str | None = Field(None, description="the partition's MaxTime; the job must fit")
-    nodes_available: int = Field(1, ge=1)
-    gpus_per_node: int = Field(8, ge=0)
-    cpus_per_node: int = Field(1, ge=1)
+    nodes_available: int = Field(1, ge=1, le=100_000)
+    gpus_per_node: int = Field(8, ge=0, le=64)
+    cpus_per_node: int = Field(1, ge=1, le=100_000)
     memory: SingleLine | None = Field(None, description="--mem per node, e.g. 0 (all) or 480G")
     gpu_request: GpuRequest = GpuRequest.GPUS_PER_NODE
     exclusive: bool = False

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from hpc.spec.base import EnvMap, StrictModel
+from hpc.spec.base import EnvMap, SingleLine, StrictModel
 
 
 class Backend(str, Enum):
@@ -39,8 +39,8 @@ class OnFailure(str, Enum):
 
 
 class ModelSpec(StrictModel):
-    path: str = Field(description="weights directory (HF layout) or hub id")
-    served_name: str
+    path: SingleLine = Field(min_length=1, description="weights directory (HF layout) or hub id")
+    served_name: SingleLine = Field(min_length=1, max_length=256)
     tokenizer: str | None = Field(None, description="defaults to the model path")
     multimodal: bool = False
     generate: Literal["tiny", "tiny-multimodal"] | None = Field(
@@ -51,7 +51,7 @@ class ModelSpec(StrictModel):
 class FrontendSpec(StrictModel):
     port: int = Field(8000, ge=1024, le=65535)
     router: RouterPolicy = RouterPolicy.ROUND_ROBIN
-    request_timeout_s: float = Field(600.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0, le=86400, allow_inf_nan=False)
 
 
 class InfraSpec(StrictModel):
@@ -63,14 +63,14 @@ class InfraSpec(StrictModel):
 
 class FailurePolicy(StrictModel):
     on_failure: OnFailure = OnFailure.FAIL_JOB
-    max_restarts: int = Field(3, ge=0)
+    max_restarts: int = Field(3, ge=0, le=1000)
 
 
 class RoleSpec(StrictModel):
-    count: int = Field(1, ge=1, description="number of independent workers (engines) of this role")
-    tensor_parallel_size: int = Field(1, ge=1)
-    pipeline_parallel_size: int = Field(1, ge=1)
-    expert_parallel_size: int = Field(1, ge=1)
+    count: int = Field(1, ge=1, le=4096, description="number of independent workers (engines) of this role")
+    tensor_parallel_size: int = Field(1, ge=1, le=1024)
+    pipeline_parallel_size: int = Field(1, ge=1, le=128)
+    expert_parallel_size: int = Field(1, ge=1, le=1024)
     enable_attention_dp: bool = False
     engine_config: str | None = Field(None, description="TensorRT-LLM LLM-API YAML (--extra-engine-args)")
     override_engine_args: dict[str, Any] | None = Field(
@@ -109,41 +109,42 @@ class Roles(StrictModel):
 
 
 class MockSpec(StrictModel):
-    prefill_delay_ms: float = Field(0.0, ge=0)
-    per_token_delay_ms: float = Field(0.0, ge=0)
+    prefill_delay_ms: float = Field(0.0, ge=0, le=600_000, allow_inf_nan=False)
+    per_token_delay_ms: float = Field(0.0, ge=0, le=600_000, allow_inf_nan=False)
 
 
 class Limits(StrictModel):
-    max_input_tokens: int = Field(4096, ge=1, description="longest prompt the frontend accepts")
-    max_output_tokens: int = Field(1024, ge=1)
+    max_input_tokens: int = Field(4096, ge=1, le=10_000_000, description="longest prompt the frontend accepts")
+    max_output_tokens: int = Field(1024, ge=1, le=10_000_000)
 
 
 class SmokeSpec(StrictModel):
     enabled: bool = True
     prompt: str = "The capital of France is"
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=1, le=100_000)
     image: str | None = Field(None, description="image for multimodal smoke requests")
-    timeout_s: float = Field(120.0, gt=0)
+    timeout_s: float = Field(120.0, gt=0, le=86400, allow_inf_nan=False)
 
 
 class BenchShape(StrictModel):
-    input_tokens: int = Field(128, ge=1)
-    output_tokens: int = Field(64, ge=1)
+    input_tokens: int = Field(128, ge=1, le=10_000_000)
+    output_tokens: int = Field(64, ge=1, le=10_000_000)
 
 
 class BenchmarkSpec(StrictModel):
-    concurrency: list[int] = Field(default_factory=lambda: [1, 4, 16])
+    concurrency: list[Annotated[int, Field(ge=1, le=100_000)]] = Field(default_factory=lambda: [1, 4, 16],
+                                                                         min_length=1)
     shapes: list[BenchShape] = Field(default_factory=lambda: [BenchShape()])
-    requests_per_level: int = Field(64, ge=1)
-    warmup_requests: int = Field(4, ge=0)
+    requests_per_level: int = Field(64, ge=1, le=1_000_000)
+    warmup_requests: int = Field(4, ge=0, le=100_000)
     streaming: bool = True
 
 
 class RuntimeSpec(StrictModel):
     publish_kv_events: bool = True
-    readiness_timeout_s: float = Field(1800.0, gt=0)
+    readiness_timeout_s: float = Field(1800.0, gt=0, le=7 * 86400, allow_inf_nan=False)
     allowed_local_media_path: str | None = None
-    max_file_size_mb: float = Field(16.0, gt=0)
+    max_file_size_mb: float = Field(16.0, gt=0, le=4096, allow_inf_nan=False)
 
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"  # it names the Slurm job and the run directory
