@@ -106,12 +106,13 @@ def create(resolved: Resolved, script_renderer, root: Path | None = None,
     script = script_renderer(manifest)
     partial = root / f".{path.name}.partial"
     try:
-        (partial / "logs").mkdir(parents=True)
+        partial.mkdir(mode=0o700)  # the script may carry the cluster's env values: this user's eyes only
+        (partial / "logs").mkdir()
         (partial / "state").mkdir()
         write_atomic(partial / "manifest.json", manifest.model_dump_json(indent=2) + "\n")
         for role, args in manifest.engine_args.items():
             write_atomic(partial / "engine_configs" / f"{role}.yaml", yaml.safe_dump(args, sort_keys=True))
-        write_atomic(partial / "job.sbatch", script, mode=0o755)
+        write_atomic(partial / "job.sbatch", script, mode=0o700)
         partial.rename(path)
     except OSError as exc:
         shutil.rmtree(partial, ignore_errors=True)

@@ -45,3 +45,11 @@ def test_bad_input_writes_nothing(tmp_path, monkeypatch):
 def test_listing(capsys):
     assert main(["recipes"]) == 0 and "tiny-epd" in capsys.readouterr().out
     assert main(["clusters"]) == 0 and "eos" in capsys.readouterr().out
+
+
+def test_the_run_directory_and_script_are_private(tmp_path, monkeypatch):
+    monkeypatch.setenv("HPC_RUNS_DIR", str(tmp_path / "runs"))
+    assert main(["launch", "-c", "eos", "-r", "deepseek-r1-disagg", "--dry-run"]) == 0
+    (run,) = (tmp_path / "runs").iterdir()
+    assert run.stat().st_mode & 0o777 == 0o700 and (run / "job.sbatch").stat().st_mode & 0o777 == 0o700
+    assert not [p for p in (tmp_path / "runs").iterdir() if p.name.endswith(".partial")]

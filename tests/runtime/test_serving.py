@@ -131,3 +131,11 @@ def test_status_and_logs_on_the_local_profile(disagg, capsys):
     assert phases["prefill-0"] in ("registered", "first_token") and data["roles"]["decode"]["state"] == "ok"
     assert main(["logs", ref, "--component", "decode", "--index", "0", "-n", "5"]) == 0
     assert main(["logs", ref, "--component", "nope"]) == 2
+
+
+@pytest.mark.parametrize("field, value", [("seed", 2**70), ("seed", -1), ("top_k", 10**12), ("max_tokens", 10**9)])
+def test_out_of_range_sampling_is_a_400_and_serving_goes_on(disagg, field, value):
+    status, body = _complete(disagg, **{field: value})
+    assert status == 400 and body["error"]["param"] == field
+    status, body = _complete(disagg, seed=2**63 - 1, temperature=0.8)  # the largest seed still works
+    assert status == 200 and body["usage"]["completion_tokens"] == 12

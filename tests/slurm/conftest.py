@@ -49,3 +49,11 @@ def dev_cluster_file(tmp_path: Path, **changes) -> str:
     path = tmp_path / f"dev-{abs(hash(str(sorted(changes.items()))))}.yaml"
     path.write_text(yaml.safe_dump(data))
     return str(path)
+
+
+def frontend_port() -> str:
+    """A frontend port for one test's job: never the recipes' 8000, which a job left over from an earlier
+    (failed) run may still hold on node1; outside every profile's job port range."""
+    import random
+
+    return f"frontend.port={random.randint(30000, 39999)}"

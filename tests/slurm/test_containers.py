@@ -14,7 +14,7 @@ from hpc.cli.main import main
 from hpc.rundir import list_runs
 from hpc.runtime.probe import post_json
 from hpc.spec.catalog import project_root
-from tests.slurm.conftest import DEV
+from tests.slurm.conftest import DEV, frontend_port
 
 pytestmark = pytest.mark.slurm
 LAB = Path(DEV["slurm_conf"]).parents[1]
@@ -38,7 +38,7 @@ def _profile(tmp_path: Path, image: str) -> str:
 
 def test_tiny_disagg_runs_every_component_in_a_container(slurm_env, model_cache, capsys):
     code = main(["launch", "--cluster", "dev-containers", "--recipe", "tiny-disagg",
-                 "--set", f"model.path={model_cache / 'tiny'}"])
+                 "--set", f"model.path={model_cache / 'tiny'}", "--set", frontend_port()])
     out = capsys.readouterr()
     run = list_runs()[0]
     try:
@@ -66,7 +66,7 @@ def test_tiny_disagg_runs_every_component_in_a_container(slurm_env, model_cache,
 def test_a_broken_image_fails_in_preflight_with_one_line(slurm_env, model_cache, tmp_path, capsys, image, expected):
     t0 = time.monotonic()
     code = main(["launch", "--cluster", _profile(tmp_path, str(IMAGES / image)), "--recipe", "tiny-agg",
-                 "--set", f"model.path={model_cache / 'tiny'}", "--no-smoke"])
+                 "--set", f"model.path={model_cache / 'tiny'}", "--set", frontend_port(), "--no-smoke"])
     err = capsys.readouterr().err
     run = list_runs()[0]
     if code == 0:
@@ -84,7 +84,7 @@ def test_a_tp2_worker_runs_its_mpi_ranks_in_containers_on_two_nodes(slurm_env, m
     data = yaml.safe_load(Path(one_gpu_nodes).read_text())
     Path(one_gpu_nodes).write_text(yaml.safe_dump({**data, "gpus_per_node": 1}))
     code = main(["launch", "--cluster", one_gpu_nodes, "--recipe", "tiny-agg", "--no-smoke",
-                 "--set", f"model.path={model_cache / 'tiny'}", "--set", "roles.agg.tensor_parallel_size=2"])
+                 "--set", f"model.path={model_cache / 'tiny'}", "--set", frontend_port(), "--set", "roles.agg.tensor_parallel_size=2"])
     out = capsys.readouterr()
     run = list_runs()[0]
     try:

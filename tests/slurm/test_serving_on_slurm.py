@@ -15,14 +15,14 @@ import pytest
 from hpc.cli.main import main
 from hpc.rundir import RunDir, list_runs
 from hpc.runtime.probe import get_json, post_json, post_sse
-from tests.slurm.conftest import DEV, dev_cluster_file
+from tests.slurm.conftest import DEV, dev_cluster_file, frontend_port
 
 pytestmark = pytest.mark.slurm
 LAB = Path(DEV["slurm_conf"]).parents[1]
 
 
 def _launch(*args: str) -> RunDir:
-    code = main(["launch", *args])
+    code = main(["launch", *args, "--set", frontend_port()])
     run = list_runs()[0]  # the newest
     if code != 0:
         main(["cancel", run.path.name, "--grace", "1"])

@@ -50,7 +50,9 @@ def test_every_step_runs_on_its_planned_node_and_gpus(slurm_env, tmp_path):
     client = SlurmClient(slurm_env)
     job_id = run.run_info()["job_id"]
     st, seen = _wait_finished(client, job_id)
-    assert st.state == "COMPLETED" and seen[-1] == "COMPLETED" and set(seen) <= {"PENDING", "RUNNING", "COMPLETED"}
+    # COMPLETING is Slurm's passing state while steps are torn down; a poll may or may not see it.
+    assert st.state == "COMPLETED" and seen[-1] == "COMPLETED" and \
+        set(seen) <= {"PENDING", "RUNNING", "COMPLETING", "COMPLETED"}
     records = [json.loads(p.read_text()) for p in (run.path / "probe").glob("*.json")]
     by = {(r["component"], r["procid"]): r for r in records}
     plan = run.manifest().plan

@@ -24,11 +24,11 @@ class _Model(BaseModel):
 
 
 class SamplingParams(_Model):
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
+    max_tokens: int = Field(16, ge=1, le=10_000_000)
+    temperature: float = Field(0.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = None
+    top_k: int = Field(0, ge=0, le=1_000_000)
+    seed: int | None = Field(None, ge=0, lt=2**63)  # engines seed 64-bit generators
     stop_token_ids: list[int] = Field(default_factory=list)
     stop: list[str] = Field(default_factory=list)  # stop strings, for engines that stop on them themselves
     ignore_eos: bool = False

@@ -27,11 +27,13 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    # Bounded here so that nothing out of an engine's range (a seed of 2**70 used to kill the scheduler thread)
+    # gets past the frontend; NaN/inf are refused by the bounds.
+    max_tokens: int | None = Field(None, ge=1, le=10_000_000)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = None
+    top_k: int = Field(0, ge=0, le=1_000_000)
+    seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
     stop: str | list[str] | None = None
     ignore_eos: bool = False
@@ -72,7 +74,7 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=10_000_000)
 
 
 def new_id(prefix: str) -> str:
