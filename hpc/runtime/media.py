@@ -5,15 +5,103 @@ from __future__ import annotations
 import base64
 import io
 import os
-import urllib.request
+import http.client
+import ipaddress
+import socket
+import ssl
+import urllib.parse
 from pathlib import Path
+from typing import Callable, Sequence
 
 
 class MediaError(ValueError):
     """The request's image cannot be used (a 400 for the client)."""
 
 
-def read_image_bytes(ref: str, *, allowed_local_path: str | None, max_file_size_mb: float) -> bytes:
+Resolver = Callable[..., list]
+MAX_REDIRECTS = 3
+# One answer for a blocked address, a closed port and a dead host alike: the fetcher must not be a port scanner.
+UNREACHABLE = "cannot fetch the image URL (not allowed, or not reachable)"
+
+
+def address_allowed(host: str, port: int, allowed_hosts: Sequence[str], resolver: Resolver = socket.getaddrinfo
+                    ) -> str | None:
+    """The address to connect to, or None when the host resolves to anything but a public address that the
+    recipe's `runtime.media_allowed_hosts` (names or CIDRs) does not name. Every resolved address is checked,
+    and the caller connects to the one checked here, so a second DNS answer cannot swap in another."""
+    try:
+        infos = resolver(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return None
+    addresses = [info[4][0] for info in infos]
+    if not addresses:
+        return None
+    networks = []
+    for entry in allowed_hosts:
+        try:
+            networks.append(ipaddress.ip_network(entry, strict=False))
+        except ValueError:
+            pass
+    name_allowed = host.lower() in {h.lower() for h in allowed_hosts}
+    for text in addresses:
+        ip = ipaddress.ip_address(text.split("%")[0])
+        if name_allowed or any(ip in net for net in networks):
+            continue
+        if not ip.is_global or ip.is_multicast:  # loopback, link-local (169.254/16), private, reserved, ...
+            return None
+    return addresses[0]
+
+
+class _PinnedHTTPS(http.client.HTTPSConnection):
+    """HTTPS to a checked address, with the URL's host name for SNI and certificate checks."""
+
+    def __init__(self, address: str, host: str, port: int, timeout: float) -> None:
+        super().__init__(host, port, timeout=timeout, context=ssl.create_default_context())
+        self._address = address
+
+    def connect(self) -> None:
+        sock = socket.create_connection((self._address, self.port), self.timeout)
+        self.sock = self._context.wrap_socket(sock, server_hostname=self.host)
+
+
+def fetch_url(url: str, limit: int, allowed_hosts: Sequence[str], resolver: Resolver = socket.getaddrinfo,
+              timeout: float = 10.0) -> bytes:
+    """GET an image over http(s): each hop's address checked before connecting, redirects followed by hand."""
+    for _ in range(MAX_REDIRECTS + 1):
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise MediaError(UNREACHABLE)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        address = address_allowed(parts.hostname, port, allowed_hosts, resolver)
+        if address is None:
+            raise MediaError(UNREACHABLE)
+        path = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
+        conn = (_PinnedHTTPS(address, parts.hostname, port, timeout) if parts.scheme == "https"
+                else http.client.HTTPConnection(address, port, timeout=timeout))
+        try:
+            conn.request("GET", path, headers={"Host": parts.netloc, "User-Agent": "hpc-media"})
+            resp = conn.getresponse()
+            if resp.status in (301, 302, 303, 307, 308) and resp.getheader("location"):
+                url = urllib.parse.urljoin(url, resp.getheader("location"))
+                continue
+            if resp.status != 200:
+                raise MediaError(UNREACHABLE)
+            declared = resp.getheader("content-length")
+            if declared and declared.isdigit() and int(declared) > limit:
+                raise MediaError(f"the image is larger than max_file_size_mb ({limit / 2**20:g})")
+            data = resp.read(limit + 1)  # stop reading as soon as the limit is passed
+        except (OSError, http.client.HTTPException):
+            raise MediaError(UNREACHABLE) from None
+        finally:
+            conn.close()
+        if len(data) > limit:
+            raise MediaError(f"the image is larger than max_file_size_mb ({limit / 2**20:g})")
+        return data
+    raise MediaError(UNREACHABLE)
+
+
+def read_image_bytes(ref: str, *, allowed_local_path: str | None, max_file_size_mb: float,
+                     allowed_hosts: Sequence[str] = (), resolver: Resolver = socket.getaddrinfo) -> bytes:
     limit = int(max_file_size_mb * 1024 * 1024)
     if ref.startswith("data:"):
         header, _, data = ref.partition(",")
@@ -22,17 +110,7 @@ def read_image_bytes(ref: str, *, allowed_local_path: str | None, max_file_size_
             raise MediaError(f"image exceeds max_file_size_mb ({max_file_size_mb})")
         return raw
     if ref.startswith(("http://", "https://")):
-        try:
-            with urllib.request.urlopen(ref, timeout=10) as resp:
-                declared = resp.headers.get("content-length")
-                if declared and int(declared) > limit:
-                    raise MediaError(f"image at {ref} is larger than max_file_size_mb ({max_file_size_mb})")
-                data = resp.read(limit + 1)  # stop reading as soon as the limit is passed
-        except OSError as exc:
-            raise MediaError(f"cannot download {ref}: {exc}") from None
-        if len(data) > limit:
-            raise MediaError(f"image at {ref} is larger than max_file_size_mb ({max_file_size_mb})")
-        return data
+        return fetch_url(ref, limit, allowed_hosts, resolver)
     path_text = ref.removeprefix("file://")
     if allowed_local_path is None:
         raise MediaError("local image paths are disabled (set runtime.allowed_local_media_path in the recipe)")

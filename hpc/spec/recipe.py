@@ -144,6 +144,9 @@ class RuntimeSpec(StrictModel):
     publish_kv_events: bool = True
     readiness_timeout_s: float = Field(1800.0, gt=0, le=7 * 86400, allow_inf_nan=False)
     allowed_local_media_path: str | None = None
+    media_allowed_hosts: list[SingleLine] = Field(
+        default_factory=list, description="image URLs may reach these hosts or CIDRs even when they are loopback, "
+                                          "link-local or private (by default only public addresses)")
     max_file_size_mb: float = Field(16.0, gt=0, le=4096, allow_inf_nan=False)
 
 

@@ -28,7 +28,8 @@ def build_engine(manifest: Manifest, role: str, *, self_address: str, tp=None,
 
     def load_image_bytes(ref: str) -> bytes:
         return read_image_bytes(ref, allowed_local_path=recipe.runtime.allowed_local_media_path,
-                                max_file_size_mb=recipe.runtime.max_file_size_mb)
+                                max_file_size_mb=recipe.runtime.max_file_size_mb,
+                                allowed_hosts=recipe.runtime.media_allowed_hosts)
 
     return TrtllmEngine(recipe.model.path, mode, args, self_address=self_address,
                         load_image_bytes=load_image_bytes if recipe.model.multimodal else None)

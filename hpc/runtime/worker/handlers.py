@@ -47,6 +47,7 @@ class HandlerDeps:
     mode: DisaggregationMode
     peers: Peers
     allowed_local_media_path: str | None
+    media_allowed_hosts: list[str]
     max_file_size_mb: float
     image_size: int | None
     has_encode_role: bool
@@ -107,7 +108,7 @@ async def _load_pixels(deps: HandlerDeps, image: str):
         raise RemoteError("this model takes no images", 400)
     try:
         data = await asyncio.to_thread(read_image_bytes, image, allowed_local_path=deps.allowed_local_media_path,
-                                       max_file_size_mb=deps.max_file_size_mb)
+                                       max_file_size_mb=deps.max_file_size_mb, allowed_hosts=deps.media_allowed_hosts)
         if own_loader is not None:
             return await asyncio.to_thread(own_loader, data)
         return await asyncio.to_thread(to_pixels, data, deps.image_size)

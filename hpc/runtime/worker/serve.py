@@ -127,6 +127,7 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
         vision = (json.loads((model_dir / "config.json").read_text()).get("hpc_vision") or {}).get("image_size")
     deps = HandlerDeps(engine=engine, mode=mode, peers=peers,
                        allowed_local_media_path=recipe.runtime.allowed_local_media_path,
+                       media_allowed_hosts=list(recipe.runtime.media_allowed_hosts),
                        max_file_size_mb=recipe.runtime.max_file_size_mb, image_size=vision,
                        has_encode_role=recipe.roles.encode is not None and mode is not DisaggregationMode.ENCODE,
                        on_first_token=on_first_token, on_request_done=on_done)
