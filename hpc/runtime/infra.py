@@ -11,6 +11,7 @@ import os
 import secrets
 import signal
 import subprocess
+import shutil
 import sys
 import tempfile
 import time
@@ -23,13 +24,12 @@ from hpc.runtime.node import Reporter, node_address, publish_endpoint
 
 
 def scratch_dir(manifest: Manifest, name: str) -> Path:
-    """Node-local data (etcd fsyncs; a parallel filesystem would make it crawl)."""
-    path = Path(tempfile.gettempdir()) / f"hpc-{manifest.run_id}" / name
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """Node-local data (etcd fsyncs; a parallel filesystem would make it crawl), in a fresh private directory:
+    a predictable /tmp path could be planted in advance as a link to somewhere else."""
+    return Path(tempfile.mkdtemp(prefix=f"hpc-{manifest.run_id}-{name}-"))
 
 
-def etcd_command(manifest: Manifest, host: str) -> tuple[list[str], str]:
+def etcd_command(manifest: Manifest, host: str) -> tuple[list[str], str, Path]:
     ports = manifest.plan.service("etcd").ports
     client = f"http://{host}:{ports['client']}"
     peer = f"http://{host}:{ports['peer']}"
@@ -39,10 +39,10 @@ def etcd_command(manifest: Manifest, host: str) -> tuple[list[str], str]:
            "--initial-cluster", f"hpc={peer}", "--initial-cluster-state", "new",
            # Short heartbeats allow 1 s leases, so a dead worker leaves discovery fast.
            "--heartbeat-interval", "50", "--election-timeout", "500", "--log-level", "warn"]
-    return cmd, f"{client}/health"
+    return cmd, f"{client}/health", data
 
 
-def nats_command(manifest: Manifest, host: str) -> tuple[list[str], str]:
+def nats_command(manifest: Manifest, host: str) -> tuple[list[str], str, Path]:
     ports = manifest.plan.service("nats").ports
     secret_dir = Path(manifest.run_dir) / "secrets"
     secret_dir.mkdir(mode=0o700, exist_ok=True)
@@ -52,12 +52,13 @@ def nats_command(manifest: Manifest, host: str) -> tuple[list[str], str]:
         with os.fdopen(fd, "w") as handle:
             handle.write(secrets.token_urlsafe(24))
     token = token_file.read_text().strip()
-    config = scratch_dir(manifest, "nats") / "nats.conf"
-    fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    scratch = scratch_dir(manifest, "nats")
+    config = scratch / "nats.conf"
+    fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as handle:  # the token goes in a 0600 file, not on the command line
         handle.write(f'authorization {{ token: "{token}" }}\n')
     cmd = [nats_binary(), "-a", host, "-p", str(ports["client"]), "-m", str(ports["monitor"]), "-c", str(config)]
-    return cmd, f"http://{host}:{ports['monitor']}/healthz"
+    return cmd, f"http://{host}:{ports['monitor']}/healthz", scratch
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
@@ -86,7 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     reporter = Reporter(manifest, args.service)
     reporter.phase("started")
     host = node_address(manifest)
-    cmd, health = (etcd_command if args.service == "etcd" else nats_command)(manifest, host)
+    cmd, health, scratch = (etcd_command if args.service == "etcd" else nats_command)(manifest, host)
+    try:
+        return _run_server(manifest, reporter, args.service, host, cmd, health)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)  # etcd's data and NATS's config leave with the server
+
+
+def _run_server(manifest: Manifest, reporter: Reporter, service: str, host: str, cmd: list[str],
+                health: str) -> int:
     # The drain tier (SIGUSR1) is for workers; servers ignore it, and etcd/nats inherit the ignore.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
@@ -98,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         proc.terminate()
         reporter.phase("failed", error=str(exc))
         raise
-    port = manifest.plan.service(args.service).ports["client"]
-    url = f"http://{host}:{port}" if args.service == "etcd" else f"nats://{host}:{port}"
-    publish_endpoint(manifest, args.service, host=host, port=port, url=url, health=health)
+    port = manifest.plan.service(service).ports["client"]
+    url = f"http://{host}:{port}" if service == "etcd" else f"nats://{host}:{port}"
+    publish_endpoint(manifest, service, host=host, port=port, url=url, health=health)
     reporter.phase("ready", address=f"{host}:{port}")
     code = proc.wait()
     reporter.phase("stopped", exit_code=code)

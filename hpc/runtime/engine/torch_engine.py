@@ -70,6 +70,7 @@ class TorchEngine:
         self._handoff_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._running = False
+        self.failure: str | None = None  # set when the scheduler thread dies
         self._counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "running": 0, "waiting": 0}
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -115,6 +116,8 @@ class TorchEngine:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[GenerateOutput] = asyncio.Queue()
         seq = _Seq(request=request, emit=lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+        if self.failure:
+            raise RuntimeError(f"engine failed: {self.failure}")
         self._validate(request)
         if request.disaggregated_params is not None and self.mode is DisaggregationMode.DECODE:
             if self.fetch_kv is None:
@@ -164,7 +167,24 @@ class TorchEngine:
 
     # ---- scheduler thread ------------------------------------------------------------------------
     def _loop(self) -> None:
+        """The scheduler; if it ever dies, the engine says so (health, every request) instead of hanging."""
         running: list[_Seq] = []
+        try:
+            self._schedule(running)
+        except BaseException as exc:  # noqa: BLE001 - whatever kills the thread must be visible
+            log.exception("the scheduler thread died")
+            self.failure = f"{type(exc).__name__}: {exc}"
+            for seq in running:
+                self._finish(seq, "error", error=f"engine failed: {self.failure}")
+            while True:
+                try:
+                    seq = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if seq is not None:
+                    self._finish(seq, "error", error=f"engine failed: {self.failure}")
+
+    def _schedule(self, running: list[_Seq]) -> None:
         while self._running:
             try:
                 block = not running
@@ -186,7 +206,7 @@ class TorchEngine:
                     self._admit(nxt, running)
             elif not self._running:
                 break
-            running = [s for s in running if self._still_running(s)]
+            running[:] = [s for s in running if self._still_running(s)]
             if running:
                 try:
                     self._decode_step(running)
@@ -194,7 +214,7 @@ class TorchEngine:
                     log.exception("decode step failed")
                     for s in running:
                         self._finish(s, "error", error=str(exc))
-                    running = []
+                    running.clear()
             self._counters["running"] = len(running)
 
     def _still_running(self, seq: _Seq) -> bool:
@@ -211,9 +231,9 @@ class TorchEngine:
             self._counters["waiting"] += 1
             return
         seq.slot = self.free_slots.pop()
-        seq.gen = make_generator(seq.request.sampling)
         self._counters["requests"] += 1
         try:
+            seq.gen = make_generator(seq.request.sampling)
             if seq.imported_kv is not None:
                 self._import(seq)
                 running.append(seq)

@@ -71,7 +71,8 @@ async def serve(manifest: Manifest, role: str, index: int) -> int:
         code = await _serve_engine(manifest, role, index, engine, peers, host, reporter)
         if tp is not None:
             broadcast_stop(tp, engine.device)
-    reporter.phase("stopped")
+    if code == 0:
+        reporter.phase("stopped")
     return code
 
 
@@ -139,6 +140,9 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
 
     async def http(req: Request) -> Response:
         if req.path in ("/health", "/live"):
+            failure = getattr(engine, "failure", None)
+            if failure:
+                return json_response({"status": "failed", "error": failure, "role": role, "index": index}, 503)
             status = "draining" if draining else "ready"
             return json_response({"status": status, "role": role, "index": index}, 503 if draining else 200)
         if req.path == "/metrics":
@@ -168,8 +172,33 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
         loop.add_signal_handler(sig, stop.set)
     # SIGUSR1 (hpc cancel's first tier): leave routing, finish what is in flight, then wait for TERM.
     loop.add_signal_handler(signal.SIGUSR1, drain.set)
-    await asyncio.wait([asyncio.create_task(stop.wait()), asyncio.create_task(drain.wait())],
+
+    async def engine_failed() -> None:
+        while not getattr(engine, "failure", None):
+            await asyncio.sleep(0.2)
+
+    failed = asyncio.create_task(engine_failed())
+    await asyncio.wait([asyncio.create_task(stop.wait()), asyncio.create_task(drain.wait()), failed],
                        return_when=asyncio.FIRST_COMPLETED)
+
+    async def close_all() -> None:
+        if watch_task:
+            watch_task.cancel()
+        await rpc.close()
+        await web.close()
+        await discovery.close()
+        await peers.close()
+        if events is not None:
+            await events.close()
+
+    if failed.done():
+        # A dead engine must not look alive: leave routing, report, and exit non-zero so the role's failure
+        # policy (restart / continue / fail the job) applies.
+        reporter.phase("failed", error=f"engine failed: {engine.failure}")
+        await discovery.deregister()
+        await close_all()
+        return 1
+    failed.cancel()
     draining = True
     reporter.phase("draining")
     await discovery.deregister()  # no new requests are routed here
@@ -179,12 +208,5 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
     if not stop.is_set():
         reporter.phase("drained")
         await stop.wait()
-    if watch_task:
-        watch_task.cancel()
-    await rpc.close()
-    await web.close()
-    await discovery.close()
-    await peers.close()
-    if events is not None:
-        await events.close()
+    await close_all()
     return 0
