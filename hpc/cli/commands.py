@@ -81,6 +81,8 @@ def launch(args: argparse.Namespace) -> int:
                             hint=f"pick another: --set frontend.port={port + 1}")
     if not r.cluster.is_local and not args.dry_run:
         _check_slurm_reachable(r)
+    if not args.dry_run:
+        _check_secrets(r)
     if r.cluster.container is not None and not args.dry_run:
         _ensure_runtime_bundle(r)
     run = rundir.create(r, render_sbatch)
@@ -96,6 +98,18 @@ def launch(args: argparse.Namespace) -> int:
     from hpc.launch.slurm import launch_slurm
 
     return launch_slurm(run, wait=not args.no_wait, smoke=not args.no_smoke)
+
+
+def _check_secrets(r: Resolved) -> None:
+    """Secrets by reference must be there when the job starts: check them here, before anything is written."""
+    from hpc.spec.cluster import SecretRef
+
+    for name, value in r.cluster.env.items():
+        if isinstance(value, SecretRef) and value.resolve() is None:
+            where = (f"the environment variable {value.from_env} is not set in this shell" if value.from_env
+                     else f"cannot read {value.from_file}")
+            raise UserError(f"secret {name}: {where}", file=r.cluster_file, field=f"env.{name}",
+                            hint="export it, or fix the path, then launch again")
 
 
 def _ensure_runtime_bundle(r: Resolved) -> None:

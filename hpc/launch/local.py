@@ -38,11 +38,16 @@ def port_free(port: int) -> bool:
             return False
 
 
+def resolved_env(cluster) -> dict[str, str]:
+    """The cluster's env with secrets read on this machine (launch checked that they are there)."""
+    return {k: v if isinstance(v, str) else (v.resolve() or "") for k, v in cluster.env.items()}
+
+
 def start_processes(run: RunDir) -> dict[str, list[int]]:
     m = run.manifest()
     py = sys.executable
     pids: dict[str, list[int]] = {}
-    env = {**os.environ, **m.cluster.env, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **resolved_env(m.cluster), "PYTHONUNBUFFERED": "1"}
 
     def spawn(name: str, argv: list[str], extra: dict[str, str] | None = None) -> int:
         log = open(run.log_path(name), "ab")

@@ -14,7 +14,7 @@ from hpc.launch.bundle import bundle_dir
 from hpc.plan.placement import WorkerPlan
 from hpc.resolve import Manifest
 from hpc.spec.catalog import project_root
-from hpc.spec.cluster import GpuRequest, time_to_minutes
+from hpc.spec.cluster import GpuRequest, SecretRef, time_to_minutes
 
 
 def shell_quote(value: object) -> str:
@@ -58,12 +58,22 @@ class Step:
 
 
 @dataclass(frozen=True)
+class Secret:
+    """A cluster env value read when the job starts (its name is a validated shell name)."""
+
+    name: str
+    from_env: str | None
+    from_file: str | None
+
+
+@dataclass(frozen=True)
 class View:
     """The small view-model the template sees."""
 
     title: str
     sbatch_flags: list[str]
     env: dict[str, str]
+    secrets: list[Secret]
     python_env: str | None
     slurm_conf: str | None
     run_dir: str
@@ -138,7 +148,9 @@ def build_view(m: Manifest) -> View:
     flags += list(c.sbatch_args)
 
     container = container_flags(m)
-    env = dict(c.env)
+    env = {k: v for k, v in c.env.items() if isinstance(v, str)}
+    secrets = [Secret(name=k, from_env=v.from_env, from_file=v.from_file) for k, v in sorted(c.env.items())
+               if isinstance(v, SecretRef)]
     if c.container:
         env["PYTHONPATH"] = str(bundle_dir(run_dir, c.container.python_version))
     py = [c.python, "-m"]
@@ -154,7 +166,8 @@ def build_view(m: Manifest) -> View:
     smoke = [*py, "hpc.runtime.smoke", manifest] if m.recipe.smoke.enabled else None
     ready = [*py, "hpc.runtime.ready", manifest]
     title = f"recipe {m.recipe.name} on cluster {c.name}, {plan.job_nodes} node(s), {plan.total_gpus} GPU(s)"
-    view = View(title=title, sbatch_flags=flags, env=env, python_env=c.python_env, slurm_conf=c.slurm_conf,
+    view = View(title=title, sbatch_flags=flags, env=env, secrets=secrets, python_env=c.python_env,
+                slurm_conf=c.slurm_conf,
                 run_dir=run_dir, manifest=manifest, python=c.python, services=services, workers=workers,
                 ready_command=ready, smoke_command=smoke)
     if not c.container:

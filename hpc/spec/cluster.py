@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import re
 from enum import Enum
-from typing import Literal
+from pathlib import Path
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from hpc.spec.base import EnvMap, SingleLine, StrictModel
+from hpc.spec.base import SingleLine, StrictModel
 
 _TIME = re.compile(r"^(?:(\d+)-)?(\d{1,3}):(\d{2}):(\d{2})$")
 
@@ -65,6 +66,41 @@ class Network(StrictModel):
     address_family: Literal["ipv4", "ipv6"] = "ipv4"
 
 
+class SecretRef(StrictModel):
+    """A secret named, not written: the job reads it at start, so it is in no script or manifest."""
+
+    from_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                                 description="the submitting shell's variable of this name (sbatch exports it)")
+    from_file: SingleLine | None = Field(None, description="a file on the shared filesystem holding the value")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "SecretRef":
+        if (self.from_env is None) == (self.from_file is None):
+            raise ValueError("give exactly one of from_env or from_file")
+        return self
+
+    def resolve(self) -> str | None:
+        """The value on this machine, or None when it is not there."""
+        import os
+
+        if self.from_env is not None:
+            return os.environ.get(self.from_env)
+        try:
+            return Path(self.from_file).expanduser().read_text().strip()
+        except OSError:
+            return None
+
+
+def _check_cluster_env(value: dict) -> dict:
+    for key in value:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise ValueError(f"environment variable name {key!r} is not a valid shell name")
+    return value
+
+
+ClusterEnv = Annotated[dict[str, str | SecretRef], AfterValidator(_check_cluster_env)]
+
+
 class ClusterProfile(StrictModel):
     name: SingleLine = Field(min_length=1, max_length=128)
     description: str = ""
@@ -89,7 +125,8 @@ class ClusterProfile(StrictModel):
     discovery: Literal["etcd", "file"] = "etcd"
     sbatch_args: list[SingleLine] = Field(default_factory=list)
     srun_args: list[str] = Field(default_factory=list)
-    env: EnvMap = Field(default_factory=dict)
+    env: ClusterEnv = Field(default_factory=dict, description="NAME: value, or NAME: {from_env: VAR} / "
+                                                             "{from_file: PATH} for secrets")
     slurm_conf: str | None = Field(None, description="SLURM_CONF for clients (the dev cluster needs it)")
 
     @field_validator("time_limit", "max_time_limit")

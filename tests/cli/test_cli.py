@@ -53,3 +53,20 @@ def test_the_run_directory_and_script_are_private(tmp_path, monkeypatch):
     (run,) = (tmp_path / "runs").iterdir()
     assert run.stat().st_mode & 0o777 == 0o700 and (run / "job.sbatch").stat().st_mode & 0o777 == 0o700
     assert not [p for p in (tmp_path / "runs").iterdir() if p.name.endswith(".partial")]
+
+
+def test_a_missing_secret_stops_the_launch_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    import yaml
+
+    from hpc.spec.catalog import project_root
+
+    data = yaml.safe_load((project_root() / "clusters" / "local.yaml").read_text())
+    data["env"] = {"HF_TOKEN": {"from_env": "HPC_TEST_UNSET_TOKEN"}}
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text(yaml.safe_dump(data))
+    monkeypatch.delenv("HPC_TEST_UNSET_TOKEN", raising=False)
+    monkeypatch.setenv("HPC_RUNS_DIR", str(tmp_path / "runs"))
+    assert main(["launch", "-c", str(cluster), "-r", "mock-agg"]) == 2
+    err = capsys.readouterr().err
+    assert f"{cluster}: env.HF_TOKEN: secret HF_TOKEN: the environment variable HPC_TEST_UNSET_TOKEN is not set" in err
+    assert not (tmp_path / "runs").exists()

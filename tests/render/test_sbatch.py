@@ -135,3 +135,33 @@ def test_a_run_dir_pyxis_cannot_mount_is_a_user_error(tmp_path):
     resolved = resolve("dev-containers", "tiny-agg")
     with pytest.raises(UserError, match="pyxis mounts cannot carry"):
         render_sbatch(resolved.manifest(tmp_path / "a,b", "run", FIXED_TIME))
+
+
+def test_secrets_by_reference_never_reach_the_script(tmp_path, monkeypatch):
+    secret_file = tmp_path / "hf token"
+    secret_file.write_text("file-secret-value\n")
+    cluster = parse_model(ClusterProfile, {
+        "name": "s", "nodes_available": 4, "gpus_per_node": 8, "env": {
+            "PLAIN": "visible", "HF_TOKEN": {"from_env": "MY_HF_TOKEN"}, "API_KEY": {"from_file": str(secret_file)}}},
+        file="c.yaml")
+    recipe, recipe_path = load_recipe("tiny-agg")
+    resolved = resolve_specs(cluster, Path("c.yaml"), recipe, recipe_path)
+    manifest = resolved.manifest(tmp_path / "run", "run", FIXED_TIME)
+    script = render_sbatch(manifest)
+    assert "file-secret-value" not in script and "file-secret-value" not in manifest.model_dump_json()
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    if _shellcheck():
+        subprocess.run([_shellcheck(), "-s", "bash", "-e", "SC2016", str(path)], check=True)
+    (tmp_path / "run").mkdir()
+    bin_dir = _fake_bin(tmp_path)
+    (bin_dir / "srun").write_text("#!/bin/bash\n[ \"$HF_TOKEN\" = env-secret ] && [ \"$API_KEY\" = file-secret-value ]"
+                                  " || { echo \"bad secrets: $HF_TOKEN/$API_KEY\" >&2; exit 9; }\n")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "x", "SLURM_JOB_ID": "1",
+           "MY_HF_TOKEN": "env-secret"}
+    done = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    env.pop("MY_HF_TOKEN")
+    done = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "set MY_HF_TOKEN in the shell that submits this job" in done.stderr
