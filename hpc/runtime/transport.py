@@ -61,6 +61,8 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], byte
     return _loads(body), payload
 
 
+_DEADLINE = object()  # queued by a call's deadline timer
+
 # A stream handler yields (body, payload) pairs; the last one ends the stream.
 StreamHandler = Callable[[dict[str, Any], bytes], AsyncIterator[tuple[dict[str, Any], bytes]]]
 
@@ -175,18 +177,24 @@ class RpcClient:
             if self.on_lost:
                 self.on_lost(self)
 
-    async def stream(self, op: str, body: dict[str, Any], payload: bytes = b"") -> AsyncIterator[tuple[dict, bytes]]:
+    async def stream(self, op: str, body: dict[str, Any], payload: bytes = b"",
+                     deadline: float | None = None) -> AsyncIterator[tuple[dict, bytes]]:
+        """Frames of one call; past `deadline` (event-loop time) asyncio.TimeoutError, and the server is told to
+        cancel. The deadline is a timer that drops a marker in the queue: nothing is paid per frame."""
         await self._ensure()
         sid = next(self._ids)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[sid] = queue
         finished = False
+        timer = asyncio.get_running_loop().call_at(deadline, queue.put_nowait, _DEADLINE) if deadline else None
         try:
             self._writer.write(encode_frame({"id": sid, "op": op, "body": body}, payload))
             while True:
                 item = await queue.get()
                 if item is None:
                     raise PeerGone(f"connection to {self.host}:{self.port} lost")
+                if item is _DEADLINE:
+                    raise asyncio.TimeoutError(f"{op} on {self.host}:{self.port} passed its deadline")
                 msg, data = item
                 if msg.get("error"):
                     finished = True
@@ -196,6 +204,8 @@ class RpcClient:
                     return
                 yield msg["body"], data
         finally:
+            if timer is not None:
+                timer.cancel()
             self._queues.pop(sid, None)
             if not finished and self.alive and self._writer is not None:
                 self._writer.write(encode_frame({"id": sid, "op": "cancel"}))  # caller stopped early

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -25,7 +26,7 @@ class Frontend:
         self.codec = codec
         self.model_name = self.recipe.model.served_name
         self.expected = {role.value: spec.count for role, spec in self.recipe.roles.items()}
-        self.counters: dict[str, float] = {"requests_total": 0, "errors_total": 0, "inflight": 0,
+        self.counters: dict[str, float] = {"requests_total": 0, "errors_total": 0, "inflight": 0, "timeouts_total": 0,
                                            "completion_tokens_total": 0, "prompt_tokens_total": 0}
         self.created = now()
         self.routes = {
@@ -121,7 +122,7 @@ class Frontend:
     async def completions(self, req: Request) -> Response:
         body: CompletionRequest = self._parse(req, CompletionRequest)
         if isinstance(body.prompt, str):
-            ids = self.codec.encode(body.prompt)
+            ids = await self._encode(body.prompt)
         else:
             ids = list(body.prompt)
             if any((not isinstance(t, int)) or t < 0 for t in ids):
@@ -157,20 +158,28 @@ class Frontend:
             prompt = self.codec.apply_chat_template(messages)
         except Exception as exc:
             raise ApiError(400, f"chat template failed: {exc}", param="messages") from None
-        gen = self._build(body, self.codec.encode(prompt), body.max_completion_tokens or body.max_tokens,
+        gen = self._build(body, await self._encode(prompt), body.max_completion_tokens or body.max_tokens,
                           images[0] if images else None)
         return await self._respond(body, gen, chat=True)
 
+    async def _encode(self, text: str) -> list[int]:
+        """Tokenize; a long prompt goes to a thread so the event loop keeps serving everyone else meanwhile."""
+        if len(text) < OFF_LOOP_CHARS:
+            return self.codec.encode(text)
+        return await asyncio.to_thread(self.codec.encode, text)
+
     # ---- orchestration ---------------------------------------------------------------------------
     async def _outputs(self, gen: GenerateRequest) -> AsyncIterator[GenerateOutput]:
-        """Aggregated, or prefill (first token + KV handle) then decode."""
+        """Aggregated, or prefill (first token + KV handle) then decode, all within the request's deadline
+        (frontend.request_timeout_s): past it the RPC streams are cancelled, and with them the engines' work."""
+        deadline = asyncio.get_running_loop().time() + self.recipe.frontend.request_timeout_s
         if not self.recipe.disaggregated:
-            async for out in self.router.generate("agg", gen):
+            async for out in self.router.generate("agg", gen, deadline):
                 yield out
             return
         prefill_req = gen.model_copy(update={"streaming": False})
         first: GenerateOutput | None = None
-        async for out in self.router.generate("prefill", prefill_req):
+        async for out in self.router.generate("prefill", prefill_req, deadline):
             first = out
         if first is None or first.disaggregated_params is None:
             raise RemoteError("prefill worker returned no KV handle", 502)
@@ -184,7 +193,7 @@ class Frontend:
             return
         decode_req = gen.model_copy(update={"disaggregated_params": first.disaggregated_params, "image": None,
                                             "media": None})
-        async for out in self.router.generate("decode", decode_req):
+        async for out in self.router.generate("decode", decode_req, deadline):
             yield out
 
     async def _events(self, body: Any, gen: GenerateRequest) -> AsyncIterator[tuple[str, str | None, int]]:
@@ -235,6 +244,11 @@ class Frontend:
                 reason = fin or reason
         except (NoInstance, PeerGone, RemoteError) as exc:
             raise _api_error(exc) from None
+        except asyncio.TimeoutError:
+            self.counters["timeouts_total"] += 1
+            raise ApiError(504, f"the request took longer than request_timeout_s "
+                                f"({self.recipe.frontend.request_timeout_s:g} s); its engine work was cancelled",
+                           "timeout", code="timeout") from None
         finally:
             self.counters["inflight"] -= 1
         self.counters["completion_tokens_total"] += tokens
@@ -273,15 +287,23 @@ class Frontend:
                 yield b"data: " + _dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                           "choices": [], "usage": usage}) + b"\n\n"
             yield b"data: [DONE]\n\n"
-        except (NoInstance, PeerGone, RemoteError) as exc:
+        except (NoInstance, PeerGone, RemoteError, asyncio.TimeoutError) as exc:
             # Headers are gone already: end the stream with an OpenAI-style error event, never hang.
-            err = _api_error(exc)
+            if isinstance(exc, asyncio.TimeoutError):
+                self.counters["timeouts_total"] += 1
+                err = ApiError(504, f"the request took longer than request_timeout_s "
+                                    f"({self.recipe.frontend.request_timeout_s:g} s)", "timeout", code="timeout")
+            else:
+                err = _api_error(exc)
             self.counters["errors_total"] += 1
             yield b"data: " + _dumps({"error": {"message": err.message, "type": err.type,
                                                 "code": err.code or err.status}}) + b"\n\n"
         finally:
             self.counters["inflight"] -= 1
             self.counters["completion_tokens_total"] += tokens
+
+
+OFF_LOOP_CHARS = 16_384  # shorter prompts tokenize faster than a thread hand-off
 
 
 def _reason(reason: str | None) -> str | None:

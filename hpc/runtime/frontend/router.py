@@ -6,6 +6,7 @@ expires (a hung or partitioned worker), whichever comes first.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 from typing import AsyncIterator
@@ -82,7 +83,8 @@ class Router:
             self.clients[key] = client
         return key, client
 
-    async def generate(self, role: str, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, role: str, request: GenerateRequest,
+                       deadline: float | None = None) -> AsyncIterator[GenerateOutput]:
         """Stream from one instance of `role`; a request that produced nothing yet is retried elsewhere."""
         tried: set[str] = set()
         body = request.model_dump(mode="json", exclude_none=True)
@@ -92,10 +94,12 @@ class Router:
             self.inflight[key] = self.inflight.get(key, 0) + 1
             self.served[role] = self.served.get(role, 0) + 1
             try:
-                async for frame, _ in client.stream("generate", body):
+                async for frame, _ in client.stream("generate", body, deadline=deadline):
                     started = True
                     yield GenerateOutput.model_validate(frame)
                 return
+            except asyncio.TimeoutError:
+                raise  # the request's deadline, not the worker's fault (TimeoutError is an OSError)
             except (PeerGone, ConnectionError, OSError) as exc:
                 tried.add(key)
                 self._lost(key, client)
