@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Awaitable, Callable
 from urllib.parse import parse_qs, urlsplit
 
@@ -131,19 +131,28 @@ class _Protocol(asyncio.Protocol):
                 return
 
     async def _respond(self, request: Request) -> None:
-        response = await self.handler(request)
+        # HEAD is GET without the body (RFC 9110): clients such as AIPerf probe /metrics with it, and a body
+        # after a HEAD answer would be read as the start of the next response on a kept-alive connection.
+        head = request.method == "HEAD"
+        response = await self.handler(replace(request, method="GET") if head else request)
         if self.closed:
             return
         extra = dict(response.headers)
         if response.stream is None:
             extra["content-length"] = str(len(response.body))
             self._write_head(response.status, response.content_type, extra)
-            self.transport.write(response.body)
+            if not head:
+                self.transport.write(response.body)
             return
         extra["transfer-encoding"] = "chunked"
         extra.setdefault("cache-control", "no-cache")
         self._write_head(response.status, response.content_type, extra)
         stream = response.stream
+        if head:
+            close = getattr(stream, "aclose", None)
+            if close is not None:
+                await close()
+            return
         try:
             async for chunk in stream:
                 if self.closed:
