@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any, AsyncIterator
+
 
 def prometheus(prefix: str, values: dict[str, float], labels: dict[str, str]) -> bytes:
     label = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
@@ -15,3 +18,50 @@ def prometheus(prefix: str, values: dict[str, float], labels: dict[str, str]) ->
         lines.append(f"# TYPE {metric} {kind}")
         lines.append(f"{metric}{{{label}}} {value}")
     return ("\n".join(lines) + "\n").encode()
+
+
+# Seconds; dense where interactive serving lives (ms ITLs, sub-second TTFTs), sparse up to minutes.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5,
+                   5.0, 10.0, 30.0, 60.0, 120.0, float("inf"))
+
+
+class LatencyHistograms:
+    """TTFT, inter-token latency and end-to-end request time as Prometheus histograms (prometheus-client)."""
+
+    def __init__(self, prefix: str, labels: dict[str, str]) -> None:
+        from prometheus_client import CollectorRegistry, Histogram
+
+        self.registry = CollectorRegistry()
+        names = sorted(labels)
+
+        def histogram(name: str, doc: str):
+            return Histogram(f"{prefix}_{name}", doc, names, buckets=LATENCY_BUCKETS,
+                             registry=self.registry).labels(**labels)
+
+        self.ttft = histogram("time_to_first_token_seconds", "request start to its first token")
+        self.itl = histogram("inter_token_latency_seconds", "time between tokens after the first (per token)")
+        self.e2e = histogram("request_duration_seconds", "request start to its last token")
+
+    async def track(self, outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """Pass `outputs` (each with .token_ids) through, timing the tokens as they go by."""
+        start = last = time.perf_counter()
+        first = True
+        try:
+            async for out in outputs:
+                now = time.perf_counter()
+                if out.token_ids:
+                    if first:
+                        self.ttft.observe(now - start)
+                        first = False
+                    else:
+                        self.itl.observe((now - last) / len(out.token_ids))
+                    last = now
+                yield out
+        finally:
+            if not first:
+                self.e2e.observe(time.perf_counter() - start)
+
+    def exposition(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)

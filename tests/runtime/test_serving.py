@@ -139,3 +139,17 @@ def test_out_of_range_sampling_is_a_400_and_serving_goes_on(disagg, field, value
     assert status == 400 and body["error"]["param"] == field
     status, body = _complete(disagg, seed=2**63 - 1, temperature=0.8)  # the largest seed still works
     assert status == 200 and body["usage"]["completion_tokens"] == 12
+
+
+def test_latency_histograms_count_every_request(disagg):
+    def count(name):
+        return metric_values(get_text(disagg.url + "/metrics"), f"hpc_frontend_{name}_count")
+    before = {n: count(n) for n in ("time_to_first_token_seconds", "request_duration_seconds",
+                                    "inter_token_latency_seconds")}
+    for _ in range(3):
+        assert _complete(disagg)[0] == 200
+    text = get_text(disagg.url + "/metrics")
+    assert count("time_to_first_token_seconds") == before["time_to_first_token_seconds"] + 3
+    assert count("request_duration_seconds") == before["request_duration_seconds"] + 3
+    assert count("inter_token_latency_seconds") >= before["inter_token_latency_seconds"] + 3 * 11 - 3
+    assert 'hpc_frontend_time_to_first_token_seconds_bucket{le="+Inf",model="hpc/tiny"}' in text

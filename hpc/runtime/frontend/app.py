@@ -14,7 +14,7 @@ from hpc.runtime.frontend.openai import ApiError, ChatRequest, CompletionRequest
 from hpc.runtime.frontend.router import NoInstance, Router
 from hpc.runtime.frontend.tokenizer import Detokenizer, TextCodec
 from hpc.runtime.httpserver import Request, Response, json_response
-from hpc.runtime.metrics import prometheus
+from hpc.runtime.metrics import LatencyHistograms, prometheus
 from hpc.runtime.transport import PeerGone, RemoteError, _dumps, _loads
 
 
@@ -29,6 +29,7 @@ class Frontend:
         self.counters: dict[str, float] = {"requests_total": 0, "errors_total": 0, "inflight": 0, "timeouts_total": 0,
                                            "completion_tokens_total": 0, "prompt_tokens_total": 0}
         self.created = now()
+        self.latency = LatencyHistograms("hpc_frontend", {"model": self.model_name})
         self.routes = {
             ("POST", "/v1/completions"): self.completions,
             ("POST", "/v1/chat/completions"): self.chat,
@@ -79,7 +80,8 @@ class Frontend:
         for role in self.expected:
             values[f"{role}_instances"] = len(self.router.live(role))
             values[f"{role}_routed_total"] = self.router.served.get(role, 0)
-        return Response(body=prometheus("hpc_frontend", values, {"run": self.manifest.run_id}),
+        return Response(body=prometheus("hpc_frontend", values, {"run": self.manifest.run_id}) +
+                        self.latency.exposition(),
                         content_type="text/plain; version=0.0.4")
 
     # ---- generation routes -----------------------------------------------------------------------
@@ -202,7 +204,7 @@ class Frontend:
         stops = body.stop_strings
         tokens = 0
         emitted = 0
-        async for out in self._outputs(gen):
+        async for out in self.latency.track(self._outputs(gen)):
             tokens += len(out.token_ids)
             detok.add(out.token_ids)
             reason = out.finish_reason if out.finished else None
