@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _stack import local_stack  # noqa: E402
 
 from hpc.bench.httpclient import Pool  # noqa: E402
+from hpc.runtime.node import rpc_token  # noqa: E402
 from hpc.runtime.transport import RpcClient  # noqa: E402
 
 MAX_TOKENS = 4
@@ -50,7 +51,7 @@ async def drive(call, concurrency: int, seconds: float) -> tuple[list[float], fl
     return latencies, len(latencies) / (time.perf_counter() - t0)
 
 
-async def measure(url: str, worker: tuple[str, int], seconds: float) -> list[list[str]]:
+async def measure(url: str, worker: tuple[str, int], token: str | None, seconds: float) -> list[list[str]]:
     body = json.dumps({"model": "hpc/mock", "prompt": "hello world", "max_tokens": MAX_TOKENS}).encode()
     pool = Pool(url)
 
@@ -60,7 +61,7 @@ async def measure(url: str, worker: tuple[str, int], seconds: float) -> list[lis
         pool.give(conn, status == 200)
         assert status == 200
 
-    client = RpcClient(*worker)
+    client = RpcClient(*worker, token=token)  # the job's RPC token, as the frontend sends it
     request = {"request_id": "b", "token_ids": [1, 2, 3], "sampling": {"max_tokens": MAX_TOKENS},
                "streaming": False}
 
@@ -98,7 +99,7 @@ def main() -> None:
         run, url = stack.__enter__()
     try:
         w = run.manifest().plan.workers[0]
-        rows = asyncio.run(measure(url, ("127.0.0.1", w.ports["rpc"]), args.seconds))
+        rows = asyncio.run(measure(url, ("127.0.0.1", w.ports["rpc"]), rpc_token(run.manifest()), args.seconds))
     finally:
         stack.__exit__(None, None, None)
     print(f"frontend overhead, mock engine at zero delay, {MAX_TOKENS} tokens per request, "

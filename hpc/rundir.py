@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -113,6 +114,8 @@ def create(resolved: Resolved, script_renderer, root: Path | None = None,
         for role, args in manifest.engine_args.items():
             write_atomic(partial / "engine_configs" / f"{role}.yaml", yaml.safe_dump(args, sort_keys=True))
         write_atomic(partial / "job.sbatch", script, mode=0o700)
+        (partial / "secrets").mkdir(mode=0o700)
+        write_atomic(partial / "secrets" / "rpc.token", secrets.token_urlsafe(24), mode=0o600)
         partial.rename(path)
     except OSError as exc:
         shutil.rmtree(partial, ignore_errors=True)

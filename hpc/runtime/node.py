@@ -94,5 +94,14 @@ def wait_endpoint(manifest: Manifest, name: str, timeout: float = 600.0) -> dict
 
 
 def nats_token(manifest: Manifest) -> str | None:
-    path = Path(manifest.run_dir) / "secrets" / "nats.token"
+    return _secret(manifest, "nats.token")
+
+
+def rpc_token(manifest: Manifest) -> str | None:
+    """The job's token for worker RPC (written with the run directory, 0600 in a 0700 directory)."""
+    return _secret(manifest, "rpc.token")
+
+
+def _secret(manifest: Manifest, name: str) -> str | None:
+    path = Path(manifest.run_dir) / "secrets" / name
     return path.read_text().strip() if path.is_file() else None

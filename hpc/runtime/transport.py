@@ -9,6 +9,7 @@ A dropped connection fails every stream on it at once: that is how a dead worker
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import logging
 import struct
@@ -67,9 +68,17 @@ _DEADLINE = object()  # queued by a call's deadline timer
 StreamHandler = Callable[[dict[str, Any], bytes], AsyncIterator[tuple[dict[str, Any], bytes]]]
 
 
+HELLO_TIMEOUT_S = 5.0
+
+
 class RpcServer:
-    def __init__(self, handlers: dict[str, StreamHandler]) -> None:
+    """Serves streamed calls; with a token, a connection must open with {"op": "hello", "token": ...} or it is
+    closed before anything runs (the job's workers listen on their node's address)."""
+
+    def __init__(self, handlers: dict[str, StreamHandler], token: str | None = None) -> None:
         self.handlers = handlers
+        self.token = token
+        self.refused = 0
         self.server: asyncio.base_events.Server | None = None
         self.inflight = 0
         self._tasks: set[asyncio.Task] = set()
@@ -90,6 +99,16 @@ class RpcServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         streams: dict[int, asyncio.Task] = {}
         try:
+            if self.token is not None:
+                try:
+                    hello, _ = await asyncio.wait_for(read_frame(reader), HELLO_TIMEOUT_S)
+                except (asyncio.TimeoutError, ValueError, TypeError):
+                    hello = {}
+                token = hello.get("token") if isinstance(hello, dict) and hello.get("op") == "hello" else None
+                if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.token.encode()):
+                    self.refused += 1
+                    log.warning("refused an RPC connection without the job's token")
+                    return
             while True:
                 msg, payload = await read_frame(reader)
                 sid = msg["id"]
@@ -139,8 +158,10 @@ class RpcServer:
 class RpcClient:
     """One connection to one peer, shared by every request to it."""
 
-    def __init__(self, host: str, port: int, on_lost: Callable[["RpcClient"], None] | None = None) -> None:
+    def __init__(self, host: str, port: int, on_lost: Callable[["RpcClient"], None] | None = None,
+                 token: str | None = None) -> None:
         self.host, self.port = host, port
+        self.token = token
         self.on_lost = on_lost
         self._ids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue] = {}
@@ -151,6 +172,8 @@ class RpcClient:
 
     async def connect(self, timeout: float = 5.0) -> None:
         reader, self._writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), timeout)
+        if self.token is not None:
+            self._writer.write(encode_frame({"op": "hello", "token": self.token}))
         self._reader_task = asyncio.create_task(self._read(reader))
 
     async def _ensure(self) -> None:

@@ -14,14 +14,14 @@ from hpc.runtime.frontend.app import Frontend, model_dir
 from hpc.runtime.frontend.router import Router
 from hpc.runtime.frontend.tokenizer import TextCodec
 from hpc.runtime.httpserver import HttpServer
-from hpc.runtime.node import Reporter, node_address, publish_endpoint
+from hpc.runtime.node import Reporter, node_address, publish_endpoint, rpc_token
 
 
 async def serve(manifest: Manifest, bind: str | None = None) -> int:
     reporter = Reporter(manifest, "frontend")
     reporter.phase("started")
     codec = TextCodec(model_dir(manifest), manifest.recipe.model.chat_template)
-    router = Router(manifest.recipe.frontend.router)
+    router = Router(manifest.recipe.frontend.router, token=rpc_token(manifest))
     app = Frontend(manifest, router, codec)
     host = bind or node_address(manifest)
     port = manifest.plan.service("frontend").ports["http"]

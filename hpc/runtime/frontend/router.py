@@ -27,8 +27,9 @@ class NoInstance(Exception):
 
 
 class Router:
-    def __init__(self, policy: RouterPolicy) -> None:
+    def __init__(self, policy: RouterPolicy, token: str | None = None) -> None:
         self.policy = policy
+        self.token = token
         self.instances: dict[str, Instance] = {}
         self.clients: dict[str, RpcClient] = {}
         self.inflight: dict[str, int] = {}
@@ -79,7 +80,7 @@ class Router:
         client = self.clients.get(key)
         if client is None or not client.alive:
             inst = self.instances[key]
-            client = RpcClient(inst.host, inst.rpc_port, on_lost=lambda c, k=key: self._lost(k, c))
+            client = RpcClient(inst.host, inst.rpc_port, on_lost=lambda c, k=key: self._lost(k, c), token=self.token)
             self.clients[key] = client
         return key, client
 

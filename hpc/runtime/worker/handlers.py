@@ -17,7 +17,8 @@ Frame = tuple[dict[str, Any], bytes]
 class Peers:
     """RPC clients to other workers (prefill for KV, encode for embeddings), one connection each."""
 
-    def __init__(self) -> None:
+    def __init__(self, token: str | None = None) -> None:
+        self.token = token
         self.clients: dict[str, RpcClient] = {}
         self.instances: dict[str, Any] = {}  # discovery snapshot, kept fresh by the worker
 
@@ -25,7 +26,7 @@ class Peers:
         c = self.clients.get(address)
         if c is None or not c.alive:
             host, _, port = address.rpartition(":")
-            c = self.clients[address] = RpcClient(host, int(port))
+            c = self.clients[address] = RpcClient(host, int(port), token=self.token)
         return c
 
     def pick(self, role: str) -> str:

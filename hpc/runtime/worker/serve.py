@@ -22,7 +22,7 @@ from hpc.runtime.engine.kv import unpack
 from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode
 from hpc.runtime.httpserver import HttpServer, Request, Response, json_response
 from hpc.runtime.metrics import prometheus
-from hpc.runtime.node import Reporter, node_address, publish_endpoint, wait_endpoint
+from hpc.runtime.node import Reporter, node_address, publish_endpoint, rpc_token, wait_endpoint
 from hpc.runtime.transport import RpcServer
 from hpc.runtime.worker.handlers import HandlerDeps, Peers, make_handler
 
@@ -52,7 +52,7 @@ async def serve(manifest: Manifest, role: str, index: int) -> int:
         tp = await asyncio.to_thread(init_group, rank, world, f"{ep['host']}:{ep['port']}", torch.device(device))
         reporter.phase("group_ready")
     rpc_address = f"{host}:{plan.ports['rpc']}"
-    peers = Peers()
+    peers = Peers(token=rpc_token(manifest))
 
     async def fetch_kv(params: DisaggregatedParams):
         meta, data = await peers.client(params.prefill_address).call("fetch_kv", {"handle": params.request_handle})
@@ -133,7 +133,7 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
                        has_encode_role=recipe.roles.encode is not None and mode is not DisaggregationMode.ENCODE,
                        on_first_token=on_first_token, on_request_done=on_done)
     handler = make_handler(deps)
-    rpc = RpcServer(handler.ops())
+    rpc = RpcServer(handler.ops(), token=rpc_token(manifest))
     await rpc.start(host, plan.ports["rpc"])
     labels = {"role": role, "index": str(index), "run": manifest.run_id}
     draining = False
