@@ -19,7 +19,7 @@ EXIT_FAILED = 3
 def required_modules(manifest: dict) -> list[tuple[str, str]]:
     """(module, why) for this job, in the order a missing one is reported."""
     need = [("hpc", "every component"), ("pydantic", "the manifest"), ("yaml", "engine configs"),
-            ("aetcd", "etcd discovery"), ("nats", "the event plane")]
+            ("aetcd", "etcd discovery"), ("nats", "the event plane"), ("prometheus_client", "the frontend's metrics")]
     backend = manifest["recipe"]["backend"]
     if backend == "torch":
         need += [("torch", "the torch engine"), ("transformers", "the tokenizer"), ("safetensors", "the weights")]

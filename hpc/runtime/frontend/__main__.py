@@ -56,7 +56,12 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
     except ImportError:
         pass
-    return asyncio.run(serve(Manifest.load(args.manifest)))
+    manifest = Manifest.load(args.manifest)
+    try:
+        return asyncio.run(serve(manifest))
+    except Exception as exc:  # where readiness and status look: the job's checks stop at once, not at a timeout
+        Reporter(manifest, "frontend").phase("failed", error=f"{type(exc).__name__}: {exc}")
+        raise
 
 
 if __name__ == "__main__":
