@@ -37,3 +37,23 @@ def test_failed_component_is_reported_at_once(run):
 def test_abort_reason_stops_the_wait(run):
     with pytest.raises(NotReady, match="job 7 ended FAILED"):
         wait_ready(run.manifest(), timeout=30, progress=lambda s: None, abort=lambda: "job 7 ended FAILED")
+
+
+def test_a_frontend_that_cannot_start_reports_failed(tmp_path):
+    """So readiness (in the job and in hpc launch) stops at once instead of waiting out its timeout."""
+    import datetime as dt
+    import json
+    import subprocess
+    import sys
+
+    from hpc.resolve import resolve
+
+    run = tmp_path / "run"
+    (run / "state").mkdir(parents=True)
+    manifest = resolve("local", "tiny-agg", [f"model.path={tmp_path / 'no-such-model'}"]).manifest(
+        run, "run", dt.datetime(2026, 1, 1))
+    (run / "manifest.json").write_text(manifest.model_dump_json())
+    done = subprocess.run([sys.executable, "-m", "hpc.runtime.frontend", str(run / "manifest.json")],
+                          capture_output=True, text=True, timeout=60)
+    state = json.loads((run / "state" / "frontend.json").read_text())
+    assert done.returncode != 0 and state["phase"] == "failed" and state["error"]
