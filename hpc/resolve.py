@@ -81,7 +81,7 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
     rfile = str(recipe_path)
     flag_sources: dict[str, str] = {}
     if engine_flags:
-        recipe, flag_sources = apply_engine_flags(recipe, engine_flags, rfile)
+        recipe, flag_sources = apply_engine_flags(recipe, engine_flags)
     trtllm = recipe.backend is Backend.TRTLLM
     engine_args: dict[str, dict[str, Any]] = {}
     config_files: dict[str, str | None] = {}
@@ -121,7 +121,7 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
         errors.append(UserError("an encode role needs a multimodal model", file=rfile, field="roles.encode",
                                 hint="set model.multimodal: true or remove roles.encode"))
     errors += _check_time(cluster, recipe, str(cluster_path), rfile)
-    too_big = _check_size(cluster, recipe, str(cluster_path), rfile)
+    too_big = _check_size(cluster, recipe, rfile)
     if too_big:  # before planning: a billion workers must not be built to find out they do not fit
         raise too_big
     placement = None
@@ -210,7 +210,7 @@ def _check_time(cluster: ClusterProfile, recipe: Recipe, cfile: str, rfile: str)
 MAX_LOCAL_PROCESSES = 64
 
 
-def _check_size(cluster: ClusterProfile, recipe: Recipe, cfile: str, rfile: str) -> UserError | None:
+def _check_size(cluster: ClusterProfile, recipe: Recipe, rfile: str) -> UserError | None:
     """The recipe's total size against what the cluster (or this machine) can hold, from the numbers alone."""
     ranks = sum(role.count * role.gpus_per_worker for _, role in recipe.roles.items())
     if cluster.is_local:

@@ -120,7 +120,7 @@ def _ensure_runtime_bundle(r: Resolved) -> None:
     from hpc.rundir import runs_root
 
     version = r.cluster.container.python_version
-    target = bundle_dir(runs_root().resolve() / "run", version)
+    target = bundle_dir(runs_root().resolve(), version)
     t0 = time.monotonic()
     ensure_bundle(target, version)
     if time.monotonic() - t0 > 1:

@@ -15,7 +15,7 @@ from typing import Any
 
 from hpc.engine_args.precedence import deep_update
 from hpc.errors import UserError
-from hpc.spec.recipe import Recipe, RoleName
+from hpc.spec.recipe import Recipe
 
 EXTRA_FLAG, OVERRIDE_FLAG = "--extra-engine-args", "--override-engine-args"
 
@@ -43,7 +43,7 @@ def _split(flag: str, value: str, roles: list[str]) -> tuple[list[str], str]:
     return roles, value
 
 
-def apply_engine_flags(recipe: Recipe, flags: EngineArgFlags, recipe_file: str) -> tuple[Recipe, dict[str, str]]:
+def apply_engine_flags(recipe: Recipe, flags: EngineArgFlags) -> tuple[Recipe, dict[str, str]]:
     """The recipe with the flags applied, and for each role whose override came from a flag, that flag's text
     (so an error in it names the flag, not the recipe)."""
     roles = [name.value for name, _ in recipe.roles.items()]
@@ -79,7 +79,3 @@ def apply_engine_flags(recipe: Recipe, flags: EngineArgFlags, recipe_file: str) 
     if not new_roles:
         return recipe, sources
     return recipe.model_copy(update={"roles": recipe.roles.model_copy(update=new_roles)}), sources
-
-
-def role_names() -> list[str]:
-    return sorted({r.value for r in RoleName})

@@ -30,9 +30,9 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x8
 STAMP = ".hpc-bundle"
 
 
-def bundle_dir(run_dir: str | Path, python_version: str) -> Path:
+def bundle_dir(runs_root: str | Path, python_version: str) -> Path:
     """Beside the run directories (a shared filesystem by necessity), one per Python version."""
-    return Path(run_dir).parent / ".hpc-runtime" / f"py{python_version}"
+    return Path(runs_root) / ".hpc-runtime" / f"py{python_version}"
 
 
 def _package_root() -> Path:

@@ -152,7 +152,7 @@ def build_view(m: Manifest) -> View:
     secrets = [Secret(name=k, from_env=v.from_env, from_file=v.from_file) for k, v in sorted(c.env.items())
                if isinstance(v, SecretRef)]
     if c.container:
-        env["PYTHONPATH"] = str(bundle_dir(run_dir, c.container.python_version))
+        env["PYTHONPATH"] = str(bundle_dir(Path(run_dir).parent, c.container.python_version))
     py = [c.python, "-m"]
     services = []
     for s in plan.services:
@@ -192,8 +192,8 @@ def container_flags(m: Manifest) -> list[str]:
     if any(ch in m.run_dir for ch in ",:"):
         raise UserError(f"the run directory {m.run_dir!r} contains ',' or ':', which pyxis mounts cannot carry",
                         field="HPC_RUNS_DIR", hint="use a runs directory without ',' and ':'")
-    mounts = list(c.mounts) + [f"{m.run_dir}:{m.run_dir}",
-                               f"{bundle_dir(m.run_dir, c.python_version)}:{bundle_dir(m.run_dir, c.python_version)}:ro"]
+    bundle = bundle_dir(Path(m.run_dir).parent, c.python_version)
+    mounts = list(c.mounts) + [f"{m.run_dir}:{m.run_dir}", f"{bundle}:{bundle}:ro"]
     if m.recipe.model.generate:
         model = str(Path(m.recipe.model.path).expanduser())
         mounts.append(f"{model}:{model}:ro")

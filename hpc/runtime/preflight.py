@@ -40,10 +40,10 @@ def _version(module: str) -> str:
 
 def _binaries(manifest) -> str | None:
     """The servers' executables (etcd, nats-server): the first one missing, as an error line part."""
-    from hpc.runtime import binaries as infra
+    from hpc.runtime import binaries
 
     services = manifest["recipe"].get("infra") or {}
-    wanted = [(services.get("etcd", True), infra.etcd_binary), (services.get("nats", True), infra.nats_binary)]
+    wanted = [(services.get("etcd", True), binaries.etcd_binary), (services.get("nats", True), binaries.nats_binary)]
     for enabled, find in wanted:
         if enabled:
             try:

@@ -37,7 +37,7 @@ def _wants_number(annotation: Any) -> bool:
     return bool(args & {int, float}) and bool not in args
 
 
-def _check_env_names(value: dict[str, str]) -> dict[str, str]:
+def check_env_names(value: dict) -> dict:
     for key in value:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
             raise ValueError(f"environment variable name {key!r} is not a valid shell name")
@@ -53,7 +53,7 @@ def _single_line(value: str) -> str:
 # Values that land in #SBATCH lines, which sbatch (not bash) parses line by line.
 SingleLine = Annotated[str, AfterValidator(_single_line)]
 
-EnvMap = Annotated[dict[str, str], AfterValidator(_check_env_names)]
+EnvMap = Annotated[dict[str, str], AfterValidator(check_env_names)]
 
 
 def closest(word: str, choices: list[str]) -> str | None:

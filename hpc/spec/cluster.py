@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from enum import Enum
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from hpc.spec.base import SingleLine, StrictModel
+from hpc.spec.base import SingleLine, StrictModel, check_env_names
 
 _TIME = re.compile(r"^(?:(\d+)-)?(\d{1,3}):(\d{2}):(\d{2})$")
 
@@ -81,8 +82,6 @@ class SecretRef(StrictModel):
 
     def resolve(self) -> str | None:
         """The value on this machine, or None when it is not there."""
-        import os
-
         if self.from_env is not None:
             return os.environ.get(self.from_env)
         try:
@@ -91,14 +90,7 @@ class SecretRef(StrictModel):
             return None
 
 
-def _check_cluster_env(value: dict) -> dict:
-    for key in value:
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-            raise ValueError(f"environment variable name {key!r} is not a valid shell name")
-    return value
-
-
-ClusterEnv = Annotated[dict[str, str | SecretRef], AfterValidator(_check_cluster_env)]
+ClusterEnv = Annotated[dict[str, str | SecretRef], AfterValidator(check_env_names)]
 
 
 class ClusterProfile(StrictModel):

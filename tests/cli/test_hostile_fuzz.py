@@ -75,28 +75,29 @@ def _dump(path: Path, data) -> None:
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
 
 
+def _changed_file(tmp_path: Path, base: dict, changes, name: str) -> str:
+    data = base
+    for path, value in changes:
+        data = _set(data, path, value)
+    target = tmp_path / name
+    _dump(target, data)
+    return str(target)
+
+
 @FUZZ
 @given(changes=st.lists(st.tuples(st.sampled_from(RECIPE_PATHS), values), min_size=1, max_size=3))
 def test_any_recipe(tmp_path_factory, monkeypatch, capsys, changes):
     tmp_path = tmp_path_factory.mktemp("fuzz")
-    data = RECIPE
-    for path, value in changes:
-        data = _set(data, path, value)
-    recipe = tmp_path / "r.yaml"
-    _dump(recipe, data)
-    _check(tmp_path, monkeypatch, capsys, ["-c", "dev", "-r", str(recipe)])
+    recipe = _changed_file(tmp_path, RECIPE, changes, "r.yaml")
+    _check(tmp_path, monkeypatch, capsys, ["-c", "dev", "-r", recipe])
 
 
 @FUZZ
 @given(changes=st.lists(st.tuples(st.sampled_from(CLUSTER_PATHS), values), min_size=1, max_size=3))
 def test_any_cluster(tmp_path_factory, monkeypatch, capsys, changes):
     tmp_path = tmp_path_factory.mktemp("fuzz")
-    data = CLUSTER
-    for path, value in changes:
-        data = _set(data, path, value)
-    cluster = tmp_path / "c.yaml"
-    _dump(cluster, data)
-    _check(tmp_path, monkeypatch, capsys, ["-c", str(cluster), "-r", "tiny-disagg"])
+    cluster = _changed_file(tmp_path, CLUSTER, changes, "c.yaml")
+    _check(tmp_path, monkeypatch, capsys, ["-c", cluster, "-r", "tiny-disagg"])
 
 
 @FUZZ

@@ -164,6 +164,12 @@ class Frontend:
                           images[0] if images else None)
         return await self._respond(body, gen, chat=True)
 
+    def _timed_out(self) -> ApiError:
+        self.counters["timeouts_total"] += 1
+        return ApiError(504, f"the request took longer than request_timeout_s "
+                             f"({self.recipe.frontend.request_timeout_s:g} s); its engine work was cancelled",
+                        "timeout", code="timeout")
+
     async def _encode(self, text: str) -> list[int]:
         """Tokenize; a long prompt goes to a thread so the event loop keeps serving everyone else meanwhile."""
         if len(text) < OFF_LOOP_CHARS:
@@ -247,10 +253,7 @@ class Frontend:
         except (NoInstance, PeerGone, RemoteError) as exc:
             raise _api_error(exc) from None
         except asyncio.TimeoutError:
-            self.counters["timeouts_total"] += 1
-            raise ApiError(504, f"the request took longer than request_timeout_s "
-                                f"({self.recipe.frontend.request_timeout_s:g} s); its engine work was cancelled",
-                           "timeout", code="timeout") from None
+            raise self._timed_out() from None
         finally:
             self.counters["inflight"] -= 1
         self.counters["completion_tokens_total"] += tokens
@@ -291,12 +294,7 @@ class Frontend:
             yield b"data: [DONE]\n\n"
         except (NoInstance, PeerGone, RemoteError, asyncio.TimeoutError) as exc:
             # Headers are gone already: end the stream with an OpenAI-style error event, never hang.
-            if isinstance(exc, asyncio.TimeoutError):
-                self.counters["timeouts_total"] += 1
-                err = ApiError(504, f"the request took longer than request_timeout_s "
-                                    f"({self.recipe.frontend.request_timeout_s:g} s)", "timeout", code="timeout")
-            else:
-                err = _api_error(exc)
+            err = self._timed_out() if isinstance(exc, asyncio.TimeoutError) else _api_error(exc)
             self.counters["errors_total"] += 1
             yield b"data: " + _dumps({"error": {"message": err.message, "type": err.type,
                                                 "code": err.code or err.status}}) + b"\n\n"
