@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _stack import local_stack  # noqa: E402
 
-from hpc.runtime.probe import get_json, post_json  # noqa: E402
+from hpc.checks.probe import get_json, post_json  # noqa: E402
 
 
 def live(url: str) -> int:

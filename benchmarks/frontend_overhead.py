@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _stack import local_stack  # noqa: E402
 
 from hpc.bench.httpclient import Pool  # noqa: E402
-from hpc.runtime.node import rpc_token  # noqa: E402
-from hpc.runtime.transport import RpcClient  # noqa: E402
+from hpc.runtime.services.node import rpc_token  # noqa: E402
+from hpc.runtime.serve.rpc import RpcClient  # noqa: E402
 
 MAX_TOKENS = 4
 

@@ -21,30 +21,7 @@ from hpc.spec.base import load_yaml
 from hpc.spec.catalog import load_cluster, load_recipe, resolve_config_path
 from hpc.spec.cluster import ClusterProfile, time_to_minutes
 from hpc.spec.recipe import Backend, Recipe, RoleName
-
-
-class Manifest(BaseModel):
-    """Everything a component needs, in one file: the only input of `python -m hpc.*` entry points."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    version: int = 1
-    run_id: str
-    run_dir: str
-    created: str
-    cluster: ClusterProfile
-    recipe: Recipe
-    plan: Plan
-    engine_args: dict[str, dict[str, Any]]  # role -> merged engine args
-    engine_config_files: dict[str, str | None]
-
-    @classmethod
-    def load(cls, path: str | Path) -> "Manifest":
-        return cls.model_validate_json(Path(path).read_text())
-
-    @property
-    def job_name(self) -> str:
-        return f"hpc-{self.recipe.name}"
+from hpc.manifest import Manifest
 
 
 class Resolved(BaseModel):

@@ -17,7 +17,8 @@ from typing import Any
 import yaml
 
 from hpc.errors import UserError
-from hpc.resolve import Manifest, Resolved
+from hpc.manifest import Manifest
+from hpc.resolve import Resolved
 
 RUNS_DIR_NAME = "runs"
 

@@ -85,7 +85,7 @@ def _slurm_state(run: RunDir) -> dict[str, Any]:
 def _health(url: str | None) -> str:
     if not url:
         return "-"
-    from hpc.runtime.probe import get_json
+    from hpc.checks.probe import get_json
 
     try:
         code, body = get_json(url, 1.0)
@@ -102,7 +102,7 @@ def collect_status(run: RunDir) -> dict[str, Any]:
     frontend_view: dict[str, Any] = {}
     frontend_health = "-"
     if endpoint:  # one probe of the frontend serves its own row, the workers' routing and the roles
-        from hpc.runtime.probe import get_json
+        from hpc.checks.probe import get_json
 
         try:
             code, body = get_json(endpoint + "/health", 1.0)
@@ -248,7 +248,7 @@ def cancel(args: argparse.Namespace) -> int:
 
 def smoke(args: argparse.Namespace) -> int:
     from hpc.launch.smoke import submit_smoke
-    from hpc.runtime.smoke import print_verdict
+    from hpc.checks.smoke import print_verdict
 
     run = find_run(args.run)
     verdict = submit_smoke(run)

@@ -20,7 +20,7 @@ def preflight_failure(run: RunDir) -> str | None:
 
 def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: None) -> int:
     """Shared by local and Slurm launches: readiness, smoke, and what to do next."""
-    from hpc.runtime.ready import NotReady, wait_ready
+    from hpc.checks.ready import NotReady, wait_ready
 
     m = run.manifest()
     ref = run.run_info().get("job_id", run.path.name)
@@ -45,7 +45,7 @@ def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: Non
         print(f"ready in {time.monotonic() - t0:.1f} s")
         if smoke_job is not None:
             from hpc.launch.smoke import finish_smoke
-            from hpc.runtime.smoke import print_verdict
+            from hpc.checks.smoke import print_verdict
 
             verdict = finish_smoke(smoke_job)
             print_verdict(verdict)

@@ -17,7 +17,7 @@ from hpc.spec.cluster import time_to_minutes
 def start_smoke(run: RunDir, wait_ready_s: float | None = None):
     import submitit
 
-    from hpc.runtime.smoke import run_smoke_when_ready
+    from hpc.checks.smoke import run_smoke_when_ready
 
     m = run.manifest()
     folder = run.path / "smoke"

@@ -12,7 +12,7 @@ import jinja2
 from hpc.errors import UserError
 from hpc.launch.bundle import bundle_dir
 from hpc.plan.placement import WorkerPlan
-from hpc.resolve import Manifest
+from hpc.manifest import Manifest
 from hpc.spec.catalog import project_root
 from hpc.spec.cluster import GpuRequest, SecretRef, time_to_minutes
 
@@ -107,7 +107,7 @@ def service_argv(m: Manifest, name: str, python: str) -> list[str]:
     manifest = f"{m.run_dir}/manifest.json"
     if name == "frontend":
         return [python, "-m", "hpc.runtime.frontend", manifest]
-    return [python, "-m", "hpc.runtime.infra", manifest, "--service", name]
+    return [python, "-m", "hpc.runtime.services.infra", manifest, "--service", name]
 
 
 def worker_argv(m: Manifest, w: WorkerPlan, python: str) -> list[str]:
@@ -163,8 +163,8 @@ def build_view(m: Manifest) -> View:
                         *container, *c.srun_args],
             nodelist=_nodelist([s.node]), command=service_argv(m, s.name, c.python)))
     workers = [_worker_step(m, w, container, logs) for w in plan.workers]
-    smoke = [*py, "hpc.runtime.smoke", manifest] if m.recipe.smoke.enabled else None
-    ready = [*py, "hpc.runtime.ready", manifest]
+    smoke = [*py, "hpc.checks.smoke", manifest] if m.recipe.smoke.enabled else None
+    ready = [*py, "hpc.checks.ready", manifest]
     title = f"recipe {m.recipe.name} on cluster {c.name}, {plan.job_nodes} node(s), {plan.total_gpus} GPU(s)"
     view = View(title=title, sbatch_flags=flags, env=env, secrets=secrets, python_env=c.python_env,
                 slurm_conf=c.slurm_conf,
@@ -178,7 +178,7 @@ def build_view(m: Manifest) -> View:
             "--overlap", f"--job-name={name}", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",
             "--ntasks-per-node=1", f"--output={logs}/{name}.log", *container, *c.srun_args])
     every_node = list(range(plan.job_nodes))
-    return replace(view, preflight=check_step("preflight", [*py, "hpc.runtime.preflight", manifest], every_node),
+    return replace(view, preflight=check_step("preflight", [*py, "hpc.checks.preflight", manifest], every_node),
                    preflight_log=f"{logs}/preflight.log", ready_step=check_step("ready", ready, [0]),
                    smoke_step=check_step("smoke", smoke, [0]) if smoke else None)
 

@@ -11,8 +11,8 @@ from PIL import Image
 
 from hpc.bench.loadgen import Level, run_sweep
 from hpc.cli.main import main
-from hpc.runtime.httpserver import HttpServer, Response, json_response
-from hpc.runtime.probe import get_text, metric_values
+from hpc.runtime.serve.http import HttpServer, Response, json_response
+from hpc.checks.probe import get_text, metric_values
 from tests.runtime.conftest import free_port, stack_fixture
 
 mock = stack_fixture("mock-agg", "--set", "mock.per_token_delay_ms=1")

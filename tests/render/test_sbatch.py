@@ -128,7 +128,7 @@ def test_container_jobs_mount_the_run_dir_and_the_runtime_and_check_first(tmp_pa
     assert len(steps) == 8 and all(f"{run}:{run}," in s and f"{bundle}:{bundle}:ro" in s for s in steps)
     assert len({s.split("--container-name=")[1].split()[0] for s in steps}) == 1  # one named container per image
     assert steps[0].startswith("srun --overlap --job-name=preflight --nodes=3 --ntasks=3 --ntasks-per-node=1")
-    assert script.index("hpc.runtime.preflight") < script.index("--service etcd")
+    assert script.index("hpc.checks.preflight") < script.index("--service etcd")
 
 
 def test_a_run_dir_pyxis_cannot_mount_is_a_user_error(tmp_path):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from hpc.runtime.probe import get_text, metric_values, post_json, post_sse
+from hpc.checks.probe import get_text, metric_values, post_json, post_sse
 from tests.runtime.conftest import stack_fixture
 
 pytestmark = pytest.mark.integration

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc.runtime.probe import get_text, metric_values, post_json, post_sse
+from hpc.checks.probe import get_text, metric_values, post_json, post_sse
 from tests.runtime.conftest import launch_stack
 
 pytestmark = pytest.mark.integration
@@ -115,7 +115,7 @@ def test_a_client_disconnect_aborts_the_engine_request_within_a_second(disagg, f
 def test_engine_stats_and_kv_events_reach_nats(disagg):
     import nats
 
-    from hpc.runtime.node import nats_token, wait_endpoint
+    from hpc.runtime.services.node import nats_token, wait_endpoint
 
     manifest = disagg.manifest
 

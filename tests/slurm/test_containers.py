@@ -12,7 +12,7 @@ import yaml
 
 from hpc.cli.main import main
 from hpc.rundir import list_runs
-from hpc.runtime.probe import post_json
+from hpc.checks.probe import post_json
 from hpc.spec.catalog import project_root
 from tests.slurm.conftest import DEV, frontend_port
 

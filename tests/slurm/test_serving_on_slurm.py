@@ -14,7 +14,7 @@ import pytest
 
 from hpc.cli.main import main
 from hpc.rundir import RunDir, list_runs
-from hpc.runtime.probe import get_json, post_json, post_sse
+from hpc.checks.probe import get_json, post_json, post_sse
 from tests.slurm.conftest import DEV, dev_cluster_file, frontend_port
 
 pytestmark = pytest.mark.slurm

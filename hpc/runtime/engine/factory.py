@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from hpc.resolve import Manifest
+from hpc.manifest import Manifest
 from hpc.runtime.engine.types import DisaggregationMode
 from hpc.spec.recipe import Backend
 
@@ -24,7 +24,7 @@ def build_engine(manifest: Manifest, role: str, *, self_address: str, tp=None,
         return TorchEngine(recipe.model.path, mode, args, device=device, tp=tp, fetch_kv=fetch_kv,
                            self_address=self_address)
     from hpc.runtime.engine.trtllm_engine import TrtllmEngine
-    from hpc.runtime.media import read_image_bytes
+    from hpc.runtime.engine.media import read_image_bytes
 
     def load_image_bytes(ref: str) -> bytes:
         return read_image_bytes(ref, allowed_local_path=recipe.runtime.allowed_local_media_path,

@@ -8,13 +8,13 @@ import logging
 import signal
 import sys
 
-from hpc.resolve import Manifest
-from hpc.runtime.discovery import open_discovery
+from hpc.manifest import Manifest
+from hpc.runtime.services.discovery import open_discovery
 from hpc.runtime.frontend.app import Frontend, model_dir
 from hpc.runtime.frontend.router import Router
 from hpc.runtime.frontend.tokenizer import TextCodec
-from hpc.runtime.httpserver import HttpServer
-from hpc.runtime.node import Reporter, node_address, publish_endpoint, rpc_token
+from hpc.runtime.serve.http import HttpServer
+from hpc.runtime.services.node import Reporter, node_address, publish_endpoint, rpc_token
 
 
 async def serve(manifest: Manifest, bind: str | None = None) -> int:

@@ -8,14 +8,14 @@ from typing import Any, AsyncIterator
 
 from pydantic import ValidationError
 
-from hpc.resolve import Manifest
+from hpc.manifest import Manifest
 from hpc.runtime.engine.types import GenerateOutput, GenerateRequest, SamplingParams
 from hpc.runtime.frontend.openai import ApiError, ChatRequest, CompletionRequest, new_id, now
 from hpc.runtime.frontend.router import NoInstance, Router
 from hpc.runtime.frontend.tokenizer import Detokenizer, TextCodec
-from hpc.runtime.httpserver import Request, Response, json_response
-from hpc.runtime.metrics import LatencyHistograms, prometheus
-from hpc.runtime.transport import PeerGone, RemoteError, _dumps, _loads
+from hpc.runtime.serve.http import Request, Response, json_response
+from hpc.runtime.serve.metrics import LatencyHistograms, prometheus
+from hpc.runtime.serve.rpc import PeerGone, RemoteError, _dumps, _loads
 
 
 class Frontend:

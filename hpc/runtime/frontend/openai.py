@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from hpc.runtime.httpserver import Response, json_response
+from hpc.runtime.serve.http import Response, json_response
 
 
 class ApiError(Exception):

@@ -11,9 +11,9 @@ import itertools
 import logging
 from typing import AsyncIterator
 
-from hpc.runtime.discovery import Instance, Snapshot
+from hpc.runtime.services.discovery import Instance, Snapshot
 from hpc.runtime.engine.types import GenerateOutput, GenerateRequest
-from hpc.runtime.transport import PeerGone, RpcClient
+from hpc.runtime.serve.rpc import PeerGone, RpcClient
 from hpc.spec.recipe import RouterPolicy
 
 log = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ import subprocess
 import sys
 import time
 
-from hpc.resolve import Manifest
-from hpc.runtime.node import Reporter
+from hpc.manifest import Manifest
+from hpc.runtime.services.node import Reporter
 from hpc.spec.recipe import OnFailure
 
 log = logging.getLogger("hpc.worker")

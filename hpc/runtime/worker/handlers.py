@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from hpc.runtime.engine.types import DisaggregationMode, EncodedMedia, GenerateRequest
-from hpc.runtime.media import MediaError, read_image_bytes, to_pixels
-from hpc.runtime.transport import RemoteError, RpcClient
+from hpc.runtime.engine.media import MediaError, read_image_bytes, to_pixels
+from hpc.runtime.serve.rpc import RemoteError, RpcClient
 
 Frame = tuple[dict[str, Any], bytes]
 

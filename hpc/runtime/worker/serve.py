@@ -14,16 +14,16 @@ import time
 import uuid
 from pathlib import Path
 
-from hpc.resolve import Manifest
+from hpc.manifest import Manifest
 from hpc.spec.recipe import Backend
-from hpc.runtime.discovery import Instance, open_discovery
+from hpc.runtime.services.discovery import Instance, open_discovery
 from hpc.runtime.engine.factory import build_engine
 from hpc.runtime.engine.kv import unpack
 from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode
-from hpc.runtime.httpserver import HttpServer, Request, Response, json_response
-from hpc.runtime.metrics import prometheus
-from hpc.runtime.node import Reporter, node_address, publish_endpoint, rpc_token, wait_endpoint
-from hpc.runtime.transport import RpcServer
+from hpc.runtime.serve.http import HttpServer, Request, Response, json_response
+from hpc.runtime.serve.metrics import prometheus
+from hpc.runtime.services.node import Reporter, node_address, publish_endpoint, rpc_token, wait_endpoint
+from hpc.runtime.serve.rpc import RpcServer
 from hpc.runtime.worker.handlers import HandlerDeps, Peers, make_handler
 
 log = logging.getLogger("hpc.worker")
@@ -95,7 +95,7 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
     mode = DisaggregationMode(role)
     events = None
     if recipe.infra.nats and recipe.runtime.publish_kv_events:
-        from hpc.runtime.events import EventPublisher
+        from hpc.runtime.services.events import EventPublisher
 
         try:
             events = await EventPublisher(manifest, plan.name).connect()

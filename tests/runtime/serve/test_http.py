@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from hpc.runtime.httpserver import HttpServer, Request, Response, json_response
+from hpc.runtime.serve.http import HttpServer, Request, Response, json_response
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""`python -m hpc.runtime.ready MANIFEST`: wait for each stage on its own probe; no fixed sleeps.
+"""`python -m hpc.checks.ready MANIFEST`: wait for each stage on its own probe; no fixed sleeps.
 
 Stages: etcd health, NATS health, frontend /health, then the frontend listing the expected instance
 count per role. Phase times go to state/ready.json; a stage that stops making progress is reported with
@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from hpc.resolve import Manifest
+from hpc.manifest import Manifest
 from hpc.rundir import read_json, write_json
-from hpc.runtime.probe import get_json
+from hpc.checks.probe import get_json
 
 POLL_S = 0.05
 
@@ -112,7 +112,7 @@ def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpc.runtime.ready")
+    parser = argparse.ArgumentParser(prog="python -m hpc.checks.ready")
     parser.add_argument("manifest")
     parser.add_argument("--timeout", type=float)
     args = parser.parse_args(argv)

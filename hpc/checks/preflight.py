@@ -2,7 +2,7 @@
 import is there, before any server starts. One line on success, one line naming the problem and the fix on
 failure (exit 3), written to the step's log, which `hpc launch` and `hpc status` show.
 
-    python3 -m hpc.runtime.preflight RUN_DIR/manifest.json
+    python3 -m hpc.checks.preflight RUN_DIR/manifest.json
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _version(module: str) -> str:
 
 def _binaries(manifest) -> str | None:
     """The servers' executables (etcd, nats-server): the first one missing, as an error line part."""
-    from hpc.runtime import binaries
+    from hpc.runtime.services import binaries
 
     services = manifest["recipe"].get("infra") or {}
     wanted = [(services.get("etcd", True), binaries.etcd_binary), (services.get("nats", True), binaries.nats_binary)]
@@ -84,7 +84,7 @@ def check(manifest: dict) -> tuple[bool, str]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m hpc.runtime.preflight MANIFEST", file=sys.stderr)
+        print("usage: python -m hpc.checks.preflight MANIFEST", file=sys.stderr)
         return 2
     try:
         with open(args[0], encoding="utf-8") as f:

@@ -188,6 +188,6 @@ class HttpServer:
 
 
 def json_response(data: object, status: int = 200) -> Response:
-    from hpc.runtime.transport import _dumps
+    from hpc.runtime.serve.rpc import _dumps
 
     return Response(status=status, body=_dumps(data))

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpc.resolve import Manifest
+from hpc.manifest import Manifest
 from hpc.rundir import read_json, write_json
 
 

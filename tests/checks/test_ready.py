@@ -8,7 +8,7 @@ from hpc import rundir
 from hpc.render.sbatch import render_sbatch
 from hpc.resolve import resolve
 from hpc.rundir import write_json
-from hpc.runtime.ready import NotReady, wait_ready
+from hpc.checks.ready import NotReady, wait_ready
 
 pytestmark = pytest.mark.unit
 

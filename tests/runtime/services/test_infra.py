@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hpc.resolve import resolve
-from hpc.runtime.infra import nats_command
+from hpc.runtime.services.infra import nats_command
 
 pytestmark = pytest.mark.unit
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from hpc.runtime.transport import PeerGone, RpcClient, RpcServer
+from hpc.runtime.serve.rpc import PeerGone, RpcClient, RpcServer
 
 pytestmark = pytest.mark.unit
 

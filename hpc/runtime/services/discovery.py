@@ -12,7 +12,7 @@ from typing import Callable
 
 from pydantic import BaseModel, ConfigDict
 
-from hpc.resolve import Manifest
+from hpc.manifest import Manifest
 
 log = logging.getLogger(__name__)
 LEASE_TTL_S = 1  # with etcd's 50 ms heartbeat (see infra.py) a dead worker's key is gone within ~1.5 s
@@ -188,7 +188,7 @@ def open_discovery(manifest: Manifest, timeout: float = 600.0):
     """The store the cluster profile names; waits for etcd to publish its endpoint."""
     if manifest.cluster.discovery == "file" or not manifest.recipe.infra.etcd:
         return FileDiscovery(Path(manifest.run_dir) / "discovery")
-    from hpc.runtime.node import wait_endpoint
+    from hpc.runtime.services.node import wait_endpoint
 
     ep = wait_endpoint(manifest, "etcd", timeout)
     return EtcdDiscovery(ep["host"], ep["port"], f"/hpc/{manifest.run_id}/instances/")

@@ -8,8 +8,8 @@ import logging
 import time
 from typing import Any, Callable
 
-from hpc.resolve import Manifest
-from hpc.runtime.node import nats_token, wait_endpoint
+from hpc.manifest import Manifest
+from hpc.runtime.services.node import nats_token, wait_endpoint
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from hpc.resolve import resolve
-from hpc.runtime.preflight import check
+from hpc.checks.preflight import check
 
 pytestmark = pytest.mark.unit
 
@@ -48,8 +48,8 @@ def test_the_entry_point_exits_3_with_one_line(tmp_path):
     m["cluster"]["container"]["python_version"] = "3.99"
     path = tmp_path / "manifest.json"
     path.write_text(json.dumps(m))
-    done = subprocess.run([sys.executable, "-m", "hpc.runtime.preflight", str(path)], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "hpc.checks.preflight", str(path)], capture_output=True, text=True)
     assert done.returncode == 3 and len(done.stdout.strip().splitlines()) == 1 and "hpc preflight on" in done.stdout
-    missing = subprocess.run([sys.executable, "-m", "hpc.runtime.preflight", str(tmp_path / "nope.json")],
+    missing = subprocess.run([sys.executable, "-m", "hpc.checks.preflight", str(tmp_path / "nope.json")],
                              capture_output=True, text=True)
     assert missing.returncode == 3 and "cannot read the manifest" in missing.stdout

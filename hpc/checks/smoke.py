@@ -1,6 +1,6 @@
 """Smoke checks of a running job, and the validity gate: every role really served.
 
-`python -m hpc.runtime.smoke MANIFEST` runs them here; `hpc smoke RUN` runs them through submitit on the
+`python -m hpc.checks.smoke MANIFEST` runs them here; `hpc smoke RUN` runs them through submitit on the
 job's cluster (its local executor on the local profile). The verdict lands in smoke.json.
 """
 
@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from hpc.resolve import Manifest
+from hpc.manifest import Manifest
 from hpc.rundir import read_json, write_json
-from hpc.runtime.probe import get_json, get_text, metric_values, post_json, post_sse
+from hpc.checks.probe import get_json, get_text, metric_values, post_json, post_sse
 
 
 def _tiny_png() -> str:
@@ -143,7 +143,7 @@ def print_verdict(verdict: dict[str, Any], out: Callable[[str], None] = print) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpc.runtime.smoke")
+    parser = argparse.ArgumentParser(prog="python -m hpc.checks.smoke")
     parser.add_argument("manifest")
     parser.add_argument("--force", action="store_true", help="run even when hpc launch runs them via submitit")
     args = parser.parse_args(argv)

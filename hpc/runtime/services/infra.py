@@ -1,4 +1,4 @@
-"""`python -m hpc.runtime.infra MANIFEST --service etcd|nats`: start a job-scoped etcd or NATS server.
+"""`python -m hpc.runtime.services.infra MANIFEST --service etcd|nats`: start a job-scoped etcd or NATS server.
 
 It binds the node's own address, keeps its data in a job-scoped directory, writes per-job credentials
 (mode 0600) and its endpoint into the run directory once its health probe passes, and forwards SIGTERM.
@@ -18,9 +18,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from hpc.resolve import Manifest
-from hpc.runtime.binaries import etcd_binary, nats_binary
-from hpc.runtime.node import Reporter, node_address, publish_endpoint
+from hpc.manifest import Manifest
+from hpc.runtime.services.binaries import etcd_binary, nats_binary
+from hpc.runtime.services.node import Reporter, node_address, publish_endpoint
 
 
 def scratch_dir(manifest: Manifest, name: str) -> Path:
@@ -79,7 +79,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpc.runtime.infra")
+    parser = argparse.ArgumentParser(prog="python -m hpc.runtime.services.infra")
     parser.add_argument("manifest")
     parser.add_argument("--service", choices=["etcd", "nats"], required=True)
     args = parser.parse_args(argv)

@@ -1,0 +1,47 @@
+"""The manifest: the one contract between the launcher and the job.
+
+`hpc launch` writes it once into the run directory (`manifest.json`); every `python -m hpc...` step of the job reads
+it, and nothing else (no environment-variable relays). It holds the validated cluster profile and recipe, the
+placement plan (which node, which GPUs, which ports for each worker rank) and each role's merged engine args.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from hpc.plan.placement import Plan
+from hpc.spec.cluster import ClusterProfile
+from hpc.spec.recipe import Recipe
+
+MANIFEST_NAME = "manifest.json"
+
+
+class Manifest(BaseModel):
+    """Everything a component needs, in one file: the only input of `python -m hpc.*` entry points."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    version: int = 1
+    run_id: str
+    run_dir: str
+    created: str
+    cluster: ClusterProfile
+    recipe: Recipe
+    plan: Plan
+    engine_args: dict[str, dict[str, Any]]  # role -> merged engine args
+    engine_config_files: dict[str, str | None]
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Manifest":
+        return cls.model_validate_json(Path(path).read_text())
+
+    @property
+    def job_name(self) -> str:
+        return f"hpc-{self.recipe.name}"
+
+
+def manifest_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / MANIFEST_NAME
