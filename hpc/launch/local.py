@@ -105,10 +105,7 @@ def stop_local(run: RunDir, grace_s: float = 10.0) -> list[int]:
 
 
 def launch_local(run: RunDir, wait: bool = True, smoke: bool = True) -> int:
-    from hpc.runtime.engine.tiny import ensure_model
-
     m = run.manifest()
-    ensure_model(m.recipe.model.path, m.recipe.model.generate)
     t0 = time.monotonic()
     pids = start_processes(run)
     run.update_run_info(submitted=True, scheduler="local", job_id=run.path.name, submitted_at=time.time())

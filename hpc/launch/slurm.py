@@ -17,11 +17,6 @@ def runner_for(run: RunDir) -> Runner:
 
 def launch_slurm(run: RunDir, wait: bool = True, smoke: bool = True, runner: Runner | None = None) -> int:
     from hpc.launch.follow import follow_up
-    from hpc.runtime.engine.tiny import ensure_model
-
-    m = run.manifest()
-    if m.recipe.model.generate:
-        ensure_model(m.recipe.model.path, m.recipe.model.generate)
     client = SlurmClient(runner or runner_for(run))
     # hpc launch runs the smoke checks through submitit; the script's own smoke stage then stands aside.
     run.update_run_info(smoke_via="none" if not smoke else "submitit" if wait else "job")

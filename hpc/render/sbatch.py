@@ -86,6 +86,7 @@ class View:
     # With a container: the checks run inside it too (the host needs no hpc), after a preflight step.
     preflight: Step | None = None
     preflight_log: str = ""
+    generated_model: str | None = None  # created before the containers mount it
     ready_step: Step | None = None
     smoke_step: Step | None = None
 
@@ -178,7 +179,8 @@ def build_view(m: Manifest) -> View:
             "--overlap", f"--job-name={name}", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",
             "--ntasks-per-node=1", f"--output={logs}/{name}.log", *container, *c.srun_args])
     every_node = list(range(plan.job_nodes))
-    return replace(view, preflight=check_step("preflight", [*py, "hpc.checks.preflight", manifest], every_node),
+    generated = str(Path(m.recipe.model.path).expanduser()) if m.recipe.model.generate else None
+    return replace(view, generated_model=generated, preflight=check_step("preflight", [*py, "hpc.checks.preflight", manifest], every_node),
                    preflight_log=f"{logs}/preflight.log", ready_step=check_step("ready", ready, [0]),
                    smoke_step=check_step("smoke", smoke, [0]) if smoke else None)
 
@@ -196,7 +198,7 @@ def container_flags(m: Manifest) -> list[str]:
     mounts = list(c.mounts) + [f"{m.run_dir}:{m.run_dir}", f"{bundle}:{bundle}:ro"]
     if m.recipe.model.generate:
         model = str(Path(m.recipe.model.path).expanduser())
-        mounts.append(f"{model}:{model}:ro")
+        mounts.append(f"{model}:{model}")  # writable: the job's first process builds it there
     flags = [f"--container-image={c.image}", f"--container-mounts={','.join(mounts)}", "--container-env=PYTHONPATH"]
     if c.reuse:
         # The name follows the image, so another image never runs in a container unpacked from this one.

@@ -70,3 +70,22 @@ def test_a_missing_secret_stops_the_launch_before_anything_is_written(tmp_path, 
     err = capsys.readouterr().err
     assert f"{cluster}: env.HF_TOKEN: secret HF_TOKEN: the environment variable HPC_TEST_UNSET_TOKEN is not set" in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_launcher_imports_no_serving_stack_and_builds_no_model(tmp_path):
+    """The login node needs none of torch/transformers: a generated model is built by the job, not by launch."""
+    import subprocess
+    import sys
+
+    model = tmp_path / "model"
+    probe = (
+        "import sys\n"
+        "from hpc.cli.main import main\n"
+        "import hpc.launch.slurm, hpc.launch.local, hpc.launch.follow\n"
+        f"code = main(['launch', '-c', 'dev', '-r', 'tiny-disagg', '--dry-run', '--set', 'model.path={model}'])\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'tokenizers', 'safetensors') if m in sys.modules)\n"
+        "print('heavy', heavy, 'code', code)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "HPC_RUNS_DIR": str(tmp_path / "runs")})
+    assert "heavy [] code 0" in out.stdout, out.stdout + out.stderr
+    assert not model.exists()

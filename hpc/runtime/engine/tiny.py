@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import sysconfig
 from pathlib import Path
@@ -83,15 +84,23 @@ def build_tiny(out_dir: Path, multimodal: bool = False, hidden: int = 128, layer
         enc = VisionEncoder(hidden, vision["image_size"], vision["patch_size"])
         init_weights(enc, SEED + 1)
         save_file(enc.state_dict(), str(out_dir / "vision.safetensors"))
-    (out_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
     (out_dir / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}))
+    # config.json last: its presence marks a complete model for ensure_model.
+    (out_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
     return out_dir
 
 
 def ensure_model(path: str, kind: str | None) -> Path:
-    """The model directory, built first when the recipe asks for a generated model that is missing."""
+    """The model directory, built by the job's first process to get here when the recipe asks for a generated
+    model that is missing. Every worker rank and the frontend call it; an exclusive lock inside the directory
+    makes one build while the others wait (the directory itself is what a container mounts)."""
     model_dir = Path(path).expanduser()
-    if kind and not (model_dir / "config.json").is_file():
-        build_tiny(model_dir, multimodal=kind == "tiny-multimodal")
+    if not kind or (model_dir / "config.json").is_file():
+        return model_dir
+    model_dir.mkdir(parents=True, exist_ok=True)
+    with open(model_dir / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (model_dir / "config.json").is_file():
+            build_tiny(model_dir, multimodal=kind == "tiny-multimodal")
     return model_dir

@@ -13,6 +13,7 @@ from hpc.runtime.services.discovery import open_discovery
 from hpc.runtime.frontend.app import Frontend, model_dir
 from hpc.runtime.frontend.router import Router
 from hpc.runtime.frontend.tokenizer import TextCodec
+from hpc.runtime.engine.tiny import ensure_model
 from hpc.runtime.serve.http import HttpServer
 from hpc.runtime.services.node import Reporter, node_address, publish_endpoint, rpc_token
 
@@ -20,6 +21,8 @@ from hpc.runtime.services.node import Reporter, node_address, publish_endpoint, 
 async def serve(manifest: Manifest, bind: str | None = None) -> int:
     reporter = Reporter(manifest, "frontend")
     reporter.phase("started")
+    # A generated model is built by the job (the launcher stays free of torch); the workers race for the same lock.
+    await asyncio.to_thread(ensure_model, manifest.recipe.model.path, manifest.recipe.model.generate)
     codec = TextCodec(model_dir(manifest), manifest.recipe.model.chat_template)
     router = Router(manifest.recipe.frontend.router, token=rpc_token(manifest))
     app = Frontend(manifest, router, codec)

@@ -15,6 +15,8 @@ import uuid
 from pathlib import Path
 
 from hpc.manifest import Manifest
+from hpc.plan.placement import WorkerPlan
+from hpc.runtime.engine.tiny import ensure_model
 from hpc.spec.recipe import Backend
 from hpc.runtime.services.discovery import Instance, open_discovery
 from hpc.runtime.engine.factory import build_engine
@@ -35,14 +37,20 @@ async def serve(manifest: Manifest, role: str, index: int) -> int:
 
     plan = manifest.plan.worker(role, index)
     name = plan.name
-    rank, world, local = world_rank()
+    rank, world, _ = world_rank()
     if plan.tasks == 1 or manifest.recipe.backend is not Backend.TORCH:
         rank, world = 0, 1  # TensorRT-LLM forms its own MPI world (trtllm-llmapi-launch); mock has none
+    elif world != plan.tasks or not 0 <= rank < world:
+        # The plan is the contract: a launcher that started another world would shard the model wrongly.
+        raise RuntimeError(f"{name}: MPI started rank {rank} of {world}, the plan has {plan.tasks} ranks "
+                           f"(TP x PP); launch it with the job's srun step")
     host = node_address(manifest)
     reporter = Reporter(manifest, name if rank == 0 else f"{name}.rank{rank}")
-    reporter.phase("started", rank=rank, world=world, cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    device = planned_device(plan, rank)
+    reporter.phase("started", rank=rank, world=world, device=device, planned_gpu=plan.ranks[rank].gpu,
+                   cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    await asyncio.to_thread(ensure_model, manifest.recipe.model.path, manifest.recipe.model.generate)
     tp = None
-    device = _device(local)
     if world > 1:
         if rank == 0:
             publish_endpoint(manifest, f"{name}-dist", host=host, port=plan.ports["dist"])
@@ -76,16 +84,24 @@ async def serve(manifest: Manifest, role: str, index: int) -> int:
     return code
 
 
-def _device(local_rank: int) -> str:
+def planned_device(plan: WorkerPlan, rank: int) -> str:
+    """This rank's device, from the plan's rank -> GPU map. A step that sees the whole node's GPUs uses the planned
+    index; one that sees only this worker's GPUs (Slurm binding, or a local launch's CUDA_VISIBLE_DEVICES) uses the
+    position among them."""
     try:
         import torch
-
-        if torch.cuda.is_available():
-            # Slurm/MPI give each rank its GPUs; the local rank picks among those visible to the task.
-            return f"cuda:{local_rank % torch.cuda.device_count()}"
     except ImportError:
-        pass
-    return "cpu"
+        return "cpu"
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible == 0:
+        return "cpu"
+    gpu = plan.ranks[rank].gpu
+    if visible > gpu and visible > plan.gpus_per_node:
+        return f"cuda:{gpu}"
+    index = gpu - plan.gpu_offset
+    if not 0 <= index < visible:
+        raise RuntimeError(f"{plan.name} rank {rank}: planned GPU {gpu} but this task sees {visible} GPU(s)")
+    return f"cuda:{index}"
 
 
 async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers: Peers, host: str,
