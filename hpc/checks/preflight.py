@@ -19,7 +19,8 @@ EXIT_FAILED = 3
 def required_modules(manifest: dict) -> list[tuple[str, str]]:
     """(module, why) for this job, in the order a missing one is reported."""
     need = [("hpc", "every component"), ("pydantic", "the manifest"), ("yaml", "engine configs"),
-            ("aetcd", "etcd discovery"), ("nats", "the event plane"), ("prometheus_client", "the frontend's metrics")]
+            ("aetcd", "etcd discovery"), ("nats", "the event plane"), ("prometheus_client", "the frontend's metrics"),
+            ("httptools", "the HTTP servers")]
     backend = manifest["recipe"]["backend"]
     if backend == "torch":
         need += [("torch", "the torch engine"), ("transformers", "the tokenizer"), ("safetensors", "the weights")]

@@ -15,9 +15,11 @@ EXIT_OK, EXIT_INTERNAL, EXIT_USER = 0, 1, 2
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's own errors are user errors too: exit 2
-        self.print_usage(sys.stderr)
-        raise UserError(message)
+    def error(self, message: str) -> None:  # argparse's own errors are user errors too: one line, exit 2
+        hint = f"see: {self.prog} --help"
+        if "expected one argument" in message:
+            hint = f"a value that starts with '-' is written --option=VALUE (e.g. --set=PATH=VALUE); {hint}"
+        raise UserError(message, hint=hint)
 
 
 def _add_target(p: argparse.ArgumentParser, default_cluster: str | None = "local") -> None:

@@ -8,6 +8,7 @@ import time
 from hpc.rundir import RunDir, read_json
 from hpc.slurm.client import SlurmClient, SubmitError
 from hpc.slurm.runner import LocalRunner, Runner
+from hpc.waiting import SLURM, Backoff, Throttle
 
 
 def runner_for(run: RunDir) -> Runner:
@@ -34,12 +35,11 @@ def launch_slurm(run: RunDir, wait: bool = True, smoke: bool = True, runner: Run
         state = _wait_running(client, job_id, run)
         if state is not None:
             return state
-    last_check = [0.0]
+    throttle = Throttle(SLURM)
 
     def job_ended() -> str | None:
-        if time.monotonic() - last_check[0] < 1.0:
+        if not throttle.due():  # readiness files are read fast; the controller is asked on a backoff
             return None
-        last_check[0] = time.monotonic()
         st = client.status(job_id)
         return f"job {job_id} ended {st.state}" if st is not None and st.finished else None
 
@@ -49,8 +49,11 @@ def launch_slurm(run: RunDir, wait: bool = True, smoke: bool = True, runner: Run
 def _wait_running(client: SlurmClient, job_id: str, run: RunDir) -> int | None:
     """Until the in-job readiness stage reports, watching that the job did not end first."""
     last = None
+    throttle = Throttle(Backoff(first_s=0.5, factor=2.0, cap_s=8.0))  # PENDING -> RUNNING is worth seeing soon
+    st = None
     while True:
-        st = client.status(job_id)
+        if throttle.due():
+            st = client.status(job_id)
         if st is not None and st.state != last:
             print(f"  slurm: {st.state}{' (' + st.reason + ')' if st.reason else ''}", flush=True)
             last = st.state

@@ -32,16 +32,25 @@ class SlurmClient:
         return parse_sbatch(result.stdout)
 
     def status(self, job_id: str) -> JobState | None:
-        """squeue while the job is known to the controller, sacct for steps and after it ends."""
-        queued = self.runner.run(["squeue", "-h", "-j", job_id, "-o", SQUEUE_FORMAT])
-        live = parse_squeue(queued.stdout, job_id) if queued.returncode == 0 else None
-        acct = self.runner.run(["sacct", "-n", "-P", "-j", job_id, "-o", SACCT_FIELDS])
-        record = parse_sacct(acct.stdout, job_id) if acct.returncode == 0 else None
-        if live is not None and not live.finished:
-            steps = record.steps if record else []
-            return JobState(job_id=job_id, state=live.state, elapsed=live.elapsed, nodes=live.nodes,
-                            reason=live.reason, steps=steps)
-        return record or live
+        return self.statuses([job_id])[job_id]
+
+    def statuses(self, job_ids: list[str]) -> dict[str, JobState | None]:
+        """Every job in one squeue and one sacct call (torchx/submitit style: one query, one state table):
+        squeue while a job is known to the controller, sacct for steps and after it ends."""
+        ids = ",".join(job_ids)
+        queued = self.runner.run(["squeue", "-h", "-j", ids, "-o", SQUEUE_FORMAT])
+        acct = self.runner.run(["sacct", "-n", "-P", "-j", ids, "-o", SACCT_FIELDS])
+        states: dict[str, JobState | None] = {}
+        for job_id in job_ids:
+            live = parse_squeue(queued.stdout, job_id) if queued.returncode == 0 else None
+            record = parse_sacct(acct.stdout, job_id) if acct.returncode == 0 else None
+            if live is not None and not live.finished:
+                steps = record.steps if record else []
+                states[job_id] = JobState(job_id=job_id, state=live.state, elapsed=live.elapsed, nodes=live.nodes,
+                                          reason=live.reason, steps=steps)
+            else:
+                states[job_id] = record or live
+        return states
 
     def cancel(self, job_id: str, grace_s: float = 10.0, poll_s: float = 0.2,
                drained: Callable[[], bool] = lambda: True) -> JobState | None:

@@ -48,10 +48,23 @@ class ModelSpec(StrictModel):
     chat_template: str | None = Field(None, description="a Jinja file replacing the tokenizer's template")
 
 
+class HttpSpec(StrictModel):
+    """What the frontend's HTTP server accepts: beyond these a client gets 408/413/431/503, not a hung socket."""
+
+    max_concurrent_requests: int = Field(4096, ge=1, le=1_000_000,
+                                         description="beyond this, 503 with Retry-After")
+    max_request_body_mb: float = Field(64.0, gt=0, le=1024, allow_inf_nan=False)
+    header_timeout_s: float = Field(10.0, gt=0, le=3600, allow_inf_nan=False)
+    body_timeout_s: float = Field(30.0, gt=0, le=3600, allow_inf_nan=False,
+                                  description="longest silence while a request body arrives")
+    keepalive_timeout_s: float = Field(15.0, gt=0, le=3600, allow_inf_nan=False)
+
+
 class FrontendSpec(StrictModel):
     port: int = Field(8000, ge=1024, le=65535)
     router: RouterPolicy = RouterPolicy.ROUND_ROBIN
     request_timeout_s: float = Field(600.0, gt=0, le=86400, allow_inf_nan=False)
+    http: HttpSpec = Field(default_factory=HttpSpec)
 
 
 class InfraSpec(StrictModel):

@@ -50,7 +50,7 @@ def test_a_frontend_that_cannot_start_reports_failed(tmp_path):
 
     run = tmp_path / "run"
     (run / "state").mkdir(parents=True)
-    manifest = resolve("local", "tiny-agg", [f"model.path={tmp_path / 'no-such-model'}"]).manifest(
+    manifest = resolve("local", "tiny-agg", [f"model.path={tmp_path / 'no-such-model'}", "model.generate=null"]).manifest(
         run, "run", dt.datetime(2026, 1, 1))
     (run / "manifest.json").write_text(manifest.model_dump_json())
     done = subprocess.run([sys.executable, "-m", "hpc.runtime.frontend", str(run / "manifest.json")],

@@ -45,9 +45,9 @@ class FakeSlurm:
             return self.sbatch
         job = argv[argv.index("-j") + 1] if "-j" in argv else argv[-1]
         if tool == "squeue":
-            return Completed(0, self.queue.get(job, ""), "")
+            return Completed(0, "".join(self.queue.get(j, "") for j in job.split(",")), "")
         if tool == "sacct":
-            return Completed(0, self.acct.get(job, ""), "")
+            return Completed(0, "".join(self.acct.get(j, "") for j in job.split(",")), "")
         if tool == "scontrol":
             return Completed(0 if self.controller_up else 1,
                              "Slurmctld(primary) at slurmctl is " + ("UP" if self.controller_up else "DOWN"), "")
@@ -110,3 +110,38 @@ def test_ping():
     assert SlurmClient(fake).ping() is None
     fake.controller_up = False
     assert "DOWN" in SlurmClient(fake).ping()
+
+
+def test_many_jobs_in_one_squeue_and_one_sacct():
+    fake = FakeSlurm()
+    fake.queue = {"6": SQUEUE_RUNNING, "7": SQUEUE_PENDING}
+    fake.acct = {"9": SACCT_FAILED}
+    states = SlurmClient(fake).statuses(["6", "7", "9", "404"])
+    assert [c[0] for c in fake.calls] == ["squeue", "sacct"]
+    assert {k: (v.state if v else None) for k, v in states.items()} == {
+        "6": "RUNNING", "7": "PENDING", "9": "FAILED", "404": None}
+
+
+def test_slurm_is_asked_on_a_backoff_and_local_waits_end_at_the_deadline():
+    from hpc.waiting import SLURM, Throttle, wait_until
+
+    now = [0.0]
+    throttle = Throttle(SLURM, clock=lambda: now[0])
+    asked = []
+    while now[0] < 40:
+        if throttle.due():
+            asked.append(now[0])
+        now[0] += 0.25
+    assert asked == [0.0, 2.0, 6.0, 14.0, 22.0, 30.0, 38.0]  # now, then 2, 4, 8, 8 ... s apart
+
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    with pytest.raises(TimeoutError, match="etcd publishing"):
+        wait_until(lambda: None, 1.0, "etcd publishing", sleep=sleep, clock=lambda: now[0])
+    assert abs(sum(slept) - 1.0) < 1e-9 and slept[0] == 0.01 and max(slept) == 0.25
+    answers = iter([None, None, "ready"])
+    assert wait_until(lambda: next(answers), 5, "x", sleep=lambda s: None) == "ready"

@@ -14,7 +14,7 @@ from hpc.runtime.frontend.app import Frontend, model_dir
 from hpc.runtime.frontend.router import Router
 from hpc.runtime.frontend.tokenizer import TextCodec
 from hpc.runtime.engine.tiny import ensure_model
-from hpc.runtime.serve.http import HttpServer
+from hpc.runtime.serve.http import HttpLimits, HttpServer
 from hpc.runtime.services.node import Reporter, node_address, publish_endpoint, rpc_token
 
 
@@ -28,7 +28,11 @@ async def serve(manifest: Manifest, bind: str | None = None) -> int:
     app = Frontend(manifest, router, codec)
     host = bind or node_address(manifest)
     port = manifest.plan.service("frontend").ports["http"]
-    server = HttpServer(app.handle)
+    http = manifest.recipe.frontend.http
+    server = HttpServer(app.handle, HttpLimits(
+        max_body_bytes=int(http.max_request_body_mb * 1024 * 1024), header_timeout_s=http.header_timeout_s,
+        body_timeout_s=http.body_timeout_s, keepalive_timeout_s=http.keepalive_timeout_s,
+        max_concurrent=http.max_concurrent_requests))
     await server.start(host, port)
     discovery = await asyncio.to_thread(open_discovery, manifest)
     watch = asyncio.create_task(discovery.watch(router.update))

@@ -43,8 +43,9 @@ Snapshot = dict[str, Instance]  # key -> instance
 
 
 class EtcdDiscovery:
-    def __init__(self, host: str, port: int, prefix: str) -> None:
+    def __init__(self, host: str, port: int, prefix: str, password: str | None = None) -> None:
         self.host, self.port, self.prefix = host, port, prefix
+        self.password = password
         self._client = None
         self._lease = None
         self._tasks: list[asyncio.Task] = []
@@ -53,7 +54,8 @@ class EtcdDiscovery:
         import aetcd
 
         if self._client is None:
-            self._client = aetcd.Client(host=self.host, port=self.port, timeout=5)
+            auth = {"username": "root", "password": self.password} if self.password else {}
+            self._client = aetcd.Client(host=self.host, port=self.port, timeout=5, **auth)
             await self._client.connect()
         return self._client
 
@@ -188,7 +190,7 @@ def open_discovery(manifest: Manifest, timeout: float = 600.0):
     """The store the cluster profile names; waits for etcd to publish its endpoint."""
     if manifest.cluster.discovery == "file" or not manifest.recipe.infra.etcd:
         return FileDiscovery(Path(manifest.run_dir) / "discovery")
-    from hpc.runtime.services.node import wait_endpoint
+    from hpc.runtime.services.node import etcd_password, wait_endpoint
 
     ep = wait_endpoint(manifest, "etcd", timeout)
-    return EtcdDiscovery(ep["host"], ep["port"], f"/hpc/{manifest.run_id}/instances/")
+    return EtcdDiscovery(ep["host"], ep["port"], f"/hpc/{manifest.run_id}/instances/", etcd_password(manifest))

@@ -14,11 +14,11 @@ import subprocess
 import shutil
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
 from hpc.manifest import Manifest
+from hpc.waiting import wait_until
 from hpc.runtime.services.binaries import etcd_binary, nats_binary
 from hpc.runtime.services.node import Reporter, node_address, publish_endpoint
 
@@ -42,16 +42,35 @@ def etcd_command(manifest: Manifest, host: str) -> tuple[list[str], str, Path]:
     return cmd, f"{client}/health", data
 
 
-def nats_command(manifest: Manifest, host: str) -> tuple[list[str], str, Path]:
-    ports = manifest.plan.service("nats").ports
+def job_secret(manifest: Manifest, name: str) -> str:
+    """A per-job secret, generated at job start: 0600 in the run directory's 0700 secrets/ (never on a command
+    line, never in job.sbatch)."""
     secret_dir = Path(manifest.run_dir) / "secrets"
     secret_dir.mkdir(mode=0o700, exist_ok=True)
-    token_file = secret_dir / "nats.token"
-    if not token_file.exists():
-        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    path = secret_dir / name
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as handle:
             handle.write(secrets.token_urlsafe(24))
-    token = token_file.read_text().strip()
+    return path.read_text().strip()
+
+
+def enable_etcd_auth(manifest: Manifest, client_url: str) -> None:
+    """etcd listens on the node's address: only the job's own processes (which can read its 0600 password) may
+    use it. The root user gets the password on stdin (`--interactive=false`), then auth is switched on."""
+    password = job_secret(manifest, "etcd.password")
+    etcdctl = str(Path(etcd_binary()).with_name("etcdctl"))
+    base = [etcdctl, f"--endpoints={client_url}", "--dial-timeout=5s"]
+    for args, stdin in ((["user", "add", "root", "--interactive=false"], password + "\n"),
+                        (["user", "grant-role", "root", "root"], None), (["auth", "enable"], None)):
+        done = subprocess.run(base + args, input=stdin, capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise SystemExit(f"etcdctl {' '.join(args[:2])} failed: {done.stderr.strip() or done.stdout.strip()}")
+
+
+def nats_command(manifest: Manifest, host: str) -> tuple[list[str], str, Path]:
+    ports = manifest.plan.service("nats").ports
+    token = job_secret(manifest, "nats.token")
     scratch = scratch_dir(manifest, "nats")
     config = scratch / "nats.conf"
     fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -62,20 +81,19 @@ def nats_command(manifest: Manifest, host: str) -> tuple[list[str], str, Path]:
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    delay = 0.01
-    while time.monotonic() < deadline:
+    def healthy() -> bool | None:
         if proc.poll() is not None:
             raise SystemExit(f"server exited with status {proc.returncode} before it was healthy")
         try:
             with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return
+                return True if resp.status == 200 else None
         except OSError:
-            pass
-        time.sleep(delay)
-        delay = min(delay * 1.5, 0.2)
-    raise SystemExit(f"no healthy answer from {url} in {timeout:.0f} s")
+            return None
+
+    try:
+        wait_until(healthy, timeout, url)
+    except TimeoutError:
+        raise SystemExit(f"no healthy answer from {url} in {timeout:.0f} s") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,13 +119,15 @@ def _run_server(manifest: Manifest, reporter: Reporter, service: str, host: str,
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
     signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
     signal.signal(signal.SIGINT, lambda *_: proc.terminate())
+    port = manifest.plan.service(service).ports["client"]
     try:
         wait_healthy(health, proc)
+        if service == "etcd":
+            enable_etcd_auth(manifest, f"http://{host}:{port}")
     except SystemExit as exc:
         proc.terminate()
         reporter.phase("failed", error=str(exc))
         raise
-    port = manifest.plan.service(service).ports["client"]
     url = f"http://{host}:{port}" if service == "etcd" else f"nats://{host}:{port}"
     publish_endpoint(manifest, service, host=host, port=port, url=url, health=health)
     reporter.phase("ready", address=f"{host}:{port}")

@@ -34,3 +34,50 @@ def test_nats_config_goes_to_a_fresh_private_directory(tmp_path):
     assert config.parent == scratch and config.stat().st_mode & 0o777 == 0o600
     token = (run_dir / "secrets" / "nats.token").read_text().strip()
     assert token and token not in " ".join(cmd)  # the token is in the 0600 file, not on the command line
+
+
+@pytest.mark.integration
+def test_etcd_needs_the_jobs_password(tmp_path):
+    """The etcd step enables auth before it publishes its endpoint: without the 0600 password, no access."""
+    import asyncio
+    import signal
+    import subprocess
+    import sys
+
+    import aetcd
+
+    from hpc.manifest import Manifest
+    from hpc.runtime.services.discovery import open_discovery
+
+    run_dir = tmp_path / "run"
+    (run_dir / "state").mkdir(parents=True)
+    manifest = resolve("local", "tiny-agg").manifest(run_dir, "auth-run", dt.datetime(2026, 1, 1))
+    (run_dir / "manifest.json").write_text(manifest.model_dump_json())
+    proc = subprocess.Popen([sys.executable, "-m", "hpc.runtime.services.infra", str(run_dir / "manifest.json"),
+                             "--service", "etcd"])
+    try:
+        discovery = open_discovery(Manifest.load(run_dir / "manifest.json"), timeout=60)
+        endpoint = (run_dir / "endpoints" / "etcd.json").read_text()
+        password = run_dir / "secrets" / "etcd.password"
+        assert password.stat().st_mode & 0o777 == 0o600 and discovery.password == password.read_text().strip()
+
+        async def probe() -> tuple[str, bool]:
+            anonymous = aetcd.Client(host=discovery.host, port=discovery.port, timeout=5)
+            try:
+                await anonymous.put(b"/x", b"1")
+                refused = "accepted"
+            except Exception as exc:  # aetcd raises its own error type for an auth failure
+                refused = type(exc).__name__
+            finally:
+                await anonymous.close()
+            client = await discovery._connect()
+            await client.put(b"/hpc/ok", b"1")
+            got = await client.get(b"/hpc/ok")
+            await client.close()
+            return refused, got.value == b"1"
+
+        refused, authorised = asyncio.run(probe())
+        assert refused not in ("accepted", "ConnectionTimeoutError") and authorised, (refused, endpoint)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
