@@ -72,6 +72,7 @@ class InfraSpec(StrictModel):
     nats: bool = True
     placement: Literal["shared", "dedicated"] = Field(
         "shared", description="dedicated: etcd, NATS and the frontend get a node of their own")
+    max_restarts: int = Field(3, ge=0, le=1000, description="times etcd/NATS are started again if they die")
 
 
 class FailurePolicy(StrictModel):

@@ -47,9 +47,12 @@ def stack_fixture(recipe: str, *extra: str):
     def fixture(tmp_path_factory, model_cache):
         stack = launch_stack(tmp_path_factory, model_cache, recipe, *extra)
         yield stack
-        assert main(["cancel", str(stack.run.path), "--grace", "5"]) == 0  # hpc cancel on the local profile
         from hpc.launch.local import alive, local_pids
 
-        left = [p for pids in local_pids(stack.run).values() for p in pids if alive(p)]
+        pids = [p for group in local_pids(stack.run).values() for p in group]
+        assert pids, "the stack's processes were recorded"
+        assert main(["cancel", str(stack.run.path), "--grace", "5"]) == 0  # hpc cancel on the local profile
+        left = [p for p in pids if alive(p)]
         assert left == [], f"processes left behind: {left}"
+        assert not stack.run.path.exists(), "a cancelled run under the temp dir is removed"
     return fixture

@@ -159,8 +159,39 @@ def test_a_component_that_dies_at_start_fails_the_launch_at_once(tmp_path, monke
                  "--set", f"model.path={model_cache / 'tiny'}", "--set", "runtime.readiness_timeout_s=600"])
     elapsed = time.monotonic() - started
     (run,) = list_runs()
-    main(["cancel", str(run.path), "--grace", "2"])
+    main(["cancel", str(run.path), "--grace", "2", "--keep"])
     assert code == 1
     assert "agg-0 exited" in capsys.readouterr().err
     assert elapsed < 60, f"took {elapsed:.0f} s: the launch waited instead of noticing the exit"
     assert not [p for pids in local_pids(run).values() for p in pids if alive(p)]
+
+
+retry = stack_fixture("mock-agg", "--set", "roles.agg.count=2", "--set", "mock.per_token_delay_ms=20")
+
+
+def test_a_non_streamed_request_survives_its_worker_being_killed(retry):
+    """The client has seen nothing of a non-streamed answer: the frontend runs it again on a survivor."""
+    import threading
+
+    result: dict = {}
+
+    def call() -> None:
+        result["answer"] = post_json(retry.url + "/v1/completions",
+                                     {"model": retry.model, "prompt": "hello", "max_tokens": 100,
+                                      "ignore_eos": True}, timeout=30)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    busy, deadline = None, time.monotonic() + 10
+    while busy is None and time.monotonic() < deadline:
+        for name in ("agg-0", "agg-1"):
+            state = json.loads((retry.run.state / f"{name}.json").read_text())
+            if metric_values(get_text(state["http"] + "/metrics"), "hpc_worker_inflight") > 0:
+                busy = name
+        time.sleep(0.05)
+    assert busy is not None
+    os.killpg(_worker_pid(retry, busy), signal.SIGKILL)
+    thread.join(30)
+    code, body = result["answer"]
+    assert code == 200 and body["usage"]["completion_tokens"] == 100, body
+    assert metric_values(get_text(retry.url + "/metrics"), "hpc_frontend_retried_total") == 1

@@ -55,7 +55,7 @@ def _node_processes() -> dict[str, list[str]]:
 
 def _cancel_and_check_clean(run: RunDir, capsys=None) -> None:
     job = run.run_info()["job_id"]
-    assert main(["cancel", job]) == 0
+    assert main(["cancel", job, "--keep"]) == 0
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and any(_node_processes().values()):
         time.sleep(0.2)

@@ -36,6 +36,7 @@ async def serve(manifest: Manifest, bind: str | None = None) -> int:
     await server.start(host, port)
     discovery = await asyncio.to_thread(open_discovery, manifest)
     watch = asyncio.create_task(discovery.watch(router.update))
+    expiry = asyncio.create_task(_expire_unlisted(router))
     url = f"http://{host}:{port}"
     publish_endpoint(manifest, "frontend", host=host, port=port, url=url)
     reporter.phase("ready", url=url)
@@ -46,10 +47,17 @@ async def serve(manifest: Manifest, bind: str | None = None) -> int:
     loop.add_signal_handler(signal.SIGUSR1, lambda: None)  # drain tier: keep serving while workers leave
     await stop.wait()
     watch.cancel()
+    expiry.cancel()
     await server.close()
     await router.close()
     reporter.phase("stopped")
     return 0
+
+
+async def _expire_unlisted(router: Router) -> None:
+    while True:
+        await asyncio.sleep(1.0)
+        router.expire_unlisted()
 
 
 def main(argv: list[str] | None = None) -> int:

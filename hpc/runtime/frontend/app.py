@@ -18,6 +18,9 @@ from hpc.runtime.serve.metrics import LatencyHistograms, prometheus
 from hpc.runtime.serve.rpc import PeerGone, RemoteError, _dumps, _loads
 
 
+WHOLE_REQUEST_RETRIES = 1  # non-streamed requests whose worker died midway
+
+
 class Frontend:
     def __init__(self, manifest: Manifest, router: Router, codec: TextCodec) -> None:
         self.manifest = manifest
@@ -27,7 +30,8 @@ class Frontend:
         self.model_name = self.recipe.model.served_name
         self.expected = {role.value: spec.count for role, spec in self.recipe.roles.items()}
         self.counters: dict[str, float] = {"requests_total": 0, "errors_total": 0, "inflight": 0, "timeouts_total": 0,
-                                           "completion_tokens_total": 0, "prompt_tokens_total": 0}
+                                           "retried_total": 0, "completion_tokens_total": 0,
+                                           "prompt_tokens_total": 0}
         self.created = now()
         self.latency = LatencyHistograms("hpc_frontend", {"model": self.model_name})
         self.routes = {
@@ -246,10 +250,19 @@ class Frontend:
             return Response(content_type="text/event-stream", stream=self._sse(body, gen, chat, rid))
         self.counters["inflight"] += 1
         try:
-            text, reason, tokens = "", None, 0
-            async for delta, fin, tokens in self._events(body, gen):
-                text += delta
-                reason = fin or reason
+            for attempt in range(1 + WHOLE_REQUEST_RETRIES):
+                text, reason, tokens = "", None, 0
+                try:
+                    async for delta, fin, tokens in self._events(body, gen):
+                        text += delta
+                        reason = fin or reason
+                    break
+                except PeerGone:
+                    # A worker died mid-request. The client has seen nothing of a non-streamed answer, so run it
+                    # again from the start on the workers that are left (the router no longer routes to the dead).
+                    if attempt == WHOLE_REQUEST_RETRIES:
+                        raise
+                    self.counters["retried_total"] += 1
         except (NoInstance, PeerGone, RemoteError) as exc:
             raise _api_error(exc) from None
         except asyncio.TimeoutError:

@@ -1,7 +1,9 @@
 """Live worker instances per role, one RPC connection each; round-robin or least-loaded choice.
 
 An instance leaves routing the moment its connection drops (a killed worker) or its discovery lease
-expires (a hung or partitioned worker), whichever comes first.
+expires (a hung or partitioned worker), whichever comes first. One exception: when most known instances lose
+their leases at once, that is discovery's fault (an etcd pause or restart expires every lease when it resumes),
+not theirs, so the ones still connected keep serving for a grace period while they re-register.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from typing import AsyncIterator
 
 from hpc.runtime.services.discovery import Instance, Snapshot
@@ -18,6 +21,7 @@ from hpc.spec.recipe import RouterPolicy
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
+MASS_EXPIRY_GRACE_S = 5.0  # workers refresh every LEASE_TTL_S / 4 and re-register at once when a lease expired
 
 
 class NoInstance(Exception):
@@ -35,12 +39,27 @@ class Router:
         self.inflight: dict[str, int] = {}
         self.served: dict[str, int] = {}
         self.dead: set[str] = set()  # instance ids whose connection dropped
+        self.unlisted: dict[str, float] = {}  # key -> when it leaves routing unless it re-registers
         self._rr = itertools.count()
 
-    def update(self, snapshot: Snapshot) -> None:
+    def update(self, snapshot: Snapshot, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
         fresh = {k: i for k, i in snapshot.items() if i.instance_id not in self.dead}
+        vanished = [k for k in self.instances if k not in fresh]
+        mass_expiry = len(vanished) >= 2 and 2 * len(vanished) > len(self.instances)
         for key in list(self.instances):
-            if key not in fresh or fresh[key].instance_id != self.instances[key].instance_id:
+            if key in fresh and fresh[key].instance_id == self.instances[key].instance_id:
+                self.unlisted.pop(key, None)
+            elif key in fresh:  # restarted under the same name: the old process is gone
+                self._drop(key)
+            elif key in self.unlisted:
+                if now >= self.unlisted[key]:
+                    self._drop(key)
+            elif mass_expiry and self._connected(key):
+                self.unlisted[key] = now + MASS_EXPIRY_GRACE_S
+                log.warning("lease of %s expired with most others (discovery paused?): kept for %.0f s", key,
+                            MASS_EXPIRY_GRACE_S)
+            else:
                 self._drop(key)
         for key, inst in fresh.items():
             if key not in self.instances:
@@ -48,7 +67,19 @@ class Router:
                 self.inflight[key] = 0
                 log.info("instance up: %s at %s", key, inst.address)
 
+    def _connected(self, key: str) -> bool:
+        client = self.clients.get(key)
+        return client is not None and client.alive and client.connected
+
+    def expire_unlisted(self, now: float | None = None) -> None:
+        """Drop the instances whose grace ran out without re-registering (called on a timer by the frontend)."""
+        now = time.monotonic() if now is None else now
+        for key, until in list(self.unlisted.items()):
+            if now >= until:
+                self._drop(key)
+
     def _drop(self, key: str) -> None:
+        self.unlisted.pop(key, None)
         inst = self.instances.pop(key, None)
         client = self.clients.pop(key, None)
         self.inflight.pop(key, None)

@@ -176,6 +176,10 @@ class RpcClient:
             self._writer.write(encode_frame({"op": "hello", "token": self.token}))
         self._reader_task = asyncio.create_task(self._read(reader))
 
+    @property
+    def connected(self) -> bool:
+        return self._writer is not None and self.alive
+
     async def _ensure(self) -> None:
         if self._writer is None:
             async with self._lock:

