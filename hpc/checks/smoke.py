@@ -16,7 +16,17 @@ from typing import Any, Callable
 
 from hpc.manifest import Manifest
 from hpc.rundir import read_json, write_json
+from hpc.waiting import wait_until
 from hpc.checks.probe import get_json, get_text, metric_values, post_json, post_sse
+
+
+class CheckFailed(Exception):
+    """A smoke check's verdict: explicit, so `python -O` (which strips assert) cannot turn a failure into a pass."""
+
+
+def require(condition: object, detail: object) -> None:
+    if not condition:
+        raise CheckFailed(str(detail))
 
 
 def _tiny_png() -> str:
@@ -61,13 +71,13 @@ def run_smoke(manifest_path: str) -> dict[str, Any]:
     def health() -> str:
         status, body = get_json(url + "/health")
         expected = {role.value: spec.count for role, spec in recipe.roles.items()}
-        assert status == 200 and body["live"] == expected, f"live {body and body.get('live')} != {expected}"
+        require(status == 200 and body["live"] == expected, f"live {body and body.get('live')} != {expected}")
         return f"live instances {body['live']}"
 
     def models() -> str:
         _, body = get_json(url + "/v1/models")
         ids = [m["id"] for m in body["data"]]
-        assert recipe.model.served_name in ids, f"{ids}"
+        require(recipe.model.served_name in ids, f"{ids}")
         return f"models {ids}"
 
     model = recipe.model.served_name
@@ -77,15 +87,15 @@ def run_smoke(manifest_path: str) -> dict[str, Any]:
         status, body = post_json(url + "/v1/completions", {"model": model, "prompt": recipe.smoke.prompt,
                                                             "max_tokens": n, "ignore_eos": True})
         text = body["choices"][0]["text"]
-        assert status == 200 and text, f"status {status}, empty text"
+        require(status == 200 and text, f"status {status}, empty text")
         return f"{body['usage']['completion_tokens']} tokens: {text[:40]!r}"
 
     def completion_stream() -> str:
         events = list(post_sse(url + "/v1/completions", {"model": model, "prompt": recipe.smoke.prompt,
                                                          "max_tokens": n, "stream": True, "ignore_eos": True}))
-        assert not any("error" in e for e in events), events[-1]
+        require(not any("error" in e for e in events), events[-1] if events else "no events")
         text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
-        assert text, "empty streamed text"
+        require(text, "empty streamed text")
         return f"{len(events)} events: {text[:40]!r}"
 
     def chat_body(stream: bool) -> dict[str, Any]:
@@ -99,14 +109,14 @@ def run_smoke(manifest_path: str) -> dict[str, Any]:
     def chat() -> str:
         status, body = post_json(url + "/v1/chat/completions", chat_body(False))
         text = body["choices"][0]["message"]["content"]
-        assert status == 200 and text, f"status {status}: {body}"
+        require(status == 200 and text, f"status {status}: {body}")
         return f"{text[:40]!r}"
 
     def chat_stream() -> str:
         events = list(post_sse(url + "/v1/chat/completions", chat_body(True)))
-        assert not any("error" in e for e in events), events[-1]
+        require(not any("error" in e for e in events), events[-1] if events else "no events")
         text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e.get("choices"))
-        assert text, "empty streamed text"
+        require(text, "empty streamed text")
         return f"{len(events)} events"
 
     before = _worker_requests(manifest)
@@ -118,7 +128,7 @@ def run_smoke(manifest_path: str) -> dict[str, Any]:
     def every_role_served() -> str:
         moved = {role: after.get(role, 0) - before.get(role, 0) for role in after}
         idle = [role for role, delta in moved.items() if delta <= 0]
-        assert not idle, f"roles that served nothing: {idle} (requests per role: {moved})"
+        require(not idle, f"roles that served nothing: {idle} (requests per role: {moved})")
         return f"requests per role: {moved}"
 
     check("every_role_served", every_role_served)
@@ -130,9 +140,10 @@ def run_smoke(manifest_path: str) -> dict[str, Any]:
 def run_smoke_when_ready(manifest_path: str, wait_ready_s: float) -> dict[str, Any]:
     """Wait (up to wait_ready_s) until readiness reports ready, then run the checks."""
     ready_file = Path(manifest_path).parent / "state" / "ready.json"
-    deadline = time.monotonic() + wait_ready_s
-    while time.monotonic() < deadline and not (read_json(ready_file) or {}).get("ready"):
-        time.sleep(0.05)
+    try:
+        wait_until(lambda: (read_json(ready_file) or {}).get("ready") or None, wait_ready_s, "readiness")
+    except TimeoutError:
+        pass  # the checks themselves then say what is not there
     return run_smoke(manifest_path)
 
 

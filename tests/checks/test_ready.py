@@ -57,3 +57,13 @@ def test_a_frontend_that_cannot_start_reports_failed(tmp_path):
                           capture_output=True, text=True, timeout=60)
     state = json.loads((run / "state" / "frontend.json").read_text())
     assert done.returncode != 0 and state["phase"] == "failed" and state["error"]
+
+
+def test_smoke_verdicts_hold_under_python_O():
+    """`python -O` strips assert: the smoke checks use explicit failures, so a failing check still fails."""
+    import subprocess
+    import sys
+
+    probe = "from hpc.checks.smoke import require\nrequire(True, 'fine')\nrequire(False, 'roles that served nothing')\n"
+    done = subprocess.run([sys.executable, "-O", "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "CheckFailed: roles that served nothing" in done.stderr
