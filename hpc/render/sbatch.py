@@ -55,6 +55,10 @@ class Step:
     srun_flags: list[str]
     nodelist: str  # bash expression over the NODES array, e.g. ${NODES[1]},${NODES[2]}
     command: list[str]
+    # A multi-rank worker's failure policy is applied to the whole step (all ranks at once): a single rank
+    # cannot rejoin its TP group, so the step is restarted as a unit by the script.
+    unit_restarts: int = 0
+    unit_continue: bool = False
 
 
 @dataclass(frozen=True)
@@ -215,7 +219,7 @@ def _worker_step(m: Manifest, w: WorkerPlan, container: list[str], logs: str) ->
     flags = [f"--job-name={w.name}", f"--nodes={len(w.nodes)}", f"--ntasks={w.tasks}", f"--ntasks-per-node={w.tasks_per_node}",
              f"--output={logs}/{w.name}.log", "--label"]
     if w.tasks > 1:
-        flags.append(f"--mpi={c.mpi}")
+        flags += [f"--mpi={c.mpi}", "--kill-on-bad-exit=1"]  # one rank down ends its siblings, not a hang
     if m.recipe.backend.value != "mock" and c.gpus_per_node:
         # --exact: only the CPUs and GPUs this step asks for, so workers packed on a node run side by side
         # on distinct GPUs (without it a step takes the whole node and the next one waits).
@@ -223,10 +227,14 @@ def _worker_step(m: Manifest, w: WorkerPlan, container: list[str], logs: str) ->
     else:
         flags.append("--overlap")
     ranks = ", ".join(f"r{r.rank}:n{r.node}/gpu{r.gpu}" for r in w.ranks[:8]) + (" ..." if w.tasks > 8 else "")
+    policy = getattr(m.recipe.roles, w.role.value).failure
+    as_unit = w.tasks > 1
     return Step(
         name=w.name, comment=f"{w.name}: TPxPP={w.tasks} on nodes {w.nodes} ({ranks})",
         srun_flags=[*flags, *container, *c.srun_args], nodelist=_nodelist(w.nodes),
-        command=worker_argv(m, w, c.python))
+        command=worker_argv(m, w, c.python),
+        unit_restarts=policy.max_restarts if as_unit and policy.on_failure.value == "restart" else 0,
+        unit_continue=as_unit and policy.on_failure.value == "continue")
 
 
 def render_sbatch(m: Manifest, root: Path | None = None) -> str:

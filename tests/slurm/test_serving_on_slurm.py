@@ -160,3 +160,34 @@ def test_killed_decode_worker_under_load_recovers(slurm_env):
     print(f"kill -> out of routing {dropped_after:.3f} s; {results.count('error')} of {len(results)} streams "
           f"ended with an error event")
     _cancel_and_check_clean(run)
+
+
+def test_a_tp2_worker_restarts_as_a_unit(slurm_env, tmp_path):
+    """One rank of a TP=2 worker killed: srun ends its sibling (--kill-on-bad-exit) and the script starts both
+    ranks again, which form a new group and serve."""
+    one_gpu_nodes = dev_cluster_file(tmp_path, gpus_per_node=1)
+    run = _launch("-c", one_gpu_nodes, "-r", "tiny-agg", "--no-smoke", "--set", "roles.agg.tensor_parallel_size=2",
+                  "--set", "roles.agg.failure.on_failure=restart", "--set", "roles.agg.failure.max_restarts=2")
+    url = _url(run)
+    before = {p.name: json.loads(p.read_text())["pid"] for p in run.state.glob("agg-0*.json")}
+    assert set(before) == {"agg-0.json", "agg-0.rank1.json"}
+    os.kill(before["agg-0.rank1.json"], signal.SIGKILL)
+
+    def pids_now() -> dict[str, int]:
+        return {p.name: json.loads(p.read_text()).get("pid") for p in run.state.glob("agg-0*.json")}
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        now = pids_now()
+        fresh = all(now.get(k) not in (None, v) for k, v in before.items())
+        if fresh and json.loads((run.state / "agg-0.json").read_text()).get("phase") == "ready":
+            break
+        time.sleep(0.2)
+    now = pids_now()
+    assert all(now[k] != v for k, v in before.items()), (before, now)  # both ranks are new processes
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and get_json(url + "/health")[1]["live"].get("agg") != 1:
+        time.sleep(0.2)
+    assert _complete(url, "hpc/tiny", "after the restart", 8)
+    assert "restarting all its ranks (1 of 2)" in (run.logs / "job.out").read_text()
+    _cancel_and_check_clean(run)

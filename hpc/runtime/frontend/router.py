@@ -86,9 +86,10 @@ class Router:
         if inst is not None:
             log.info("instance gone: %s", key)
         if client is not None and client.alive:
-            import asyncio
-
-            asyncio.ensure_future(client.close())
+            try:
+                asyncio.get_running_loop().create_task(client.close())
+            except RuntimeError:  # no loop running (a caller outside the frontend's loop): nothing to close on
+                pass
 
     def _lost(self, key: str, client: RpcClient) -> None:
         inst = self.instances.get(key)
