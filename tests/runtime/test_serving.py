@@ -153,3 +153,25 @@ def test_latency_histograms_count_every_request(disagg):
     assert count("request_duration_seconds") == before["request_duration_seconds"] + 3
     assert count("inter_token_latency_seconds") >= before["inter_token_latency_seconds"] + 3 * 11 - 3
     assert 'hpc_frontend_time_to_first_token_seconds_bucket{le="+Inf",model="hpc/tiny"}' in text
+
+
+@pytest.mark.parametrize("field,value", [("n", 2), ("logprobs", 3), ("tools", [{"type": "function"}]),
+                                         ("response_format", {"type": "json_object"}), ("echo", True),
+                                         ("logit_bias", {"5": 10})])
+def test_unsupported_parameters_are_refused_by_name(disagg, field, value):
+    """Silently answering once when n=2 was asked, or without logprobs, would mislead the client."""
+    code, resp = post_json(disagg.url + "/v1/completions", {"model": "hpc/tiny", "prompt": "x", "max_tokens": 2,
+                                                            field: value})
+    assert code == 400 and resp["error"]["param"] == field and resp["error"]["code"] == "unsupported_parameter"
+    # the defaults many clients send with every request are fine
+    code, resp = post_json(disagg.url + "/v1/completions", {"model": "hpc/tiny", "prompt": "x", "max_tokens": 2,
+                                                            "n": 1, "logprobs": None, "echo": False,
+                                                            "response_format": {"type": "text"}, "user": "u"})
+    assert code == 200 and resp["system_fingerprint"].startswith("hpc-torch-"), resp
+
+
+def test_one_model_by_id(disagg):
+    code, card = get_json(disagg.url + "/v1/models/hpc/tiny")
+    assert code == 200 and card["id"] == "hpc/tiny" and card["object"] == "model"
+    code, resp = get_json(disagg.url + "/v1/models/other")
+    assert code == 404 and resp["error"]["code"] == "model_not_found"

@@ -10,7 +10,8 @@ from pydantic import ValidationError
 
 from hpc.manifest import Manifest
 from hpc.runtime.engine.types import GenerateOutput, GenerateRequest, SamplingParams
-from hpc.runtime.frontend.openai import ApiError, ChatRequest, CompletionRequest, new_id, now
+from hpc.runtime.frontend.openai import (ApiError, ChatRequest, CompletionRequest, new_id, now,
+                                         unsupported_param)
 from hpc.runtime.frontend.router import NoInstance, Router
 from hpc.runtime.frontend.tokenizer import Detokenizer, TextCodec
 from hpc.runtime.serve.http import Request, Response, json_response
@@ -33,6 +34,8 @@ class Frontend:
                                            "retried_total": 0, "completion_tokens_total": 0,
                                            "prompt_tokens_total": 0}
         self.created = now()
+        # Which backend and run produced an answer (OpenAI: changes when the serving configuration changes).
+        self.fingerprint = f"hpc-{self.recipe.backend.value}-{manifest.run_id}"[:64]
         self.latency = LatencyHistograms("hpc_frontend", {"model": self.model_name})
         self.routes = {
             ("POST", "/v1/completions"): self.completions,
@@ -45,6 +48,8 @@ class Frontend:
 
     async def handle(self, req: Request) -> Response:
         route = self.routes.get((req.method, req.path))
+        if route is None and req.method == "GET" and req.path.startswith("/v1/models/"):
+            return self.model(req.path[len("/v1/models/"):])
         if route is None:
             allowed = [m for (m, p) in self.routes if p == req.path]
             status = 405 if allowed else 404
@@ -56,9 +61,20 @@ class Frontend:
             return exc.response()
 
     # ---- info routes -----------------------------------------------------------------------------
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "hpc"}
+
     async def models(self, req: Request) -> Response:
-        return json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "hpc"}]})
+        return json_response({"object": "list", "data": [self._model_card()]})
+
+    def model(self, model_id: str) -> Response:
+        """GET /v1/models/{id}: the served name may contain '/' (hpc/tiny), so the rest of the path is the id."""
+        from urllib.parse import unquote
+
+        if unquote(model_id) != self.model_name:
+            return ApiError(404, f"model '{unquote(model_id)[:200]}' does not exist; this server serves "
+                                 f"'{self.model_name}'", param="model", code="model_not_found").response()
+        return json_response(self._model_card())
 
     def instance_table(self) -> dict[str, list[dict[str, Any]]]:
         table: dict[str, list[dict[str, Any]]] = {role: [] for role in self.expected}
@@ -96,6 +112,10 @@ class Frontend:
             raise ApiError(400, "request body is not valid JSON") from None
         if not isinstance(data, dict):
             raise ApiError(400, "request body must be a JSON object")
+        unsupported = unsupported_param(data)
+        if unsupported is not None:
+            raise ApiError(400, f"'{unsupported}' = {str(data[unsupported])[:80]} is not supported by this server",
+                           param=unsupported, code="unsupported_parameter")
         try:
             parsed = model.model_validate(data)
         except ValidationError as exc:
@@ -279,7 +299,7 @@ class Frontend:
             choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
             obj = "text_completion"
         return json_response({"id": rid, "object": obj, "created": now(), "model": self.model_name,
-                              "choices": [choice], "usage": usage})
+                              "system_fingerprint": self.fingerprint, "choices": [choice], "usage": usage})
 
     async def _sse(self, body: Any, gen: GenerateRequest, chat: bool, rid: str) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -298,6 +318,7 @@ class Frontend:
                     choice = {"index": 0, "text": delta, "finish_reason": reason, "logprobs": None}
                 first = False
                 yield b"data: " + _dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                          "system_fingerprint": self.fingerprint,
                                           "choices": [choice]}) + b"\n\n"
             if body.include_usage:
                 usage = {"prompt_tokens": len(gen.token_ids), "completion_tokens": tokens,

@@ -22,8 +22,31 @@ class ApiError(Exception):
                                         "code": self.code or self.status}}, self.status)
 
 
+# OpenAI parameters this server does not implement yet. Asking for their effect is a 400 naming the parameter
+# (a client that silently got one answer instead of n, or no logprobs, would be misled); sending the default
+# value is accepted, since many clients send every field.
+UNSUPPORTED: dict[str, Any] = {
+    "n": lambda v: v not in (None, 1), "best_of": lambda v: v not in (None, 1),
+    "logprobs": lambda v: v not in (None, False, 0), "top_logprobs": lambda v: v not in (None, 0),
+    "echo": lambda v: v not in (None, False), "suffix": lambda v: v not in (None, ""),
+    "tools": lambda v: bool(v), "tool_choice": lambda v: v not in (None, "none", "auto"),
+    "functions": lambda v: bool(v), "function_call": lambda v: v not in (None, "none", "auto"),
+    "logit_bias": lambda v: bool(v),
+    "response_format": lambda v: isinstance(v, dict) and v.get("type") not in (None, "text"),
+}
+
+
+def unsupported_param(data: dict[str, Any]) -> str | None:
+    """The first parameter of `data` that asks for something this server does not do."""
+    for name, asks_for_it in UNSUPPORTED.items():
+        if name in data and asks_for_it(data[name]):
+            return name
+    return None
+
+
 class _Request(BaseModel):
-    # Clients send many optional OpenAI fields we do not use; they are accepted and ignored.
+    # Clients send many optional OpenAI fields; those without an effect here (user, metadata, ...) are ignored,
+    # and those whose effect is not implemented are refused before validation (see UNSUPPORTED).
     model_config = ConfigDict(extra="ignore")
 
     model: str
