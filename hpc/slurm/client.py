@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Callable
 
 from hpc.slurm.parse import SACCT_FIELDS, SQUEUE_FORMAT, JobState, parse_sacct, parse_sbatch, parse_squeue
 from hpc.slurm.runner import Runner
+from hpc.waiting import Backoff, wait_until
 
 
 class SubmitError(Exception):
@@ -56,16 +56,23 @@ class SlurmClient:
                drained: Callable[[], bool] = lambda: True) -> JobState | None:
         """Tiered, by job id only: USR1 asks every step to drain (leave routing, finish in-flight work);
         once `drained()` or after the grace period, scancel sends TERM and, KillWait later, KILL."""
+        steady = Backoff(first_s=poll_s, factor=1.0, cap_s=poll_s)
         state = self.status(job_id)
         if state is not None and state.state == "RUNNING":
             self.runner.run(["scancel", "--signal=USR1", job_id])
-            deadline = time.monotonic() + grace_s
-            while time.monotonic() < deadline and not drained():
-                time.sleep(poll_s)
+            try:
+                wait_until(lambda: True if drained() else None, grace_s, f"job {job_id} draining", steady)
+            except TimeoutError:
+                pass  # the grace period is over: TERM now
         self.runner.run(["scancel", job_id])
-        deadline = time.monotonic() + 30
-        state = self.status(job_id)
-        while state is not None and not state.finished and time.monotonic() < deadline:
-            time.sleep(poll_s)
-            state = self.status(job_id)
-        return state
+        ended: list[JobState | None] = [None]
+
+        def finished() -> bool | None:
+            ended[0] = self.status(job_id)
+            return True if ended[0] is None or ended[0].finished else None
+
+        try:
+            wait_until(finished, 30, f"job {job_id} ending", steady)
+        except TimeoutError:
+            pass  # report the state it is still in
+        return ended[0]
