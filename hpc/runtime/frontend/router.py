@@ -44,6 +44,7 @@ class Router:
 
     def update(self, snapshot: Snapshot, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
+        self.expire_unlisted(now)
         fresh = {k: i for k, i in snapshot.items() if i.instance_id not in self.dead}
         vanished = [k for k in self.instances if k not in fresh]
         mass_expiry = len(vanished) >= 2 and 2 * len(vanished) > len(self.instances)
@@ -53,8 +54,7 @@ class Router:
             elif key in fresh:  # restarted under the same name: the old process is gone
                 self._drop(key)
             elif key in self.unlisted:
-                if now >= self.unlisted[key]:
-                    self._drop(key)
+                pass  # still within its grace (expire_unlisted dropped those past it)
             elif mass_expiry and self._connected(key):
                 self.unlisted[key] = now + MASS_EXPIRY_GRACE_S
                 log.warning("lease of %s expired with most others (discovery paused?): kept for %.0f s", key,

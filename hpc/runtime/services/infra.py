@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 from hpc.manifest import Manifest
+from hpc.rundir import write_atomic
 from hpc.waiting import wait_until
 from hpc.runtime.services.binaries import etcd_binary, nats_binary
 from hpc.runtime.services.node import Reporter, node_address, publish_endpoint
@@ -45,13 +46,10 @@ def etcd_command(manifest: Manifest, host: str) -> tuple[list[str], str, Path]:
 def job_secret(manifest: Manifest, name: str) -> str:
     """A per-job secret, generated at job start: 0600 in the run directory's 0700 secrets/ (never on a command
     line, never in job.sbatch)."""
-    secret_dir = Path(manifest.run_dir) / "secrets"
-    secret_dir.mkdir(mode=0o700, exist_ok=True)
-    path = secret_dir / name
+    path = Path(manifest.run_dir) / "secrets" / name
+    path.parent.mkdir(mode=0o700, exist_ok=True)
     if not path.exists():
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(secrets.token_urlsafe(24))
+        write_atomic(path, secrets.token_urlsafe(24), mode=0o600)  # replaces a planted link, never writes through
     return path.read_text().strip()
 
 
@@ -119,24 +117,35 @@ def _run_server(manifest: Manifest, reporter: Reporter, service: str, host: str,
     # The drain tier (SIGUSR1) is for workers; servers ignore it, and etcd/nats inherit the ignore.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     stopping = False
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    proc: subprocess.Popen | None = None
 
     def stop(*_: object) -> None:
         nonlocal stopping
         stopping = True
-        proc.terminate()
+        if proc is not None:
+            proc.terminate()
+
+    def start(what: str) -> subprocess.Popen:
+        started = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        try:
+            wait_healthy(health, started)
+        except SystemExit as exc:
+            started.terminate()
+            reporter.phase("failed", error=f"{what}{exc}")
+            raise
+        return started
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     port = manifest.plan.service(service).ports["client"]
-    try:
-        wait_healthy(health, proc)
-        if service == "etcd":
+    proc = start("")
+    if service == "etcd":
+        try:
             enable_etcd_auth(manifest, f"http://{host}:{port}")
-    except SystemExit as exc:
-        proc.terminate()
-        reporter.phase("failed", error=str(exc))
-        raise
+        except SystemExit as exc:
+            proc.terminate()
+            reporter.phase("failed", error=str(exc))
+            raise
     url = f"http://{host}:{port}" if service == "etcd" else f"nats://{host}:{port}"
     publish_endpoint(manifest, service, host=host, port=port, url=url, health=health)
     reporter.phase("ready", address=f"{host}:{port}", server_pid=proc.pid)
@@ -148,12 +157,9 @@ def _run_server(manifest: Manifest, reporter: Reporter, service: str, host: str,
         restarts += 1
         print(f"hpc: {service} exited with status {code}; restart {restarts} of "
               f"{manifest.recipe.infra.max_restarts}", file=sys.stderr, flush=True)
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
         try:
-            wait_healthy(health, proc)
-        except SystemExit as exc:
-            reporter.phase("failed", error=f"restart {restarts}: {exc}")
-            proc.terminate()
+            proc = start(f"restart {restarts}: ")
+        except SystemExit:
             return 1
         reporter.phase("ready", address=f"{host}:{port}", server_pid=proc.pid, restarts=restarts)
     reporter.phase("stopped", exit_code=code, restarts=restarts)
