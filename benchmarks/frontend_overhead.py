@@ -25,6 +25,7 @@ from _stack import local_stack  # noqa: E402
 from hpc.bench.httpclient import Pool  # noqa: E402
 from hpc.runtime.services.node import rpc_token  # noqa: E402
 from hpc.runtime.serve.rpc import RpcClient  # noqa: E402
+from hpc.runtime.serve.wire import GenerateRequest, SamplingParams  # noqa: E402
 
 MAX_TOKENS = 4
 
@@ -62,11 +63,11 @@ async def measure(url: str, worker: tuple[str, int], token: str | None, seconds:
         assert status == 200
 
     client = RpcClient(*worker, token=token)  # the job's RPC token, as the frontend sends it
-    request = {"request_id": "b", "token_ids": [1, 2, 3], "sampling": {"max_tokens": MAX_TOKENS},
-               "streaming": False}
+    request = GenerateRequest(request_id="b", token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=MAX_TOKENS),
+                              streaming=False)
 
     async def direct() -> None:
-        async for _ in client.stream("generate", request):
+        async for _ in client.stream(request):
             pass
 
     rows = []

@@ -20,7 +20,8 @@ def required_modules(manifest: dict) -> list[tuple[str, str]]:
     """(module, why) for this job, in the order a missing one is reported."""
     need = [("hpc", "every component"), ("pydantic", "the manifest"), ("yaml", "engine configs"),
             ("aetcd", "etcd discovery"), ("nats", "the event plane"), ("prometheus_client", "the frontend's metrics"),
-            ("httptools", "the HTTP servers")]
+            ("httptools", "the HTTP servers"),
+            ("msgspec", "the worker wire protocol")]
     backend = manifest["recipe"]["backend"]
     if backend == "torch":
         need += [("torch", "the torch engine"), ("transformers", "the tokenizer"), ("safetensors", "the weights")]

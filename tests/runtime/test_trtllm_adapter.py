@@ -18,6 +18,7 @@ import pytest
 from hpc.engine_args.precedence import forced_values, merge_engine_args, prune_for_autodeploy, recipe_defaults
 from hpc.runtime.engine.trtllm_engine import TrtllmEngine, llm_kwargs, trtllm_sampling
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
+from hpc.runtime.serve.wire import replace
 from hpc.spec.recipe import Recipe
 
 pytestmark = pytest.mark.unit
@@ -71,9 +72,9 @@ async def tokens(engine, req) -> list[int]:
 
 
 async def disaggregated(prefill, decode, req) -> tuple[list[int], list]:
-    outs = [o async for o in prefill.generate(req.model_copy(update={"streaming": False}))]
+    outs = [o async for o in prefill.generate(replace(req, streaming=False))]
     params = outs[-1].disaggregated_params
-    rest = [o async for o in decode.generate(req.model_copy(update={"disaggregated_params": params}))]
+    rest = [o async for o in decode.generate(replace(req, disaggregated_params=params))]
     return [params.first_token_id] + [t for o in rest for t in o.token_ids], rest
 
 
@@ -95,7 +96,7 @@ def test_disaggregated_greedy_equals_aggregated_and_sends_each_token_once(tiny):
             params = [o async for o in pre.generate(request(streaming=False))][-1].disaggregated_params.trtllm
             # Everything the generation-only request needs from the context phase travelled along.
             assert params.ctx_request_id is not None and params.disagg_request_id is not None
-            assert params.opaque_state_b64 and params.first_gen_tokens and params.prompt_token_ids
+            assert params.opaque_state and params.first_gen_tokens and params.prompt_token_ids
     run(main())
 
 
@@ -219,12 +220,12 @@ def test_encode_prefill_decode_with_an_image_matches_the_image_in_one_engine(tin
             assert media.handles and media.handles[0]["tensor_size"]
             # A prompt that survives decode -> encode: with embedding handles the engine takes the text.
             ids = pre._llm.tokenizer.encode("What is in this picture?", add_special_tokens=False)
-            req = request(max_tokens=6).model_copy(update={"token_ids": ids})
-            with_handles = req.model_copy(update={"media": media})
+            req = replace(request(max_tokens=6), token_ids=ids)
+            with_handles = replace(req, media=media)
             epd, _ = await disaggregated(pre, dec, with_handles)
-            pd, _ = await disaggregated(pre, dec, req.model_copy(update={"image": "red"}))
-            one = await tokens(agg, req.model_copy(update={"image": "red"}))
-            other = await tokens(agg, req.model_copy(update={"image": "blue"}))
+            pd, _ = await disaggregated(pre, dec, replace(req, image="red"))
+            one = await tokens(agg, replace(req, image="red"))
+            other = await tokens(agg, replace(req, image="blue"))
             text_only = await tokens(agg, req)
             return epd, pd, one, other, text_only
     epd, pd, one, other, text_only = run(main())

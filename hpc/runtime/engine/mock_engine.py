@@ -6,7 +6,7 @@ import asyncio
 from typing import Any, AsyncIterator
 
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
-                                      GenerateRequest)
+                                      GenerateRequest, KvMeta)
 
 
 class MockEngine:
@@ -60,10 +60,10 @@ class MockEngine:
 
     async def encode(self, pixels: Any) -> EncodedMedia:
         self._counters["requests"] += 1
-        return EncodedMedia(shape=[0, 0], data_b64="")
+        return EncodedMedia(shape=[0, 0])
 
-    def take_handoff(self, handle: str) -> tuple[dict, bytes]:
-        return {"shape": [0], "dtype": "torch.float32"}, b""
+    def take_handoff(self, handle: str) -> tuple[KvMeta, bytes]:
+        return KvMeta(shape=[0], dtype="torch.float32"), b""
 
     def stats(self) -> dict[str, float]:
         return {**self._counters, "kv_usage": 0.0}

@@ -8,7 +8,6 @@ scheduler and broadcasts each step to the follower ranks, which run the same for
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import queue
 import threading
@@ -124,7 +123,7 @@ class TorchEngine:
                 raise RuntimeError("decode engine has no KV fetcher")
             seq.imported_kv = await self.fetch_kv(request.disaggregated_params)
         if request.media is not None:
-            seq.media = torch.frombuffer(bytearray(base64.b64decode(request.media.data_b64)),
+            seq.media = torch.frombuffer(bytearray(request.media.data),
                                          dtype=torch.float32).reshape(request.media.shape)
         self._counters["waiting"] += 1
         self._inbox.put(seq)
@@ -151,7 +150,7 @@ class TorchEngine:
             raise RuntimeError("this model has no vision encoder")
         emb = await asyncio.to_thread(lambda: self.vision(pixels.to(self.device, self.dtype)).float().cpu())
         self._counters["requests"] += 1
-        return EncodedMedia(shape=list(emb.shape), data_b64=base64.b64encode(emb.numpy().tobytes()).decode())
+        return EncodedMedia(shape=list(emb.shape), data=emb.numpy().tobytes())
 
     def take_handoff(self, handle: str) -> tuple[dict, bytes]:
         """The prefilled KV of `handle` (once): [layers, 2, kv_heads, length, head_dim]."""

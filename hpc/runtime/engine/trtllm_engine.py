@@ -27,7 +27,6 @@ only turns nested dicts into the LLM API's config classes.
 from __future__ import annotations
 
 import asyncio
-import base64
 import copy
 import io
 import logging
@@ -192,7 +191,7 @@ class TrtllmEngine:
             t = p.trtllm
             dp = Disagg(request_type="generation_only", first_gen_tokens=list(t.first_gen_tokens),
                         ctx_request_id=t.ctx_request_id, disagg_request_id=t.disagg_request_id,
-                        opaque_state=base64.b64decode(t.opaque_state_b64) if t.opaque_state_b64 else None,
+                        opaque_state=t.opaque_state,
                         draft_tokens=t.draft_tokens, ctx_dp_rank=t.ctx_dp_rank, ctx_info_endpoint=t.ctx_info_endpoint)
             return list(t.prompt_token_ids), dp, len(t.first_gen_tokens)
         dp = None
@@ -247,7 +246,7 @@ class TrtllmEngine:
         t = TrtllmContextParams(
             first_gen_tokens=list(ctx.first_gen_tokens), ctx_request_id=ctx.ctx_request_id,
             disagg_request_id=getattr(ctx, "disagg_request_id", None) or sent.disagg_request_id,
-            opaque_state_b64=base64.b64encode(ctx.opaque_state).decode() if ctx.opaque_state else None,
+            opaque_state=ctx.opaque_state or None,
             draft_tokens=ctx.draft_tokens, ctx_dp_rank=getattr(ctx, "ctx_dp_rank", None),
             ctx_info_endpoint=getattr(ctx, "ctx_info_endpoint", None),
             prompt_token_ids=list(out.prompt_token_ids or request.token_ids))

@@ -14,9 +14,10 @@ from hpc.runtime.frontend.openai import (ApiError, ChatRequest, CompletionReques
                                          unsupported_param)
 from hpc.runtime.frontend.router import NoInstance, Router
 from hpc.runtime.frontend.tokenizer import Detokenizer, TextCodec
-from hpc.runtime.serve.http import Request, Response, json_response
+from hpc.runtime.serve.http import Request, Response, json_dumps, json_loads, json_response
 from hpc.runtime.serve.metrics import LatencyHistograms, prometheus
-from hpc.runtime.serve.rpc import PeerGone, RemoteError, _dumps, _loads
+from hpc.runtime.serve.rpc import PeerGone, RemoteError
+from hpc.runtime.serve.wire import replace
 
 
 WHOLE_REQUEST_RETRIES = 1  # non-streamed requests whose worker died midway
@@ -107,7 +108,7 @@ class Frontend:
     # ---- generation routes -----------------------------------------------------------------------
     def _parse(self, req: Request, model: type) -> Any:
         try:
-            data = _loads(req.body)
+            data = json_loads(req.body)
         except ValueError:
             raise ApiError(400, "request body is not valid JSON") from None
         if not isinstance(data, dict):
@@ -209,7 +210,7 @@ class Frontend:
             async for out in self.router.generate("agg", gen, deadline):
                 yield out
             return
-        prefill_req = gen.model_copy(update={"streaming": False})
+        prefill_req = replace(gen, streaming=False)
         first: GenerateOutput | None = None
         async for out in self.router.generate("prefill", prefill_req, deadline):
             first = out
@@ -223,8 +224,7 @@ class Frontend:
                              finish_reason=("stop" if stop else "length") if done else None)
         if done:
             return
-        decode_req = gen.model_copy(update={"disaggregated_params": first.disaggregated_params, "image": None,
-                                            "media": None})
+        decode_req = replace(gen, disaggregated_params=first.disaggregated_params, image=None, media=None)
         async for out in self.router.generate("decode", decode_req, deadline):
             yield out
 
@@ -317,20 +317,20 @@ class Frontend:
                 else:
                     choice = {"index": 0, "text": delta, "finish_reason": reason, "logprobs": None}
                 first = False
-                yield b"data: " + _dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                yield b"data: " + json_dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                           "system_fingerprint": self.fingerprint,
                                           "choices": [choice]}) + b"\n\n"
             if body.include_usage:
                 usage = {"prompt_tokens": len(gen.token_ids), "completion_tokens": tokens,
                          "total_tokens": len(gen.token_ids) + tokens}
-                yield b"data: " + _dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                yield b"data: " + json_dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                           "choices": [], "usage": usage}) + b"\n\n"
             yield b"data: [DONE]\n\n"
         except (NoInstance, PeerGone, RemoteError, asyncio.TimeoutError) as exc:
             # Headers are gone already: end the stream with an OpenAI-style error event, never hang.
             err = self._timed_out() if isinstance(exc, asyncio.TimeoutError) else _api_error(exc)
             self.counters["errors_total"] += 1
-            yield b"data: " + _dumps({"error": {"message": err.message, "type": err.type,
+            yield b"data: " + json_dumps({"error": {"message": err.message, "type": err.type,
                                                 "code": err.code or err.status}}) + b"\n\n"
         finally:
             self.counters["inflight"] -= 1

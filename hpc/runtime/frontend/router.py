@@ -120,16 +120,15 @@ class Router:
                        deadline: float | None = None) -> AsyncIterator[GenerateOutput]:
         """Stream from one instance of `role`; a request that produced nothing yet is retried elsewhere."""
         tried: set[str] = set()
-        body = request.model_dump(mode="json", exclude_none=True)
         while True:
             key, client = self.pick(role, tried)
             started = False
             self.inflight[key] = self.inflight.get(key, 0) + 1
             self.served[role] = self.served.get(role, 0) + 1
             try:
-                async for frame, _ in client.stream("generate", body, deadline=deadline):
+                async for out, _ in client.stream(request, deadline=deadline):
                     started = True
-                    yield GenerateOutput.model_validate(frame)
+                    yield out
                 return
             except asyncio.TimeoutError:
                 raise  # the request's deadline, not the worker's fault (TimeoutError is an OSError)

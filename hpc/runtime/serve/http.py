@@ -19,6 +19,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from urllib.parse import parse_qs, urlsplit
 
 import httptools
+import msgspec
 
 log = logging.getLogger(__name__)
 REASONS = {100: "Continue", 200: "OK", 204: "No Content", 400: "Bad Request", 404: "Not Found",
@@ -410,7 +411,9 @@ class HttpServer:
                     conn.transport.close()
 
 
-def json_response(data: object, status: int = 200) -> Response:
-    from hpc.runtime.serve.rpc import _dumps
+json_dumps = msgspec.json.encode
+json_loads = msgspec.json.decode  # a msgspec.DecodeError is a ValueError
 
-    return Response(status=status, body=_dumps(data))
+
+def json_response(data: object, status: int = 200) -> Response:
+    return Response(status=status, body=json_dumps(data))

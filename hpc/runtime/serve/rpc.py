@@ -1,9 +1,8 @@
 """Frontend <-> worker request plane: multiplexed request/stream RPC over one TCP connection per peer.
 
-Frame: 8-byte header (JSON length, binary length, both u32 big-endian), JSON body, binary payload.
-Client -> server: {"id", "op", "body"} or {"id", "op": "cancel"}.
-Server -> client: {"id", "body"?, "end": bool, "error"?: str, "code"?: int}.
-A dropped connection fails every stream on it at once: that is how a dead worker is noticed first.
+Frames and messages are the typed ones of hpc.runtime.serve.wire: the client sends `Call(id, body)` (the body's
+tag names the operation), the server answers `Reply(id, body?, end, error?, code)` frames. A dropped connection
+fails every stream on it at once: that is how a dead worker is noticed first.
 """
 
 from __future__ import annotations
@@ -12,27 +11,14 @@ import asyncio
 import hmac
 import itertools
 import logging
-import struct
-from typing import Any, AsyncIterator, Callable
+from typing import AsyncIterator, Callable
 
-try:  # orjson is faster; the standard library is enough
-    import orjson
-
-    def _dumps(obj: Any) -> bytes:
-        return orjson.dumps(obj)
-
-    _loads = orjson.loads
-except ImportError:  # pragma: no cover
-    import json
-
-    def _dumps(obj: Any) -> bytes:
-        return json.dumps(obj, separators=(",", ":")).encode()
-
-    _loads = json.loads
+from hpc.runtime.serve.wire import (
+    HEADER, MAX_FRAME, Call, CallBody, Cancel, DecodeError, Hello, Reply, ReplyBody, call_id, decode_call,
+    decode_reply, encode_frame,
+)
 
 log = logging.getLogger(__name__)
-_HEADER = struct.Struct(">II")
-MAX_FRAME = 1 << 30
 
 
 class RemoteError(Exception):
@@ -47,35 +33,28 @@ class PeerGone(ConnectionError):
     """The connection to the peer dropped before the stream ended."""
 
 
-def encode_frame(msg: dict[str, Any], payload: bytes = b"") -> bytes:
-    body = _dumps(msg)
-    return _HEADER.pack(len(body), len(payload)) + body + payload
-
-
-async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], bytes]:
-    header = await reader.readexactly(_HEADER.size)
-    n_json, n_bin = _HEADER.unpack(header)
-    if n_json + n_bin > MAX_FRAME:
+async def _read_raw(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    n_body, n_payload = HEADER.unpack(await reader.readexactly(HEADER.size))
+    if n_body + n_payload > MAX_FRAME:
         raise ConnectionError("frame too large")
-    body = await reader.readexactly(n_json)
-    payload = await reader.readexactly(n_bin) if n_bin else b""
-    return _loads(body), payload
+    body = await reader.readexactly(n_body)
+    return body, (await reader.readexactly(n_payload) if n_payload else b"")
 
 
 _DEADLINE = object()  # queued by a call's deadline timer
 
-# A stream handler yields (body, payload) pairs; the last one ends the stream.
-StreamHandler = Callable[[dict[str, Any], bytes], AsyncIterator[tuple[dict[str, Any], bytes]]]
+# A stream handler takes a call's body and payload and yields (reply body, payload) pairs; the last ends the stream.
+StreamHandler = Callable[[CallBody, bytes], AsyncIterator[tuple[ReplyBody, bytes]]]
 
 
 HELLO_TIMEOUT_S = 5.0
 
 
 class RpcServer:
-    """Serves streamed calls; with a token, a connection must open with {"op": "hello", "token": ...} or it is
-    closed before anything runs (the job's workers listen on their node's address)."""
+    """Serves streamed calls, dispatched on the type of the call's body; with a token, a connection must open with
+    a `Hello` carrying it or it is closed before anything runs (the job's workers listen on their node's address)."""
 
-    def __init__(self, handlers: dict[str, StreamHandler], token: str | None = None) -> None:
+    def __init__(self, handlers: dict[type, StreamHandler], token: str | None = None) -> None:
         self.handlers = handlers
         self.token = token
         self.refused = 0
@@ -96,29 +75,39 @@ class RpcServer:
         for task in list(self._tasks):
             task.cancel()
 
+    async def _hello(self, reader: asyncio.StreamReader) -> bool:
+        try:
+            body, _ = await asyncio.wait_for(_read_raw(reader), HELLO_TIMEOUT_S)
+            hello = decode_call(body).body
+        except (asyncio.TimeoutError, DecodeError):
+            return False
+        return isinstance(hello, Hello) and hmac.compare_digest(hello.token.encode(), self.token.encode())
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         streams: dict[int, asyncio.Task] = {}
         try:
-            if self.token is not None:
-                try:
-                    hello, _ = await asyncio.wait_for(read_frame(reader), HELLO_TIMEOUT_S)
-                except (asyncio.TimeoutError, ValueError, TypeError):
-                    hello = {}
-                token = hello.get("token") if isinstance(hello, dict) and hello.get("op") == "hello" else None
-                if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.token.encode()):
-                    self.refused += 1
-                    log.warning("refused an RPC connection without the job's token")
-                    return
+            if self.token is not None and not await self._hello(reader):
+                self.refused += 1
+                log.warning("refused an RPC connection without the job's token")
+                return
             while True:
-                msg, payload = await read_frame(reader)
-                sid = msg["id"]
-                if msg.get("op") == "cancel":
-                    task = streams.pop(sid, None)
+                raw, payload = await _read_raw(reader)
+                try:
+                    call = decode_call(raw)
+                except DecodeError as exc:  # a malformed body: answer on its stream when its id is readable
+                    sid = call_id(raw)
+                    if sid is None:
+                        log.warning("closing an RPC connection that sent an unreadable frame: %s", exc)
+                        return
+                    writer.write(encode_frame(Reply(sid, end=True, error=f"bad request: {exc}", code=400)))
+                    continue
+                if isinstance(call.body, Cancel):
+                    task = streams.pop(call.id, None)
                     if task:
                         task.cancel()
                     continue
-                task = asyncio.create_task(self._run(sid, msg, payload, writer, streams))
-                streams[sid] = task
+                task = asyncio.create_task(self._run(call, payload, writer, streams))
+                streams[call.id] = task
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -128,28 +117,28 @@ class RpcServer:
                 task.cancel()
             writer.close()
 
-    async def _run(self, sid: int, msg: dict[str, Any], payload: bytes, writer: asyncio.StreamWriter,
+    async def _run(self, call: Call, payload: bytes, writer: asyncio.StreamWriter,
                    streams: dict[int, asyncio.Task]) -> None:
-        handler = self.handlers.get(msg.get("op", ""))
+        sid = call.id
+        handler = self.handlers.get(type(call.body))
         self.inflight += 1
         try:
             if handler is None:
-                raise RemoteError(f"unknown op {msg.get('op')!r}", 400)
-            async for body, data in handler(msg.get("body") or {}, payload):
-                writer.write(encode_frame({"id": sid, "body": body, "end": False}, data))
+                raise RemoteError(f"this worker does not serve {type(call.body).__name__}", 400)
+            async for body, data in handler(call.body, payload):
+                writer.write(encode_frame(Reply(sid, body), data))
                 if writer.transport.get_write_buffer_size() > 1 << 20:
                     await writer.drain()
-            writer.write(encode_frame({"id": sid, "end": True}))
+            writer.write(encode_frame(Reply(sid, end=True)))
         except asyncio.CancelledError:
             pass
         except RemoteError as exc:
-            writer.write(encode_frame({"id": sid, "end": True, "error": str(exc), "code": exc.code}))
-        except ValueError as exc:  # bad request content (pydantic errors are ValueErrors)
-            writer.write(encode_frame({"id": sid, "end": True, "error": str(exc), "code": 400}))
+            writer.write(encode_frame(Reply(sid, end=True, error=str(exc), code=exc.code)))
+        except ValueError as exc:  # bad request content
+            writer.write(encode_frame(Reply(sid, end=True, error=str(exc), code=400)))
         except Exception as exc:
-            log.exception("handler %s failed", msg.get("op"))
-            writer.write(encode_frame({"id": sid, "end": True, "error": f"{type(exc).__name__}: {exc}",
-                                       "code": 500}))
+            log.exception("handler for %s failed", type(call.body).__name__)
+            writer.write(encode_frame(Reply(sid, end=True, error=f"{type(exc).__name__}: {exc}", code=500)))
         finally:
             self.inflight -= 1
             streams.pop(sid, None)
@@ -173,7 +162,7 @@ class RpcClient:
     async def connect(self, timeout: float = 5.0) -> None:
         reader, self._writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), timeout)
         if self.token is not None:
-            self._writer.write(encode_frame({"op": "hello", "token": self.token}))
+            self._writer.write(encode_frame(Call(0, Hello(token=self.token))))
         self._reader_task = asyncio.create_task(self._read(reader))
 
     @property
@@ -191,11 +180,12 @@ class RpcClient:
     async def _read(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
-                msg, payload = await read_frame(reader)
-                queue = self._queues.get(msg["id"])
+                raw, payload = await _read_raw(reader)
+                reply = decode_reply(raw)
+                queue = self._queues.get(reply.id)
                 if queue is not None:
-                    queue.put_nowait((msg, payload))
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+                    queue.put_nowait((reply, payload))
+        except (asyncio.IncompleteReadError, ConnectionError, OSError, DecodeError):
             pass
         finally:
             self.alive = False
@@ -204,42 +194,44 @@ class RpcClient:
             if self.on_lost:
                 self.on_lost(self)
 
-    async def stream(self, op: str, body: dict[str, Any], payload: bytes = b"",
-                     deadline: float | None = None) -> AsyncIterator[tuple[dict, bytes]]:
-        """Frames of one call; past `deadline` (event-loop time) asyncio.TimeoutError, and the server is told to
-        cancel. The deadline is a timer that drops a marker in the queue: nothing is paid per frame."""
+    async def stream(self, body: CallBody, payload: bytes = b"",
+                     deadline: float | None = None) -> AsyncIterator[tuple[ReplyBody, bytes]]:
+        """Reply bodies of one call; past `deadline` (event-loop time) asyncio.TimeoutError, and the server is told
+        to cancel. The deadline is a timer that drops a marker in the queue: nothing is paid per frame."""
         await self._ensure()
         sid = next(self._ids)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[sid] = queue
         finished = False
         timer = asyncio.get_running_loop().call_at(deadline, queue.put_nowait, _DEADLINE) if deadline else None
+        what = type(body).__name__
         try:
-            self._writer.write(encode_frame({"id": sid, "op": op, "body": body}, payload))
+            self._writer.write(encode_frame(Call(sid, body), payload))
             while True:
                 item = await queue.get()
                 if item is None:
                     raise PeerGone(f"connection to {self.host}:{self.port} lost")
                 if item is _DEADLINE:
-                    raise asyncio.TimeoutError(f"{op} on {self.host}:{self.port} passed its deadline")
-                msg, data = item
-                if msg.get("error"):
+                    raise asyncio.TimeoutError(f"{what} on {self.host}:{self.port} passed its deadline")
+                reply, data = item
+                if reply.error:
                     finished = True
-                    raise RemoteError(msg["error"], msg.get("code", 500))
-                if msg.get("end"):
+                    raise RemoteError(reply.error, reply.code or 500)
+                if reply.end:
                     finished = True
                     return
-                yield msg["body"], data
+                yield reply.body, data
         finally:
             if timer is not None:
                 timer.cancel()
             self._queues.pop(sid, None)
             if not finished and self.alive and self._writer is not None:
-                self._writer.write(encode_frame({"id": sid, "op": "cancel"}))  # caller stopped early
+                self._writer.write(encode_frame(Call(sid, Cancel())))  # caller stopped early
 
-    async def call(self, op: str, body: dict[str, Any], payload: bytes = b"") -> tuple[dict, bytes]:
-        result: tuple[dict, bytes] = ({}, b"")
-        async for item in self.stream(op, body, payload):
+    async def call(self, body: CallBody, payload: bytes = b"") -> tuple[ReplyBody | None, bytes]:
+        """The last reply of a call that answers once (or its last frame)."""
+        result: tuple[ReplyBody | None, bytes] = (None, b"")
+        async for item in self.stream(body, payload):
             result = item
         return result
 
@@ -249,5 +241,3 @@ class RpcClient:
             self._writer.close()
         if self._reader_task:
             self._reader_task.cancel()
-
-

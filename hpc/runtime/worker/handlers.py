@@ -9,9 +9,12 @@ from typing import Any, AsyncIterator, Callable
 
 from hpc.runtime.engine.types import DisaggregationMode, EncodedMedia, GenerateRequest
 from hpc.runtime.engine.media import MediaError, read_image_bytes, to_pixels
-from hpc.runtime.serve.rpc import RemoteError, RpcClient
+from hpc.runtime.serve.rpc import RemoteError, RpcClient, StreamHandler
+from hpc.runtime.serve.wire import (
+    EncodeImage, FetchKv, ReplyBody, StatsQuery, WorkerStats, replace,
+)
 
-Frame = tuple[dict[str, Any], bytes]
+Frame = tuple[ReplyBody, bytes]
 
 
 class Peers:
@@ -62,11 +65,12 @@ class HandlerBase:
     def __init__(self, deps: HandlerDeps) -> None:
         self.deps = deps
 
-    def ops(self) -> dict[str, Callable[[dict, bytes], AsyncIterator[Frame]]]:
-        return {"generate": self.generate, "stats": self.stats}
+    def ops(self) -> dict[type, StreamHandler]:
+        """The calls this worker answers, keyed by the wire type of the call."""
+        return {GenerateRequest: self.generate, StatsQuery: self.stats}
 
-    async def stats(self, body: dict, payload: bytes) -> AsyncIterator[Frame]:
-        yield {**self.deps.engine.stats(), **self.deps.counters}, b""
+    async def stats(self, query: StatsQuery, payload: bytes) -> AsyncIterator[Frame]:
+        yield WorkerStats(values={**self.deps.engine.stats(), **self.deps.counters}), b""
 
     async def _media(self, request: GenerateRequest) -> GenerateRequest:
         """Attach image embeddings: from an encode worker when the recipe has one, else encode here."""
@@ -74,15 +78,16 @@ class HandlerBase:
             return request
         if self.deps.has_encode_role:
             client = self.deps.peers.client(self.deps.peers.pick("encode"))
-            body, _ = await client.call("encode", {"image": request.image})
-            return request.model_copy(update={"media": EncodedMedia.model_validate(body)})
+            media, _ = await client.call(EncodeImage(image=request.image))
+            if not isinstance(media, EncodedMedia):
+                raise RemoteError("the encode worker answered without embeddings", 502)
+            return replace(request, media=media)
         if hasattr(self.deps.engine, "load_image"):
             return request  # the engine takes the image with the prompt (TensorRT-LLM's input processor)
         pixels = await _load_pixels(self.deps, request.image)
-        return request.model_copy(update={"media": await self.deps.engine.encode(pixels)})
+        return replace(request, media=await self.deps.engine.encode(pixels))
 
-    async def generate(self, body: dict, payload: bytes) -> AsyncIterator[Frame]:
-        request = GenerateRequest.model_validate(body)
+    async def generate(self, request: GenerateRequest, payload: bytes) -> AsyncIterator[Frame]:
         request = await self._media(request)
         self.deps.counters["requests_total"] += 1
         produced = 0
@@ -93,7 +98,7 @@ class HandlerBase:
                 produced += len(out.token_ids)
                 if out.error:
                     raise RemoteError(out.error, 500)
-                yield out.model_dump(mode="json", exclude_defaults=True), b""
+                yield out, b""
         except Exception:
             self.deps.counters["errors_total"] += 1
             raise
@@ -125,23 +130,23 @@ class PrefillHandler(HandlerBase):
     """Runs the prompt, returns the first token and where its KV cache waits; serves KV fetches."""
 
     def ops(self):
-        return {**super().ops(), "fetch_kv": self.fetch_kv}
+        return {**super().ops(), FetchKv: self.fetch_kv}
 
-    async def fetch_kv(self, body: dict, payload: bytes) -> AsyncIterator[Frame]:
+    async def fetch_kv(self, call: FetchKv, payload: bytes) -> AsyncIterator[Frame]:
         try:
-            meta, data = self.deps.engine.take_handoff(body["handle"])
+            meta, data = self.deps.engine.take_handoff(call.handle)
         except KeyError:
-            raise RemoteError(f"no KV cache waiting under handle {body.get('handle')!r}", 404) from None
+            raise RemoteError(f"no KV cache waiting under handle {call.handle!r}", 404) from None
         yield meta, data
 
 
 class DecodeHandler(HandlerBase):
     """Continues from a prefill worker's params; the engine pulls the KV cache from that worker."""
 
-    async def generate(self, body: dict, payload: bytes) -> AsyncIterator[Frame]:
-        if not body.get("disaggregated_params"):
+    async def generate(self, request: GenerateRequest, payload: bytes) -> AsyncIterator[Frame]:
+        if request.disaggregated_params is None:
             raise RemoteError("a decode worker needs disaggregated_params from a prefill worker", 400)
-        async for frame in super().generate(body, payload):
+        async for frame in super().generate(request, payload):
             yield frame
 
 
@@ -149,13 +154,12 @@ class EncodeHandler(HandlerBase):
     """Image -> embeddings."""
 
     def ops(self):
-        return {"encode": self.encode, "stats": self.stats}
+        return {EncodeImage: self.encode, StatsQuery: self.stats}
 
-    async def encode(self, body: dict, payload: bytes) -> AsyncIterator[Frame]:
+    async def encode(self, call: EncodeImage, payload: bytes) -> AsyncIterator[Frame]:
         self.deps.counters["requests_total"] += 1
-        pixels = await _load_pixels(self.deps, str(body.get("image", "")))
-        media = await self.deps.engine.encode(pixels)
-        yield media.model_dump(mode="json"), b""
+        pixels = await _load_pixels(self.deps, call.image)
+        yield await self.deps.engine.encode(pixels), b""
 
 
 HANDLERS: dict[DisaggregationMode, type[HandlerBase]] = {

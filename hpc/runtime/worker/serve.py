@@ -25,7 +25,8 @@ from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode
 from hpc.runtime.serve.http import HttpServer, Request, Response, json_response
 from hpc.runtime.serve.metrics import prometheus
 from hpc.runtime.services.node import Reporter, node_address, publish_endpoint, rpc_token, wait_endpoint
-from hpc.runtime.serve.rpc import RpcServer
+from hpc.runtime.serve.rpc import RemoteError, RpcServer
+from hpc.runtime.serve.wire import FetchKv, KvMeta
 from hpc.runtime.worker.handlers import HandlerDeps, Peers, make_handler
 
 log = logging.getLogger("hpc.worker")
@@ -63,7 +64,9 @@ async def serve(manifest: Manifest, role: str, index: int) -> int:
     peers = Peers(token=rpc_token(manifest))
 
     async def fetch_kv(params: DisaggregatedParams):
-        meta, data = await peers.client(params.prefill_address).call("fetch_kv", {"handle": params.request_handle})
+        meta, data = await peers.client(params.prefill_address).call(FetchKv(handle=params.request_handle))
+        if not isinstance(meta, KvMeta):
+            raise RemoteError("the prefill worker answered a KV fetch without its layout", 502)
         return unpack(meta, data)
 
     engine = build_engine(manifest, role, self_address=rpc_address, tp=tp, fetch_kv=fetch_kv, device=device)

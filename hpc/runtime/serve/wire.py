@@ -1,0 +1,186 @@
+"""Every message between the frontend and the workers, as msgspec Structs: one encode and one typed decode per hop.
+
+A frame on the socket is an 8-byte header (body length, payload length; u32 big-endian), a msgpack body — a `Call`
+(client -> server) or a `Reply` (server -> client) — and a raw binary payload (KV-cache bytes), kept out of the
+msgpack body so the bytes are not copied through the codec. Decoding a `Call` validates its whole body (ranges
+included) in the same pass, so a worker never sees an untyped dict.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Annotated, Any, Union
+
+import msgspec
+from msgspec import Meta, Struct, field
+
+
+class Message(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Base of every wire message: immutable (copy with `msgspec.structs.replace`), unknown fields refused."""
+
+
+# ---- what a generation carries -------------------------------------------------------------------------------
+class SamplingParams(Message):
+    max_tokens: Annotated[int, Meta(ge=1, le=10_000_000)] = 16
+    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 0.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None  # engines seed 64-bit generators
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # stop strings, for engines that stop on them themselves
+    ignore_eos: bool = False
+
+
+class TrtllmContextParams(Message):
+    """TensorRT-LLM's context-phase parameters (tensorrt_llm/disaggregated_params.py), carried prefill -> decode.
+
+    The generation-only request needs all of them: the C++ executor finds the context's KV cache through the
+    cache transceiver by request id, and the prompt must be the one the context phase ran.
+    """
+
+    first_gen_tokens: list[int]
+    prompt_token_ids: list[int]
+    ctx_request_id: int | None = None
+    disagg_request_id: int | None = None
+    opaque_state: bytes | None = None
+    draft_tokens: list[int] | None = None
+    ctx_dp_rank: int | None = None
+    ctx_info_endpoint: str | None = None
+
+
+class DisaggregatedParams(Message):
+    """What a prefill worker hands to a decode worker: where the KV cache waits, and the first token."""
+
+    request_handle: str
+    prefill_address: str  # host:port of the prefill worker's RPC server
+    first_token_id: int
+    prompt_length: int
+    trtllm: TrtllmContextParams | None = None
+
+
+class EncodedMedia(Message, tag="media"):
+    """Image embeddings from an encode worker, sent on to prefill: the tensor itself (torch engine, float32
+    bytes), or TensorRT-LLM's multimodal embedding handles (CUDA IPC, so encode and prefill share a node)."""
+
+    shape: list[int] = field(default_factory=list)
+    data: bytes = b""
+    handles: list[dict[str, Any]] | None = None
+    hashes: list[list[int]] | None = None
+
+
+class GenerateRequest(Message, tag="generate"):
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    streaming: bool = True
+    disaggregated_params: DisaggregatedParams | None = None
+    image: str | None = None  # URL or local path (prefill/encode in multimodal mode)
+    media: EncodedMedia | None = None
+
+
+class GenerateOutput(Message, tag="output"):
+    token_ids: list[int]  # new tokens since the last output
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | cancelled | error
+    prompt_tokens: int = 0
+    disaggregated_params: DisaggregatedParams | None = None
+    error: str | None = None
+
+
+# ---- the other calls and their answers ---------------------------------------------------------------------------
+class FetchKv(Message, tag="fetch_kv"):
+    """Decode -> prefill: send the KV cache waiting under `handle` (once)."""
+
+    handle: str
+
+
+class KvMeta(Message, tag="kv"):
+    """Describes the KV bytes in the frame's payload: [layers, 2, kv_heads, length, head_dim]."""
+
+    shape: list[int]
+    dtype: str
+
+
+class EncodeImage(Message, tag="encode"):
+    image: str  # URL or local path
+
+
+class StatsQuery(Message, tag="stats"):
+    pass
+
+
+class WorkerStats(Message, tag="stats"):
+    values: dict[str, float]
+
+
+class Hello(Message, tag="hello"):
+    """The first frame on a connection to a worker that holds the job's RPC token."""
+
+    token: str
+
+
+class Cancel(Message, tag="cancel"):
+    """The caller stopped reading the stream with this call's id."""
+
+
+CallBody = Union[GenerateRequest, FetchKv, EncodeImage, StatsQuery, Hello, Cancel]
+ReplyBody = Union[GenerateOutput, KvMeta, EncodedMedia, WorkerStats]
+
+
+class Call(Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    id: int
+    body: CallBody
+
+
+class Reply(Struct, frozen=True, array_like=True, omit_defaults=True):
+    id: int
+    body: ReplyBody | None = None
+    end: bool = False
+    error: str | None = None
+    code: int = 0
+
+
+class _CallId(Struct, array_like=True):
+    """Just the id of a call whose body failed validation, so the error can be answered on its stream."""
+
+    id: int
+
+
+# ---- framing ---------------------------------------------------------------------------------------------------
+HEADER = struct.Struct(">II")
+MAX_FRAME = 1 << 30
+_encoder = msgspec.msgpack.Encoder()
+_call_decoder = msgspec.msgpack.Decoder(Call)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+_id_decoder = msgspec.msgpack.Decoder(_CallId)
+
+DecodeError = msgspec.DecodeError  # ValidationError is a DecodeError
+
+
+def encode_frame(message: Call | Reply, payload: bytes = b"") -> bytes:
+    body = _encoder.encode(message)
+    return HEADER.pack(len(body), len(payload)) + body + payload
+
+
+def decode_call(body: bytes) -> Call:
+    return _call_decoder.decode(body)
+
+
+def decode_reply(body: bytes) -> Reply:
+    return _reply_decoder.decode(body)
+
+
+def call_id(body: bytes) -> int | None:
+    """The id of an undecodable call, when at least that much is readable."""
+    try:
+        return _id_decoder.decode(body).id
+    except DecodeError:
+        return None
+
+
+def to_dict(message: Message) -> dict[str, Any]:
+    """A message as plain data (logs, tests, JSON files)."""
+    return msgspec.to_builtins(message)
+
+
+replace = msgspec.structs.replace

@@ -1,0 +1,105 @@
+"""The frontend <-> worker wire: typed messages, one decode per hop, bad bodies answered on their own stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from hpc.runtime.serve.rpc import RemoteError, RpcClient, RpcServer
+from hpc.runtime.serve.wire import (
+    HEADER, Call, Cancel, DisaggregatedParams, EncodedMedia, EncodeImage, FetchKv, GenerateOutput, GenerateRequest,
+    Hello, KvMeta, Reply, SamplingParams, StatsQuery, TrtllmContextParams, WorkerStats, decode_call, decode_reply,
+    encode_frame,
+)
+
+pytestmark = pytest.mark.unit
+
+PARAMS = DisaggregatedParams(request_handle="h 'quoted' $(x)", prefill_address="10.0.0.1:9000", first_token_id=7,
+                             prompt_length=3, trtllm=TrtllmContextParams(first_gen_tokens=[7], ctx_request_id=2**62,
+                                                                         opaque_state=b"\x00\xff`\n",
+                                                                         prompt_token_ids=[1, 2, 3]))
+CALLS = [
+    GenerateRequest(request_id="r-1", token_ids=[1, 2, 3],
+                    sampling=SamplingParams(max_tokens=5, temperature=0.7, seed=2**63 - 1, stop=["\n\n", "`"]),
+                    disaggregated_params=PARAMS, media=EncodedMedia(shape=[2, 4], data=bytes(range(32)))),
+    FetchKv(handle="abc"), EncodeImage(image="file:///tmp/a b.png"), StatsQuery(), Hello(token="t"), Cancel(),
+]
+REPLIES = [GenerateOutput(token_ids=[4], finished=True, finish_reason="stop", disaggregated_params=PARAMS),
+           KvMeta(shape=[2, 2, 1, 3, 4], dtype="torch.float16"), EncodedMedia(handles=[{"tensor_size": [1, 2]}]),
+           WorkerStats(values={"kv_usage": 0.25})]
+
+
+def _split(frame: bytes) -> tuple[bytes, bytes]:
+    n_body, n_payload = HEADER.unpack(frame[:HEADER.size])
+    return frame[HEADER.size:HEADER.size + n_body], frame[HEADER.size + n_body:]
+
+
+@pytest.mark.parametrize("body", CALLS, ids=lambda b: type(b).__name__)
+def test_every_call_round_trips_typed(body):
+    raw, payload = _split(encode_frame(Call(9, body), b"KV"))
+    decoded = decode_call(raw)
+    assert decoded == Call(9, body) and type(decoded.body) is type(body) and payload == b"KV"
+
+
+@pytest.mark.parametrize("body", REPLIES, ids=lambda b: type(b).__name__)
+def test_every_reply_round_trips_typed(body):
+    decoded = decode_reply(_split(encode_frame(Reply(3, body)))[0])
+    assert decoded == Reply(3, body) and type(decoded.body) is type(body)
+
+
+@pytest.mark.parametrize("bad, field", [({"seed": 2**63}, "seed"), ({"max_tokens": 0}, "max_tokens"),
+                                        ({"top_p": 0.0}, "top_p"), ({"temperature": -1.0}, "temperature"),
+                                        ({"best_of": 2}, "best_of")])
+def test_out_of_range_or_unknown_fields_are_refused_on_decode(bad, field):
+    raw = msgspec.msgpack.encode([1, {"type": "generate", "request_id": "r", "token_ids": [1], "sampling": bad}])
+    with pytest.raises(msgspec.ValidationError, match=field):
+        decode_call(raw)
+
+
+def test_server_hands_typed_calls_and_answers_a_bad_one_on_its_own_stream():
+    seen = []
+
+    async def generate(request, payload):
+        seen.append(request)
+        for i in range(request.sampling.max_tokens):
+            yield GenerateOutput(token_ids=[i], finished=i == request.sampling.max_tokens - 1), b""
+
+    async def fetch_kv(call, payload):
+        yield KvMeta(shape=[4], dtype="torch.uint8"), b"\x01\x02\x03\x04"
+
+    async def main():
+        server = RpcServer({GenerateRequest: generate, FetchKv: fetch_kv})
+        await server.start("127.0.0.1", 0)
+        try:
+            # a hand-made frame with an out-of-range seed: 400 on stream 41, the connection stays up
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            raw = msgspec.msgpack.encode([41, {"type": "generate", "request_id": "r", "token_ids": [1],
+                                               "sampling": {"seed": 2**63}}])
+            writer.write(HEADER.pack(len(raw), 0) + raw)
+            n_body, _ = HEADER.unpack(await reader.readexactly(HEADER.size))
+            reply = decode_reply(await reader.readexactly(n_body))
+            assert reply.id == 41 and reply.end and reply.code == 400 and "seed" in reply.error
+            ok = encode_frame(Call(42, GenerateRequest(request_id="r2", token_ids=[1],
+                                                       sampling=SamplingParams(max_tokens=1))))
+            writer.write(ok)
+            n_body, _ = HEADER.unpack(await reader.readexactly(HEADER.size))
+            assert decode_reply(await reader.readexactly(n_body)).body == GenerateOutput(token_ids=[0], finished=True)
+            writer.close()
+
+            client = RpcClient("127.0.0.1", server.port)
+            outs = [o async for o, _ in client.stream(GenerateRequest(request_id="r3", token_ids=[5],
+                                                                      sampling=SamplingParams(max_tokens=3)))]
+            meta, data = await client.call(FetchKv(handle="h"))
+            with pytest.raises(RemoteError, match="does not serve EncodeImage") as refused:
+                await client.call(EncodeImage(image="x"))
+            await client.close()
+            return outs, meta, data, refused.value.code
+        finally:
+            await server.close()
+
+    outs, meta, data, code = asyncio.run(main())
+    assert [o.token_ids for o in outs] == [[0], [1], [2]] and outs[-1].finished
+    assert meta == KvMeta(shape=[4], dtype="torch.uint8") and data == b"\x01\x02\x03\x04" and code == 400
+    assert all(isinstance(r, GenerateRequest) for r in seen) and [r.request_id for r in seen] == ["r2", "r3"]
