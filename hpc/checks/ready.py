@@ -16,8 +16,9 @@ from typing import Callable
 from hpc.manifest import Manifest
 from hpc.rundir import read_json, write_json
 from hpc.checks.probe import get_json
+from hpc.waiting import Backoff, wait_until
 
-POLL_S = 0.05
+POLL = Backoff(first_s=0.05, factor=1.0, cap_s=0.05)  # readiness files and loopback probes are cheap
 
 
 class NotReady(Exception):
@@ -57,23 +58,28 @@ def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float 
         progress(f"  {stage:<28} {phases[stage]:7.2f} s")
 
     def until(stage: str, component: str | Callable[[], str], check: Callable[[], bool]) -> None:
-        last_progress = time.monotonic()
-        while not check():
-            now = time.monotonic()
-            culprit = component() if callable(component) else component
+        """One stage: done, or a failed component / an abort reason / the stage's time budget -> NotReady."""
+        def culprit() -> str:
+            return component() if callable(component) else component
+
+        def look() -> bool | None:
+            if check():
+                return True
             failed = _failed_component(manifest)
             if failed:
-                log = failed.split(".rank")[0]
                 raise NotReady(f"{failed} failed while waiting for {stage}; last lines of its log:\n"
-                               f"{log_tail(manifest, log)}")
+                               f"{log_tail(manifest, failed.split('.rank')[0])}")
             reason = abort()
             if reason:
-                raise NotReady(f"{reason} while waiting for {stage}; last lines of {culprit}'s log:\n"
-                               f"{log_tail(manifest, culprit)}")
-            if now - start > timeout or now - last_progress > stall_s:
-                raise NotReady(f"stuck waiting for {stage} after {now - start:.0f} s; last lines of "
-                               f"{culprit}'s log:\n{log_tail(manifest, culprit)}")
-            time.sleep(POLL_S)
+                raise NotReady(f"{reason} while waiting for {stage}; last lines of {culprit()}'s log:\n"
+                               f"{log_tail(manifest, culprit())}")
+            return None
+        budget = max(0.0, min(stall_s, timeout - (time.monotonic() - start)))  # a stall is a stage without progress
+        try:
+            wait_until(look, budget, stage, backoff=POLL)
+        except TimeoutError:
+            raise NotReady(f"stuck waiting for {stage} after {time.monotonic() - start:.0f} s; last lines of "
+                           f"{culprit()}'s log:\n{log_tail(manifest, culprit())}") from None
 
     endpoints = Path(manifest.run_dir) / "endpoints"
     for service in ("etcd", "nats"):

@@ -17,6 +17,7 @@ from pathlib import Path
 from hpc.errors import UserError
 from hpc.render.sbatch import service_argv, worker_argv
 from hpc.rundir import RunDir, read_json, write_json
+from hpc.waiting import wait_until
 
 
 def free_port_base(start: int, span: int) -> int:
@@ -96,11 +97,11 @@ def stop_local(run: RunDir, grace_s: float = 10.0) -> list[int]:
                 os.killpg(pid, sig)
             except (ProcessLookupError, PermissionError):
                 pass
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(alive(p) for p in groups):
-            time.sleep(0.05)
-        if not any(alive(p) for p in groups):
+        try:
+            wait_until(lambda: True if not any(alive(p) for p in groups) else None, grace_s, "the run to stop")
             break
+        except TimeoutError:
+            continue  # TERM was not enough: KILL
     return [p for p in groups if alive(p)]
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 
 from hpc.rundir import RunDir, read_json
 from hpc.slurm.client import SlurmClient, SubmitError
 from hpc.slurm.runner import LocalRunner, Runner
-from hpc.waiting import SLURM, Backoff, Throttle
+from hpc.waiting import SLURM, Backoff, Throttle, wait_until
 
 
 def runner_for(run: RunDir) -> Runner:
@@ -46,25 +47,42 @@ def launch_slurm(run: RunDir, wait: bool = True, smoke: bool = True, runner: Run
     return follow_up(run, t0, wait=wait, smoke=smoke, abort=job_ended)
 
 
-def _wait_running(client: SlurmClient, job_id: str, run: RunDir) -> int | None:
-    """Until the in-job readiness stage reports, watching that the job did not end first."""
-    last = None
-    throttle = Throttle(Backoff(first_s=0.5, factor=2.0, cap_s=8.0))  # PENDING -> RUNNING is worth seeing soon
-    st = None
-    while True:
-        if throttle.due():
-            st = client.status(job_id)
-        if st is not None and st.state != last:
-            print(f"  slurm: {st.state}{' (' + st.reason + ')' if st.reason else ''}", flush=True)
-            last = st.state
-        if st is not None and st.finished:
-            from hpc.launch.follow import preflight_failure
+class _JobStart:
+    """One look at a submitted job: RUNNING (or already reporting readiness), ended, or neither yet. Slurm is
+    asked on a backoff (PENDING -> RUNNING is worth seeing soon), the run directory on every look."""
 
-            reason = preflight_failure(run)
-            if reason:
-                print(f"preflight failed: {reason}", file=sys.stderr)
-            print(f"job {job_id} ended {st.state} before it was ready; see: hpc logs {job_id}", file=sys.stderr)
-            return 1
-        if read_json(run.state / "ready.json") is not None or (st is not None and st.state == "RUNNING"):
-            return None
-        time.sleep(0.2)
+    def __init__(self, client: SlurmClient, job_id: str, run: RunDir) -> None:
+        self.client, self.job_id, self.run = client, job_id, run
+        self.throttle = Throttle(Backoff(first_s=0.5, factor=2.0, cap_s=8.0))
+        self.status = None
+        self.printed = None
+
+    def __call__(self) -> str | None:
+        if self.throttle.due():
+            self.status = self.client.status(self.job_id)
+        st = self.status
+        if st is not None and st.state != self.printed:
+            print(f"  slurm: {st.state}{' (' + st.reason + ')' if st.reason else ''}", flush=True)
+            self.printed = st.state
+        if st is not None and st.finished:
+            return "ended"
+        if read_json(self.run.state / "ready.json") is not None or (st is not None and st.state == "RUNNING"):
+            return "running"
+        return None
+
+
+def _wait_running(client: SlurmClient, job_id: str, run: RunDir) -> int | None:
+    """Until the in-job readiness stage reports, watching that the job did not end first; a PENDING job is
+    waited for as long as it stays queued (Ctrl-C leaves it queued)."""
+    start = _JobStart(client, job_id, run)
+    outcome = wait_until(start, math.inf, f"job {job_id} to start", backoff=Backoff(first_s=0.2, factor=1.0, cap_s=0.2))
+    if outcome == "running":
+        return None
+    from hpc.launch.follow import preflight_failure
+
+    reason = preflight_failure(run)
+    if reason:
+        print(f"preflight failed: {reason}", file=sys.stderr)
+    print(f"job {job_id} ended {start.status.state} before it was ready; see: hpc logs {job_id}",
+          file=sys.stderr)
+    return 1

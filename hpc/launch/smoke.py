@@ -6,12 +6,13 @@ workers' loading; the job itself waits for the run to report ready, then checks.
 
 from __future__ import annotations
 
+import math
 import os
-import time
 from typing import Any
 
 from hpc.rundir import RunDir
 from hpc.spec.cluster import time_to_minutes
+from hpc.waiting import Backoff, wait_until
 
 
 def start_smoke(run: RunDir, wait_ready_s: float | None = None):
@@ -45,8 +46,8 @@ def start_smoke(run: RunDir, wait_ready_s: float | None = None):
 def finish_smoke(job, poll_s: float = 0.05) -> dict[str, Any]:
     """The verdict; polls for submitit's result file itself (its own polling adds seconds)."""
     result_file = job.paths.result_pickle
-    while not result_file.exists() and not job.done():
-        time.sleep(poll_s)
+    wait_until(lambda: True if result_file.exists() or job.done() else None, math.inf, "the smoke verdict",
+               backoff=Backoff(first_s=poll_s, factor=1.0, cap_s=poll_s))
     return job.result()
 
 

@@ -145,3 +145,30 @@ def test_slurm_is_asked_on_a_backoff_and_local_waits_end_at_the_deadline():
     assert abs(sum(slept) - 1.0) < 1e-9 and slept[0] == 0.01 and max(slept) == 0.25
     answers = iter([None, None, "ready"])
     assert wait_until(lambda: next(answers), 5, "x", sleep=lambda s: None) == "ready"
+
+
+def test_launch_waits_through_pending_and_reports_a_job_that_ended_first(tmp_path: Path, capsys):
+    from hpc.launch.slurm import _wait_running
+    from hpc.rundir import RunDir
+
+    run = RunDir(tmp_path / "run 'x' $(y)")
+    (run.path / "logs").mkdir(parents=True)
+    (run.path / "logs" / "preflight.log").write_text("python: ok (3.11)\nmodule msgspec: missing\n")
+    fake = FakeSlurm()
+    fake.queue["7"] = SQUEUE_PENDING
+    asked = []
+
+    def status_run(argv, cwd=None, timeout=60.0):
+        asked.append(argv[0])
+        if len(asked) == 4:  # PENDING for a while, then the job fails before it was ever ready
+            fake.queue.pop("7", None)
+            fake.acct["7"] = SACCT_FAILED.replace("9", "7")
+        return FakeSlurm.run(fake, argv, cwd, timeout)
+    fake.run = status_run
+    assert _wait_running(SlurmClient(fake), "7", run) == 1
+    out, err = capsys.readouterr()
+    assert "slurm: PENDING (Resources)" in out and "slurm: FAILED" in out
+    assert "preflight failed: module msgspec: missing" in err and "job 7 ended FAILED before it was ready" in err
+
+    fake.queue["6"] = SQUEUE_RUNNING
+    assert _wait_running(SlurmClient(fake), "6", run) is None  # RUNNING: on to readiness
