@@ -231,3 +231,33 @@ def test_encode_prefill_decode_with_an_image_matches_the_image_in_one_engine(tin
     epd, pd, one, other, text_only = run(main())
     assert epd == pd == one and len(one) == 6
     assert other != one and text_only != one  # the image really reached the engine
+
+
+def test_a_per_request_error_fails_one_request_and_a_background_error_fails_the_engine(tiny):
+    from tensorrt_llm.executor.utils import RequestError
+
+    async def main():
+        args = engine_args()
+        async with TrtllmEngine(tiny, PREFILL, args, self_address="h:1") as pre, \
+                TrtllmEngine(tiny, DECODE, args) as dec, TrtllmEngine(tiny, AGG, args) as agg:
+            outs = [o async for o in pre.generate(replace(request(), streaming=False))]
+            params = outs[-1].disaggregated_params
+            # The context's KV was already taken: the executor answers this one request with an error response.
+            await tokens(dec, replace(request(), disaggregated_params=params))
+            with pytest.raises(RequestError, match="no context with request id"):
+                await tokens(dec, replace(request(), disaggregated_params=params))
+            assert dec.failure is None  # ...and keeps serving
+            assert len(await tokens(pre, replace(request(max_tokens=1), streaming=False))) == 1
+
+            # An executor thread dies while two long requests stream: both fail at once, so does the next.
+            started = time.monotonic()
+            long = [asyncio.create_task(tokens(agg, request(max_tokens=5000))) for _ in range(2)]
+            await asyncio.sleep(0.1)
+            agg._llm._executor.fail_in_background(RuntimeError("MPI worker 1 exited: CUDA error: an illegal "
+                                                               "memory access was encountered"))
+            results = await asyncio.wait_for(asyncio.gather(*long, return_exceptions=True), 5)
+            assert all(isinstance(r, RuntimeError) and "engine failed" in str(r) for r in results), results
+            assert time.monotonic() - started < 5 and "illegal memory access" in agg.failure
+            with pytest.raises(RuntimeError, match="engine failed"):
+                await tokens(agg, request())
+    run(main())

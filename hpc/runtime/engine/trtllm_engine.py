@@ -19,6 +19,12 @@ upstream defines it (NVIDIA/TensorRT-LLM):
 - tensorrt_llm/llmapi/mm_encoder.py: the encode worker is a MultimodalEncoder; its result's
   disaggregated_params.multimodal_embedding_handles go to the prefill (context_only) request.
 - tensorrt_llm/_torch/auto_deploy/llm.py: AutoDeploy has its own LLM class.
+- tensorrt_llm/executor/executor.py (`_handle_background_error`) and executor/utils.py (`RequestError`): a
+  response's error message is a per-request error raised as RequestError, and the executor keeps serving; an
+  exception from a background thread or MPI worker shuts the executor down and is raised as is from whichever
+  result is read next; a shut-down LLM refuses generate_async with RuntimeError. The adapter keeps the first
+  two apart: a RequestError fails one request, anything else marks the engine failed (`failure`), which fails
+  every request it holds and the worker's health, and the role's failure policy restarts it.
 
 The engine arguments arrive final (hpc/engine_args/precedence.py builds them into the manifest); this module
 only turns nested dicts into the LLM API's config classes.
@@ -110,12 +116,18 @@ class TrtllmEngine:
         self.on_kv_event: Callable[[dict], None] | None = None
         self.on_stats: Callable[[dict], None] | None = None
         self._engine_stats: dict[str, float] = {}
+        self.failure: str | None = None  # set when the executor died; the worker watches it
+        self._failed: asyncio.Future | None = None
         self._counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "running": 0,
                           "aborted": 0, "kv_events": 0, "stats_records": 0}
 
     async def __aenter__(self) -> "TrtllmEngine":
         tensorrt_llm, llmapi = import_trtllm()
         self._api = (tensorrt_llm, llmapi)
+        from tensorrt_llm.executor.utils import RequestError
+
+        self._request_error = RequestError
+        self._failed = asyncio.get_running_loop().create_future()
         cls = engine_class(tensorrt_llm, llmapi, self.mode, self.backend)
         kwargs = llm_kwargs(self.args, llmapi)
         if self.backend != "_autodeploy" and self.mode is not DisaggregationMode.ENCODE:
@@ -211,18 +223,53 @@ class TrtllmEngine:
             inputs = {"prompt_token_ids": list(request.token_ids), "multi_modal_data": {"image": [image]}}
         return inputs, dp, 0
 
+    # ---- executor faults ------------------------------------------------------------------------------------
+    def _fault(self, exc: Exception) -> Exception:
+        """The exception a caller sees: a per-request error as it is; anything else fails the whole engine."""
+        if isinstance(exc, (self._request_error, ValueError, TypeError)):
+            return exc
+        if self.failure is None:
+            self.failure = f"{type(exc).__name__}: {exc}"
+            log.error("TensorRT-LLM's executor failed: %s", self.failure)
+            if self._failed is not None and not self._failed.done():
+                self._failed.set_result(None)
+        return RuntimeError(f"engine failed: {self.failure}")
+
+    async def _until_failure(self, result: Any) -> AsyncIterator[Any]:
+        """The result's outputs; when the engine fails meanwhile (another request read the background error,
+        and the executor that would answer this one is gone), this request fails at once instead of waiting."""
+        outputs = result.__aiter__()
+        while True:
+            step = asyncio.ensure_future(outputs.__anext__())
+            await asyncio.wait((step, self._failed), return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
+                raise RuntimeError(f"engine failed: {self.failure}")
+            try:
+                out = step.result()
+            except StopAsyncIteration:
+                return
+            except Exception as exc:
+                raise self._fault(exc) from exc
+            yield out
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        if self.failure:
+            raise RuntimeError(f"engine failed: {self.failure}")
         tensorrt_llm, _ = self._api
         inputs, dp, cursor = await self._inputs(request)
         params = trtllm_sampling(request.sampling, tensorrt_llm.SamplingParams)
         streaming = request.streaming and self.mode is not DisaggregationMode.PREFILL
-        result = self._llm.generate_async(inputs, sampling_params=params, streaming=streaming,
-                                          disaggregated_params=dp)
+        try:
+            result = self._llm.generate_async(inputs, sampling_params=params, streaming=streaming,
+                                              disaggregated_params=dp)
+        except Exception as exc:
+            raise self._fault(exc) from exc
         self._counters["requests"] += 1
         self._counters["prompt_tokens"] += len(request.token_ids)
         self._counters["running"] += 1
         try:
-            async for out in result:
+            async for out in self._until_failure(result):
                 completion = out.outputs[0]
                 new = list(completion.token_ids[cursor:])
                 cursor = len(completion.token_ids)
@@ -235,7 +282,7 @@ class TrtllmEngine:
                                      prompt_tokens=len(request.token_ids), disaggregated_params=handoff)
         finally:
             self._counters["running"] -= 1
-            if not result.finished:
+            if not result.finished and not self.failure:
                 # The client left, the deadline passed, or the caller stopped reading: free the engine's slot.
                 result.abort()
                 self._counters["aborted"] += 1

@@ -8,6 +8,10 @@ output; in a streaming generation-only request the first token is left out of th
 ("already returned by the context server"); GenerationResult.abort() -> executor.abort_request(id), a request
 that is aborted ends with finish_reason 'cancelled'; `async for` over a result and `await result.aresult()`;
 IterationResult: an async iterator over queued stats/events that stops after `timeout` seconds without one.
+Errors (GenerationResultBase._handle_response -> GenerationExecutor._handle_background_error in
+tensorrt_llm/executor/executor.py): a response's error_msg is a per-request error raised as RequestError; after
+every response the executor's error queue is checked, and a queued background exception (a dead executor
+thread or MPI worker) shuts the executor down and is raised as is.
 """
 
 from __future__ import annotations
@@ -89,7 +93,10 @@ class GenerationResult:
 
     def _handle_response(self, response: Response) -> None:
         if response.error:
-            raise RuntimeError(response.error)  # upstream: the background error handler raises RequestError
+            from tensorrt_llm.executor.utils import RequestError
+
+            raise RequestError(response.error)
+        self._executor.raise_background_error()
         self._done = response.is_final
         self.decoding_iter = response.decoding_iter
         if response.context_phase_params is not None:

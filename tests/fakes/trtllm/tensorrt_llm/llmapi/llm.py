@@ -27,6 +27,7 @@ import itertools
 import json
 import os
 import pickle
+import queue
 import random
 import tempfile
 import time
@@ -221,6 +222,7 @@ class _Executor:
         self.stats: asyncio.Queue[str] = asyncio.Queue(maxsize=int(llm.kwargs.get("iter_stats_max_iterations") or 1000))
         self.kv_events: asyncio.Queue[str] = asyncio.Queue(maxsize=max(1, self.event_buffer))
         self.tasks: dict[int, asyncio.Task] = {}
+        self.error_queue: queue.Queue = queue.Queue()
         self.aborted: set[int] = set()
         self.iteration = 0
         self.event_id = 0
@@ -236,7 +238,11 @@ class _Executor:
         result = GenerationResult(own_id, prompt, sp, streaming, self, disaggregated_params=dp)
         context = None
         if dp is not None and dp.request_type == "generation_only":
-            context = self._receive_context(dp, prompt)
+            try:
+                context = self._receive_context(dp, prompt)
+            except RuntimeError as exc:  # the executor answers a failed KV transfer with an error response
+                result.aqueue.put_nowait(Response(new_token_ids=[], decoding_iter=0, is_final=True, error=str(exc)))
+                return result
         _log("request", id=own_id, type=getattr(dp, "request_type", None), prompt=len(prompt),
              max_tokens=sp.max_tokens, greedy=sp._greedy_decoding, streaming=streaming, stop=sp.stop)
         self.tasks[own_id] = asyncio.get_running_loop().create_task(
@@ -248,8 +254,20 @@ class _Executor:
         _log("abort", id=request_id)
 
     def shutdown(self) -> None:
+        self.llm._shutdown = True
         for task in self.tasks.values():
             task.cancel()
+
+    # ---- background errors (tensorrt_llm/executor/executor.py: _error_queue, _handle_background_error) -------
+    def fail_in_background(self, error: Exception) -> None:
+        """What a dying executor thread or MPI worker does: queue the exception for the next response."""
+        self.error_queue.put(error)
+
+    def raise_background_error(self) -> None:
+        if not self.error_queue.empty():
+            error = self.error_queue.get()
+            self.shutdown()  # upstream shuts the executor down, then raises the exception as is
+            raise error
 
     # ---- the cache transceiver, between processes -------------------------------------------------------
     def _send_context(self, request_id: int, prompt: list[int], digest: str | None, first: int) -> bytes:
