@@ -11,7 +11,7 @@ import sys
 from hpc.manifest import Manifest
 from hpc.runtime.services.discovery import open_discovery
 from hpc.runtime.frontend.app import Frontend, model_dir
-from hpc.runtime.frontend.router import Router
+from hpc.runtime.frontend.router import SETTLE_S, Router
 from hpc.runtime.frontend.tokenizer import TextCodec
 from hpc.runtime.engine.tiny import ensure_model
 from hpc.runtime.serve.http import HttpLimits, HttpServer
@@ -56,7 +56,7 @@ async def serve(manifest: Manifest, bind: str | None = None) -> int:
 
 async def _expire_unlisted(router: Router) -> None:
     while True:
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(SETTLE_S / 3)
         router.expire_unlisted()
 
 

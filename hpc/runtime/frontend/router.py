@@ -3,7 +3,9 @@
 An instance leaves routing the moment its connection drops (a killed worker) or its discovery lease
 expires (a hung or partitioned worker), whichever comes first. One exception: when most known instances lose
 their leases at once, that is discovery's fault (an etcd pause or restart expires every lease when it resumes),
-not theirs, so the ones still connected keep serving for a grace period while they re-register.
+not theirs, so the ones still connected keep serving for a grace period while they re-register. etcd's watch
+reports each expired lease as its own event, so "at once" is a window: a connected instance whose lease expired
+waits SETTLE_S for others to follow before it leaves routing.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from hpc.spec.recipe import RouterPolicy
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
 MASS_EXPIRY_GRACE_S = 5.0  # workers refresh every LEASE_TTL_S / 4 and re-register at once when a lease expired
+SETTLE_S = 0.3  # how far apart the watch events of one mass expiry may arrive
 
 
 class NoInstance(Exception):
@@ -40,27 +43,34 @@ class Router:
         self.served: dict[str, int] = {}
         self.dead: set[str] = set()  # instance ids whose connection dropped
         self.unlisted: dict[str, float] = {}  # key -> when it leaves routing unless it re-registers
+        self.vanished_at: dict[str, float] = {}  # key -> when its lease expired (connected instances only)
         self._rr = itertools.count()
 
     def update(self, snapshot: Snapshot, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         self.expire_unlisted(now)
         fresh = {k: i for k, i in snapshot.items() if i.instance_id not in self.dead}
-        vanished = [k for k in self.instances if k not in fresh]
-        mass_expiry = len(vanished) >= 2 and 2 * len(vanished) > len(self.instances)
         for key in list(self.instances):
             if key in fresh and fresh[key].instance_id == self.instances[key].instance_id:
                 self.unlisted.pop(key, None)
+                self.vanished_at.pop(key, None)
             elif key in fresh:  # restarted under the same name: the old process is gone
                 self._drop(key)
             elif key in self.unlisted:
-                pass  # still within its grace (expire_unlisted dropped those past it)
-            elif mass_expiry and self._connected(key):
-                self.unlisted[key] = now + MASS_EXPIRY_GRACE_S
-                log.warning("lease of %s expired with most others (discovery paused?): kept for %.0f s", key,
-                            MASS_EXPIRY_GRACE_S)
+                pass  # still within its settle window or grace (expire_unlisted dropped those past it)
+            elif self._connected(key):  # wait a moment: others may follow (then it is discovery's fault)
+                self.unlisted[key] = now + SETTLE_S
+                self.vanished_at[key] = now
             else:
                 self._drop(key)
+        recent = [k for k, t in self.vanished_at.items() if now - t <= SETTLE_S and k in self.unlisted]
+        if len(recent) >= 2 and 2 * len(recent) > len(self.instances):
+            for key in recent:
+                grace = self.vanished_at[key] + MASS_EXPIRY_GRACE_S
+                if self.unlisted[key] < grace:
+                    self.unlisted[key] = grace
+                    log.warning("lease of %s expired with most others (discovery paused?): kept for %.0f s", key,
+                                MASS_EXPIRY_GRACE_S)
         for key, inst in fresh.items():
             if key not in self.instances:
                 self.instances[key] = inst
@@ -80,6 +90,7 @@ class Router:
 
     def _drop(self, key: str) -> None:
         self.unlisted.pop(key, None)
+        self.vanished_at.pop(key, None)
         inst = self.instances.pop(key, None)
         client = self.clients.pop(key, None)
         self.inflight.pop(key, None)

@@ -120,25 +120,29 @@ class RpcServer:
     async def _run(self, call: Call, payload: bytes, writer: asyncio.StreamWriter,
                    streams: dict[int, asyncio.Task]) -> None:
         sid = call.id
+
+        def send(reply: Reply, data: bytes = b"") -> None:
+            if not writer.is_closing():  # the caller went away: nobody to answer
+                writer.write(encode_frame(reply, data))
         handler = self.handlers.get(type(call.body))
         self.inflight += 1
         try:
             if handler is None:
                 raise RemoteError(f"this worker does not serve {type(call.body).__name__}", 400)
             async for body, data in handler(call.body, payload):
-                writer.write(encode_frame(Reply(sid, body), data))
+                send(Reply(sid, body), data)
                 if writer.transport.get_write_buffer_size() > 1 << 20:
                     await writer.drain()
-            writer.write(encode_frame(Reply(sid, end=True)))
+            send(Reply(sid, end=True))
         except asyncio.CancelledError:
             pass
         except RemoteError as exc:
-            writer.write(encode_frame(Reply(sid, end=True, error=str(exc), code=exc.code)))
+            send(Reply(sid, end=True, error=str(exc), code=exc.code))
         except ValueError as exc:  # bad request content
-            writer.write(encode_frame(Reply(sid, end=True, error=str(exc), code=400)))
+            send(Reply(sid, end=True, error=str(exc), code=400))
         except Exception as exc:
             log.exception("handler for %s failed", type(call.body).__name__)
-            writer.write(encode_frame(Reply(sid, end=True, error=f"{type(exc).__name__}: {exc}", code=500)))
+            send(Reply(sid, end=True, error=f"{type(exc).__name__}: {exc}", code=500))
         finally:
             self.inflight -= 1
             streams.pop(sid, None)
@@ -206,6 +210,8 @@ class RpcClient:
         timer = asyncio.get_running_loop().call_at(deadline, queue.put_nowait, _DEADLINE) if deadline else None
         what = type(body).__name__
         try:
+            if self._writer.is_closing():  # dropped, and the reader has not noticed yet
+                raise PeerGone(f"connection to {self.host}:{self.port} lost")
             self._writer.write(encode_frame(Call(sid, body), payload))
             while True:
                 item = await queue.get()
@@ -225,7 +231,7 @@ class RpcClient:
             if timer is not None:
                 timer.cancel()
             self._queues.pop(sid, None)
-            if not finished and self.alive and self._writer is not None:
+            if not finished and self.alive and self._writer is not None and not self._writer.is_closing():
                 self._writer.write(encode_frame(Call(sid, Cancel())))  # caller stopped early
 
     async def call(self, body: CallBody, payload: bytes = b"") -> tuple[ReplyBody | None, bytes]:

@@ -69,15 +69,35 @@ class EtcdDiscovery:
         await client.put((self.prefix + instance.key).encode(), instance.model_dump_json().encode(), lease=self._lease)
 
     async def _keepalive(self, instance: Instance) -> None:
+        registered = True
         while True:
             await asyncio.sleep(LEASE_TTL_S / 4)
             try:
-                reply = await self._lease.refresh()
-                if reply is None or reply.TTL <= 0:  # expired while we were stopped or cut off: come back
-                    log.warning("lease expired; registering again")
+                if registered:
+                    reply = await self._lease.refresh()
+                    if reply is None or reply.TTL <= 0:  # expired while we were stopped or cut off: come back
+                        log.warning("lease expired; registering again")
+                        registered = False
+                if not registered:
+                    # a new lease *and* the key under it: a lease granted before a failed put refreshes fine
+                    # but announces nothing, so the put is retried until it lands
                     await self._put(instance)
-            except Exception as exc:  # etcd gone: keep trying; the lease may expire meanwhile
-                log.warning("lease refresh failed: %s", exc)
+                    registered = True
+            except Exception as exc:  # etcd gone, slow or restarted: keep trying; the lease may expire meanwhile
+                log.warning("lease refresh or registration failed: %s", exc)
+                # Next round: a fresh connection, a new lease and the key again. A restarted etcd has forgotten
+                # this client's auth token ("invalid auth token" on every call until it authenticates again);
+                # re-putting the key under a new lease is harmless if the old one was still alive.
+                registered = False
+                await self._reconnect()
+
+    async def _reconnect(self) -> None:
+        old, self._client = self._client, None
+        if old is not None:
+            try:
+                await old.close()
+            except Exception:
+                pass
 
     async def deregister(self) -> None:
         for task in self._tasks:
@@ -118,7 +138,7 @@ class EtcdDiscovery:
                 raise
             except Exception as exc:
                 log.warning("etcd watch failed (%s); retrying", exc)
-                self._client = None
+                await self._reconnect()
                 await asyncio.sleep(0.2)
 
     async def close(self) -> None:

@@ -85,6 +85,19 @@ def test_etcd_needs_the_jobs_password(tmp_path):
 
         from hpc.rundir import read_json
 
+        # A worker registered under a lease, refreshing it from its own event loop, as a worker does.
+        import threading
+
+        from hpc.runtime.services.discovery import Instance
+
+        worker = open_discovery(Manifest.load(run_dir / "manifest.json"), timeout=60)
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever)
+        thread.start()
+        instance = Instance(role="prefill", index=0, instance_id="p0", host="127.0.0.1", rpc_port=1, http_port=2,
+                            node="n0")
+        asyncio.run_coroutine_threadsafe(worker.register(instance), loop).result(30)
+
         state = run_dir / "state" / "etcd.json"
         os.kill(read_json(state)["server_pid"], signal.SIGKILL)
         deadline = time.monotonic() + 30
@@ -100,6 +113,28 @@ def test_etcd_needs_the_jobs_password(tmp_path):
 
         discovery._client = None
         assert asyncio.run(kept()) == b"1"
+
+        # The restarted etcd forgot every auth token. Refreshing a lease does not need one, granting a new lease
+        # does: pause etcd past the lease's TTL, and the worker must register again through a fresh, authenticated
+        # connection (with the stale token every grant failed and the worker left routing for good).
+        server = read_json(state)["server_pid"]
+        os.kill(server, signal.SIGSTOP)
+        time.sleep(3.0)
+        os.kill(server, signal.SIGCONT)
+        time.sleep(4.0)
+
+        async def registered() -> list[str]:
+            discovery._client = None
+            found = sorted(await discovery.snapshot())
+            await discovery.close()
+            return found
+        try:
+            assert asyncio.run(registered()) == ["prefill/0"]
+        finally:
+            asyncio.run_coroutine_threadsafe(worker.close(), loop).result(30)
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+            loop.close()
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
