@@ -22,10 +22,20 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def local_stack(recipe: str, *overrides: str) -> Iterator[tuple[RunDir, str]]:
+def local_stack(recipe: str, *overrides: str, cluster: str | None = None) -> Iterator[tuple[RunDir, str]]:
+    """The stack on this machine, or (`cluster`: a Slurm profile such as dev) as a job there, stopped afterwards."""
+    if cluster:
+        import yaml
+
+        from hpc.spec.catalog import project_root
+
+        conf = yaml.safe_load((project_root() / "clusters" / f"{cluster}.yaml").read_text()).get("slurm_conf")
+        if conf:
+            os.environ["SLURM_CONF"] = conf
     with tempfile.TemporaryDirectory(prefix="hpc-bench-") as runs:
         os.environ["HPC_RUNS_DIR"] = runs
         args = ["launch", "-r", recipe, "--no-smoke", "--set", f"frontend.port={free_port()}"]
+        args += ["-c", cluster] if cluster else []
         for o in overrides:
             args += ["--set", o]
         code = main(args)
@@ -36,4 +46,7 @@ def local_stack(recipe: str, *overrides: str) -> Iterator[tuple[RunDir, str]]:
             url = json.loads((Path(run.path) / "endpoints" / "frontend.json").read_text())["url"]
             yield run, url
         finally:
-            stop_local(run, 5)
+            if cluster:
+                main(["cancel", str(run.run_info().get("job_id", run.path.name)), "--grace", "2"])
+            else:
+                stop_local(run, 5)

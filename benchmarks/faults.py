@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _stack import free_port, local_stack  # noqa: E402
+from _stack import local_stack  # noqa: E402
 
 from hpc.bench.httpclient import Pool  # noqa: E402
 from hpc.checks.probe import get_json  # noqa: E402
@@ -166,35 +166,6 @@ async def run(url: str, state_dir: Path, requests: int, concurrency: int) -> tup
     return counts, faults.rows
 
 
-@contextlib.contextmanager
-def slurm_stack(cluster: str):
-    """The same stack as a job on a Slurm cluster profile (the dev cluster), cancelled afterwards."""
-    import tempfile
-
-    import yaml
-
-    from hpc.cli.main import main as hpc
-    from hpc.rundir import list_runs
-    from hpc.spec.catalog import project_root
-
-    conf = yaml.safe_load((project_root() / "clusters" / f"{cluster}.yaml").read_text()).get("slurm_conf")
-    if conf:
-        os.environ["SLURM_CONF"] = conf
-    with tempfile.TemporaryDirectory(prefix="hpc-bench-") as runs:
-        os.environ["HPC_RUNS_DIR"] = runs
-        args = ["launch", "-c", cluster, "-r", STACK[0], "--no-smoke", "--set", f"frontend.port={free_port()}"]
-        for o in STACK[1:]:
-            args += ["--set", o]
-        code = hpc(args)
-        run = list_runs()[0]
-        try:
-            if code != 0:
-                raise SystemExit(f"launch on {cluster} failed; logs in {run.logs}")
-            yield run, json.loads((run.path / "endpoints" / "frontend.json").read_text())["url"]
-        finally:
-            hpc(["cancel", str(run.run_info().get("job_id", run.path.name)), "--grace", "2"])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=5000)
@@ -202,7 +173,7 @@ def main() -> None:
     parser.add_argument("--cluster", default=None, help="a Slurm cluster profile (dev); default: this machine")
     args = parser.parse_args()
     with contextlib.redirect_stdout(io.StringIO()):
-        stack = slurm_stack(args.cluster) if args.cluster else local_stack(*STACK)
+        stack = local_stack(*STACK, cluster=args.cluster)
         run_dir, url = stack.__enter__()
     try:
         counts, rows = asyncio.run(run(url, run_dir.state, args.requests, args.concurrency))

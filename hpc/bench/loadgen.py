@@ -1,7 +1,8 @@
 """Async load generation against an OpenAI-compatible server: TTFT, ITL, latency, throughput, validity.
 
 A level is one (concurrency, input length, output length) point. A result is invalid when no tokens came
-back, more than 5 % of requests failed, or fewer requests completed than were asked for.
+back, more than 5 % of requests failed, fewer requests completed than were asked for, or (closed loop) the
+level never had `concurrency` requests in flight at once — a "c=64" level of 16 requests measures c=16.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Callable
 from hpc.bench.httpclient import Pool
 
 MAX_FAILURE_RATE = 0.05
+REQUESTS_PER_USER = 4  # the default floor: requests per level >= 4 x concurrency
 
 
 @dataclass(frozen=True)
@@ -113,12 +115,18 @@ async def run_level(url: str, model: str, level: Level, streaming: bool, warmup:
         await one_request(pool, model, level, streaming, rng)
     samples: list[Sample] = []
     queue = list(range(level.requests))
+    inflight = {"now": 0, "peak": 0}
     t0 = time.perf_counter()
 
     async def user() -> None:
         while queue:
             queue.pop()
-            samples.append(await one_request(pool, model, level, streaming, rng))
+            inflight["now"] += 1
+            inflight["peak"] = max(inflight["peak"], inflight["now"])
+            try:
+                samples.append(await one_request(pool, model, level, streaming, rng))
+            finally:
+                inflight["now"] -= 1
             progress(len(samples), level.requests)
 
     if level.rate:
@@ -133,10 +141,10 @@ async def run_level(url: str, model: str, level: Level, streaming: bool, warmup:
         await asyncio.gather(*[user() for _ in range(level.concurrency)])
     wall = time.perf_counter() - t0
     pool.close()
-    return summarize(level, samples, wall)
+    return summarize(level, samples, wall, peak_inflight=None if level.rate else inflight["peak"])
 
 
-def summarize(level: Level, samples: list[Sample], wall: float) -> dict[str, Any]:
+def summarize(level: Level, samples: list[Sample], wall: float, peak_inflight: int | None = None) -> dict[str, Any]:
     ok = [s for s in samples if s.ok]
     tokens = sum(s.tokens for s in ok)
     failures = len(samples) - len(ok)
@@ -148,10 +156,14 @@ def summarize(level: Level, samples: list[Sample], wall: float) -> dict[str, Any
         reasons.append(f"{failure_rate:.0%} of requests failed (limit {MAX_FAILURE_RATE:.0%})")
     if len(ok) < level.requests:
         reasons.append(f"{len(ok)} of {level.requests} requests completed")
+    if peak_inflight is not None and peak_inflight < level.concurrency:
+        reasons.append(f"never had {level.concurrency} requests in flight (peak {peak_inflight}): "
+                       f"send at least {REQUESTS_PER_USER * level.concurrency} requests")
     errors = sorted({s.error for s in samples if s.error})[:5]
     return {
         **asdict(level), "completed": len(ok), "failed": failures, "failure_rate": failure_rate,
-        "output_tokens": tokens, "duration_s": wall, "output_tokens_per_s": tokens / wall if wall else 0.0,
+        "output_tokens_total": tokens, "output_tokens_per_request": tokens / len(ok) if ok else 0.0,
+        "peak_inflight": peak_inflight, "duration_s": wall, "output_tokens_per_s": tokens / wall if wall else 0.0,
         "requests_per_s": len(ok) / wall if wall else 0.0,
         "ttft_s": percentiles([s.ttft for s in ok if s.ttft is not None]),
         "itl_s": percentiles([x for s in ok for x in s.itls]),

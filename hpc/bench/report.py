@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-COLUMNS = ["concurrency", "input_tokens", "output_tokens", "requests", "completed", "failure_rate",
+COLUMNS = ["concurrency", "input_tokens", "output_tokens", "output_tokens_per_request", "requests", "completed",
+           "peak_inflight", "failure_rate",
            "output_tokens_per_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
            "e2e_p50_ms", "e2e_p90_ms", "e2e_p99_ms", "valid"]
 
@@ -36,13 +37,14 @@ def write(results: dict[str, Any], out_dir: Path) -> list[Path]:
 
 
 def table(results: dict[str, Any]) -> str:
-    head = f"{'conc':>5} {'in':>5} {'out':>5} {'ok':>6} {'fail%':>6} {'tok/s':>9} {'req/s':>8} " \
+    head = f"{'conc':>5} {'in':>5} {'out':>5} {'out/req':>7} {'ok':>6} {'fail%':>6} {'tok/s':>9} {'req/s':>8} " \
            f"{'TTFT p50':>9} {'ITL p50':>8} {'e2e p50':>8} {'e2e p99':>8}  valid"
     lines = [head]
     for lv in results["levels"]:
         f = flat(lv)
         fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
         lines.append(f"{f['concurrency']:>5} {f['input_tokens']:>5} {f['output_tokens']:>5} "
+                     f"{lv.get('output_tokens_per_request', 0):>7.1f} "
                      f"{lv['completed']:>6} {100 * lv['failure_rate']:>5.1f}% {lv['output_tokens_per_s']:>9.1f} "
                      f"{lv['requests_per_s']:>8.2f} {fmt(f['ttft_p50_ms']):>9} {fmt(f['itl_p50_ms']):>8} "
                      f"{fmt(f['e2e_p50_ms']):>8} {fmt(f['e2e_p99_ms']):>8}  "

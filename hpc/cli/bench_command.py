@@ -28,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=_ints, help="e.g. 1,4,16 (default: the recipe's)")
     p.add_argument("--input-tokens", type=_ints, help="input lengths, e.g. 128,1024")
     p.add_argument("--output-tokens", type=_ints, help="output lengths (paired with --input-tokens)")
-    p.add_argument("--requests", type=int, help="requests per level")
+    p.add_argument("--requests", type=int, help="requests per level (default: the recipe's, at least 4 x concurrency)")
     p.add_argument("--rate", type=float, help="open loop: requests/s (Poisson) instead of a closed loop")
     p.add_argument("--warmup", type=int, help="warm-up requests per level")
     p.add_argument("--no-stream", action="store_true", help="non-streaming requests (no TTFT/ITL)")
@@ -48,7 +48,7 @@ def _load(path: Path) -> dict:
 
 def bench(args: argparse.Namespace) -> int:
     from hpc.bench import report
-    from hpc.bench.loadgen import Level, run_sweep
+    from hpc.bench.loadgen import REQUESTS_PER_USER, Level, run_sweep
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if args.compare:
@@ -81,10 +81,13 @@ def bench(args: argparse.Namespace) -> int:
     outs = args.output_tokens or ([s.output_tokens for s in spec.shapes] if spec else [64])
     if len(ins) != len(outs):
         raise UserError("--input-tokens and --output-tokens need the same number of values")
-    requests = args.requests or (spec.requests_per_level if spec else 64)
+    base = spec.requests_per_level if spec else 64
     warmup = args.warmup if args.warmup is not None else (spec.warmup_requests if spec else 4)
     streaming = not args.no_stream and (spec.streaming if spec else True)
-    levels = [Level(c, i, o, requests, args.rate) for i, o in zip(ins, outs) for c in concurrency]
+    # Explicit --requests is taken as given (the validity gate still flags a level that never reached its
+    # concurrency); the default is the recipe's number, but never fewer than REQUESTS_PER_USER per user.
+    levels = [Level(c, i, o, args.requests or max(base, REQUESTS_PER_USER * c), args.rate)
+              for i, o in zip(ins, outs) for c in concurrency]
     results = {"target": url, "model": model, "streaming": streaming, "started": stamp,
                "levels": run_sweep(url, model, levels, streaming, warmup)}
     results["valid"] = all(lv["valid"] for lv in results["levels"])

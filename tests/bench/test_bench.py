@@ -27,7 +27,9 @@ def test_bench_against_mock_run_is_consistent_and_plots(mock, tmp_path, capsys):
                  "--output-tokens", "8", "--requests", "12", "--warmup", "0", "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())
     after = metric_values(get_text(mock.url + "/metrics"), "hpc_frontend_completion_tokens_total")
-    assert sum(lv["output_tokens"] for lv in res["levels"]) == after - before == 2 * 12 * 8
+    assert sum(lv["output_tokens_total"] for lv in res["levels"]) == after - before == 2 * 12 * 8
+    # per request, as asked (the table's `out` and `out/req`), not the level's total
+    assert [(lv["output_tokens"], lv["output_tokens_per_request"]) for lv in res["levels"]] == [(8, 8.0)] * 2
     for lv in res["levels"]:
         assert lv["valid"] and lv["completed"] == 12
         assert lv["ttft_s"]["p50"] <= lv["e2e_s"]["p50"] and lv["ttft_s"]["p99"] <= lv["e2e_s"]["p99"]
@@ -45,7 +47,7 @@ def test_bench_against_mock_run_is_consistent_and_plots(mock, tmp_path, capsys):
 def test_bench_against_tiny_disagg_counts_match_server(disagg, tmp_path):
     res = run_sweep(disagg.url, disagg.model, [Level(2, 32, 6, 8)], streaming=True, warmup=1, show_progress=False)
     (lv,) = res
-    assert lv["valid"] and lv["output_tokens"] == 8 * 6
+    assert lv["valid"] and lv["output_tokens_total"] == 8 * 6 and lv["peak_inflight"] == 2
     assert lv["ttft_s"]["p50"] <= lv["e2e_s"]["p50"]
 
 
@@ -98,7 +100,7 @@ def test_gate_flags_quarter_failures_and_cli_exits_nonzero(tmp_path):
     srv = FakeServer("fail-quarter")
     (lv,) = run_sweep(f"http://127.0.0.1:{srv.port}", "m", [Level(1, 8, 4, 40)], True, 0, False)
     assert not lv["valid"] and lv["failure_rate"] == pytest.approx(0.25, abs=0.03)
-    assert any("failed" in r for r in lv["invalid_reasons"]) and lv["output_tokens"] > 0
+    assert any("failed" in r for r in lv["invalid_reasons"]) and lv["output_tokens_total"] > 0
     code = main(["bench", "--url", f"http://127.0.0.1:{srv.port}", "--model", "m", "--concurrency", "2",
                  "--requests", "20", "--warmup", "0", "--out", str(tmp_path / "o")])
     assert code == 1
@@ -109,4 +111,16 @@ def test_gate_flags_quarter_failures_and_cli_exits_nonzero(tmp_path):
 def test_gate_passes_a_good_server():
     srv = FakeServer("good")
     (lv,) = run_sweep(f"http://127.0.0.1:{srv.port}", "m", [Level(4, 8, 5, 40)], True, 0, False)
-    assert lv["valid"] and lv["output_tokens"] == 200 and lv["failure_rate"] == 0
+    assert lv["valid"] and lv["output_tokens_total"] == 200 and lv["failure_rate"] == 0
+
+
+@pytest.mark.unit
+def test_a_level_that_never_reached_its_concurrency_is_invalid_and_the_default_sends_enough(tmp_path):
+    srv = FakeServer("good")
+    (lv,) = run_sweep(f"http://127.0.0.1:{srv.port}", "m", [Level(32, 8, 4, 16)], True, 0, False)
+    assert not lv["valid"] and lv["peak_inflight"] == 16
+    assert "never had 32 requests in flight (peak 16)" in lv["invalid_reasons"][0]
+    assert main(["bench", "--url", f"http://127.0.0.1:{srv.port}", "--model", "m", "--concurrency", "1,32",
+                 "--input-tokens", "8", "--output-tokens", "4", "--warmup", "0", "--out", str(tmp_path / "o")]) == 0
+    levels = json.loads((tmp_path / "o" / "results.json").read_text())["levels"]
+    assert [(lv["requests"], lv["peak_inflight"], lv["valid"]) for lv in levels] == [(64, 1, True), (128, 32, True)]
