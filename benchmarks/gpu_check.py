@@ -1,9 +1,12 @@
 """GPU check: the torch reference engine's model on CUDA, TP=1 vs TP=2 over MPI + NCCL, decode speed vs roofline.
 
-    python benchmarks/gpu_check.py            # needs 2 GPUs, mpi4py and an MPI (mpiexec) for the TP=2 part
+    python benchmarks/gpu_check.py [--shape 1b|8b] --mpiexec "mpirun --allow-run-as-root"
 
-It builds a random-weight Llama of about 1 B parameters (hidden 2048, 16 layers, vocabulary 32k) from a
-seeded CUDA generator (identical on every rank), then:
+The TP=2 part needs 2 GPUs, mpi4py and the MPI mpi4py was built against (on the GPU machine its Open MPI
+`mpirun --allow-run-as-root`; an MPICH `mpiexec` starts two singleton ranks of world size 1, which this check
+refuses instead of comparing one record with itself). It builds a random-weight Llama — `1b`: hidden 2048,
+16 layers, vocabulary 32k; `8b`: Llama-3.1-8B's shapes (hidden 4096, 32 layers, 32 heads, 8 KV heads, FFN
+14336, vocabulary 128,256) — from a seeded CUDA generator (identical on every rank), then:
   1. greedy tokens for a fixed prompt set with TP=1, and with TP=2 launched as 2 MPI ranks (mpiexec),
      the process group initialised from the MPI ranks and each rank pinned to its own GPU;
      compared in fp32 (bf16 agreement is reported too);
@@ -31,8 +34,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from hpc.runtime.engine.llama import LlamaConfig, LlamaForCausalLM, TensorParallel, shard_state_dict  # noqa: E402
 from hpc.runtime.engine.tp import init_group, world_rank  # noqa: E402
 
-CFG = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-                  num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)
+SHAPES = {
+    "1b": LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096),
+    "8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                      rope_theta=500000.0),
+}
+CFG = SHAPES[os.environ.get("HPC_GPU_CHECK_SHAPE", "1b")]  # the MPI ranks read the choice from the environment
 PROMPTS = [[1, 15043, 29892, 590, 1024, 338], [1, 450, 7483, 310, 3444, 338], [1, 822, 1667, 7295],
            [1, 3532, 833, 4909, 310, 278, 21589, 29871], [1, 29871, 29896, 29974, 29896, 29922]]
 GREEDY_TOKENS = 32
@@ -223,13 +232,17 @@ def main() -> None:
     parser.add_argument("--rank-of", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the figures here")
-    parser.add_argument("--mpiexec", default="mpiexec")
+    parser.add_argument("--mpiexec", default="mpiexec", help='the MPI launcher, e.g. "mpirun --allow-run-as-root"')
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=os.environ.get("HPC_GPU_CHECK_SHAPE", "1b"))
     parser.add_argument("--profile", action="store_true", help="print batch-1 kernel times (fused path)")
     parser.add_argument("--torch-b1", action="store_true", help="also time batch 1 on the compiled torch path")
     args = parser.parse_args()
     # the MPI ranks are separate processes: the choices travel in their environment
     os.environ["HPC_GPU_CHECK_PROFILE"] = "1" if args.profile else os.environ.get("HPC_GPU_CHECK_PROFILE", "0")
     os.environ["HPC_GPU_CHECK_TORCH_B1"] = "1" if args.torch_b1 else os.environ.get("HPC_GPU_CHECK_TORCH_B1", "0")
+    os.environ["HPC_GPU_CHECK_SHAPE"] = args.shape
+    global CFG
+    CFG = SHAPES[args.shape]
     if args.rank_of:
         run_rank(args.rank_of, args.out)
         return
@@ -239,9 +252,14 @@ def main() -> None:
     tp2 = None
     result_ok = True
     if torch.cuda.device_count() >= 2:
-        cmd = [args.mpiexec, "-n", "2", sys.executable, __file__, "--rank-of", "2", "--out", f"{tmp}/tp2.json"]
+        cmd = [*args.mpiexec.split(), "-n", "2", sys.executable, __file__, "--rank-of", "2", "--out",
+               f"{tmp}/tp2.json"]
         subprocess.run(cmd, check=True)
         tp2 = json.load(open(f"{tmp}/tp2.json"))
+        worlds = sorted(r["world"] for r in tp2)
+        if worlds != [2, 2]:
+            sys.exit(f"GPU check FAILED: `{args.mpiexec} -n 2` gave ranks of world size {worlds}, not two ranks of "
+                     "one world of 2: the launcher is not the MPI mpi4py was built against (use its mpirun)")
     context_kv = 2 * CFG.num_hidden_layers * CFG.num_key_value_heads * CFG.head_dim * 2 * 512  # bf16, 512 tokens
     rows = []
     for label, ranks in (("TP=1", [tp1]), ("TP=2", tp2)):

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.unit
 def _write_recipe(tmp_path: Path, roles: dict, engine: dict[str, dict] | None = None, **extra) -> str:
     for name, cfg in (engine or {}).items():
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
-    data = {"name": "t", "model": {"path": "/m", "served_name": "m"}, "backend": "trtllm", "roles": roles, **extra}
+    data = {"name": "t", "model": {"path": "/m", "served_name": "m"}, "backend": "trtllm", "roles": roles}
+    data.update(extra)
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(data))
     return str(path)
@@ -119,3 +120,15 @@ def test_bad_yaml_names_line(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("name: x\nroles: [\n")
     assert "bad.yaml: line" in _error("eos", str(path))
+
+
+@pytest.mark.parametrize("layout, field", [({"pipeline_parallel_size": 2}, "roles.agg.pipeline_parallel_size"),
+                                           ({"tensor_parallel_size": 2, "expert_parallel_size": 2},
+                                            "roles.agg.expert_parallel_size")])
+def test_the_torch_engine_refuses_layouts_it_cannot_run(tmp_path, layout, field):
+    r = _write_recipe(tmp_path, {"agg": layout}, backend="torch")
+    msg = _error("eos", r)
+    assert f"recipe.yaml: {field}: the torch reference engine runs tensor parallelism only" in msg
+    assert "use backend: trtllm" in msg
+    trtllm = _write_recipe(tmp_path, {"agg": layout})
+    assert resolve("eos", trtllm).recipe.backend.value == "trtllm"  # the same layout is fine on TensorRT-LLM
