@@ -105,8 +105,37 @@ def stop_local(run: RunDir, grace_s: float = 10.0) -> list[int]:
     return [p for p in groups if alive(p)]
 
 
+def visible_gpus() -> int:
+    """NVIDIA GPUs this machine shows its processes, without importing torch (the launcher stays light)."""
+    ids = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if ids is not None:
+        return len([i for i in ids.split(",") if i.strip() and i.strip() != "-1"])
+    try:
+        return len(list(Path("/proc/driver/nvidia/gpus").iterdir()))
+    except OSError:
+        return 0
+
+
+def gpu_sharing(workers: list, gpus: int) -> str | None:
+    """One line when the plan wants more GPUs than the machine has: who shares which (the workers fall back to
+    round-robin placement, see hpc.runtime.worker.serve.device_for); None when every worker has its own."""
+    if gpus == 0:
+        return None
+    wanted = {(w.name, r.rank): r.gpu for w in workers for r in w.ranks}
+    if max(wanted.values(), default=0) < gpus:
+        return None
+    where = ", ".join(f"{name}{'' if rank == 0 else f'.rank{rank}'} -> cuda:{gpu % gpus}"
+                      for (name, rank), gpu in wanted.items())
+    return (f"note: the plan gives each worker its own GPUs ({len(set(wanted.values()))} in all) but this machine "
+            f"has {gpus}: workers share them ({where})")
+
+
 def launch_local(run: RunDir, wait: bool = True, smoke: bool = True) -> int:
     m = run.manifest()
+    if m.recipe.backend.value != "mock":
+        note = gpu_sharing(m.plan.workers, visible_gpus())
+        if note:
+            print(note)
     t0 = time.monotonic()
     pids = start_processes(run)
     run.update_run_info(submitted=True, scheduler="local", job_id=run.path.name, submitted_at=time.time())

@@ -47,7 +47,7 @@ async def serve(manifest: Manifest, role: str, index: int) -> int:
                            f"(TP x PP); launch it with the job's srun step")
     host = node_address(manifest)
     reporter = Reporter(manifest, name if rank == 0 else f"{name}.rank{rank}")
-    device = planned_device(plan, rank)
+    device = planned_device(plan, rank, whole_node=manifest.cluster.is_local)
     reporter.phase("started", rank=rank, world=world, device=device, planned_gpu=plan.ranks[rank].gpu,
                    cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
     await asyncio.to_thread(ensure_model, manifest.recipe.model.path, manifest.recipe.model.generate)
@@ -87,24 +87,36 @@ async def serve(manifest: Manifest, role: str, index: int) -> int:
     return code
 
 
-def planned_device(plan: WorkerPlan, rank: int) -> str:
-    """This rank's device, from the plan's rank -> GPU map. A step that sees the whole node's GPUs uses the planned
-    index; one that sees only this worker's GPUs (Slurm binding, or a local launch's CUDA_VISIBLE_DEVICES) uses the
-    position among them."""
+def planned_device(plan: WorkerPlan, rank: int, whole_node: bool = False) -> str:
+    """This rank's device from the plan's rank -> GPU map (see device_for); `whole_node`: a local launch, whose
+    processes see every GPU of the machine."""
     try:
         import torch
     except ImportError:
         return "cpu"
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device, shared = device_for(plan, rank, visible, whole_node)
+    if shared:
+        log.warning("%s rank %d: planned GPU %d but this machine has %d; sharing %s with other workers",
+                    plan.name, rank, plan.ranks[rank].gpu, visible, device)
+    return device
+
+
+def device_for(plan: WorkerPlan, rank: int, visible: int, whole_node: bool = False) -> tuple[str, bool]:
+    """(device, shared). A process that sees the whole node's GPUs uses the planned index; one that sees only its
+    worker's GPUs (Slurm binding) uses the position among them. A local launch on a machine with fewer GPUs than
+    the plan places its workers round-robin on the ones there are — the stated fallback, reported as shared."""
     if visible == 0:
-        return "cpu"
+        return "cpu", False
     gpu = plan.ranks[rank].gpu
+    if whole_node:
+        return f"cuda:{gpu % visible}", gpu >= visible
     if visible > gpu and visible > plan.gpus_per_node:
-        return f"cuda:{gpu}"
+        return f"cuda:{gpu}", False
     index = gpu - plan.gpu_offset
     if not 0 <= index < visible:
         raise RuntimeError(f"{plan.name} rank {rank}: planned GPU {gpu} but this task sees {visible} GPU(s)")
-    return f"cuda:{index}"
+    return f"cuda:{index}", False
 
 
 async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers: Peers, host: str,
