@@ -29,12 +29,13 @@ import triton.language as tl
 
 # Block sizes and warps tried the first time each shape runs (before CUDA-graph capture).
 # A BLOCK_K as wide as K lets a program fetch all its weights before it waits on the previous kernel.
-_GEMV_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
+_GEMV_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=stages)
                  for n, k, w in ((4, 512, 4), (8, 256, 4), (2, 1024, 4), (4, 1024, 4), (1, 2048, 4), (2, 2048, 4),
-                                 (4, 2048, 8), (8, 1024, 8))]
+                                 (4, 2048, 8), (8, 1024, 8), (8, 512, 4), (16, 256, 4), (16, 512, 8))
+                 for stages in (3, 4)]
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if _INTERPRET:  # the CPU interpreter has nothing to time: one config
-    _GEMV_CONFIGS = _GEMV_CONFIGS[1:2]
+    _GEMV_CONFIGS = _GEMV_CONFIGS[2:3]  # (8, 256, 4), 3 stages
 ATTN_CHUNK = 64  # cached positions per attention program
 
 
@@ -73,8 +74,11 @@ def _weight_tile(w_ptr, cols_n, n_mask, k0, K, BLOCK_K: tl.constexpr):
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_ptr, N, K, stride_x, stride_out, eps,
                  HAS_NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    row = tl.program_id(0)  # batch row fastest: programs reading the same weight tile run together
-    cols_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # One flat grid, batch row fastest: programs reading the same weight tile run together. (Not a 2-D grid:
+    # its second axis stops at 65,535 blocks, fewer than a 128k vocabulary's tiles at small BLOCK_N.)
+    rows = tl.num_programs(0) // tl.cdiv(N, BLOCK_N)
+    row = tl.program_id(0) % rows
+    cols_n = (tl.program_id(0) // rows) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = cols_n < N
     x_row = x_ptr + row * stride_x
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -111,7 +115,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm: torch.Tensor | None = N
     out = torch.empty(rows, n, dtype=out_dtype or x.dtype, device=x.device)
     if residual is not None:
         assert residual.shape == out.shape and residual.is_contiguous()
-    grid = lambda meta: (rows, triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
+    grid = lambda meta: (rows * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     pdl = _use_pdl(x.device)
     _gemv_kernel[grid](x, weight, out, residual if residual is not None else out,
                        norm if norm is not None else weight, n, k, x.stride(0), out.stride(0), eps,
