@@ -1,8 +1,13 @@
 """End-to-end tokens/s through the frontend vs calling the torch engine directly (same model, same load).
 
-    python benchmarks/e2e_throughput.py [--concurrency 8] [--requests 32] [--output-tokens 64]
+    python benchmarks/e2e_throughput.py [--concurrency 1,8,32] [--output-tokens 64] [--rounds 3]
+    python benchmarks/e2e_throughput.py --engine-only --concurrency 1,8,32,64   # e.g. on a GPU machine
 
-Goal: the stack keeps >= 95 % of the engine's tokens/s.
+Both paths are warm alike: the direct engine is opened once and kept (as the stack's worker is), and every level
+of either path starts with the same warm-up requests. Stack mode alternates direct and stack rounds so machine
+noise hits both; goal: the stack keeps >= 95 % of the engine's tokens/s at every level. `--engine-only` runs two
+sweeps on one freshly loaded engine and prints both: the engine warms up before it says ready, so the first
+sweep should be as fast as the second. Each level sends 4 x concurrency requests (at least --requests).
 """
 
 from __future__ import annotations
@@ -16,67 +21,109 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _stack import local_stack  # noqa: E402
-
-from hpc.bench.loadgen import Level, prompt_ids, run_sweep  # noqa: E402
+from hpc.bench.loadgen import REQUESTS_PER_USER, Level, prompt_ids  # noqa: E402
 from hpc.runtime.engine.tiny import ensure_model  # noqa: E402
 from hpc.runtime.engine.torch_engine import TorchEngine  # noqa: E402
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams  # noqa: E402
 
+WARMUP = 2
 
-async def engine_direct(model_dir: Path, level: Level) -> float:
-    rng = random.Random(0)
-    async with TorchEngine(model_dir, DisaggregationMode.AGGREGATED, {"max_seq_len": 768}) as engine:
-        queue = list(range(level.requests))
-        tokens = 0
 
-        async def user() -> None:
-            nonlocal tokens
-            while queue:
-                queue.pop()
-                req = GenerateRequest(request_id="x", token_ids=prompt_ids(level.input_tokens, rng),
-                                      sampling=SamplingParams(max_tokens=level.output_tokens, ignore_eos=True))
-                async for out in engine.generate(req):
-                    tokens += len(out.token_ids)
+async def engine_level(engine: TorchEngine, level: Level, rng: random.Random) -> float:
+    async def one() -> int:
+        req = GenerateRequest(request_id="x", token_ids=prompt_ids(level.input_tokens, rng),
+                              sampling=SamplingParams(max_tokens=level.output_tokens, ignore_eos=True))
+        return sum([len(out.token_ids) async for out in engine.generate(req)])
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*[user() for _ in range(level.concurrency)])
-        return tokens / (time.perf_counter() - t0)
+    for _ in range(WARMUP):
+        await one()
+    queue = list(range(level.requests))
+    tokens = 0
+
+    async def user() -> None:
+        nonlocal tokens
+        while queue:
+            queue.pop()
+            produced = await one()  # not `tokens += await one()`: that reads `tokens` before the await and
+            tokens += produced      # drops what the other users added meanwhile (the old 381 % "kept")
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[user() for _ in range(level.concurrency)])
+    return tokens / (time.perf_counter() - t0)
+
+
+def device_label(engine: TorchEngine) -> str:
+    import torch
+
+    if engine.device.type == "cuda":
+        return f"{torch.cuda.get_device_name(engine.device)} ({engine.dtype})".replace("torch.", "")
+    return f"CPU, {os.cpu_count()} cores ({engine.dtype})".replace("torch.", "")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--concurrency", default="8", help="levels, e.g. 1,8,32,64")
+    parser.add_argument("--requests", type=int, default=32, help="requests per level (at least 4 x concurrency)")
     parser.add_argument("--input-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds; medians are reported")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians are reported")
+    parser.add_argument("--engine-only", action="store_true", help="two sweeps on the engine, no stack")
+    parser.add_argument("--model", default="tiny", help="the generated model to serve (tiny)")
     args = parser.parse_args()
-    level = Level(args.concurrency, args.input_tokens, args.output_tokens, args.requests)
-    model_dir = ensure_model("~/.cache/hpc/models/tiny", "tiny")
-    direct, via = [], []
-    with contextlib.redirect_stdout(io.StringIO()):
-        stack = local_stack("tiny-agg")
-        run, url = stack.__enter__()
-    try:  # alternate the two paths so machine noise hits both alike
-        for _ in range(args.rounds):
-            direct.append(asyncio.run(engine_direct(model_dir, level)))
-            (res,) = run_sweep(url, "hpc/tiny", [level], streaming=True, warmup=2, show_progress=False)
-            via.append(res["output_tokens_per_s"])
-    finally:
-        stack.__exit__(None, None, None)
-    med_d, med_v = statistics.median(direct), statistics.median(via)
-    print(f"end-to-end tokens/s, tiny torch model on CPU, c={level.concurrency}, {level.input_tokens} in / "
-          f"{level.output_tokens} out, {level.requests} requests, {args.rounds} alternating rounds, "
-          f"{os.cpu_count()} CPUs")
-    print(f"{'path':<26} {'median':>8} {'min':>8} {'max':>8}")
-    print(f"{'engine directly':<26} {med_d:>8.1f} {min(direct):>8.1f} {max(direct):>8.1f}")
-    print(f"{'through frontend (SSE)':<26} {med_v:>8.1f} {min(via):>8.1f} {max(via):>8.1f}")
-    print(f"{'kept (median / median)':<26} {med_v / med_d:>8.0%}")
+    levels = [Level(c, args.input_tokens, args.output_tokens, max(args.requests, REQUESTS_PER_USER * c))
+              for c in (int(x) for x in args.concurrency.split(","))]
+    model_dir = ensure_model(f"~/.cache/hpc/models/{args.model}", args.model)
+    engine_args = {"max_seq_len": args.input_tokens + args.output_tokens + 64,
+                   "max_batch_size": max(lv.concurrency for lv in levels)}
+
+    async def run() -> tuple[str, dict[int, list[float]], dict[int, list[float]]]:
+        direct: dict[int, list[float]] = {lv.concurrency: [] for lv in levels}
+        via: dict[int, list[float]] = {lv.concurrency: [] for lv in levels}
+        t0 = time.perf_counter()
+        async with TorchEngine(model_dir, DisaggregationMode.AGGREGATED, engine_args) as engine:
+            print(f"engine loaded and warmed up in {time.perf_counter() - t0:.1f} s "
+                  f"(warm-up {engine.warmup_s:.2f} s)", file=sys.stderr)
+            rng = random.Random(0)
+            if args.engine_only:
+                for sweep in (direct, via):  # first sweep, second sweep
+                    for lv in levels:
+                        sweep[lv.concurrency].append(await engine_level(engine, lv, rng))
+                return device_label(engine), direct, via
+            from _stack import local_stack
+            from hpc.bench.loadgen import run_level
+
+            with contextlib.redirect_stdout(io.StringIO()):
+                stack = local_stack("tiny-agg", f"roles.agg.override_engine_args={{\"max_batch_size\": "
+                                                f"{engine_args['max_batch_size']}}}")
+                _, url = stack.__enter__()
+            try:
+                for _ in range(args.rounds):
+                    for lv in levels:
+                        direct[lv.concurrency].append(await engine_level(engine, lv, rng))
+                        res = await run_level(url, "hpc/tiny", lv, True, WARMUP)
+                        via[lv.concurrency].append(res["output_tokens_per_s"])
+            finally:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    stack.__exit__(None, None, None)
+            return device_label(engine), direct, via
+
+    label, direct, via = asyncio.run(run())
+    lv0 = levels[0]
+    print(f"tokens/s, tiny torch model on {label}, {lv0.input_tokens} in / {lv0.output_tokens} out, "
+          f"{'two sweeps' if args.engine_only else f'{args.rounds} alternating rounds, medians'}")
+    if args.engine_only:
+        print(f"{'c':>4} {'requests':>9} {'first sweep':>12} {'second sweep':>13} {'first/second':>13}")
+        for lv in levels:
+            first, second = direct[lv.concurrency][0], via[lv.concurrency][0]
+            print(f"{lv.concurrency:>4} {lv.requests:>9} {first:>12.1f} {second:>13.1f} {first / second:>13.0%}")
+        return
+    print(f"{'c':>4} {'requests':>9} {'engine directly':>16} {'through frontend':>17} {'kept':>6}")
+    for lv in levels:
+        d, v = statistics.median(direct[lv.concurrency]), statistics.median(via[lv.concurrency])
+        print(f"{lv.concurrency:>4} {lv.requests:>9} {d:>16.1f} {v:>17.1f} {v / d:>6.0%}")
 
 
 if __name__ == "__main__":

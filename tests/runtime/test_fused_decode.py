@@ -39,18 +39,22 @@ def _device() -> torch.device:
 
 
 @pytest.mark.parametrize("chunk", [4, 64], ids=["many-chunks", "one-chunk"])
-@pytest.mark.parametrize("slots", [[0], [2, 0, 3]])
+@pytest.mark.parametrize("slots", [[0], [2, 0, 3], [5, 0, 3, 1, 6, 2]], ids=["1-row", "3-rows", "6-rows-batched"])
 def test_decode_steps_match_the_reference(slots: list[int], chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpc.runtime.engine import decode_kernels
+    from hpc.runtime.engine import decode_kernels, fused_decode
 
     monkeypatch.setattr(decode_kernels, "ATTN_CHUNK", chunk)  # positions 0..13 span up to 4 chunks of 4
     device, dtype = _device(), torch.float32
     reference, fused = _models(device, dtype)
     gen = torch.Generator().manual_seed(7)
-    caches = [m.new_cache(4, 32, dtype, device) for m in (reference, fused)]
+    caches = [m.new_cache(8, 32, dtype, device) for m in (reference, fused)]
     slot_ids = torch.tensor(slots, device=device)
     # prefill rows of different lengths (torch path for both), then one-token steps
-    lengths = [5, 1, 9][:len(slots)]
+    lengths = [5, 1, 9, 3, 7, 2][:len(slots)]
+    batched_calls = []
+    batched = fused.fused_decode.batched
+    monkeypatch.setattr(fused.fused_decode, "batched", lambda *a: batched_calls.append(1) or batched(*a))
+    reference.fused_decode = None  # the reference stays on the torch path
     for row, length in enumerate(lengths):
         ids = torch.randint(2, CFG.vocab_size, (1, length), generator=gen).to(device)
         for model, cache in zip((reference, fused), caches):
@@ -66,12 +70,14 @@ def test_decode_steps_match_the_reference(slots: list[int], chunk: int, monkeypa
         for ref_layer, fused_layer in zip(*caches):  # the new K/V landed in the right slot and position
             torch.testing.assert_close(fused_layer, ref_layer, rtol=1e-5, atol=1e-5)
         positions += 1
+    # past MAX_BATCH rows: cuBLAS matmuls around the same Triton attention; up to it: the fused GEMVs
+    assert len(batched_calls) == (4 if len(slots) > fused_decode.MAX_BATCH else 0)
 
 
-def test_prefill_and_large_batches_keep_the_torch_path() -> None:
+def test_prefill_keeps_the_torch_path_and_every_decode_batch_the_triton_attention() -> None:
     _, fused = _models(_device(), torch.float32)
     assert not fused.fused_decode.supports(torch.zeros(1, 4, CFG.hidden_size))
-    assert not fused.fused_decode.supports(torch.zeros(64, 1, CFG.hidden_size))
+    assert fused.fused_decode.supports(torch.zeros(64, 1, CFG.hidden_size))
     assert fused.fused_decode.supports(torch.zeros(3, 1, CFG.hidden_size))
 
 

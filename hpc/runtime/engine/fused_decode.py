@@ -2,8 +2,13 @@
 
 With tensor parallelism each row-parallel matmul adds an all-reduce and a residual-add launch.
 
-Used for one-token steps of up to `MAX_BATCH` rows; prefill and larger batches take the torch path
-(`LlamaForCausalLM.forward_step`), which is also the reference these kernels are tested against.
+Every one-token step takes this path. Up to `MAX_BATCH` rows the matmuls are the fused GEMVs; past it they are
+cuBLAS matmuls (one read of each weight for all rows), but attention stays the Triton decode kernel: one
+attention path for every batch size, whose launch covers the whole cache and reads positions from device
+memory, so no step's shape is new to it (torch's SDPA builds a cuDNN plan for each new (batch, KV length),
+33 ms median on first use, and the KV length changed every step) and every step can be captured in a CUDA
+graph. Prefill takes the torch path (`LlamaForCausalLM.forward_step`), which is also the reference these
+kernels are tested against.
 """
 
 from __future__ import annotations
@@ -33,11 +38,13 @@ class FusedDecoder:
         self.eps = model.cfg.rms_norm_eps
 
     def supports(self, embeds: torch.Tensor) -> bool:
-        return embeds.shape[1] == 1 and embeds.shape[0] <= MAX_BATCH
+        return embeds.shape[1] == 1
 
     def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  cache: list[torch.Tensor]) -> torch.Tensor:
         """embeds [B, 1, H] at positions [B, 1] in cache slots [B] -> fp32 logits [B, V]."""
+        if embeds.shape[0] > MAX_BATCH:
+            return self.batched(embeds, positions, slots, cache)
         gemv, model = self.kernels.gemv, self.model
         cos, sin = model.rope(embeds.device)
         pos = positions[:, 0].contiguous()
@@ -51,6 +58,22 @@ class FusedDecoder:
             gate_up = gemv(h, mlp.gate_up_proj.weight, norm=layer.post_attention_layernorm.weight, eps=self.eps)
             h = self._row_parallel(gate_up, mlp.down_proj.weight, h, silu_mul=True)
         return gemv(h, model.lm_head.weight, norm=model.model.norm.weight, eps=self.eps, out_dtype=torch.float32)
+
+    def batched(self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                cache: list[torch.Tensor]) -> torch.Tensor:
+        """Past MAX_BATCH rows: the model's own (cuBLAS) projections and norms around the Triton attention."""
+        model = self.model
+        cos, sin = model.rope(embeds.device)
+        pos = positions[:, 0].contiguous()
+        h = embeds[:, 0]
+        for layer, kv in zip(model.model.layers, cache):
+            attn = layer.self_attn
+            qkv = attn.qkv_proj(layer.input_layernorm(h)).contiguous()
+            heads = self.kernels.decode_attention(qkv, kv[0], kv[1], slots, pos, cos, sin, attn.heads,
+                                                  attn.kv_heads)
+            h = h + model.tp.all_reduce(attn.o_proj(heads))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return model.lm_head(model.model.norm(h)).float()
 
     def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
                       silu_mul: bool = False) -> torch.Tensor:

@@ -129,6 +129,7 @@ class Attention(nn.Module):
         v = v.reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # cache_*: [slots, kv_heads, max_len, head_dim]; positions are contiguous per row
+        from_scratch = False
         if t == 1:  # decode: one vectorised write, no host sync (CUDA-graph friendly)
             cache_k[slots, :, positions[:, 0]] = k[:, :, 0]
             cache_v[slots, :, positions[:, 0]] = v[:, :, 0]
@@ -138,6 +139,13 @@ class Attention(nn.Module):
                 s = int(start[i])
                 cache_k[slots[i], :, s:s + t] = k[i]
                 cache_v[slots[i], :, s:s + t] = v[i]
+                from_scratch = b == 1 and s == 0
+        if from_scratch and window is None:
+            # A prompt from position 0 attends to itself, causally: the fresh K/V, no mask, so SDPA takes its
+            # flash / memory-efficient kernels (no per-shape cuDNN plan for every new prompt length).
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+            out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+            return self.tp.all_reduce(self.o_proj(out))
         max_len = window or int(lengths.max())
         if contiguous_slots:  # slots 0..B-1: a view of the cache, no gather copy
             keys, values = cache_k[:b, :, :max_len], cache_v[:b, :, :max_len]
@@ -208,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
         self.fused_decode = None  # a FusedDecoder once enable_fused_decode() ran
 
     def enable_fused_decode(self) -> "LlamaForCausalLM":
-        """Route small-batch one-token steps through the fused Triton kernels (needs Triton)."""
+        """Route every one-token step through the Triton decode kernels (needs Triton; see fused_decode)."""
         from hpc.runtime.engine.fused_decode import FusedDecoder
 
         self.fused_decode = FusedDecoder(self.fuse_projections())

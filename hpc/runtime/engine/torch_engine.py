@@ -109,6 +109,32 @@ class TorchEngine:
         self.max_len = min(self.max_len, self.cfg.max_position_embeddings)
         self.cache = self.model.new_cache(self.max_batch, self.max_len, self.dtype, self.device)
         self.free_slots = list(range(self.max_batch))
+        self.warm_up()
+
+    WARMUP_PROMPT = 16
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run every kind of step the engine will serve before it says ready (load() runs before the worker
+        registers): Triton compiles and autotunes, cuBLAS and the attention backends pick their kernels, here
+        and not in the first users' requests. Decode steps have no new shapes after this: every batch size runs
+        the same Triton attention over the whole cache (see fused_decode). Every TP rank runs the same steps
+        in its own load(), so their collectives pair up."""
+        t0 = time.perf_counter()
+        n = min(self.WARMUP_PROMPT, self.max_len - 1)
+        ids = torch.full((1, n), 2, device=self.device)
+        self.model.forward_step(self.model.embed(ids), torch.arange(n, device=self.device)[None],
+                                torch.zeros(1, dtype=torch.long, device=self.device), self.cache)
+        self.warmed: list[tuple[str, int]] = [("prefill", n)]
+        for rows in sorted({1, min(self.max_batch, fused_decode.MAX_BATCH + 1), self.max_batch}):
+            tokens = torch.full((rows, 1), 2, device=self.device)
+            self.model.forward_step(self.model.embed(tokens), torch.full((rows, 1), n, device=self.device),
+                                    torch.arange(rows, device=self.device), self.cache)
+            self.warmed.append(("decode", rows))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.warmup_s = time.perf_counter() - t0
+        log.info("warmed up in %.2f s: %s", self.warmup_s, self.warmed)
 
     # ---- public API ------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:

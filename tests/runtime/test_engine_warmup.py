@@ -1,0 +1,54 @@
+"""The torch engine runs every kind of step it will serve before it says ready."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hpc.runtime.engine import fused_decode
+from hpc.runtime.engine.torch_engine import TorchEngine
+from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def tiny(model_cache) -> str:
+    from hpc.runtime.engine.tiny import ensure_model
+
+    return str(ensure_model(str(model_cache / "tiny"), "tiny"))
+
+
+def test_warm_up_covers_prefill_and_every_decode_path_before_the_first_request(tiny):
+    steps = []
+
+    async def main():
+        engine = TorchEngine(tiny, DisaggregationMode.AGG, {"max_seq_len": 256, "max_batch_size": 8})
+        original = TorchEngine.warm_up
+
+        def counted(self):
+            forward = self.model.forward_step
+
+            def record(embeds, positions, slots, cache, **kw):
+                steps.append(tuple(embeds.shape[:2]))
+                return forward(embeds, positions, slots, cache, **kw)
+            self.model.forward_step = record
+            try:
+                original(self)
+            finally:
+                self.model.forward_step = forward
+        engine.warm_up = counted.__get__(engine)
+        async with engine:
+            assert steps, "warm-up ran inside load(), before the engine was handed out"
+            warmed = list(steps)
+            req = GenerateRequest(request_id="r", token_ids=[5, 6, 7], sampling=SamplingParams(max_tokens=3))
+            outs = [o async for o in engine.generate(req)]
+            assert sum(len(o.token_ids) for o in outs) == 3
+            return warmed, engine.warmed, engine.warmup_s
+
+    warmed, reported, seconds = asyncio.run(main())
+    # a 16-token prompt, then one-token steps at 1 row, past the fused GEMVs' batch limit, and the full batch
+    assert warmed == [(1, 16), (1, 1), (fused_decode.MAX_BATCH + 1, 1), (8, 1)]
+    assert reported == [("prefill", 16), ("decode", 1), ("decode", fused_decode.MAX_BATCH + 1), ("decode", 8)]
+    assert seconds > 0
