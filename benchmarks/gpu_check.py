@@ -12,8 +12,9 @@ refuses instead of comparing one record with itself). It builds a random-weight 
      compared in fp32 (bf16 agreement is reported too);
   2. decode tokens/s at batch 1, 8 and 64 in bf16 (decode step captured in a CUDA graph), and batch 1
      against the HBM roofline: bytes read per token (weights + KV) / measured device copy bandwidth.
-     Batch 1 runs the engine's fused Triton decode kernels (six per layer); batch 8 and 64 the torch
-     path compiled by inductor. `--torch-b1` also times batch 1 on the compiled torch path.
+     Every batch runs the engine's decode path: batch 1 the fused Triton kernels (six per layer), batch 8
+     and 64 cuBLAS matmuls around the Triton decode attention; batch 8 and 64 are also timed on the torch
+     path compiled by inductor (SDPA attention). `--torch-b1` also times batch 1 on the compiled torch path.
 Prints one table; `--json PATH` also writes the figures; `--profile` adds the batch-1 kernel times.
 """
 
@@ -207,6 +208,10 @@ def run_rank(tp_size: int, out_path: str) -> None:
     result["params"] = sum(p.numel() for p in bf16.parameters()) * world
     result["weight_bytes_per_rank"] = weight_bytes(bf16)
     result["decode_tps"] = {b: decode_speed(bf16, device, b) for b in (1, 8, 64)}
+    # the engine's batched decode (cuBLAS matmuls + Triton attention) against the compiled torch path (SDPA)
+    fused, bf16.fused_decode = bf16.fused_decode, None
+    result["decode_tps_torch"] = {b: decode_speed(bf16, device, b) for b in (8, 64)}
+    bf16.fused_decode = fused
     if os.environ.get("HPC_GPU_CHECK_PROFILE") == "1":
         result["profile_b1"] = profile_step(bf16, device)
         from hpc.runtime.engine.decode_kernels import tuned_configs
@@ -296,6 +301,9 @@ def main() -> None:
         print(f"{label:6} {tps['1']:>10.1f} {tps['8']:>10.1f} {tps['64']:>11.1f} {roof:>13.1f} "
               f"{tps['1'] / roof:>10.0%} {bw / 1e9:>10.0f}")
     for label, ranks in (("TP=1", [tp1]), ("TP=2", tp2)):
+        if ranks and "decode_tps_torch" in ranks[0]:
+            t = ranks[0]["decode_tps_torch"]
+            print(f"{label} b=8 / b=64 on the compiled torch path (SDPA) instead: {t['8']:.1f} / {t['64']:.1f} tok/s")
         if ranks and "decode_tps_torch_b1" in ranks[0]:
             print(f"{label} batch 1 on the compiled torch path: {ranks[0]['decode_tps_torch_b1']:.1f} tok/s")
         if ranks and "profile_b1" in ranks[0]:
