@@ -23,7 +23,7 @@ def _running(stack) -> float:
 
 def test_a_request_past_its_deadline_is_a_504_and_its_engine_work_stops(slow):
     t0 = time.monotonic()
-    status, body = post_json(slow.url + "/v1/completions", {"model": slow.model, "prompt": "x", "max_tokens": 400})
+    status, body = post_json(slow.url + "/v1/completions", {"model": slow.model, "prompt": "x", "temperature": 0, "max_tokens": 400})
     took = time.monotonic() - t0
     assert status == 504 and body["error"]["code"] == "timeout" and 0.45 < took < 2.0, (status, body, took)
     deadline = time.monotonic() + 2
@@ -33,12 +33,12 @@ def test_a_request_past_its_deadline_is_a_504_and_its_engine_work_stops(slow):
 
 
 def test_a_stream_past_its_deadline_ends_with_an_error_event(slow):
-    events = list(post_sse(slow.url + "/v1/completions", {"model": slow.model, "prompt": "x", "max_tokens": 400,
+    events = list(post_sse(slow.url + "/v1/completions", {"model": slow.model, "prompt": "x", "temperature": 0, "max_tokens": 400,
                                                           "stream": True}))
     assert events and events[-1]["error"]["code"] == "timeout"
     assert 1 <= sum(1 for e in events if "choices" in e) < 40  # tokens flowed, then the deadline cut them
 
 
 def test_a_request_within_its_deadline_is_untouched(slow):
-    status, body = post_json(slow.url + "/v1/completions", {"model": slow.model, "prompt": "x", "max_tokens": 3})
+    status, body = post_json(slow.url + "/v1/completions", {"model": slow.model, "prompt": "x", "temperature": 0, "max_tokens": 3})
     assert status == 200 and body["usage"]["completion_tokens"] == 3

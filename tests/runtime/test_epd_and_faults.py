@@ -32,7 +32,7 @@ def _png(color=(10, 200, 30), size=32) -> bytes:
 
 
 def _chat(stack, image: str, stream=False):
-    body = {"model": stack.model, "max_tokens": 6, "ignore_eos": True, "stream": stream,
+    body = {"model": stack.model, "temperature": 0, "max_tokens": 6, "ignore_eos": True, "stream": stream,
             "messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
                                                       {"type": "image_url", "image_url": {"url": image}}]}]}
     if stream:
@@ -97,7 +97,7 @@ def _worker_pid(stack, name) -> int:
 
 
 def test_killed_worker_mid_stream_ends_stream_with_error_and_others_keep_serving(mock):
-    body = {"model": mock.model, "prompt": "hello", "max_tokens": 300, "stream": True}
+    body = {"model": mock.model, "prompt": "hello", "temperature": 0, "max_tokens": 300, "stream": True}
     stream = post_sse(mock.url + "/v1/completions", body, timeout=30)
     first = next(stream)
     assert first["choices"][0]["text"]
@@ -115,7 +115,7 @@ def test_killed_worker_mid_stream_ends_stream_with_error_and_others_keep_serving
     assert "error" in rest[-1]
     # requests right after the kill are routed to the survivor (or retried there): none fails
     for _ in range(10):
-        code, resp = post_json(mock.url + "/v1/completions", {"model": mock.model, "prompt": "x", "max_tokens": 3})
+        code, resp = post_json(mock.url + "/v1/completions", {"model": mock.model, "prompt": "x", "temperature": 0, "max_tokens": 3})
         assert code == 200, resp
     code, health = get_json(mock.url + "/health")
     assert health["live"] == {"agg": 1} and health["status"] == "degraded"
@@ -177,7 +177,7 @@ def test_a_non_streamed_request_survives_its_worker_being_killed(retry):
 
     def call() -> None:
         result["answer"] = post_json(retry.url + "/v1/completions",
-                                     {"model": retry.model, "prompt": "hello", "max_tokens": 100,
+                                     {"model": retry.model, "prompt": "hello", "temperature": 0, "max_tokens": 100,
                                       "ignore_eos": True}, timeout=30)
 
     thread = threading.Thread(target=call)

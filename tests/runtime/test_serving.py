@@ -19,7 +19,7 @@ PROMPT = "The capital of France is"
 
 
 def _complete(stack, **extra):
-    body = {"model": stack.model, "prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, **extra}
+    body = {"model": stack.model, "prompt": PROMPT, "temperature": 0, "max_tokens": 12, "ignore_eos": True, **extra}
     return post_json(stack.url + "/v1/completions", body)
 
 
@@ -28,13 +28,13 @@ def test_completions_and_chat_streaming_and_not(name, request):
     stack = request.getfixturevalue(name)
     status, body = _complete(stack)
     assert status == 200 and body["choices"][0]["text"] and body["usage"]["completion_tokens"] == 12
-    events = list(post_sse(stack.url + "/v1/completions", {"model": stack.model, "prompt": PROMPT, "max_tokens": 12,
+    events = list(post_sse(stack.url + "/v1/completions", {"model": stack.model, "prompt": PROMPT, "temperature": 0, "max_tokens": 12,
                                                            "ignore_eos": True, "stream": True,
                                                            "stream_options": {"include_usage": True}}))
     text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
     assert text == body["choices"][0]["text"]  # greedy: streamed and whole answers agree
     assert events[-1]["usage"]["completion_tokens"] == 12
-    chat = {"model": stack.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "ignore_eos": True}
+    chat = {"model": stack.model, "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 8, "ignore_eos": True}
     status, body = post_json(stack.url + "/v1/chat/completions", chat)
     assert status == 200 and body["object"] == "chat.completion" and body["choices"][0]["message"]["content"]
     chunks = list(post_sse(stack.url + "/v1/chat/completions", {**chat, "stream": True}))
@@ -45,9 +45,9 @@ def test_completions_and_chat_streaming_and_not(name, request):
 
 def test_same_greedy_text_aggregated_and_disaggregated(agg, disagg):
     for prompt in (PROMPT, "def main():", "Slurm schedules jobs on"):
-        a = post_json(agg.url + "/v1/completions", {"model": agg.model, "prompt": prompt, "max_tokens": 24,
+        a = post_json(agg.url + "/v1/completions", {"model": agg.model, "prompt": prompt, "temperature": 0, "max_tokens": 24,
                                                     "ignore_eos": True})[1]
-        d = post_json(disagg.url + "/v1/completions", {"model": disagg.model, "prompt": prompt, "max_tokens": 24,
+        d = post_json(disagg.url + "/v1/completions", {"model": disagg.model, "prompt": prompt, "temperature": 0, "max_tokens": 24,
                                                        "ignore_eos": True})[1]
         assert a["choices"][0]["text"] == d["choices"][0]["text"]
 
@@ -64,7 +64,7 @@ def test_disaggregated_path_really_ran(disagg):
 
 
 @pytest.mark.parametrize("body,status,needle", [
-    ({"prompt": "x", "max_tokens": 4}, 400, "model"),
+    ({"prompt": "x", "temperature": 0, "max_tokens": 4}, 400, "model"),
     ({"model": "hpc/tiny", "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
     ({"model": "nope", "prompt": "x"}, 404, "does not exist"),
     ({"model": "hpc/tiny", "prompt": "word " * 2000}, 400, "limit"),
@@ -102,7 +102,7 @@ def test_stop_strings_cut_the_text(agg):
 
 def test_client_disconnect_cancels_engine_request(agg):
     req = urllib.request.Request(agg.url + "/v1/completions", data=json.dumps(
-        {"model": agg.model, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}).encode(),
+        {"model": agg.model, "prompt": PROMPT, "temperature": 0, "max_tokens": 200, "ignore_eos": True, "stream": True}).encode(),
         headers={"content-type": "application/json"})
     resp = urllib.request.urlopen(req, timeout=30)
     resp.readline()
@@ -155,16 +155,16 @@ def test_latency_histograms_count_every_request(disagg):
     assert 'hpc_frontend_time_to_first_token_seconds_bucket{le="+Inf",model="hpc/tiny"}' in text
 
 
-@pytest.mark.parametrize("field,value", [("n", 2), ("logprobs", 3), ("tools", [{"type": "function"}]),
+@pytest.mark.parametrize("field,value", [("best_of", 2), ("presence_penalty", 0.5), ("tools", [{"type": "function"}]),
                                          ("response_format", {"type": "json_object"}), ("echo", True),
                                          ("logit_bias", {"5": 10})])
 def test_unsupported_parameters_are_refused_by_name(disagg, field, value):
     """Silently answering once when n=2 was asked, or without logprobs, would mislead the client."""
-    code, resp = post_json(disagg.url + "/v1/completions", {"model": "hpc/tiny", "prompt": "x", "max_tokens": 2,
+    code, resp = post_json(disagg.url + "/v1/completions", {"model": "hpc/tiny", "prompt": "x", "temperature": 0, "max_tokens": 2,
                                                             field: value})
     assert code == 400 and resp["error"]["param"] == field and resp["error"]["code"] == "unsupported_parameter"
     # the defaults many clients send with every request are fine
-    code, resp = post_json(disagg.url + "/v1/completions", {"model": "hpc/tiny", "prompt": "x", "max_tokens": 2,
+    code, resp = post_json(disagg.url + "/v1/completions", {"model": "hpc/tiny", "prompt": "x", "temperature": 0, "max_tokens": 2,
                                                             "n": 1, "logprobs": None, "echo": False,
                                                             "response_format": {"type": "text"}, "user": "u"})
     assert code == 200 and resp["system_fingerprint"].startswith("hpc-torch-"), resp

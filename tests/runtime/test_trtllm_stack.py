@@ -91,7 +91,7 @@ def test_greedy_text_is_the_same_aggregated_and_disaggregated_stream_or_not(agg,
 
 def test_a_client_disconnect_aborts_the_engine_request_within_a_second(disagg, fake_env):
     host, port = disagg.url.removeprefix("http://").split(":")
-    body = json.dumps({"model": disagg.model, "prompt": "Tell me a long story", "max_tokens": 250,
+    body = json.dumps({"model": disagg.model, "prompt": "Tell me a long story", "temperature": 0, "max_tokens": 250,
                        "ignore_eos": True, "stream": True}).encode()
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"

@@ -53,7 +53,7 @@ def test_tiny_disagg_runs_every_component_in_a_container(slurm_env, model_cache,
         preflight = (run.logs / "preflight.log").read_text()
         assert preflight.count(": ok (Python 3.11") == 3  # one per node, before anything started
         url = json.loads((run.path / "endpoints" / "frontend.json").read_text())["url"]
-        status, body = post_json(url + "/v1/completions", {"model": "hpc/tiny", "prompt": "Hello", "max_tokens": 5})
+        status, body = post_json(url + "/v1/completions", {"model": "hpc/tiny", "prompt": "Hello", "temperature": 0, "max_tokens": 5})
         assert status == 200 and body["usage"]["completion_tokens"] == 5
     finally:
         main(["cancel", run.path.name, "--grace", "2"])
@@ -94,7 +94,7 @@ def test_a_tp2_worker_runs_its_mpi_ranks_in_containers_on_two_nodes(slurm_env, m
         assert {s.get("world") for s in states.values() if "world" in s} == {2}
         assert all(s["python"].startswith("/usr/bin/python3 3.11.") for s in states.values())
         url = json.loads((run.path / "endpoints" / "frontend.json").read_text())["url"]
-        status, body = post_json(url + "/v1/completions", {"model": "hpc/tiny", "prompt": "Hi", "max_tokens": 4})
+        status, body = post_json(url + "/v1/completions", {"model": "hpc/tiny", "prompt": "Hi", "temperature": 0, "max_tokens": 4})
         assert status == 200 and body["usage"]["completion_tokens"] == 4
     finally:
         main(["cancel", run.path.name, "--grace", "2"])

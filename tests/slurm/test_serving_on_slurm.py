@@ -66,7 +66,7 @@ def _cancel_and_check_clean(run: RunDir, capsys=None) -> None:
 
 
 def _complete(url: str, model: str, prompt: str = "Hello from the host", n: int = 16):
-    status, body = post_json(url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": n,
+    status, body = post_json(url + "/v1/completions", {"model": model, "prompt": prompt, "temperature": 0, "max_tokens": n,
                                                        "ignore_eos": True})
     assert status == 200, body
     return body["choices"][0]["text"]
@@ -121,7 +121,7 @@ def test_killed_decode_worker_under_load_recovers(slurm_env):
         while not stop.is_set():
             try:
                 events = list(post_sse(url + "/v1/completions", {"model": "hpc/tiny", "prompt": "load",
-                                                                 "max_tokens": 32, "ignore_eos": True,
+                                                                 "temperature": 0, "max_tokens": 32, "ignore_eos": True,
                                                                  "stream": True}, timeout=20))
                 results.append("error" if any("error" in e for e in events) else "ok")
             except Exception as exc:  # a hung request would show up as a timeout here

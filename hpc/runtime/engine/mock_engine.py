@@ -6,7 +6,7 @@ import asyncio
 from typing import Any, AsyncIterator
 
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
-                                      GenerateRequest, KvMeta)
+                                      GenerateRequest, KvMeta, TokenLogprob)
 
 
 class MockEngine:
@@ -45,7 +45,8 @@ class MockEngine:
                 params = DisaggregatedParams(request_handle="mock", prefill_address=self.self_address,
                                              first_token_id=first, prompt_length=len(request.token_ids))
                 yield GenerateOutput(token_ids=[first], finished=True, finish_reason="length",
-                                     prompt_tokens=len(request.token_ids), disaggregated_params=params)
+                                     prompt_tokens=len(request.token_ids), disaggregated_params=params,
+                                     logprobs=self._logprobs(request, first))
                 return
             n = request.sampling.max_tokens
             for i in range(start, n):
@@ -53,10 +54,21 @@ class MockEngine:
                     await asyncio.sleep(self.token_delay)
                 self._counters["generated_tokens"] += 1
                 last = i == n - 1
-                yield GenerateOutput(token_ids=[self._token(i, request.token_ids)], finished=last,
-                                     finish_reason="length" if last else None, prompt_tokens=len(request.token_ids))
+                token = self._token(i, request.token_ids)
+                yield GenerateOutput(token_ids=[token], finished=last, finish_reason="length" if last else None,
+                                     prompt_tokens=len(request.token_ids), logprobs=self._logprobs(request, token))
         finally:
             self._counters["running"] -= 1
+
+    @staticmethod
+    def _logprobs(request: GenerateRequest, token: int) -> list[TokenLogprob] | None:
+        """A fixed stand-in distribution: the chosen token at log(0.5), the next ids below it."""
+        k = request.sampling.logprobs
+        if k is None:
+            return None
+        top = [token + i for i in range(k)]
+        return [TokenLogprob(token_id=token, logprob=-0.6931, top_ids=top,
+                             top_logprobs=[-0.6931 - i for i in range(k)])]
 
     async def encode(self, pixels: Any) -> EncodedMedia:
         self._counters["requests"] += 1

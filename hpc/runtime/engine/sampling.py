@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hpc.runtime.engine.types import SamplingParams
+from hpc.runtime.engine.types import SamplingParams, TokenLogprob
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -13,6 +13,15 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     gen = torch.Generator()
     gen.manual_seed(params.seed if params.seed is not None else torch.seed() % (2**63))
     return gen
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """The model's own distribution at this step (before temperature and truncation, as OpenAI reports it)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    best = torch.topk(logprobs, top) if top else None
+    return TokenLogprob(token_id=token, logprob=float(logprobs[token]),
+                        top_ids=best.indices.tolist() if best is not None else [],
+                        top_logprobs=best.values.tolist() if best is not None else [])
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:

@@ -23,9 +23,9 @@ from hpc.runtime.engine import fused_decode
 from hpc.runtime.engine import kv as kvpack
 from hpc.runtime.engine.llama import (LlamaConfig, LlamaForCausalLM, TensorParallel, VisionEncoder,
                                       shard_state_dict)
-from hpc.runtime.engine.sampling import make_generator, sample
+from hpc.runtime.engine.sampling import make_generator, sample, token_logprob
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
-                                      GenerateRequest)
+                                      GenerateRequest, TokenLogprob)
 
 log = logging.getLogger(__name__)
 HANDOFF_TTL_S = 120.0
@@ -263,7 +263,7 @@ class TorchEngine:
                 self._import(seq)
                 running.append(seq)
                 return
-            first = self._prefill(seq)
+            first, logprob = self._prefill(seq)
         except Exception as exc:
             log.exception("prefill failed")
             self._finish(seq, "error", error=str(exc))
@@ -275,12 +275,17 @@ class TorchEngine:
                 self._handoff[handle] = (time.monotonic(), kv)
             params = DisaggregatedParams(request_handle=handle, prefill_address=self.self_address,
                                          first_token_id=first, prompt_length=seq.length)
-            self._finish(seq, "length", tokens=[first], params=params)
+            self._finish(seq, "length", tokens=[first], params=params, logprob=logprob)
             return
-        if self._emit_token(seq, first):
+        if self._emit_token(seq, first, logprob):
             running.append(seq)
 
-    def _prefill(self, seq: _Seq) -> int:
+    def _pick(self, seq: _Seq, logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+        token = sample(logits, seq.request.sampling, seq.gen)
+        top = seq.request.sampling.logprobs
+        return token, (None if top is None else token_logprob(logits, token, top))
+
+    def _prefill(self, seq: _Seq) -> tuple[int, TokenLogprob | None]:
         ids = seq.request.token_ids
         self._counters["prompt_tokens"] += len(ids)
         token_tensor = torch.tensor([ids], device=self.device)
@@ -295,7 +300,7 @@ class TorchEngine:
         slots = torch.tensor([seq.slot], device=self.device)
         logits = self._forward("prefill", embeds, positions, slots)
         seq.length = len(ids)
-        return sample(logits[0], seq.request.sampling, seq.gen)
+        return self._pick(seq, logits[0])
 
     def _import(self, seq: _Seq) -> None:
         kv = seq.imported_kv.to(self.device, self.dtype)  # [layers, 2, kvh, T, d]
@@ -316,7 +321,7 @@ class TorchEngine:
         logits = self._forward("decode", self.model.embed(tokens), positions, slots)
         for i, s in enumerate(running):
             s.length += 1
-            self._emit_token(s, sample(logits[i], s.request.sampling, s.gen))
+            self._emit_token(s, *self._pick(s, logits[i]))
 
     def _forward(self, kind: str, embeds, positions, slots) -> torch.Tensor:
         if self.tp.size > 1:
@@ -325,25 +330,28 @@ class TorchEngine:
             broadcast_step(self.tp, kind, embeds, positions, slots)
         return self.model.forward_step(embeds, positions, slots, self.cache)
 
-    def _emit_token(self, seq: _Seq, token: int) -> bool:
+    def _emit_token(self, seq: _Seq, token: int, logprob: TokenLogprob | None = None) -> bool:
         """Send one token; False when the sequence finished with it."""
         seq.generated += 1
         seq.last_token = token
         self._counters["generated_tokens"] += 1
         p = seq.request.sampling
         if (token == self.cfg.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
-            self._finish(seq, "stop", tokens=[token])
+            self._finish(seq, "stop", tokens=[token], logprob=logprob)
             return False
         if seq.generated >= p.max_tokens or seq.length + 1 >= self.max_len:
-            self._finish(seq, "length", tokens=[token])
+            self._finish(seq, "length", tokens=[token], logprob=logprob)
             return False
-        seq.emit(GenerateOutput(token_ids=[token], prompt_tokens=len(seq.request.token_ids)))
+        seq.emit(GenerateOutput(token_ids=[token], prompt_tokens=len(seq.request.token_ids),
+                                logprobs=None if logprob is None else [logprob]))
         return True
 
     def _finish(self, seq: _Seq, reason: str, tokens: list[int] | None = None,
-                params: DisaggregatedParams | None = None, error: str | None = None) -> None:
+                params: DisaggregatedParams | None = None, error: str | None = None,
+                logprob: TokenLogprob | None = None) -> None:
         seq.emit(GenerateOutput(token_ids=tokens or [], finished=True, finish_reason=reason, error=error,
-                                prompt_tokens=len(seq.request.token_ids), disaggregated_params=params))
+                                prompt_tokens=len(seq.request.token_ids), disaggregated_params=params,
+                                logprobs=None if logprob is None else [logprob]))
         self._release(seq)
 
     def _release(self, seq: _Seq) -> None:

@@ -6,13 +6,14 @@ from enum import Enum
 from typing import Any, AsyncIterator, Protocol
 
 from hpc.runtime.serve.wire import (  # the engine's vocabulary is the wire's
-    DisaggregatedParams, EncodedMedia, GenerateOutput, GenerateRequest, KvMeta, SamplingParams, TrtllmContextParams,
+    DisaggregatedParams, EncodedMedia, GenerateOutput, GenerateRequest, KvMeta, SamplingParams, TokenLogprob,
+    TrtllmContextParams,
 )
 from hpc.spec.recipe import RoleName
 
 
 __all__ = ["DisaggregatedParams", "DisaggregationMode", "EncodedMedia", "Engine", "GenerateOutput", "GenerateRequest",
-           "KvMeta", "Modality", "SamplingParams", "TrtllmContextParams"]
+           "KvMeta", "Modality", "SamplingParams", "TokenLogprob", "TrtllmContextParams"]
 
 # A worker's disaggregation mode is its recipe role: one enum for both.
 DisaggregationMode = RoleName

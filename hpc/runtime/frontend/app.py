@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, NamedTuple
 
 from pydantic import ValidationError
 
 from hpc.manifest import Manifest
-from hpc.runtime.engine.types import GenerateOutput, GenerateRequest, SamplingParams
-from hpc.runtime.frontend.openai import (ApiError, ChatRequest, CompletionRequest, new_id, now,
-                                         unsupported_param)
+from hpc.runtime.engine.types import GenerateOutput, GenerateRequest, SamplingParams, TokenLogprob
+from hpc.runtime.frontend.openai import (ApiError, ChatRequest, CompletionRequest, chat_logprobs,
+                                         completion_logprobs, new_id, now, unsupported_param)
 from hpc.runtime.frontend.router import NoInstance, Router
 from hpc.runtime.frontend.tokenizer import Detokenizer, TextCodec
 from hpc.runtime.serve.http import Request, Response, json_dumps, json_loads, json_response
@@ -128,7 +128,8 @@ class Frontend:
                            param="model", code="model_not_found")
         return parsed
 
-    def _build(self, body: Any, ids: list[int], max_tokens: int | None, image: str | None) -> GenerateRequest:
+    def _build(self, body: Any, ids: list[int], max_tokens: int | None, image: str | None,
+               default_max_tokens: int = 16) -> GenerateRequest:
         ids = self.codec.expand_image_tokens(ids)
         limits = self.recipe.limits
         if not ids:
@@ -136,13 +137,16 @@ class Frontend:
         if len(ids) > limits.max_input_tokens:
             raise ApiError(400, f"prompt has {len(ids)} tokens; the limit is {limits.max_input_tokens}",
                            param="prompt", code="context_length_exceeded")
-        wanted = max_tokens or 16
+        wanted = max_tokens or default_max_tokens
         if wanted > limits.max_output_tokens:
             raise ApiError(400, f"max_tokens {wanted} exceeds the limit {limits.max_output_tokens}",
                            param="max_tokens")
+        if body.logprob_count is not None and self.recipe.backend.value == "trtllm":
+            raise ApiError(400, "logprobs are not wired through the TensorRT-LLM adapter yet (the torch and mock "
+                                "engines return them)", param="logprobs", code="unsupported_parameter")
         sampling = SamplingParams(max_tokens=wanted, temperature=body.temperature, top_p=body.top_p,
                                   top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos,
-                                  stop=body.stop_strings)
+                                  stop=body.stop_strings, logprobs=body.logprob_count)
         return GenerateRequest(request_id=new_id("req"), token_ids=ids, sampling=sampling,
                                streaming=body.stream, image=image)
 
@@ -185,8 +189,9 @@ class Frontend:
             prompt = self.codec.apply_chat_template(messages)
         except Exception as exc:
             raise ApiError(400, f"chat template failed: {exc}", param="messages") from None
+        # OpenAI's chat has no small default length: up to the model's limit (completions keep 16)
         gen = self._build(body, await self._encode(prompt), body.max_completion_tokens or body.max_tokens,
-                          images[0] if images else None)
+                          images[0] if images else None, default_max_tokens=self.recipe.limits.max_output_tokens)
         return await self._respond(body, gen, chat=True)
 
     def _timed_out(self) -> ApiError:
@@ -221,21 +226,25 @@ class Frontend:
             token in gen.sampling.stop_token_ids
         done = stop or gen.sampling.max_tokens == 1
         yield GenerateOutput(token_ids=[token], finished=done, prompt_tokens=len(gen.token_ids),
-                             finish_reason=("stop" if stop else "length") if done else None)
+                             finish_reason=("stop" if stop else "length") if done else None,
+                             logprobs=first.logprobs)
         if done:
             return
         decode_req = replace(gen, disaggregated_params=first.disaggregated_params, image=None, media=None)
         async for out in self.router.generate("decode", decode_req, deadline):
             yield out
 
-    async def _events(self, body: Any, gen: GenerateRequest) -> AsyncIterator[tuple[str, str | None, int]]:
-        """(text delta, finish reason, tokens so far), honouring stop strings."""
+    async def _events(self, body: Any, gen: GenerateRequest) -> AsyncIterator[Piece]:
+        """Text deltas with their finish reason, the tokens so far and the logprobs of the tokens they carry,
+        honouring stop strings (text that may start one is held back until it cannot)."""
         detok = Detokenizer(self.codec)
         stops = body.stop_strings
         tokens = 0
         emitted = 0
+        pending: list[TokenLogprob] = []
         async for out in self.latency.track(self._outputs(gen)):
             tokens += len(out.token_ids)
+            pending += out.logprobs or []
             detok.add(out.token_ids)
             reason = out.finish_reason if out.finished else None
             text = detok.text
@@ -243,24 +252,56 @@ class Frontend:
                 hits = [text.find(s, max(0, emitted - max(map(len, stops)))) for s in stops]
                 hits = [h for h in hits if h >= 0]
                 if hits:
-                    cut = min(hits)
-                    yield text[emitted:cut], "stop", tokens
+                    yield Piece(text[emitted:min(hits)], "stop", tokens, pending)
                     return
-                # hold back text that may be the start of a stop string
                 safe = len(text) - max(len(s) - 1 for s in stops)
                 if reason is None and safe > emitted:
-                    yield text[emitted:safe], None, tokens
-                    emitted = safe
+                    yield Piece(text[emitted:safe], None, tokens, pending)
+                    emitted, pending = safe, []
                 elif reason is not None:
-                    yield text[emitted:], _reason(reason), tokens
+                    yield Piece(text[emitted:], _reason(reason), tokens, pending)
                     return
                 continue
             delta = text[emitted:]
             emitted = len(text)
             if delta or reason:
-                yield delta, _reason(reason) if reason else None, tokens
+                yield Piece(delta, _reason(reason) if reason else None, tokens, pending)
+                pending = []
             if reason:
                 return
+
+    def _samples(self, body: Any, gen: GenerateRequest) -> list[GenerateRequest]:
+        """`n` independent requests (seeded seed, seed+1, ... when a seed was given)."""
+        if body.n == 1:
+            return [gen]
+        seed = gen.sampling.seed
+        return [replace(gen, request_id=f"{gen.request_id}-{i}",
+                        sampling=replace(gen.sampling, seed=None if seed is None else (seed + i) % 2**63))
+                for i in range(body.n)]
+
+    def _logprobs(self, chat: bool, entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+        raw = self.codec.token_bytes
+        rows = [(raw(e.token_id), e.logprob, [(raw(t), lp) for t, lp in zip(e.top_ids, e.top_logprobs)])
+                for e in entries]
+        return chat_logprobs(rows) if chat else completion_logprobs(rows, offset)
+
+    async def _collect(self, body: Any, gen: GenerateRequest) -> tuple[str, str | None, int, list[TokenLogprob]]:
+        for attempt in range(1 + WHOLE_REQUEST_RETRIES):
+            text, reason, tokens, logprobs = "", None, 0, []
+            try:
+                async for piece in self._events(body, gen):
+                    text += piece.delta
+                    reason = piece.reason or reason
+                    tokens = piece.tokens
+                    logprobs += piece.logprobs
+                return text, reason, tokens, logprobs
+            except PeerGone:
+                # A worker died mid-request. The client has seen nothing of a non-streamed answer, so run it
+                # again from the start on the workers that are left (the router no longer routes to the dead).
+                if attempt == WHOLE_REQUEST_RETRIES:
+                    raise
+                self.counters["retried_total"] += 1
+        raise AssertionError("unreachable")
 
     async def _respond(self, body: Any, gen: GenerateRequest, chat: bool) -> Response:
         self.counters["requests_total"] += 1
@@ -270,71 +311,117 @@ class Frontend:
             return Response(content_type="text/event-stream", stream=self._sse(body, gen, chat, rid))
         self.counters["inflight"] += 1
         try:
-            for attempt in range(1 + WHOLE_REQUEST_RETRIES):
-                text, reason, tokens = "", None, 0
+            samples = self._samples(body, gen)
+            if len(samples) == 1:
+                results = [await self._collect(body, gen)]
+            else:
                 try:
-                    async for delta, fin, tokens in self._events(body, gen):
-                        text += delta
-                        reason = fin or reason
-                    break
-                except PeerGone:
-                    # A worker died mid-request. The client has seen nothing of a non-streamed answer, so run it
-                    # again from the start on the workers that are left (the router no longer routes to the dead).
-                    if attempt == WHOLE_REQUEST_RETRIES:
-                        raise
-                    self.counters["retried_total"] += 1
+                    async with asyncio.TaskGroup() as group:  # one failed sample cancels the others
+                        tasks = [group.create_task(self._collect(body, g)) for g in samples]
+                except BaseExceptionGroup as failed:
+                    raise failed.exceptions[0] from None
+                results = [t.result() for t in tasks]
         except (NoInstance, PeerGone, RemoteError) as exc:
             raise _api_error(exc) from None
         except asyncio.TimeoutError:
             raise self._timed_out() from None
         finally:
             self.counters["inflight"] -= 1
+        tokens = sum(r[2] for r in results)
         self.counters["completion_tokens_total"] += tokens
+        choices = []
+        for index, (text, reason, _, logprobs) in enumerate(results):
+            lp = self._logprobs(chat, logprobs, 0) if body.logprob_count is not None else None
+            if chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                                "logprobs": lp, "finish_reason": reason})
+            else:
+                choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": reason})
         usage = {"prompt_tokens": len(gen.token_ids), "completion_tokens": tokens,
                  "total_tokens": len(gen.token_ids) + tokens}
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-            obj = "text_completion"
-        return json_response({"id": rid, "object": obj, "created": now(), "model": self.model_name,
-                              "system_fingerprint": self.fingerprint, "choices": [choice], "usage": usage})
+        return json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                              "created": now(), "model": self.model_name, "system_fingerprint": self.fingerprint,
+                              "choices": choices, "usage": usage})
+
+    async def _merged(self, body: Any, gen: GenerateRequest) -> AsyncIterator[tuple[int, Piece]]:
+        """The pieces of all `n` samples as they come, tagged with their index."""
+        samples = self._samples(body, gen)
+        if len(samples) == 1:
+            async for piece in self._events(body, gen):
+                yield 0, piece
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def run(index: int, sample: GenerateRequest) -> None:
+            async for piece in self._events(body, sample):
+                queue.put_nowait((index, piece))
+
+        async def all_samples() -> None:
+            try:
+                async with asyncio.TaskGroup() as group:
+                    for index, sample in enumerate(samples):
+                        group.create_task(run(index, sample))
+            except BaseExceptionGroup as exc:
+                queue.put_nowait(exc.exceptions[0])
+            finally:
+                queue.put_nowait(None)
+
+        driver = asyncio.create_task(all_samples())
+        try:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            driver.cancel()
 
     async def _sse(self, body: Any, gen: GenerateRequest, chat: bool, rid: str) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = now()
         self.counters["inflight"] += 1
-        tokens = 0
+        tokens = [0] * body.n
+        offsets = [0] * body.n
+        started: set[int] = set()
         try:
-            first = True
-            async for delta, reason, tokens in self._events(body, gen):
+            async for index, piece in self._merged(body, gen):
+                tokens[index] = piece.tokens
+                lp = None
+                if body.logprob_count is not None:
+                    lp = self._logprobs(chat, piece.logprobs, offsets[index])
+                offsets[index] += len(piece.delta)
                 if chat:
-                    d: dict[str, Any] = {"content": delta}
-                    if first:
+                    d: dict[str, Any] = {"content": piece.delta}
+                    if index not in started:
                         d["role"] = "assistant"
-                    choice = {"index": 0, "delta": d, "finish_reason": reason}
+                    choice = {"index": index, "delta": d, "logprobs": lp, "finish_reason": piece.reason}
                 else:
-                    choice = {"index": 0, "text": delta, "finish_reason": reason, "logprobs": None}
-                first = False
+                    choice = {"index": index, "text": piece.delta, "logprobs": lp, "finish_reason": piece.reason}
+                started.add(index)
                 yield b"data: " + json_dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                          "system_fingerprint": self.fingerprint,
-                                          "choices": [choice]}) + b"\n\n"
+                                              "system_fingerprint": self.fingerprint,
+                                              "choices": [choice]}) + b"\n\n"
             if body.include_usage:
-                usage = {"prompt_tokens": len(gen.token_ids), "completion_tokens": tokens,
-                         "total_tokens": len(gen.token_ids) + tokens}
+                usage = {"prompt_tokens": len(gen.token_ids), "completion_tokens": sum(tokens),
+                         "total_tokens": len(gen.token_ids) + sum(tokens)}
                 yield b"data: " + json_dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                          "choices": [], "usage": usage}) + b"\n\n"
+                                              "choices": [], "usage": usage}) + b"\n\n"
             yield b"data: [DONE]\n\n"
         except (NoInstance, PeerGone, RemoteError, asyncio.TimeoutError) as exc:
             # Headers are gone already: end the stream with an OpenAI-style error event, never hang.
             err = self._timed_out() if isinstance(exc, asyncio.TimeoutError) else _api_error(exc)
             self.counters["errors_total"] += 1
             yield b"data: " + json_dumps({"error": {"message": err.message, "type": err.type,
-                                                "code": err.code or err.status}}) + b"\n\n"
+                                                    "code": err.code or err.status}}) + b"\n\n"
         finally:
             self.counters["inflight"] -= 1
-            self.counters["completion_tokens_total"] += tokens
+            self.counters["completion_tokens_total"] += sum(tokens)
+
+
+class Piece(NamedTuple):
+    delta: str
+    reason: str | None
+    tokens: int  # generated so far
+    logprobs: list[TokenLogprob]
 
 
 OFF_LOOP_CHARS = 16_384  # shorter prompts tokenize faster than a thread hand-off

@@ -26,9 +26,10 @@ class ApiError(Exception):
 # (a client that silently got one answer instead of n, or no logprobs, would be misled); sending the default
 # value is accepted, since many clients send every field.
 UNSUPPORTED: dict[str, Any] = {
-    "n": lambda v: v not in (None, 1), "best_of": lambda v: v not in (None, 1),
-    "logprobs": lambda v: v not in (None, False, 0), "top_logprobs": lambda v: v not in (None, 0),
+    "best_of": lambda v: v not in (None, 1),
     "echo": lambda v: v not in (None, False), "suffix": lambda v: v not in (None, ""),
+    "presence_penalty": lambda v: v not in (None, 0, 0.0), "frequency_penalty": lambda v: v not in (None, 0, 0.0),
+    "repetition_penalty": lambda v: v not in (None, 1, 1.0),
     "tools": lambda v: bool(v), "tool_choice": lambda v: v not in (None, "none", "auto"),
     "functions": lambda v: bool(v), "function_call": lambda v: v not in (None, "none", "auto"),
     "logit_bias": lambda v: bool(v),
@@ -53,7 +54,8 @@ class _Request(BaseModel):
     # Bounded here so that nothing out of an engine's range (a seed of 2**70 used to kill the scheduler thread)
     # gets past the frontend; NaN/inf are refused by the bounds.
     max_tokens: int | None = Field(None, ge=1, le=10_000_000)
-    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default: sampling, not greedy
+    n: int = Field(1, ge=1, le=128)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=1_000_000)
     seed: int | None = Field(None, ge=0, lt=2**63)
@@ -75,6 +77,11 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+    @property
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -98,6 +105,45 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=10_000_000)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: Any) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
+
+    @property
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# One generated position: the token's raw bytes, its logprob, and the (bytes, logprob) of the best tokens.
+LogprobRow = tuple[bytes, float, list[tuple[bytes, float]]]
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", errors="replace")
+
+
+def chat_logprobs(rows: list[LogprobRow]) -> dict[str, Any]:
+    """OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]};
+    `bytes` are the token's raw bytes (a token may hold half of a UTF-8 character)."""
+    def one(raw: bytes, logprob: float) -> dict[str, Any]:
+        return {"token": _text(raw), "logprob": logprob, "bytes": list(raw)}
+    return {"content": [{**one(t, lp), "top_logprobs": [one(tt, tlp) for tt, tlp in top]} for t, lp, top in rows]}
+
+
+def completion_logprobs(rows: list[LogprobRow], offset: int) -> dict[str, Any]:
+    """The legacy completions shape: parallel lists, top_logprobs as {token: logprob} per position."""
+    offsets, at = [], offset
+    for raw, _, _ in rows:
+        offsets.append(at)
+        at += len(_text(raw))
+    return {"tokens": [_text(t) for t, _, _ in rows], "token_logprobs": [lp for _, lp, _ in rows],
+            "top_logprobs": [{_text(tt): tlp for tt, tlp in top} for _, _, top in rows], "text_offset": offsets}
 
 
 def new_id(prefix: str) -> str:

@@ -50,6 +50,36 @@ class TextCodec:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token (logprobs report them: a token may be half of a UTF-8 character)."""
+        piece = self.tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if type(self.tok.decoder).__name__ == "ByteLevel":  # GPT-2 style: one printable char per byte
+            try:
+                return bytes(_BYTE_OF[c] for c in piece)
+            except KeyError:  # a special token, not in the byte alphabet
+                return piece.encode()
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, printable char -> byte (the inverse of its bytes_to_unicode)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+_BYTE_OF = _byte_alphabet()
+
 
 class Detokenizer:
     """Incremental: emits text only once it is complete (no half UTF-8 characters)."""

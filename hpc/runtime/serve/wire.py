@@ -29,6 +29,16 @@ class SamplingParams(Message):
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)  # stop strings, for engines that stop on them themselves
     ignore_eos: bool = False
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # None: none; k: the chosen token's + k best
+
+
+class TokenLogprob(Message):
+    """The model's log-probability of a generated token, and of the `logprobs` most likely tokens at that step."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
 
 
 class TrtllmContextParams(Message):
@@ -85,6 +95,7 @@ class GenerateOutput(Message, tag="output"):
     prompt_tokens: int = 0
     disaggregated_params: DisaggregatedParams | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when the request asked
 
 
 # ---- the other calls and their answers ---------------------------------------------------------------------------

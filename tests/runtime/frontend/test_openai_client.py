@@ -1,0 +1,113 @@
+"""The official `openai` client against the local stack with the tiny model: n, logprobs, defaults, models,
+streaming and not, sync and async, aggregated and disaggregated."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.runtime.conftest import stack_fixture
+
+openai = pytest.importorskip("openai", reason="the dev extra installs the official client")
+
+pytestmark = pytest.mark.integration
+
+# a short limit so that "no max_tokens" (OpenAI: up to the model's limit) is quick to check
+agg = stack_fixture("tiny-agg", "--set", "limits.max_output_tokens=40")
+disagg = stack_fixture("tiny-disagg")
+MESSAGES = [{"role": "user", "content": "Tell me about the sea"}]
+
+
+def client(stack) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
+
+
+def test_n_samples_are_independent_and_counted(agg):
+    c = client(agg)
+    r = c.chat.completions.create(model=agg.model, messages=MESSAGES, n=3, max_tokens=12, seed=11,
+                                  extra_body={"ignore_eos": True})
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert len({ch.message.content for ch in r.choices}) == 3  # seeds 11, 12, 13: three different samples
+    assert r.usage.completion_tokens == 36 and r.usage.prompt_tokens > 0
+    again = c.chat.completions.create(model=agg.model, messages=MESSAGES, n=3, max_tokens=12, seed=11,
+                                      extra_body={"ignore_eos": True})
+    assert [ch.message.content for ch in again.choices] == [ch.message.content for ch in r.choices]  # seeded
+
+    stream = c.completions.create(model=agg.model, prompt="Once upon", n=2, max_tokens=8, stream=True,
+                                  stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    texts, reasons, usage = {0: "", 1: ""}, {}, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            texts[ch.index] += ch.text
+            if ch.finish_reason:
+                reasons[ch.index] = ch.finish_reason
+    assert all(texts.values()) and reasons == {0: "length", 1: "length"} and usage.completion_tokens == 16
+
+
+def test_openai_defaults_sample_and_chat_runs_to_the_models_limit(agg):
+    c = client(agg)
+    long = c.chat.completions.create(model=agg.model, messages=MESSAGES, extra_body={"ignore_eos": True})
+    assert long.usage.completion_tokens == 40 and long.choices[0].finish_reason == "length"  # not 16
+    sampled = {c.completions.create(model=agg.model, prompt="The sea", max_tokens=10).choices[0].text
+               for _ in range(3)}
+    greedy = {c.completions.create(model=agg.model, prompt="The sea", max_tokens=10, temperature=0).choices[0].text
+              for _ in range(3)}
+    assert len(sampled) > 1 and len(greedy) == 1  # temperature defaults to 1, as OpenAI's does
+
+
+@pytest.mark.parametrize("which", ["agg", "disagg"])
+def test_logprobs_chat_and_completions(which, request):
+    stack = request.getfixturevalue(which)
+    c = client(stack)
+    r = c.chat.completions.create(model=stack.model, messages=MESSAGES, max_tokens=6, temperature=0,
+                                  logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6  # the first token too (disagg: from the prefill)
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy picks the best
+    # the tokens' raw bytes make up the answer (a token may hold half of a UTF-8 character)
+    assert b"".join(bytes(e.bytes) for e in content).decode() == r.choices[0].message.content
+
+    done = c.completions.create(model=stack.model, prompt="The sea", max_tokens=5, temperature=0, logprobs=2,
+                                extra_body={"ignore_eos": True})
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+
+    plain = c.chat.completions.create(model=stack.model, messages=MESSAGES, max_tokens=3)
+    assert plain.choices[0].logprobs is None  # only when asked
+
+
+def test_models_refusals_and_the_async_streaming_client(disagg):
+    c = client(disagg)
+    assert c.models.retrieve("hpc/tiny").id == "hpc/tiny"
+    assert [m.id for m in c.models.list().data] == ["hpc/tiny"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.chat.completions.create(model=disagg.model, messages=MESSAGES, max_tokens=3,
+                                  tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert refused.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.chat.completions.create(model=disagg.model, messages=MESSAGES, max_tokens=3, top_logprobs=2)
+    assert "top_logprobs needs logprobs" in str(refused.value)
+
+    async def stream() -> tuple[dict[int, str], int]:
+        async_client = openai.AsyncOpenAI(base_url=disagg.url + "/v1", api_key="none", max_retries=0)
+        texts: dict[int, str] = {}
+        usage = 0
+        chunks = await async_client.chat.completions.create(
+            model=disagg.model, messages=MESSAGES, n=2, max_tokens=5, stream=True, temperature=0,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        async for chunk in chunks:
+            usage = chunk.usage.completion_tokens if chunk.usage else usage
+            for ch in chunk.choices:
+                texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+        await async_client.close()
+        return texts, usage
+
+    texts, usage = asyncio.run(stream())
+    assert sorted(texts) == [0, 1] and texts[0] == texts[1] and usage == 10  # greedy: the same twice
