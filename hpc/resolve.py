@@ -94,6 +94,9 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
         engine_args[role_name.value] = merged
         config_files[role_name.value] = efile
     errors += _check_disagg_pair(recipe, engine_args, config_files, rfile)
+    if recipe.model.canned_completion and recipe.backend is not Backend.TORCH:
+        errors.append(UserError("model.canned_completion is a test knob of the torch engine", file=rfile,
+                                field="model.canned_completion", hint="remove it, or use backend: torch"))
     if recipe.roles.encode is not None and not recipe.model.multimodal:
         errors.append(UserError("an encode role needs a multimodal model", file=rfile, field="roles.encode",
                                 hint="set model.multimodal: true or remove roles.encode"))

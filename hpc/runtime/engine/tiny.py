@@ -10,9 +10,12 @@ import json
 import sysconfig
 from pathlib import Path
 
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+CHAT_TEMPLATE = (  # tools, tool calls and tool answers rendered as the big models' templates do, in brief
+    "{{ bos_token }}{% if tools %}<|system|>You may call these tools: {{ tools | tojson }}<|end|>{% endif %}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>{{ message['content'] or '' }}"
+    "{% if message['tool_calls'] is defined %}{% for call in message['tool_calls'] %}"
+    "<tool_call>{{ call['function'] | tojson }}</tool_call>{% endfor %}{% endif %}<|end|>"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|system|>", "<|user|>", "<|assistant|>",

@@ -50,8 +50,9 @@ class TorchEngine:
     def __init__(self, model_dir: Path, mode: DisaggregationMode, engine_args: dict[str, Any], *,
                  device: str | None = None, tp: TensorParallel | None = None,
                  fetch_kv: Callable[[DisaggregatedParams], Any] | None = None,
-                 self_address: str = "") -> None:
+                 self_address: str = "", canned_completion: str | None = None) -> None:
         self.model_dir = Path(model_dir).expanduser()
+        self.canned_completion = canned_completion
         self.mode = mode
         self.args = dict(engine_args)  # a copy: the caller's dict is never changed
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -109,7 +110,19 @@ class TorchEngine:
         self.max_len = min(self.max_len, self.cfg.max_position_embeddings)
         self.cache = self.model.new_cache(self.max_batch, self.max_len, self.dtype, self.device)
         self.free_slots = list(range(self.max_batch))
+        self.canned = self._canned_ids(self.canned_completion)
         self.warm_up()
+
+    def _canned_ids(self, text: str | None) -> list[int] | None:
+        """A test knob (recipe `model.canned_completion`): every answer is this text, then EOS — produced through
+        the real sampler with all other tokens masked, so tool-call and reasoning markup can be tested end to
+        end on a random-weight model."""
+        if not text:
+            return None
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        return tok.encode(str(text), add_special_tokens=False).ids
 
     WARMUP_PROMPT = 16
 
@@ -281,6 +294,12 @@ class TorchEngine:
             running.append(seq)
 
     def _pick(self, seq: _Seq, logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+        if self.canned is not None:
+            step = seq.generated
+            target = self.canned[step] if step < len(self.canned) else self.cfg.eos_token_id
+            forced = torch.full_like(logits, float("-inf"))
+            forced[target] = logits[target]
+            logits = forced
         token = sample(logits, seq.request.sampling, seq.gen)
         top = seq.request.sampling.logprobs
         return token, (None if top is None else token_logprob(logits, token, top))

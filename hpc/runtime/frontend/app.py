@@ -12,6 +12,7 @@ from hpc.manifest import Manifest
 from hpc.runtime.engine.types import GenerateOutput, GenerateRequest, SamplingParams, TokenLogprob
 from hpc.runtime.frontend.openai import (ApiError, ChatRequest, CompletionRequest, chat_logprobs,
                                          completion_logprobs, new_id, now, unsupported_param)
+from hpc.runtime.frontend.parsers import AnswerParser
 from hpc.runtime.frontend.router import NoInstance, Router
 from hpc.runtime.frontend.tokenizer import Detokenizer, TextCodec
 from hpc.runtime.serve.http import Request, Response, json_dumps, json_loads, json_response
@@ -113,7 +114,7 @@ class Frontend:
             raise ApiError(400, "request body is not valid JSON") from None
         if not isinstance(data, dict):
             raise ApiError(400, "request body must be a JSON object")
-        unsupported = unsupported_param(data)
+        unsupported = unsupported_param(data, tool_parser=self.recipe.model.tool_call_parser is not None)
         if unsupported is not None:
             raise ApiError(400, f"'{unsupported}' = {str(data[unsupported])[:80]} is not supported by this server",
                            param=unsupported, code="unsupported_parameter")
@@ -180,19 +181,26 @@ class Frontend:
                 content = "".join(parts)
             else:
                 content = m.content or ""
-            messages.append({"role": m.role, "content": content})
+            message: dict[str, Any] = {"role": m.role, "content": content}
+            for key in ("tool_calls", "tool_call_id", "name"):  # only what is there: templates test `is defined`
+                if getattr(m, key) is not None:
+                    message[key] = getattr(m, key)
+            messages.append(message)
         if len(images) > 1:
             raise ApiError(400, "at most one image per request is supported", param="messages")
         if images and not self.recipe.model.multimodal:
             raise ApiError(400, "this model takes no images", param="messages")
         try:
-            prompt = self.codec.apply_chat_template(messages)
+            tools = body.tools if body.tool_choice != "none" else None
+            prompt = self.codec.apply_chat_template(messages, tools)
         except Exception as exc:
             raise ApiError(400, f"chat template failed: {exc}", param="messages") from None
         # OpenAI's chat has no small default length: up to the model's limit (completions keep 16)
         gen = self._build(body, await self._encode(prompt), body.max_completion_tokens or body.max_tokens,
                           images[0] if images else None, default_max_tokens=self.recipe.limits.max_output_tokens)
-        return await self._respond(body, gen, chat=True)
+        model = self.recipe.model
+        parsing = (model.reasoning_parser, model.tool_call_parser if tools else None)
+        return await self._respond(body, gen, chat=True, parsing=parsing if any(parsing) else None)
 
     def _timed_out(self) -> ApiError:
         self.counters["timeouts_total"] += 1
@@ -303,12 +311,13 @@ class Frontend:
                 self.counters["retried_total"] += 1
         raise AssertionError("unreachable")
 
-    async def _respond(self, body: Any, gen: GenerateRequest, chat: bool) -> Response:
+    async def _respond(self, body: Any, gen: GenerateRequest, chat: bool,
+                       parsing: tuple[str | None, str | None] | None = None) -> Response:
         self.counters["requests_total"] += 1
         self.counters["prompt_tokens_total"] += len(gen.token_ids)
         rid = new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
-            return Response(content_type="text/event-stream", stream=self._sse(body, gen, chat, rid))
+            return Response(content_type="text/event-stream", stream=self._sse(body, gen, chat, rid, parsing))
         self.counters["inflight"] += 1
         try:
             samples = self._samples(body, gen)
@@ -333,8 +342,16 @@ class Frontend:
         for index, (text, reason, _, logprobs) in enumerate(results):
             lp = self._logprobs(chat, logprobs, 0) if body.logprob_count is not None else None
             if chat:
-                choices.append({"index": index, "message": {"role": "assistant", "content": text},
-                                "logprobs": lp, "finish_reason": reason})
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if parsing:
+                    split = AnswerParser(*parsing).feed(text, final=True)
+                    message["content"] = split.content if split.content or not split.tool_calls else None
+                    if parsing[0]:
+                        message["reasoning_content"] = split.reasoning
+                    if split.tool_calls:
+                        message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in split.tool_calls]
+                        reason = "tool_calls"
+                choices.append({"index": index, "message": message, "logprobs": lp, "finish_reason": reason})
             else:
                 choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": reason})
         usage = {"prompt_tokens": len(gen.token_ids), "completion_tokens": tokens,
@@ -375,13 +392,16 @@ class Frontend:
         finally:
             driver.cancel()
 
-    async def _sse(self, body: Any, gen: GenerateRequest, chat: bool, rid: str) -> AsyncIterator[bytes]:
+    async def _sse(self, body: Any, gen: GenerateRequest, chat: bool, rid: str,
+                   parsing: tuple[str | None, str | None] | None = None) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = now()
         self.counters["inflight"] += 1
         tokens = [0] * body.n
         offsets = [0] * body.n
         started: set[int] = set()
+        parsers = {i: AnswerParser(*parsing) for i in range(body.n)} if parsing else {}
+        called: set[int] = set()
         try:
             async for index, piece in self._merged(body, gen):
                 tokens[index] = piece.tokens
@@ -391,9 +411,22 @@ class Frontend:
                 offsets[index] += len(piece.delta)
                 if chat:
                     d: dict[str, Any] = {"content": piece.delta}
+                    reason = piece.reason
+                    if parsers:
+                        split = parsers[index].feed(piece.delta, final=piece.reason is not None)
+                        d = {"content": split.content} if split.content else {}
+                        if split.reasoning:
+                            d["reasoning_content"] = split.reasoning
+                        if split.tool_calls:
+                            d["tool_calls"] = split.tool_calls
+                            called.add(index)
+                        if reason and index in called:
+                            reason = "tool_calls"
+                        if not d and not reason and not lp:
+                            continue  # held back by a parser: nothing to send yet
                     if index not in started:
                         d["role"] = "assistant"
-                    choice = {"index": index, "delta": d, "logprobs": lp, "finish_reason": piece.reason}
+                    choice = {"index": index, "delta": d, "logprobs": lp, "finish_reason": reason}
                 else:
                     choice = {"index": index, "text": piece.delta, "logprobs": lp, "finish_reason": piece.reason}
                 started.add(index)

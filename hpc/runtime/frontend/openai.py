@@ -30,16 +30,21 @@ UNSUPPORTED: dict[str, Any] = {
     "echo": lambda v: v not in (None, False), "suffix": lambda v: v not in (None, ""),
     "presence_penalty": lambda v: v not in (None, 0, 0.0), "frequency_penalty": lambda v: v not in (None, 0, 0.0),
     "repetition_penalty": lambda v: v not in (None, 1, 1.0),
-    "tools": lambda v: bool(v), "tool_choice": lambda v: v not in (None, "none", "auto"),
     "functions": lambda v: bool(v), "function_call": lambda v: v not in (None, "none", "auto"),
     "logit_bias": lambda v: bool(v),
     "response_format": lambda v: isinstance(v, dict) and v.get("type") not in (None, "text"),
 }
 
 
-def unsupported_param(data: dict[str, Any]) -> str | None:
+# Tools need the recipe's tool-call parser; forcing a call ("required", a named function) needs constrained
+# decoding, which the engines here do not do.
+TOOLS_WITHOUT_PARSER = {"tools": lambda v: bool(v), "tool_choice": lambda v: v not in (None, "none", "auto")}
+TOOLS_WITH_PARSER = {"tool_choice": lambda v: v not in (None, "none", "auto")}
+
+
+def unsupported_param(data: dict[str, Any], tool_parser: bool = False) -> str | None:
     """The first parameter of `data` that asks for something this server does not do."""
-    for name, asks_for_it in UNSUPPORTED.items():
+    for name, asks_for_it in {**UNSUPPORTED, **(TOOLS_WITH_PARSER if tool_parser else TOOLS_WITHOUT_PARSER)}.items():
         if name in data and asks_for_it(data[name]):
             return name
     return None
@@ -100,6 +105,9 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's answer
+    name: str | None = None
 
 
 class ChatRequest(_Request):
@@ -107,6 +115,8 @@ class ChatRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1, le=10_000_000)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     @field_validator("top_logprobs")
     @classmethod

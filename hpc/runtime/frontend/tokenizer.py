@@ -32,11 +32,11 @@ class TextCodec:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         if self.template is None:
             raise ValueError("this model has no chat template; use /v1/completions")
-        return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
-                                    eos_token=self.eos_token)
+        return self.template.render(messages=messages, tools=tools, add_generation_prompt=True,
+                                    bos_token=self.bos_token, eos_token=self.eos_token)
 
     def expand_image_tokens(self, ids: list[int]) -> list[int]:
         """One image placeholder becomes as many tokens as the vision encoder yields embeddings."""
