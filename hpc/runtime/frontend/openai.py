@@ -30,6 +30,11 @@ UNSUPPORTED: dict[str, Any] = {
     "echo": lambda v: v not in (None, False), "suffix": lambda v: v not in (None, ""),
     "presence_penalty": lambda v: v not in (None, 0, 0.0), "frequency_penalty": lambda v: v not in (None, 0, 0.0),
     "repetition_penalty": lambda v: v not in (None, 1, 1.0),
+    "modalities": lambda v: v not in (None, ["text"]), "audio": lambda v: v is not None,
+    "prediction": lambda v: v is not None, "web_search_options": lambda v: v is not None,
+    "reasoning_effort": lambda v: v is not None,  # the recipe's model decides how much it reasons
+    "parallel_tool_calls": lambda v: v is False,  # one call at most cannot be enforced without constrained decoding
+    "store": lambda v: bool(v),  # nothing is stored here
     "functions": lambda v: bool(v), "function_call": lambda v: v not in (None, "none", "auto"),
     "logit_bias": lambda v: bool(v),
     "response_format": lambda v: isinstance(v, dict) and v.get("type") not in (None, "text"),

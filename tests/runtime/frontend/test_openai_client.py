@@ -111,3 +111,36 @@ def test_models_refusals_and_the_async_streaming_client(disagg):
 
     texts, usage = asyncio.run(stream())
     assert sorted(texts) == [0, 1] and texts[0] == texts[1] and usage == 10  # greedy: the same twice
+
+
+# Every documented Chat Completions parameter, with a value that asks for its effect: honoured (200, and the
+# answer shows it) or refused (400 naming it). Nothing may be accepted and ignored.
+HONOURED = {
+    "frequency_penalty": 0, "presence_penalty": 0, "logprobs": True, "top_logprobs": 2, "max_tokens": 3,
+    "max_completion_tokens": 3, "n": 2, "seed": 5, "stop": ["zzz"], "stream": False,
+    "stream_options": None, "temperature": 0.5, "top_p": 0.9, "user": "u", "metadata": {"k": "v"},
+    "service_tier": "auto", "response_format": {"type": "text"}, "modalities": ["text"], "tool_choice": "none",
+}
+REFUSED = {
+    "frequency_penalty": 0.5, "presence_penalty": 0.5, "logit_bias": {"5": 10}, "response_format": {"type": "json_object"},
+    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "functions": [{"name": "f"}],
+    "function_call": {"name": "f"}, "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
+    "prediction": {"type": "content", "content": "x"}, "web_search_options": {}, "reasoning_effort": "low",
+    "parallel_tool_calls": False, "store": True, "best_of": 2,
+}
+
+
+def test_every_documented_chat_parameter_is_honoured_or_refused_by_name(agg):
+    from hpc.checks.probe import post_json
+
+    base = {"model": agg.model, "messages": MESSAGES, "max_tokens": 3}
+    for name, value in HONOURED.items():
+        needs = {"logprobs": True} if name == "top_logprobs" else {}  # as OpenAI: top_logprobs needs logprobs
+        code, resp = post_json(agg.url + "/v1/chat/completions", {**base, **needs, name: value})
+        assert code == 200, (name, resp)
+    code, resp = post_json(agg.url + "/v1/chat/completions", {**base, **HONOURED})
+    assert code == 200 and len(resp["choices"]) == 2 and resp["usage"]["completion_tokens"] <= 6
+    assert all(len(ch["logprobs"]["content"][0]["top_logprobs"]) == 2 for ch in resp["choices"])
+    for name, value in REFUSED.items():
+        code, resp = post_json(agg.url + "/v1/chat/completions", {**base, name: value})
+        assert code == 400 and resp["error"]["param"] == name, (name, resp)
