@@ -169,3 +169,21 @@ def test_encode_prefill_decode_with_an_image(epd):
     assert red == red_again and red != blue  # the image's embeddings reached the prefill engine
     after = {r: _worker_metric(epd, f"{r}-0", "hpc_worker_requests_total") for r in before}
     assert all(after[r] >= before[r] + 3 for r in before), (before, after)
+
+
+def test_logprobs_come_from_the_llm_api_aggregated_and_disaggregated(agg, disagg):
+    """SamplingParams.logprobs in, CompletionOutput.logprobs out (tensorrt_llm/executor/result.py), one entry per
+    generated token — the disaggregated first token's from the context phase."""
+    from hpc.checks.probe import post_json, post_sse
+
+    for stack in (agg, disagg):
+        body = {"model": stack.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+        code, resp = post_json(stack.url + "/v1/chat/completions", body)
+        content = resp["choices"][0]["logprobs"]["content"]
+        assert code == 200 and len(content) == resp["usage"]["completion_tokens"] == 5
+        assert all(e["logprob"] == -0.25 and [t["logprob"] for t in e["top_logprobs"]] == [-0.25, -1.25]
+                   for e in content)  # the fake's distribution: the sampled token at rank 1
+        streamed = [e for e in post_sse(stack.url + "/v1/chat/completions", {**body, "stream": True})
+                    if e.get("choices")]
+        assert sum(len((e["choices"][0]["logprobs"] or {}).get("content") or []) for e in streamed) == 5

@@ -13,6 +13,9 @@ upstream defines it (NVIDIA/TensorRT-LLM):
   already sent, so the decode side skips it; `abort()` cancels a request in the executor.
 - tensorrt_llm/disaggregated_params.py: the generation-only request needs the context's request id (or the
   shared disagg_request_id), its first tokens and opaque state.
+- tensorrt_llm/sampling_params.py `logprobs` (int): the log probabilities of that many most likely tokens plus the
+  sampled one per output token (0 or None asks for none, so the adapter asks for at least 1); they come back as
+  CompletionOutput.logprobs (executor/result.py), a cumulative list of {token_id: Logprob(logprob, rank)}.
 - tensorrt_llm/sampling_params.py: greedy means temperature, top_p and top_k unset, or top_k == 1 (every
   release), so a request with temperature 0 goes in as top_k=1 with the others unset; `stop` strings stop
   the engine itself.
@@ -41,7 +44,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
-                                      GenerateRequest, SamplingParams, TrtllmContextParams)
+                                      GenerateRequest, SamplingParams, TokenLogprob, TrtllmContextParams)
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +102,21 @@ def trtllm_sampling(s: SamplingParams, sampling_cls: Any) -> Any:
         seed=s.seed,
         stop=list(s.stop) or None,
         stop_token_ids=list(s.stop_token_ids) or None,
-        ignore_eos=s.ignore_eos)
+        ignore_eos=s.ignore_eos,
+        logprobs=None if s.logprobs is None else max(1, s.logprobs))
+
+
+def token_logprobs(new: list[int], cumulative: list[dict], top: int) -> list[TokenLogprob]:
+    """The new tokens' entries of CompletionOutput.logprobs, as hpc's TokenLogprob. Aligned from the end: a
+    generation-only output has no entry for the first token (the context phase produced it)."""
+    entries = cumulative[len(cumulative) - len(new):] if len(cumulative) >= len(new) else []
+    out = []
+    for token, entry in zip(new, entries):
+        ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank or 1 << 30, -kv[1].logprob))[:top]
+        chosen = entry.get(token)
+        out.append(TokenLogprob(token_id=token, logprob=chosen.logprob if chosen else float("-inf"),
+                                top_ids=[t for t, _ in ranked], top_logprobs=[lp.logprob for _, lp in ranked]))
+    return out
 
 
 class TrtllmEngine:
@@ -277,9 +294,13 @@ class TrtllmEngine:
                 handoff = None
                 if self.mode is DisaggregationMode.PREFILL and out.finished:
                     handoff = self._handoff(request, out, completion.disaggregated_params, dp)
+                logprobs = None
+                if request.sampling.logprobs is not None:
+                    logprobs = token_logprobs(new, completion.logprobs or [], request.sampling.logprobs)
                 yield GenerateOutput(token_ids=new, finished=out.finished,
                                      finish_reason=completion.finish_reason if out.finished else None,
-                                     prompt_tokens=len(request.token_ids), disaggregated_params=handoff)
+                                     prompt_tokens=len(request.token_ids), disaggregated_params=handoff,
+                                     logprobs=logprobs)
         finally:
             self._counters["running"] -= 1
             if not result.finished and not self.failure:

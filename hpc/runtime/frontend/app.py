@@ -142,9 +142,6 @@ class Frontend:
         if wanted > limits.max_output_tokens:
             raise ApiError(400, f"max_tokens {wanted} exceeds the limit {limits.max_output_tokens}",
                            param="max_tokens")
-        if body.logprob_count is not None and self.recipe.backend.value == "trtllm":
-            raise ApiError(400, "logprobs are not wired through the TensorRT-LLM adapter yet (the torch and mock "
-                                "engines return them)", param="logprobs", code="unsupported_parameter")
         sampling = SamplingParams(max_tokens=wanted, temperature=body.temperature, top_p=body.top_p,
                                   top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos,
                                   stop=body.stop_strings, logprobs=body.logprob_count)

@@ -23,6 +23,14 @@ from typing import Any, Optional
 
 
 @dataclass(slots=True)
+class Logprob:
+    """Upstream: a token's log-probability and its vocabulary rank (1 = most likely)."""
+
+    logprob: float
+    rank: Optional[int] = None
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str = ""
@@ -36,10 +44,15 @@ class CompletionOutput:
     disaggregated_params: Any = None
     _last_text_len: int = field(default=0, init=False, repr=False)
     _last_token_ids_len: int = field(default=0, init=False, repr=False)
+    _last_logprobs_len: int = field(default=0, init=False, repr=False)
 
     @property
     def length(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def logprobs_diff(self) -> list:
+        return self.logprobs[self._last_logprobs_len:]
 
     @property
     def token_ids_diff(self) -> list[int]:
@@ -56,6 +69,9 @@ class Response:
     finish_reason: Optional[str] = None  # END_ID | STOP_WORDS | LENGTH | CANCELLED
     context_phase_params: Any = None
     error: Optional[str] = None
+    # per new token {token_id: Logprob} for the `logprobs` most likely and the sampled one (upstream: at most
+    # logprobs + 1 entries); a generation-only request has none for the first token (the context phase made it)
+    new_logprobs: list = field(default_factory=list)
 
 
 class GenerationResult:
@@ -110,6 +126,9 @@ class GenerationResult:
         output.disaggregated_params = self.disaggregated_params
         output._last_token_ids_len = len(output.token_ids)
         output.token_ids.extend(response.new_token_ids)
+        if response.new_logprobs:
+            output._last_logprobs_len = len(output.logprobs)
+            output.logprobs = output.logprobs + response.new_logprobs
         dp = self.disaggregated_params
         if dp is not None and dp.request_type == "generation_only" and self._streaming and self.decoding_iter == 2:
             output._last_token_ids_len = 1

@@ -301,6 +301,15 @@ class _Executor:
             raise RuntimeError("cache transceiver: first_gen_tokens differ from the context phase's")
         return state
 
+    def _logprobs(self, token: int, k: int) -> dict:
+        """A made-up distribution in upstream's shape: the sampled token at rank 1, then k - 1 others."""
+        from tensorrt_llm.executor.result import Logprob
+
+        out = {token: Logprob(logprob=-0.25, rank=1)}
+        for j in range(1, k):
+            out[(token + 7919 * j) % self.vocab] = Logprob(logprob=-0.25 - j, rank=j + 1)
+        return out
+
     # ---- the 'model' ----------------------------------------------------------------------------------------
     def _next(self, seq: list[int], digest: str | None, sp: SamplingParams, step: int) -> int:
         if sp._greedy_decoding:
@@ -326,6 +335,7 @@ class _Executor:
         if gen_only:
             digest = context["digest"]
         pending: list[int] = list(out)
+        pending_lp: list[dict] = []
         decoding_iter = 1 if gen_only else 0
         reason = None
         try:
@@ -344,14 +354,17 @@ class _Executor:
                 token = self._next(prompt + out, digest, sp, len(out))
                 out.append(token)
                 pending.append(token)
+                if sp.logprobs:
+                    pending_lp.append(self._logprobs(token, sp.logprobs))
                 decoding_iter += 1
                 self._iteration_stats(1)
                 reason = self._stopped(out, sp) or ("LENGTH" if len(out) >= sp.max_tokens else None)
                 if ctx_only:
                     break
                 if streaming and reason is None and own not in self.aborted:
-                    result.aqueue.put_nowait(Response(new_token_ids=pending, decoding_iter=decoding_iter))
-                    pending = []
+                    result.aqueue.put_nowait(Response(new_token_ids=pending, decoding_iter=decoding_iter,
+                                                      new_logprobs=pending_lp))
+                    pending, pending_lp = [], []
             cpp = None
             if ctx_only:
                 from tensorrt_llm.disaggregated_params import ContextPhaseParams
@@ -361,6 +374,7 @@ class _Executor:
                                          draft_tokens=None, ctx_dp_rank=None, ctx_info_endpoint=None)
                 reason = "LENGTH"
             result.aqueue.put_nowait(Response(new_token_ids=pending, decoding_iter=decoding_iter, is_final=True,
+                                              new_logprobs=pending_lp,
                                               finish_reason=reason, context_phase_params=cpp))
             _log("finish", id=own, reason=reason, tokens=len(out))
         except Exception as exc:  # noqa: BLE001 - surfaces to the caller like a background error
