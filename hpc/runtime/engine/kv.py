@@ -1,10 +1,12 @@
-"""KV-cache blocks moved from a prefill worker to a decode worker: tensor <-> bytes, no pickle."""
+"""KV-cache blocks moved from a prefill worker to a decode worker: tensor <-> bytes (any two machines), or a
+CUDA IPC handle (same node, both on GPUs: the decode side copies device to device, no host round trip). No
+pickle either way."""
 
 from __future__ import annotations
 
 import torch
 
-from hpc.runtime.serve.wire import KvMeta
+from hpc.runtime.serve.wire import CudaIpc, KvMeta
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16)}
 
@@ -20,3 +22,39 @@ def unpack(meta: KvMeta, data: bytes) -> torch.Tensor:
         raise ValueError(f"KV dtype {meta.dtype!r} is not one of {sorted(_DTYPES)}")
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return raw.view(dtype).reshape(meta.shape)
+
+
+def share(t: torch.Tensor) -> KvMeta:
+    """A CUDA tensor as an IPC handle; the caller keeps `t` alive until the other side released it."""
+    storage = t.untyped_storage()
+    (device, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
+     event_sync) = storage._share_cuda_()
+    return KvMeta(shape=list(t.shape), dtype=str(t.dtype),
+                  ipc=CudaIpc(device=int(device), handle=bytes(handle), size_bytes=int(size_bytes),
+                              offset_bytes=int(offset_bytes), ref_counter_handle=bytes(ref_handle),
+                              ref_counter_offset=int(ref_offset), event_handle=bytes(event_handle or b""),
+                              event_sync_required=bool(event_sync), tensor_offset=t.storage_offset(),
+                              stride=list(t.stride())))
+
+
+def open_shared(meta: KvMeta) -> torch.Tensor:
+    """The other process's tensor (on its device), opened from the IPC handle: copy it before releasing."""
+    ipc = meta.ipc
+    dtype = _DTYPES.get(meta.dtype)
+    if ipc is None or dtype is None:
+        raise ValueError(f"not a shareable KV description: dtype {meta.dtype!r}, ipc {ipc is not None}")
+    torch.cuda._lazy_init()
+    storage = torch.UntypedStorage._new_shared_cuda(ipc.device, ipc.handle, ipc.size_bytes, ipc.offset_bytes,
+                                                    ipc.ref_counter_handle, ipc.ref_counter_offset,
+                                                    ipc.event_handle or None, ipc.event_sync_required)
+    return torch.empty(0, dtype=dtype, device=f"cuda:{ipc.device}").set_(storage, ipc.tensor_offset, meta.shape,
+                                                                         ipc.stride)
+
+
+def copy_shared(meta: KvMeta, device: str) -> torch.Tensor:
+    """Open the other process's KV and copy it onto `device` (peer to peer across GPUs), finished on return —
+    the owner may free it as soon as this returns."""
+    with torch.cuda.device(torch.device(device)):
+        kv = open_shared(meta).to(device, copy=True)
+        torch.cuda.current_stream().synchronize()
+    return kv

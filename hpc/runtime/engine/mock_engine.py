@@ -74,7 +74,7 @@ class MockEngine:
         self._counters["requests"] += 1
         return EncodedMedia(shape=[0, 0])
 
-    def take_handoff(self, handle: str) -> tuple[KvMeta, bytes]:
+    def take_handoff(self, handle: str, ipc: bool = False) -> tuple[KvMeta, bytes]:
         return KvMeta(shape=[0], dtype="torch.float32"), b""
 
     def stats(self) -> dict[str, float]:

@@ -25,7 +25,7 @@ from hpc.runtime.engine.llama import (LlamaConfig, LlamaForCausalLM, TensorParal
                                       shard_state_dict)
 from hpc.runtime.engine.sampling import make_generator, sample, token_logprob
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
-                                      GenerateRequest, TokenLogprob)
+                                      GenerateRequest, KvMeta, TokenLogprob)
 
 log = logging.getLogger(__name__)
 HANDOFF_TTL_S = 120.0
@@ -191,11 +191,19 @@ class TorchEngine:
         self._counters["requests"] += 1
         return EncodedMedia(shape=list(emb.shape), data=emb.numpy().tobytes())
 
-    def take_handoff(self, handle: str) -> tuple[dict, bytes]:
-        """The prefilled KV of `handle` (once): [layers, 2, kv_heads, length, head_dim]."""
+    def take_handoff(self, handle: str, ipc: bool = False) -> tuple[KvMeta, bytes]:
+        """The prefilled KV of `handle`: [layers, 2, kv_heads, length, head_dim]. As bytes it is taken at once;
+        shared over CUDA IPC (`ipc`, and the KV is on a GPU) it stays until release_handoff (or its TTL)."""
         with self._handoff_lock:
-            _, tensor = self._handoff.pop(handle)
+            _, tensor = self._handoff[handle] if ipc and self.device.type == "cuda" else self._handoff.pop(handle)
+        if ipc and tensor.is_cuda:
+            self._counters["kv_ipc_shared"] = self._counters.get("kv_ipc_shared", 0) + 1
+            return kvpack.share(tensor), b""
         return kvpack.pack(tensor)
+
+    def release_handoff(self, handle: str) -> None:
+        with self._handoff_lock:
+            self._handoff.pop(handle, None)
 
     def stats(self) -> dict[str, float]:
         kv_usage = 0.0

@@ -334,7 +334,7 @@ class TrtllmEngine:
         return EncodedMedia(shape=list(handles[0].get("tensor_size", [])), handles=handles,
                             hashes=getattr(dp, "multimodal_hashes", None))
 
-    def take_handoff(self, handle: str) -> tuple[dict, bytes]:
+    def take_handoff(self, handle: str, ipc: bool = False) -> tuple[dict, bytes]:
         raise RuntimeError("with TensorRT-LLM the cache transceiver moves the KV cache, not hpc")
 
     def stats(self) -> dict[str, float]:

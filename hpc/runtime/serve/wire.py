@@ -100,16 +100,41 @@ class GenerateOutput(Message, tag="output"):
 
 # ---- the other calls and their answers ---------------------------------------------------------------------------
 class FetchKv(Message, tag="fetch_kv"):
-    """Decode -> prefill: send the KV cache waiting under `handle` (once)."""
+    """Decode -> prefill: send the KV cache waiting under `handle` (once). `ipc`: the caller shares this node and
+    a CUDA device, so a CUDA IPC handle will do instead of the bytes."""
 
     handle: str
+    ipc: bool = False
+
+
+class CudaIpc(Message):
+    """A CUDA allocation shared with another process on the node (torch's storage._share_cuda_ fields)."""
+
+    device: int
+    handle: bytes
+    size_bytes: int
+    offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    tensor_offset: int
+    stride: list[int]
 
 
 class KvMeta(Message, tag="kv"):
-    """Describes the KV bytes in the frame's payload: [layers, 2, kv_heads, length, head_dim]."""
+    """Describes the KV in the frame's payload, or (ipc) where it sits on a GPU: [layers, 2, kv_heads, length,
+    head_dim]. An IPC handoff is released with ReleaseKv once the decode side has copied it."""
 
     shape: list[int]
     dtype: str
+    ipc: CudaIpc | None = None
+
+
+class ReleaseKv(Message, tag="release_kv"):
+    """Decode -> prefill: the KV shared under `handle` was copied; free it."""
+
+    handle: str
 
 
 class EncodeImage(Message, tag="encode"):
@@ -134,7 +159,7 @@ class Cancel(Message, tag="cancel"):
     """The caller stopped reading the stream with this call's id."""
 
 
-CallBody = Union[GenerateRequest, FetchKv, EncodeImage, StatsQuery, Hello, Cancel]
+CallBody = Union[GenerateRequest, FetchKv, ReleaseKv, EncodeImage, StatsQuery, Hello, Cancel]
 ReplyBody = Union[GenerateOutput, KvMeta, EncodedMedia, WorkerStats]
 
 

@@ -11,7 +11,7 @@ from hpc.runtime.engine.types import DisaggregationMode, EncodedMedia, GenerateR
 from hpc.runtime.engine.media import MediaError, read_image_bytes, to_pixels
 from hpc.runtime.serve.rpc import RemoteError, RpcClient, StreamHandler
 from hpc.runtime.serve.wire import (
-    EncodeImage, FetchKv, ReplyBody, StatsQuery, WorkerStats, replace,
+    EncodeImage, FetchKv, ReleaseKv, ReplyBody, StatsQuery, WorkerStats, replace,
 )
 
 Frame = tuple[ReplyBody, bytes]
@@ -130,14 +130,22 @@ class PrefillHandler(HandlerBase):
     """Runs the prompt, returns the first token and where its KV cache waits; serves KV fetches."""
 
     def ops(self):
-        return {**super().ops(), FetchKv: self.fetch_kv}
+        return {**super().ops(), FetchKv: self.fetch_kv, ReleaseKv: self.release_kv}
 
     async def fetch_kv(self, call: FetchKv, payload: bytes) -> AsyncIterator[Frame]:
         try:
-            meta, data = self.deps.engine.take_handoff(call.handle)
+            meta, data = self.deps.engine.take_handoff(call.handle, ipc=call.ipc)
         except KeyError:
             raise RemoteError(f"no KV cache waiting under handle {call.handle!r}", 404) from None
         yield meta, data
+
+
+    async def release_kv(self, call: ReleaseKv, payload: bytes) -> AsyncIterator[Frame]:
+        release = getattr(self.deps.engine, "release_handoff", None)
+        if release is not None:
+            release(call.handle)
+        return
+        yield  # an async generator that answers nothing
 
 
 class DecodeHandler(HandlerBase):

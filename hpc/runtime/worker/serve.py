@@ -20,13 +20,13 @@ from hpc.runtime.engine.tiny import ensure_model
 from hpc.spec.recipe import Backend
 from hpc.runtime.services.discovery import Instance, open_discovery
 from hpc.runtime.engine.factory import build_engine
-from hpc.runtime.engine.kv import unpack
+from hpc.runtime.engine.kv import copy_shared, unpack
 from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode
 from hpc.runtime.serve.http import HttpServer, Request, Response, json_response
 from hpc.runtime.serve.metrics import prometheus
 from hpc.runtime.services.node import Reporter, node_address, publish_endpoint, rpc_token, wait_endpoint
 from hpc.runtime.serve.rpc import RemoteError, RpcServer
-from hpc.runtime.serve.wire import FetchKv, KvMeta
+from hpc.runtime.serve.wire import FetchKv, KvMeta, ReleaseKv
 from hpc.runtime.worker.handlers import HandlerDeps, Peers, make_handler
 
 log = logging.getLogger("hpc.worker")
@@ -63,11 +63,20 @@ async def serve(manifest: Manifest, role: str, index: int) -> int:
     rpc_address = f"{host}:{plan.ports['rpc']}"
     peers = Peers(token=rpc_token(manifest))
 
+    # Same node and a GPU here: ask for a CUDA IPC handle and copy device to device; else the bytes over TCP.
+    ipc_capable = device.startswith("cuda")
+
     async def fetch_kv(params: DisaggregatedParams):
-        meta, data = await peers.client(params.prefill_address).call(FetchKv(handle=params.request_handle))
+        prefill = peers.client(params.prefill_address)
+        ipc = ipc_capable and params.prefill_address.rpartition(":")[0] == host
+        meta, data = await prefill.call(FetchKv(handle=params.request_handle, ipc=ipc))
         if not isinstance(meta, KvMeta):
             raise RemoteError("the prefill worker answered a KV fetch without its layout", 502)
-        return unpack(meta, data)
+        if meta.ipc is None:
+            return unpack(meta, data)
+        kv = await asyncio.to_thread(copy_shared, meta, device)
+        await prefill.call(ReleaseKv(handle=params.request_handle))
+        return kv
 
     engine = build_engine(manifest, role, self_address=rpc_address, tp=tp, fetch_kv=fetch_kv, device=device)
     if rank > 0:
