@@ -72,6 +72,7 @@ class _Seq:
     imported_kv: torch.Tensor | None = None
     media: torch.Tensor | None = None
     started: float = field(default_factory=time.perf_counter)
+    counts: dict[int, int] = field(default_factory=dict)  # generated token -> times (for the penalties)
 
 
 class TorchEngine:
@@ -331,6 +332,13 @@ class TorchEngine:
             running.append(seq)
 
     def _pick(self, seq: _Seq, logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+        p = seq.request.sampling
+        if (p.presence_penalty or p.frequency_penalty) and seq.counts:
+            # OpenAI's definition: logit - frequency * count - presence * (count > 0), over generated tokens
+            ids = torch.tensor(list(seq.counts), device=logits.device)
+            times = torch.tensor(list(seq.counts.values()), dtype=logits.dtype, device=logits.device)
+            logits = logits.clone()
+            logits[ids] -= p.frequency_penalty * times + p.presence_penalty
         if self.canned is not None:
             step = seq.generated
             target = self.canned[step] if step < len(self.canned) else self.cfg.eos_token_id
@@ -367,6 +375,7 @@ class TorchEngine:
         params = seq.request.disaggregated_params
         seq.last_token = params.first_token_id
         seq.generated = 1  # the prefill worker produced the first token
+        seq.counts = {params.first_token_id: 1}
         seq.imported_kv = None
         self._counters["prompt_tokens"] += length
 
@@ -378,7 +387,8 @@ class TorchEngine:
         # Greedy rows without logprobs: one argmax for all of them and one device sync, not one per row (at 64
         # rows the per-row syncs cost more than the step itself).
         plain = [i for i, s in enumerate(running) if s.request.sampling.temperature == 0
-                 and s.request.sampling.logprobs is None and self.canned is None]
+                 and s.request.sampling.logprobs is None and self.canned is None
+                 and not (s.request.sampling.presence_penalty or s.request.sampling.frequency_penalty)]
         picked = dict(zip(plain, logits[plain].argmax(-1).tolist())) if plain else {}
         with self.emitter:
             for i, s in enumerate(running):
@@ -399,6 +409,7 @@ class TorchEngine:
         """Send one token; False when the sequence finished with it."""
         seq.generated += 1
         seq.last_token = token
+        seq.counts[token] = seq.counts.get(token, 0) + 1
         self._counters["generated_tokens"] += 1
         p = seq.request.sampling
         if (token == self.cfg.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:

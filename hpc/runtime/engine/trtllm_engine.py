@@ -103,7 +103,8 @@ def trtllm_sampling(s: SamplingParams, sampling_cls: Any) -> Any:
         stop=list(s.stop) or None,
         stop_token_ids=list(s.stop_token_ids) or None,
         ignore_eos=s.ignore_eos,
-        logprobs=None if s.logprobs is None else max(1, s.logprobs))
+        logprobs=None if s.logprobs is None else max(1, s.logprobs),
+        presence_penalty=s.presence_penalty or None, frequency_penalty=s.frequency_penalty or None)
 
 
 def token_logprobs(new: list[int], cumulative: list[dict], top: int) -> list[TokenLogprob]:

@@ -144,7 +144,8 @@ class Frontend:
                            param="max_tokens")
         sampling = SamplingParams(max_tokens=wanted, temperature=body.temperature, top_p=body.top_p,
                                   top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos,
-                                  stop=body.stop_strings, logprobs=body.logprob_count)
+                                  stop=body.stop_strings, logprobs=body.logprob_count,
+                                  presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
         return GenerateRequest(request_id=new_id("req"), token_ids=ids, sampling=sampling,
                                streaming=body.stream, image=image)
 
@@ -157,7 +158,8 @@ class Frontend:
             if any((not isinstance(t, int)) or t < 0 for t in ids):
                 raise ApiError(400, "prompt token ids must be non-negative integers", param="prompt")
         gen = self._build(body, ids, body.max_tokens, None)
-        return await self._respond(body, gen, chat=False)
+        echo = (body.prompt if isinstance(body.prompt, str) else self.codec.decode(ids)) if body.echo else ""
+        return await self._respond(body, gen, chat=False, echo=echo)
 
     async def chat(self, req: Request) -> Response:
         body: ChatRequest = self._parse(req, ChatRequest)
@@ -275,6 +277,13 @@ class Frontend:
             if reason:
                 return
 
+    def _usage(self, prompt: int, completion: int) -> dict[str, Any]:
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                                 "total_tokens": prompt + completion}
+        if self.recipe.backend.value != "trtllm":  # the reference engines keep no prefix cache: nothing reused
+            usage["prompt_tokens_details"] = {"cached_tokens": 0}
+        return usage
+
     def _samples(self, body: Any, gen: GenerateRequest) -> list[GenerateRequest]:
         """`n` independent requests (seeded seed, seed+1, ... when a seed was given)."""
         if body.n == 1:
@@ -309,12 +318,12 @@ class Frontend:
         raise AssertionError("unreachable")
 
     async def _respond(self, body: Any, gen: GenerateRequest, chat: bool,
-                       parsing: tuple[str | None, str | None] | None = None) -> Response:
+                       parsing: tuple[str | None, str | None] | None = None, echo: str = "") -> Response:
         self.counters["requests_total"] += 1
         self.counters["prompt_tokens_total"] += len(gen.token_ids)
         rid = new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
-            return Response(content_type="text/event-stream", stream=self._sse(body, gen, chat, rid, parsing))
+            return Response(content_type="text/event-stream", stream=self._sse(body, gen, chat, rid, parsing, echo))
         self.counters["inflight"] += 1
         try:
             samples = self._samples(body, gen)
@@ -350,9 +359,8 @@ class Frontend:
                         reason = "tool_calls"
                 choices.append({"index": index, "message": message, "logprobs": lp, "finish_reason": reason})
             else:
-                choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": reason})
-        usage = {"prompt_tokens": len(gen.token_ids), "completion_tokens": tokens,
-                 "total_tokens": len(gen.token_ids) + tokens}
+                choices.append({"index": index, "text": echo + text, "logprobs": lp, "finish_reason": reason})
+        usage = self._usage(len(gen.token_ids), tokens)
         return json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
                               "created": now(), "model": self.model_name, "system_fingerprint": self.fingerprint,
                               "choices": choices, "usage": usage})
@@ -390,7 +398,7 @@ class Frontend:
             driver.cancel()
 
     async def _sse(self, body: Any, gen: GenerateRequest, chat: bool, rid: str,
-                   parsing: tuple[str | None, str | None] | None = None) -> AsyncIterator[bytes]:
+                   parsing: tuple[str | None, str | None] | None = None, echo: str = "") -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = now()
         self.counters["inflight"] += 1
@@ -400,6 +408,11 @@ class Frontend:
         parsers = {i: AnswerParser(*parsing) for i in range(body.n)} if parsing else {}
         called: set[int] = set()
         try:
+            for index in range(body.n if echo else 0):  # the prompt first, as OpenAI's echo sends it
+                yield b"data: " + json_dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                              "system_fingerprint": self.fingerprint,
+                                              "choices": [{"index": index, "text": echo, "logprobs": None,
+                                                           "finish_reason": None}]}) + b"\n\n"
             async for index, piece in self._merged(body, gen):
                 tokens[index] = piece.tokens
                 lp = None
@@ -431,8 +444,7 @@ class Frontend:
                                               "system_fingerprint": self.fingerprint,
                                               "choices": [choice]}) + b"\n\n"
             if body.include_usage:
-                usage = {"prompt_tokens": len(gen.token_ids), "completion_tokens": sum(tokens),
-                         "total_tokens": len(gen.token_ids) + sum(tokens)}
+                usage = self._usage(len(gen.token_ids), sum(tokens))
                 yield b"data: " + json_dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                               "choices": [], "usage": usage}) + b"\n\n"
             yield b"data: [DONE]\n\n"

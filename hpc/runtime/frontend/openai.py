@@ -27,8 +27,7 @@ class ApiError(Exception):
 # value is accepted, since many clients send every field.
 UNSUPPORTED: dict[str, Any] = {
     "best_of": lambda v: v not in (None, 1),
-    "echo": lambda v: v not in (None, False), "suffix": lambda v: v not in (None, ""),
-    "presence_penalty": lambda v: v not in (None, 0, 0.0), "frequency_penalty": lambda v: v not in (None, 0, 0.0),
+    "suffix": lambda v: v not in (None, ""),
     "repetition_penalty": lambda v: v not in (None, 1, 1.0),
     "modalities": lambda v: v not in (None, ["text"]), "audio": lambda v: v is not None,
     "prediction": lambda v: v is not None, "web_search_options": lambda v: v is not None,
@@ -66,6 +65,8 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(None, ge=1, le=10_000_000)
     temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default: sampling, not greedy
     n: int = Field(1, ge=1, le=128)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=1_000_000)
     seed: int | None = Field(None, ge=0, lt=2**63)
@@ -88,6 +89,14 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int]
     logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _echo_without_prompt_logprobs(cls, value: bool, info: Any) -> bool:
+        if value and info.data.get("logprobs") is not None:
+            raise ValueError("echo with logprobs would need the prompt's logprobs, which are not computed here")
+        return value
 
     @property
     def logprob_count(self) -> int | None:

@@ -30,6 +30,8 @@ class SamplingParams(Message):
     stop: list[str] = field(default_factory=list)  # stop strings, for engines that stop on them themselves
     ignore_eos: bool = False
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # None: none; k: the chosen token's + k best
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0  # OpenAI's: once a token appeared
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0  # OpenAI's: per time it appeared
 
 
 class TokenLogprob(Message):

@@ -116,13 +116,13 @@ def test_models_refusals_and_the_async_streaming_client(disagg):
 # Every documented Chat Completions parameter, with a value that asks for its effect: honoured (200, and the
 # answer shows it) or refused (400 naming it). Nothing may be accepted and ignored.
 HONOURED = {
-    "frequency_penalty": 0, "presence_penalty": 0, "logprobs": True, "top_logprobs": 2, "max_tokens": 3,
+    "frequency_penalty": 0.5, "presence_penalty": 0.5, "logprobs": True, "top_logprobs": 2, "max_tokens": 3,
     "max_completion_tokens": 3, "n": 2, "seed": 5, "stop": ["zzz"], "stream": False,
     "stream_options": None, "temperature": 0.5, "top_p": 0.9, "user": "u", "metadata": {"k": "v"},
     "service_tier": "auto", "response_format": {"type": "text"}, "modalities": ["text"], "tool_choice": "none",
 }
 REFUSED = {
-    "frequency_penalty": 0.5, "presence_penalty": 0.5, "logit_bias": {"5": 10}, "response_format": {"type": "json_object"},
+    "logit_bias": {"5": 10}, "response_format": {"type": "json_object"},
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "functions": [{"name": "f"}],
     "function_call": {"name": "f"}, "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
     "prediction": {"type": "content", "content": "x"}, "web_search_options": {}, "reasoning_effort": "low",
@@ -144,3 +144,24 @@ def test_every_documented_chat_parameter_is_honoured_or_refused_by_name(agg):
     for name, value in REFUSED.items():
         code, resp = post_json(agg.url + "/v1/chat/completions", {**base, name: value})
         assert code == 400 and resp["error"]["param"] == name, (name, resp)
+
+
+def test_penalties_echo_and_usage_details(agg):
+    c = client(agg)
+
+    def distinct(**extra) -> tuple[int, int]:
+        """Distinct tokens among 30 greedy ones, and the cached prompt tokens reported."""
+        r = c.completions.create(model=agg.model, prompt="the the the", max_tokens=30, temperature=0, logprobs=0,
+                                 extra_body={"ignore_eos": True}, **extra)
+        return len(set(r.choices[0].logprobs.tokens)), r.usage.prompt_tokens_details.cached_tokens
+    plain, cached = distinct()
+    penalised, _ = distinct(frequency_penalty=2.0, presence_penalty=2.0)
+    assert penalised > plain and cached == 0  # the penalty changed what greedy picked: fewer repeats
+    echoed = c.completions.create(model=agg.model, prompt="Echo me", max_tokens=3, temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith("Echo me") and len(echoed.choices[0].text) > len("Echo me")
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=agg.model, prompt="Echo me", max_tokens=3, temperature=0, echo=True, stream=True) if ch.choices)
+    assert streamed == echoed.choices[0].text
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.completions.create(model=agg.model, prompt="x", max_tokens=2, echo=True, logprobs=1)
+    assert refused.value.body["param"] == "echo"
