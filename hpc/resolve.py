@@ -142,12 +142,16 @@ def _check_role(recipe: Recipe, role_name: RoleName, merged: dict[str, Any], rfi
             f"({field}.expert_parallel_size)", file=where, field="moe_expert_parallel_size",
             hint="make the engine config and the recipe agree"))
     if recipe.backend is Backend.TORCH:  # what the reference engine cannot run is refused, not ignored
-        for name, size in (("pipeline_parallel_size", pp), ("expert_parallel_size", role.expert_parallel_size)):
-            if size != 1:
-                errors.append(UserError(
-                    f"the torch reference engine runs tensor parallelism only, not {name} {size}",
-                    file=rfile, field=f"{field}.{name}",
-                    hint=f"set {field}.{name}: 1 (and raise tensor_parallel_size), or use backend: trtllm"))
+        if role.expert_parallel_size != 1:
+            errors.append(UserError(
+                f"the torch reference engine has no expert parallelism (expert_parallel_size "
+                f"{role.expert_parallel_size})", file=rfile, field=f"{field}.expert_parallel_size",
+                hint=f"set {field}.expert_parallel_size: 1, or use backend: trtllm"))
+        if isinstance(pp, int) and isinstance(tp, int) and pp > 1 and tp > 1:
+            errors.append(UserError(
+                f"the torch reference engine runs tensor or pipeline parallelism, not both (TP {tp} x PP {pp})",
+                file=rfile, field=f"{field}.pipeline_parallel_size",
+                hint="set tensor_parallel_size or pipeline_parallel_size to 1, or use backend: trtllm"))
         if merged.get("enable_attention_dp"):
             errors.append(UserError("the torch reference engine has no attention-DP", file=where,
                                     field="enable_attention_dp", hint="remove it, or use backend: trtllm"))

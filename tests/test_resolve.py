@@ -122,13 +122,16 @@ def test_bad_yaml_names_line(tmp_path):
     assert "bad.yaml: line" in _error("eos", str(path))
 
 
-@pytest.mark.parametrize("layout, field", [({"pipeline_parallel_size": 2}, "roles.agg.pipeline_parallel_size"),
-                                           ({"tensor_parallel_size": 2, "expert_parallel_size": 2},
-                                            "roles.agg.expert_parallel_size")])
-def test_the_torch_engine_refuses_layouts_it_cannot_run(tmp_path, layout, field):
+@pytest.mark.parametrize("layout, field, says", [
+    ({"tensor_parallel_size": 2, "expert_parallel_size": 2}, "roles.agg.expert_parallel_size",
+     "the torch reference engine has no expert parallelism"),
+    ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, "roles.agg.pipeline_parallel_size",
+     "the torch reference engine runs tensor or pipeline parallelism, not both")])
+def test_the_torch_engine_refuses_layouts_it_cannot_run(tmp_path, layout, field, says):
     r = _write_recipe(tmp_path, {"agg": layout}, backend="torch")
     msg = _error("eos", r)
-    assert f"recipe.yaml: {field}: the torch reference engine runs tensor parallelism only" in msg
-    assert "use backend: trtllm" in msg
+    assert f"recipe.yaml: {field}: {says}" in msg and "use backend: trtllm" in msg
     trtllm = _write_recipe(tmp_path, {"agg": layout})
     assert resolve("eos", trtllm).recipe.backend.value == "trtllm"  # the same layout is fine on TensorRT-LLM
+    pipeline = _write_recipe(tmp_path, {"agg": {"pipeline_parallel_size": 2}}, backend="torch")
+    assert resolve("eos", pipeline).plan.workers[0].tasks == 2  # pipeline parallelism alone runs

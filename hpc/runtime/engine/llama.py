@@ -90,6 +90,37 @@ class TensorParallel:
         return x
 
 
+class Pipeline:
+    """This rank's stage of a pipeline-parallel model: a contiguous run of the layers; hidden states go to the
+    next stage by send/recv and the last stage's logits back to rank 0, which samples. `group` None: one stage."""
+
+    def __init__(self, rank: int = 0, size: int = 1, group=None) -> None:
+        self.rank, self.size, self.group = rank, size, group
+
+    def layers(self, count: int) -> range:
+        if count < self.size:
+            raise ValueError(f"{count} layers do not split over {self.size} pipeline stages")
+        bounds = [count * i // self.size for i in range(self.size + 1)]
+        return range(bounds[self.rank], bounds[self.rank + 1])
+
+
+def stage_state_dict(state: dict[str, torch.Tensor], cfg: "LlamaConfig",
+                     pipeline: Pipeline) -> dict[str, torch.Tensor]:
+    """This stage's layers of a full checkpoint, renumbered from 0; embeddings, final norm and head stay."""
+    if pipeline.size == 1:
+        return state
+    own = pipeline.layers(cfg.num_hidden_layers)
+    out = {}
+    for name, tensor in state.items():
+        if name.startswith("model.layers."):
+            index, rest = name[len("model.layers."):].split(".", 1)
+            if int(index) in own:
+                out[f"model.layers.{int(index) - own.start}.{rest}"] = tensor
+        else:
+            out[name] = tensor
+    return out
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, tp: TensorParallel) -> None:
         super().__init__()
@@ -198,19 +229,21 @@ class Layer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, layers: int | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Layer(cfg, tp) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Layer(cfg, tp) for _ in range(cfg.num_hidden_layers if layers is None
+                                                                   else layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel | None = None, pipeline: Pipeline | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp = tp or TensorParallel()
-        self.model = Backbone(cfg, self.tp)
+        self.pipeline = pipeline or Pipeline()
+        self.model = Backbone(cfg, self.tp, len(self.pipeline.layers(cfg.num_hidden_layers)))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.fused_decode = None  # a FusedDecoder once enable_fused_decode() ran
@@ -248,16 +281,34 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.takes_fused_path(embeds):
             return self.fused_decode(embeds, positions, slots, cache)
-        cos_t, sin_t = self.rope(embeds.device)
-        cos, sin = cos_t[positions].to(embeds.dtype), sin_t[positions].to(embeds.dtype)
-        lengths = positions[:, -1] + 1
+        p = self.pipeline
         h = embeds
+        if p.rank > 0:  # the previous stage's hidden states
+            h = torch.empty_like(embeds)
+            torch.distributed.recv(h, p.rank - 1, group=p.group)
+        h = self._layers(h, positions, slots, cache, window, contiguous_slots)
+        if p.rank < p.size - 1:
+            torch.distributed.send(h.contiguous(), p.rank + 1, group=p.group)
+            logits = torch.empty(*h.shape[:1 if last_only else 2], self.cfg.vocab_size, device=h.device)
+        else:
+            logits = self.lm_head(self.model.norm(h[:, -1] if last_only else h)).float()
+        if p.size > 1:  # rank 0 samples: the last stage's logits go back to it
+            if p.rank == p.size - 1:
+                torch.distributed.send(logits.contiguous(), 0, group=p.group)
+            elif p.rank == 0:
+                torch.distributed.recv(logits, p.size - 1, group=p.group)
+        return logits
+
+    def _layers(self, h, positions, slots, cache, window, contiguous_slots) -> torch.Tensor:
+        """This stage's layers (all of them without pipeline parallelism)."""
+        cos_t, sin_t = self.rope(h.device)
+        cos, sin = cos_t[positions].to(h.dtype), sin_t[positions].to(h.dtype)
+        lengths = positions[:, -1] + 1
         for layer, kv in zip(self.model.layers, cache):
             h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv[0], kv[1], slots, positions, lengths,
                                     window, contiguous_slots)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        h = self.model.norm(h[:, -1] if last_only else h)
-        return self.lm_head(h).float()
+        return h
 
     def fuse_projections(self) -> "LlamaForCausalLM":
         """After loading: q/k/v and gate/up as single matmuls (the checkpoint keeps HF's names). Idempotent."""

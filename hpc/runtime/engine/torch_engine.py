@@ -21,8 +21,8 @@ import torch
 
 from hpc.runtime.engine import fused_decode
 from hpc.runtime.engine import kv as kvpack
-from hpc.runtime.engine.llama import (LlamaConfig, LlamaForCausalLM, TensorParallel, VisionEncoder,
-                                      shard_state_dict)
+from hpc.runtime.engine.llama import (LlamaConfig, LlamaForCausalLM, Pipeline, TensorParallel, VisionEncoder,
+                                      shard_state_dict, stage_state_dict)
 from hpc.runtime.engine.sampling import make_generator, sample, token_logprob
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
                                       GenerateRequest, KvMeta, TokenLogprob)
@@ -79,14 +79,18 @@ class TorchEngine:
     def __init__(self, model_dir: Path, mode: DisaggregationMode, engine_args: dict[str, Any], *,
                  device: str | None = None, tp: TensorParallel | None = None,
                  fetch_kv: Callable[[DisaggregatedParams], Any] | None = None,
-                 self_address: str = "", canned_completion: str | None = None) -> None:
+                 self_address: str = "", canned_completion: str | None = None, pipeline: bool = False) -> None:
         self.model_dir = Path(model_dir).expanduser()
         self.canned_completion = canned_completion
         self.mode = mode
         self.args = dict(engine_args)  # a copy: the caller's dict is never changed
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.tp = tp or TensorParallel()
+        # `tp` is every rank of this worker (the steps are broadcast over it); with pipeline parallelism the
+        # same ranks are the stages and each keeps whole layers (no tensor parallelism inside a stage).
+        self.world = tp or TensorParallel()
+        self.pipeline = Pipeline(self.world.rank, self.world.size, self.world.group) if pipeline else Pipeline()
+        self.tp = TensorParallel() if pipeline else self.world
         self.max_batch = int(self.args.get("max_batch_size") or 32)
         self.max_len = int(self.args.get("max_seq_len") or 2048)
         self.fetch_kv = fetch_kv
@@ -130,13 +134,18 @@ class TorchEngine:
             self.vision.to(self.device, self.dtype).eval()
         if self.mode is DisaggregationMode.ENCODE:
             return
-        model = LlamaForCausalLM(self.cfg, self.tp)
-        model.load_state_dict(shard_state_dict(load_file(str(self.model_dir / "model.safetensors")), self.tp))
+        model = LlamaForCausalLM(self.cfg, self.tp, self.pipeline)
+        full = load_file(str(self.model_dir / "model.safetensors"))
+        model.load_state_dict(stage_state_dict(shard_state_dict(full, self.tp), self.cfg, self.pipeline))
         self.model = model.to(self.device, self.dtype).eval().fuse_projections()
-        if fused_decode.available(self.cfg, self.device):
+        if fused_decode.available(self.cfg, self.device) and self.pipeline.size == 1:
             self.model.enable_fused_decode()
         log.info("torch engine on %s (%s), TP rank %d of %d, fused decode kernels: %s", self.device, self.dtype,
                  self.tp.rank, self.tp.size, "on" if self.model.fused_decode else "off")
+        if self.pipeline.size > 1:
+            own = self.pipeline.layers(self.cfg.num_hidden_layers)
+            log.info("pipeline stage %d of %d: layers %d-%d", self.pipeline.rank, self.pipeline.size, own.start,
+                     own.stop - 1)
         self.max_len = min(self.max_len, self.cfg.max_position_embeddings)
         self.cache = self.model.new_cache(self.max_batch, self.max_len, self.dtype, self.device)
         self.free_slots = list(range(self.max_batch))
@@ -399,10 +408,10 @@ class TorchEngine:
                     self._emit_token(s, *self._pick(s, logits[i]))
 
     def _forward(self, kind: str, embeds, positions, slots) -> torch.Tensor:
-        if self.tp.size > 1:
+        if self.world.size > 1:
             from hpc.runtime.engine.tp import broadcast_step
 
-            broadcast_step(self.tp, kind, embeds, positions, slots)
+            broadcast_step(self.world, kind, embeds, positions, slots)
         return self.model.forward_step(embeds, positions, slots, self.cache)
 
     def _emit_token(self, seq: _Seq, token: int, logprob: TokenLogprob | None = None) -> bool:

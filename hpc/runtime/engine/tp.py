@@ -52,7 +52,7 @@ def broadcast_stop(tp: TensorParallel, device: torch.device) -> None:
 
 def follow(engine) -> None:
     """Ranks > 0: run every forward pass rank 0 broadcasts, until it says stop."""
-    device, tp = engine.device, engine.tp
+    device, tp = engine.device, engine.world
     while True:
         header = torch.empty(4, dtype=torch.long, device=device)
         dist.broadcast(header, 0, group=tp.group)
