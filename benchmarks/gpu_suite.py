@@ -1,0 +1,95 @@
+"""The whole GPU suite in one command, for one GPU-machine call: the CUDA tests, gpu_check (0.9 B and the 8B
+shape; TP=2 when there are two GPUs), the KV handoff, and the engine's first-vs-second sweep. One JSON with every
+figure, and a summary table.
+
+    python benchmarks/gpu_suite.py --out gpu_suite.json [--mpiexec "mpirun --allow-run-as-root"] [--budget 560]
+
+Steps run one after another, each with its own time limit taken from what is left of `--budget` seconds, so the
+suite ends inside a 10-minute call even when a step hangs; a step that fails or runs out of time is recorded as
+such and the others still run. Exits non-zero when any step failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def steps(mpiexec: str, scratch: str, gpus: int) -> list[tuple[str, list[str], str | None, int]]:
+    """(name, argv, JSON file it writes or None, seconds it may take at most)."""
+    py = sys.executable
+    return [
+        ("cuda_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/runtime/test_engine_cuda.py",
+                        "tests/runtime/test_fused_decode.py", "tests/runtime/test_engine_warmup.py",
+                        "tests/runtime/test_kv_ipc_cuda.py"], None, 200),
+        ("gpu_check_0.9b", [py, "benchmarks/gpu_check.py", "--shape", "1b", "--mpiexec", mpiexec, "--json",
+                            f"{scratch}/1b.json"], f"{scratch}/1b.json", 150 * gpus),
+        ("gpu_check_8b", [py, "benchmarks/gpu_check.py", "--shape", "8b", "--mpiexec", mpiexec, "--json",
+                          f"{scratch}/8b.json"], f"{scratch}/8b.json", 210 * gpus),  # TP=2 too on two GPUs
+        ("kv_handoff", [py, "benchmarks/kv_handoff.py", "--tokens", "2000", "--handoffs", "8"], None, 60),
+        ("kv_handoff_gpu0_to_1", [py, "benchmarks/kv_handoff.py", "--tokens", "2000", "--handoffs", "8",
+                                  "--decode-device", "cuda:1"], None, 60),
+        ("engine_sweeps", [py, "benchmarks/e2e_throughput.py", "--engine-only", "--concurrency", "1,8,32,64",
+                           "--output-tokens", "64"], None, 150),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="gpu_suite.json")
+    parser.add_argument("--mpiexec", default="mpirun --allow-run-as-root")
+    parser.add_argument("--budget", type=float, default=560.0, help="seconds for the whole suite")
+    parser.add_argument("--only", help="comma-separated step names")
+    args = parser.parse_args()
+    import torch
+
+    deadline = time.monotonic() + args.budget
+    report = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device",
+              "gpus": torch.cuda.device_count(), "torch": torch.__version__, "steps": {}}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with tempfile.TemporaryDirectory(prefix="gpu-suite-") as scratch:
+        for name, argv, json_file, limit in steps(args.mpiexec, scratch, max(1, min(2, report["gpus"]))):
+            if args.only and name not in args.only.split(","):
+                continue
+            if name.endswith("gpu0_to_1") and torch.cuda.device_count() < 2:
+                report["steps"][name] = {"status": "skipped: one GPU"}
+                continue
+            left = deadline - time.monotonic()
+            if left < 10:
+                report["steps"][name] = {"status": "skipped: out of time"}
+                continue
+            t0 = time.monotonic()
+            try:
+                done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
+                                      timeout=min(limit, left))
+                status, output = ("ok" if done.returncode == 0 else f"failed (exit {done.returncode})"), \
+                    done.stdout + done.stderr
+            except subprocess.TimeoutExpired as exc:  # its output is bytes here whatever text= said
+                status, output = "timed out", (exc.stdout or b"").decode(errors="replace")
+            entry = {"status": status, "seconds": round(time.monotonic() - t0, 1),
+                     "output_tail": "\n".join(output.strip().splitlines()[-25:])}
+            if json_file and os.path.exists(json_file):
+                with open(json_file) as handle:
+                    entry["figures"] = json.load(handle)
+            report["steps"][name] = entry
+            print(f"--- {name}: {status} in {entry['seconds']} s\n{entry['output_tail']}\n", flush=True)
+    with open(args.out, "w") as handle:
+        json.dump(report, handle, indent=1)
+    print(f"{'step':<16} {'status':<22} {'seconds':>8}")
+    for name, entry in report["steps"].items():
+        print(f"{name:<16} {entry['status']:<22} {entry.get('seconds', '-'):>8}")
+    print(f"wrote {args.out} ({report['device']}, {report['gpus']} GPU(s), torch {report['torch']})")
+    if any(not e["status"].startswith(("ok", "skipped: one GPU")) for e in report["steps"].values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
