@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from hpc.errors import UserError
+from hpc.plan.placement import device_for
 from hpc.render.sbatch import service_argv, worker_argv
 from hpc.rundir import RunDir, read_json, write_json
 from hpc.waiting import wait_until
@@ -117,16 +118,15 @@ def visible_gpus() -> int:
 
 
 def gpu_sharing(workers: list, gpus: int) -> str | None:
-    """One line when the plan wants more GPUs than the machine has: who shares which (the workers fall back to
-    round-robin placement, see hpc.runtime.worker.serve.device_for); None when every worker has its own."""
-    if gpus == 0:
+    """One line when the plan wants more GPUs than the machine has: who shares which, as the workers will place
+    themselves (device_for, the same rule); None when every worker has its own."""
+    placed = {(w.name, r.rank): device_for(w, r.rank, gpus, whole_node=True) for w in workers for r in w.ranks}
+    if not any(shared for _, shared in placed.values()):
         return None
-    wanted = {(w.name, r.rank): r.gpu for w in workers for r in w.ranks}
-    if max(wanted.values(), default=0) < gpus:
-        return None
-    where = ", ".join(f"{name}{'' if rank == 0 else f'.rank{rank}'} -> cuda:{gpu % gpus}"
-                      for (name, rank), gpu in wanted.items())
-    return (f"note: the plan gives each worker its own GPUs ({len(set(wanted.values()))} in all) but this machine "
+    where = ", ".join(f"{name}{'' if rank == 0 else f'.rank{rank}'} -> {device}"
+                      for (name, rank), (device, _) in placed.items())
+    planned = len({r.gpu for w in workers for r in w.ranks})
+    return (f"note: the plan gives each worker its own GPUs ({planned} in all) but this machine "
             f"has {gpus}: workers share them ({where})")
 
 

@@ -137,3 +137,20 @@ def plan(cluster: ClusterProfile, recipe: Recipe) -> Plan:
     order = [s.name for s in services if s.name != "frontend"] + ["frontend"] + [w.name for w in workers]
     return Plan(job_nodes=job_nodes, gpus_per_node=gpn, services=services, workers=workers,
                 readiness_order=order)
+
+
+def device_for(plan: WorkerPlan, rank: int, visible: int, whole_node: bool = False) -> tuple[str, bool]:
+    """(device, shared). A process that sees the whole node's GPUs uses the planned index; one that sees only its
+    worker's GPUs (Slurm binding) uses the position among them. A local launch on a machine with fewer GPUs than
+    the plan places its workers round-robin on the ones there are — the stated fallback, reported as shared."""
+    if visible == 0:
+        return "cpu", False
+    gpu = plan.ranks[rank].gpu
+    if whole_node:
+        return f"cuda:{gpu % visible}", gpu >= visible
+    if visible > gpu and visible > plan.gpus_per_node:
+        return f"cuda:{gpu}", False
+    index = gpu - plan.gpu_offset
+    if not 0 <= index < visible:
+        raise RuntimeError(f"{plan.name} rank {rank}: planned GPU {gpu} but this task sees {visible} GPU(s)")
+    return f"cuda:{index}", False

@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 from hpc.manifest import Manifest
-from hpc.plan.placement import WorkerPlan
+from hpc.plan.placement import WorkerPlan, device_for
 from hpc.runtime.engine.tiny import ensure_model
 from hpc.spec.recipe import Backend
 from hpc.runtime.services.discovery import Instance, open_discovery
@@ -109,23 +109,6 @@ def planned_device(plan: WorkerPlan, rank: int, whole_node: bool = False) -> str
         log.warning("%s rank %d: planned GPU %d but this machine has %d; sharing %s with other workers",
                     plan.name, rank, plan.ranks[rank].gpu, visible, device)
     return device
-
-
-def device_for(plan: WorkerPlan, rank: int, visible: int, whole_node: bool = False) -> tuple[str, bool]:
-    """(device, shared). A process that sees the whole node's GPUs uses the planned index; one that sees only its
-    worker's GPUs (Slurm binding) uses the position among them. A local launch on a machine with fewer GPUs than
-    the plan places its workers round-robin on the ones there are — the stated fallback, reported as shared."""
-    if visible == 0:
-        return "cpu", False
-    gpu = plan.ranks[rank].gpu
-    if whole_node:
-        return f"cuda:{gpu % visible}", gpu >= visible
-    if visible > gpu and visible > plan.gpus_per_node:
-        return f"cuda:{gpu}", False
-    index = gpu - plan.gpu_offset
-    if not 0 <= index < visible:
-        raise RuntimeError(f"{plan.name} rank {rank}: planned GPU {gpu} but this task sees {visible} GPU(s)")
-    return f"cuda:{index}", False
 
 
 async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers: Peers, host: str,

@@ -6,7 +6,7 @@ import pytest
 
 from hpc.launch.local import gpu_sharing
 from hpc.resolve import resolve
-from hpc.runtime.worker.serve import device_for
+from hpc.plan.placement import device_for
 
 pytestmark = pytest.mark.unit
 
