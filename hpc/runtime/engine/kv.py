@@ -16,12 +16,16 @@ def pack(t: torch.Tensor) -> tuple[KvMeta, bytes]:
     return KvMeta(shape=list(t.shape), dtype=str(t.dtype)), t.view(torch.uint8).numpy().tobytes()
 
 
-def unpack(meta: KvMeta, data: bytes) -> torch.Tensor:
+def _dtype(meta: KvMeta) -> torch.dtype:
     dtype = _DTYPES.get(meta.dtype)
     if dtype is None:
         raise ValueError(f"KV dtype {meta.dtype!r} is not one of {sorted(_DTYPES)}")
+    return dtype
+
+
+def unpack(meta: KvMeta, data: bytes) -> torch.Tensor:
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return raw.view(dtype).reshape(meta.shape)
+    return raw.view(_dtype(meta)).reshape(meta.shape)
 
 
 def share(t: torch.Tensor) -> KvMeta:
@@ -39,10 +43,9 @@ def share(t: torch.Tensor) -> KvMeta:
 
 def open_shared(meta: KvMeta) -> torch.Tensor:
     """The other process's tensor (on its device), opened from the IPC handle: copy it before releasing."""
-    ipc = meta.ipc
-    dtype = _DTYPES.get(meta.dtype)
-    if ipc is None or dtype is None:
-        raise ValueError(f"not a shareable KV description: dtype {meta.dtype!r}, ipc {ipc is not None}")
+    ipc, dtype = meta.ipc, _dtype(meta)
+    if ipc is None:
+        raise ValueError("this KV description carries bytes, not a CUDA IPC handle")
     torch.cuda._lazy_init()
     storage = torch.UntypedStorage._new_shared_cuda(ipc.device, ipc.handle, ipc.size_bytes, ipc.offset_bytes,
                                                     ipc.ref_counter_handle, ipc.ref_counter_offset,

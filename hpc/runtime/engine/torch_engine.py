@@ -233,9 +233,10 @@ class TorchEngine:
     def take_handoff(self, handle: str, ipc: bool = False) -> tuple[KvMeta, bytes]:
         """The prefilled KV of `handle`: [layers, 2, kv_heads, length, head_dim]. As bytes it is taken at once;
         shared over CUDA IPC (`ipc`, and the KV is on a GPU) it stays until release_handoff (or its TTL)."""
+        shared = ipc and self.device.type == "cuda"  # the handed-off KV lives on the engine's device
         with self._handoff_lock:
-            _, tensor = self._handoff[handle] if ipc and self.device.type == "cuda" else self._handoff.pop(handle)
-        if ipc and tensor.is_cuda:
+            _, tensor = self._handoff[handle] if shared else self._handoff.pop(handle)
+        if shared:
             self._counters["kv_ipc_shared"] = self._counters.get("kv_ipc_shared", 0) + 1
             return kvpack.share(tensor), b""
         return kvpack.pack(tensor)

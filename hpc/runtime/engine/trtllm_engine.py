@@ -44,7 +44,8 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
-                                      GenerateRequest, SamplingParams, TokenLogprob, TrtllmContextParams)
+                                      GenerateRequest, KvMeta, SamplingParams, TokenLogprob,
+                                      TrtllmContextParams)
 
 log = logging.getLogger(__name__)
 
@@ -335,7 +336,7 @@ class TrtllmEngine:
         return EncodedMedia(shape=list(handles[0].get("tensor_size", [])), handles=handles,
                             hashes=getattr(dp, "multimodal_hashes", None))
 
-    def take_handoff(self, handle: str, ipc: bool = False) -> tuple[dict, bytes]:
+    def take_handoff(self, handle: str, ipc: bool = False) -> tuple[KvMeta, bytes]:
         raise RuntimeError("with TensorRT-LLM the cache transceiver moves the KV cache, not hpc")
 
     def stats(self) -> dict[str, float]:

@@ -407,12 +407,14 @@ class Frontend:
         started: set[int] = set()
         parsers = {i: AnswerParser(*parsing) for i in range(body.n)} if parsing else {}
         called: set[int] = set()
+
+        def chunk(**fields: Any) -> bytes:
+            return b"data: " + json_dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                           **fields}) + b"\n\n"
         try:
             for index in range(body.n if echo else 0):  # the prompt first, as OpenAI's echo sends it
-                yield b"data: " + json_dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                              "system_fingerprint": self.fingerprint,
-                                              "choices": [{"index": index, "text": echo, "logprobs": None,
-                                                           "finish_reason": None}]}) + b"\n\n"
+                yield chunk(system_fingerprint=self.fingerprint, choices=[
+                    {"index": index, "text": echo, "logprobs": None, "finish_reason": None}])
             async for index, piece in self._merged(body, gen):
                 tokens[index] = piece.tokens
                 lp = None
@@ -440,13 +442,9 @@ class Frontend:
                 else:
                     choice = {"index": index, "text": piece.delta, "logprobs": lp, "finish_reason": piece.reason}
                 started.add(index)
-                yield b"data: " + json_dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                              "system_fingerprint": self.fingerprint,
-                                              "choices": [choice]}) + b"\n\n"
+                yield chunk(system_fingerprint=self.fingerprint, choices=[choice])
             if body.include_usage:
-                usage = self._usage(len(gen.token_ids), sum(tokens))
-                yield b"data: " + json_dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                              "choices": [], "usage": usage}) + b"\n\n"
+                yield chunk(choices=[], usage=self._usage(len(gen.token_ids), sum(tokens)))
             yield b"data: [DONE]\n\n"
         except (NoInstance, PeerGone, RemoteError, asyncio.TimeoutError) as exc:
             # Headers are gone already: end the stream with an OpenAI-style error event, never hang.
