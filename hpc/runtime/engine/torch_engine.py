@@ -342,6 +342,7 @@ class TorchEngine:
             running.append(seq)
 
     def _pick(self, seq: _Seq, logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+        raw = logits  # logprobs report the model's own distribution, before penalties and the canned mask
         p = seq.request.sampling
         if (p.presence_penalty or p.frequency_penalty) and seq.counts:
             # OpenAI's definition: logit - frequency * count - presence * (count > 0), over generated tokens
@@ -357,7 +358,7 @@ class TorchEngine:
             logits = forced
         token = sample(logits, seq.request.sampling, seq.gen)
         top = seq.request.sampling.logprobs
-        return token, (None if top is None else token_logprob(logits, token, top))
+        return token, (None if top is None else token_logprob(raw, token, top))
 
     def _prefill(self, seq: _Seq) -> tuple[int, TokenLogprob | None]:
         ids = seq.request.token_ids
