@@ -56,3 +56,11 @@ def stack_fixture(recipe: str, *extra: str):
         assert left == [], f"processes left behind: {left}"
         assert not stack.run.path.exists(), "a cancelled run under the temp dir is removed"
     return fixture
+
+
+@pytest.fixture(scope="session")
+def tiny(model_cache) -> str:
+    """The tiny random-weight model's directory, built once."""
+    from hpc.runtime.engine.tiny import ensure_model
+
+    return str(ensure_model(str(model_cache / "tiny"), "tiny"))

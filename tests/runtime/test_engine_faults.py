@@ -12,13 +12,6 @@ from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, Sampli
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture(scope="module")
-def tiny(model_cache) -> str:
-    from hpc.runtime.engine.tiny import ensure_model
-
-    return str(ensure_model(str(model_cache / "tiny"), "tiny"))
-
-
 def test_a_dead_scheduler_fails_requests_instead_of_hanging(tiny):
     async def main():
         async with TorchEngine(tiny, DisaggregationMode.AGG, {"max_seq_len": 256}) as engine:

@@ -13,13 +13,6 @@ from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, Sampli
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture(scope="module")
-def tiny(model_cache) -> str:
-    from hpc.runtime.engine.tiny import ensure_model
-
-    return str(ensure_model(str(model_cache / "tiny"), "tiny"))
-
-
 def test_warm_up_covers_prefill_and_every_decode_path_before_the_first_request(tiny):
     steps = []
 

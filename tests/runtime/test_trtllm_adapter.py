@@ -40,13 +40,6 @@ def fake_trtllm(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tiny(model_cache) -> str:
-    from hpc.runtime.engine.tiny import ensure_model
-
-    return str(ensure_model(str(model_cache / "tiny"), "tiny"))
-
-
-@pytest.fixture(scope="module")
 def tiny_mm(model_cache) -> str:
     from hpc.runtime.engine.tiny import ensure_model
 
