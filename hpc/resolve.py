@@ -95,7 +95,7 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
         config_files[role_name.value] = efile
     errors += _check_disagg_pair(recipe, engine_args, config_files, rfile)
     if recipe.model.canned_completion and recipe.backend is not Backend.TORCH:
-        errors.append(UserError("model.canned_completion is a test knob of the torch engine", file=rfile,
+        errors.append(UserError("a test knob of the torch engine only", file=rfile,
                                 field="model.canned_completion", hint="remove it, or use backend: torch"))
     if recipe.roles.encode is not None and not recipe.model.multimodal:
         errors.append(UserError("an encode role needs a multimodal model", file=rfile, field="roles.encode",

@@ -135,3 +135,8 @@ def test_the_torch_engine_refuses_layouts_it_cannot_run(tmp_path, layout, field,
     assert resolve("eos", trtllm).recipe.backend.value == "trtllm"  # the same layout is fine on TensorRT-LLM
     pipeline = _write_recipe(tmp_path, {"agg": {"pipeline_parallel_size": 2}}, backend="torch")
     assert resolve("eos", pipeline).plan.workers[0].tasks == 2  # pipeline parallelism alone runs
+
+
+def test_the_canned_completion_knob_is_refused_outside_the_torch_engine(tmp_path):
+    r = _write_recipe(tmp_path, {"agg": {}}, model={"path": "/m", "served_name": "m", "canned_completion": "x"})
+    assert "recipe.yaml: model.canned_completion: a test knob of the torch engine only" in _error("eos", r)
