@@ -39,6 +39,8 @@ def local_stack(recipe: str, *overrides: str, cluster: str | None = None) -> Ite
         for o in overrides:
             args += ["--set", o]
         code = main(args)
+        if code != 0 and not list_runs():
+            raise SystemExit(f"launch of {recipe} failed before it wrote a run directory (the error is above)")
         run = list_runs()[0]
         try:
             if code != 0:

@@ -1,6 +1,6 @@
 """End-to-end tokens/s through the frontend vs calling the torch engine directly (same model, same load).
 
-    python benchmarks/e2e_throughput.py [--concurrency 1,8,32] [--output-tokens 64] [--rounds 3]
+    python benchmarks/e2e_throughput.py [--recipe tiny-agg|tiny-disagg] [--concurrency 1,8,32] [--output-tokens 64] [--rounds 3]
     python benchmarks/e2e_throughput.py --engine-only --concurrency 1,8,32,64   # e.g. on a GPU machine
 
 Both paths are warm alike: the direct engine is opened once and kept (as the stack's worker is), and every level
@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians are reported")
     parser.add_argument("--engine-only", action="store_true", help="two sweeps on the engine, no stack")
     parser.add_argument("--model", default="tiny", help="the generated model to serve (tiny)")
+    parser.add_argument("--recipe", default="tiny-agg", help="the stack to compare with (tiny-agg, tiny-disagg)")
     args = parser.parse_args()
     levels = [Level(c, args.input_tokens, args.output_tokens, max(args.requests, REQUESTS_PER_USER * c))
               for c in (int(x) for x in args.concurrency.split(","))]
@@ -94,10 +95,13 @@ def main() -> None:
                 return device_label(engine), direct, via
             from _stack import local_stack
             from hpc.bench.loadgen import run_level
+            from hpc.spec.catalog import load_recipe
 
             with contextlib.redirect_stdout(io.StringIO()):
-                stack = local_stack("tiny-agg", f"roles.agg.override_engine_args={{\"max_batch_size\": "
-                                                f"{engine_args['max_batch_size']}}}")
+                recipe, _ = load_recipe(args.recipe)
+                stack = local_stack(args.recipe, *(
+                    f'roles.{role}.override_engine_args={{"max_batch_size": {engine_args["max_batch_size"]}}}'
+                    for role in ("agg", "prefill", "decode") if getattr(recipe.roles, role) is not None))
                 _, url = stack.__enter__()
             try:
                 for _ in range(args.rounds):
@@ -113,6 +117,7 @@ def main() -> None:
     label, direct, via = asyncio.run(run())
     lv0 = levels[0]
     print(f"tokens/s, tiny torch model on {label}, {lv0.input_tokens} in / {lv0.output_tokens} out, "
+          f"{'' if args.engine_only else f'stack {args.recipe}, '}"
           f"{'two sweeps' if args.engine_only else f'{args.rounds} alternating rounds, medians'}")
     if args.engine_only:
         print(f"{'c':>4} {'requests':>9} {'first sweep':>12} {'second sweep':>13} {'first/second':>13}")

@@ -39,6 +39,16 @@ def steps(mpiexec: str, scratch: str, gpus: int) -> list[tuple[str, list[str], s
                                   "--decode-device", "cuda:1"], None, 60),
         ("engine_sweeps", [py, "benchmarks/e2e_throughput.py", "--engine-only", "--concurrency", "1,8,32,64",
                            "--output-tokens", "64"], None, 150),
+        # TP, PP, EP (MoE) and TP-sharded MoE on two GPUs over NCCL: fp32 greedy tokens equal one rank's
+        ("parallel_layouts_nccl", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                                   "tests/runtime/test_parallel_layouts.py"], None, 150),
+        # the whole local stack (etcd, NATS, frontend, workers): prefill and decode on their own GPUs
+        ("stack_sweeps_disagg", [py, "benchmarks/stack_sweeps.py", "--recipe", "tiny-disagg", "--json",
+                                 f"{scratch}/stack.json"], f"{scratch}/stack.json", 150),
+        ("stack_vs_engine_agg", [py, "benchmarks/e2e_throughput.py", "--recipe", "tiny-agg", "--concurrency",
+                                 "1,8,32,64", "--rounds", "2"], None, 150),
+        ("stack_vs_engine_disagg", [py, "benchmarks/e2e_throughput.py", "--recipe", "tiny-disagg",
+                                    "--concurrency", "1,8,32,64", "--rounds", "2"], None, 150),
     ]
 
 
@@ -59,7 +69,7 @@ def main() -> None:
         for name, argv, json_file, limit in steps(args.mpiexec, scratch, max(1, min(2, report["gpus"]))):
             if args.only and name not in args.only.split(","):
                 continue
-            if name.endswith("gpu0_to_1") and torch.cuda.device_count() < 2:
+            if name.endswith(("gpu0_to_1", "_nccl")) and torch.cuda.device_count() < 2:
                 report["steps"][name] = {"status": "skipped: one GPU"}
                 continue
             left = deadline - time.monotonic()

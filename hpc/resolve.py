@@ -142,11 +142,18 @@ def _check_role(recipe: Recipe, role_name: RoleName, merged: dict[str, Any], rfi
             f"({field}.expert_parallel_size)", file=where, field="moe_expert_parallel_size",
             hint="make the engine config and the recipe agree"))
     if recipe.backend is Backend.TORCH:  # what the reference engine cannot run is refused, not ignored
-        if role.expert_parallel_size != 1:
+        ep_size = role.expert_parallel_size
+        if ep_size != 1 and (ep_size != role.tensor_parallel_size or role.pipeline_parallel_size != 1):
             errors.append(UserError(
-                f"the torch reference engine has no expert parallelism (expert_parallel_size "
-                f"{role.expert_parallel_size})", file=rfile, field=f"{field}.expert_parallel_size",
-                hint=f"set {field}.expert_parallel_size: 1, or use backend: trtllm"))
+                f"the torch reference engine runs expert parallelism equal to tensor parallelism without "
+                f"pipeline stages (EP {ep_size}, TP {role.tensor_parallel_size}, PP "
+                f"{role.pipeline_parallel_size})", file=rfile, field=f"{field}.expert_parallel_size",
+                hint=f"set {field}.expert_parallel_size to 1 or to tensor_parallel_size, or use backend: trtllm"))
+        elif ep_size != 1 and recipe.model.generate not in (None, "tiny-moe"):
+            errors.append(UserError(
+                f"expert parallelism needs a mixture-of-experts model; model.generate {recipe.model.generate} "
+                f"builds a dense one", file=rfile, field="model.generate",
+                hint="use model.generate: tiny-moe, or set expert_parallel_size: 1"))
         if isinstance(pp, int) and isinstance(tp, int) and pp > 1 and tp > 1:
             errors.append(UserError(
                 f"the torch reference engine runs tensor or pipeline parallelism, not both (TP {tp} x PP {pp})",

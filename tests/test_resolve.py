@@ -123,8 +123,8 @@ def test_bad_yaml_names_line(tmp_path):
 
 
 @pytest.mark.parametrize("layout, field, says", [
-    ({"tensor_parallel_size": 2, "expert_parallel_size": 2}, "roles.agg.expert_parallel_size",
-     "the torch reference engine has no expert parallelism"),
+    ({"tensor_parallel_size": 4, "expert_parallel_size": 2}, "roles.agg.expert_parallel_size",
+     "the torch reference engine runs expert parallelism equal to tensor parallelism"),
     ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, "roles.agg.pipeline_parallel_size",
      "the torch reference engine runs tensor or pipeline parallelism, not both")])
 def test_the_torch_engine_refuses_layouts_it_cannot_run(tmp_path, layout, field, says):
@@ -135,6 +135,16 @@ def test_the_torch_engine_refuses_layouts_it_cannot_run(tmp_path, layout, field,
     assert resolve("eos", trtllm).recipe.backend.value == "trtllm"  # the same layout is fine on TensorRT-LLM
     pipeline = _write_recipe(tmp_path, {"agg": {"pipeline_parallel_size": 2}}, backend="torch")
     assert resolve("eos", pipeline).plan.workers[0].tasks == 2  # pipeline parallelism alone runs
+
+
+def test_torch_expert_parallelism_needs_an_moe_model(tmp_path):
+    layout = {"agg": {"tensor_parallel_size": 2, "expert_parallel_size": 2}}
+    dense = _write_recipe(tmp_path, layout, backend="torch",
+                          model={"path": "/m", "served_name": "m", "generate": "tiny"})
+    assert "recipe.yaml: model.generate: expert parallelism needs a mixture-of-experts model" in _error("eos", dense)
+    moe = _write_recipe(tmp_path, layout, backend="torch",
+                        model={"path": "/m", "served_name": "m", "generate": "tiny-moe"})
+    assert resolve("eos", moe).plan.workers[0].tasks == 2  # EP == TP on the MoE model runs
 
 
 def test_the_canned_completion_knob_is_refused_outside_the_torch_engine(tmp_path):

@@ -41,7 +41,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=smoke)
 
     p = sub.add_parser("model", help="build the tiny random-weight model offline")
-    p.add_argument("kind", choices=["tiny", "tiny-multimodal"])
+    p.add_argument("kind", choices=["tiny", "tiny-multimodal", "tiny-moe"])  # hpc.runtime.engine.tiny.KINDS
     p.add_argument("--out", required=True, type=Path)
     p.set_defaults(func=model)
 
@@ -275,10 +275,10 @@ def smoke(args: argparse.Namespace) -> int:
 
 
 def model(args: argparse.Namespace) -> int:
-    from hpc.runtime.engine.tiny import build_tiny
+    from hpc.runtime.engine.tiny import build_kind
 
     t0 = time.monotonic()
-    out = build_tiny(args.out, multimodal=args.kind == "tiny-multimodal")
+    out = build_kind(args.out, args.kind)
     print(f"built {args.kind} model in {out} ({time.monotonic() - t0:.1f} s)")
     return 0
 

@@ -23,7 +23,8 @@ def build_engine(manifest: Manifest, role: str, *, self_address: str, tp=None,
 
         return TorchEngine(recipe.model.path, mode, args, device=device, tp=tp, fetch_kv=fetch_kv,
                            self_address=self_address, canned_completion=recipe.model.canned_completion,
-                           pipeline=getattr(recipe.roles, role).pipeline_parallel_size > 1)
+                           pipeline=getattr(recipe.roles, role).pipeline_parallel_size > 1,
+                           expert_parallel=getattr(recipe.roles, role).expert_parallel_size > 1)
     from hpc.runtime.engine.trtllm_engine import TrtllmEngine
     from hpc.runtime.engine.media import read_image_bytes
 

@@ -43,7 +43,7 @@ class FusedDecoder:
     def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  cache: list[torch.Tensor]) -> torch.Tensor:
         """embeds [B, 1, H] at positions [B, 1] in cache slots [B] -> fp32 logits [B, V]."""
-        if embeds.shape[0] > MAX_BATCH:
+        if embeds.shape[0] > MAX_BATCH or self.model.cfg.moe:  # the GEMV chain has no router
             return self.batched(embeds, positions, slots, cache)
         gemv, model = self.kernels.gemv, self.model
         cos, sin = model.rope(embeds.device)
@@ -72,7 +72,7 @@ class FusedDecoder:
             heads = self.kernels.decode_attention(qkv, kv[0], kv[1], slots, pos, cos, sin, attn.heads,
                                                   attn.kv_heads)
             h = h + model.tp.all_reduce(attn.o_proj(heads))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + layer.feed_forward(h)
         return model.lm_head(model.model.norm(h)).float()
 
     def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpc.runtime.engine.moe import ExpertParallel, SparseMoE
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -31,6 +33,12 @@ class LlamaConfig:
     bos_token_id: int = 0
     eos_token_id: int = 1
     vision: dict | None = None  # {"image_size", "patch_size", "image_token_id", "num_image_tokens"}
+    num_local_experts: int = 0  # > 0: a sparse mixture-of-experts feed-forward (Mixtral's names)
+    num_experts_per_tok: int = 2
+
+    @property
+    def moe(self) -> bool:
+        return self.num_local_experts > 0
 
     @property
     def head_dim(self) -> int:
@@ -47,6 +55,10 @@ class LlamaConfig:
         data = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "vision"}
         data.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
                     tie_word_embeddings=False, torch_dtype="float32", head_dim=self.head_dim)
+        if self.moe:
+            data.update(architectures=["MixtralForCausalLM"], model_type="mixtral")
+        else:
+            del data["num_local_experts"], data["num_experts_per_tok"]
         if self.vision:
             data["hpc_vision"] = self.vision
         return data
@@ -220,30 +232,39 @@ class MLP(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, ep: ExpertParallel) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, tp)
-        self.mlp = MLP(cfg, tp)
+        if cfg.moe:
+            self.block_sparse_moe = SparseMoE(cfg, tp, ep)
+        else:
+            self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        return ffn(self.post_attention_layernorm(h))
+
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, layers: int | None = None) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, ep: ExpertParallel, layers: int | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Layer(cfg, tp) for _ in range(cfg.num_hidden_layers if layers is None
-                                                                   else layers))
+        self.layers = nn.ModuleList(Layer(cfg, tp, ep) for _ in range(cfg.num_hidden_layers if layers is None
+                                                                       else layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel | None = None, pipeline: Pipeline | None = None) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel | None = None, pipeline: Pipeline | None = None,
+                 ep: ExpertParallel | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp = tp or TensorParallel()
         self.pipeline = pipeline or Pipeline()
-        self.model = Backbone(cfg, self.tp, len(self.pipeline.layers(cfg.num_hidden_layers)))
+        self.ep = ep or ExpertParallel()
+        self.model = Backbone(cfg, self.tp, self.ep, len(self.pipeline.layers(cfg.num_hidden_layers)))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.fused_decode = None  # a FusedDecoder once enable_fused_decode() ran
@@ -307,14 +328,15 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv in zip(self.model.layers, cache):
             h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv[0], kv[1], slots, positions, lengths,
                                     window, contiguous_slots)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + layer.feed_forward(h)
         return h
 
     def fuse_projections(self) -> "LlamaForCausalLM":
         """After loading: q/k/v and gate/up as single matmuls (the checkpoint keeps HF's names). Idempotent."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
-            layer.mlp.fuse()
+            if hasattr(layer, "mlp"):
+                layer.mlp.fuse()
         return self
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -323,15 +345,17 @@ class LlamaForCausalLM(nn.Module):
 
 # Megatron-style plan in torch's tensor-parallel terms: column-parallel weights shard their output rows
 # (Shard(0)), row-parallel ones their input columns (Shard(1)); the rest is replicated.
-_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-_ROWWISE = ("o_proj", "down_proj")
+_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")  # w1/w3/w2: experts (EP 1)
+_ROWWISE = ("o_proj", "down_proj", "w2")
 
 
-def shard_state_dict(state: dict[str, torch.Tensor], tp: TensorParallel) -> dict[str, torch.Tensor]:
+def shard_state_dict(state: dict[str, torch.Tensor], tp: TensorParallel,
+                     experts_whole: bool = False) -> dict[str, torch.Tensor]:
     """This rank's slice of a full checkpoint, cut by torch's DTensor placements over the TP group.
 
     Every rank reads the whole checkpoint, so no data moves (`src_data_rank=None`): each keeps its local
-    shard as a plain tensor, which the fused kernels and CUDA-graph replay need.
+    shard as a plain tensor, which the fused kernels and CUDA-graph replay need. `experts_whole`: expert
+    parallelism holds each expert whole on one rank instead of sharding every expert.
     """
     if tp.size == 1:
         return state
@@ -343,7 +367,7 @@ def shard_state_dict(state: dict[str, torch.Tensor], tp: TensorParallel) -> dict
     for name, tensor in state.items():
         layer = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
         dim = 0 if layer in _COLWISE else 1 if layer in _ROWWISE else None
-        if dim is None:
+        if dim is None or (experts_whole and ".experts." in name):
             out[name] = tensor
             continue
         mesh = meshes.get(tensor.device.type)

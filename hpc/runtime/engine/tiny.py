@@ -62,7 +62,12 @@ def train_tokenizer(out_dir: Path) -> int:
     return tok.get_vocab_size()
 
 
-def build_tiny(out_dir: Path, multimodal: bool = False, hidden: int = 128, layers: int = 2) -> Path:
+MOE_EXPERTS, MOE_TOP_K = 4, 2
+
+
+def build_tiny(out_dir: Path, multimodal: bool = False, hidden: int = 128, layers: int = 2,
+               moe: bool = False) -> Path:
+    """`moe`: Mixtral-style sparse experts in place of the dense MLP (for expert parallelism)."""
     from safetensors.torch import save_file
 
     from hpc.runtime.engine.llama import LlamaConfig, LlamaForCausalLM, VisionEncoder, init_weights
@@ -76,10 +81,12 @@ def build_tiny(out_dir: Path, multimodal: bool = False, hidden: int = 128, layer
     if multimodal:
         vision = {"image_size": 32, "patch_size": 8, "image_token_id": tok.token_to_id("<|image|>"),
                   "num_image_tokens": 16}
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2 + hidden // 2 * 2,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden,
+                      intermediate_size=hidden if moe else hidden * 2 + hidden // 2 * 2,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                       bos_token_id=tok.token_to_id("<|begin_of_text|>"),
-                      eos_token_id=tok.token_to_id("<|end_of_text|>"), vision=vision)
+                      eos_token_id=tok.token_to_id("<|end_of_text|>"), vision=vision,
+                      num_local_experts=MOE_EXPERTS if moe else 0, num_experts_per_tok=MOE_TOP_K)
     model = LlamaForCausalLM(cfg)
     init_weights(model, SEED)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out_dir / "model.safetensors"))
@@ -94,6 +101,14 @@ def build_tiny(out_dir: Path, multimodal: bool = False, hidden: int = 128, layer
     return out_dir
 
 
+KINDS = ("tiny", "tiny-multimodal", "tiny-moe")
+
+
+def build_kind(out_dir: Path, kind: str) -> Path:
+    """One of KINDS: the dense tiny model, with a vision encoder, or with sparse experts."""
+    return build_tiny(out_dir, multimodal=kind == "tiny-multimodal", moe=kind == "tiny-moe")
+
+
 def ensure_model(path: str, kind: str | None) -> Path:
     """The model directory, built by the job's first process to get here when the recipe asks for a generated
     model that is missing. Every worker rank and the frontend call it; an exclusive lock inside the directory
@@ -105,5 +120,5 @@ def ensure_model(path: str, kind: str | None) -> Path:
     with open(model_dir / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (model_dir / "config.json").is_file():
-            build_tiny(model_dir, multimodal=kind == "tiny-multimodal")
+            build_kind(model_dir, kind)
     return model_dir

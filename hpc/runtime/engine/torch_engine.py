@@ -23,6 +23,7 @@ from hpc.runtime.engine import fused_decode
 from hpc.runtime.engine import kv as kvpack
 from hpc.runtime.engine.llama import (LlamaConfig, LlamaForCausalLM, Pipeline, TensorParallel, VisionEncoder,
                                       shard_state_dict, stage_state_dict)
+from hpc.runtime.engine.moe import ExpertParallel, expert_state_dict
 from hpc.runtime.engine.sampling import make_generator, sample, token_logprob
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
                                       GenerateRequest, KvMeta, TokenLogprob)
@@ -59,6 +60,10 @@ class Emitter:
             loop.call_soon_threadsafe(_deliver, items)
 
 
+# the LLM API's `dtype` (TensorRT-LLM llmapi/llm_args.py): "auto" is bf16 on a GPU, fp32 on the CPU
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 @dataclass
 class _Seq:
     request: GenerateRequest
@@ -79,18 +84,23 @@ class TorchEngine:
     def __init__(self, model_dir: Path, mode: DisaggregationMode, engine_args: dict[str, Any], *,
                  device: str | None = None, tp: TensorParallel | None = None,
                  fetch_kv: Callable[[DisaggregatedParams], Any] | None = None,
-                 self_address: str = "", canned_completion: str | None = None, pipeline: bool = False) -> None:
+                 self_address: str = "", canned_completion: str | None = None, pipeline: bool = False,
+                 expert_parallel: bool = False) -> None:
         self.model_dir = Path(model_dir).expanduser()
         self.canned_completion = canned_completion
         self.mode = mode
         self.args = dict(engine_args)  # a copy: the caller's dict is never changed
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.dtype = _DTYPES.get(str(self.args.get("dtype") or "auto")) or \
+            (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         # `tp` is every rank of this worker (the steps are broadcast over it); with pipeline parallelism the
         # same ranks are the stages and each keeps whole layers (no tensor parallelism inside a stage).
         self.world = tp or TensorParallel()
         self.pipeline = Pipeline(self.world.rank, self.world.size, self.world.group) if pipeline else Pipeline()
         self.tp = TensorParallel() if pipeline else self.world
+        # expert parallelism: the TP ranks also split the experts (EP == TP); attention stays tensor-parallel
+        self.ep = ExpertParallel(self.world.rank, self.world.size, self.world.group) if expert_parallel \
+            else ExpertParallel()
         self.max_batch = int(self.args.get("max_batch_size") or 32)
         self.max_len = int(self.args.get("max_seq_len") or 2048)
         self.fetch_kv = fetch_kv
@@ -134,14 +144,23 @@ class TorchEngine:
             self.vision.to(self.device, self.dtype).eval()
         if self.mode is DisaggregationMode.ENCODE:
             return
-        model = LlamaForCausalLM(self.cfg, self.tp, self.pipeline)
-        full = load_file(str(self.model_dir / "model.safetensors"))
-        model.load_state_dict(stage_state_dict(shard_state_dict(full, self.tp), self.cfg, self.pipeline))
+        if self.ep.size > 1 and not self.cfg.moe:
+            raise ValueError(f"expert parallelism {self.ep.size} needs a mixture-of-experts model; "
+                             f"{self.model_dir}/config.json has no num_local_experts")
+        model = LlamaForCausalLM(self.cfg, self.tp, self.pipeline, self.ep)
+        full = expert_state_dict(load_file(str(self.model_dir / "model.safetensors")), self.ep,
+                                 self.cfg.num_local_experts)
+        full = shard_state_dict(full, self.tp, experts_whole=self.ep.size > 1)
+        model.load_state_dict(stage_state_dict(full, self.cfg, self.pipeline))
         self.model = model.to(self.device, self.dtype).eval().fuse_projections()
         if fused_decode.available(self.cfg, self.device) and self.pipeline.size == 1:
             self.model.enable_fused_decode()
         log.info("torch engine on %s (%s), TP rank %d of %d, fused decode kernels: %s", self.device, self.dtype,
                  self.tp.rank, self.tp.size, "on" if self.model.fused_decode else "off")
+        if self.ep.size > 1:
+            own = self.ep.experts(self.cfg.num_local_experts)
+            log.info("expert-parallel rank %d of %d: experts %d-%d", self.ep.rank, self.ep.size, own.start,
+                     own.stop - 1)
         if self.pipeline.size > 1:
             own = self.pipeline.layers(self.cfg.num_hidden_layers)
             log.info("pipeline stage %d of %d: layers %d-%d", self.pipeline.rank, self.pipeline.size, own.start,

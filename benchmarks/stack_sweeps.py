@@ -1,0 +1,105 @@
+"""The whole local stack, freshly launched, swept twice with hpc bench's load generator: the first sweep should be
+as fast as the second (every worker warms up before it registers), and tokens/s should scale with concurrency.
+Prints where each worker ran and how the KV crossed from prefill to decode (CUDA IPC or bytes).
+
+    python benchmarks/stack_sweeps.py [--recipe tiny-disagg] [--concurrency 1,8,32,64] [--output-tokens 64]
+
+Goals (issue #14, on a GPU machine): first sweep within 10 % of the second at every level; c=64 >= 20 x c=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import json
+import os
+import re
+import sys
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _stack import local_stack  # noqa: E402
+
+from hpc.bench.loadgen import REQUESTS_PER_USER, Level, run_level  # noqa: E402
+from hpc.spec.catalog import load_recipe  # noqa: E402
+
+
+def workers(run_path: Path) -> dict[str, dict]:
+    """Each worker rank's state (device, metrics URL) as it reported it."""
+    out = {}
+    for path in sorted((run_path / "state").glob("*.json")):
+        state = json.loads(path.read_text())
+        if "device" in state:
+            out[path.stem] = state
+    return out
+
+
+def counters(metrics_url: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"{metrics_url}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    found = {}
+    for line in text.splitlines():
+        match = re.match(r"hpc_worker_(\w+)\{[^}]*\} ([0-9.e+-]+)$", line)
+        if match:
+            found[match.group(1)] = float(match.group(2))
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--recipe", default="tiny-disagg")
+    parser.add_argument("--concurrency", default="1,8,32,64")
+    parser.add_argument("--input-tokens", type=int, default=64)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+    levels = [Level(c, args.input_tokens, args.output_tokens, REQUESTS_PER_USER * c)
+              for c in (int(x) for x in args.concurrency.split(","))]
+    batch = max(lv.concurrency for lv in levels)
+    recipe, _ = load_recipe(args.recipe)
+    roles = [name for name in ("agg", "prefill", "decode") if getattr(recipe.roles, name) is not None]
+    overrides = [f'roles.{r}.override_engine_args={{"max_batch_size": {batch}}}' for r in roles]
+
+    async def sweeps(url: str, model: str) -> list[dict[int, dict]]:
+        out = []
+        for _ in range(2):  # no warm-up requests: the first sweep is what a user's first traffic sees
+            out.append({lv.concurrency: await run_level(url, model, lv, True, 0) for lv in levels})
+        return out
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        stack = local_stack(args.recipe, *overrides)
+        run, url = stack.__enter__()
+    try:
+        model = json.loads(urllib.request.urlopen(f"{url}/v1/models", timeout=10).read())["data"][0]["id"]
+        first, second = asyncio.run(sweeps(url, model))
+        placed = workers(Path(run.path))
+        handoff = {name: counters(state["http"]) for name, state in placed.items()
+                   if state.get("http") and name.startswith("prefill")}
+    finally:
+        with contextlib.redirect_stdout(io.StringIO()):
+            stack.__exit__(None, None, None)
+    print(f"{args.recipe}: " + ", ".join(f"{name} on {state['device']}" for name, state in placed.items()))
+    for name, stats in handoff.items():
+        print(f"{name}: {int(stats.get('requests', 0))} prefills, {int(stats.get('kv_ipc_shared', 0))} KV handoffs "
+              f"shared over CUDA IPC (the rest as bytes)")
+    print(f"{'c':>4} {'requests':>9} {'peak':>5} {'first tok/s':>12} {'second tok/s':>13} {'first/second':>13} "
+          f"{'p99 e2e s (1st)':>16}")
+    for lv in levels:
+        a, b = first[lv.concurrency], second[lv.concurrency]
+        print(f"{lv.concurrency:>4} {lv.requests:>9} {a['peak_inflight']:>5} {a['output_tokens_per_s']:>12.1f} "
+              f"{b['output_tokens_per_s']:>13.1f} {a['output_tokens_per_s'] / b['output_tokens_per_s']:>13.0%} "
+              f"{a['e2e_s']['p99']:>16.3f}")
+    lo, hi = levels[0].concurrency, levels[-1].concurrency
+    scale = [s[hi]["output_tokens_per_s"] / s[lo]["output_tokens_per_s"] for s in (first, second)]
+    print(f"c={hi} / c={lo}: first sweep {scale[0]:.1f}x, second {scale[1]:.1f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"recipe": args.recipe, "workers": placed, "handoff": handoff,
+                                               "first": first, "second": second}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
