@@ -8,6 +8,7 @@ of either path starts with the same warm-up requests. Stack mode alternates dire
 noise hits both; goal: the stack keeps >= 95 % of the engine's tokens/s at every level. `--engine-only` runs two
 sweeps on one freshly loaded engine and prints both: the engine warms up before it says ready, so the first
 sweep should be as fast as the second. Each level sends 4 x concurrency requests (at least --requests).
+Both paths sample at temperature 1: what hpc bench's requests get from the frontend (OpenAI's default).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ WARMUP = 2
 async def engine_level(engine: TorchEngine, level: Level, rng: random.Random) -> float:
     async def one() -> int:
         req = GenerateRequest(request_id="x", token_ids=prompt_ids(level.input_tokens, rng),
-                              sampling=SamplingParams(max_tokens=level.output_tokens, ignore_eos=True))
+                              sampling=SamplingParams(max_tokens=level.output_tokens, ignore_eos=True,
+                                                      temperature=1.0))
         return sum([len(out.token_ids) async for out in engine.generate(req)])
 
     for _ in range(WARMUP):

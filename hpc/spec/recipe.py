@@ -46,9 +46,9 @@ class ModelSpec(StrictModel):
     generate: Literal["tiny", "tiny-multimodal", "tiny-moe"] | None = Field(
         None, description="build this random-weight model at `path` before launch if it is missing")
     chat_template: str | None = Field(None, description="a Jinja file replacing the tokenizer's template")
-    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+    reasoning_parser: Literal["deepseek_r1", "qwen3", "gpt_oss"] | None = Field(
         None, description="split the model's reasoning into reasoning_content (the seeds' --dyn-reasoning-parser)")
-    tool_call_parser: Literal["hermes", "qwen3", "llama3_json"] | None = Field(
+    tool_call_parser: Literal["hermes", "qwen3", "llama3_json", "deepseek_v3", "harmony"] | None = Field(
         None, description="turn the model's tool-call markup into tool_calls (the seeds' --dyn-tool-call-parser)")
     canned_completion: str | None = Field(
         None, max_length=4096, description="test knob, torch backend: every answer is this text, produced through "

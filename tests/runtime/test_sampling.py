@@ -26,3 +26,46 @@ def test_penalised_greedy_picks_are_reported_with_the_models_logprobs(tiny):
     # model's own, where a penalised token's best rival ranks higher — so the pick is not always the raw top-1
     assert any(lp.logprob < lp.top_logprobs[0] for lp in logprobs)
     assert logprobs[0].logprob == pytest.approx(logprobs[0].top_logprobs[0])  # no penalty before the first token
+
+
+def test_batched_sampling_keeps_each_rows_temperature_top_k_and_top_p():
+    import torch
+
+    from hpc.runtime.engine.sampling import sample_rows
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]] * 4)
+    params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.5),
+              SamplingParams(temperature=0.01), SamplingParams(temperature=100.0)]
+    draws = torch.stack([sample_rows(logits, params, gen) for _ in range(400)])  # [400, 4]
+    assert set(draws[:, 0].tolist()) == {0, 1}  # top-k 2: only the two best, and both of them
+    assert set(draws[:, 1].tolist()) == {0}  # the best token alone holds 64 % >= top-p 0.5
+    assert set(draws[:, 2].tolist()) == {0}  # near-zero temperature is near-greedy
+    assert len(set(draws[:, 3].tolist())) == 5  # a hot row reaches every token
+    counts = torch.bincount(draws[:, 0], minlength=5).float() / 400
+    assert counts[0] == pytest.approx(torch.softmax(torch.tensor([4.0, 3.0]), 0)[0], abs=0.08)
+
+
+def test_a_decode_step_samples_unseeded_rows_in_one_batch(tiny, monkeypatch):
+    """At temperature 1 (the OpenAI default) unseeded rows take the batched sampler; the per-row path, with
+    its host round trip per row, is only for seeded, penalised or logprob rows."""
+    from hpc.runtime.engine import torch_engine
+
+    per_row, batched = [], []
+    real_sample, real_rows = torch_engine.sample, torch_engine.sample_rows
+    monkeypatch.setattr(torch_engine, "sample", lambda *a: per_row.append(1) or real_sample(*a))
+    monkeypatch.setattr(torch_engine, "sample_rows", lambda logits, *a: batched.append(len(logits))
+                        or real_rows(logits, *a))
+
+    async def main():
+        async with TorchEngine(tiny, DisaggregationMode.AGG, {"max_seq_len": 256}) as engine:
+            async def one(seed):
+                req = GenerateRequest(request_id="r", token_ids=[5, 6, 7], sampling=SamplingParams(
+                    max_tokens=6, temperature=1.0, ignore_eos=True, seed=seed))
+                return [t async for out in engine.generate(req) for t in out.token_ids]
+            return await asyncio.gather(one(None), one(None), one(None), one(7))
+
+    outs = asyncio.run(main())
+    assert all(len(o) == 6 for o in outs)
+    assert max(batched) >= 2  # rows of one step sampled together
+    assert len(per_row) == 4 + 5  # each request's prefill pick, and the seeded one's five decode picks

@@ -156,7 +156,8 @@ def test_latency_histograms_count_every_request(disagg):
 
 
 @pytest.mark.parametrize("field,value", [("best_of", 2), ("suffix", "x"), ("tools", [{"type": "function"}]),
-                                         ("response_format", {"type": "json_object"}), ("reasoning_effort", "low"),
+                                         ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
+                                         ("reasoning_effort", "low"),
                                          ("logit_bias", {"5": 10})])
 def test_unsupported_parameters_are_refused_by_name(disagg, field, value):
     """Silently answering once when n=2 was asked, or without logprobs, would mislead the client."""

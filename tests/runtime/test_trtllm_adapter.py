@@ -254,3 +254,33 @@ def test_a_per_request_error_fails_one_request_and_a_background_error_fails_the_
             with pytest.raises(RuntimeError, match="engine failed"):
                 await tokens(agg, request())
     run(main())
+
+
+def test_a_guide_goes_to_tensorrt_llm_as_guided_decoding_and_needs_a_backend(tiny):
+    """json_object alone becomes GuidedDecodingParams(json_object=True); a forced call becomes an EBNF grammar
+    that xgrammar compiles; without guided_decoding_backend in the engine config the request is refused."""
+    from hpc.runtime.frontend.parsers import json_answer_guide, tool_call_guide
+    from hpc.runtime.serve.wire import Guide
+
+    def guided(pieces):
+        return request(max_tokens=4, guide=Guide(pieces=pieces))
+
+    async def main():
+        async with TrtllmEngine(tiny, AGG, {**engine_args(), "guided_decoding_backend": "xgrammar"}) as agg:
+            await tokens(agg, guided(json_answer_guide(None)))
+            await tokens(agg, guided(tool_call_guide("deepseek_r1", "hermes", ["get_weather"])))
+            sent = agg._llm._executor.submitted[-2:]
+        async with TrtllmEngine(tiny, AGG, engine_args()) as plain:
+            with pytest.raises(ValueError, match="guided_decoding_backend: xgrammar"):
+                await tokens(plain, guided(json_answer_guide(None)))
+        return sent
+    as_json, as_grammar = run(main())
+    assert as_json.guided_decoding.json_object and as_json.guided_decoding.grammar is None
+    grammar = as_grammar.guided_decoding.grammar
+    assert not as_grammar.guided_decoding.json_object and grammar.startswith("root ::= ") and "get_weather" in grammar
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    compiled = xgr.Grammar.from_ebnf(grammar)
+    assert accepts(compiled, 'ok</think><tool_call>{"name": "get_weather", "arguments": {"c": 1}}</tool_call>')
+    assert not accepts(compiled, 'ok</think><tool_call>{"name": "other", "arguments": {}}</tool_call>')

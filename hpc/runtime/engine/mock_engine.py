@@ -30,6 +30,9 @@ class MockEngine:
         return 100 + (sum(prompt[-4:]) + i * 7) % (self.vocab_size - 100)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        if request.sampling.guide is not None:
+            raise ValueError("the mock engine cannot constrain its output (response_format json_object, a forced "
+                             "tool call); use backend torch or trtllm")
         self._counters["requests"] += 1
         self._counters["prompt_tokens"] += len(request.token_ids)
         self._counters["running"] += 1

@@ -21,10 +21,11 @@ import torch
 
 from hpc.runtime.engine import fused_decode
 from hpc.runtime.engine import kv as kvpack
+from hpc.runtime.engine.guided import Automaton
 from hpc.runtime.engine.llama import (LlamaConfig, LlamaForCausalLM, Pipeline, TensorParallel, VisionEncoder,
                                       shard_state_dict, stage_state_dict)
 from hpc.runtime.engine.moe import ExpertParallel, expert_state_dict
-from hpc.runtime.engine.sampling import make_generator, sample, token_logprob
+from hpc.runtime.engine.sampling import make_generator, sample, sample_rows, token_logprob
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
                                       GenerateRequest, KvMeta, TokenLogprob)
 
@@ -78,6 +79,7 @@ class _Seq:
     media: torch.Tensor | None = None
     started: float = field(default_factory=time.perf_counter)
     counts: dict[int, int] = field(default_factory=dict)  # generated token -> times (for the penalties)
+    guide: Any = None  # (automaton, state) while the request's output is constrained (sampling.guide)
 
 
 class TorchEngine:
@@ -169,6 +171,8 @@ class TorchEngine:
         self.cache = self.model.new_cache(self.max_batch, self.max_len, self.dtype, self.device)
         self.free_slots = list(range(self.max_batch))
         self.canned = self._canned_ids(self.canned_completion)
+        self.sampler = torch.Generator(device=self.device)  # unseeded requests' draws, batched on the device
+        self.sampler.manual_seed(torch.seed() % (2**63))
         self.warm_up()
 
     def _canned_ids(self, text: str | None) -> list[int] | None:
@@ -339,6 +343,9 @@ class TorchEngine:
         self._counters["requests"] += 1
         try:
             seq.gen = make_generator(seq.request.sampling)
+            if seq.request.sampling.guide is not None:
+                automaton = Automaton.from_guide(seq.request.sampling.guide)
+                seq.guide = (automaton, automaton.initial)
             if seq.imported_kv is not None:
                 self._import(seq)
                 running.append(seq)
@@ -375,9 +382,44 @@ class TorchEngine:
             forced = torch.full_like(logits, float("-inf"))
             forced[target] = logits[target]
             logits = forced
-        token = sample(logits, seq.request.sampling, seq.gen)
+        token = self._guided(seq, logits) if seq.guide is not None else sample(logits, seq.request.sampling,
+                                                                                  seq.gen)
         top = seq.request.sampling.logprobs
         return token, (None if top is None else token_logprob(raw, token, top))
+
+    def _guided(self, seq: _Seq, logits: torch.Tensor) -> int:
+        """The best-ranked token that keeps the output inside its guide and closable in the tokens left (see
+        guided). Greedy ranks by logit; sampling adds Gumbel noise to logit / temperature, which draws from the
+        softmax restricted to the allowed tokens (top-k / top-p do not apply to guided rows)."""
+        automaton, state = seq.guide
+        p = seq.request.sampling
+        left = min(p.max_tokens - seq.generated, self.max_len - seq.length - 1) - 1  # after this token
+        scores = logits.float().cpu()
+        if p.temperature > 0:
+            uniform = torch.rand(scores.shape, generator=seq.gen).clamp_(1e-20, 1.0)
+            scores = scores / p.temperature - torch.log(-torch.log(uniform))
+        texts = self.token_texts()
+        banned = {self.cfg.eos_token_id, *p.stop_token_ids}
+        for token in torch.argsort(scores, descending=True).tolist():
+            text = texts[token]
+            if not text or token in banned:
+                continue
+            nxt = automaton.feed(state, text)
+            if nxt is not None and automaton.min_close(nxt) <= left:
+                seq.guide = (automaton, nxt)
+                return token
+        return self.cfg.eos_token_id  # nothing fits the tokens left (a max_tokens below the guide's minimum)
+
+    def token_texts(self) -> list[str | None]:
+        """Each token id's text (special tokens as written; None where a token is part of a UTF-8 character),
+        built on the first guided request."""
+        if getattr(self, "_token_texts", None) is None:
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+            texts = [tok.decode([i], skip_special_tokens=False) for i in range(tok.get_vocab_size())]
+            self._token_texts = [None if "\ufffd" in t else t for t in texts]
+        return self._token_texts
 
     def _prefill(self, seq: _Seq) -> tuple[int, TokenLogprob | None]:
         ids = seq.request.token_ids
@@ -406,6 +448,10 @@ class TorchEngine:
         seq.last_token = params.first_token_id
         seq.generated = 1  # the prefill worker produced the first token
         seq.counts = {params.first_token_id: 1}
+        if seq.guide is not None:  # the prefill worker's guided first token, replayed
+            automaton, state = seq.guide
+            seq.guide = (automaton, automaton.feed(state, self.token_texts()[params.first_token_id] or "")
+                         or state)
         seq.imported_kv = None
         self._counters["prompt_tokens"] += length
 
@@ -414,12 +460,16 @@ class TorchEngine:
         positions = torch.tensor([[s.length] for s in running], device=self.device)
         slots = torch.tensor([s.slot for s in running], device=self.device)
         logits = self._forward("decode", self.model.embed(tokens), positions, slots)
-        # Greedy rows without logprobs: one argmax for all of them and one device sync, not one per row (at 64
-        # rows the per-row syncs cost more than the step itself).
-        plain = [i for i, s in enumerate(running) if s.request.sampling.temperature == 0
-                 and s.request.sampling.logprobs is None and self.canned is None
-                 and not (s.request.sampling.presence_penalty or s.request.sampling.frequency_penalty)]
-        picked = dict(zip(plain, logits[plain].argmax(-1).tolist())) if plain else {}
+        # Rows without logprobs, penalties or a seed: one argmax for the greedy ones and one batched sampling
+        # kernel for the others, a device sync each, not one per row (at 64 rows the per-row syncs cost more
+        # than the step itself).
+        plain = [i for i, s in enumerate(running) if self._batchable(s.request.sampling)]
+        greedy = [i for i in plain if running[i].request.sampling.temperature == 0]
+        sampled = [i for i in plain if running[i].request.sampling.temperature > 0]
+        picked = dict(zip(greedy, logits[greedy].argmax(-1).tolist())) if greedy else {}
+        if sampled:
+            tokens = sample_rows(logits[sampled], [running[i].request.sampling for i in sampled], self.sampler)
+            picked.update(zip(sampled, tokens.tolist()))
         with self.emitter:
             for i, s in enumerate(running):
                 s.length += 1
@@ -427,6 +477,10 @@ class TorchEngine:
                     self._emit_token(s, picked[i])
                 else:
                     self._emit_token(s, *self._pick(s, logits[i]))
+
+    def _batchable(self, p) -> bool:
+        return p.logprobs is None and p.seed is None and self.canned is None and p.guide is None \
+            and not (p.presence_penalty or p.frequency_penalty)
 
     def _forward(self, kind: str, embeds, positions, slots) -> torch.Tensor:
         if self.world.size > 1:
@@ -442,7 +496,8 @@ class TorchEngine:
         seq.counts[token] = seq.counts.get(token, 0) + 1
         self._counters["generated_tokens"] += 1
         p = seq.request.sampling
-        if (token == self.cfg.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+        if (token == self.cfg.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids or \
+                (seq.guide is not None and seq.guide[0].complete(seq.guide[1])):  # the guide is complete
             self._finish(seq, "stop", tokens=[token], logprob=logprob)
             return False
         if seq.generated >= p.max_tokens or seq.length + 1 >= self.max_len:

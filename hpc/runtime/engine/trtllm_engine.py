@@ -93,9 +93,20 @@ def engine_class(tensorrt_llm: Any, llmapi: Any, mode: DisaggregationMode, backe
     return tensorrt_llm.LLM
 
 
-def trtllm_sampling(s: SamplingParams, sampling_cls: Any) -> Any:
+def trtllm_guide(guide: Any, guided_cls: Any) -> Any:
+    """hpc's Guide as GuidedDecodingParams: a lone JSON object is `json_object`, anything else an EBNF `grammar`
+    (tensorrt_llm/sampling_params.py; the LLM's guided_decoding_backend, xgrammar or llguidance, compiles it)."""
+    from hpc.runtime.engine.guided import to_ebnf
+
+    if [p.kind for p in guide.pieces] == ["json_object"]:
+        return guided_cls(json_object=True)
+    return guided_cls(grammar=to_ebnf(guide))
+
+
+def trtllm_sampling(s: SamplingParams, sampling_cls: Any, guided_cls: Any = None) -> Any:
     greedy = s.temperature == 0.0
     return sampling_cls(
+        guided_decoding=trtllm_guide(s.guide, guided_cls) if s.guide is not None else None,
         max_tokens=s.max_tokens,
         temperature=None if greedy else s.temperature,
         top_p=None if greedy or s.top_p >= 1.0 else s.top_p,
@@ -276,8 +287,13 @@ class TrtllmEngine:
         if self.failure:
             raise RuntimeError(f"engine failed: {self.failure}")
         tensorrt_llm, _ = self._api
+        if request.sampling.guide is not None and not self.args.get("guided_decoding_backend"):
+            raise ValueError("constrained output (response_format json_object, a forced tool call) needs the "
+                             "role's engine config to set guided_decoding_backend: xgrammar (or llguidance)")
         inputs, dp, cursor = await self._inputs(request)
-        params = trtllm_sampling(request.sampling, tensorrt_llm.SamplingParams)
+        from tensorrt_llm.sampling_params import GuidedDecodingParams
+
+        params = trtllm_sampling(request.sampling, tensorrt_llm.SamplingParams, GuidedDecodingParams)
         streaming = request.streaming and self.mode is not DisaggregationMode.PREFILL
         try:
             result = self._llm.generate_async(inputs, sampling_params=params, streaming=streaming,

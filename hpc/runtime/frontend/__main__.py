@@ -12,6 +12,7 @@ from hpc.manifest import Manifest
 from hpc.runtime.services.discovery import open_discovery
 from hpc.runtime.frontend.app import Frontend, model_dir
 from hpc.runtime.frontend.router import SETTLE_S, Router
+from hpc.runtime.frontend.parsers import HARMONY
 from hpc.runtime.frontend.tokenizer import TextCodec
 from hpc.runtime.engine.tiny import ensure_model
 from hpc.runtime.serve.http import HttpLimits, HttpServer
@@ -23,7 +24,10 @@ async def serve(manifest: Manifest, bind: str | None = None) -> int:
     reporter.phase("started")
     # A generated model is built by the job (the launcher stays free of torch); the workers race for the same lock.
     await asyncio.to_thread(ensure_model, manifest.recipe.model.path, manifest.recipe.model.generate)
-    codec = TextCodec(model_dir(manifest), manifest.recipe.model.chat_template)
+    model = manifest.recipe.model
+    # the harmony parser reads gpt-oss's message markers, which are special tokens: keep them in the text
+    codec = TextCodec(model_dir(manifest), model.chat_template,
+                      keep_special_tokens=bool({model.reasoning_parser, model.tool_call_parser} & set(HARMONY)))
     router = Router(manifest.recipe.frontend.router, token=rpc_token(manifest))
     app = Frontend(manifest, router, codec)
     host = bind or node_address(manifest)

@@ -12,13 +12,13 @@ from hpc.manifest import Manifest
 from hpc.runtime.engine.types import GenerateOutput, GenerateRequest, SamplingParams, TokenLogprob
 from hpc.runtime.frontend.openai import (ApiError, ChatRequest, CompletionRequest, chat_logprobs,
                                          completion_logprobs, new_id, now, unsupported_param)
-from hpc.runtime.frontend.parsers import AnswerParser
+from hpc.runtime.frontend.parsers import AnswerParser, json_answer_guide, tool_call_guide
 from hpc.runtime.frontend.router import NoInstance, Router
 from hpc.runtime.frontend.tokenizer import Detokenizer, TextCodec
 from hpc.runtime.serve.http import Request, Response, json_dumps, json_loads, json_response
 from hpc.runtime.serve.metrics import LatencyHistograms, prometheus
 from hpc.runtime.serve.rpc import PeerGone, RemoteError
-from hpc.runtime.serve.wire import replace
+from hpc.runtime.serve.wire import Guide, GuidePiece, replace
 
 
 WHOLE_REQUEST_RETRIES = 1  # non-streamed requests whose worker died midway
@@ -130,7 +130,7 @@ class Frontend:
         return parsed
 
     def _build(self, body: Any, ids: list[int], max_tokens: int | None, image: str | None,
-               default_max_tokens: int = 16) -> GenerateRequest:
+               default_max_tokens: int = 16, guide: list[GuidePiece] | None = None) -> GenerateRequest:
         ids = self.codec.expand_image_tokens(ids)
         limits = self.recipe.limits
         if not ids:
@@ -145,7 +145,8 @@ class Frontend:
         sampling = SamplingParams(max_tokens=wanted, temperature=body.temperature, top_p=body.top_p,
                                   top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos,
                                   stop=body.stop_strings, logprobs=body.logprob_count,
-                                  presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
+                                  presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                                  guide=Guide(pieces=guide) if guide else None)
         return GenerateRequest(request_id=new_id("req"), token_ids=ids, sampling=sampling,
                                streaming=body.stream, image=image)
 
@@ -157,7 +158,8 @@ class Frontend:
             ids = list(body.prompt)
             if any((not isinstance(t, int)) or t < 0 for t in ids):
                 raise ApiError(400, "prompt token ids must be non-negative integers", param="prompt")
-        gen = self._build(body, ids, body.max_tokens, None)
+        guide = json_answer_guide(None) if body.json_object else None
+        gen = self._build(body, ids, body.max_tokens, None, guide=guide)
         echo = (body.prompt if isinstance(body.prompt, str) else self.codec.decode(ids)) if body.echo else ""
         return await self._respond(body, gen, chat=False, echo=echo)
 
@@ -194,10 +196,17 @@ class Frontend:
             prompt = self.codec.apply_chat_template(messages, tools)
         except Exception as exc:
             raise ApiError(400, f"chat template failed: {exc}", param="messages") from None
+        model = self.recipe.model
+        try:
+            forced = body.forced_tool_names() if tools else None
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="tool_choice") from None
+        guide = tool_call_guide(model.reasoning_parser, model.tool_call_parser, forced) if forced else \
+            json_answer_guide(model.reasoning_parser) if body.json_object else None
         # OpenAI's chat has no small default length: up to the model's limit (completions keep 16)
         gen = self._build(body, await self._encode(prompt), body.max_completion_tokens or body.max_tokens,
-                          images[0] if images else None, default_max_tokens=self.recipe.limits.max_output_tokens)
-        model = self.recipe.model
+                          images[0] if images else None, default_max_tokens=self.recipe.limits.max_output_tokens,
+                          guide=guide)
         parsing = (model.reasoning_parser, model.tool_call_parser if tools else None)
         return await self._respond(body, gen, chat=True, parsing=parsing if any(parsing) else None)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any
@@ -36,14 +37,22 @@ UNSUPPORTED: dict[str, Any] = {
     "store": lambda v: bool(v),  # nothing is stored here
     "functions": lambda v: bool(v), "function_call": lambda v: v not in (None, "none", "auto"),
     "logit_bias": lambda v: bool(v),
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") not in (None, "text"),
+    # json_object is constrained decoding (the engine's guide); a JSON schema is not enforced here
+    "response_format": lambda v: not (v is None or isinstance(v, dict) and v.get("type") in (None, "text",
+                                                                                           "json_object")),
 }
 
 
-# Tools need the recipe's tool-call parser; forcing a call ("required", a named function) needs constrained
-# decoding, which the engines here do not do.
+def _forced_tool(v: Any) -> bool:
+    """tool_choice "required" or {"type": "function", "function": {"name": ...}}: a call the engine must make."""
+    return v == "required" or (isinstance(v, dict) and v.get("type") == "function"
+                               and isinstance(v.get("function"), dict) and isinstance(v["function"].get("name"), str))
+
+
+# Tools need the recipe's tool-call parser; with one, a call can be forced (constrained decoding in its format).
 TOOLS_WITHOUT_PARSER = {"tools": lambda v: bool(v), "tool_choice": lambda v: v not in (None, "none", "auto")}
-TOOLS_WITH_PARSER = {"tool_choice": lambda v: v not in (None, "none", "auto")}
+TOOLS_WITH_PARSER = {"tool_choice": lambda v: v not in (None, "none", "auto") and not _forced_tool(v)}
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 
 
 def unsupported_param(data: dict[str, Any], tool_parser: bool = False) -> str | None:
@@ -74,6 +83,11 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     stream_options: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @property
+    def json_object(self) -> bool:
+        return bool(self.response_format and self.response_format.get("type") == "json_object")
 
     @property
     def stop_strings(self) -> list[str]:
@@ -131,6 +145,20 @@ class ChatRequest(_Request):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+
+    def forced_tool_names(self) -> list[str] | None:
+        """The functions the answer must call one of (tool_choice required / named), None when not forced."""
+        if self.tool_choice in (None, "none", "auto"):
+            return None
+        offered = [t.get("function", {}).get("name") for t in self.tools or [] if isinstance(t, dict)]
+        if not offered or not all(isinstance(n, str) and TOOL_NAME.fullmatch(n) for n in offered):
+            raise ValueError("tools: forcing a call needs tools whose function names match [A-Za-z0-9_-]{1,64}")
+        if self.tool_choice == "required":
+            return sorted(set(offered))
+        name = self.tool_choice["function"]["name"]
+        if name not in offered:
+            raise ValueError(f"tool_choice names function {name!r}, which is not among the tools offered")
+        return [name]
 
     @field_validator("top_logprobs")
     @classmethod

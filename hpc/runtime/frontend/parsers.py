@@ -8,9 +8,27 @@ Chosen per recipe: `model.reasoning_parser`, `model.tool_call_parser`.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from hpc.runtime.serve.wire import GuidePiece
+
+
+def _text(value: str) -> GuidePiece:
+    return GuidePiece(kind="text", values=[value])
+
+
+def _choice(values: list[str]) -> GuidePiece:
+    return GuidePiece(kind="choice", values=values)
+
+
+def _until(tag: str) -> GuidePiece:
+    return GuidePiece(kind="until", values=[tag])
+
+
+JSON_OBJECT = GuidePiece(kind="json_object")
 
 
 def _held(text: str, tag: str) -> int:
@@ -76,18 +94,27 @@ class HermesToolCalls:
     sent whole once its closing tag arrived (OpenAI clients accept the arguments in one delta)."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    DROP: tuple[str, ...] = ()  # markers around the calls that are neither content nor a call
 
     def __init__(self) -> None:
         self.buffer = ""
         self.count = 0
 
+    @classmethod
+    def forced(cls, names: list[str]) -> list[GuidePiece]:
+        """A guide for exactly one call to one of `names` in this format (tool_choice required / named)."""
+        return [_text('<tool_call>{"name": "'), _choice([f'{n}", "arguments": ' for n in names]), JSON_OBJECT,
+                _text("}</tool_call>")]
+
     def feed(self, delta: str, final: bool = False) -> Split:
         self.buffer += delta
+        for marker in self.DROP:
+            self.buffer = self.buffer.replace(marker, "")
         out = Split()
         while self.buffer:
             at = self.buffer.find(self.OPEN)
             if at < 0:
-                keep = 0 if final else _held(self.buffer, self.OPEN)
+                keep = 0 if final else max(_held(self.buffer, tag) for tag in (self.OPEN, *self.DROP))
                 out.content += self.buffer[:len(self.buffer) - keep]
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 break
@@ -127,6 +154,10 @@ class Llama3JsonToolCalls(HermesToolCalls):
     """Llama 3.x: the whole answer is one JSON object {"name": ..., "parameters": {...}} (optionally after
     <|python_tag|>); anything else is plain content."""
 
+    @classmethod
+    def forced(cls, names: list[str]) -> list[GuidePiece]:
+        return [_text('{"name": "'), _choice([f'{n}", "parameters": ' for n in names]), JSON_OBJECT, _text("}")]
+
     def feed(self, delta: str, final: bool = False) -> Split:
         self.buffer += delta
         if not final:
@@ -137,9 +168,122 @@ class Llama3JsonToolCalls(HermesToolCalls):
         return Split(tool_calls=[call]) if call else Split(content=text)
 
 
+class DeepSeekV3ToolCalls(HermesToolCalls):
+    """DeepSeek-V3 / R1: <｜tool▁calls▁begin｜>, then per call <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
+    and the arguments in a ```json fence, <｜tool▁call▁end｜>; <｜tool▁calls▁end｜> closes the list."""
+
+    BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    OPEN, CLOSE, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+    DROP = (BEGIN, END)
+    BODY = re.compile(r"\s*function<｜tool▁sep｜>(?P<name>[^\n]+)\n```json\n(?P<args>.*)\n```\s*$", re.DOTALL)
+
+    @classmethod
+    def forced(cls, names: list[str]) -> list[GuidePiece]:
+        return [_text(f"{cls.BEGIN}{cls.OPEN}function{cls.SEP}"), _choice([f"{n}\n```json\n" for n in names]),
+                JSON_OBJECT, _text(f"\n```{cls.CLOSE}{cls.END}")]
+
+    def _call(self, body: str) -> dict[str, Any] | None:
+        match = self.BODY.match(body)
+        if not match:
+            return None
+        try:
+            arguments = json.loads(match["args"])
+        except ValueError:
+            return None
+        return super()._call(json.dumps({"name": match["name"].strip(), "arguments": arguments}))
+
+
+class Harmony:
+    """gpt-oss's harmony format, reasoning and tool calls together. Each message is
+    `<|channel|>CHANNEL[ to=functions.NAME][ <|constrain|>json]<|message|>BODY`, ended by <|end|> (and the next
+    opens with <|start|>assistant), <|call|> (a tool call) or <|return|> (the answer's end). The analysis
+    channel is reasoning; a message to functions.NAME is a call with BODY as its arguments; the rest is content.
+    Needs the markers in the text: the frontend keeps special tokens when a recipe uses this parser."""
+
+    MESSAGE, ENDS = "<|message|>", ("<|end|>", "<|call|>", "<|return|>")
+    RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
+
+    def __init__(self) -> None:
+        self.buffer = ""
+        self.header = True
+        self.channel, self.recipient, self.arguments = "", None, ""
+        self.count = 0
+
+    @classmethod
+    def forced(cls, names: list[str]) -> list[GuidePiece]:
+        return [_text("<|channel|>commentary to=functions."),
+                _choice([f"{n} <|constrain|>json{cls.MESSAGE}" for n in names]), JSON_OBJECT, _text("<|call|>")]
+
+    def feed(self, delta: str, final: bool = False) -> Split:
+        self.buffer += delta
+        out = Split()
+        while self.buffer:
+            if self.header:
+                at = self.buffer.find(self.MESSAGE)
+                if at < 0:
+                    if final:  # no harmony markup at all: plain text
+                        out.content += self.buffer
+                        self.buffer = ""
+                    break
+                head, self.buffer = self.buffer[:at], self.buffer[at + len(self.MESSAGE):]
+                channel = re.search(r"<\|channel\|>(\w+)", head)
+                recipient = self.RECIPIENT.search(head)
+                self.channel = channel.group(1) if channel else "final"
+                self.recipient, self.arguments, self.header = recipient and recipient.group(1), "", False
+                continue
+            ends = [(self.buffer.find(m), m) for m in self.ENDS if m in self.buffer]
+            if not ends:
+                keep = 0 if final else max(_held(self.buffer, m) for m in self.ENDS)
+                self._route(self.buffer[:len(self.buffer) - keep], out)
+                self.buffer = self.buffer[len(self.buffer) - keep:]
+                if final and self.recipient:
+                    self._call(out)
+                break
+            at, marker = min(ends)
+            self._route(self.buffer[:at], out)
+            self.buffer = self.buffer[at + len(marker):].removeprefix("<|start|>assistant")
+            if self.recipient:
+                self._call(out)
+            self.header = True
+        return out
+
+    def _route(self, text: str, out: Split) -> None:
+        if self.recipient:
+            self.arguments += text
+        elif self.channel == "analysis":
+            out.reasoning += text
+        else:
+            out.content += text
+
+    def _call(self, out: Split) -> None:
+        out.tool_calls.append({"index": self.count, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                               "function": {"name": self.recipient, "arguments": self.arguments.strip()}})
+        self.count += 1
+        self.recipient = None
+
+
+# What a reasoning model writes before its answer: a forced tool call or JSON answer comes after it.
+REASONING_PREAMBLES = {"deepseek_r1": [_until("</think>")], "qwen3": [_text("<think>"), _until("</think>")],
+                       "gpt_oss": [_text("<|channel|>analysis<|message|>"), _until("<|end|>"),
+                                   _text("<|start|>assistant")]}
+HARMONY = ("gpt_oss", "harmony")  # the reasoning and tool-call parser names of the one harmony parser
+
+
+def json_answer_guide(reasoning: str | None) -> list[GuidePiece]:
+    """response_format json_object: the answer (after any reasoning) is one JSON object."""
+    final = [_text("<|channel|>final<|message|>")] if reasoning == "gpt_oss" else []
+    return [*REASONING_PREAMBLES.get(reasoning or "", []), *final, JSON_OBJECT]
+
+
+def tool_call_guide(reasoning: str | None, tools: str, names: list[str]) -> list[GuidePiece]:
+    """tool_choice required / a named function: after any reasoning, exactly one call in the recipe's format."""
+    return [*REASONING_PREAMBLES.get(reasoning or "", []), *TOOL_CALL_PARSERS[tools].forced(names)]
+
+
 REASONING_PARSERS = {"deepseek_r1": lambda: ThinkTags(starts_in_reasoning=True),
-                     "qwen3": lambda: ThinkTags(starts_in_reasoning=False)}
-TOOL_CALL_PARSERS = {"hermes": HermesToolCalls, "qwen3": HermesToolCalls, "llama3_json": Llama3JsonToolCalls}
+                     "qwen3": lambda: ThinkTags(starts_in_reasoning=False), "gpt_oss": Harmony}
+TOOL_CALL_PARSERS = {"hermes": HermesToolCalls, "qwen3": HermesToolCalls, "llama3_json": Llama3JsonToolCalls,
+                     "deepseek_v3": DeepSeekV3ToolCalls, "harmony": Harmony}
 
 
 class AnswerParser:
@@ -148,6 +292,8 @@ class AnswerParser:
     def __init__(self, reasoning: str | None, tools: str | None) -> None:
         self.reasoning = REASONING_PARSERS[reasoning]() if reasoning else None
         self.tools = TOOL_CALL_PARSERS[tools]() if tools else None
+        if reasoning in HARMONY or tools in HARMONY:  # one harmony parser splits all three
+            self.reasoning, self.tools = Harmony(), None
 
     def feed(self, delta: str, final: bool = False) -> Split:
         split = self.reasoning.feed(delta, final) if self.reasoning else Split(content=delta)

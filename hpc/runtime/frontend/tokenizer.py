@@ -11,9 +11,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
 class TextCodec:
-    def __init__(self, model_dir: Path, chat_template_file: str | None = None) -> None:
+    def __init__(self, model_dir: Path, chat_template_file: str | None = None,
+                 keep_special_tokens: bool = False) -> None:
         from tokenizers import Tokenizer
 
+        self.skip_special_tokens = not keep_special_tokens
         self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         cfg_path = model_dir / "tokenizer_config.json"
         cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
@@ -48,7 +50,9 @@ class TextCodec:
         return out
 
     def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+        if not self.skip_special_tokens and self.eos_token_id is not None:  # markers stay, the end does not
+            ids = [i for i in ids if i != self.eos_token_id]
+        return self.tok.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes of one token (logprobs report them: a token may be half of a UTF-8 character)."""

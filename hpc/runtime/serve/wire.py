@@ -9,7 +9,7 @@ included) in the same pass, so a worker never sees an untyped dict.
 from __future__ import annotations
 
 import struct
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 from msgspec import Meta, Struct, field
@@ -20,6 +20,21 @@ class Message(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omi
 
 
 # ---- what a generation carries -------------------------------------------------------------------------------
+class GuidePiece(Message):
+    """One piece of a Guide: `text` (values[0] literally), `choice` (one of values, none a prefix of another),
+    `until` (free text ending with values[0]), `json_object` (any JSON object)."""
+
+    kind: Literal["text", "choice", "until", "json_object"]
+    values: list[str] = field(default_factory=list)
+
+
+class Guide(Message):
+    """Constrained decoding: the answer is these pieces in order, then it ends (response_format json_object,
+    a forced tool call in the recipe's tool-call format)."""
+
+    pieces: Annotated[list[GuidePiece], Meta(min_length=1, max_length=16)]
+
+
 class SamplingParams(Message):
     max_tokens: Annotated[int, Meta(ge=1, le=10_000_000)] = 16
     temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 0.0
@@ -32,6 +47,7 @@ class SamplingParams(Message):
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # None: none; k: the chosen token's + k best
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0  # OpenAI's: once a token appeared
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0  # OpenAI's: per time it appeared
+    guide: Guide | None = None
 
 
 class TokenLogprob(Message):

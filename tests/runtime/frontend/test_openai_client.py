@@ -119,10 +119,10 @@ HONOURED = {
     "frequency_penalty": 0.5, "presence_penalty": 0.5, "logprobs": True, "top_logprobs": 2, "max_tokens": 3,
     "max_completion_tokens": 3, "n": 2, "seed": 5, "stop": ["zzz"], "stream": False,
     "stream_options": None, "temperature": 0.5, "top_p": 0.9, "user": "u", "metadata": {"k": "v"},
-    "service_tier": "auto", "response_format": {"type": "text"}, "modalities": ["text"], "tool_choice": "none",
+    "service_tier": "auto", "response_format": {"type": "json_object"}, "modalities": ["text"], "tool_choice": "none",
 }
 REFUSED = {
-    "logit_bias": {"5": 10}, "response_format": {"type": "json_object"},
+    "logit_bias": {"5": 10}, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "functions": [{"name": "f"}],
     "function_call": {"name": "f"}, "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
     "prediction": {"type": "content", "content": "x"}, "web_search_options": {}, "reasoning_effort": "low",

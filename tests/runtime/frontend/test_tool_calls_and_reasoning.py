@@ -61,5 +61,81 @@ def test_tools_reach_the_template_and_the_conversation_goes_on(tools_stack):
                   {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}])
     assert follow.usage.prompt_tokens > with_tools.usage.prompt_tokens  # the call and its answer are in the prompt
     with pytest.raises(openai.BadRequestError) as refused:
-        c.chat.completions.create(model=tools_stack.model, messages=ASK, tools=TOOLS, tool_choice="required")
-    assert refused.value.body["param"] == "tool_choice"
+        c.chat.completions.create(model=tools_stack.model, messages=ASK, tools=TOOLS,
+                                  tool_choice={"type": "function", "function": {"name": "not_offered"}})
+    assert refused.value.body["param"] == "tool_choice" and "not among the tools" in refused.value.body["message"]
+
+
+# No canned answer: the random-weight model itself, held to the hermes format by constrained decoding.
+guided_stack = stack_fixture("tiny-agg", "--set", "model.tool_call_parser=hermes")
+TWO_TOOLS = [*TOOLS, {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+
+
+def test_a_forced_tool_call_comes_out_of_a_random_model_whole_and_streamed(guided_stack):
+    c = openai.OpenAI(base_url=guided_stack.url + "/v1", api_key="none", max_retries=0)
+    free = c.chat.completions.create(model=guided_stack.model, messages=ASK, tools=TWO_TOOLS, max_tokens=30, seed=1)
+    assert free.choices[0].message.tool_calls is None  # left alone, the random model calls nothing
+    for choice_param, names in (("required", {"get_weather", "get_time"}),
+                                ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})):
+        r = c.chat.completions.create(model=guided_stack.model, messages=ASK, tools=TWO_TOOLS, max_tokens=80,
+                                      tool_choice=choice_param, seed=1)
+        choice = r.choices[0]
+        (call,) = choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls" and call.function.name in names
+        assert isinstance(json.loads(call.function.arguments), dict)
+    calls, reasons = [], []
+    for chunk in c.chat.completions.create(model=guided_stack.model, messages=ASK, tools=TWO_TOOLS, max_tokens=80,
+                                           tool_choice="required", stream=True, temperature=0.7):
+        for ch in chunk.choices:
+            calls += ch.delta.tool_calls or []
+            reasons += [ch.finish_reason] if ch.finish_reason else []
+    assert reasons == ["tool_calls"] and len(calls) == 1 and calls[0].function.name in {"get_weather", "get_time"}
+    assert isinstance(json.loads(calls[0].function.arguments), dict)
+
+
+def test_response_format_json_object_gives_a_json_object(guided_stack):
+    import asyncio
+
+    c = openai.OpenAI(base_url=guided_stack.url + "/v1", api_key="none", max_retries=0)
+    r = c.chat.completions.create(model=guided_stack.model, messages=ASK, max_tokens=40,
+                                  response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict) and r.choices[0].finish_reason == "stop"
+
+    async def streamed() -> str:
+        a = openai.AsyncOpenAI(base_url=guided_stack.url + "/v1", api_key="none", max_retries=0)
+        text = ""
+        async for chunk in await a.chat.completions.create(model=guided_stack.model, messages=ASK, max_tokens=40,
+                                                           response_format={"type": "json_object"}, stream=True):
+            text += "".join(ch.delta.content or "" for ch in chunk.choices)
+        await a.close()
+        return text
+    assert isinstance(json.loads(asyncio.run(streamed())), dict)
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.chat.completions.create(model=guided_stack.model, messages=ASK, max_tokens=5, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}})
+    assert refused.value.body["param"] == "response_format"
+
+
+# gpt-oss's harmony format end to end: the analysis channel is reasoning, a commentary message to functions.X is
+# a call (the frontend keeps the markers, which are special tokens in gpt-oss's own vocabulary, in the text).
+HARMONY = ("<|channel|>analysis<|message|>Weather needs a lookup.<|end|><|start|>assistant<|channel|>commentary "
+           'to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}<|call|>')
+harmony_stack = stack_fixture("tiny-agg", "--set", f"model.canned_completion={json.dumps(HARMONY)}",
+                              "--set", "model.reasoning_parser=gpt_oss", "--set", "model.tool_call_parser=harmony")
+
+
+def test_harmony_reasoning_and_tool_call_whole_and_streamed(harmony_stack):
+    c = openai.OpenAI(base_url=harmony_stack.url + "/v1", api_key="none", max_retries=0)
+    r = c.chat.completions.create(model=harmony_stack.model, messages=ASK, tools=TOOLS, max_tokens=200)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert choice.message.model_extra["reasoning_content"] == "Weather needs a lookup."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo"}
+    reasoning, calls = "", []
+    for chunk in c.chat.completions.create(model=harmony_stack.model, messages=ASK, tools=TOOLS, max_tokens=200,
+                                           stream=True):
+        for ch in chunk.choices:
+            reasoning += (ch.delta.model_extra or {}).get("reasoning_content") or ""
+            calls += ch.delta.tool_calls or []
+    assert reasoning == "Weather needs a lookup." and [t.function.name for t in calls] == ["get_weather"]

@@ -229,11 +229,13 @@ class _Executor:
         self.blocks_in_use = 0
         self.stored: list[int] = []  # block hashes, oldest first
         self.dropped_events = 0
+        self.submitted: list[SamplingParams] = []  # what each request asked for (the tests read it back)
         self._push_event({"type": "created", "num_blocks_per_cache_level": [4096, 0]})
 
     def submit(self, prompt: list[int], sp: SamplingParams, streaming: bool, dp: DisaggregatedParams | None,
                digest: str | None) -> GenerationResult:
         own_id = next(BaseLLM._ids)
+        self.submitted.append(sp)
         request_id = dp.disagg_request_id if dp is not None and dp.disagg_request_id is not None else own_id
         result = GenerationResult(own_id, prompt, sp, streaming, self, disaggregated_params=dp)
         context = None
