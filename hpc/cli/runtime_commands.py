@@ -118,10 +118,12 @@ def collect_status(run: RunDir) -> dict[str, Any]:
         components.append({"component": s.name, "node": st.get("node", f"n{s.node}"),
                            "phase": st.get("phase", "not started"),
                            "health": frontend_health if s.name == "frontend" else "-"})
-    live = {(role, i["index"]) for role, items in (frontend_view.get("instances") or {}).items() for i in items}
+    live = {(role, i["index"]): i.get("routed", 0)
+            for role, items in (frontend_view.get("instances") or {}).items() for i in items}
     for w in m.plan.workers:
         st = states.get(w.name, {})
-        routed = "routed" if (w.role.value, w.index) in live else "not routed"
+        key = (w.role.value, w.index)
+        routed = f"routed ({live[key]} requests)" if key in live else "not routed"
         visible = st.get("cuda_visible_devices")
         components.append({"component": w.name, "node": st.get("node", f"n{w.nodes[0]}"),
                            "gpus": w.gpu_text() + (f" (visible {visible})" if visible else ""),
@@ -137,7 +139,7 @@ def collect_status(run: RunDir) -> dict[str, Any]:
     ready = read_json(run.state / "ready.json")
     return {"run": run.path.name, "run_dir": str(run.path), "recipe": m.recipe.name, "cluster": m.cluster.name,
             "job_id": info.get("job_id"), "scheduler": _slurm_state(run), "endpoint": endpoint,
-            "ready": ready, "roles": roles, "components": components,
+            "ready": ready, "roles": roles, "components": components, "router": frontend_view.get("router"),
             "smoke": None if smoke is None else {"passed": smoke["passed"],
                                                  "failed": [c["name"] for c in smoke["checks"] if not c["ok"]]}}
 
@@ -155,6 +157,14 @@ def _print_status(data: dict[str, Any]) -> None:
         print(f"readiness: {data['ready'].get('phase')} ({json.dumps(data['ready'].get('seconds'))})")
     roles = ", ".join(f"{r} {v['live']}/{v['expected']} {v['state']}" for r, v in data["roles"].items())
     print(f"roles: {roles}")
+    router = data.get("router")
+    if router:
+        line = f"router: {router['policy']}"
+        if "prompt_blocks" in router:
+            share = router["cached_blocks"] / router["prompt_blocks"] if router["prompt_blocks"] else 0.0
+            line += (f", prompt blocks found cached {router['cached_blocks']}/{router['prompt_blocks']} ({share:.0%})"
+                     + (", index stale (routing by load)" if router["stale"] else ""))
+        print(line)
     rows = [[c["component"], c["node"], c.get("gpus", "-"), c["phase"], c["health"], c.get("restarts", "")]
             for c in data["components"]]
     print(table(["COMPONENT", "NODE", "GPUS", "PHASE", "HEALTH", "RESTARTS"], rows))

@@ -30,6 +30,7 @@ class RoleName(str, Enum):
 class RouterPolicy(str, Enum):
     ROUND_ROBIN = "round_robin"
     LEAST_LOADED = "least_loaded"
+    KV_AWARE = "kv_aware"  # prefill/agg: to the worker holding most of the prompt's prefix, weighed against load
 
 
 class OnFailure(str, Enum):
@@ -70,6 +71,9 @@ class HttpSpec(StrictModel):
 class FrontendSpec(StrictModel):
     port: int = Field(8000, ge=1024, le=65535)
     router: RouterPolicy = RouterPolicy.ROUND_ROBIN
+    kv_overlap_weight: float = Field(
+        1.0, ge=0, le=100, allow_inf_nan=False,
+        description="kv_aware: cost = weight x prompt blocks to compute + blocks in flight on the worker")
     request_timeout_s: float = Field(600.0, gt=0, le=86400, allow_inf_nan=False)
     http: HttpSpec = Field(default_factory=HttpSpec)
 

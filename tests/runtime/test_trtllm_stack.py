@@ -136,7 +136,7 @@ def test_engine_stats_and_kv_events_reach_nats(disagg):
         await nc.close()
         return got
     got = asyncio.run(collect())
-    stored = [e for e in got["kv_events"] if e["record"]["data"]["type"] == "stored"]
+    stored = [e for e in got["kv_events"] if e["event"] == "engine" and e["record"]["data"]["type"] == "stored"]
     assert stored and stored[0]["record"]["data"]["blocks"][0]["tokens"]  # TensorRT-LLM's per-block records
     assert got["engine_stats"] and "kvCacheStats" in got["engine_stats"][0]["record"]
     assert _worker_metric(disagg, "prefill-0", "hpc_worker_kv_events") >= 1

@@ -25,6 +25,7 @@ from hpc.runtime.engine.guided import Automaton
 from hpc.runtime.engine.llama import (LlamaConfig, LlamaForCausalLM, Pipeline, TensorParallel, VisionEncoder,
                                       shard_state_dict, stage_state_dict)
 from hpc.runtime.engine.moe import ExpertParallel, expert_state_dict
+from hpc.runtime.engine.prefix_cache import PrefixCache
 from hpc.runtime.engine.sampling import make_generator, sample, sample_rows, token_logprob
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
                                       GenerateRequest, KvMeta, TokenLogprob)
@@ -80,6 +81,7 @@ class _Seq:
     started: float = field(default_factory=time.perf_counter)
     counts: dict[int, int] = field(default_factory=dict)  # generated token -> times (for the penalties)
     guide: Any = None  # (automaton, state) while the request's output is constrained (sampling.guide)
+    cached: int = 0  # prompt tokens taken from the prefix cache
 
 
 class TorchEngine:
@@ -117,10 +119,15 @@ class TorchEngine:
         self._running = False
         self.failure: str | None = None  # set when the scheduler thread dies
         self.emitter = Emitter()
-        self._counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "running": 0, "waiting": 0}
+        self._counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "running": 0, "waiting": 0,
+                          "prompt_tokens_computed": 0, "prompt_tokens_cached": 0}
+        self.on_kv_event: Callable[[dict[str, Any]], None] | None = None  # per-block stored/removed records
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self.prefix: PrefixCache | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def __aenter__(self) -> "TorchEngine":
+        self._event_loop = asyncio.get_running_loop()
         await asyncio.to_thread(self.load)
         self._running = True
         if self.mode is not DisaggregationMode.ENCODE:
@@ -171,9 +178,29 @@ class TorchEngine:
         self.cache = self.model.new_cache(self.max_batch, self.max_len, self.dtype, self.device)
         self.free_slots = list(range(self.max_batch))
         self.canned = self._canned_ids(self.canned_completion)
+        self.prefix = self._prefix_cache()
         self.sampler = torch.Generator(device=self.device)  # unseeded requests' draws, batched on the device
         self.sampler.manual_seed(torch.seed() % (2**63))
         self.warm_up()
+
+    def _prefix_cache(self) -> PrefixCache | None:
+        """Prefix reuse as TensorRT-LLM's kv_cache_config sets it: on unless enable_block_reuse is false, blocks
+        of tokens_per_block (32), a pool of max_tokens (8 x max_seq_len). Prefill and aggregated workers of one
+        rank only: a decode worker takes its KV from prefill, and the ranks of a parallel worker would all have
+        to copy the same blocks."""
+        kv = self.args.get("kv_cache_config") or {}
+        if kv.get("enable_block_reuse") is False or self.world.size > 1 or self.mode not in (
+                DisaggregationMode.AGGREGATED, DisaggregationMode.PREFILL):
+            return None
+        block = int(kv.get("tokens_per_block") or 32)
+        capacity = int(kv.get("max_tokens") or 8 * self.max_len) // block
+        return PrefixCache(block, max(1, capacity), self.cache, on_event=self._kv_event)
+
+    def _kv_event(self, record: dict[str, Any]) -> None:
+        """From the scheduler thread to whoever listens (the worker's NATS publisher), on their event loop."""
+        listener, loop = self.on_kv_event, self._event_loop
+        if listener is not None and loop is not None:
+            loop.call_soon_threadsafe(listener, record)
 
     def _canned_ids(self, text: str | None) -> list[int] | None:
         """A test knob (recipe `model.canned_completion`): every answer is this text, then EOS — produced through
@@ -272,7 +299,9 @@ class TorchEngine:
         kv_usage = 0.0
         if self.model is not None:
             kv_usage = 1.0 - len(self.free_slots) / self.max_batch
-        return {**self._counters, "kv_usage": kv_usage, "handoffs_waiting": len(self._handoff)}
+        prefix = {"prefix_blocks_hit": self.prefix.hits, "prefix_blocks_looked_up": self.prefix.lookups,
+                  "prefix_blocks_held": len(self.prefix.index)} if self.prefix is not None else {}
+        return {**self._counters, **prefix, "kv_usage": kv_usage, "handoffs_waiting": len(self._handoff)}
 
     # ---- scheduler thread ------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -424,7 +453,14 @@ class TorchEngine:
     def _prefill(self, seq: _Seq) -> tuple[int, TokenLogprob | None]:
         ids = seq.request.token_ids
         self._counters["prompt_tokens"] += len(ids)
-        token_tensor = torch.tensor([ids], device=self.device)
+        reuse = self.prefix is not None and seq.media is None  # image tokens look alike whatever the image
+        if reuse:
+            rows = self.prefix.match(ids)
+            self.prefix.load(rows, seq.slot)
+            seq.cached = len(rows) * self.prefix.block
+        self._counters["prompt_tokens_cached"] += seq.cached
+        self._counters["prompt_tokens_computed"] += len(ids) - seq.cached
+        token_tensor = torch.tensor([ids[seq.cached:]], device=self.device)
         embeds = self.model.embed(token_tensor)
         if seq.media is not None and self.cfg.vision:
             mask = token_tensor[0] == self.cfg.vision["image_token_id"]
@@ -432,10 +468,12 @@ class TorchEngine:
             if count != seq.media.shape[0]:
                 raise ValueError(f"prompt has {count} image tokens but the image gave {seq.media.shape[0]}")
             embeds[0, mask] = seq.media.to(self.device, self.dtype)
-        positions = torch.arange(len(ids), device=self.device)[None]
+        positions = torch.arange(seq.cached, len(ids), device=self.device)[None]
         slots = torch.tensor([seq.slot], device=self.device)
         logits = self._forward("prefill", embeds, positions, slots)
         seq.length = len(ids)
+        if reuse:
+            self.prefix.store(ids, seq.slot)
         return self._pick(seq, logits[0])
 
     def _import(self, seq: _Seq) -> None:
@@ -504,7 +542,7 @@ class TorchEngine:
             self._finish(seq, "length", tokens=[token], logprob=logprob)
             return False
         seq.emit(GenerateOutput(token_ids=[token], prompt_tokens=len(seq.request.token_ids),
-                                logprobs=None if logprob is None else [logprob]))
+                                logprobs=None if logprob is None else [logprob], cached_tokens=seq.cached))
         return True
 
     def _finish(self, seq: _Seq, reason: str, tokens: list[int] | None = None,
@@ -512,7 +550,7 @@ class TorchEngine:
                 logprob: TokenLogprob | None = None) -> None:
         seq.emit(GenerateOutput(token_ids=tokens or [], finished=True, finish_reason=reason, error=error,
                                 prompt_tokens=len(seq.request.token_ids), disaggregated_params=params,
-                                logprobs=None if logprob is None else [logprob]))
+                                logprobs=None if logprob is None else [logprob], cached_tokens=seq.cached))
         self._release(seq)
 
     def _release(self, seq: _Seq) -> None:

@@ -12,11 +12,15 @@ from hpc.manifest import Manifest
 from hpc.runtime.services.discovery import open_discovery
 from hpc.runtime.frontend.app import Frontend, model_dir
 from hpc.runtime.frontend.router import SETTLE_S, Router
+from hpc.runtime.frontend.kv_index import KvIndex
 from hpc.runtime.frontend.parsers import HARMONY
 from hpc.runtime.frontend.tokenizer import TextCodec
 from hpc.runtime.engine.tiny import ensure_model
 from hpc.runtime.serve.http import HttpLimits, HttpServer
 from hpc.runtime.services.node import Reporter, node_address, publish_endpoint, rpc_token
+from hpc.spec.recipe import RouterPolicy
+
+log = logging.getLogger(__name__)
 
 
 async def serve(manifest: Manifest, bind: str | None = None) -> int:
@@ -28,7 +32,10 @@ async def serve(manifest: Manifest, bind: str | None = None) -> int:
     # the harmony parser reads gpt-oss's message markers, which are special tokens: keep them in the text
     codec = TextCodec(model_dir(manifest), model.chat_template,
                       keep_special_tokens=bool({model.reasoning_parser, model.tool_call_parser} & set(HARMONY)))
-    router = Router(manifest.recipe.frontend.router, token=rpc_token(manifest))
+    spec = manifest.recipe.frontend
+    kv = KvIndex(_block_size(manifest)) if spec.router is RouterPolicy.KV_AWARE else None
+    router = Router(spec.router, token=rpc_token(manifest), kv=kv, overlap_weight=spec.kv_overlap_weight)
+    kv_feed = await _follow_kv_events(manifest, kv) if kv is not None else None
     app = Frontend(manifest, router, codec)
     host = bind or node_address(manifest)
     port = manifest.plan.service("frontend").ports["http"]
@@ -54,8 +61,49 @@ async def serve(manifest: Manifest, bind: str | None = None) -> int:
     expiry.cancel()
     await server.close()
     await router.close()
+    if kv_feed is not None:
+        await kv_feed.close()
     reporter.phase("stopped")
     return 0
+
+
+def _block_size(manifest: Manifest) -> int:
+    """The KV block the routed engines cut prompts by (kv_cache_config.tokens_per_block; 32 by default)."""
+    for role in ("prefill", "agg"):
+        args = manifest.engine_args.get(role)
+        if args is not None:
+            return int((args.get("kv_cache_config") or {}).get("tokens_per_block") or 32)
+    return 32
+
+
+async def _follow_kv_events(manifest: Manifest, kv: KvIndex):
+    """The workers' KV events into the index. While NATS is away the index is stale and routing goes by load;
+    when it is back, what was missed cannot be known, so the index starts over."""
+    import json
+
+    import nats
+
+    from hpc.runtime.services.events import subject
+    from hpc.runtime.services.node import nats_token, wait_endpoint
+
+    async def apply(msg) -> None:
+        message = json.loads(msg.data)
+        kv.apply(message.get("worker", ""), message)
+        kv.stale = False
+
+    async def lost() -> None:
+        log.warning("KV event stream lost: routing by load until it is back")
+        kv.reset()
+
+    if not manifest.recipe.infra.nats:
+        log.warning("router kv_aware without NATS: no KV events, routing by load")
+        return None
+    ep = await asyncio.to_thread(wait_endpoint, manifest, "nats", 60)
+    nc = await nats.connect(ep["url"], token=nats_token(manifest), max_reconnect_attempts=-1,
+                            reconnect_time_wait=0.5, disconnected_cb=lost)
+    await nc.subscribe(subject(manifest, "kv_events", "*"), cb=apply)
+    kv.stale = False  # subscribed before any worker registers: nothing missed
+    return nc
 
 
 async def _expire_unlisted(router: Router) -> None:

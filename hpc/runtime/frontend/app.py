@@ -82,8 +82,18 @@ class Frontend:
         table: dict[str, list[dict[str, Any]]] = {role: [] for role in self.expected}
         for inst in self.router.instances.values():
             table.setdefault(inst.role, []).append({"index": inst.index, "instance_id": inst.instance_id,
-                                                    "address": inst.address, "node": inst.node})
+                                                    "address": inst.address, "node": inst.node,
+                                                    "routed": self.router.routed.get(inst.key, 0)})
         return table
+
+    def router_view(self) -> dict[str, Any]:
+        """The policy, and for kv_aware how much of the prompts' prefixes the chosen workers held."""
+        view: dict[str, Any] = {"policy": self.router.policy.value}
+        if self.router.kv is not None:
+            blocks = self.router.kv_blocks
+            view.update(stale=self.router.kv.stale, events=self.router.kv.events, prompt_blocks=blocks["prompt"],
+                        cached_blocks=blocks["overlap"])
+        return view
 
     async def health(self, req: Request) -> Response:
         table = self.instance_table()
@@ -92,7 +102,8 @@ class Frontend:
         serving = all(live.get(role, 0) > 0 for role in self.expected)
         status = "healthy" if ready else ("degraded" if serving else "unhealthy")
         return json_response({"status": status, "model": self.model_name, "expected": self.expected,
-                              "live": live, "instances": table}, 200 if serving else 503)
+                              "live": live, "instances": table, "router": self.router_view()},
+                             200 if serving else 503)
 
     async def live(self, req: Request) -> Response:
         return json_response({"status": "live"})
@@ -102,6 +113,13 @@ class Frontend:
         for role in self.expected:
             values[f"{role}_instances"] = len(self.router.live(role))
             values[f"{role}_routed_total"] = self.router.served.get(role, 0)
+        for key, count in sorted(self.router.routed.items()):  # per instance: is the spread what the policy says?
+            values[f"routed_{key.replace('/', '_')}_total"] = count
+        if self.router.kv is not None:  # kv_aware: how much of the prompts' prefixes the chosen workers held
+            values["kv_prompt_blocks_total"] = self.router.kv_blocks["prompt"]
+            values["kv_overlap_blocks_total"] = self.router.kv_blocks["overlap"]
+            values["kv_events_total"] = self.router.kv.events
+            values["kv_index_stale"] = int(self.router.kv.stale)
         return Response(body=prometheus("hpc_frontend", values, {"run": self.manifest.run_id}) +
                         self.latency.exposition(),
                         content_type="text/plain; version=0.0.4")
@@ -243,7 +261,7 @@ class Frontend:
         done = stop or gen.sampling.max_tokens == 1
         yield GenerateOutput(token_ids=[token], finished=done, prompt_tokens=len(gen.token_ids),
                              finish_reason=("stop" if stop else "length") if done else None,
-                             logprobs=first.logprobs)
+                             logprobs=first.logprobs, cached_tokens=first.cached_tokens)
         if done:
             return
         decode_req = replace(gen, disaggregated_params=first.disaggregated_params, image=None, media=None)
@@ -258,8 +276,10 @@ class Frontend:
         tokens = 0
         emitted = 0
         pending: list[TokenLogprob] = []
+        cached = 0
         async for out in self.latency.track(self._outputs(gen)):
             tokens += len(out.token_ids)
+            cached = max(cached, out.cached_tokens)
             pending += out.logprobs or []
             detok.add(out.token_ids)
             reason = out.finish_reason if out.finished else None
@@ -268,29 +288,29 @@ class Frontend:
                 hits = [text.find(s, max(0, emitted - max(map(len, stops)))) for s in stops]
                 hits = [h for h in hits if h >= 0]
                 if hits:
-                    yield Piece(text[emitted:min(hits)], "stop", tokens, pending)
+                    yield Piece(text[emitted:min(hits)], "stop", tokens, pending, cached)
                     return
                 safe = len(text) - max(len(s) - 1 for s in stops)
                 if reason is None and safe > emitted:
-                    yield Piece(text[emitted:safe], None, tokens, pending)
+                    yield Piece(text[emitted:safe], None, tokens, pending, cached)
                     emitted, pending = safe, []
                 elif reason is not None:
-                    yield Piece(text[emitted:], _reason(reason), tokens, pending)
+                    yield Piece(text[emitted:], _reason(reason), tokens, pending, cached)
                     return
                 continue
             delta = text[emitted:]
             emitted = len(text)
             if delta or reason:
-                yield Piece(delta, _reason(reason) if reason else None, tokens, pending)
+                yield Piece(delta, _reason(reason) if reason else None, tokens, pending, cached)
                 pending = []
             if reason:
                 return
 
-    def _usage(self, prompt: int, completion: int) -> dict[str, Any]:
+    def _usage(self, prompt: int, completion: int, cached: int) -> dict[str, Any]:
         usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
                                  "total_tokens": prompt + completion}
-        if self.recipe.backend.value != "trtllm":  # the reference engines keep no prefix cache: nothing reused
-            usage["prompt_tokens_details"] = {"cached_tokens": 0}
+        if self.recipe.backend.value != "trtllm":  # what the reference engines reused from their prefix cache
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
 
     def _samples(self, body: Any, gen: GenerateRequest) -> list[GenerateRequest]:
@@ -308,16 +328,18 @@ class Frontend:
                 for e in entries]
         return chat_logprobs(rows) if chat else completion_logprobs(rows, offset)
 
-    async def _collect(self, body: Any, gen: GenerateRequest) -> tuple[str, str | None, int, list[TokenLogprob]]:
+    async def _collect(self, body: Any, gen: GenerateRequest) -> tuple[str, str | None, int, list[TokenLogprob],
+                                                                     int]:
         for attempt in range(1 + WHOLE_REQUEST_RETRIES):
-            text, reason, tokens, logprobs = "", None, 0, []
+            text, reason, tokens, logprobs, cached = "", None, 0, [], 0
             try:
                 async for piece in self._events(body, gen):
                     text += piece.delta
                     reason = piece.reason or reason
                     tokens = piece.tokens
                     logprobs += piece.logprobs
-                return text, reason, tokens, logprobs
+                    cached = piece.cached
+                return text, reason, tokens, logprobs, cached
             except PeerGone:
                 # A worker died mid-request. The client has seen nothing of a non-streamed answer, so run it
                 # again from the start on the workers that are left (the router no longer routes to the dead).
@@ -354,7 +376,7 @@ class Frontend:
         tokens = sum(r[2] for r in results)
         self.counters["completion_tokens_total"] += tokens
         choices = []
-        for index, (text, reason, _, logprobs) in enumerate(results):
+        for index, (text, reason, _, logprobs, _) in enumerate(results):
             lp = self._logprobs(chat, logprobs, 0) if body.logprob_count is not None else None
             if chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -369,7 +391,7 @@ class Frontend:
                 choices.append({"index": index, "message": message, "logprobs": lp, "finish_reason": reason})
             else:
                 choices.append({"index": index, "text": echo + text, "logprobs": lp, "finish_reason": reason})
-        usage = self._usage(len(gen.token_ids), tokens)
+        usage = self._usage(len(gen.token_ids), tokens, max(r[4] for r in results))
         return json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
                               "created": now(), "model": self.model_name, "system_fingerprint": self.fingerprint,
                               "choices": choices, "usage": usage})
@@ -412,6 +434,7 @@ class Frontend:
         created = now()
         self.counters["inflight"] += 1
         tokens = [0] * body.n
+        cached = [0] * body.n
         offsets = [0] * body.n
         started: set[int] = set()
         parsers = {i: AnswerParser(*parsing) for i in range(body.n)} if parsing else {}
@@ -426,6 +449,7 @@ class Frontend:
                     {"index": index, "text": echo, "logprobs": None, "finish_reason": None}])
             async for index, piece in self._merged(body, gen):
                 tokens[index] = piece.tokens
+                cached[index] = piece.cached
                 lp = None
                 if body.logprob_count is not None:
                     lp = self._logprobs(chat, piece.logprobs, offsets[index])
@@ -453,7 +477,7 @@ class Frontend:
                 started.add(index)
                 yield chunk(system_fingerprint=self.fingerprint, choices=[choice])
             if body.include_usage:
-                yield chunk(choices=[], usage=self._usage(len(gen.token_ids), sum(tokens)))
+                yield chunk(choices=[], usage=self._usage(len(gen.token_ids), sum(tokens), max(cached)))
             yield b"data: [DONE]\n\n"
         except (NoInstance, PeerGone, RemoteError, asyncio.TimeoutError) as exc:
             # Headers are gone already: end the stream with an OpenAI-style error event, never hang.
@@ -471,6 +495,7 @@ class Piece(NamedTuple):
     reason: str | None
     tokens: int  # generated so far
     logprobs: list[TokenLogprob]
+    cached: int = 0  # prompt tokens the engine reused
 
 
 OFF_LOOP_CHARS = 16_384  # shorter prompts tokenize faster than a thread hand-off

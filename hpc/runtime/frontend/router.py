@@ -16,6 +16,7 @@ import logging
 import time
 from typing import AsyncIterator
 
+from hpc.runtime.frontend.kv_index import KvIndex
 from hpc.runtime.services.discovery import Instance, Snapshot
 from hpc.runtime.engine.types import GenerateOutput, GenerateRequest
 from hpc.runtime.serve.rpc import PeerGone, RpcClient
@@ -27,6 +28,11 @@ MASS_EXPIRY_GRACE_S = 5.0  # workers refresh every LEASE_TTL_S / 4 and re-regist
 SETTLE_S = 0.3  # how far apart the watch events of one mass expiry may arrive
 
 
+def _component(key: str) -> str:
+    """An instance key ("prefill/0") as the worker names itself in its events ("prefill-0")."""
+    return key.replace("/", "-")
+
+
 class NoInstance(Exception):
     def __init__(self, role: str) -> None:
         super().__init__(f"no live {role} worker")
@@ -34,9 +40,15 @@ class NoInstance(Exception):
 
 
 class Router:
-    def __init__(self, policy: RouterPolicy, token: str | None = None) -> None:
+    def __init__(self, policy: RouterPolicy, token: str | None = None, kv: KvIndex | None = None,
+                 overlap_weight: float = 1.0) -> None:
         self.policy = policy
         self.token = token
+        self.kv = kv  # kv_aware: the workers' cached prefixes, from their KV events
+        self.overlap_weight = overlap_weight
+        self.inflight_blocks: dict[str, int] = {}  # uncached prompt blocks being computed per instance (kv_aware)
+        self.routed: dict[str, int] = {}  # requests per instance
+        self.kv_blocks = {"prompt": 0, "overlap": 0}  # kv_aware: the prompts' full blocks, and those found cached
         self.instances: dict[str, Instance] = {}
         self.clients: dict[str, RpcClient] = {}
         self.inflight: dict[str, int] = {}
@@ -44,7 +56,7 @@ class Router:
         self.dead: set[str] = set()  # instance ids whose connection dropped
         self.unlisted: dict[str, float] = {}  # key -> when it leaves routing unless it re-registers
         self.vanished_at: dict[str, float] = {}  # key -> when its lease expired (connected instances only)
-        self._rr = itertools.count()
+        self._rr: dict[str, itertools.count] = {}  # one turn order per role
 
     def update(self, snapshot: Snapshot, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -111,30 +123,47 @@ class Router:
     def live(self, role: str) -> list[Instance]:
         return [i for i in self.instances.values() if i.role == role]
 
-    def pick(self, role: str, exclude: set[str]) -> tuple[str, RpcClient]:
-        keys = [k for k, i in self.instances.items() if i.role == role and k not in exclude]
+    def pick(self, role: str, exclude: set[str], tokens: list[int] | None = None) -> tuple[str, RpcClient, int]:
+        """(instance key, its client, the prompt blocks it will compute: kv_aware's load on it)."""
+        keys = sorted(k for k, i in self.instances.items() if i.role == role and k not in exclude)
         if not keys:
             raise NoInstance(role)
-        if self.policy is RouterPolicy.LEAST_LOADED:
-            key = min(keys, key=lambda k: (self.inflight.get(k, 0), k))
-        else:
-            keys.sort()
-            key = keys[next(self._rr) % len(keys)]
+        turn = next(self._rr.setdefault(role, itertools.count()))
+        new_blocks = 0
+        keys = keys[turn % len(keys):] + keys[:turn % len(keys)]  # ties go round the role's instances
+        if self.policy is RouterPolicy.KV_AWARE and tokens and role in ("agg", "prefill") and self.kv is not None \
+                and not self.kv.stale:
+            total, held = self.kv.overlaps(tokens)
+            weight = self.overlap_weight
+
+            def cost(k: str) -> tuple[float, int]:
+                return weight * (total - held.get(_component(k), 0)) + self.inflight_blocks.get(k, 0), \
+                    self.inflight.get(k, 0)
+            key = min(keys, key=cost)
+            new_blocks = total - held.get(_component(key), 0)
+            self.kv_blocks["prompt"] += total
+            self.kv_blocks["overlap"] += total - new_blocks
+        elif self.policy is RouterPolicy.ROUND_ROBIN:
+            key = keys[0]
+        else:  # least loaded, and kv_aware without an event stream
+            key = min(keys, key=lambda k: self.inflight.get(k, 0))
+        self.routed[key] = self.routed.get(key, 0) + 1
         client = self.clients.get(key)
         if client is None or not client.alive:
             inst = self.instances[key]
             client = RpcClient(inst.host, inst.rpc_port, on_lost=lambda c, k=key: self._lost(k, c), token=self.token)
             self.clients[key] = client
-        return key, client
+        return key, client, new_blocks
 
     async def generate(self, role: str, request: GenerateRequest,
                        deadline: float | None = None) -> AsyncIterator[GenerateOutput]:
         """Stream from one instance of `role`; a request that produced nothing yet is retried elsewhere."""
         tried: set[str] = set()
         while True:
-            key, client = self.pick(role, tried)
+            key, client, blocks = self.pick(role, tried, request.token_ids)
             started = False
             self.inflight[key] = self.inflight.get(key, 0) + 1
+            self.inflight_blocks[key] = self.inflight_blocks.get(key, 0) + blocks
             self.served[role] = self.served.get(role, 0) + 1
             try:
                 async for out, _ in client.stream(request, deadline=deadline):
@@ -152,6 +181,8 @@ class Router:
             finally:
                 if key in self.inflight:
                     self.inflight[key] -= 1
+                if key in self.inflight_blocks:
+                    self.inflight_blocks[key] -= blocks
 
     async def close(self) -> None:
         for client in self.clients.values():

@@ -114,6 +114,7 @@ class GenerateOutput(Message, tag="output"):
     disaggregated_params: DisaggregatedParams | None = None
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when the request asked
+    cached_tokens: int = 0  # prompt tokens whose KV the engine reused instead of computing
 
 
 # ---- the other calls and their answers ---------------------------------------------------------------------------

@@ -56,7 +56,6 @@ class HandlerDeps:
     image_size: int | None
     has_encode_role: bool
     on_first_token: Callable[[], None] = lambda: None
-    on_request_done: Callable[[GenerateRequest, int], None] = lambda req, n: None
     counters: dict[str, float] = field(default_factory=lambda: {"requests_total": 0, "errors_total": 0,
                                                                 "tokens_total": 0})
 
@@ -104,7 +103,6 @@ class HandlerBase:
             raise
         finally:
             self.deps.counters["tokens_total"] += produced
-            self.deps.on_request_done(request, produced)
 
 
 async def _load_pixels(deps: HandlerDeps, image: str):

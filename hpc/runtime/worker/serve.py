@@ -132,16 +132,11 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
             first_token_seen = True
             reporter.phase("first_token")
 
-    engine_events = hasattr(engine, "on_kv_event")  # TensorRT-LLM reports its own per-block KV events
-    if events is not None and engine_events:
+    if events is not None and hasattr(engine, "on_kv_event"):  # the engines report per-block KV events
+        events.kv_event("cleared")  # a (re)started worker holds nothing: routers forget what it held before
         engine.on_kv_event = events.engine_kv_event
-        engine.on_stats = events.engine_stats
-
-    def on_done(request, produced: int) -> None:
-        if events is not None and not engine_events:
-            events.kv_event("stored", request_id=request.request_id, tokens=len(request.token_ids) + produced)
-            if mode is not DisaggregationMode.PREFILL:
-                events.kv_event("removed", request_id=request.request_id)
+        if hasattr(engine, "on_stats"):
+            engine.on_stats = events.engine_stats
 
     model_dir = Path(recipe.model.path).expanduser()
     vision = None
@@ -154,7 +149,7 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
                        media_allowed_hosts=list(recipe.runtime.media_allowed_hosts),
                        max_file_size_mb=recipe.runtime.max_file_size_mb, image_size=vision,
                        has_encode_role=recipe.roles.encode is not None and mode is not DisaggregationMode.ENCODE,
-                       on_first_token=on_first_token, on_request_done=on_done)
+                       on_first_token=on_first_token)
     handler = make_handler(deps)
     rpc = RpcServer(handler.ops(), token=rpc_token(manifest))
     await rpc.start(host, plan.ports["rpc"])

@@ -1,0 +1,107 @@
+"""Prefix reuse for the torch engine: full KV blocks of earlier prompts kept in a pool, found by chained hash.
+
+A prompt is cut into blocks of `tokens_per_block` (kv_cache_config); block i's hash covers its tokens and block
+i-1's hash, so a hash names a whole prefix. Prefill looks up the longest run of the prompt's leading blocks in
+the pool, copies them into the request's cache slot and computes only the rest; afterwards the prompt's new
+full blocks are copied into the pool (least recently used blocks make room). Every change is reported as
+TensorRT-LLM's get_kv_cache_events_async reports it (tensorrt_llm/_utils.py KVCacheEventSerializer: records
+{"event_id", "data": {"type": "stored", "parent_hash", "blocks": [{"type": "stored_block", "block_hash",
+"tokens": [{"type": "unique_token", "token_id", "token_extra_id"}], "lora_id", "cache_level", "priority"}]}
+or {"type": "removed", "block_hashes"}, "window_size"}), so one publisher and one router serve both engines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+
+
+def chain_hash(parent: int | None, tokens: list[int]) -> int:
+    """A block's hash from its parent's and its own tokens (63 bits: fits every JSON and msgpack integer)."""
+    data = (parent if parent is not None else -1).to_bytes(8, "little", signed=True) + \
+        b"".join(t.to_bytes(4, "little") for t in tokens)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+def block_hashes(tokens: list[int], block: int) -> list[int]:
+    """The chained hashes of the full blocks of `tokens`."""
+    out, parent = [], None
+    for start in range(0, len(tokens) - block + 1, block):
+        parent = chain_hash(parent, tokens[start:start + block])
+        out.append(parent)
+    return out
+
+
+class PrefixCache:
+    def __init__(self, block: int, capacity: int, cache: list[torch.Tensor],
+                 on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """`cache`: the engine's per-layer [2, slots, kv_heads, max_len, head_dim] tensors (blocks copy from and
+        into a slot); `capacity`: blocks the pool holds."""
+        self.block, self.capacity, self.cache = block, capacity, cache
+        two, _, heads, _, dim = cache[0].shape
+        self.pool = cache[0].new_zeros((capacity, len(cache), two, heads, block, dim))
+        self.index: OrderedDict[int, int] = OrderedDict()  # block hash -> pool row, least recently used first
+        self.free = list(range(capacity))
+        self.on_event = on_event
+        self.event_id = 0
+        self.hits = self.lookups = 0  # blocks found / blocks looked for
+
+    def match(self, tokens: list[int]) -> list[int]:
+        """Pool rows of the prompt's longest cached run of leading blocks. The last token is always computed
+        (its logits pick the first new token), so a prompt never matches whole."""
+        rows = []
+        wanted = block_hashes(tokens[:len(tokens) - 1], self.block)
+        for h in wanted:
+            row = self.index.get(h)
+            if row is None:
+                break
+            self.index.move_to_end(h)
+            rows.append(row)
+        self.lookups += len(wanted)
+        self.hits += len(rows)
+        return rows
+
+    def load(self, rows: list[int], slot: int) -> None:
+        b = self.block
+        for i, row in enumerate(rows):
+            for layer, kv in enumerate(self.cache):
+                kv[:, slot, :, i * b:(i + 1) * b] = self.pool[row, layer]
+
+    def store(self, tokens: list[int], slot: int) -> None:
+        """Keep the prompt's full blocks that the pool does not hold yet (their KV is in `slot` now)."""
+        b, parent, run = self.block, None, []
+        for i, h in enumerate(block_hashes(tokens, b)):
+            if h in self.index:
+                self.index.move_to_end(h)
+                self._stored(run)  # a record is one chain: a block already held ends it
+                run = []
+            else:
+                row = self._take()
+                for layer, kv in enumerate(self.cache):
+                    self.pool[row, layer] = kv[:, slot, :, i * b:(i + 1) * b]
+                self.index[h] = row
+                run.append((h, parent, tokens[i * b:(i + 1) * b]))
+            parent = h
+        self._stored(run)
+
+    def _stored(self, run: list[tuple[int, int | None, list[int]]]) -> None:
+        if run:  # as TensorRT-LLM sends them: the parent of the first block, then the blocks in order
+            self._emit({"type": "stored", "parent_hash": run[0][1], "blocks": [
+                {"type": "stored_block", "block_hash": h, "lora_id": None, "cache_level": 0, "priority": 35,
+                 "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in toks]}
+                for h, _, toks in run]})
+
+    def _take(self) -> int:
+        if not self.free:
+            gone, row = self.index.popitem(last=False)
+            self._emit({"type": "removed", "block_hashes": [gone]})
+            return row
+        return self.free.pop()
+
+    def _emit(self, data: dict[str, Any]) -> None:
+        self.event_id += 1
+        if self.on_event is not None:
+            self.on_event({"event_id": self.event_id, "data": data, "window_size": self.block})

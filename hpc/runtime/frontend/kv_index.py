@@ -1,0 +1,79 @@
+"""Which worker holds which prompt prefixes, built from the workers' KV events (the cache-aware router's view).
+
+Workers publish TensorRT-LLM-shaped records (see hpc.runtime.engine.prefix_cache): per-block "stored" with the
+block's tokens and its parent's hash, "removed" with block hashes, and a worker-level "cleared" when it starts.
+The index re-hashes each stored block from its tokens with the chain the engines' prompts are cut by, so the
+engine's own hash values (TensorRT-LLM's are internal) need only map to ours, per worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from hpc.runtime.engine.prefix_cache import block_hashes, chain_hash
+
+log = logging.getLogger(__name__)
+
+
+class KvIndex:
+    def __init__(self, block: int) -> None:
+        self.block = block
+        self.holders: dict[int, set[str]] = {}  # our block hash -> workers holding it
+        self.ours: dict[tuple[str, int], int] = {}  # (worker, engine block hash) -> our hash
+        self.stale = True  # no event stream yet (or it broke): route by load until events flow
+        self.events = 0
+
+    def apply(self, worker: str, message: dict[str, Any]) -> None:
+        """One message from a worker's kv_events subject (hpc.runtime.services.events.EventPublisher)."""
+        self.events += 1
+        if message.get("event") == "cleared":
+            self.forget(worker)
+            return
+        data = (message.get("record") or {}).get("data") or {}
+        if data.get("type") == "stored":
+            engine_parent = data.get("parent_hash")
+            parent = None if engine_parent is None else self.ours.get((worker, engine_parent))
+            if engine_parent is not None and parent is None:
+                return  # continues a chain whose start this index never saw: not reachable from a prompt
+            for blk in data.get("blocks") or []:
+                tokens = [t["token_id"] for t in blk.get("tokens") or []]
+                if len(tokens) != self.block:
+                    break  # a partial block is not reused
+                parent = chain_hash(parent, tokens)
+                self.ours[(worker, blk["block_hash"])] = parent
+                self.holders.setdefault(parent, set()).add(worker)
+        elif data.get("type") == "removed":
+            for engine_hash in data.get("block_hashes") or []:
+                ours = self.ours.pop((worker, engine_hash), None)
+                if ours is not None:
+                    self._release(ours, worker)
+
+    def forget(self, worker: str) -> None:
+        for key in [k for k in self.ours if k[0] == worker]:
+            self._release(self.ours.pop(key), worker)
+
+    def reset(self) -> None:
+        """The event stream broke: what was missed cannot be known, so start over (and route by load)."""
+        self.holders.clear()
+        self.ours.clear()
+        self.stale = True
+
+    def _release(self, ours: int, worker: str) -> None:
+        held = self.holders.get(ours)
+        if held is not None:
+            held.discard(worker)
+            if not held:
+                del self.holders[ours]
+
+    def overlaps(self, tokens: list[int]) -> tuple[int, dict[str, int]]:
+        """(the prompt's full blocks, per worker the blocks it holds of the prompt's start, in a row)."""
+        hashes = block_hashes(tokens, self.block)
+        run: dict[str, int] = {}
+        for i, h in enumerate(hashes):
+            held = [w for w in self.holders.get(h, ()) if run.get(w, 0) == i]
+            if not held:
+                break
+            for w in held:
+                run[w] = i + 1
+        return len(hashes), run

@@ -1,0 +1,116 @@
+"""Routing that knows the cache: the index built from KV events, the kv_aware choice against load, and round
+robin that takes turns per role."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpc.runtime.engine.prefix_cache import block_hashes
+from hpc.runtime.frontend.kv_index import KvIndex
+from hpc.runtime.frontend.router import Router
+from hpc.runtime.services.discovery import Instance
+from hpc.spec.recipe import RouterPolicy
+
+pytestmark = pytest.mark.unit
+
+BLOCK = 4
+PROMPT = list(range(10, 22))  # three full blocks
+
+
+class Connected:
+    alive = connected = True
+
+    async def close(self) -> None:
+        pass
+
+
+def _router(policy: RouterPolicy, counts: dict[str, int], kv: KvIndex | None = None) -> Router:
+    router = Router(policy, kv=kv)
+    instances = [Instance(role=role, index=i, instance_id=f"{role}{i}", host="127.0.0.1", rpc_port=30000 + i,
+                          http_port=31000 + i, node="n0") for role, n in counts.items() for i in range(n)]
+    router.update({i.key: i for i in instances}, now=0.0)
+    for inst in instances:
+        router.clients[inst.key] = Connected()
+    return router
+
+
+def _stored(hashes: list[int], tokens: list[int], parent=None) -> dict:
+    """A TensorRT-LLM-shaped stored record with the engine's own (here: arbitrary) block hashes."""
+    blocks = [{"type": "stored_block", "block_hash": h, "tokens": [
+        {"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in tokens[i * BLOCK:(i + 1) * BLOCK]]}
+        for i, h in enumerate(hashes)]
+    return {"event": "engine", "record": {"event_id": 1, "data": {"type": "stored", "parent_hash": parent,
+                                                                   "blocks": blocks}}}
+
+
+def test_round_robin_takes_turns_per_role_in_a_sequential_run():
+    router = _router(RouterPolicy.ROUND_ROBIN, {"prefill": 2, "decode": 3})
+    for _ in range(31):  # prefill then decode, one request at a time, as a disaggregated request goes
+        router.pick("prefill", set())
+        router.pick("decode", set())
+    for role, n in (("prefill", 2), ("decode", 3)):
+        counts = [router.routed[f"{role}/{i}"] for i in range(n)]
+        assert sum(counts) == 31 and max(counts) - min(counts) <= 1, (role, counts)
+
+
+def test_the_index_follows_stored_removed_and_cleared_with_the_engines_own_hashes():
+    kv = KvIndex(BLOCK)
+    kv.apply("agg-0", _stored([901, 902], PROMPT))  # two blocks in one record
+    kv.apply("agg-0", _stored([903], PROMPT[8:], parent=902))  # the third continues the chain
+    kv.apply("agg-1", _stored([77], PROMPT))
+    kv.apply("agg-1", _stored([5], [1, 2, 3, 4], parent=12345))  # a chain it never saw start: ignored
+    assert kv.overlaps(PROMPT + [1]) == (3, {"agg-0": 3, "agg-1": 1})
+    assert kv.overlaps([0] + PROMPT) == (3, {})  # shifted by one token: nothing in common
+    kv.apply("agg-0", {"event": "engine", "record": {"data": {"type": "removed", "block_hashes": [902]}}})
+    assert kv.overlaps(PROMPT)[1] == {"agg-0": 1, "agg-1": 1}  # a gap ends the run
+    kv.apply("agg-0", {"event": "cleared"})
+    assert kv.overlaps(PROMPT)[1] == {"agg-1": 1} and not any(k[0] == "agg-0" for k in kv.ours)
+
+
+def test_kv_aware_goes_where_the_prefix_is_unless_that_worker_is_busy():
+    kv = KvIndex(BLOCK)
+    kv.stale = False
+    kv.apply("agg-1", _stored(block_hashes(PROMPT, BLOCK), PROMPT))  # the torch engine's hashes are ours
+    router = _router(RouterPolicy.KV_AWARE, {"agg": 2}, kv)
+    assert [router.pick("agg", set(), PROMPT + [99])[0] for _ in range(4)] == ["agg/1"] * 4
+    assert router.kv_blocks == {"prompt": 12, "overlap": 12}
+    router.inflight_blocks["agg/1"] = 10  # busy computing other prompts: 3 blocks elsewhere cost less
+    assert router.pick("agg", set(), PROMPT + [99])[0] == "agg/0"
+    kv.reset()  # the event stream broke: by load (ties take turns), not by a stale index
+    router.inflight_blocks["agg/1"] = 0
+    assert sorted(router.pick("agg", set(), PROMPT)[0] for _ in range(2)) == ["agg/0", "agg/1"]
+
+
+kv_stack = __import__("tests.runtime.conftest", fromlist=["stack_fixture"]).stack_fixture(
+    "tiny-agg", "--set", "roles.agg.count=2", "--set", "frontend.router=kv_aware")
+
+
+@pytest.mark.integration
+def test_a_shared_prefix_follows_its_worker_through_the_real_event_plane(kv_stack, capsys):
+    """Two workers, kv_aware: after the first request its prefix's blocks reach the frontend over NATS, and every
+    later request with that prefix goes to the same worker and reuses them; hpc status shows it."""
+    import time
+
+    from hpc.checks.probe import get_json, post_json
+    from hpc.cli.main import main
+
+    prefix = list(range(100, 400))  # 300 tokens: 9 full blocks of 32
+    seen = []
+    for i in range(5):
+        code, resp = post_json(kv_stack.url + "/v1/completions", {"model": "hpc/tiny", "prompt": prefix + [i],
+                                                                 "max_tokens": 2, "temperature": 0})
+        assert code == 200, resp
+        seen.append(resp["usage"]["prompt_tokens_details"]["cached_tokens"])
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # the stored blocks travel worker -> NATS -> frontend
+            _, health = get_json(kv_stack.url + "/health", 2.0)
+            if health["router"]["events"] >= 2 + (i == 0):  # each worker's "cleared", then the first prompt's
+                break
+            time.sleep(0.05)
+    assert seen == [0, 288, 288, 288, 288]
+    routed = sorted(i["routed"] for i in health["instances"]["agg"])
+    assert routed == [0, 5], health  # one worker took them all: the one holding the prefix
+    assert health["router"]["cached_blocks"] == 4 * 9 and health["router"]["stale"] is False
+    assert main(["status", str(kv_stack.run.path)]) == 0
+    out = capsys.readouterr().out
+    assert "router: kv_aware, prompt blocks found cached 36/45 (80%)" in out and "routed (5 requests)" in out

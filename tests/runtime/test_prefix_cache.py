@@ -1,0 +1,78 @@
+"""Prefix reuse in the torch engine: a prompt that shares leading blocks with an earlier one computes only the
+rest, answers exactly as without reuse, and every stored or evicted block is reported in TensorRT-LLM's record
+shape."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hpc.runtime.engine.prefix_cache import block_hashes, chain_hash
+from hpc.runtime.engine.torch_engine import TorchEngine
+from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
+
+pytestmark = pytest.mark.unit
+
+SYSTEM = list(range(100, 180))  # 80 tokens: two full blocks of 32, and 16 more
+BLOCK = 32
+
+
+def _args(**kv) -> dict:
+    return {"max_seq_len": 256, "max_batch_size": 4, "kv_cache_config": {"tokens_per_block": BLOCK, **kv}}
+
+
+async def _answers(engine, prompts) -> list[tuple[list[int], int]]:
+    out = []
+    for ids in prompts:  # one after another: each sees what the earlier ones stored
+        req = GenerateRequest(request_id="p", token_ids=ids, sampling=SamplingParams(max_tokens=6, temperature=0,
+                                                                                      ignore_eos=True))
+        outs = [o async for o in engine.generate(req)]
+        out.append(([t for o in outs for t in o.token_ids], outs[-1].cached_tokens))
+    return out
+
+
+def test_hashes_chain_through_the_prefix():
+    a, b = block_hashes(SYSTEM + [1] * 48, BLOCK), block_hashes(SYSTEM + [2] * 48, BLOCK)
+    assert len(a) == 4 and a[:2] == b[:2] and a[2] != b[2]  # the shared two blocks hash alike
+    assert chain_hash(None, SYSTEM[32:64]) != a[1]  # a block's hash depends on its parent
+
+
+def test_a_shared_prefix_is_reused_and_answers_do_not_change(tiny):
+    prompts = [SYSTEM + [7, 8, 9], SYSTEM + [10, 11], SYSTEM[:40] + [12], SYSTEM[:32]]
+    events = []
+
+    async def run(**kv):
+        async with TorchEngine(tiny, DisaggregationMode.AGG, _args(**kv), device="cpu") as engine:
+            engine.on_kv_event = events.append
+            answers = await _answers(engine, prompts)
+            await asyncio.sleep(0)  # events come over the loop
+            return answers, engine.stats()
+
+    (reused, stats), (plain, plain_stats) = asyncio.run(run()), asyncio.run(run(enable_block_reuse=False))
+    assert [t for t, _ in reused] == [t for t, _ in plain]  # reuse changes nothing in the answers
+    assert [c for _, c in reused] == [0, 64, 32, 0]  # a whole prompt never matches: its last token is computed
+    assert stats["prompt_tokens_computed"] == sum(map(len, prompts)) - 96
+    assert plain_stats["prompt_tokens_computed"] == sum(map(len, prompts)) and "prefix_blocks_hit" not in plain_stats
+    stored = [e["data"] for e in events if e["data"]["type"] == "stored"]
+    assert len(stored) == 1 and stored[0]["parent_hash"] is None  # only the first prompt's two blocks were new
+    assert [b["block_hash"] for b in stored[0]["blocks"]] == block_hashes(SYSTEM, BLOCK)
+    assert [t["token_id"] for t in stored[0]["blocks"][1]["tokens"]] == SYSTEM[32:64]
+
+
+def test_a_full_pool_evicts_the_least_recently_used_block_and_says_so(tiny):
+    events = []
+
+    async def run():
+        async with TorchEngine(tiny, DisaggregationMode.AGG, _args(max_tokens=2 * BLOCK), device="cpu") as engine:
+            engine.on_kv_event = events.append
+            answers = await _answers(engine, [SYSTEM, [5] * 40, SYSTEM])
+            await asyncio.sleep(0)
+            return answers
+    answers = asyncio.run(run())
+    kinds = [(e["data"]["type"], len(e["data"].get("blocks") or e["data"].get("block_hashes"))) for e in events]
+    # SYSTEM's 2 blocks; the 40 fives' block evicts SYSTEM's first; SYSTEM again finds nothing (a prefix is
+    # reachable only from its first block) and makes room for both of its blocks by evicting the other two
+    assert kinds == [("stored", 2), ("removed", 1), ("stored", 1), ("removed", 1), ("removed", 1), ("stored", 2)]
+    assert answers[2][1] == 0 and answers[2][0] == answers[0][0]
+    assert [e["event_id"] for e in events] == list(range(1, 7))
