@@ -67,7 +67,8 @@ async def send(url: str, model: str, prompts: list[list[int]], concurrency: int)
 def run(policy: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:
     overrides = [f"roles.agg.count={args.workers}", f"frontend.router={policy}",
                  'roles.agg.override_engine_args={"max_batch_size": 16, "kv_cache_config": '
-                 f'{{"max_tokens": {args.cache_tokens}}}}}', "limits.max_input_tokens=2048"]
+                 f'{{"max_tokens": {args.cache_tokens}}}}}', "limits.max_input_tokens=2048",
+                 *([f"frontend.kv_overlap_weight={args.overlap_weight}"] if args.overlap_weight is not None else [])]
     with contextlib.redirect_stdout(io.StringIO()):
         stack = local_stack("tiny-agg", *overrides)
         run_dir, url = stack.__enter__()
@@ -94,6 +95,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overlap-weight", type=float, help="frontend.kv_overlap_weight (default: the recipe's)")
     parser.add_argument("--cache-tokens", type=int, default=2560,
                         help="each worker's prefix cache (kv_cache_config.max_tokens): about 5 of the 16 prefixes")
     parser.add_argument("--json", help="also write the figures here")

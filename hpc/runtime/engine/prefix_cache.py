@@ -65,10 +65,13 @@ class PrefixCache:
         return rows
 
     def load(self, rows: list[int], slot: int) -> None:
-        b = self.block
-        for i, row in enumerate(rows):
-            for layer, kv in enumerate(self.cache):
-                kv[:, slot, :, i * b:(i + 1) * b] = self.pool[row, layer]
+        """The pool rows, in order, become the slot's first len(rows) blocks: one copy per layer."""
+        if not rows:
+            return
+        blocks = self.pool[torch.tensor(rows, device=self.pool.device)]  # [n, layers, 2, heads, block, dim]
+        n, _, two, heads, b, dim = blocks.shape
+        for layer, kv in enumerate(self.cache):
+            kv[:, slot, :, :n * b] = blocks[:, layer].permute(1, 2, 0, 3, 4).reshape(two, heads, n * b, dim)
 
     def store(self, tokens: list[int], slot: int) -> None:
         """Keep the prompt's full blocks that the pool does not hold yet (their KV is in `slot` now)."""
