@@ -171,9 +171,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=5000)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--cluster", default=None, help="a Slurm cluster profile (dev); default: this machine")
+    parser.add_argument("--set", action="append", default=[], help="a recipe override, e.g. frontend.router=kv_aware")
     args = parser.parse_args()
     with contextlib.redirect_stdout(io.StringIO()):
-        stack = local_stack(*STACK, cluster=args.cluster)
+        stack = local_stack(*STACK, *args.set, cluster=args.cluster)
         run_dir, url = stack.__enter__()
     try:
         counts, rows = asyncio.run(run(url, run_dir.state, args.requests, args.concurrency))
