@@ -176,3 +176,14 @@ def test_one_model_by_id(disagg):
     assert code == 200 and card["id"] == "hpc/tiny" and card["object"] == "model"
     code, resp = get_json(disagg.url + "/v1/models/other")
     assert code == 404 and resp["error"]["code"] == "model_not_found"
+
+
+def test_echo_with_logprobs_scores_the_prompt_on_the_prefill_worker(disagg):
+    """Disaggregated: the prefill worker scores the prompt and its logprobs reach the client with the echo."""
+    code, resp = post_json(disagg.url + "/v1/completions", {"model": "hpc/tiny", "prompt": "one two three four",
+                                                            "max_tokens": 3, "temperature": 0, "logprobs": 1,
+                                                            "echo": True, "ignore_eos": True})
+    assert code == 200, resp
+    lp, n = resp["choices"][0]["logprobs"], resp["usage"]["prompt_tokens"]
+    assert len(lp["token_logprobs"]) == n + 3 and lp["token_logprobs"][0] is None
+    assert all(isinstance(x, float) for x in lp["token_logprobs"][1:])

@@ -284,3 +284,15 @@ def test_a_guide_goes_to_tensorrt_llm_as_guided_decoding_and_needs_a_backend(tin
     compiled = xgr.Grammar.from_ebnf(grammar)
     assert accepts(compiled, 'ok</think><tool_call>{"name": "get_weather", "arguments": {"c": 1}}</tool_call>')
     assert not accepts(compiled, 'ok</think><tool_call>{"name": "other", "arguments": {}}</tool_call>')
+
+
+def test_the_prompts_logprobs_come_once_with_the_first_output(tiny):
+    """SamplingParams.prompt_logprobs in, CompletionOutput.prompt_logprobs (executor/result.py) out: one entry per
+    prompt token after the first, on the first output only."""
+    async def main():
+        async with TrtllmEngine(tiny, AGG, engine_args()) as agg:
+            return [o async for o in agg.generate(request(max_tokens=4, prompt_logprobs=2))]
+    outs = run(main())
+    first = outs[0].prompt_logprobs
+    assert [e.token_id for e in first] == [12, 13, 14, 15, 16] and all(len(e.top_ids) == 2 for e in first)
+    assert all(o.prompt_logprobs is None for o in outs[1:])

@@ -24,6 +24,16 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
                         top_logprobs=best.values.tolist() if best is not None else [])
 
 
+def prompt_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each prompt token's logprob under the logits of the position before it: logits [N, V] for tokens [N]."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+    best = torch.topk(logprobs, top, dim=-1) if top else None
+    return [TokenLogprob(token_id=t, logprob=lp, top_ids=best.indices[i].tolist() if best is not None else [],
+                         top_logprobs=best.values[i].tolist() if best is not None else [])
+            for i, (t, lp) in enumerate(zip(tokens, chosen))]
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
     """logits: [V] float32 on any device; one request with its own (seeded) CPU generator."""
     if params.temperature == 0 or gen is None:

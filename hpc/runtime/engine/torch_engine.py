@@ -26,7 +26,7 @@ from hpc.runtime.engine.llama import (LlamaConfig, LlamaForCausalLM, Pipeline, T
                                       shard_state_dict, stage_state_dict)
 from hpc.runtime.engine.moe import ExpertParallel, expert_state_dict
 from hpc.runtime.engine.prefix_cache import PrefixCache
-from hpc.runtime.engine.sampling import make_generator, sample, sample_rows, token_logprob
+from hpc.runtime.engine.sampling import make_generator, prompt_logprobs, sample, sample_rows, token_logprob
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
                                       GenerateRequest, KvMeta, TokenLogprob)
 
@@ -82,6 +82,7 @@ class _Seq:
     counts: dict[int, int] = field(default_factory=dict)  # generated token -> times (for the penalties)
     guide: Any = None  # (automaton, state) while the request's output is constrained (sampling.guide)
     cached: int = 0  # prompt tokens taken from the prefix cache
+    prompt_lp: list[TokenLogprob] | None = None  # the prompt's logprobs, sent with the first output
 
 
 class TorchEngine:
@@ -272,6 +273,8 @@ class TorchEngine:
                              f"({request.sampling.max_tokens}) exceeds max_seq_len {self.max_len}")
         if self.cfg and max(request.token_ids) >= self.cfg.vocab_size:
             raise ValueError("token id outside the vocabulary")
+        if request.sampling.prompt_logprobs is not None and self.pipeline.size > 1:
+            raise ValueError("the prompt's logprobs are not computed across pipeline stages")
 
     async def encode(self, pixels: torch.Tensor) -> EncodedMedia:
         if self.vision is None:
@@ -453,7 +456,9 @@ class TorchEngine:
     def _prefill(self, seq: _Seq) -> tuple[int, TokenLogprob | None]:
         ids = seq.request.token_ids
         self._counters["prompt_tokens"] += len(ids)
-        reuse = self.prefix is not None and seq.media is None  # image tokens look alike whatever the image
+        want = seq.request.sampling.prompt_logprobs if len(ids) > 1 else None
+        # image tokens look alike whatever the image; the prompt's logprobs need the logits of every position
+        reuse = self.prefix is not None and seq.media is None and want is None
         if reuse:
             rows = self.prefix.match(ids)
             self.prefix.load(rows, seq.slot)
@@ -470,7 +475,10 @@ class TorchEngine:
             embeds[0, mask] = seq.media.to(self.device, self.dtype)
         positions = torch.arange(seq.cached, len(ids), device=self.device)[None]
         slots = torch.tensor([seq.slot], device=self.device)
-        logits = self._forward("prefill", embeds, positions, slots)
+        logits = self._forward("prefill", embeds, positions, slots, last_only=want is None)
+        if want is not None:  # [1, T, V]: position i's logits score token i + 1
+            seq.prompt_lp = prompt_logprobs(logits[0, :-1], ids[1:], want)
+            logits = logits[:, -1]
         seq.length = len(ids)
         if reuse:
             self.prefix.store(ids, seq.slot)
@@ -520,12 +528,12 @@ class TorchEngine:
         return p.logprobs is None and p.seed is None and self.canned is None and p.guide is None \
             and not (p.presence_penalty or p.frequency_penalty)
 
-    def _forward(self, kind: str, embeds, positions, slots) -> torch.Tensor:
+    def _forward(self, kind: str, embeds, positions, slots, last_only: bool = True) -> torch.Tensor:
         if self.world.size > 1:
             from hpc.runtime.engine.tp import broadcast_step
 
             broadcast_step(self.world, kind, embeds, positions, slots)
-        return self.model.forward_step(embeds, positions, slots, self.cache)
+        return self.model.forward_step(embeds, positions, slots, self.cache, last_only=last_only)
 
     def _emit_token(self, seq: _Seq, token: int, logprob: TokenLogprob | None = None) -> bool:
         """Send one token; False when the sequence finished with it."""
@@ -542,7 +550,8 @@ class TorchEngine:
             self._finish(seq, "length", tokens=[token], logprob=logprob)
             return False
         seq.emit(GenerateOutput(token_ids=[token], prompt_tokens=len(seq.request.token_ids),
-                                logprobs=None if logprob is None else [logprob], cached_tokens=seq.cached))
+                                logprobs=None if logprob is None else [logprob], cached_tokens=seq.cached,
+                                prompt_logprobs=self._take_prompt_logprobs(seq)))
         return True
 
     def _finish(self, seq: _Seq, reason: str, tokens: list[int] | None = None,
@@ -550,8 +559,14 @@ class TorchEngine:
                 logprob: TokenLogprob | None = None) -> None:
         seq.emit(GenerateOutput(token_ids=tokens or [], finished=True, finish_reason=reason, error=error,
                                 prompt_tokens=len(seq.request.token_ids), disaggregated_params=params,
-                                logprobs=None if logprob is None else [logprob], cached_tokens=seq.cached))
+                                logprobs=None if logprob is None else [logprob], cached_tokens=seq.cached,
+                                prompt_logprobs=self._take_prompt_logprobs(seq)))
         self._release(seq)
+
+    @staticmethod
+    def _take_prompt_logprobs(seq: _Seq) -> list[TokenLogprob] | None:
+        taken, seq.prompt_lp = seq.prompt_lp, None
+        return taken
 
     def _release(self, seq: _Seq) -> None:
         if seq.slot >= 0:

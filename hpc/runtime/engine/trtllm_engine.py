@@ -116,6 +116,7 @@ def trtllm_sampling(s: SamplingParams, sampling_cls: Any, guided_cls: Any = None
         stop_token_ids=list(s.stop_token_ids) or None,
         ignore_eos=s.ignore_eos,
         logprobs=None if s.logprobs is None else max(1, s.logprobs),
+        prompt_logprobs=None if s.prompt_logprobs is None else max(1, s.prompt_logprobs),
         presence_penalty=s.presence_penalty or None, frequency_penalty=s.frequency_penalty or None)
 
 
@@ -303,6 +304,7 @@ class TrtllmEngine:
         self._counters["requests"] += 1
         self._counters["prompt_tokens"] += len(request.token_ids)
         self._counters["running"] += 1
+        sent_prompt_lp = False
         try:
             async for out in self._until_failure(result):
                 completion = out.outputs[0]
@@ -312,13 +314,18 @@ class TrtllmEngine:
                 handoff = None
                 if self.mode is DisaggregationMode.PREFILL and out.finished:
                     handoff = self._handoff(request, out, completion.disaggregated_params, dp)
-                logprobs = None
+                logprobs = prompt_lp = None
                 if request.sampling.logprobs is not None:
                     logprobs = token_logprobs(new, completion.logprobs or [], request.sampling.logprobs)
+                if request.sampling.prompt_logprobs is not None and not sent_prompt_lp \
+                        and completion.prompt_logprobs:  # CompletionOutput.prompt_logprobs, once
+                    prompt_lp = token_logprobs(request.token_ids[1:], completion.prompt_logprobs,
+                                               request.sampling.prompt_logprobs)
+                    sent_prompt_lp = True
                 yield GenerateOutput(token_ids=new, finished=out.finished,
                                      finish_reason=completion.finish_reason if out.finished else None,
                                      prompt_tokens=len(request.token_ids), disaggregated_params=handoff,
-                                     logprobs=logprobs)
+                                     logprobs=logprobs, prompt_logprobs=prompt_lp)
         finally:
             self._counters["running"] -= 1
             if not result.finished and not self.failure:

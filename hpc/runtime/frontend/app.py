@@ -178,6 +178,8 @@ class Frontend:
                 raise ApiError(400, "prompt token ids must be non-negative integers", param="prompt")
         guide = json_answer_guide(None) if body.json_object else None
         gen = self._build(body, ids, body.max_tokens, None, guide=guide)
+        if body.echo and body.logprobs is not None:  # the echoed prompt comes with its own logprobs
+            gen = replace(gen, sampling=replace(gen.sampling, prompt_logprobs=body.logprobs))
         echo = (body.prompt if isinstance(body.prompt, str) else self.codec.decode(ids)) if body.echo else ""
         return await self._respond(body, gen, chat=False, echo=echo)
 
@@ -261,7 +263,8 @@ class Frontend:
         done = stop or gen.sampling.max_tokens == 1
         yield GenerateOutput(token_ids=[token], finished=done, prompt_tokens=len(gen.token_ids),
                              finish_reason=("stop" if stop else "length") if done else None,
-                             logprobs=first.logprobs, cached_tokens=first.cached_tokens)
+                             logprobs=first.logprobs, cached_tokens=first.cached_tokens,
+                             prompt_logprobs=first.prompt_logprobs)
         if done:
             return
         decode_req = replace(gen, disaggregated_params=first.disaggregated_params, image=None, media=None)
@@ -277,9 +280,11 @@ class Frontend:
         emitted = 0
         pending: list[TokenLogprob] = []
         cached = 0
+        prompt: list[TokenLogprob] | None = None
         async for out in self.latency.track(self._outputs(gen)):
             tokens += len(out.token_ids)
             cached = max(cached, out.cached_tokens)
+            prompt = out.prompt_logprobs or prompt
             pending += out.logprobs or []
             detok.add(out.token_ids)
             reason = out.finish_reason if out.finished else None
@@ -288,20 +293,20 @@ class Frontend:
                 hits = [text.find(s, max(0, emitted - max(map(len, stops)))) for s in stops]
                 hits = [h for h in hits if h >= 0]
                 if hits:
-                    yield Piece(text[emitted:min(hits)], "stop", tokens, pending, cached)
+                    yield Piece(text[emitted:min(hits)], "stop", tokens, pending, cached, prompt)
                     return
                 safe = len(text) - max(len(s) - 1 for s in stops)
                 if reason is None and safe > emitted:
-                    yield Piece(text[emitted:safe], None, tokens, pending, cached)
+                    yield Piece(text[emitted:safe], None, tokens, pending, cached, prompt)
                     emitted, pending = safe, []
                 elif reason is not None:
-                    yield Piece(text[emitted:], _reason(reason), tokens, pending, cached)
+                    yield Piece(text[emitted:], _reason(reason), tokens, pending, cached, prompt)
                     return
                 continue
             delta = text[emitted:]
             emitted = len(text)
             if delta or reason:
-                yield Piece(delta, _reason(reason) if reason else None, tokens, pending, cached)
+                yield Piece(delta, _reason(reason) if reason else None, tokens, pending, cached, prompt)
                 pending = []
             if reason:
                 return
@@ -322,16 +327,23 @@ class Frontend:
                         sampling=replace(gen.sampling, seed=None if seed is None else (seed + i) % 2**63))
                 for i in range(body.n)]
 
-    def _logprobs(self, chat: bool, entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    def _logprobs(self, chat: bool, entries: list[TokenLogprob], offset: int,
+                  prompt: tuple[int, list[TokenLogprob]] | None = None) -> dict[str, Any]:
+        """`prompt` (echo): the prompt's first token and the logprobs of the rest, rows before the answer's."""
         raw = self.codec.token_bytes
-        rows = [(raw(e.token_id), e.logprob, [(raw(t), lp) for t, lp in zip(e.top_ids, e.top_logprobs)])
-                for e in entries]
+
+        def rows_of(items: list[TokenLogprob]) -> list:
+            return [(raw(e.token_id), e.logprob, [(raw(t), lp) for t, lp in zip(e.top_ids, e.top_logprobs)])
+                    for e in items]
+        rows = rows_of(entries)
+        if prompt is not None:
+            rows = [(raw(prompt[0]), None, None)] + rows_of(prompt[1]) + rows
         return chat_logprobs(rows) if chat else completion_logprobs(rows, offset)
 
     async def _collect(self, body: Any, gen: GenerateRequest) -> tuple[str, str | None, int, list[TokenLogprob],
-                                                                     int]:
+                                                                     int, list[TokenLogprob] | None]:
         for attempt in range(1 + WHOLE_REQUEST_RETRIES):
-            text, reason, tokens, logprobs, cached = "", None, 0, [], 0
+            text, reason, tokens, logprobs, cached, prompt = "", None, 0, [], 0, None
             try:
                 async for piece in self._events(body, gen):
                     text += piece.delta
@@ -339,7 +351,8 @@ class Frontend:
                     tokens = piece.tokens
                     logprobs += piece.logprobs
                     cached = piece.cached
-                return text, reason, tokens, logprobs, cached
+                    prompt = piece.prompt or prompt
+                return text, reason, tokens, logprobs, cached, prompt
             except PeerGone:
                 # A worker died mid-request. The client has seen nothing of a non-streamed answer, so run it
                 # again from the start on the workers that are left (the router no longer routes to the dead).
@@ -376,8 +389,11 @@ class Frontend:
         tokens = sum(r[2] for r in results)
         self.counters["completion_tokens_total"] += tokens
         choices = []
-        for index, (text, reason, _, logprobs, _) in enumerate(results):
-            lp = self._logprobs(chat, logprobs, 0) if body.logprob_count is not None else None
+        for index, (text, reason, _, logprobs, _, prompt) in enumerate(results):
+            lp = None
+            if body.logprob_count is not None:
+                echoed = (gen.token_ids[0], prompt or []) if echo else None
+                lp = self._logprobs(chat, logprobs, 0, echoed)
             if chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 if parsing:
@@ -444,12 +460,20 @@ class Frontend:
             return b"data: " + json_dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                            **fields}) + b"\n\n"
         try:
-            for index in range(body.n if echo else 0):  # the prompt first, as OpenAI's echo sends it
+            # the prompt first, as OpenAI's echo sends it; with logprobs, once the engine scored it
+            echo_later = {i for i in range(body.n) if echo and body.logprob_count is not None}
+            for index in range(body.n if echo and not echo_later else 0):
                 yield chunk(system_fingerprint=self.fingerprint, choices=[
                     {"index": index, "text": echo, "logprobs": None, "finish_reason": None}])
             async for index, piece in self._merged(body, gen):
                 tokens[index] = piece.tokens
                 cached[index] = piece.cached
+                if index in echo_later:
+                    echo_later.discard(index)
+                    yield chunk(system_fingerprint=self.fingerprint, choices=[
+                        {"index": index, "text": echo, "finish_reason": None,
+                         "logprobs": self._logprobs(False, [], 0, (gen.token_ids[0], piece.prompt or []))}])
+                    offsets[index] = len(echo)
                 lp = None
                 if body.logprob_count is not None:
                     lp = self._logprobs(chat, piece.logprobs, offsets[index])
@@ -496,6 +520,7 @@ class Piece(NamedTuple):
     tokens: int  # generated so far
     logprobs: list[TokenLogprob]
     cached: int = 0  # prompt tokens the engine reused
+    prompt: list[TokenLogprob] | None = None  # the prompt's logprobs (tokens 1..n-1), when asked for
 
 
 OFF_LOOP_CHARS = 16_384  # shorter prompts tokenize faster than a thread hand-off

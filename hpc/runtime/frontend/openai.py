@@ -105,13 +105,6 @@ class CompletionRequest(_Request):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
-    @field_validator("echo")
-    @classmethod
-    def _echo_without_prompt_logprobs(cls, value: bool, info: Any) -> bool:
-        if value and info.data.get("logprobs") is not None:
-            raise ValueError("echo with logprobs would need the prompt's logprobs, which are not computed here")
-        return value
-
     @property
     def logprob_count(self) -> int | None:
         return self.logprobs
@@ -172,8 +165,9 @@ class ChatRequest(_Request):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-# One generated position: the token's raw bytes, its logprob, and the (bytes, logprob) of the best tokens.
-LogprobRow = tuple[bytes, float, list[tuple[bytes, float]]]
+# One position: the token's raw bytes, its logprob, and the (bytes, logprob) of the best tokens (None, None for
+# a prompt's first token, which nothing precedes).
+LogprobRow = tuple[bytes, float | None, list[tuple[bytes, float]] | None]
 
 
 def _text(raw: bytes) -> str:
@@ -195,7 +189,8 @@ def completion_logprobs(rows: list[LogprobRow], offset: int) -> dict[str, Any]:
         offsets.append(at)
         at += len(_text(raw))
     return {"tokens": [_text(t) for t, _, _ in rows], "token_logprobs": [lp for _, lp, _ in rows],
-            "top_logprobs": [{_text(tt): tlp for tt, tlp in top} for _, _, top in rows], "text_offset": offsets}
+            "top_logprobs": [None if top is None else {_text(tt): tlp for tt, tlp in top} for _, _, top in rows],
+            "text_offset": offsets}
 
 
 def new_id(prefix: str) -> str:

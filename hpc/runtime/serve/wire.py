@@ -48,6 +48,7 @@ class SamplingParams(Message):
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0  # OpenAI's: once a token appeared
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0  # OpenAI's: per time it appeared
     guide: Guide | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # also the prompt's (echo with logprobs)
 
 
 class TokenLogprob(Message):
@@ -115,6 +116,7 @@ class GenerateOutput(Message, tag="output"):
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when the request asked
     cached_tokens: int = 0  # prompt tokens whose KV the engine reused instead of computing
+    prompt_logprobs: list[TokenLogprob] | None = None  # first output only: prompt tokens 1..n-1 (0 has none)
 
 
 # ---- the other calls and their answers ---------------------------------------------------------------------------

@@ -162,6 +162,21 @@ def test_penalties_echo_and_usage_details(agg):
     streamed = "".join(ch.choices[0].text for ch in c.completions.create(
         model=agg.model, prompt="Echo me", max_tokens=3, temperature=0, echo=True, stream=True) if ch.choices)
     assert streamed == echoed.choices[0].text
-    with pytest.raises(openai.BadRequestError) as refused:
-        c.completions.create(model=agg.model, prompt="x", max_tokens=2, echo=True, logprobs=1)
-    assert refused.value.body["param"] == "echo"
+    # echo with logprobs: the prompt's tokens come first, scored by the model (the very first has nothing before it)
+    prompt = "Echo me, please"
+    plain = c.completions.create(model=agg.model, prompt=prompt, max_tokens=3, temperature=0, logprobs=2)
+    whole = c.completions.create(model=agg.model, prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True)
+    lp = whole.choices[0].logprobs
+    n_prompt = whole.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 3 and "".join(lp.tokens[:n_prompt]) == prompt
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x < 0 for x in lp.token_logprobs[1:]) and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert lp.tokens[n_prompt:] == plain.choices[0].logprobs.tokens  # the answer's own, unchanged (to rounding:
+    assert lp.token_logprobs[n_prompt:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-4)
+    # the head then runs over every prompt position at once)
+    assert lp.text_offset[n_prompt] == len(prompt) and whole.choices[0].text == prompt + plain.choices[0].text
+    streamed = [ch.choices[0] for ch in c.completions.create(model=agg.model, prompt=prompt, max_tokens=3,
+                                                             temperature=0, logprobs=2, echo=True, stream=True)
+                if ch.choices]
+    assert streamed[0].text == prompt and streamed[0].logprobs.token_logprobs == lp.token_logprobs[:n_prompt]
+    assert [t for ch in streamed for t in ch.logprobs.tokens] == lp.tokens

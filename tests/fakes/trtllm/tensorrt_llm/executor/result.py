@@ -72,6 +72,8 @@ class Response:
     # per new token {token_id: Logprob} for the `logprobs` most likely and the sampled one (upstream: at most
     # logprobs + 1 entries); a generation-only request has none for the first token (the context phase made it)
     new_logprobs: list = field(default_factory=list)
+    # with SamplingParams.prompt_logprobs: {token_id: Logprob} per prompt token after the first (context phase)
+    prompt_logprobs: list = field(default_factory=list)
 
 
 class GenerationResult:
@@ -126,6 +128,8 @@ class GenerationResult:
         output.disaggregated_params = self.disaggregated_params
         output._last_token_ids_len = len(output.token_ids)
         output.token_ids.extend(response.new_token_ids)
+        if response.prompt_logprobs:
+            output.prompt_logprobs = list(response.prompt_logprobs)
         if response.new_logprobs:
             output._last_logprobs_len = len(output.logprobs)
             output.logprobs = output.logprobs + response.new_logprobs

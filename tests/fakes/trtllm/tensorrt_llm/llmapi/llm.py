@@ -338,6 +338,8 @@ class _Executor:
             digest = context["digest"]
         pending: list[int] = list(out)
         pending_lp: list[dict] = []
+        prompt_lp = [self._logprobs(t, sp.prompt_logprobs) for t in prompt[1:]] \
+            if sp.prompt_logprobs and not gen_only else []
         decoding_iter = 1 if gen_only else 0
         reason = None
         try:
@@ -365,8 +367,8 @@ class _Executor:
                     break
                 if streaming and reason is None and own not in self.aborted:
                     result.aqueue.put_nowait(Response(new_token_ids=pending, decoding_iter=decoding_iter,
-                                                      new_logprobs=pending_lp))
-                    pending, pending_lp = [], []
+                                                      new_logprobs=pending_lp, prompt_logprobs=prompt_lp))
+                    pending, pending_lp, prompt_lp = [], [], []
             cpp = None
             if ctx_only:
                 from tensorrt_llm.disaggregated_params import ContextPhaseParams
@@ -376,7 +378,7 @@ class _Executor:
                                          draft_tokens=None, ctx_dp_rank=None, ctx_info_endpoint=None)
                 reason = "LENGTH"
             result.aqueue.put_nowait(Response(new_token_ids=pending, decoding_iter=decoding_iter, is_final=True,
-                                              new_logprobs=pending_lp,
+                                              new_logprobs=pending_lp, prompt_logprobs=prompt_lp,
                                               finish_reason=reason, context_phase_params=cpp))
             _log("finish", id=own, reason=reason, tokens=len(out))
         except Exception as exc:  # noqa: BLE001 - surfaces to the caller like a background error
