@@ -77,6 +77,10 @@ class FrontendSpec(StrictModel):
     kv_overlap_weight: float = Field(
         2.0, ge=0, le=100, allow_inf_nan=False,
         description="kv_aware: cost = weight x prompt blocks to compute + blocks queued for prefill on the worker")
+    router_temperature: float = Field(
+        0.0, ge=0, le=100, allow_inf_nan=False,
+        description="kv_aware: 0 picks the cheapest worker; above 0 draws one with weight exp(-cost / temperature), "
+                    "spreading near-ties (Dynamo's --router-temperature)")
     request_timeout_s: float = Field(600.0, gt=0, le=86400, allow_inf_nan=False)
     http: HttpSpec = Field(default_factory=HttpSpec)
 

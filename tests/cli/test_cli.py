@@ -1,5 +1,7 @@
 import json
 
+import socket
+
 import pytest
 
 from hpc.cli.main import main
@@ -66,7 +68,10 @@ def test_a_missing_secret_stops_the_launch_before_anything_is_written(tmp_path, 
     cluster.write_text(yaml.safe_dump(data))
     monkeypatch.delenv("HPC_TEST_UNSET_TOKEN", raising=False)
     monkeypatch.setenv("HPC_RUNS_DIR", str(tmp_path / "runs"))
-    assert main(["launch", "-c", str(cluster), "-r", "mock-agg"]) == 2
+    with socket.socket() as s:  # a port nothing holds: what stops the launch must be the secret alone
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["launch", "-c", str(cluster), "-r", "mock-agg", "--set", f"frontend.port={port}"]) == 2
     err = capsys.readouterr().err
     assert f"{cluster}: env.HF_TOKEN: secret HF_TOKEN: the environment variable HPC_TEST_UNSET_TOKEN is not set" in err
     assert not (tmp_path / "runs").exists()

@@ -34,7 +34,8 @@ async def serve(manifest: Manifest, bind: str | None = None) -> int:
                       keep_special_tokens=bool({model.reasoning_parser, model.tool_call_parser} & set(HARMONY)))
     spec = manifest.recipe.frontend
     kv = KvIndex(_block_size(manifest)) if spec.router is RouterPolicy.KV_AWARE else None
-    router = Router(spec.router, token=rpc_token(manifest), kv=kv, overlap_weight=spec.kv_overlap_weight)
+    router = Router(spec.router, token=rpc_token(manifest), kv=kv, overlap_weight=spec.kv_overlap_weight,
+                    temperature=spec.router_temperature)
     kv_feed = await _follow_kv_events(manifest, kv) if kv is not None else None
     app = Frontend(manifest, router, codec)
     host = bind or node_address(manifest)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
+import random
 import time
 from typing import AsyncIterator
 
@@ -41,11 +43,13 @@ class NoInstance(Exception):
 
 class Router:
     def __init__(self, policy: RouterPolicy, token: str | None = None, kv: KvIndex | None = None,
-                 overlap_weight: float = 1.0) -> None:
+                 overlap_weight: float = 1.0, temperature: float = 0.0, rng: random.Random | None = None) -> None:
         self.policy = policy
         self.token = token
         self.kv = kv  # kv_aware: the workers' cached prefixes, from their KV events
         self.overlap_weight = overlap_weight
+        self.temperature = temperature
+        self.rng = rng or random.Random()
         self.inflight_blocks: dict[str, int] = {}  # uncached prompt blocks being computed per instance (kv_aware)
         self.routed: dict[str, int] = {}  # requests per instance
         self.kv_blocks = {"prompt": 0, "overlap": 0}  # kv_aware: the prompts' full blocks, and those found cached
@@ -139,7 +143,7 @@ class Router:
             def cost(k: str) -> tuple[float, int]:
                 return weight * (total - held.get(_component(k), 0)) + self.inflight_blocks.get(k, 0), \
                     self.inflight.get(k, 0)
-            key = min(keys, key=cost)
+            key = self._draw(keys, cost) if self.temperature > 0 else min(keys, key=cost)
             new_blocks = total - held.get(_component(key), 0)
             self.kv_blocks["prompt"] += total
             self.kv_blocks["overlap"] += total - new_blocks
@@ -154,6 +158,12 @@ class Router:
             client = RpcClient(inst.host, inst.rpc_port, on_lost=lambda c, k=key: self._lost(k, c), token=self.token)
             self.clients[key] = client
         return key, client, new_blocks
+
+    def _draw(self, keys: list[str], cost) -> str:
+        """A worker drawn with weight exp(-(cost - cheapest) / temperature)."""
+        costs = [cost(k)[0] for k in keys]
+        low = min(costs)
+        return self.rng.choices(keys, [math.exp(-(c - low) / self.temperature) for c in costs])[0]
 
     async def generate(self, role: str, request: GenerateRequest,
                        deadline: float | None = None) -> AsyncIterator[GenerateOutput]:

@@ -81,6 +81,21 @@ def test_kv_aware_goes_where_the_prefix_is_unless_that_worker_is_busy():
     assert sorted(router.pick("agg", set(), PROMPT)[0] for _ in range(2)) == ["agg/0", "agg/1"]
 
 
+def test_a_router_temperature_spreads_near_ties_and_still_prefers_the_cache():
+    import random
+
+    kv = KvIndex(BLOCK)
+    kv.stale = False
+    kv.apply("agg-1", _stored(block_hashes(PROMPT, BLOCK), PROMPT))
+    router = _router(RouterPolicy.KV_AWARE, {"agg": 2}, kv)
+    router.temperature, router.rng = 2.0, random.Random(0)
+    picks = [router.pick("agg", set(), PROMPT + [99])[0] for _ in range(400)]
+    share = picks.count("agg/1") / len(picks)  # costs 0 vs 3 blocks: weights 1 and exp(-1.5), about 82 % / 18 %
+    assert 0.74 < share < 0.90, share
+    router.temperature = 0.0
+    assert {router.pick("agg", set(), PROMPT + [99])[0] for _ in range(20)} == {"agg/1"}
+
+
 kv_stack = __import__("tests.runtime.conftest", fromlist=["stack_fixture"]).stack_fixture(
     "tiny-agg", "--set", "roles.agg.count=2", "--set", "frontend.router=kv_aware")
 
