@@ -36,7 +36,7 @@ def _add_target(p: argparse.ArgumentParser, default_cluster: str | None = "local
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hpc.cli import commands, runtime_commands
+    from hpc.cli import commands, recipe_command, runtime_commands
 
     parser = _Parser(prog="hpc", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("clusters", help="list cluster profiles")
     p.set_defaults(func=commands.list_clusters)
 
+    recipe_command.add_parsers(sub)
     runtime_commands.add_parsers(sub)
     return parser
 
