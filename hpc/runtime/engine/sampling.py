@@ -48,14 +48,17 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gen: torch.G
     rows = logits.float() / torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
     top_k = [p.top_k or rows.shape[-1] for p in params]
     top_p = [p.top_p for p in params]
-    if max(top_p) >= 1.0 and min(top_k) >= rows.shape[-1]:  # no truncation: sample the softmax as it is
-        return torch.multinomial(torch.softmax(rows, dim=-1), 1, generator=gen)[:, 0]
+    if max(top_p) < 1.0 or min(top_k) < rows.shape[-1]:
+        rows = rows.masked_fill(~keep_mask(rows, top_k, top_p), float("-inf"))
+    return torch.multinomial(torch.softmax(rows, dim=-1), 1, generator=gen)[:, 0]
+
+
+def keep_mask(rows: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Which tokens each row's top-k, then nucleus (the smallest prefix whose mass reaches top_p, its first token
+    always) keeps: rows [N, V] of tempered logits -> bool [N, V]."""
     ordered, order = rows.sort(dim=-1, descending=True)
     rank = torch.arange(rows.shape[-1], device=rows.device)[None]
-    ordered = ordered.masked_fill(rank >= torch.tensor(top_k, device=rows.device)[:, None], float("-inf"))
-    probs = torch.softmax(ordered, dim=-1)
-    # nucleus: keep the smallest prefix whose mass reaches top_p (the first token always stays)
-    before = probs.cumsum(-1) - probs
-    probs = probs.masked_fill(before >= torch.tensor(top_p, device=rows.device)[:, None], 0.0)
-    choice = torch.multinomial(probs, 1, generator=gen)
-    return order.gather(1, choice)[:, 0]
+    keep = rank < torch.tensor(top_k, device=rows.device)[:, None]
+    probs = torch.softmax(ordered.masked_fill(~keep, float("-inf")), dim=-1)
+    keep &= probs.cumsum(-1) - probs < torch.tensor(top_p, device=rows.device)[:, None]
+    return torch.zeros_like(keep).scatter(1, order, keep)

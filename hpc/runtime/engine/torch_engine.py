@@ -26,7 +26,8 @@ from hpc.runtime.engine.llama import (LlamaConfig, LlamaForCausalLM, Pipeline, T
                                       shard_state_dict, stage_state_dict)
 from hpc.runtime.engine.moe import ExpertParallel, expert_state_dict
 from hpc.runtime.engine.prefix_cache import PrefixCache
-from hpc.runtime.engine.sampling import make_generator, prompt_logprobs, sample, sample_rows, token_logprob
+from hpc.runtime.engine.sampling import (keep_mask, make_generator, prompt_logprobs, sample, sample_rows,
+                                         token_logprob)
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
                                       GenerateRequest, KvMeta, TokenLogprob)
 
@@ -422,17 +423,23 @@ class TorchEngine:
     def _guided(self, seq: _Seq, logits: torch.Tensor) -> int:
         """The best-ranked token that keeps the output inside its guide and closable in the tokens left (see
         guided). Greedy ranks by logit; sampling adds Gumbel noise to logit / temperature, which draws from the
-        softmax restricted to the allowed tokens (top-k / top-p do not apply to guided rows)."""
+        softmax restricted to the allowed tokens; tokens top-k / top-p keep are tried before the others."""
         automaton, state = seq.guide
         p = seq.request.sampling
         left = min(p.max_tokens - seq.generated, self.max_len - seq.length - 1) - 1  # after this token
         scores = logits.float().cpu()
+        order = torch.argsort(scores, descending=True)
         if p.temperature > 0:
+            tempered = scores / p.temperature
             uniform = torch.rand(scores.shape, generator=seq.gen).clamp_(1e-20, 1.0)
-            scores = scores / p.temperature - torch.log(-torch.log(uniform))
+            scores = tempered - torch.log(-torch.log(uniform))
+            # what top-k / top-p keep comes first; the rest only if nothing kept fits the guide
+            kept = keep_mask(tempered[None], [p.top_k or len(scores)], [p.top_p])[0]
+            order = torch.cat([idx[torch.argsort(scores[idx], descending=True)]
+                               for idx in (kept.nonzero()[:, 0], (~kept).nonzero()[:, 0])])
         texts = self.token_texts()
         banned = {self.cfg.eos_token_id, *p.stop_token_ids}
-        for token in torch.argsort(scores, descending=True).tolist():
+        for token in order.tolist():
             text = texts[token]
             if not text or token in banned:
                 continue
