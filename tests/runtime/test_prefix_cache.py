@@ -38,12 +38,18 @@ def test_hashes_chain_through_the_prefix():
     assert chain_hash(None, SYSTEM[32:64]) != a[1]  # a block's hash depends on its parent
 
 
-def test_a_shared_prefix_is_reused_and_answers_do_not_change(tiny):
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_a_shared_prefix_is_reused_and_answers_do_not_change(tiny, device):
     prompts = [SYSTEM + [7, 8, 9], SYSTEM + [10, 11], SYSTEM[:40] + [12], SYSTEM[:32]]
     events = []
 
-    async def run(**kv):
-        async with TorchEngine(tiny, DisaggregationMode.AGG, _args(**kv), device="cpu") as engine:
+    async def run(**kv):  # fp32 on the GPU too: the two prefill paths must pick the same greedy tokens
+        args = {**_args(**kv), "dtype": "float32"}
+        async with TorchEngine(tiny, DisaggregationMode.AGG, args, device=device) as engine:
             engine.on_kv_event = events.append
             answers = await _answers(engine, prompts)
             await asyncio.sleep(0)  # events come over the loop
