@@ -15,7 +15,6 @@ import contextlib
 import io
 import json
 import os
-import re
 import sys
 import urllib.request
 from pathlib import Path
@@ -38,15 +37,15 @@ def workers(run_path: Path) -> dict[str, dict]:
     return out
 
 
+WORKER_COUNTERS = ("requests", "kv_ipc_shared", "prompt_tokens", "prompt_tokens_computed", "prompt_tokens_cached")
+
+
 def counters(metrics_url: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"{metrics_url}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    found = {}
-    for line in text.splitlines():
-        match = re.match(r"hpc_worker_(\w+)\{[^}]*\} ([0-9.e+-]+)$", line)
-        if match:
-            found[match.group(1)] = float(match.group(2))
-    return found
+    """A worker's counters that the benchmarks report, from its /metrics."""
+    from hpc.checks.probe import get_text, metric_values
+
+    text = get_text(f"{metrics_url}/metrics")
+    return {name: metric_values(text, f"hpc_worker_{name}") for name in WORKER_COUNTERS}
 
 
 def main() -> None:

@@ -17,9 +17,10 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from hpc.errors import UserError
+from hpc.spec.base import parse_model
 
 
 class _Strict(BaseModel):
@@ -36,10 +37,19 @@ def _ms(name: str) -> Any:
     return Field(validation_alias=AliasChoices(f"{name}_ms", name))
 
 
-class PrefillGrid(_Strict):
+class _TtftAxis(_Strict):
     ttft_min_ms: float = _ms("ttft_min")
     ttft_max_ms: float = _ms("ttft_max")
     ttft_resolution: int
+
+
+class _ItlAxis(_Strict):
+    itl_min_ms: float = _ms("itl_min")
+    itl_max_ms: float = _ms("itl_max")
+    itl_resolution: int
+
+
+class PrefillGrid(_TtftAxis):
     isl_min: int
     isl_max: int
     isl_resolution: int
@@ -47,10 +57,7 @@ class PrefillGrid(_Strict):
     priority_overrides: list[PriorityOverride] = []
 
 
-class DecodeGrid(_Strict):
-    itl_min_ms: float = _ms("itl_min")
-    itl_max_ms: float = _ms("itl_max")
-    itl_resolution: int
+class DecodeGrid(_ItlAxis):
     context_length_min: int
     context_length_max: int
     context_length_resolution: int
@@ -58,13 +65,7 @@ class DecodeGrid(_Strict):
     priority_overrides: list[PriorityOverride] = []
 
 
-class AggGrid(_Strict):
-    ttft_min_ms: float = _ms("ttft_min")
-    ttft_max_ms: float = _ms("ttft_max")
-    ttft_resolution: int
-    itl_min_ms: float = _ms("itl_min")
-    itl_max_ms: float = _ms("itl_max")
-    itl_resolution: int
+class AggGrid(_TtftAxis, _ItlAxis):
     agg_pool_mapping: list[list[int]] | list[list[list[int]]]
     priority_overrides: list[PriorityOverride] = []
     isl_min: int | None = None
@@ -162,44 +163,12 @@ def load_global_router(path: str | Path) -> GlobalRouterConfig:
 
 
 def parse_global_router(data: Any, where: str) -> GlobalRouterConfig:
-    try:
-        config = GlobalRouterConfig.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
-        hint = None
-        if err["type"] == "extra_forbidden":
-            model = _model_at(err["loc"][:-1])
-            hint = "valid keys: " + ", ".join(sorted(model.model_fields)) if model else None
-        raise UserError(err["msg"], file=where, field=field, hint=hint) from None
+    config = parse_model(GlobalRouterConfig, data, file=where)
     problem = check(config)
     if problem:
         field, message = problem
         raise UserError(message, file=where, field=field)
     return config
-
-
-def _model_at(loc: tuple) -> type[BaseModel] | None:
-    model: type[BaseModel] = GlobalRouterConfig
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        info = model.model_fields.get(str(part))
-        inner = getattr(info, "annotation", None)
-        found = next((c for c in (PrefillGrid, DecodeGrid, AggGrid, PriorityOverride) if c in _args(inner)), None)
-        if found is None:
-            return None
-        model = found
-    return model
-
-
-def _args(annotation: Any) -> tuple:
-    from typing import get_args
-
-    out = (annotation,)
-    for arg in get_args(annotation):
-        out += _args(arg)
-    return out
 
 
 def check(c: GlobalRouterConfig) -> tuple[str, str] | None:

@@ -49,7 +49,8 @@ class MockEngine:
                                              first_token_id=first, prompt_length=len(request.token_ids))
                 yield GenerateOutput(token_ids=[first], finished=True, finish_reason="length",
                                      prompt_tokens=len(request.token_ids), disaggregated_params=params,
-                                     logprobs=self._logprobs(request, first), prompt_logprobs=self._prompt(request))
+                                     logprobs=self._logprobs(first, request.sampling.logprobs),
+                                     prompt_logprobs=self._prompt(request))
                 return
             n = request.sampling.max_tokens
             for i in range(start, n):
@@ -59,7 +60,8 @@ class MockEngine:
                 last = i == n - 1
                 token = self._token(i, request.token_ids)
                 yield GenerateOutput(token_ids=[token], finished=last, finish_reason="length" if last else None,
-                                     prompt_tokens=len(request.token_ids), logprobs=self._logprobs(request, token),
+                                     prompt_tokens=len(request.token_ids),
+                                     logprobs=self._logprobs(token, request.sampling.logprobs),
                                      prompt_logprobs=self._prompt(request) if i == start and not start else None)
         finally:
             self._counters["running"] -= 1
@@ -68,12 +70,11 @@ class MockEngine:
     def _prompt(cls, request: GenerateRequest) -> list[TokenLogprob] | None:
         """The prompt's tokens after the first, scored like the answer's (echo with logprobs)."""
         k = request.sampling.prompt_logprobs
-        return None if k is None else [cls._logprobs(request, t, k)[0] for t in request.token_ids[1:]]
+        return None if k is None else [cls._logprobs(t, k)[0] for t in request.token_ids[1:]]
 
     @staticmethod
-    def _logprobs(request: GenerateRequest, token: int, k: int | None = -1) -> list[TokenLogprob] | None:
+    def _logprobs(token: int, k: int | None) -> list[TokenLogprob] | None:
         """A fixed stand-in distribution: the chosen token at log(0.5), the next ids below it."""
-        k = request.sampling.logprobs if k == -1 else k
         if k is None:
             return None
         top = [token + i for i in range(k)]

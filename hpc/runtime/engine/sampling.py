@@ -17,15 +17,12 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
 
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     """The model's own distribution at this step (before temperature and truncation, as OpenAI reports it)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    best = torch.topk(logprobs, top) if top else None
-    return TokenLogprob(token_id=token, logprob=float(logprobs[token]),
-                        top_ids=best.indices.tolist() if best is not None else [],
-                        top_logprobs=best.values.tolist() if best is not None else [])
+    return prompt_logprobs(logits[None], [token], top)[0]
 
 
 def prompt_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
-    """Each prompt token's logprob under the logits of the position before it: logits [N, V] for tokens [N]."""
+    """Each token's logprob under its row of logits [N, V] (a prompt: each position's logits score the next
+    token), with the `top` most likely of each row."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
     best = torch.topk(logprobs, top, dim=-1) if top else None

@@ -126,6 +126,7 @@ class TorchEngine:
         self.on_kv_event: Callable[[dict[str, Any]], None] | None = None  # per-block stored/removed records
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self.prefix: PrefixCache | None = None
+        self._token_texts: list[str | None] | None = None  # guided decoding's view of the vocabulary
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def __aenter__(self) -> "TorchEngine":
@@ -210,10 +211,12 @@ class TorchEngine:
         end on a random-weight model."""
         if not text:
             return None
+        return self._tokenizer().encode(str(text), add_special_tokens=False).ids
+
+    def _tokenizer(self):
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
-        return tok.encode(str(text), add_special_tokens=False).ids
+        return Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
 
     WARMUP_PROMPT = 16
 
@@ -452,10 +455,8 @@ class TorchEngine:
     def token_texts(self) -> list[str | None]:
         """Each token id's text (special tokens as written; None where a token is part of a UTF-8 character),
         built on the first guided request."""
-        if getattr(self, "_token_texts", None) is None:
-            from tokenizers import Tokenizer
-
-            tok = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        if self._token_texts is None:
+            tok = self._tokenizer()
             texts = [tok.decode([i], skip_special_tokens=False) for i in range(tok.get_vocab_size())]
             self._token_texts = [None if "\ufffd" in t else t for t in texts]
         return self._token_texts
