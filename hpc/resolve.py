@@ -20,7 +20,8 @@ from hpc.plan.placement import PORTS_PER_WORKER, WORKER_PORTS_START, Plan, plan
 from hpc.spec.base import load_yaml
 from hpc.spec.catalog import load_cluster, load_recipe, resolve_config_path
 from hpc.spec.cluster import ClusterProfile, time_to_minutes
-from hpc.spec.recipe import Backend, Recipe, RoleName
+from hpc.spec.global_router import load_global_router, parse_global_router
+from hpc.spec.recipe import Backend, Recipe, RoleName, RoleSpec, WorkerGroup
 from hpc.manifest import Manifest
 
 
@@ -59,11 +60,14 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
     flag_sources: dict[str, str] = {}
     if engine_flags:
         recipe, flag_sources = apply_engine_flags(recipe, engine_flags)
+    recipe, router_errors = _load_global_router(recipe, recipe_path, rfile)
+    errors += router_errors
     trtllm = recipe.backend is Backend.TRTLLM
     engine_args: dict[str, dict[str, Any]] = {}
     config_files: dict[str, str | None] = {}
-    for role_name, role in recipe.roles.items():
-        field = f"roles.{role_name.value}"
+    for group in recipe.roles.groups():
+        role_name, role = group.role, group.spec
+        field = _group_field(recipe, group)
         extra: dict[str, Any] = {}
         efile = None
         if role.engine_config:
@@ -80,19 +84,20 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
                 continue
             errors += check_engine_config(extra, file=efile)
         if role.override_engine_args:
-            source = flag_sources.get(role_name.value) or f"{rfile}: {field}.override_engine_args"
+            source = (flag_sources.get(role_name.value) if group.pool is None else None) or \
+                f"{rfile}: {field}.override_engine_args"
             errors += check_engine_config(role.override_engine_args, file=source)
         unforced = merge_engine_args(recipe_defaults(recipe, role, trtllm=trtllm), extra, role.override_engine_args, {})
         backend = str(unforced.get("backend", "pytorch"))
         forced = forced_values(publish_kv_events=recipe.runtime.publish_kv_events and trtllm, backend=backend)
-        warnings += [f"{role_name.value}: the runtime sets {change} (KV events and metrics are published; "
+        warnings += [f"{group.key}: the runtime sets {change} (KV events and metrics are published; "
                      "runtime.publish_kv_events: false turns that off)" for change in overridden(unforced, forced)]
         merged = merge_engine_args(unforced, None, None, forced)
-        errors += _check_role(recipe, role_name, merged, rfile, efile)
+        errors += _check_role(recipe, role_name, role, field, merged, rfile, efile)
         if trtllm and backend == "_autodeploy":
-            merged = prune_for_autodeploy(merged, warn=lambda w, r=role_name.value: warnings.append(f"{r}: {w}"))
-        engine_args[role_name.value] = merged
-        config_files[role_name.value] = efile
+            merged = prune_for_autodeploy(merged, warn=lambda w, r=group.key: warnings.append(f"{r}: {w}"))
+        engine_args[group.key] = merged
+        config_files[group.key] = efile
     errors += _check_disagg_pair(recipe, engine_args, config_files, rfile)
     if recipe.model.canned_completion and recipe.backend is not Backend.TORCH:
         errors.append(UserError("a test knob of the torch engine only", file=rfile,
@@ -118,10 +123,15 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
                     plan=placement, engine_args=engine_args, engine_config_files=config_files, warnings=warnings)
 
 
-def _check_role(recipe: Recipe, role_name: RoleName, merged: dict[str, Any], rfile: str,
-                efile: str | None) -> list[UserError]:
-    role = getattr(recipe.roles, role_name.value)
-    field = f"roles.{role_name.value}"
+def _group_field(recipe: Recipe, group: WorkerGroup) -> str:
+    """Where a worker group sits in the recipe: roles.prefill, or roles.prefill.pools[1] (by the pool's name)."""
+    if group.pool is None:
+        return f"roles.{group.role.value}"
+    return f"roles.{group.role.value}.pools[{recipe.roles.pools(group.role).index(group.pool)}]"
+
+
+def _check_role(recipe: Recipe, role_name: RoleName, role: RoleSpec, field: str, merged: dict[str, Any],
+                rfile: str, efile: str | None) -> list[UserError]:
     errors = []
     tp = merged.get("tensor_parallel_size", 1)
     pp = merged.get("pipeline_parallel_size", 1)
@@ -170,19 +180,34 @@ def _check_role(recipe: Recipe, role_name: RoleName, merged: dict[str, Any], rfi
 
 def _check_disagg_pair(recipe: Recipe, args: dict[str, dict[str, Any]], files: dict[str, str | None],
                        rfile: str) -> list[UserError]:
-    if not recipe.disaggregated or "prefill" not in args or "decode" not in args:
+    if not recipe.disaggregated:
         return []
+    groups = {role: [g.key for g in recipe.roles.groups() if g.role is role and g.key in args]
+              for role in (RoleName.PREFILL, RoleName.DECODE)}
     errors = []
-    dtypes = {r: (args[r].get("kv_cache_config") or {}).get("dtype", "auto") for r in ("prefill", "decode")}
-    if dtypes["prefill"] != dtypes["decode"]:
-        errors.append(UserError(
-            f"prefill uses KV-cache dtype {dtypes['prefill']!r} but decode uses {dtypes['decode']!r}",
-            file=files["decode"] or rfile, field="kv_cache_config.dtype",
-            hint="prefill and decode must share one KV-cache dtype to transfer the cache"))
+    dtype = {key: (args[key].get("kv_cache_config") or {}).get("dtype", "auto") for keys in groups.values()
+             for key in keys}
+    for p in groups[RoleName.PREFILL]:  # every prefill may hand its KV to every decode
+        for d in groups[RoleName.DECODE]:
+            if dtype[p] != dtype[d]:
+                errors.append(UserError(
+                    f"{p} uses KV-cache dtype {dtype[p]!r} but {d} uses {dtype[d]!r}", file=files[d] or rfile,
+                    field="kv_cache_config.dtype",
+                    hint="prefill and decode must share one KV-cache dtype to transfer the cache"))
+                break
+    if recipe.backend is Backend.TORCH:
+        for group in recipe.roles.groups():
+            spec = group.spec
+            if group.role in (RoleName.PREFILL, RoleName.DECODE) and spec.gpus_per_worker > 1:
+                errors.append(UserError(
+                    f"the torch reference engine hands the KV cache over from one rank; its disaggregated "
+                    f"workers run TP = PP = 1 (TP {spec.tensor_parallel_size}, PP {spec.pipeline_parallel_size})",
+                    file=rfile, field=f"{_group_field(recipe, group)}.tensor_parallel_size",
+                    hint="set TP and PP to 1 for prefill and decode, serve it aggregated, or use backend: trtllm"))
     if recipe.backend is Backend.TRTLLM:
-        for role in ("prefill", "decode"):
-            ctc = args[role].get("cache_transceiver_config") or {}
-            where = files[role] or rfile
+        for key in groups[RoleName.PREFILL] + groups[RoleName.DECODE]:
+            ctc = args[key].get("cache_transceiver_config") or {}
+            where = files[key] or rfile
             if not ctc.get("backend"):
                 errors.append(UserError("disaggregated serving needs a cache transceiver", file=where,
                                         field="cache_transceiver_config.backend", hint="set e.g. backend: UCX"))
@@ -194,6 +219,49 @@ def _check_disagg_pair(recipe: Recipe, args: dict[str, dict[str, Any]], files: d
                     file=where, field="cache_transceiver_config.max_tokens_in_buffer",
                     hint=f"raise it to at least {recipe.limits.max_input_tokens} or lower limits.max_input_tokens"))
     return errors
+
+
+def _load_global_router(recipe: Recipe, recipe_path: Path, rfile: str) -> tuple[Recipe, list[UserError]]:
+    """The recipe with its global-router config inline (the manifest carries it to the frontend), checked against
+    the recipe's pools; or what is wrong, one line each."""
+    source = recipe.frontend.global_router
+    pooled = [name for name, spec in recipe.roles.items() if spec.pools]
+    if source is None:
+        if pooled:
+            return recipe, [UserError(f"roles.{pooled[0].value} has pools but nothing chooses among them",
+                                      file=rfile, field="frontend.global_router",
+                                      hint="add a global-router config (Dynamo's global_router JSON) naming them")]
+        return recipe, []
+    try:
+        if isinstance(source, str):
+            path = resolve_config_path(source, recipe_path)
+            config = load_global_router(path)
+            where = str(path)
+        else:
+            where = f"{rfile}: frontend.global_router"
+            config = parse_global_router(source, where)
+    except UserError as exc:
+        return recipe, [exc]
+    errors = []
+    for kind in config.kinds():
+        names, have = config.pools(kind), recipe.roles.pools(kind)
+        field = f"{kind}_pool_dynamo_namespaces"
+        if getattr(recipe.roles, kind) is None:
+            errors.append(UserError(f"mode {config.mode} routes {kind} requests but the recipe has no {kind} role",
+                                    file=where, field="mode", hint="match the config's mode to the recipe's roles"))
+        elif set(names) - set(have):
+            errors.append(UserError(
+                f"pool {sorted(set(names) - set(have))[0]!r} is not among the recipe's {kind} pools "
+                f"({', '.join(have) or 'none'})", file=where, field=field,
+                hint=f"name exactly the pools under roles.{kind}.pools"))
+        elif set(have) - set(names):
+            errors.append(UserError(
+                f"the recipe's {kind} pool {sorted(set(have) - set(names))[0]!r} is missing here, so no request "
+                f"would reach it", file=where, field=field, hint=f"list every pool under roles.{kind}.pools"))
+    if errors:
+        return recipe, errors
+    inline = config.model_dump(mode="json", exclude_none=True)
+    return recipe.model_copy(update={"frontend": recipe.frontend.model_copy(update={"global_router": inline})}), []
 
 
 def _check_time(cluster: ClusterProfile, recipe: Recipe, cfile: str, rfile: str) -> list[UserError]:
@@ -213,7 +281,7 @@ MAX_LOCAL_PROCESSES = 64
 
 def _check_size(cluster: ClusterProfile, recipe: Recipe, rfile: str) -> UserError | None:
     """The recipe's total size against what the cluster (or this machine) can hold, from the numbers alone."""
-    ranks = sum(role.count * role.gpus_per_worker for _, role in recipe.roles.items())
+    ranks = sum(g.spec.count * g.spec.gpus_per_worker for g in recipe.roles.groups())
     if cluster.is_local:
         if ranks > MAX_LOCAL_PROCESSES:
             return UserError(f"the recipe needs {ranks} worker processes; one machine runs at most "

@@ -150,3 +150,68 @@ def test_torch_expert_parallelism_needs_an_moe_model(tmp_path):
 def test_the_canned_completion_knob_is_refused_outside_the_torch_engine(tmp_path):
     r = _write_recipe(tmp_path, {"agg": {}}, model={"path": "/m", "served_name": "m", "canned_completion": "x"})
     assert "recipe.yaml: model.canned_completion: a test knob of the torch engine only" in _error("eos", r)
+
+
+# ---- pools and the global router (seed 003) -------------------------------------------------------------------
+def _pooled(tmp_path: Path, router: dict | None, backend: str = "torch", **role_extra) -> str:
+    import json
+
+    roles = {"prefill": {"pools": [{"name": "pf"}, {"name": "pb", "count": 2}], **role_extra},
+             "decode": {"pools": [{"name": "df"}, {"name": "db"}]}}
+    extra = {}
+    if router is not None:
+        (tmp_path / "gr.json").write_text(json.dumps(router))
+        extra["frontend"] = {"global_router": "gr.json"}
+    return _write_recipe(tmp_path, roles, backend=backend, **extra)
+
+
+def _router_config(prefill=("pf", "pb"), decode=("df", "db"), **extra) -> dict:
+    return {"mode": "disagg", "num_prefill_pools": len(prefill), "num_decode_pools": len(decode),
+            "prefill_pool_dynamo_namespaces": list(prefill), "decode_pool_dynamo_namespaces": list(decode),
+            "prefill_pool_selection_strategy": {"isl_min": 0, "isl_max": 100, "isl_resolution": 1,
+                                                "ttft_min_ms": 1, "ttft_max_ms": 2, "ttft_resolution": 1,
+                                                "prefill_pool_mapping": [[0]]},
+            "decode_pool_selection_strategy": {"context_length_min": 0, "context_length_max": 100,
+                                               "context_length_resolution": 1, "itl_min_ms": 1, "itl_max_ms": 2,
+                                               "itl_resolution": 1, "decode_pool_mapping": [[1]]}, **extra}
+
+
+def test_pools_plan_their_workers_and_carry_the_router_config_inline(tmp_path):
+    r = resolve("local", _pooled(tmp_path, _router_config(), tensor_parallel_size=1))
+    names = [(w.name, w.pool) for w in r.plan.workers]
+    assert names == [("prefill-0", "pf"), ("prefill-1", "pb"), ("prefill-2", "pb"), ("decode-0", "df"),
+                     ("decode-1", "db")]
+    assert sorted(r.engine_args) == ["db", "df", "pb", "pf"]
+    assert r.recipe.frontend.global_router["decode_pool_selection_strategy"]["decode_pool_mapping"] == [[1]]
+
+
+@pytest.mark.parametrize("router, where, expect", [
+    (None, "recipe.yaml: frontend.global_router", "roles.prefill has pools but nothing chooses among them"),
+    (_router_config(prefill=("pf", "px")), "gr.json: prefill_pool_dynamo_namespaces",
+     "pool 'px' is not among the recipe's prefill pools (pf, pb)"),
+    (_router_config(decode=("df",), decode_pool_selection_strategy=None), "gr.json: decode_pool_selection_strategy",
+     "required in disagg mode"),
+    ({**_router_config(decode=("df",)), "decode_pool_selection_strategy": {
+        **_router_config()["decode_pool_selection_strategy"], "decode_pool_mapping": [[0]]}},
+     "gr.json: decode_pool_dynamo_namespaces", "the recipe's decode pool 'db' is missing here"),
+    ({"mode": "agg", "num_agg_pools": 1, "agg_pool_dynamo_namespaces": ["pf"], "agg_pool_selection_strategy": {
+        "ttft_min_ms": 1, "ttft_max_ms": 2, "ttft_resolution": 1, "itl_min_ms": 1, "itl_max_ms": 2,
+        "itl_resolution": 1, "agg_pool_mapping": [[0]]}}, "gr.json: mode",
+     "mode agg routes agg requests but the recipe has no agg role"),
+])
+def test_a_router_config_that_does_not_match_the_pools_is_one_line(tmp_path, router, where, expect):
+    msg = _error("local", _pooled(tmp_path, router))
+    assert where in msg and expect in msg, msg
+
+
+def test_pool_names_are_unique_and_a_pooled_role_has_no_count_of_its_own(tmp_path):
+    r = _write_recipe(tmp_path, {"agg": {"pools": [{"name": "a"}, {"name": "decode"}]}}, backend="torch")
+    assert "the name 'decode' is taken" in _error("local", r)
+    r = _write_recipe(tmp_path, {"agg": {"count": 3, "pools": [{"name": "a"}]}}, backend="torch")
+    assert "roles.agg: with pools, each pool gives its own count" in _error("local", r)
+
+
+def test_torch_disaggregated_workers_hand_over_from_one_rank(tmp_path):
+    msg = _error("local", _pooled(tmp_path, _router_config(), tensor_parallel_size=2))
+    assert "recipe.yaml: roles.prefill.pools[0].tensor_parallel_size: the torch reference engine hands the KV " \
+           "cache over from one rank" in msg

@@ -28,6 +28,18 @@ class Level:
     output_tokens: int
     requests: int
     rate: float | None = None  # requests/s (Poisson arrivals) instead of a closed loop
+    # sent with every request: SLA targets (extra_args) and an agent priority (nvext) for a global router
+    ttft_target_ms: float | None = None
+    itl_target_ms: float | None = None
+    priority: int | None = None
+
+    def routing_fields(self) -> dict[str, Any]:
+        targets = {k: v for k, v in (("ttft_target", self.ttft_target_ms), ("itl_target", self.itl_target_ms))
+                   if v is not None}
+        fields: dict[str, Any] = {"extra_args": targets} if targets else {}
+        if self.priority is not None:
+            fields["nvext"] = {"agent_hints": {"priority": self.priority}}
+        return fields
 
 
 @dataclass
@@ -54,7 +66,7 @@ def prompt_ids(n: int, rng: random.Random) -> list[int]:
 
 async def one_request(pool: Pool, model: str, level: Level, streaming: bool, rng: random.Random) -> Sample:
     body = {"model": model, "prompt": prompt_ids(level.input_tokens, rng), "max_tokens": level.output_tokens,
-            "ignore_eos": True, "stream": streaming}
+            "ignore_eos": True, "stream": streaming, **level.routing_fields()}
     if streaming:
         body["stream_options"] = {"include_usage": True}
     conn = pool.take()

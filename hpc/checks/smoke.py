@@ -70,7 +70,7 @@ def run_smoke(manifest_path: str) -> dict[str, Any]:
 
     def health() -> str:
         status, body = get_json(url + "/health")
-        expected = {role.value: spec.count for role, spec in recipe.roles.items()}
+        expected = {role.value: spec.total_count for role, spec in recipe.roles.items()}
         require(status == 200 and body["live"] == expected, f"live {body and body.get('live')} != {expected}")
         return f"live instances {body['live']}"
 

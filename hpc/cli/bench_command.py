@@ -32,6 +32,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rate", type=float, help="open loop: requests/s (Poisson) instead of a closed loop")
     p.add_argument("--warmup", type=int, help="warm-up requests per level")
     p.add_argument("--no-stream", action="store_true", help="non-streaming requests (no TTFT/ITL)")
+    p.add_argument("--ttft-target", type=float, metavar="MS",
+                   help="send this TTFT target (extra_args.ttft_target): a global router picks pools by it")
+    p.add_argument("--itl-target", type=float, metavar="MS", help="send this ITL target (extra_args.itl_target)")
+    p.add_argument("--priority", type=int, help="send nvext.agent_hints.priority (the global router's overrides)")
     p.add_argument("--out", type=Path, help="output directory (default: RUN/bench/<time> or ./bench/<time>)")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), type=Path,
                    help="plot two results.json (or their directories) against each other")
@@ -86,7 +90,11 @@ def bench(args: argparse.Namespace) -> int:
     streaming = not args.no_stream and (spec.streaming if spec else True)
     # Explicit --requests is taken as given (the validity gate still flags a level that never reached its
     # concurrency); the default is the recipe's number, but never fewer than REQUESTS_PER_USER per user.
-    levels = [Level(c, i, o, args.requests or max(base, REQUESTS_PER_USER * c), args.rate)
+    for flag, value in (("--ttft-target", args.ttft_target), ("--itl-target", args.itl_target)):
+        if value is not None and not 0 <= value < 1e9:
+            raise UserError(f"{flag} {value:g} is not a latency in ms", field=flag, hint="pass a value >= 0")
+    levels = [Level(c, i, o, args.requests or max(base, REQUESTS_PER_USER * c), args.rate, args.ttft_target,
+                    args.itl_target, args.priority)
               for i, o in zip(ins, outs) for c in concurrency]
     results = {"target": url, "model": model, "streaming": streaming, "started": stamp,
                "levels": run_sweep(url, model, levels, streaming, warmup)}

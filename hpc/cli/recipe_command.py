@@ -25,6 +25,7 @@ def add_parsers(sub) -> None:
     c.add_argument("--to", required=True, choices=["agg", "disagg"])
     c.add_argument("--role", choices=["prefill", "decode"],
                    help="the role converted (default: what an aggregated recipe says it came from, else decode)")
+    c.add_argument("--pool", help="of a role with pools: the pool converted (--to agg)")
     c.add_argument("--tp", type=int, help="tensor-parallel size of the converted role (recipe and engine)")
     c.set_defaults(func=convert)
 
@@ -43,7 +44,10 @@ def convert(args: argparse.Namespace) -> int:
         if recipe.roles.agg is not None or getattr(recipe.roles, role) is None:
             raise UserError(f"no {role} role to make aggregated", file=str(path), field=f"roles.{role}",
                             hint="--to agg takes a disaggregated recipe")
-        out, converted = to_agg(recipe, role), "agg"
+        try:
+            out, converted = to_agg(recipe, role, args.pool), "agg"
+        except ValueError as exc:
+            raise UserError(str(exc), file=str(path), field=f"roles.{role}.pools", hint="pass --pool NAME") from None
     else:
         if recipe.roles.agg is None:
             raise UserError("no agg role to split", file=str(path), field="roles.agg",

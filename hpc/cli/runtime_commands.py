@@ -125,7 +125,8 @@ def collect_status(run: RunDir) -> dict[str, Any]:
         key = (w.role.value, w.index)
         routed = f"routed ({live[key]} requests)" if key in live else "not routed"
         visible = st.get("cuda_visible_devices")
-        components.append({"component": w.name, "node": st.get("node", f"n{w.nodes[0]}"),
+        components.append({"component": f"{w.name} ({w.pool})" if w.pool else w.name,
+                           "node": st.get("node", f"n{w.nodes[0]}"),
                            "gpus": w.gpu_text() + (f" (visible {visible})" if visible else ""),
                            "phase": st.get("phase", "not started"),
                            "health": f"{_health((st.get('http') or '') + '/health' if st.get('http') else None)}, "
@@ -133,8 +134,8 @@ def collect_status(run: RunDir) -> dict[str, Any]:
     roles = {}
     for role, spec in m.recipe.roles.items():
         n = (frontend_view.get("live") or {}).get(role.value, 0)
-        roles[role.value] = {"live": n, "expected": spec.count,
-                             "state": "ok" if n >= spec.count else ("degraded" if n else "down")}
+        roles[role.value] = {"live": n, "expected": spec.total_count,
+                             "state": "ok" if n >= spec.total_count else ("degraded" if n else "down")}
     smoke = read_json(run.path / "smoke.json")
     ready = read_json(run.state / "ready.json")
     return {"run": run.path.name, "run_dir": str(run.path), "recipe": m.recipe.name, "cluster": m.cluster.name,
@@ -165,6 +166,10 @@ def _print_status(data: dict[str, Any]) -> None:
             line += (f", prompt blocks found cached {router['cached_blocks']}/{router['prompt_blocks']} ({share:.0%})"
                      + (", index stale (routing by load)" if router["stale"] else ""))
         print(line)
+        for pool in router.get("pools") or []:  # the global router: where requests went, and why
+            why = ", ".join(f"{reason} {n}" for reason, n in sorted(pool["chosen_by"].items())) or "-"
+            print(f"  pool {pool['role']}/{pool['pool']}: live {pool['live']}, routed {pool['routed']}, "
+                  f"moved on {pool['retried_away']} (chosen by: {why})")
     rows = [[c["component"], c["node"], c.get("gpus", "-"), c["phase"], c["health"], c.get("restarts", "")]
             for c in data["components"]]
     print(table(["COMPONENT", "NODE", "GPUS", "PHASE", "HEALTH", "RESTARTS"], rows))

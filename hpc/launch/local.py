@@ -61,7 +61,7 @@ def start_processes(run: RunDir) -> dict[str, list[int]]:
     for s in m.plan.services:
         pids[s.name] = [spawn(s.name, service_argv(m, s.name, py))]
     for w in m.plan.workers:
-        role_env = getattr(m.recipe.roles, w.role.value).env
+        role_env = m.recipe.roles.spec(w.group).env
         if w.tasks == 1:
             pids[w.name] = [spawn(w.name, worker_argv(m, w, py), role_env)]
         else:  # what srun --mpi would do: one process per rank

@@ -37,7 +37,8 @@ class RankPlan(_Frozen):
 
 class WorkerPlan(_Frozen):
     role: RoleName
-    index: int
+    index: int  # within the role, counted on across its pools
+    pool: str | None = None  # the role's pool this worker belongs to (frontend.global_router)
     nodes: list[int]
     tasks: int  # MPI world size = TP x PP
     tasks_per_node: int
@@ -49,6 +50,11 @@ class WorkerPlan(_Frozen):
     @property
     def name(self) -> str:
         return f"{self.role.value}-{self.index}"
+
+    @property
+    def group(self) -> str:
+        """Its pool's name, or its role's: the key of its engine args and spec (Recipe.spec_of)."""
+        return self.pool or self.role.value
 
     def gpu_text(self) -> str:
         """The GPUs this worker holds, per node: 'n0:0-3' or 'n1:2; n2:0'."""
@@ -99,11 +105,14 @@ def plan(cluster: ClusterProfile, recipe: Recipe) -> Plan:
     node, used_on_node = (1, 0) if dedicated_infra else (0, 0)
     workers: list[WorkerPlan] = []
     serial = 0
-    for role_name, role in recipe.roles.items():
+    next_index: dict[RoleName, int] = {}
+    for role_name, pool, role in recipe.roles.groups():
         if used_on_node and not local and recipe.placement == "spread":
-            node, used_on_node = node + 1, 0  # spread: each role starts on a node of its own
+            node, used_on_node = node + 1, 0  # spread: each role (each pool) starts on a node of its own
         tasks = role.gpus_per_worker
-        for index in range(role.count):
+        first_index = next_index.get(role_name, 0)
+        next_index[role_name] = first_index + role.count
+        for index in range(first_index, first_index + role.count):
             if local or tasks <= gpn or gpn == 0:
                 if not local and gpn and used_on_node + tasks > gpn:
                     node, used_on_node = node + 1, 0
@@ -129,7 +138,7 @@ def plan(cluster: ClusterProfile, recipe: Recipe) -> Plan:
                                       gpu=c.gpu, pp=c.pp, tp=c.tp, ep=c.ep, dp=c.dp))
             first = base + WORKER_PORTS_START + PORTS_PER_WORKER * serial
             workers.append(WorkerPlan(
-                role=role_name, index=index, nodes=nodes, tasks=tasks, tasks_per_node=tasks_per_node,
+                role=role_name, index=index, pool=pool, nodes=nodes, tasks=tasks, tasks_per_node=tasks_per_node,
                 gpus_per_node=tasks_per_node, gpu_offset=offset,
                 ports={"rpc": first, "http": first + 1, "dist": first + 2}, ranks=ranks))
             serial += 1

@@ -227,7 +227,7 @@ def _worker_step(m: Manifest, w: WorkerPlan, container: list[str], logs: str) ->
     else:
         flags.append("--overlap")
     ranks = ", ".join(f"r{r.rank}:n{r.node}/gpu{r.gpu}" for r in w.ranks[:8]) + (" ..." if w.tasks > 8 else "")
-    policy = getattr(m.recipe.roles, w.role.value).failure
+    policy = m.recipe.roles.spec(w.group).failure
     as_unit = w.tasks > 1
     return Step(
         name=w.name, comment=f"{w.name}: TPxPP={w.tasks} on nodes {w.nodes} ({ranks})",

@@ -125,6 +125,11 @@ class GlobalRouterConfig(_Strict):
             pool = g.agg_pool_mapping[s][t][i]
         return _override(pool, priority, g.priority_overrides)
 
+    def overridden(self, kind: str, priority: int) -> bool:
+        """Whether a priority rule, not the grid, picks the pool of a `kind` request with this priority."""
+        grid = getattr(self, f"{kind}_pool_selection_strategy")
+        return any(r.min_priority <= priority <= r.max_priority for r in grid.priority_overrides)
+
     def retry_order(self, kind: str, chosen: int) -> list[int]:
         """The chosen pool, then (with enable_priority_retry) the faster ones, slowest of them first."""
         if not self.enable_priority_retry:

@@ -27,16 +27,23 @@ AGG_FROM: dict[str, dict[str, Any]] = {
 _MARK = "hpc_converted_from"  # in the recipe's description: which role an aggregated recipe came from
 
 
-def to_agg(recipe: Recipe, source: Source) -> Recipe:
-    """The `source` role of a disaggregated recipe as the one aggregated role (same workers, same file)."""
+def to_agg(recipe: Recipe, source: Source, pool: str | None = None) -> Recipe:
+    """The `source` role of a disaggregated recipe as the one aggregated role (same workers, same file); of a role
+    with pools, the one `pool` (what a profile of that pool runs), without the global router."""
     role = getattr(recipe.roles, source)
     if role is None:
         raise ValueError(f"the recipe has no {source} role to convert")
+    if role.pools or pool is not None:
+        names = recipe.roles.pools(source)
+        if pool not in names:
+            raise ValueError(f"roles.{source} has pools ({', '.join(names) or 'none'}); name the one to convert")
+        role = recipe.roles.spec(pool)
     overrides = deep_update(role.override_engine_args or {}, AGG_FROM[source])
     agg = role.model_copy(update={"override_engine_args": overrides})
+    frontend = recipe.frontend.model_copy(update={"global_router": None})
     return recipe.model_copy(update={
-        "name": f"{recipe.name}-{source}-agg"[:64], "roles": Roles(agg=agg, encode=recipe.roles.encode),
-        "description": f"{recipe.description} [{_MARK}: {source}]".strip()})
+        "name": f"{recipe.name}-{pool or source}-agg"[:64], "roles": Roles(agg=agg, encode=recipe.roles.encode),
+        "frontend": frontend, "description": f"{recipe.description} [{_MARK}: {source}]".strip()})
 
 
 def to_disagg(recipe: Recipe, target: Source, other: RoleSpec | None = None) -> Recipe:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from enum import Enum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import Field, field_validator, model_validator
 
@@ -81,6 +81,9 @@ class FrontendSpec(StrictModel):
         0.0, ge=0, le=100, allow_inf_nan=False,
         description="kv_aware: 0 picks the cheapest worker; above 0 draws one with weight exp(-cost / temperature), "
                     "spreading near-ties (Dynamo's --router-temperature)")
+    global_router: str | dict[str, Any] | None = Field(
+        None, description="seed 003's global router over the roles' pools: Dynamo's global_router JSON, as a file "
+                          "(relative to the recipe or the project) or inline; its pool names are the recipe's")
     request_timeout_s: float = Field(600.0, gt=0, le=86400, allow_inf_nan=False)
     http: HttpSpec = Field(default_factory=HttpSpec)
 
@@ -109,6 +112,10 @@ class RoleSpec(StrictModel):
         None, description="a mapping, or a JSON object string (--override-engine-args)")
     env: EnvMap = Field(default_factory=dict)
     failure: FailurePolicy = Field(default_factory=FailurePolicy)
+    pools: list["PoolSpec"] | None = Field(
+        None, min_length=1, description="named groups of this role's workers, each with its own size and engine "
+                                        "config, chosen per request by frontend.global_router; a field a pool "
+                                        "leaves out comes from the role")
 
     @field_validator("override_engine_args", mode="before")
     @classmethod
@@ -123,9 +130,60 @@ class RoleSpec(StrictModel):
                 raise ValueError("override_engine_args must be a JSON object")
         return value
 
+    @model_validator(mode="after")
+    def _pooled(self) -> "RoleSpec":
+        if not self.pools:
+            return self
+        if self.count != 1:
+            raise ValueError("with pools, each pool gives its own count; remove the role's count")
+        # A pool inherits what it leaves out from its role, resolved here once: the manifest then carries every
+        # pool whole, and reading it back changes nothing.
+        role = {f: getattr(self, f) for f in type(self).model_fields if f not in ("pools", "count")}
+        resolved = [p.model_copy(update={f: v for f, v in role.items() if f not in p.model_fields_set})
+                    for p in self.pools]
+        for pool in resolved:
+            object.__setattr__(pool, "__pydantic_fields_set__", set(type(pool).model_fields))
+        object.__setattr__(self, "pools", resolved)
+        return self
+
     @property
     def gpus_per_worker(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def total_count(self) -> int:
+        """Workers of this role, over its pools when it has them."""
+        return sum(p.count for p in self.pools) if self.pools else self.count
+
+    def pool_specs(self) -> list[tuple[str | None, "RoleSpec"]]:
+        """(pool name, its spec) — one (None, self) without pools."""
+        if not self.pools:
+            return [(None, self)]
+        return [(p.name, RoleSpec.model_validate(p.model_dump(exclude={"name"}))) for p in self.pools]
+
+
+POOL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+
+class PoolSpec(RoleSpec):
+    name: str = Field(pattern=POOL_PATTERN, max_length=64, description="the global router's name for this pool")
+
+    @model_validator(mode="after")
+    def _flat(self) -> "PoolSpec":
+        if self.pools:
+            raise ValueError("a pool has no pools of its own")
+        return self
+
+
+class WorkerGroup(NamedTuple):
+    role: "RoleName"
+    pool: str | None
+    spec: RoleSpec
+
+    @property
+    def key(self) -> str:
+        """Where this group's engine args are kept in the manifest: the pool's name, or the role's."""
+        return self.pool or self.role.value
 
 
 class Roles(StrictModel):
@@ -138,6 +196,21 @@ class Roles(StrictModel):
         """Present roles in start order: encode before prefill before decode."""
         order = (RoleName.AGG, RoleName.ENCODE, RoleName.PREFILL, RoleName.DECODE)
         return [(name, getattr(self, name.value)) for name in order if getattr(self, name.value)]
+
+    def groups(self) -> list[WorkerGroup]:
+        """Each role's workers by pool (one group per role without pools), in start order."""
+        return [WorkerGroup(name, pool, spec) for name, role in self.items() for pool, spec in role.pool_specs()]
+
+    def spec(self, group: str) -> RoleSpec:
+        """The effective spec of a worker group: a role's name, or one of its pools' (WorkerPlan.group)."""
+        for g in self.groups():
+            if g.key == group:
+                return g.spec
+        raise KeyError(group)
+
+    def pools(self, role: "RoleName | str") -> list[str]:
+        spec = getattr(self, RoleName(role).value)
+        return [p.name for p in spec.pools or []] if spec is not None else []
 
 
 class MockSpec(StrictModel):
@@ -212,6 +285,13 @@ class Recipe(StrictModel):
             raise ValueError("roles: disaggregated serving needs both 'prefill' and 'decode'")
         if roles.agg is None and roles.decode is None:
             raise ValueError("roles: define 'agg' (aggregated) or 'prefill' + 'decode' (disaggregated)")
+        seen: set[str] = {r.value for r in RoleName}
+        for name, spec in roles.items():
+            for pool in spec.pools or []:
+                if pool.name in seen:
+                    raise ValueError(f"roles.{name.value}.pools: the name {pool.name!r} is taken (by a role or "
+                                     "another pool); pool names are unique in a recipe")
+                seen.add(pool.name)
         return self
 
     @property

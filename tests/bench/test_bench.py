@@ -124,3 +124,11 @@ def test_a_level_that_never_reached_its_concurrency_is_invalid_and_the_default_s
                  "--input-tokens", "8", "--output-tokens", "4", "--warmup", "0", "--out", str(tmp_path / "o")]) == 0
     levels = json.loads((tmp_path / "o" / "results.json").read_text())["levels"]
     assert [(lv["requests"], lv["peak_inflight"], lv["valid"]) for lv in levels] == [(64, 1, True), (128, 32, True)]
+
+
+def test_bench_sends_sla_targets_and_priority_as_the_global_router_reads_them():
+    from hpc.bench.loadgen import Level
+
+    assert Level(1, 8, 8, 4).routing_fields() == {}
+    assert Level(1, 8, 8, 4, ttft_target_ms=50, priority=3).routing_fields() == {
+        "extra_args": {"ttft_target": 50}, "nvext": {"agent_hints": {"priority": 3}}}

@@ -191,3 +191,67 @@ def test_a_tp2_worker_restarts_as_a_unit(slurm_env, tmp_path):
     assert _complete(url, "hpc/tiny", "after the restart", 8)
     assert "restarting all its ranks (1 of 2)" in (run.logs / "job.out").read_text()
     _cancel_and_check_clean(run)
+
+
+def test_global_router_pools_on_dev_route_by_grid_and_survive_a_killed_pool(slurm_env):
+    """Seed 003 on the dev cluster: 2 prefill + 2 decode pools (tiny-pools); requests land where the grid and the
+    priority rules say (per-pool counters), and with the bulk decode pool killed under load no request that had
+    not started streaming is lost: the fast pool takes them."""
+    run = _launch("-c", "dev", "-r", "tiny-pools", "--set", "roles.decode.failure.on_failure=continue")
+    assert json.loads((run.path / "smoke.json").read_text())["passed"]
+    url = _url(run)
+    pools = lambda: {p["pool"]: p for p in get_json(url + "/health")[1]["router"]["pools"]}  # noqa: E731
+    short, long = list(range(100, 110)), list(range(100, 400))
+    cases = [(short, {}, {"prefill-bulk", "decode-bulk"}),
+             (long, {"extra_args": {"ttft_target": 50, "itl_target": 10}}, {"prefill-fast", "decode-fast"}),
+             (short, {"nvext": {"agent_hints": {"priority": 50}}}, {"prefill-fast", "decode-fast"}),
+             (long, {"extra_args": {"ttft_target": 20}}, {"prefill-fast", "decode-bulk"})]
+    texts = set()
+    for prompt, fields, expected in cases:
+        before = pools()
+        status, body = post_json(url + "/v1/completions", {"model": "hpc/tiny", "prompt": prompt, "max_tokens": 8,
+                                                           "temperature": 0, "ignore_eos": True, **fields})
+        assert status == 200, body
+        after = pools()
+        assert {p for p in after if after[p]["routed"] > before[p]["routed"]} == expected, fields
+        if prompt is long:
+            texts.add(body["choices"][0]["text"])
+    assert len(texts) == 1  # prefill on node n0, decode on n1, across pools: the same greedy answer
+    states = run.component_states()
+    assert states["prefill-0"]["node"] != states["decode-1"]["node"]  # the KV crossed nodes between pools
+
+    results: list[str] = []
+    stop = threading.Event()
+
+    def client() -> None:  # short prompts, default targets: the bulk pools by the grid
+        while not stop.is_set():
+            try:
+                events = list(post_sse(url + "/v1/completions", {"model": "hpc/tiny", "prompt": short, "stream": True,
+                                                                 "temperature": 0, "max_tokens": 24,
+                                                                 "ignore_eos": True}, timeout=20))
+            except Exception as exc:
+                results.append(f"exception {type(exc).__name__}")
+                continue
+            started = any(e.get("choices") and e["choices"][0].get("text") for e in events if isinstance(e, dict))
+            failed = any("error" in e for e in events if isinstance(e, dict))
+            results.append("ok" if not failed else "error after streaming" if started else "lost")
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    before = pools()
+    os.kill(json.loads((run.state / "decode-1.json").read_text())["pid"], signal.SIGKILL)  # decode-bulk's worker
+    time.sleep(3.0)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    after = pools()
+    assert not any(t.is_alive() for t in threads), "a client request hung"
+    assert "lost" not in results and not any(r.startswith("exception") for r in results), results
+    assert results.count("ok") >= 8, results
+    assert after["decode-bulk"]["live"] == 0
+    assert after["decode-fast"]["routed"] - before["decode-fast"]["routed"] >= 4  # the bulk pool's requests
+    print(f"pooled on dev: {len(results)} streams, {results.count('error after streaming')} ended with an error "
+          f"after streaming began; decode-bulk moved on {after['decode-bulk']['retried_away']}")
+    _cancel_and_check_clean(run)

@@ -12,7 +12,8 @@ from hpc.spec.modifiers import AGG_FROM, to_agg, to_disagg, with_parallel
 
 pytestmark = pytest.mark.unit
 
-DISAGG = [name for name in available("recipes") if load_recipe(name)[0].disaggregated]
+DISAGG = [name for name in available("recipes") if load_recipe(name)[0].disaggregated
+          and not load_recipe(name)[0].roles.prefill.pools]  # pooled: one pool at a time, below
 
 
 def test_the_shipped_recipes_include_disaggregated_ones():
@@ -58,3 +59,15 @@ def test_recipe_convert_prints_the_recipe_and_merged_args_and_refuses_what_canno
     assert "roles.decode: no decode role to make aggregated" in capsys.readouterr().err
     assert main(["recipe", "convert", "-r", "deepseek-r1-disagg", "-c", "eos", "--to", "agg", "--tp", "3"]) == 2
     assert "moe_expert_parallel_size: expert-parallel size 16 does not divide TP x PP = 3" in capsys.readouterr().err
+
+
+def test_a_pool_converts_on_its_own_and_a_pooled_role_needs_its_name(capsys):
+    from hpc.cli.main import main
+
+    assert main(["recipe", "convert", "-r", "tiny-pools", "--to", "agg", "--role", "decode", "--pool", "decode-fast",
+                 "-c", "local"]) == 0
+    out = capsys.readouterr().out
+    assert "name: tiny-pools-decode-fast-agg" in out and "max_batch_size: 4" in out and "\nfrontend:" not in out
+    assert main(["recipe", "convert", "-r", "tiny-pools", "--to", "agg", "-c", "local"]) == 2
+    assert "roles.decode.pools: roles.decode has pools (decode-fast, decode-bulk); name the one to convert" in \
+        capsys.readouterr().err

@@ -10,10 +10,12 @@ from hpc.spec.recipe import Backend
 
 
 def build_engine(manifest: Manifest, role: str, *, self_address: str, tp=None,
-                 fetch_kv: Callable[..., Any] | None = None, device: str | None = None):
+                 fetch_kv: Callable[..., Any] | None = None, device: str | None = None, group: str | None = None):
+    """`group`: the worker's pool when its role has pools (WorkerPlan.group), else the role."""
     recipe = manifest.recipe
     mode = DisaggregationMode(role)
-    args = manifest.engine_args[role]
+    args = manifest.engine_args[group or role]
+    spec = recipe.roles.spec(group or role)
     if recipe.backend is Backend.MOCK:
         from hpc.runtime.engine.mock_engine import MockEngine
 
@@ -23,8 +25,8 @@ def build_engine(manifest: Manifest, role: str, *, self_address: str, tp=None,
 
         return TorchEngine(recipe.model.path, mode, args, device=device, tp=tp, fetch_kv=fetch_kv,
                            self_address=self_address, canned_completion=recipe.model.canned_completion,
-                           pipeline=getattr(recipe.roles, role).pipeline_parallel_size > 1,
-                           expert_parallel=getattr(recipe.roles, role).expert_parallel_size > 1)
+                           pipeline=spec.pipeline_parallel_size > 1,
+                           expert_parallel=spec.expert_parallel_size > 1)
     from hpc.runtime.engine.trtllm_engine import TrtllmEngine
     from hpc.runtime.engine.media import read_image_bytes
 

@@ -10,13 +10,14 @@ from pydantic import ValidationError
 
 from hpc.manifest import Manifest
 from hpc.runtime.engine.types import GenerateOutput, GenerateRequest, SamplingParams, TokenLogprob
-from hpc.runtime.frontend.openai import (ApiError, ChatRequest, CompletionRequest, chat_logprobs,
+from hpc.runtime.frontend.openai import (ApiError, ChatRequest, CompletionRequest, RouteHints, chat_logprobs,
                                          completion_logprobs, new_id, now, unsupported_param)
 from hpc.runtime.frontend.parsers import AnswerParser, json_answer_guide, tool_call_guide
-from hpc.runtime.frontend.router import NoInstance, Router
+from hpc.runtime.frontend.pools import PoolRouter
+from hpc.runtime.frontend.router import NoInstance, NotStarted, Router
 from hpc.runtime.frontend.tokenizer import Detokenizer, TextCodec
 from hpc.runtime.serve.http import Request, Response, json_dumps, json_loads, json_response
-from hpc.runtime.serve.metrics import LatencyHistograms, prometheus
+from hpc.runtime.serve.metrics import LatencyHistograms, prometheus, prometheus_family
 from hpc.runtime.serve.rpc import PeerGone, RemoteError
 from hpc.runtime.serve.wire import Guide, GuidePiece, replace
 
@@ -29,9 +30,10 @@ class Frontend:
         self.manifest = manifest
         self.recipe = manifest.recipe
         self.router = router
+        self.pools = PoolRouter.from_recipe(self.recipe.frontend.global_router)
         self.codec = codec
         self.model_name = self.recipe.model.served_name
-        self.expected = {role.value: spec.count for role, spec in self.recipe.roles.items()}
+        self.expected = {role.value: spec.total_count for role, spec in self.recipe.roles.items()}
         self.counters: dict[str, float] = {"requests_total": 0, "errors_total": 0, "inflight": 0, "timeouts_total": 0,
                                            "retried_total": 0, "completion_tokens_total": 0,
                                            "prompt_tokens_total": 0}
@@ -81,7 +83,8 @@ class Frontend:
     def instance_table(self) -> dict[str, list[dict[str, Any]]]:
         table: dict[str, list[dict[str, Any]]] = {role: [] for role in self.expected}
         for inst in self.router.instances.values():
-            table.setdefault(inst.role, []).append({"index": inst.index, "instance_id": inst.instance_id,
+            table.setdefault(inst.role, []).append({"index": inst.index, "pool": inst.pool or None,
+                                                    "instance_id": inst.instance_id,
                                                     "address": inst.address, "node": inst.node,
                                                     "routed": self.router.routed.get(inst.key, 0)})
         return table
@@ -93,7 +96,22 @@ class Frontend:
             blocks = self.router.kv_blocks
             view.update(stale=self.router.kv.stale, events=self.router.kv.events, prompt_blocks=blocks["prompt"],
                         cached_blocks=blocks["overlap"])
+        if self.pools is not None:
+            view["pools"] = self.pool_view()
         return view
+
+    def pool_view(self) -> list[dict[str, Any]]:
+        """Per pool: live workers, requests routed there, those that moved on, and why the pools were chosen."""
+        rows = []
+        for kind in self.pools.config.kinds():
+            for pool in self.pools.config.pools(kind):
+                reasons = {r: n for (k, p, r), n in self.pools.decisions.items() if (k, p) == (kind, pool)}
+                rows.append({"role": kind, "pool": pool,
+                             "live": sum(1 for i in self.router.live(kind) if i.pool == pool),
+                             "routed": self.router.pool_routed.get((kind, pool), 0),
+                             "retried_away": self.router.pool_retried.get((kind, pool), 0),
+                             "chosen_by": reasons})
+        return rows
 
     async def health(self, req: Request) -> Response:
         table = self.instance_table()
@@ -120,9 +138,16 @@ class Frontend:
             values["kv_overlap_blocks_total"] = self.router.kv_blocks["overlap"]
             values["kv_events_total"] = self.router.kv.events
             values["kv_index_stale"] = int(self.router.kv.stale)
-        return Response(body=prometheus("hpc_frontend", values, {"run": self.manifest.run_id}) +
-                        self.latency.exposition(),
-                        content_type="text/plain; version=0.0.4")
+        body = prometheus("hpc_frontend", values, {"run": self.manifest.run_id})
+        if self.pools is not None:  # per pool, labelled: routed, moved on (retry), and each decision reason
+            rows = self.pool_view()
+            labels = [{"run": self.manifest.run_id, "role": r["role"], "pool": r["pool"]} for r in rows]
+            for name, field in (("routed_total", "routed"), ("retried_away_total", "retried_away"),
+                                ("live", "live")):
+                body += prometheus_family(f"hpc_frontend_pool_{name}", [(lb, r[field]) for lb, r in zip(labels, rows)])
+            body += prometheus_family("hpc_frontend_pool_decisions_total", [
+                ({**lb, "reason": reason}, n) for lb, r in zip(labels, rows) for reason, n in sorted(r["chosen_by"].items())])
+        return Response(body=body + self.latency.exposition(), content_type="text/plain; version=0.0.4")
 
     # ---- generation routes -----------------------------------------------------------------------
     def _parse(self, req: Request, model: type) -> Any:
@@ -243,33 +268,54 @@ class Frontend:
         return await asyncio.to_thread(self.codec.encode, text)
 
     # ---- orchestration ---------------------------------------------------------------------------
-    async def _outputs(self, gen: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+    async def _outputs(self, gen: GenerateRequest, hints: RouteHints) -> AsyncIterator[GenerateOutput]:
         """Aggregated, or prefill (first token + KV handle) then decode, all within the request's deadline
-        (frontend.request_timeout_s): past it the RPC streams are cancelled, and with them the engines' work."""
+        (frontend.request_timeout_s): past it the RPC streams are cancelled, and with them the engines' work.
+        With a global router, each step goes to the pool its grid picks (and on to faster pools on failure)."""
         deadline = asyncio.get_running_loop().time() + self.recipe.frontend.request_timeout_s
+        pools = self.pools
+        isl = len(gen.token_ids)
         if not self.recipe.disaggregated:
-            async for out in self.router.generate("agg", gen, deadline):
+            async for out in self.router.generate("agg", gen, deadline, pools.agg(isl, hints) if pools else None):
                 yield out
             return
-        prefill_req = replace(gen, streaming=False)
-        first: GenerateOutput | None = None
-        async for out in self.router.generate("prefill", prefill_req, deadline):
-            first = out
-        if first is None or first.disaggregated_params is None:
-            raise RemoteError("prefill worker returned no KV handle", 502)
+        prefill_pools = pools.prefill(isl, hints) if pools else None
+        first = await self._prefill(gen, deadline, prefill_pools)
         token = first.disaggregated_params.first_token_id
         stop = (token == self.codec.eos_token_id and not gen.sampling.ignore_eos) or \
             token in gen.sampling.stop_token_ids
         done = stop or gen.sampling.max_tokens == 1
-        yield GenerateOutput(token_ids=[token], finished=done, prompt_tokens=len(gen.token_ids),
+        yield GenerateOutput(token_ids=[token], finished=done, prompt_tokens=isl,
                              finish_reason=("stop" if stop else "length") if done else None,
                              logprobs=first.logprobs, cached_tokens=first.cached_tokens,
                              prompt_logprobs=first.prompt_logprobs)
         if done:
             return
         decode_req = replace(gen, disaggregated_params=first.disaggregated_params, image=None, media=None)
-        async for out in self.router.generate("decode", decode_req, deadline):
-            yield out
+        decode_pools: list[str | None] = pools.decode(isl, hints) if pools else [None]
+        for n, pool in enumerate(decode_pools):
+            try:
+                async for out in self.router.generate("decode", decode_req, deadline, [pool] if pool else None):
+                    yield out
+                return
+            except (NoInstance, NotStarted) as exc:
+                if n == len(decode_pools) - 1:
+                    raise
+                self.router.pool_retried[("decode", pool)] = self.router.pool_retried.get(("decode", pool), 0) + 1
+                if isinstance(exc, NotStarted):
+                    # the failed decode worker may have taken the prefilled KV with it: prefill again (the client
+                    # has the first token already, so the decode goes on from that one)
+                    again = await self._prefill(gen, deadline, prefill_pools)
+                    decode_req = replace(decode_req, disaggregated_params=replace(
+                        again.disaggregated_params, first_token_id=token))
+
+    async def _prefill(self, gen: GenerateRequest, deadline: float, pools: list[str] | None) -> GenerateOutput:
+        first: GenerateOutput | None = None
+        async for out in self.router.generate("prefill", replace(gen, streaming=False), deadline, pools):
+            first = out
+        if first is None or first.disaggregated_params is None:
+            raise RemoteError("prefill worker returned no KV handle", 502)
+        return first
 
     async def _events(self, body: Any, gen: GenerateRequest) -> AsyncIterator[Piece]:
         """Text deltas with their finish reason, the tokens so far and the logprobs of the tokens they carry,
@@ -281,7 +327,7 @@ class Frontend:
         pending: list[TokenLogprob] = []
         cached = 0
         prompt: list[TokenLogprob] | None = None
-        async for out in self.latency.track(self._outputs(gen)):
+        async for out in self.latency.track(self._outputs(gen, body.route_hints)):
             tokens += len(out.token_ids)
             cached = max(cached, out.cached_tokens)
             prompt = out.prompt_logprobs or prompt

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -63,6 +63,34 @@ def unsupported_param(data: dict[str, Any], tool_parser: bool = False) -> str | 
     return None
 
 
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class SlaTargets(_Loose):
+    """What a request asks of its latency, for the global router's grids (absent: the middle of the range)."""
+
+    ttft_target: float | None = Field(None, ge=0, le=1e9)  # ms to the first token
+    itl_target: float | None = Field(None, ge=0, le=1e9)  # ms between tokens
+
+
+class AgentHints(_Loose):
+    priority: int | None = Field(None, ge=-2**31, lt=2**31)
+
+
+class NvExt(_Loose):
+    """Dynamo's request extension: the router's SLA targets and the agent's hints."""
+
+    router: SlaTargets | None = None
+    agent_hints: AgentHints | None = None
+
+
+class RouteHints(NamedTuple):
+    ttft_ms: float | None = None
+    itl_ms: float | None = None
+    priority: int | None = None
+
+
 class _Request(BaseModel):
     # Clients send many optional OpenAI fields; those without an effect here (user, metadata, ...) are ignored,
     # and those whose effect is not implemented are refused before validation (see UNSUPPORTED).
@@ -84,6 +112,16 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     stream_options: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    extra_args: SlaTargets | None = None  # seed 003: {"ttft_target": ms, "itl_target": ms}
+    nvext: NvExt | None = None  # Dynamo's spelling: nvext.router.{ttft,itl}_target, nvext.agent_hints.priority
+
+    @property
+    def route_hints(self) -> RouteHints:
+        targets = [t for t in (self.extra_args, self.nvext and self.nvext.router) if t is not None]
+        ttft = next((t.ttft_target for t in targets if t.ttft_target is not None), None)
+        itl = next((t.itl_target for t in targets if t.itl_target is not None), None)
+        hints = self.nvext.agent_hints if self.nvext else None
+        return RouteHints(ttft, itl, hints.priority if hints else None)
 
     @property
     def json_object(self) -> bool:

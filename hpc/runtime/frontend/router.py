@@ -36,9 +36,13 @@ def _component(key: str) -> str:
 
 
 class NoInstance(Exception):
-    def __init__(self, role: str) -> None:
-        super().__init__(f"no live {role} worker")
+    def __init__(self, role: str, pool: str | None = None) -> None:
+        super().__init__(f"no live {role} worker" + (f" in pool {pool}" if pool else ""))
         self.role = role
+
+
+class NotStarted(PeerGone):
+    """Every worker tried failed before producing anything: the request may go elsewhere as it is."""
 
 
 class Router:
@@ -52,6 +56,8 @@ class Router:
         self.rng = rng or random.Random()
         self.inflight_blocks: dict[str, int] = {}  # uncached prompt blocks being computed per instance (kv_aware)
         self.routed: dict[str, int] = {}  # requests per instance
+        self.pool_routed: dict[tuple[str, str], int] = {}  # (role, pool) -> requests sent to the pool
+        self.pool_retried: dict[tuple[str, str], int] = {}  # (role, pool) -> requests that left it for the next
         self.kv_blocks = {"prompt": 0, "overlap": 0}  # kv_aware: the prompts' full blocks, and those found cached
         self.instances: dict[str, Instance] = {}
         self.clients: dict[str, RpcClient] = {}
@@ -127,12 +133,15 @@ class Router:
     def live(self, role: str) -> list[Instance]:
         return [i for i in self.instances.values() if i.role == role]
 
-    def pick(self, role: str, exclude: set[str], tokens: list[int] | None = None) -> tuple[str, RpcClient, int]:
-        """(instance key, its client, the prompt blocks it will compute: kv_aware's load on it)."""
-        keys = sorted(k for k, i in self.instances.items() if i.role == role and k not in exclude)
+    def pick(self, role: str, exclude: set[str], tokens: list[int] | None = None,
+             pool: str | None = None) -> tuple[str, RpcClient, int]:
+        """(instance key, its client, the prompt blocks it will compute: kv_aware's load on it); within `pool`
+        when given."""
+        keys = sorted(k for k, i in self.instances.items()
+                      if i.role == role and k not in exclude and (pool is None or i.pool == pool))
         if not keys:
-            raise NoInstance(role)
-        turn = next(self._rr.setdefault(role, itertools.count()))
+            raise NoInstance(role, pool)
+        turn = next(self._rr.setdefault(f"{role}/{pool}" if pool else role, itertools.count()))
         new_blocks = 0
         keys = keys[turn % len(keys):] + keys[:turn % len(keys)]  # ties go round the role's instances
         if self.policy is RouterPolicy.KV_AWARE and tokens and role in ("agg", "prefill") and self.kv is not None \
@@ -165,12 +174,30 @@ class Router:
         low = min(costs)
         return self.rng.choices(keys, [math.exp(-(c - low) / self.temperature) for c in costs])[0]
 
-    async def generate(self, role: str, request: GenerateRequest,
-                       deadline: float | None = None) -> AsyncIterator[GenerateOutput]:
-        """Stream from one instance of `role`; a request that produced nothing yet is retried elsewhere."""
+    async def generate(self, role: str, request: GenerateRequest, deadline: float | None = None,
+                       pools: list[str] | None = None) -> AsyncIterator[GenerateOutput]:
+        """Stream from one instance of `role`. A request that produced nothing yet is retried elsewhere: on other
+        instances, and with `pools` (the global router's order: the chosen pool, then the faster ones to retry on)
+        in the next pool when its own has no live worker or all that were tried failed before the first byte."""
+        order: list[str | None] = list(pools) if pools else [None]
+        for n, pool in enumerate(order):
+            if pool is not None:
+                self.pool_routed[(role, pool)] = self.pool_routed.get((role, pool), 0) + 1
+            try:
+                async for out in self._generate_in(role, request, deadline, pool):
+                    yield out
+                return
+            except (NoInstance, NotStarted) as exc:
+                if n == len(order) - 1:
+                    raise
+                self.pool_retried[(role, pool)] = self.pool_retried.get((role, pool), 0) + 1
+                log.warning("%s pool %s: %s; retrying on pool %s", role, pool, exc, order[n + 1])
+
+    async def _generate_in(self, role: str, request: GenerateRequest, deadline: float | None,
+                           pool: str | None) -> AsyncIterator[GenerateOutput]:
         tried: set[str] = set()
         while True:
-            key, client, blocks = self.pick(role, tried, request.token_ids)
+            key, client, blocks = self.pick(role, tried, request.token_ids, pool)
             started = False
             self.inflight[key] = self.inflight.get(key, 0) + 1
             self.inflight_blocks[key] = self.inflight_blocks.get(key, 0) + blocks
@@ -185,8 +212,10 @@ class Router:
             except (PeerGone, ConnectionError, OSError) as exc:
                 tried.add(key)
                 self._lost(key, client)
-                if started or len(tried) >= MAX_ATTEMPTS:
+                if started:
                     raise PeerGone(f"{role} worker {key} failed mid-request: {exc}") from None
+                if len(tried) >= MAX_ATTEMPTS:
+                    raise NotStarted(f"{role} worker {key} failed before starting: {exc}") from None
                 log.warning("%s worker %s unreachable before starting; retrying elsewhere", role, key)
             finally:
                 if key in self.inflight:

@@ -20,6 +20,17 @@ def prometheus(prefix: str, values: dict[str, float], labels: dict[str, str]) ->
     return ("\n".join(lines) + "\n").encode()
 
 
+def prometheus_family(metric: str, samples: list[tuple[dict[str, str], float]]) -> bytes:
+    """One metric over several label sets (its TYPE line once, as the exposition format wants)."""
+    if not samples:
+        return b""
+    kind = "counter" if metric.endswith("_total") else "gauge"
+    lines = [f"# TYPE {metric} {kind}"]
+    for labels, value in samples:
+        lines.append(metric + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "} " + str(value))
+    return ("\n".join(lines) + "\n").encode()
+
+
 # Seconds; dense where interactive serving lives (ms ITLs, sub-second TTFTs), sparse up to minutes.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5,
                    5.0, 10.0, 30.0, 60.0, 120.0, float("inf"))

@@ -24,6 +24,7 @@ class Instance(BaseModel):
 
     role: str
     index: int
+    pool: str = ""  # the role's pool (frontend.global_router), "" without pools
     instance_id: str
     host: str
     rpc_port: int

@@ -51,7 +51,7 @@ def _rank_suffix(tasks: int) -> str:
 
 def supervise_worker(manifest: Manifest, manifest_path: str, role: str, index: int) -> int:
     """Run the worker as a child; apply the role's failure policy when it dies."""
-    policy = getattr(manifest.recipe.roles, role).failure
+    policy = manifest.recipe.roles.spec(manifest.plan.worker(role, index).group).failure
     cmd = [sys.executable, "-m", "hpc.runtime.worker", manifest_path, "--role", role, "--index", str(index),
            "--no-supervise"]
     restarts = 0

@@ -78,7 +78,8 @@ async def serve(manifest: Manifest, role: str, index: int) -> int:
         await prefill.call(ReleaseKv(handle=params.request_handle))
         return kv
 
-    engine = build_engine(manifest, role, self_address=rpc_address, tp=tp, fetch_kv=fetch_kv, device=device)
+    engine = build_engine(manifest, role, self_address=rpc_address, tp=tp, fetch_kv=fetch_kv, device=device,
+                          group=plan.group)
     if rank > 0:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         await asyncio.to_thread(engine.load)
@@ -178,8 +179,8 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
         watch_task = asyncio.create_task(discovery.watch(keep))
     else:
         watch_task = None
-    instance = Instance(role=role, index=index, instance_id=uuid.uuid4().hex[:12], host=host,
-                        rpc_port=plan.ports["rpc"], http_port=plan.ports["http"], node=os.uname().nodename)
+    instance = Instance(role=role, index=index, pool=plan.pool or "", instance_id=uuid.uuid4().hex[:12],
+                        host=host, rpc_port=plan.ports["rpc"], http_port=plan.ports["http"], node=os.uname().nodename)
     await discovery.register(instance)
     reporter.phase("registered", address=instance.address, http=f"http://{host}:{plan.ports['http']}")
     if events is not None:
