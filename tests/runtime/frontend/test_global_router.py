@@ -113,3 +113,24 @@ def test_a_killed_pool_hands_its_requests_to_the_faster_one(pooled):
     for pool in ("prefill-fast", "decode-fast"):
         assert after[pool]["routed"] - before[pool]["routed"] == 6
     assert after["decode-bulk"]["live"] == 0 and after["decode-fast"]["live"] == 1
+
+
+AGG_ROUTER = {"mode": "agg", "num_agg_pools": 2, "agg_pool_dynamo_namespaces": ["agg-fast", "agg-bulk"],
+              "agg_pool_selection_strategy": {"ttft_min_ms": 10, "ttft_max_ms": 210, "ttft_resolution": 2,
+                                              "itl_min_ms": 5, "itl_max_ms": 105, "itl_resolution": 2,
+                                              "agg_pool_mapping": [[0, 0], [0, 1]]}}
+agg_pooled = stack_fixture("mock-agg", "--set", 'roles.agg.pools=[{"name": "agg-fast"}, {"name": "agg-bulk"}]',
+                           "--set", f"frontend.global_router={json.dumps(AGG_ROUTER)}")
+
+
+@pytest.mark.integration
+def test_aggregated_pools_follow_the_ttft_itl_grid(agg_pooled):
+    cases = [({}, "agg-bulk"), ({"extra_args": {"ttft_target": 20}}, "agg-fast"),
+             ({"extra_args": {"itl_target": 6}}, "agg-fast"), ({"extra_args": {"ttft_target": 200, "itl_target": 90}},
+                                                               "agg-bulk")]
+    for fields, pool in cases:
+        was = _pools(agg_pooled)
+        _complete(agg_pooled, SHORT, **fields)
+        now = _pools(agg_pooled)
+        assert {p for p in now if now[p]["routed"] > was[p]["routed"]} == {pool}, fields
+    assert _pools(agg_pooled)["agg-bulk"]["chosen_by"] == {"grid_default_target": 1, "grid": 1}
