@@ -198,12 +198,13 @@ def _check_disagg_pair(recipe: Recipe, args: dict[str, dict[str, Any]], files: d
     if recipe.backend is Backend.TORCH:
         for group in recipe.roles.groups():
             spec = group.spec
-            if group.role in (RoleName.PREFILL, RoleName.DECODE) and spec.gpus_per_worker > 1:
+            if group.role in (RoleName.PREFILL, RoleName.DECODE) and spec.pipeline_parallel_size > 1:
                 errors.append(UserError(
-                    f"the torch reference engine hands the KV cache over from one rank; its disaggregated "
-                    f"workers run TP = PP = 1 (TP {spec.tensor_parallel_size}, PP {spec.pipeline_parallel_size})",
-                    file=rfile, field=f"{_group_field(recipe, group)}.tensor_parallel_size",
-                    hint="set TP and PP to 1 for prefill and decode, serve it aggregated, or use backend: trtllm"))
+                    f"the torch reference engine hands the KV cache over between tensor-parallel workers, not "
+                    f"pipeline stages (PP {spec.pipeline_parallel_size})",
+                    file=rfile, field=f"{_group_field(recipe, group)}.pipeline_parallel_size",
+                    hint="set pipeline_parallel_size to 1 for prefill and decode, serve it aggregated, or use "
+                         "backend: trtllm"))
     if recipe.backend is Backend.TRTLLM:
         for key in groups[RoleName.PREFILL] + groups[RoleName.DECODE]:
             ctc = args[key].get("cache_transceiver_config") or {}

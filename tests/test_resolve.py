@@ -211,7 +211,8 @@ def test_pool_names_are_unique_and_a_pooled_role_has_no_count_of_its_own(tmp_pat
     assert "roles.agg: with pools, each pool gives its own count" in _error("local", r)
 
 
-def test_torch_disaggregated_workers_hand_over_from_one_rank(tmp_path):
-    msg = _error("local", _pooled(tmp_path, _router_config(), tensor_parallel_size=2))
-    assert "recipe.yaml: roles.prefill.pools[0].tensor_parallel_size: the torch reference engine hands the KV " \
-           "cache over from one rank" in msg
+def test_torch_disaggregated_workers_hand_over_between_tp_workers_not_pipeline_stages(tmp_path):
+    resolve("local", _pooled(tmp_path, _router_config(), tensor_parallel_size=2))
+    msg = _error("local", _pooled(tmp_path, _router_config(), pipeline_parallel_size=2))
+    assert "recipe.yaml: roles.prefill.pools[0].pipeline_parallel_size: the torch reference engine hands the KV " \
+           "cache over between tensor-parallel workers, not pipeline stages" in msg

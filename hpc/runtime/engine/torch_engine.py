@@ -393,7 +393,12 @@ class TorchEngine:
             return
         if self.mode is DisaggregationMode.PREFILL:
             handle = uuid.uuid4().hex
-            kv = torch.stack([layer[:, seq.slot, :, :seq.length] for layer in self.cache]).clone()
+            if self.tp.size > 1:  # every rank's heads, so that a decode of any TP can take it
+                from hpc.runtime.engine.tp import gather_kv
+
+                kv = gather_kv(self.tp, self.cache, seq.slot, seq.length)
+            else:
+                kv = torch.stack([layer[:, seq.slot, :, :seq.length] for layer in self.cache]).clone()
             with self._handoff_lock:
                 self._handoff[handle] = (time.monotonic(), kv)
             params = DisaggregatedParams(request_handle=handle, prefill_address=self.self_address,
@@ -493,10 +498,15 @@ class TorchEngine:
         return self._pick(seq, logits[0])
 
     def _import(self, seq: _Seq) -> None:
-        kv = seq.imported_kv.to(self.device, self.dtype)  # [layers, 2, kvh, T, d]
+        kv = seq.imported_kv.to(self.device, self.dtype)  # [layers, 2, all kv heads, T, d]
         length = kv.shape[3]
-        for layer, block in zip(self.cache, kv):
-            layer[:, seq.slot, :, :length] = block
+        if self.tp.size > 1:
+            from hpc.runtime.engine.tp import scatter_kv
+
+            scatter_kv(self.tp, self.cache, seq.slot, kv)
+        else:
+            for layer, block in zip(self.cache, kv):
+                layer[:, seq.slot, :, :length] = block
         seq.length = length
         params = seq.request.disaggregated_params
         seq.last_token = params.first_token_id

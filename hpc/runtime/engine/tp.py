@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from hpc.runtime.engine.llama import TensorParallel
 
-_STOP, _PREFILL, _DECODE = 0, 1, 2
+_STOP, _PREFILL, _DECODE, _EXPORT_KV, _IMPORT_KV = 0, 1, 2, 3, 4
 _KINDS = {"prefill": _PREFILL, "decode": _DECODE}
 
 
@@ -46,6 +46,40 @@ def broadcast_step(tp: TensorParallel, kind: str, embeds: torch.Tensor, position
     dist.broadcast(slots.contiguous(), 0, group=tp.group)
 
 
+def _local_kv(cache: list[torch.Tensor], slot: int, length: int) -> torch.Tensor:
+    """This rank's KV of one slot: [layers, 2, its kv heads, length, head_dim]."""
+    return torch.stack([layer[:, slot, :, :length] for layer in cache]).contiguous()
+
+
+def gather_kv(tp: TensorParallel, cache: list[torch.Tensor], slot: int, length: int) -> torch.Tensor:
+    """Rank 0: the whole KV of a slot, every rank's heads in rank order (the checkpoint's order: each rank holds a
+    contiguous run of KV heads). The other ranks take part from follow()."""
+    header = torch.tensor([_EXPORT_KV, slot, length, 0], dtype=torch.long, device=cache[0].device)
+    dist.broadcast(header, 0, group=tp.group)
+    local = _local_kv(cache, slot, length)
+    parts = [torch.empty_like(local) for _ in range(tp.size)]
+    dist.all_gather(parts, local, group=tp.group)
+    return torch.cat(parts, dim=2)
+
+
+def scatter_kv(tp: TensorParallel, cache: list[torch.Tensor], slot: int, kv: torch.Tensor) -> None:
+    """Rank 0: write a whole KV [layers, 2, all kv heads, length, head_dim] into a slot of every rank, each
+    keeping its own heads — whatever TP the prefill worker that made it ran."""
+    heads, length = kv.shape[2], kv.shape[3]
+    header = torch.tensor([_IMPORT_KV, slot, length, heads], dtype=torch.long, device=cache[0].device)
+    dist.broadcast(header, 0, group=tp.group)
+    kv = kv.contiguous()
+    dist.broadcast(kv, 0, group=tp.group)
+    _write_own_heads(tp, cache, slot, kv)
+
+
+def _write_own_heads(tp: TensorParallel, cache: list[torch.Tensor], slot: int, kv: torch.Tensor) -> None:
+    own = cache[0].shape[2]  # kv heads per rank
+    length = kv.shape[3]
+    for layer, block in zip(cache, kv):
+        layer[:, slot, :, :length] = block[:, tp.rank * own:(tp.rank + 1) * own]
+
+
 def broadcast_stop(tp: TensorParallel, device: torch.device) -> None:
     dist.broadcast(torch.tensor([_STOP, 0, 0, 0], dtype=torch.long, device=device), 0, group=tp.group)
 
@@ -59,6 +93,16 @@ def follow(engine) -> None:
         kind, b, t, h = header.tolist()
         if kind == _STOP:
             return
+        if kind == _EXPORT_KV:  # (slot, length): hand rank 0 this rank's heads
+            local = _local_kv(engine.cache, b, t)
+            dist.all_gather([torch.empty_like(local) for _ in range(tp.size)], local, group=tp.group)
+            continue
+        if kind == _IMPORT_KV:  # (slot, length, all heads): take this rank's heads of rank 0's whole KV
+            cache = engine.cache
+            kv = torch.empty(len(cache), 2, h, t, cache[0].shape[-1], dtype=cache[0].dtype, device=device)
+            dist.broadcast(kv, 0, group=tp.group)
+            _write_own_heads(tp, cache, b, kv)
+            continue
         embeds = torch.empty(b, t, h, dtype=engine.dtype, device=device)
         positions = torch.empty(b, t, dtype=torch.long, device=device)
         slots = torch.empty(b, dtype=torch.long, device=device)

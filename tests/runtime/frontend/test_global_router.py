@@ -134,3 +134,24 @@ def test_aggregated_pools_follow_the_ttft_itl_grid(agg_pooled):
         now = _pools(agg_pooled)
         assert {p for p in now if now[p]["routed"] > was[p]["routed"]} == {pool}, fields
     assert _pools(agg_pooled)["agg-bulk"]["chosen_by"] == {"grid_default_target": 1, "grid": 1}
+
+
+tp_pools = stack_fixture(str(project_root() / "tests" / "runtime" / "data" / "tiny-pools-tp.yaml"))
+
+
+@pytest.mark.integration
+def test_kv_moves_between_workers_of_any_tp_size(tp_pools):
+    """Prefill TP 1 or 2 -> decode TP 1 or 2: a TP-2 prefill gathers every rank's KV heads, a TP-2 decode gives
+    each rank its own; all four routes give the same fp32 greedy tokens."""
+    prompts = [LONG, SHORT, list(range(500, 533))]
+    answers = {}
+    for priority in range(4):
+        was = _pools(tp_pools)
+        answers[priority] = [_complete(tp_pools, p, max_tokens=12, nvext={"agent_hints": {"priority": priority}})
+                             ["choices"][0]["text"] for p in prompts]
+        now = _pools(tp_pools)
+        moved = {p for p in now if now[p]["routed"] > was[p]["routed"]}
+        assert moved == {f"prefill-tp{1 + priority // 2}", f"decode-tp{1 + priority % 2}"}, priority
+    assert answers[1] == answers[0] and answers[2] == answers[0] and answers[3] == answers[0], answers
+    manifest = tp_pools.manifest
+    assert [w.tasks for w in manifest.plan.workers] == [1, 2, 1, 2]
