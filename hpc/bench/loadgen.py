@@ -32,6 +32,9 @@ class Level:
     ttft_target_ms: float | None = None
     itl_target_ms: float | None = None
     priority: int | None = None
+    # every request sends the same prompt: with prefix reuse only its last block is computed again, so a
+    # decode-only profile measures decode (what the profiler's decode -> aggregated conversion enables reuse for)
+    same_prompt: bool = False
 
     def routing_fields(self) -> dict[str, Any]:
         targets = {k: v for k, v in (("ttft_target", self.ttft_target_ms), ("itl_target", self.itl_target_ms))
@@ -65,7 +68,8 @@ def prompt_ids(n: int, rng: random.Random) -> list[int]:
 
 
 async def one_request(pool: Pool, model: str, level: Level, streaming: bool, rng: random.Random) -> Sample:
-    body = {"model": model, "prompt": prompt_ids(level.input_tokens, rng), "max_tokens": level.output_tokens,
+    prompt = prompt_ids(level.input_tokens, random.Random(level.input_tokens) if level.same_prompt else rng)
+    body = {"model": model, "prompt": prompt, "max_tokens": level.output_tokens,
             "ignore_eos": True, "stream": streaming, **level.routing_fields()}
     if streaming:
         body["stream_options"] = {"include_usage": True}

@@ -71,7 +71,7 @@ def plot(runs: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
     ax.set_title("throughput vs latency")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    paths.append(_save(plt, fig, out_dir / "throughput_vs_latency.png"))
+    paths.append(save_figure(plt, fig, out_dir / "throughput_vs_latency.png"))
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5))
     for label, res in runs.items():
         lv = res["levels"]
@@ -84,11 +84,11 @@ def plot(runs: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
         a.set_xscale("log", base=2)
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
-    paths.append(_save(plt, fig, out_dir / "ttft_itl_vs_concurrency.png"))
+    paths.append(save_figure(plt, fig, out_dir / "ttft_itl_vs_concurrency.png"))
     return paths
 
 
-def _save(plt, fig, path: Path) -> Path:
+def save_figure(plt, fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -68,36 +68,41 @@ def render(args: argparse.Namespace) -> int:
 
 
 def launch(args: argparse.Namespace) -> int:
+    r = _resolve(args, for_launch=not args.dry_run)
+    return launch_resolved(r, dry_run=args.dry_run, wait=not args.no_wait, smoke=not args.no_smoke)[0]
+
+
+def launch_resolved(r: Resolved, *, dry_run: bool = False, wait: bool = True, smoke: bool = True):
+    """Check what only a launch needs, write the run directory, submit, wait: (exit code, the run)."""
     from hpc import rundir
     from hpc.render.sbatch import render_sbatch
 
-    r = _resolve(args, for_launch=not args.dry_run)
-    if r.cluster.is_local and not args.dry_run:
+    if r.cluster.is_local and not dry_run:
         from hpc.launch.local import port_free
 
         port = r.recipe.frontend.port
         if not port_free(port):
             raise UserError(f"port {port} is already in use on this machine", field="frontend.port",
                             hint=f"pick another: --set frontend.port={port + 1}")
-    if not r.cluster.is_local and not args.dry_run:
+    if not r.cluster.is_local and not dry_run:
         _check_slurm_reachable(r)
-    if not args.dry_run:
+    if not dry_run:
         _check_secrets(r)
-    if r.cluster.container is not None and not args.dry_run:
+    if r.cluster.container is not None and not dry_run:
         _ensure_runtime_bundle(r)
     run = rundir.create(r, render_sbatch)
     print(plan_table(r.plan, _title(r)))
     print(f"run directory: {run.path}")
-    if args.dry_run:
+    if dry_run:
         print(f"dry run: nothing submitted. Submit it yourself with: sbatch {run.script_path}")
-        return 0
+        return 0, run
     if r.cluster.is_local:
         from hpc.launch.local import launch_local
 
-        return launch_local(run, wait=not args.no_wait, smoke=not args.no_smoke)
+        return launch_local(run, wait=wait, smoke=smoke), run
     from hpc.launch.slurm import launch_slurm
 
-    return launch_slurm(run, wait=not args.no_wait, smoke=not args.no_smoke)
+    return launch_slurm(run, wait=wait, smoke=smoke), run
 
 
 def _check_secrets(r: Resolved) -> None:

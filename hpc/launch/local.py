@@ -32,7 +32,10 @@ def free_port_base(start: int, span: int) -> int:
 
 
 def port_free(port: int) -> bool:
+    """Whether a server could listen on it now: with SO_REUSEADDR as the servers bind, so connections of a stopped
+    run still in TIME_WAIT do not count (another listener does)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
             return True
