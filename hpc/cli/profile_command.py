@@ -32,13 +32,17 @@ def add_parser(sub: argparse._SubParsersAction, add_target) -> None:
     p.add_argument("--max-concurrency", type=int, default=64, help="highest decode concurrency (default: 64)")
     p.add_argument("--out", type=Path, help="output directory (default: RUNS/profile-<recipe>-<time>); "
                                             "an interrupted profile there is resumed")
+    p.add_argument("--form", choices=["disagg", "agg"],
+                   help="disagg (default for a disaggregated recipe): engines in the roles they serve in; agg: "
+                        "each role converted to its aggregated profiling form (Dynamo's profiler)")
     p.add_argument("--dry-run", action="store_true", help="print the sweep plan and stop")
     p.set_defaults(func=profile)
 
 
 def profile(args: argparse.Namespace) -> int:
     from hpc.cli.commands import _free_local_ports, launch_resolved, plan_table
-    from hpc.profile.plan import engines, points, profile_recipe, requests_at
+    from hpc.profile.choose import choose
+    from hpc.profile.plan import default_form, engines, fed_by, points, profile_recipe, requests_at
     from hpc.profile.spec import ProfileRequest, check_request, gpus_needed
     from hpc.resolve import resolve, resolve_specs
     from hpc.rundir import runs_root
@@ -49,14 +53,18 @@ def profile(args: argparse.Namespace) -> int:
                          max_gpus=args.max_gpus, requests=args.requests, max_concurrency=args.max_concurrency)
     check_request(req, resolved)
     cluster = resolved.cluster if args.dry_run else _free_local_ports(resolved.cluster)
-    prof = resolve_specs(cluster, Path(resolved.cluster_file), profile_recipe(recipe, req.tps),
+    if args.form == "disagg" and not recipe.disaggregated:
+        raise UserError("--form disagg needs a disaggregated recipe", file=resolved.recipe_file, field="roles",
+                        hint="leave --form out for an aggregated recipe")
+    form = args.form or default_form(recipe)
+    prof = resolve_specs(cluster, Path(resolved.cluster_file), profile_recipe(recipe, req.tps, form),
                          Path(resolved.recipe_file))
-    todo = points(recipe, req, prof.engine_args)
+    todo = points(recipe, req, prof.engine_args, form)
     out = (args.out or runs_root() / f"profile-{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    print(f"profile of {recipe.name} on {cluster.name}: isl {req.isl}, osl {req.osl}, TTFT <= {req.ttft_ms:g} ms, "
+    print(f"profile of {recipe.name} on {cluster.name} ({form} form): isl {req.isl}, osl {req.osl}, TTFT <= {req.ttft_ms:g} ms, "
           f"ITL <= {req.itl_ms:g} ms; TP {','.join(map(str, req.tps))}; {gpus_needed(req.tps, recipe.disaggregated)} "
           f"GPU(s) in one allocation")
-    for e in engines(recipe, req.tps):
+    for e in engines(recipe, req.tps, form):
         n = [p for p in todo if p.pool == e.pool]
         print(f"  engine {e.pool}: TP {e.tp}, {len(n)} points ({sum(requests_at(p, req) for p in n)} requests)")
     if args.dry_run:
@@ -73,6 +81,9 @@ def profile(args: argparse.Namespace) -> int:
     if all(p.key in results["points"] for p in todo):
         print(f"every point is measured already ({out / 'profile.json'}): nothing to launch")
         return _conclude(recipe, resolved, req, results, out)
+    before = sum(p.key in results["points"] for p in todo)
+    if before:
+        print(f"resuming: {before} of {len(todo)} points measured before")
     code, run = launch_resolved(prof, smoke=False)
     if code != 0:
         raise UserError(f"the profile's engines did not come up (run {run.path.name})",
@@ -80,7 +91,16 @@ def profile(args: argparse.Namespace) -> int:
     try:
         url = json.loads((run.path / "endpoints" / "frontend.json").read_text())["url"]
         results["run"] = run.path.name
-        run_points(todo, req, url, recipe.model.served_name, out, results)
+        prefill = [p for p in todo if p.phase == "prefill"]
+        run_points(prefill, req, url, recipe.model.served_name, out, results, total=len(todo))
+        decode = [p for p in todo if p.phase == "decode"]
+        if form == "disagg":  # decode fed by the prefill size the choice picks, as the emitted recipe serves
+            chosen = choose(list(results["points"].values()), req)["prefill"]["chosen"]
+            if chosen is not None:
+                print(f"decode levels fed by prefill TP {chosen['tp']} (the prefill choice)")
+                decode = [fed_by(p, recipe, req, chosen["tp"]) for p in decode]
+        run_points(decode, req, url, recipe.model.served_name, out, results, total=len(todo),
+                   done_before=len(prefill))
     finally:
         _stop(run)
     return _conclude(recipe, resolved, req, results, out)

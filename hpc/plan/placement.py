@@ -103,6 +103,8 @@ def plan(cluster: ClusterProfile, recipe: Recipe) -> Plan:
     services.append(ServicePlan(name="frontend", node=0, ports={"http": recipe.frontend.port}))
 
     node, used_on_node = (1, 0) if dedicated_infra else (0, 0)
+    floor = node  # the first node workers may use
+    used: dict[int, int] = {}  # GPUs taken per node (pack: a worker takes the first node with room, first fit)
     workers: list[WorkerPlan] = []
     serial = 0
     next_index: dict[RoleName, int] = {}
@@ -113,22 +115,28 @@ def plan(cluster: ClusterProfile, recipe: Recipe) -> Plan:
         first_index = next_index.get(role_name, 0)
         next_index[role_name] = first_index + role.count
         for index in range(first_index, first_index + role.count):
-            if local or tasks <= gpn or gpn == 0:
+            if not local and gpn and tasks <= gpn and recipe.placement == "pack":
+                node = next(n for n in range(floor, max(used, default=floor) + 2) if used.get(n, 0) + tasks <= gpn)
+                nodes, tasks_per_node, offset = [node], tasks, used.get(node, 0)
+                used[node] = used.get(node, 0) + tasks
+                used_on_node = used[node]
+            elif local or tasks <= gpn or gpn == 0:
                 if not local and gpn and used_on_node + tasks > gpn:
                     node, used_on_node = node + 1, 0
                 nodes, tasks_per_node, offset = [node], tasks, used_on_node
                 used_on_node += tasks
+                used[node] = used_on_node
             else:
                 if tasks % gpn:
                     raise UserError(
                         f"a worker of {tasks} GPUs spans nodes but is not a whole number of "
                         f"{gpn}-GPU nodes", field=f"roles.{role_name.value}",
                         hint=f"use a TP x PP that is a multiple of {gpn}")
-                if used_on_node:
-                    node, used_on_node = node + 1, 0
+                node = max([node] + [n + 1 for n, g in used.items() if g])  # whole nodes after every used one
                 span = tasks // gpn
                 nodes, tasks_per_node, offset = list(range(node, node + span)), gpn, 0
-                node += span
+                used.update({n: gpn for n in nodes})
+                node, used_on_node = node + span - 1, gpn
             ranks = []
             for rank in range(tasks):
                 c = rank_coords(rank, tp=role.tensor_parallel_size, pp=role.pipeline_parallel_size,

@@ -1,28 +1,35 @@
-"""The profile's plan, pure: one recipe holding a warm engine per (phase, TP size) as pools of an aggregated role
-(the config modifiers turn each disaggregated role into its aggregated profiling form), the global router's
-priority rules that address each pool, and the points each engine is measured at."""
+"""The profile's plan, pure: one recipe holding a warm engine per (phase, TP size) as pools, the global router's
+priority rules that address each pool, and the points each engine is measured at.
+
+Two forms. `disagg` (the default for a disaggregated recipe): prefill and decode pools in the roles they serve in,
+so a decode level measures a decode worker fed by prefill workers, as the deployment runs it. `agg` (Dynamo's
+profiler, and every aggregated recipe): each role converted to its aggregated profiling form by the config
+modifiers, every engine a pool of one aggregated role.
+"""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from hpc.profile.spec import ProfileRequest
 from hpc.spec.modifiers import to_agg, with_parallel
 from hpc.spec.recipe import PoolSpec, Recipe, Roles, RoleSpec, RouterPolicy
+
+Form = Literal["disagg", "agg"]
 
 
 class Engine(NamedTuple):
     pool: str  # the pool's name in the profile recipe
     phase: str  # what its numbers stand for: prefill, decode, or agg (both)
     tp: int
-    priority: int  # nvext.agent_hints.priority that the profile's global router sends to this pool
+    index: int  # among the pools of its role in the profile recipe
 
 
 class Point(NamedTuple):
     phase: str  # prefill: TTFT at `isl`, one request at a time; decode: ITL at `concurrency`, context isl
     tp: int
     pool: str
-    priority: int
+    priority: int  # nvext.agent_hints.priority: the profile's global router sends it to `pool`
     isl: int
     osl: int
     concurrency: int
@@ -33,37 +40,86 @@ class Point(NamedTuple):
         return f"{self.phase}/tp{self.tp}/{x}"
 
 
-def engines(recipe: Recipe, tps: list[int]) -> list[Engine]:
+def default_form(recipe: Recipe) -> Form:
+    return "disagg" if recipe.disaggregated else "agg"
+
+
+def engines(recipe: Recipe, tps: list[int], form: Form | None = None) -> list[Engine]:
+    """Largest TP first: the planner fills nodes in order, so whole-node engines come before those that share."""
+    form = form or default_form(recipe)
     phases = ("prefill", "decode") if recipe.disaggregated else ("agg",)
-    out = []
-    for phase in phases:
-        for tp in sorted(tps):
-            out.append(Engine(f"{phase}-tp{tp}", phase, tp, len(out)))
+    out: list[Engine] = []
+    for tp in sorted(tps, reverse=True):
+        for phase in phases:
+            index = len(out) if form == "agg" else sum(e.phase == phase for e in out)
+            out.append(Engine(f"{phase}-tp{tp}", phase, tp, index))
     return out
 
 
-def profile_recipe(recipe: Recipe, tps: list[int]) -> Recipe:
-    """Every engine of the profile as a pool of one aggregated role; requests reach a pool by priority."""
-    pools = []
-    for engine in engines(recipe, tps):
-        role = "agg" if engine.phase == "agg" else engine.phase
-        single = recipe if role == "agg" else to_agg(recipe, role)  # the profiler's form of a prefill/decode role
-        single = with_parallel(single, "agg", tp=engine.tp)
-        spec = single.roles.agg.model_dump(exclude={"pools", "count", "failure"})
-        pools.append(PoolSpec(name=engine.pool, count=1, **spec))
-    names = [e.pool for e in engines(recipe, tps)]
-    router: dict[str, Any] = {
-        "mode": "agg", "num_agg_pools": len(names), "agg_pool_dynamo_namespaces": names,
-        "agg_pool_selection_strategy": {
-            "ttft_min_ms": 0, "ttft_max_ms": 1, "ttft_resolution": 1, "itl_min_ms": 0, "itl_max_ms": 1,
-            "itl_resolution": 1, "agg_pool_mapping": [[0]],
-            "priority_overrides": [{"min_priority": i, "max_priority": i, "target_pool": i}
-                                   for i in range(len(names))]}}
+def _priority(engine: Engine, form: Form, n_decode: int) -> int:
+    """Disaggregated form: priority = prefill pool x n_decode + decode pool; a prefill point pairs its engine with
+    decode pool 0, a decode point its engine with prefill pool 0 until fed_by() names the prefill it runs with."""
+    if form == "agg":
+        return engine.index
+    return engine.index * n_decode if engine.phase == "prefill" else engine.index
+
+
+def fed_by(point: Point, recipe: Recipe, req: ProfileRequest, prefill_tp: int) -> Point:
+    """A decode point of the disaggregated form fed by the prefill engine of `prefill_tp` (the one the SLA choice
+    picked: the decode figures are then those of the deployment the profile writes)."""
+    all_engines = engines(recipe, req.tps, "disagg")
+    n_decode = sum(e.phase == "decode" for e in all_engines)
+    prefill = next(e for e in all_engines if e.phase == "prefill" and e.tp == prefill_tp)
+    return point._replace(priority=prefill.index * n_decode + point.priority % n_decode)
+
+
+def profile_recipe(recipe: Recipe, tps: list[int], form: Form | None = None) -> Recipe:
+    """Every engine of the profile as a pool; requests reach their pool by priority."""
+    form = form or default_form(recipe)
+    all_engines = engines(recipe, tps, form)
+    pools: dict[str, list[PoolSpec]] = {}
+    for engine in all_engines:
+        if form == "agg":
+            single = recipe if engine.phase == "agg" else to_agg(recipe, engine.phase)  # the profiler's form
+            role, single = "agg", with_parallel(single, "agg", tp=engine.tp)
+        else:
+            role, single = engine.phase, with_parallel(recipe, engine.phase, tp=engine.tp)
+        spec = getattr(single.roles, role).model_dump(exclude={"pools", "count", "failure"})
+        pools.setdefault(role, []).append(PoolSpec(name=engine.pool, count=1, **spec))
+    names = {role: [p.name for p in specs] for role, specs in pools.items()}
+    any_cell = {"ttft_min_ms": 0, "ttft_max_ms": 1, "ttft_resolution": 1, "itl_min_ms": 0, "itl_max_ms": 1,
+                "itl_resolution": 1}
+    if form == "agg":
+        router: dict[str, Any] = {
+            "mode": "agg", "num_agg_pools": len(names["agg"]), "agg_pool_dynamo_namespaces": names["agg"],
+            "agg_pool_selection_strategy": {**any_cell, "agg_pool_mapping": [[0]], "priority_overrides": [
+                {"min_priority": i, "max_priority": i, "target_pool": i} for i in range(len(names["agg"]))]}}
+        roles = Roles(agg=RoleSpec(pools=pools["agg"]), encode=recipe.roles.encode)
+    else:
+        n_pre, n_dec = len(names["prefill"]), len(names["decode"])
+        router = {
+            "mode": "disagg", "num_prefill_pools": n_pre, "num_decode_pools": n_dec,
+            "prefill_pool_dynamo_namespaces": names["prefill"], "decode_pool_dynamo_namespaces": names["decode"],
+            "prefill_pool_selection_strategy": {
+                "isl_min": 0, "isl_max": 1, "isl_resolution": 1, **{k: v for k, v in any_cell.items()
+                                                                   if k.startswith("ttft")},
+                "prefill_pool_mapping": [[0]], "priority_overrides": [
+                    {"min_priority": i * n_dec, "max_priority": i * n_dec + n_dec - 1, "target_pool": i}
+                    for i in range(n_pre)]},
+            "decode_pool_selection_strategy": {
+                "context_length_min": 0, "context_length_max": 1, "context_length_resolution": 1,
+                **{k: v for k, v in any_cell.items() if k.startswith("itl")}, "decode_pool_mapping": [[0]],
+                "priority_overrides": [{"min_priority": i * n_dec + j, "max_priority": i * n_dec + j,
+                                        "target_pool": j} for i in range(n_pre) for j in range(n_dec)]}}
+        roles = Roles(prefill=RoleSpec(pools=pools["prefill"]), decode=RoleSpec(pools=pools["decode"]),
+                      encode=recipe.roles.encode)
     frontend = recipe.frontend.model_copy(update={"global_router": router, "router": RouterPolicy.ROUND_ROBIN})
     return recipe.model_copy(update={
-        "name": f"{recipe.name}-profile"[:64], "roles": Roles(agg=RoleSpec(pools=pools), encode=recipe.roles.encode),
+        "name": f"{recipe.name}-profile"[:64], "roles": roles,
         "frontend": frontend, "smoke": recipe.smoke.model_copy(update={"enabled": False}),
-        "description": f"hpc profile of {recipe.name}: one warm engine per phase and TP size"})
+        # as few nodes as the engines fit on: the profile measures engines, not the serving layout
+        "placement": "pack", "infra": recipe.infra.model_copy(update={"placement": "shared"}),
+        "description": f"hpc profile of {recipe.name} ({form} form): one warm engine per phase and TP size"})
 
 
 def isl_points(req: ProfileRequest, max_input: int) -> list[int]:
@@ -80,19 +136,25 @@ def concurrency_levels(req: ProfileRequest, max_batch: int | None) -> list[int]:
     return levels
 
 
-def points(recipe: Recipe, req: ProfileRequest, engine_args: dict[str, dict[str, Any]]) -> list[Point]:
+def points(recipe: Recipe, req: ProfileRequest, engine_args: dict[str, dict[str, Any]],
+           form: Form | None = None) -> list[Point]:
+    form = form or default_form(recipe)
+    all_engines = engines(recipe, req.tps, form)
+    n_decode = sum(e.phase == "decode" for e in all_engines)
     out = []
-    for e in engines(recipe, req.tps):
+    for e in all_engines:
+        priority = _priority(e, form, n_decode)
         if e.phase in ("prefill", "agg"):
             for isl in isl_points(req, recipe.limits.max_input_tokens):
-                out.append(Point("prefill", e.tp, e.pool, e.priority, isl, 1, 1))
+                out.append(Point("prefill", e.tp, e.pool, priority, isl, 1, 1))
         if e.phase in ("decode", "agg"):
             batch = (engine_args.get(e.pool) or {}).get("max_batch_size")
             for c in concurrency_levels(req, batch if isinstance(batch, int) else None):
-                out.append(Point("decode", e.tp, e.pool, e.priority, req.isl, req.osl, c))
-    return out
+                out.append(Point("decode", e.tp, e.pool, priority, req.isl, req.osl, c))
+    return sorted(out, key=lambda p: p.phase != "prefill")  # prefill first: its choice feeds the decode levels
 
 
 def requests_at(point: Point, req: ProfileRequest) -> int:
-    """Enough that every decode level really has `concurrency` requests in flight (the bench validity gate)."""
-    return req.requests if point.phase == "prefill" else max(req.requests, 2 * point.concurrency)
+    """Enough that every decode level really has `concurrency` requests in flight for a while: 4 per user, as
+    `hpc bench` sends by default (its validity gate)."""
+    return req.requests if point.phase == "prefill" else max(req.requests, 4 * point.concurrency)

@@ -18,7 +18,7 @@ class ProfileRequest(BaseModel):
     itl_ms: float  # SLA: inter-token latency
     tps: list[int] = Field(default_factory=lambda: [1])  # tensor-parallel sizes to profile
     max_gpus: int | None = None
-    requests: int = 8  # per point (at least 2 x concurrency for decode levels)
+    requests: int = 8  # per point (at least 4 x concurrency for decode levels)
     max_concurrency: int = 64
 
 

@@ -53,10 +53,11 @@ def measure(point: Point, req: ProfileRequest, url: str, model: str) -> dict[str
 
 
 def run_points(points: list[Point], req: ProfileRequest, url: str, model: str, out: Path, results: dict[str, Any],
-               say: Callable[[str], None] = print) -> dict[str, Any]:
+               say: Callable[[str], None] = print, total: int | None = None,
+               done_before: int = 0) -> dict[str, Any]:
+    """Measure `points` (those not in `results` yet), saving after each; numbered n of `total` for progress."""
     todo = [p for p in points if p.key not in results["points"]]
-    if len(todo) < len(points):
-        say(f"resuming: {len(points) - len(todo)} of {len(points)} points measured before")
+    total = total or len(points)
     for n, point in enumerate(todo, 1):
         t0 = time.monotonic()
         got = measure(point, req, url, model)
@@ -65,7 +66,7 @@ def run_points(points: list[Point], req: ProfileRequest, url: str, model: str, o
         figure = (f"TTFT p50 {got['ttft_ms']:.1f} ms" if point.phase == "prefill" and got["ttft_ms"] is not None
                   else f"ITL p50 {got['itl_ms']:.2f} ms, {got['tok_s']:.0f} tok/s" if got["itl_ms"] is not None
                   else "no figures")
-        say(f"[{len(points) - len(todo) + n}/{len(points)}] {point.pool} "
+        say(f"[{done_before + len(points) - len(todo) + n}/{total}] {point.pool} "
             f"{'isl ' + str(point.isl) if point.phase == 'prefill' else 'c=' + str(point.concurrency)}: {figure}"
             f"{'' if got['valid'] else ' (INVALID: ' + '; '.join(got['invalid_reasons']) + ')'}"
             f" [{time.monotonic() - t0:.1f} s]")

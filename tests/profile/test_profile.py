@@ -12,7 +12,7 @@ import yaml
 
 from hpc.cli.main import main
 from hpc.profile import choose as pick
-from hpc.profile.plan import isl_points, profile_recipe
+from hpc.profile.plan import isl_points, points, profile_recipe
 from hpc.profile.spec import ProfileRequest
 from hpc.resolve import resolve, resolve_specs
 from hpc.spec.catalog import load_recipe
@@ -42,23 +42,41 @@ def test_dry_run_prints_the_plan_and_writes_nothing(capsys, tmp_path):
     assert main([*ARGS, "--tp", "1,2", "--max-concurrency", "8", "--dry-run", "--out", str(tmp_path / "p")]) == 0
     out = capsys.readouterr().out
     assert "engine prefill-tp2: TP 2, 4 points" in out and "engine decode-tp1: TP 1, 4 points" in out
-    assert re.search(r"agg-3 \(decode-tp2\)\s+2\s", out) and "points: 16; estimated" in out
+    assert re.search(r"decode-0 \(decode-tp2\)\s+2\s", out) and "(disagg form)" in out and "points: 16; estimated" in out
     assert not (tmp_path / "p").exists()
 
 
 @pytest.mark.unit
 def test_the_profile_recipe_holds_one_engine_per_phase_and_tp_in_the_profilers_form():
     recipe, path = load_recipe("tiny-disagg")
-    prof = profile_recipe(recipe, [2, 1])
+    prof = profile_recipe(recipe, [2, 1], "agg")
     pools = {p.name: p for p in prof.roles.agg.pools}
-    assert list(pools) == ["prefill-tp1", "prefill-tp2", "decode-tp1", "decode-tp2"]
+    assert list(pools) == ["prefill-tp2", "decode-tp2", "prefill-tp1", "decode-tp1"]  # whole nodes first
     assert pools["prefill-tp2"].tensor_parallel_size == 2
     assert pools["prefill-tp2"].override_engine_args["kv_cache_config"] == {"enable_block_reuse": False}
     assert pools["decode-tp1"].override_engine_args["kv_cache_config"] == {"enable_block_reuse": True}
     r = resolve("local", "tiny-disagg")
     resolved = resolve_specs(r.cluster, Path(r.cluster_file), prof, path)
     assert resolved.engine_args["decode-tp2"]["tensor_parallel_size"] == 2
-    assert [w.tasks for w in resolved.plan.workers] == [1, 2, 1, 2]
+    assert [w.tasks for w in resolved.plan.workers] == [2, 2, 1, 1]
+
+
+@pytest.mark.unit
+def test_the_disaggregated_form_addresses_every_prefill_and_decode_pool_by_priority():
+    recipe, path = load_recipe("tiny-disagg")
+    prof = profile_recipe(recipe, [1, 2])
+    assert recipe.roles.prefill.pools is None and [p.name for p in prof.roles.prefill.pools] == [
+        "prefill-tp2", "prefill-tp1"]
+    config = parse_global_router(prof.frontend.global_router, "profile")
+    req = ProfileRequest(isl=64, osl=16, ttft_ms=100, itl_ms=20, tps=[1, 2])
+    for point in points(recipe, req, {}):
+        names = config.pools(point.phase)
+        pool = config.prefill_pool(64, None, point.priority) if point.phase == "prefill" else \
+            config.decode_pool(64, None, point.priority)
+        assert names[pool] == point.pool, point
+    # a decode point is fed by the largest prefill engine
+    decode_tp1 = next(p for p in points(recipe, req, {}) if p.pool == "decode-tp1")
+    assert config.pools("prefill")[config.prefill_pool(64, None, decode_tp1.priority)] == "prefill-tp2"
 
 
 def _points(ttft: dict[int, dict[int, float]], decode: dict[int, dict[int, tuple[float, float]]]) -> list[dict]:
