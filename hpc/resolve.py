@@ -6,6 +6,7 @@ Nothing is written here; every mistake found is reported before anything is subm
 from __future__ import annotations
 
 import datetime as _dt
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from hpc.plan.placement import PORTS_PER_WORKER, WORKER_PORTS_START, Plan, plan
 from hpc.spec.base import load_yaml
 from hpc.spec.catalog import load_cluster, load_recipe, resolve_config_path
 from hpc.spec.cluster import ClusterProfile, time_to_minutes
+from hpc.spec.diffusion import TORCH_PARALLEL, check_sizes, model_facts
 from hpc.spec.global_router import load_global_router, parse_global_router
 from hpc.spec.recipe import Backend, Recipe, RoleName, RoleSpec, WorkerGroup
 from hpc.manifest import Manifest
@@ -102,6 +104,7 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
     if recipe.model.canned_completion and recipe.backend is not Backend.TORCH:
         errors.append(UserError("a test knob of the torch engine only", file=rfile,
                                 field="model.canned_completion", hint="remove it, or use backend: torch"))
+    errors += _check_video(cluster, recipe, rfile)
     if recipe.roles.encode is not None and not recipe.model.multimodal:
         errors.append(UserError("an encode role needs a multimodal model", file=rfile, field="roles.encode",
                                 hint="set model.multimodal: true or remove roles.encode"))
@@ -263,6 +266,52 @@ def _load_global_router(recipe: Recipe, recipe_path: Path, rfile: str) -> tuple[
         return recipe, errors
     inline = config.model_dump(mode="json", exclude_none=True)
     return recipe.model_copy(update={"frontend": recipe.frontend.model_copy(update={"global_router": inline})}), []
+
+
+def _check_video(cluster: ClusterProfile, recipe: Recipe, rfile: str) -> list[UserError]:
+    """Video diffusion (seed 004): the flags against the workers, the model and the engine; one line each."""
+    d = recipe.diffusion
+    if d is None:
+        return []
+    errors = []
+    role = recipe.roles.agg
+    sizes = " x ".join(f"{f.removeprefix('dit_').removesuffix('_size')} {getattr(d, f)}"
+                       for f in ("dit_dp_size", "dit_tp_size", "dit_ulysses_size", "dit_ring_size", "dit_cfg_size"))
+    if role is not None and d.ranks != role.gpus_per_worker:
+        errors.append(UserError(
+            f"the DiT parallel sizes ({sizes}) make {d.ranks} ranks, but each worker has {role.gpus_per_worker} "
+            f"GPU(s) (roles.agg.tensor_parallel_size x pipeline_parallel_size)", file=rfile, field="diffusion",
+            hint=f"set roles.agg.tensor_parallel_size: {d.ranks}, or change the dit_* sizes"))
+    facts = model_facts(recipe.model.generate)
+    problem = check_sizes(facts, d.default_height, d.default_width, d.default_num_frames)
+    if problem:
+        errors.append(UserError(f"default size: {problem}", file=rfile, field="diffusion.default_height",
+                                hint="fix default_height / default_width / default_num_frames"))
+    if recipe.backend is Backend.TORCH:
+        others = [f for f in ("dit_dp_size", "dit_tp_size", "dit_ring_size", "dit_fsdp_size") if getattr(d, f) > 1]
+        if others:
+            errors.append(UserError(f"the torch reference engine runs {' and '.join(TORCH_PARALLEL)}, not "
+                                    f"{others[0]}", file=rfile, field=f"diffusion.{others[0]}",
+                                    hint="set it to 1, or use backend: trtllm"))
+        for flag in ("attn_type", "linear_type"):
+            if getattr(d, flag) != "default":
+                errors.append(UserError(f"the torch reference engine has only the default {flag}", file=rfile,
+                                        field=f"diffusion.{flag}", hint="set it to default, or use backend: trtllm"))
+        if d.enable_async_cpu_offload:
+            errors.append(UserError("the torch reference engine does not offload to the CPU", file=rfile,
+                                    field="diffusion.enable_async_cpu_offload", hint="remove it"))
+    if d.output_dir is not None:
+        out = Path(d.output_dir).expanduser()
+        if not out.is_absolute():
+            errors.append(UserError(f"output_dir {d.output_dir!r} is relative; the workers run elsewhere",
+                                    file=rfile, field="diffusion.output_dir", hint="give an absolute path on the "
+                                                                                    "cluster's shared filesystem"))
+        else:
+            existing = next(p for p in (out, *out.parents) if p.exists())
+            if not os.access(existing, os.W_OK):
+                errors.append(UserError(f"output_dir {out} is not writable ({existing} is not)", file=rfile,
+                                        field="diffusion.output_dir", hint="pick a directory you can write"))
+    return errors
 
 
 def _check_time(cluster: ClusterProfile, recipe: Recipe, cfile: str, rfile: str) -> list[UserError]:

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 from pydantic import Field, field_validator, model_validator
 
 from hpc.spec.base import EnvMap, SingleLine, StrictModel
+from hpc.spec.diffusion import DiffusionSpec
 
 
 class Backend(str, Enum):
@@ -44,7 +45,7 @@ class ModelSpec(StrictModel):
     served_name: SingleLine = Field(min_length=1, max_length=256)
     tokenizer: str | None = Field(None, description="defaults to the model path")
     multimodal: bool = False
-    generate: Literal["tiny", "tiny-multimodal", "tiny-moe"] | None = Field(
+    generate: Literal["tiny", "tiny-multimodal", "tiny-moe", "tiny-video"] | None = Field(
         None, description="build this random-weight model at `path` before launch if it is missing")
     chat_template: str | None = Field(None, description="a Jinja file replacing the tokenizer's template")
     reasoning_parser: Literal["deepseek_r1", "qwen3", "gpt_oss"] | None = Field(
@@ -262,6 +263,9 @@ class Recipe(StrictModel):
     name: str = Field(pattern=NAME_PATTERN, max_length=64)
     description: str = ""
     model: ModelSpec
+    modality: Literal["text", "multimodal", "video_diffusion"] = Field(
+        "text", description="what the workers serve (seed 004's --modality); video_diffusion needs `diffusion`")
+    diffusion: DiffusionSpec | None = None
     backend: Backend
     time_limit: str | None = Field(None, description="overrides the cluster's default time limit")
     frontend: FrontendSpec = Field(default_factory=FrontendSpec)
@@ -285,6 +289,16 @@ class Recipe(StrictModel):
             raise ValueError("roles: disaggregated serving needs both 'prefill' and 'decode'")
         if roles.agg is None and roles.decode is None:
             raise ValueError("roles: define 'agg' (aggregated) or 'prefill' + 'decode' (disaggregated)")
+        if self.modality == "video_diffusion":
+            if self.diffusion is None:
+                raise ValueError("modality video_diffusion needs a diffusion section (its flags; {} for defaults)")
+            if roles.agg is None or roles.encode is not None:
+                raise ValueError("roles: a video_diffusion recipe serves with 'agg' workers only (one diffusion "
+                                 "pipeline per worker)")
+        elif self.diffusion is not None:
+            raise ValueError(f"diffusion: only for modality video_diffusion (this recipe is {self.modality})")
+        if self.modality == "multimodal" and not self.model.multimodal:
+            raise ValueError("modality multimodal needs model.multimodal: true")
         seen: set[str] = {r.value for r in RoleName}
         for name, spec in roles.items():
             for pool in spec.pools or []:

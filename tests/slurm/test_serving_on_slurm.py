@@ -255,3 +255,23 @@ def test_global_router_pools_on_dev_route_by_grid_and_survive_a_killed_pool(slur
     print(f"pooled on dev: {len(results)} streams, {results.count('error after streaming')} ended with an error "
           f"after streaming began; decode-bulk moved on {after['decode-bulk']['retried_away']}")
     _cancel_and_check_clean(run)
+
+
+def test_profile_on_dev_in_one_allocation_and_its_recipe_launches(slurm_env, tmp_path, capsys):
+    """hpc profile of tiny-disagg, TP 1 and 2, on the dev cluster: every engine in one job (6 GPUs over the 3
+    nodes), every point valid, and the recipe it writes launches there and passes smoke."""
+    out = tmp_path / "profile"
+    code = main(["profile", "-c", "dev", "-r", "tiny-disagg", "--isl", "64", "--osl", "16", "--ttft", "500",
+                 "--itl", "100", "--tp", "1,2", "--max-concurrency", "4", "--requests", "8", "--out", str(out),
+                 "--set", frontend_port()])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert printed.count("submitted job") == 1  # one allocation for every engine of every size
+    results = json.loads((out / "profile.json").read_text())
+    assert len(results["points"]) == 2 * 4 + 2 * 3 and all(p["valid"] for p in results["points"].values())
+    assert {p["tp"] for p in results["points"].values()} == {1, 2}
+    job_nodes = {json.loads(p.read_text())["node"] for p in (list_runs()[0].state).glob("*-*.json")}
+    assert len(job_nodes) == 3, job_nodes
+    run = _launch("-c", "dev", "-r", str(out / "recipe.yaml"))
+    assert json.loads((run.path / "smoke.json").read_text())["passed"]
+    _cancel_and_check_clean(run)

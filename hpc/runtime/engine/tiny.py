@@ -101,11 +101,15 @@ def build_tiny(out_dir: Path, multimodal: bool = False, hidden: int = 128, layer
     return out_dir
 
 
-KINDS = ("tiny", "tiny-multimodal", "tiny-moe")
+KINDS = ("tiny", "tiny-multimodal", "tiny-moe", "tiny-video")
 
 
 def build_kind(out_dir: Path, kind: str) -> Path:
-    """One of KINDS: the dense tiny model, with a vision encoder, or with sparse experts."""
+    """One of KINDS: the dense tiny model, with a vision encoder, or with sparse experts; or the video DiT."""
+    if kind == "tiny-video":
+        from hpc.runtime.engine.video.dit import build_tiny_video
+
+        return build_tiny_video(out_dir)
     return build_tiny(out_dir, multimodal=kind == "tiny-multimodal", moe=kind == "tiny-moe")
 
 

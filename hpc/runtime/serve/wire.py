@@ -180,8 +180,42 @@ class Cancel(Message, tag="cancel"):
     """The caller stopped reading the stream with this call's id."""
 
 
-CallBody = Union[GenerateRequest, FetchKv, ReleaseKv, EncodeImage, StatsQuery, Hello, Cancel]
-ReplyBody = Union[GenerateOutput, KvMeta, EncodedMedia, WorkerStats]
+# ---- video diffusion (seed 004) -------------------------------------------------------------------------------
+class VideoRequest(Message, tag="video"):
+    """One video: the prompt's tokens (the frontend tokenizes), the size, the loop, and where the MP4 goes."""
+
+    video_id: Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")]
+    prompt_ids: Annotated[list[int], Meta(max_length=4096)]
+    height: Annotated[int, Meta(ge=8, le=8192)]
+    width: Annotated[int, Meta(ge=8, le=8192)]
+    frames: Annotated[int, Meta(ge=1, le=4096)]
+    steps: Annotated[int, Meta(ge=1, le=1000)]
+    guidance: Annotated[float, Meta(ge=0.0, le=100.0)]
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)]
+    fps: Annotated[int, Meta(ge=1, le=240)]
+    output_path: Annotated[str, Meta(min_length=1, max_length=4096)]
+    negative_ids: Annotated[list[int], Meta(max_length=4096)] = field(default_factory=list)
+
+
+class VideoProgress(Message, tag="video_progress"):
+    step: int
+    steps: int
+
+
+class VideoResult(Message, tag="video_result"):
+    path: str
+    frames: int
+    width: int
+    height: int
+    fps: int
+    size_bytes: int
+    inference_time_s: float
+    transformer_calls: int
+    skipped_calls: int  # TeaCache
+
+
+CallBody = Union[GenerateRequest, FetchKv, ReleaseKv, EncodeImage, StatsQuery, Hello, Cancel, VideoRequest]
+ReplyBody = Union[GenerateOutput, KvMeta, EncodedMedia, WorkerStats, VideoProgress, VideoResult]
 
 
 class Call(Struct, frozen=True, array_like=True, forbid_unknown_fields=True):

@@ -1,0 +1,99 @@
+"""Video diffusion on the reference engine (seed 004): the tiny DiT's loop, TeaCache, and CFG- and Ulysses-
+parallel runs over gloo that equal one rank in fp32, through the worker engine's own job broadcast."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpc.runtime.engine.video.dit import Parallel, load_tiny_video
+from hpc.runtime.engine.video.engine import VideoEngine
+from hpc.runtime.engine.video.mp4 import read_mp4
+from hpc.runtime.engine.video.pipeline import VideoJob, generate
+from hpc.runtime.serve.wire import VideoRequest
+from hpc.spec.diffusion import DiffusionSpec
+
+JOB = VideoJob(prompt_ids=[5, 6, 7, 8], negative_ids=[9], height=64, width=64, frames=8, steps=12, guidance=5.0,
+               seed=3)
+
+
+@pytest.fixture(scope="module")
+def video_model(model_cache):
+    from hpc.runtime.engine.tiny import ensure_model
+
+    return ensure_model(str(model_cache / "tiny-video"), "tiny-video")
+
+
+@pytest.mark.unit
+def test_teacache_skips_transformer_calls_within_a_bounded_change_and_zero_is_identical(video_model):
+    _, dit, vae = load_tiny_video(video_model)
+    plain, stats = generate(dit, vae, JOB, Parallel())
+    assert plain.shape == (8, 64, 64, 3) and plain.dtype == torch.uint8
+    assert stats.transformer_calls == 2 * JOB.steps and stats.skipped_calls == 0  # two CFG branches per step
+    same, zero = generate(dit, vae, JOB, Parallel(), thresh=0.0)
+    assert torch.equal(same, plain) and zero.skipped_calls == 0
+    cached, tea = generate(dit, vae, JOB, Parallel(), thresh=0.2)
+    assert tea.skipped_calls >= JOB.steps // 2 and tea.transformer_calls + tea.skipped_calls == 2 * JOB.steps
+    diff = (cached.float() - plain.float()).abs()
+    assert 0 < diff.mean() < 2.0 and diff.max() < 64, (diff.mean(), diff.max())  # changed, by a bounded amount
+    other, _ = generate(dit, vae, VideoJob(**{**JOB.__dict__, "prompt_ids": [100, 200]}), Parallel())
+    assert (other.float() - plain.float()).abs().mean() > 0.5  # the prompt conditions the video
+
+
+def _rank(rank: int, world: int, port: int, model: str, spec: dict, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        engine = VideoEngine(model, DiffusionSpec(**spec), rank=rank, world=world)
+        engine.load()
+        if rank == 0:
+            result = engine._run(_request(out + ".mp4"), lambda done, total: None, threading.Event())
+            engine._broadcast_job(None)
+            record = {"transformer_calls": result.transformer_calls}
+        else:
+            engine.follow()
+            record = {}
+        record.update(all_to_all=engine.par.all_to_all_calls, cfg_rank=engine.par.cfg_rank,
+                      ulysses_rank=engine.par.ulysses_rank)
+        with open(f"{out}.{rank}", "w") as handle:
+            json.dump(record, handle)
+    finally:
+        dist.destroy_process_group()
+
+
+def _request(path: str) -> VideoRequest:
+    return VideoRequest(video_id="v", prompt_ids=JOB.prompt_ids, negative_ids=JOB.negative_ids, height=JOB.height,
+                        width=JOB.width, frames=JOB.frames, steps=JOB.steps, guidance=JOB.guidance, seed=JOB.seed,
+                        fps=8, output_path=path)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("spec", [{"dit_cfg_size": 2}, {"dit_ulysses_size": 2},
+                                  {"dit_cfg_size": 2, "dit_ulysses_size": 2}])
+def test_cfg_and_ulysses_parallel_ranks_give_the_single_rank_video(video_model, tmp_path, spec):
+    single = VideoEngine(str(video_model), DiffusionSpec())
+    single.load()
+    one = single._run(_request(str(tmp_path / "one.mp4")), lambda d, t: None, threading.Event())
+    world = spec.get("dit_cfg_size", 1) * spec.get("dit_ulysses_size", 1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "ranks")
+    torch.multiprocessing.spawn(_rank, args=(world, port, str(video_model), spec, out), nprocs=world)
+    ranks = [json.loads(open(f"{out}.{r}").read()) for r in range(world)]
+    want, fps = read_mp4(tmp_path / "one.mp4")
+    got, got_fps = read_mp4(tmp_path / "ranks.mp4")
+    assert got.shape == want.shape == (8, 64, 64, 3) and got_fps == fps == 8
+    assert np.abs(got.astype(int) - want.astype(int)).max() <= 1  # fp32: the same video, through the encoder
+    if spec.get("dit_cfg_size") == 2:  # each rank ran one branch of the guidance
+        assert ranks[0]["transformer_calls"] == JOB.steps == one.transformer_calls // 2
+        assert sorted(r["cfg_rank"] for r in ranks) == sorted([0, 1] * (world // 2))
+    if spec.get("dit_ulysses_size") == 2:  # tokens crossed ranks around every self-attention
+        assert all(r["all_to_all"] >= 2 * JOB.steps for r in ranks)
+    else:
+        assert all(r["all_to_all"] == 0 for r in ranks)
