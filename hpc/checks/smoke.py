@@ -37,6 +37,19 @@ def _tiny_png() -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def _decode_mp4(data: bytes) -> tuple[tuple[int, ...], float]:
+    """(frames, height, width, channels) and the frame rate of an MP4, decoded as a player would."""
+    import tempfile
+
+    from hpc.runtime.engine.video.mp4 import read_mp4
+
+    with tempfile.NamedTemporaryFile(suffix=".mp4") as f:
+        f.write(data)
+        f.flush()
+        frames, fps = read_mp4(Path(f.name))
+    return tuple(frames.shape), fps
+
+
 def _worker_requests(manifest: Manifest) -> dict[str, float]:
     """Requests each role's workers served so far, read from their own /metrics."""
     totals: dict[str, float] = {}
@@ -119,9 +132,38 @@ def run_smoke(manifest_path: str) -> dict[str, Any]:
         require(text, "empty streamed text")
         return f"{len(events)} events"
 
+    def video(response_format: str) -> Callable[[], str]:
+        """A short video, decoded back: its frame count, size and frame rate must be what was asked."""
+        def run() -> str:
+            d = recipe.diffusion
+            frames = min(d.default_num_frames, 5)  # 5 = 1 + 4: a length every video VAE here makes
+            body = {"model": model, "prompt": recipe.smoke.prompt, "size": f"{d.default_width}x{d.default_height}",
+                    "num_frames": frames, "num_inference_steps": min(d.default_num_inference_steps, 4), "fps": 8,
+                    "seed": 1, "response_format": response_format}
+            status, resp = post_json(url + "/v1/videos", body, timeout=recipe.smoke.timeout_s)
+            require(status == 200 and resp.get("status") == "completed", f"status {status}: {resp}")
+            item = resp["data"][0]
+            if response_format == "b64_json":
+                data = base64.b64decode(item["b64_json"])
+            else:
+                import urllib.request
+
+                with urllib.request.urlopen(item["url"], timeout=30) as got:
+                    data = got.read()
+            shape, fps = _decode_mp4(data)
+            want = (frames, d.default_height, d.default_width, 3)
+            require(shape == want and fps == 8, f"decoded {shape} at {fps} fps, asked for {want} at 8 fps")
+            return f"{len(data)} bytes: {shape[0]} frames of {shape[2]}x{shape[1]} at {fps:g} fps"
+        return run
+
     before = _worker_requests(manifest)
-    for name, fn in (("health", health), ("models", models), ("completion", completion),
-                     ("completion_stream", completion_stream), ("chat", chat), ("chat_stream", chat_stream)):
+    if recipe.modality == "video_diffusion":
+        steps = (("health", health), ("models", models), ("video_url", video("url")),
+                 ("video_b64_json", video("b64_json")))
+    else:
+        steps = (("health", health), ("models", models), ("completion", completion),
+                 ("completion_stream", completion_stream), ("chat", chat), ("chat_stream", chat_stream))
+    for name, fn in steps:
         check(name, fn)
     after = _worker_requests(manifest)
 

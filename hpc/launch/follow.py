@@ -55,8 +55,12 @@ def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: Non
     ep = read_json(run.path / "endpoints" / "frontend.json") or {}
     url = ep.get("url", f"http://<frontend node>:{m.recipe.frontend.port}")
     print(f"\nendpoint: {url}/v1")
-    print(f"try:      curl {url}/v1/chat/completions -H 'content-type: application/json' "
-          f"-d '{{\"model\": \"{m.recipe.model.served_name}\", \"messages\": [{{\"role\": \"user\", "
-          f"\"content\": \"Hello\"}}], \"max_tokens\": 16}}'")
+    if m.recipe.modality == "video_diffusion":
+        print(f"try:      curl {url}/v1/videos -H 'content-type: application/json' "
+              f"-d '{{\"model\": \"{m.recipe.model.served_name}\", \"prompt\": \"a red fox in snow\"}}'")
+    else:
+        print(f"try:      curl {url}/v1/chat/completions -H 'content-type: application/json' "
+              f"-d '{{\"model\": \"{m.recipe.model.served_name}\", \"messages\": [{{\"role\": \"user\", "
+              f"\"content\": \"Hello\"}}], \"max_tokens\": 16}}'")
     print(f"next:     hpc status {ref}   hpc logs {ref} --component frontend   hpc cancel {ref}")
     return 0

@@ -31,7 +31,7 @@ class Stack:
 def launch_stack(tmp_path_factory, model_cache: Path, recipe: str, *extra: str) -> Stack:
     runs = tmp_path_factory.mktemp(f"runs-{Path(recipe).stem}")
     os.environ["HPC_RUNS_DIR"] = str(runs)
-    model = "tiny-mm" if recipe == "tiny-epd" else "tiny"
+    model = {"tiny-epd": "tiny-mm", "tiny-video": "tiny-video"}.get(recipe, "tiny")
     code = main(["launch", "-r", recipe, "--no-smoke", "--set", f"frontend.port={free_port()}",
                  "--set", f"model.path={model_cache / model}", *extra])
     (run,) = list_runs()

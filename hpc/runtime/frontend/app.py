@@ -49,15 +49,26 @@ class Frontend:
             ("GET", "/live"): self.live,
             ("GET", "/metrics"): self.metrics,
         }
+        self.videos = None
+        if self.recipe.modality == "video_diffusion":  # seed 004: the videos API
+            from hpc.runtime.frontend.videos import VideoService
+
+            self.videos = VideoService(self)
+            self.routes[("POST", "/v1/videos")] = self.videos.create
+            self.routes[("GET", "/v1/videos")] = self.videos.list
 
     async def handle(self, req: Request) -> Response:
         route = self.routes.get((req.method, req.path))
         if route is None and req.method == "GET" and req.path.startswith("/v1/models/"):
             return self.model(req.path[len("/v1/models/"):])
+        if route is None and req.method == "GET" and req.path.startswith("/v1/videos/") and self.videos:
+            return self.videos.get(req.path[len("/v1/videos/"):])
         if route is None:
             allowed = [m for (m, p) in self.routes if p == req.path]
             status = 405 if allowed else 404
             return ApiError(status, f"{req.method} {req.path} is not served here").response()
+        if self.videos is not None and req.path in ("/v1/completions", "/v1/chat/completions"):
+            return ApiError(400, f"{self.model_name} makes videos: POST /v1/videos").response()
         try:
             return await route(req)
         except ApiError as exc:
@@ -128,6 +139,8 @@ class Frontend:
 
     async def metrics(self, req: Request) -> Response:
         values = dict(self.counters)
+        if self.videos is not None:
+            values.update(self.videos.counters)
         for role in self.expected:
             values[f"{role}_instances"] = len(self.router.live(role))
             values[f"{role}_routed_total"] = self.router.served.get(role, 0)

@@ -197,7 +197,7 @@ class Router:
                            pool: str | None) -> AsyncIterator[GenerateOutput]:
         tried: set[str] = set()
         while True:
-            key, client, blocks = self.pick(role, tried, request.token_ids, pool)
+            key, client, blocks = self.pick(role, tried, getattr(request, "token_ids", None), pool)
             started = False
             self.inflight[key] = self.inflight.get(key, 0) + 1
             self.inflight_blocks[key] = self.inflight_blocks.get(key, 0) + blocks

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
@@ -11,7 +13,7 @@ from hpc.runtime.engine.types import DisaggregationMode, EncodedMedia, GenerateR
 from hpc.runtime.engine.media import MediaError, read_image_bytes, to_pixels
 from hpc.runtime.serve.rpc import RemoteError, RpcClient, StreamHandler
 from hpc.runtime.serve.wire import (
-    EncodeImage, FetchKv, ReleaseKv, ReplyBody, StatsQuery, WorkerStats, replace,
+    EncodeImage, FetchKv, ReleaseKv, ReplyBody, StatsQuery, VideoProgress, VideoRequest, WorkerStats, replace,
 )
 
 Frame = tuple[ReplyBody, bytes]
@@ -168,6 +170,42 @@ class EncodeHandler(HandlerBase):
         yield await self.deps.engine.encode(pixels), b""
 
 
+class VideoHandler(HandlerBase):
+    """Prompt tokens -> an MP4 in the output directory: progress after every step, then the result. A caller that
+    goes away cancels the video at the next step (on every rank)."""
+
+    def ops(self):
+        return {VideoRequest: self.video, StatsQuery: self.stats}
+
+    async def video(self, call: VideoRequest, payload: bytes) -> AsyncIterator[Frame]:
+        loop = asyncio.get_running_loop()
+        progress: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+        self.deps.counters["requests_total"] += 1
+
+        def on_step(done: int, total: int) -> None:  # on the engine's thread
+            loop.call_soon_threadsafe(progress.put_nowait, VideoProgress(step=done, steps=total))
+
+        task = asyncio.ensure_future(self.deps.engine.generate_video(call, on_step, cancel))
+        task.add_done_callback(lambda _: progress.put_nowait(None))
+        try:
+            while (item := await progress.get()) is not None:
+                yield item, b""
+            try:
+                result = task.result()
+            except ValueError as exc:
+                raise RemoteError(str(exc), 400) from None
+            except Exception:
+                self.deps.counters["errors_total"] += 1
+                raise
+            yield result, b""
+        finally:
+            if not task.done():
+                cancel.set()
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await task
+
+
 HANDLERS: dict[DisaggregationMode, type[HandlerBase]] = {
     DisaggregationMode.AGGREGATED: AggregatedHandler,
     DisaggregationMode.PREFILL: PrefillHandler,
@@ -177,4 +215,6 @@ HANDLERS: dict[DisaggregationMode, type[HandlerBase]] = {
 
 
 def make_handler(deps: HandlerDeps) -> HandlerBase:
+    if hasattr(deps.engine, "generate_video"):  # a video-diffusion worker (modality video_diffusion)
+        return VideoHandler(deps)
     return HANDLERS[deps.mode](deps)

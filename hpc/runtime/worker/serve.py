@@ -12,6 +12,7 @@ import os
 import signal
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 
 from hpc.manifest import Manifest
@@ -84,13 +85,13 @@ async def serve(manifest: Manifest, role: str, index: int) -> int:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         await asyncio.to_thread(engine.load)
         reporter.phase("weights_loaded")
-        await asyncio.to_thread(follow, engine)
+        await asyncio.to_thread(engine.follow if hasattr(engine, "generate_video") else partial(follow, engine))
         reporter.phase("stopped")
         return 0
     async with engine:
         reporter.phase("weights_loaded")
         code = await _serve_engine(manifest, role, index, engine, peers, host, reporter)
-        if tp is not None:
+        if tp is not None and not hasattr(engine, "generate_video"):  # the video engine stops its ranks itself
             broadcast_stop(tp, engine.device)
     if code == 0:
         reporter.phase("stopped")

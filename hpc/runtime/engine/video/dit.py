@@ -228,7 +228,11 @@ def build_tiny_video(out_dir: Path, seed: int = 4321) -> Path:
 def load_tiny_video(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
     from safetensors.torch import load_file
 
-    cfg = VideoDitConfig.from_json(json.loads((model_dir / "config.json").read_text()))
+    data = json.loads((model_dir / "config.json").read_text())
+    if data.get("model_type") != "hpc_video_dit":
+        raise ValueError(f"{model_dir} holds a {data.get('model_type')!r} model, not hpc's video DiT "
+                         "(model.generate: tiny-video builds one)")
+    cfg = VideoDitConfig.from_json(data)
     dit, vae = VideoDit(cfg), VaeDecoder(cfg)
     dit.load_state_dict(load_file(str(model_dir / "dit.safetensors")))
     vae.load_state_dict(load_file(str(model_dir / "vae.safetensors")))
