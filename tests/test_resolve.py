@@ -216,3 +216,35 @@ def test_torch_disaggregated_workers_hand_over_between_tp_workers_not_pipeline_s
     msg = _error("local", _pooled(tmp_path, _router_config(), pipeline_parallel_size=2))
     assert "recipe.yaml: roles.prefill.pools[0].pipeline_parallel_size: the torch reference engine hands the KV " \
            "cache over between tensor-parallel workers, not pipeline stages" in msg
+
+
+@pytest.mark.parametrize("sets, expect", [
+    (["diffusion.dit_cfg_size=2"], "diffusion: the DiT parallel sizes (dp 1 x tp 1 x ulysses 1 x ring 1 x cfg 2) "
+                                   "make 2 ranks, but each worker has 1 GPU(s)"),
+    (["diffusion.dit_cfg_size=3"], "diffusion.dit_cfg_size: Input should be 1 or 2"),
+    (["diffusion.enable_teacache=false"], "teacache_thresh is set but enable_teacache is false"),
+    (["diffusion.default_width=72"], "diffusion.default_height: default size: 72x64 is not a multiple of 16"),
+    (["diffusion.default_num_frames=40"], "diffusion.default_num_frames: default size: 40 frames is above the "
+                                          "model's limit of 32"),
+    (["diffusion.dit_ring_size=2", "roles.agg.tensor_parallel_size=2"],
+     "diffusion.dit_ring_size: the torch reference engine runs dit_cfg_size and dit_ulysses_size, not dit_ring_size"),
+    (["diffusion.linear_type=trtllm-nvfp4"], "diffusion.linear_type: the torch reference engine has only the "
+                                             "default linear_type"),
+    (["diffusion.output_dir=videos"], "diffusion.output_dir: output_dir 'videos' is relative"),
+    (["diffusion.fancy=1"], "diffusion.fancy"),
+    (["modality=text"], "diffusion: only for modality video_diffusion"),
+])
+def test_every_bad_diffusion_flag_is_one_line_exit_2(sets, expect, capsys):
+    from hpc.cli.main import main
+
+    args = ["validate", "-r", "tiny-video"]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert expect in err and "Traceback" not in err and err.count("\n") == 1, err
+
+
+def test_the_eos_video_recipe_validates_and_plans_eight_ranks_per_worker():
+    r = resolve("eos", "wan2.1-t2v-eos")
+    assert r.recipe.diffusion.ranks == 8 and [w.tasks for w in r.plan.workers] == [8, 8]

@@ -275,3 +275,18 @@ def test_profile_on_dev_in_one_allocation_and_its_recipe_launches(slurm_env, tmp
     run = _launch("-c", "dev", "-r", str(out / "recipe.yaml"))
     assert json.loads((run.path / "smoke.json").read_text())["passed"]
     _cancel_and_check_clean(run)
+
+
+def test_tiny_video_on_dev_with_cfg_parallel_ranks(slurm_env):
+    """seed 004 on the dev cluster: the video worker's two CFG ranks are one srun step (MPI over PMIx), smoke
+    decodes the videos it made (URL and inline)."""
+    run = _launch("-c", "dev", "-r", "tiny-video", "--set", "diffusion.dit_cfg_size=2",
+                  "--set", "roles.agg.tensor_parallel_size=2")
+    smoke = json.loads((run.path / "smoke.json").read_text())
+    assert smoke["passed"], smoke
+    assert {c["name"] for c in smoke["checks"]} >= {"video_url", "video_b64_json"}
+    ranks = sorted(p.name for p in run.state.glob("agg-0*.json"))
+    assert ranks == ["agg-0.json", "agg-0.rank1.json"], ranks
+    log = (run.logs / "agg-0.log").read_text()
+    assert "rank 0 of 2 (cfg 0/2" in log and "rank 1 of 2 (cfg 1/2" in log
+    _cancel_and_check_clean(run)
