@@ -36,6 +36,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="send this TTFT target (extra_args.ttft_target): a global router picks pools by it")
     p.add_argument("--itl-target", type=float, metavar="MS", help="send this ITL target (extra_args.itl_target)")
     p.add_argument("--priority", type=int, help="send nvext.agent_hints.priority (the global router's overrides)")
+    p.add_argument("--videos", type=int, help="video runs: videos per level (default: 2 per concurrent user)")
+    p.add_argument("--size", help="video runs: WxH (default: the recipe's)")
+    p.add_argument("--frames", type=int, help="video runs: frames per video (default: the recipe's)")
+    p.add_argument("--steps", type=int, help="video runs: denoising steps (default: the recipe's)")
     p.add_argument("--out", type=Path, help="output directory (default: RUN/bench/<time> or ./bench/<time>)")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), type=Path,
                    help="plot two results.json (or their directories) against each other")
@@ -80,6 +84,8 @@ def bench(args: argparse.Namespace) -> int:
         if not ep:
             raise UserError(f"run {run.path.name} has no frontend endpoint yet", hint=f"hpc status {run.path.name}")
         url, model = ep["url"], args.model or m.recipe.model.served_name
+    if run is not None and run.manifest().recipe.modality == "video_diffusion":
+        return _bench_videos(args, run, url, model, stamp)
     concurrency = args.concurrency or (spec.concurrency if spec else [1, 4, 16])
     ins = args.input_tokens or ([s.input_tokens for s in spec.shapes] if spec else [128])
     outs = args.output_tokens or ([s.output_tokens for s in spec.shapes] if spec else [64])
@@ -105,5 +111,28 @@ def bench(args: argparse.Namespace) -> int:
     print("wrote: " + ", ".join(str(p) for p in paths))
     if not results["valid"]:
         print("INVALID: this result must not be reported (see the 'valid' column)")
+        return 1
+    return 0
+
+
+def _bench_videos(args: argparse.Namespace, run, url: str, model: str, stamp: str) -> int:
+    """Seconds per video, steps/s and the TeaCache skip rate per concurrency level."""
+    from hpc.bench.videos import run_sweep, table
+
+    d = run.manifest().recipe.diffusion
+    shape = {"size": args.size or f"{d.default_width}x{d.default_height}",
+             "num_frames": args.frames or d.default_num_frames,
+             "num_inference_steps": args.steps or d.default_num_inference_steps}
+    levels = args.concurrency or [1, 2]
+    results = {"target": url, "model": model, "started": stamp, "kind": "video",
+               "levels": run_sweep(url, model, levels, args.videos or 2 * max(levels), shape)}
+    results["valid"] = all(lv["valid"] for lv in results["levels"])
+    out = args.out or run.path / "bench" / stamp
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    print(table(results["levels"]))
+    print(f"wrote: {out / 'results.json'}")
+    if not results["valid"]:
+        print("INVALID: this result must not be reported (failed or missing videos)")
         return 1
     return 0

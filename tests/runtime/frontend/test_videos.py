@@ -103,3 +103,18 @@ def test_a_client_that_goes_away_cancels_its_video(video):
     assert metric_values(get_text(worker + "/metrics"), "hpc_worker_cancelled") == before + 1
     _, jobs = get_json(video.url + "/v1/videos")
     assert jobs["data"][0]["status"] == "cancelled" and jobs["data"][0]["progress"] < 100
+
+
+def test_hpc_bench_of_a_video_run_reports_seconds_per_video_steps_and_teacache(video, capsys, tmp_path):
+    from hpc.cli.main import main
+
+    code = main(["bench", str(video.run.path), "--concurrency", "1,2", "--videos", "2", "--steps", "12",
+                 "--out", str(tmp_path / "bench")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    results = json.loads((tmp_path / "bench" / "results.json").read_text())
+    levels = results["levels"]
+    assert [lv["concurrency"] for lv in levels] == [1, 2] and all(lv["completed"] == 2 for lv in levels)
+    assert all(lv["steps_per_s"] > 0 and lv["seconds_per_video"]["p50"] > 0 for lv in levels)
+    assert all(0 < lv["teacache_skip_rate"] < 1 for lv in levels)  # threshold 0.1, 12 steps: some skipped
+    assert "s/video p50" in out and "TeaCache skip" in out
