@@ -17,13 +17,17 @@ def build_engine(manifest: Manifest, role: str, *, self_address: str, tp=None,
     args = manifest.engine_args[group or role]
     spec = recipe.roles.spec(group or role)
     if recipe.modality == "video_diffusion":
-        if recipe.backend is not Backend.TORCH:
-            raise RuntimeError(f"video diffusion on backend {recipe.backend.value} is not implemented here; "
-                               "the torch reference engine serves it")
         from hpc.runtime.engine.video.engine import VideoEngine
 
         rank, world = (tp.rank, tp.size) if tp is not None else (0, 1)
-        return VideoEngine(recipe.model.path, recipe.diffusion, device=device or "cpu", rank=rank, world=world)
+        engine_class = VideoEngine
+        if recipe.backend is Backend.TRTLLM:
+            from hpc.runtime.engine.video.trtllm_video import TrtllmVideoEngine
+
+            engine_class = TrtllmVideoEngine
+        elif recipe.backend is not Backend.TORCH:
+            raise RuntimeError("video diffusion runs on the torch or trtllm backend, not mock")
+        return engine_class(recipe.model.path, recipe.diffusion, device=device or "cpu", rank=rank, world=world)
     if recipe.backend is Backend.MOCK:
         from hpc.runtime.engine.mock_engine import MockEngine
 

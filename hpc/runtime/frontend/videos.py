@@ -82,7 +82,8 @@ class VideoService:
                             steps=body.num_inference_steps or spec.default_num_inference_steps,
                             guidance=spec.default_guidance_scale if body.guidance_scale is None
                             else body.guidance_scale, seed=body.seed if body.seed is not None else 0,
-                            fps=fps, output_path=str(self.out_dir / f"{video_id}.mp4"))
+                            fps=fps, output_path=str(self.out_dir / f"{video_id}.mp4"), prompt=body.prompt,
+                            negative_prompt=body.negative_prompt)
 
     async def create(self, req: Request) -> Response:
         body = self._body(req)

@@ -195,6 +195,8 @@ class VideoRequest(Message, tag="video"):
     fps: Annotated[int, Meta(ge=1, le=240)]
     output_path: Annotated[str, Meta(min_length=1, max_length=4096)]
     negative_ids: Annotated[list[int], Meta(max_length=4096)] = field(default_factory=list)
+    prompt: Annotated[str, Meta(max_length=20_000)] = ""  # the text too: TensorRT-LLM's pipeline tokenizes itself
+    negative_prompt: Annotated[str, Meta(max_length=20_000)] = ""
 
 
 class VideoProgress(Message, tag="video_progress"):

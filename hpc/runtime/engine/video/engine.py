@@ -15,11 +15,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from hpc.runtime.engine.video.dit import Parallel, load_tiny_video
-from hpc.runtime.engine.video.pipeline import Cancelled, VideoJob, generate
+from hpc.runtime.engine.video.pipeline import Cancelled, Stats, VideoJob, generate
 from hpc.runtime.serve.wire import VideoRequest, VideoResult
 from hpc.spec.diffusion import DiffusionSpec
 
@@ -88,7 +89,8 @@ class VideoEngine:
     def _run(self, request: VideoRequest, on_step, cancel: threading.Event) -> VideoResult:
         with self._lock:
             job = VideoJob(list(request.prompt_ids), list(request.negative_ids), request.height, request.width,
-                           request.frames, request.steps, request.guidance, request.seed)
+                           request.frames, request.steps, request.guidance, request.seed, request.prompt,
+                           request.negative_prompt)
             if (job.frames * (job.height // 16) * (job.width // 16)) % self.par.ulysses_size:
                 raise ValueError(f"the video's {job.frames} x {job.height // 16} x {job.width // 16} patches do not "
                                  f"split over dit_ulysses_size {self.par.ulysses_size}")
@@ -96,15 +98,14 @@ class VideoEngine:
                 self._broadcast_job(job)
             t0 = time.perf_counter()
             try:
-                frames, stats = generate(self.dit, self.vae, job, self.par, self.spec.thresh, on_step,
-                                         lambda: self._agree(cancel.is_set()))
+                frames, stats = self._generate(job, on_step, lambda: self._agree(cancel.is_set()))
             except Cancelled:
                 self.counters["cancelled"] += 1
                 raise
             elapsed = time.perf_counter() - t0
             from hpc.runtime.engine.video.mp4 import write_mp4
 
-            size = write_mp4(frames.numpy(), request.fps, Path(request.output_path))
+            size = write_mp4(frames, request.fps, Path(request.output_path))
             self.counters["videos"] += 1
             self.counters["steps"] += stats.steps_done
             self.counters["transformer_calls"] += stats.transformer_calls
@@ -112,6 +113,11 @@ class VideoEngine:
             return VideoResult(path=request.output_path, frames=frames.shape[0], width=frames.shape[2],
                                height=frames.shape[1], fps=request.fps, size_bytes=size, inference_time_s=elapsed,
                                transformer_calls=stats.transformer_calls, skipped_calls=stats.skipped_calls)
+
+    def _generate(self, job: VideoJob, on_step, cancelled) -> tuple[np.ndarray, Stats]:
+        """Frames [F, H, W, 3] uint8 of one job (every rank runs it) and what the loop did."""
+        frames, stats = generate(self.dit, self.vae, job, self.par, self.spec.thresh, on_step, cancelled)
+        return frames.numpy(), stats
 
     def _agree(self, stop: bool) -> bool:
         """Whether to stop now, the same answer on every rank (rank 0's)."""
@@ -137,7 +143,6 @@ class VideoEngine:
             if fields is None:
                 return
             try:
-                generate(self.dit, self.vae, VideoJob(**fields), self.par, self.spec.thresh,
-                         cancelled=lambda: self._agree(False))
+                self._generate(VideoJob(**fields), lambda done, total: None, lambda: self._agree(False))
             except Cancelled:
                 pass

@@ -28,6 +28,8 @@ class VideoJob:
     steps: int
     guidance: float
     seed: int
+    prompt: str = ""  # the text, for pipelines that tokenize themselves (TensorRT-LLM's visual generation)
+    negative_prompt: str = ""
 
 
 @dataclass
