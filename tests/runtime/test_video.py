@@ -97,3 +97,26 @@ def test_cfg_and_ulysses_parallel_ranks_give_the_single_rank_video(video_model, 
         assert all(r["all_to_all"] >= 2 * JOB.steps for r in ranks)
     else:
         assert all(r["all_to_all"] == 0 for r in ranks)
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@CUDA
+def test_the_video_dit_on_a_gpu_gives_the_cpu_video(video_model, tmp_path):
+    import time
+
+    _, dit, vae = load_tiny_video(video_model)
+    want, _ = generate(dit, vae, JOB, Parallel())
+    engine = VideoEngine(str(video_model), DiffusionSpec(), device="cuda:0")
+    engine.load()
+    assert next(engine.dit.parameters()).device.type == "cuda"
+    t0 = time.perf_counter()
+    result = engine._run(_request(str(tmp_path / "gpu.mp4")), lambda d, t: None, threading.Event())
+    print(f"tiny video DiT on {torch.cuda.get_device_name(0)}: {JOB.steps} steps x 2 branches in "
+          f"{time.perf_counter() - t0:.3f} s (first call, warm-up included)")
+    got, _ = engine._generate(JOB, lambda d, t: None, lambda: False)
+    assert np.abs(got.astype(int) - want.numpy().astype(int)).max() <= 2  # fp32 on another device: rounding
+    frames, fps = read_mp4(tmp_path / "gpu.mp4")
+    assert frames.shape == (8, 64, 64, 3) and result.transformer_calls == 2 * JOB.steps

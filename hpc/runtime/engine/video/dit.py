@@ -106,14 +106,29 @@ class Block(nn.Module):
         return x + gate2[:, None] * self.mlp(y)
 
 
+def _all_to_all(recv: list[torch.Tensor], send: list[torch.Tensor], par: Parallel) -> None:
+    """dist.all_to_all, or where the backend lacks it (gloo before torch 2.12) the same exchange by all_gather."""
+    par.all_to_all_calls += 1
+    try:
+        dist.all_to_all(recv, send, group=par.ulysses_group)
+        return
+    except RuntimeError as exc:
+        if "alltoall" not in str(exc):
+            raise
+    mine = torch.stack(send)
+    every = [torch.empty_like(mine) for _ in range(par.ulysses_size)]
+    dist.all_gather(every, mine, group=par.ulysses_group)
+    for source, theirs in enumerate(every):
+        recv[source].copy_(theirs[par.ulysses_rank])
+
+
 def _seq_to_heads(t: torch.Tensor, par: Parallel) -> torch.Tensor:
     """[b, s/P, H, d] on each rank -> [b, s, H/P, d]: rank r keeps heads r*H/P.. of every rank's tokens."""
     p = par.ulysses_size
     b, s, heads, d = t.shape
     send = list(t.reshape(b, s, p, heads // p, d).permute(2, 0, 1, 3, 4).contiguous().unbind(0))
     recv = [torch.empty_like(send[0]) for _ in range(p)]
-    dist.all_to_all(recv, send, group=par.ulysses_group)
-    par.all_to_all_calls += 1
+    _all_to_all(recv, send, par)
     return torch.cat(recv, dim=1)
 
 
@@ -123,8 +138,7 @@ def _heads_to_seq(t: torch.Tensor, par: Parallel) -> torch.Tensor:
     send = list(t.chunk(p, dim=1))
     send = [x.contiguous() for x in send]
     recv = [torch.empty_like(send[0]) for _ in range(p)]
-    dist.all_to_all(recv, send, group=par.ulysses_group)
-    par.all_to_all_calls += 1
+    _all_to_all(recv, send, par)
     return torch.cat(recv, dim=2)
 
 
