@@ -42,6 +42,9 @@ def steps(mpiexec: str, scratch: str, gpus: int) -> list[tuple[str, list[str], s
         # TP, PP, EP (MoE) and TP-sharded MoE on two GPUs over NCCL: fp32 greedy tokens equal one rank's
         ("parallel_layouts_nccl", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
                                    "tests/runtime/test_parallel_layouts.py"], None, 150),
+        # the tiny video DiT on a GPU; with two GPUs its CFG and Ulysses ranks over NCCL equal one GPU (needs av)
+        ("video_gpu", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                       "tests/runtime/test_video.py"], None, 150),
         # the whole local stack (etcd, NATS, frontend, workers): prefill and decode on their own GPUs
         ("stack_sweeps_disagg", [py, "benchmarks/stack_sweeps.py", "--recipe", "tiny-disagg", "--json",
                                  f"{scratch}/stack.json"], f"{scratch}/stack.json", 150),

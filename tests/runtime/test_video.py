@@ -46,10 +46,16 @@ def test_teacache_skips_transformer_calls_within_a_bounded_change_and_zero_is_id
     assert (other.float() - plain.float()).abs().mean() > 0.5  # the prompt conditions the video
 
 
-def _rank(rank: int, world: int, port: int, model: str, spec: dict, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _rank(rank: int, world: int, port: int, model: str, spec: dict, out: str, device_type: str = "cpu") -> None:
+    device = f"cuda:{rank}" if device_type == "cuda" else "cpu"
+    if device_type == "cuda":  # NCCL, each rank on its own GPU, as a worker's ranks run
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                device_id=torch.device(device))
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        engine = VideoEngine(model, DiffusionSpec(**spec), rank=rank, world=world)
+        engine = VideoEngine(model, DiffusionSpec(**spec), device=device, rank=rank, world=world)
         engine.load()
         if rank == 0:
             result = engine._run(_request(out + ".mp4"), lambda done, total: None, threading.Event())
@@ -59,7 +65,8 @@ def _rank(rank: int, world: int, port: int, model: str, spec: dict, out: str) ->
             engine.follow()
             record = {}
         record.update(all_to_all=engine.par.all_to_all_calls, cfg_rank=engine.par.cfg_rank,
-                      ulysses_rank=engine.par.ulysses_rank)
+                      ulysses_rank=engine.par.ulysses_rank, backend=dist.get_backend(),
+                      device=str(next(engine.dit.parameters()).device))
         with open(f"{out}.{rank}", "w") as handle:
             json.dump(record, handle)
     finally:
@@ -76,7 +83,19 @@ def _request(path: str) -> VideoRequest:
 @pytest.mark.parametrize("spec", [{"dit_cfg_size": 2}, {"dit_ulysses_size": 2},
                                   {"dit_cfg_size": 2, "dit_ulysses_size": 2}])
 def test_cfg_and_ulysses_parallel_ranks_give_the_single_rank_video(video_model, tmp_path, spec):
-    single = VideoEngine(str(video_model), DiffusionSpec())
+    _check_parallel(video_model, tmp_path, spec, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("spec", [{"dit_cfg_size": 2}, {"dit_ulysses_size": 2}])
+def test_cfg_and_ulysses_over_nccl_on_two_gpus_give_the_single_gpu_video(video_model, tmp_path, spec):
+    _check_parallel(video_model, tmp_path, spec, "cuda")
+
+
+def _check_parallel(video_model, tmp_path, spec: dict, device_type: str) -> None:
+    one_device = "cuda:0" if device_type == "cuda" else "cpu"
+    single = VideoEngine(str(video_model), DiffusionSpec(), device=one_device)
     single.load()
     one = single._run(_request(str(tmp_path / "one.mp4")), lambda d, t: None, threading.Event())
     world = spec.get("dit_cfg_size", 1) * spec.get("dit_ulysses_size", 1)
@@ -84,8 +103,11 @@ def test_cfg_and_ulysses_parallel_ranks_give_the_single_rank_video(video_model, 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = str(tmp_path / "ranks")
-    torch.multiprocessing.spawn(_rank, args=(world, port, str(video_model), spec, out), nprocs=world)
+    torch.multiprocessing.spawn(_rank, args=(world, port, str(video_model), spec, out, device_type), nprocs=world)
     ranks = [json.loads(open(f"{out}.{r}").read()) for r in range(world)]
+    assert [r["backend"] for r in ranks] == ["nccl" if device_type == "cuda" else "gloo"] * world
+    assert [r["device"] for r in ranks] == ([f"cuda:{i}" for i in range(world)] if device_type == "cuda"
+                                           else ["cpu"] * world)
     want, fps = read_mp4(tmp_path / "one.mp4")
     got, got_fps = read_mp4(tmp_path / "ranks.mp4")
     assert got.shape == want.shape == (8, 64, 64, 3) and got_fps == fps == 8
