@@ -32,7 +32,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from hpc.runtime.engine.llama import LlamaConfig, LlamaForCausalLM, TensorParallel, shard_state_dict  # noqa: E402
+from hpc.runtime.engine.llama import (LlamaConfig, LlamaForCausalLM, TensorParallel, random_state,  # noqa: E402
+                                      shard_state_dict)
 from hpc.runtime.engine.tp import init_group, world_rank  # noqa: E402
 
 SHAPES = {
@@ -51,18 +52,7 @@ COMPILE = os.environ.get("HPC_GPU_CHECK_COMPILE", "1") == "1"
 
 
 def full_state(device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    gen = torch.Generator(device=device).manual_seed(SEED)
-    with torch.device("meta"):
-        shapes = {name: p.shape for name, p in LlamaForCausalLM(CFG).named_parameters()}
-    state = {}
-    for name in sorted(shapes):
-        shape = shapes[name]
-        if name.endswith("norm.weight"):
-            state[name] = torch.ones(shape, device=device, dtype=dtype)
-        else:
-            std = 1.0 / shape[-1] ** 0.5
-            state[name] = (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype)
-    return state
+    return random_state(CFG, device, dtype, SEED)
 
 
 def build(tp: TensorParallel, device: torch.device, dtype: torch.dtype, fused: bool) -> LlamaForCausalLM:

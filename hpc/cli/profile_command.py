@@ -137,7 +137,10 @@ def _conclude(recipe, resolved, req, results: dict[str, Any], out: Path) -> int:
     print(points_table(measured))
     print(choice_table(choice, req))
     written = [out / "profile.json"]
-    written += plots(measured, choice, req, out)
+    try:
+        written += plots(measured, choice, req, out)
+    except ImportError:  # a light launcher install: the figures are in the JSON and the table
+        print("plots skipped: matplotlib is not installed (pip install 'hpc[serve]')")
     emitted = _absolute_configs(pick.emitted_recipe(recipe, choice, req), Path(resolved.recipe_file))
     recipe_path = out / "recipe.yaml"
     recipe_path.write_text(yaml.safe_dump(emitted.model_dump(mode="json", exclude_defaults=True), sort_keys=False))

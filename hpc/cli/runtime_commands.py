@@ -40,8 +40,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run", nargs="?")
     p.set_defaults(func=smoke)
 
-    p = sub.add_parser("model", help="build the tiny random-weight model offline")
-    p.add_argument("kind", choices=["tiny", "tiny-multimodal", "tiny-moe"])  # hpc.runtime.engine.tiny.KINDS
+    p = sub.add_parser("model", help="build a random-weight model offline (tiny ones; the 8B shape's weights are "
+                                     "made by the engine at load)")
+    p.add_argument("kind", choices=["tiny", "tiny-multimodal", "tiny-moe", "tiny-video", "llama-8b-shape"])
+    # the choices are hpc.runtime.engine.tiny.KINDS (not imported here: the CLI stays free of torch)
     p.add_argument("--out", required=True, type=Path)
     p.set_defaults(func=model)
 

@@ -45,7 +45,7 @@ class ModelSpec(StrictModel):
     served_name: SingleLine = Field(min_length=1, max_length=256)
     tokenizer: str | None = Field(None, description="defaults to the model path")
     multimodal: bool = False
-    generate: Literal["tiny", "tiny-multimodal", "tiny-moe", "tiny-video"] | None = Field(
+    generate: Literal["tiny", "tiny-multimodal", "tiny-moe", "tiny-video", "llama-8b-shape"] | None = Field(
         None, description="build this random-weight model at `path` before launch if it is missing")
     chat_template: str | None = Field(None, description="a Jinja file replacing the tokenizer's template")
     reasoning_parser: Literal["deepseek_r1", "qwen3", "gpt_oss"] | None = Field(

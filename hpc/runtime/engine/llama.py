@@ -395,6 +395,23 @@ class VisionEncoder(nn.Module):
         return self.mix(F.gelu(self.proj(patches)))
 
 
+def random_state(cfg: LlamaConfig, device: torch.device, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    """A whole random-weight checkpoint made where it will run (seconds on a GPU for 8B shapes), from a seeded
+    generator: every rank and every worker that asks gets the same weights."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in LlamaForCausalLM(cfg).named_parameters()}
+    state = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if name.endswith("norm.weight"):
+            state[name] = torch.ones(shape, device=device, dtype=dtype)
+        else:
+            std = 1.0 / shape[-1] ** 0.5
+            state[name] = (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype)
+    return state
+
+
 def init_weights(model: nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     for name, param in sorted(model.named_parameters()):

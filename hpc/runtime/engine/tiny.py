@@ -101,7 +101,42 @@ def build_tiny(out_dir: Path, multimodal: bool = False, hidden: int = 128, layer
     return out_dir
 
 
-KINDS = ("tiny", "tiny-multimodal", "tiny-moe", "tiny-video")
+LLAMA_8B_SHAPE = {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192,
+                  "rope_theta": 500000.0}
+
+
+def build_shaped(out_dir: Path, shape: dict, seed: int = SEED) -> Path:
+    """A model of real shapes without weight files: config.json says `hpc_random_weights`, and the engine makes
+    the weights where it runs (seconds on a GPU; 16 GB for the 8B shape would take longer to write than to make).
+    The tokenizer is the tiny one's, its vocabulary padded to the model's so every id the model emits decodes."""
+    from hpc.runtime.engine.llama import LlamaConfig
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trained = train_tokenizer(out_dir)
+    _pad_vocab(out_dir / "tokenizer.json", trained, shape["vocab_size"])
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    cfg = LlamaConfig(**shape, bos_token_id=tok.token_to_id("<|begin_of_text|>"),
+                      eos_token_id=tok.token_to_id("<|end_of_text|>"))
+    (out_dir / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}))
+    (out_dir / "config.json").write_text(json.dumps({**cfg.to_hf(), "hpc_random_weights": {"seed": seed}}, indent=2))
+    return out_dir
+
+
+def _pad_vocab(path: Path, have: int, want: int) -> None:
+    """Vocabulary entries `have`..`want`-1 that no merge produces (so encoding is unchanged) and that decode to
+    short visible text (so the model's every output id is a token)."""
+    data = json.loads(path.read_text())
+    vocab = data["model"]["vocab"]
+    for i in range(have, want):
+        vocab[f"~{i:x}"] = i
+    path.write_text(json.dumps(data))
+
+
+KINDS = ("tiny", "tiny-multimodal", "tiny-moe", "tiny-video", "llama-8b-shape")
 
 
 def build_kind(out_dir: Path, kind: str) -> Path:
@@ -110,6 +145,8 @@ def build_kind(out_dir: Path, kind: str) -> Path:
         from hpc.runtime.engine.video.dit import build_tiny_video
 
         return build_tiny_video(out_dir)
+    if kind == "llama-8b-shape":
+        return build_shaped(out_dir, LLAMA_8B_SHAPE)
     return build_tiny(out_dir, multimodal=kind == "tiny-multimodal", moe=kind == "tiny-moe")
 
 

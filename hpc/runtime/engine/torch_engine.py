@@ -8,6 +8,7 @@ scheduler and broadcasts each step to the follower ranks, which run the same for
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import queue
 import threading
@@ -23,7 +24,7 @@ from hpc.runtime.engine import fused_decode
 from hpc.runtime.engine import kv as kvpack
 from hpc.runtime.engine.guided import Automaton
 from hpc.runtime.engine.llama import (LlamaConfig, LlamaForCausalLM, Pipeline, TensorParallel, VisionEncoder,
-                                      shard_state_dict, stage_state_dict)
+                                      random_state, shard_state_dict, stage_state_dict)
 from hpc.runtime.engine.moe import ExpertParallel, expert_state_dict
 from hpc.runtime.engine.prefix_cache import PrefixCache
 from hpc.runtime.engine.sampling import (keep_mask, make_generator, prompt_logprobs, sample, sample_rows,
@@ -159,11 +160,17 @@ class TorchEngine:
         if self.ep.size > 1 and not self.cfg.moe:
             raise ValueError(f"expert parallelism {self.ep.size} needs a mixture-of-experts model; "
                              f"{self.model_dir}/config.json has no num_local_experts")
-        model = LlamaForCausalLM(self.cfg, self.tp, self.pipeline, self.ep)
-        full = expert_state_dict(load_file(str(self.model_dir / "model.safetensors")), self.ep,
-                                 self.cfg.num_local_experts)
+        seeded = (json.loads((self.model_dir / "config.json").read_text()).get("hpc_random_weights") or {})
+        if seeded:  # a model of real shapes whose weights are made here, on the device (hpc model llama-8b-shape)
+            with torch.device("meta"):
+                model = LlamaForCausalLM(self.cfg, self.tp, self.pipeline, self.ep)
+            full = random_state(self.cfg, self.device, self.dtype, int(seeded.get("seed", 0)))
+        else:
+            model = LlamaForCausalLM(self.cfg, self.tp, self.pipeline, self.ep)
+            full = load_file(str(self.model_dir / "model.safetensors"))
+        full = expert_state_dict(full, self.ep, self.cfg.num_local_experts)
         full = shard_state_dict(full, self.tp, experts_whole=self.ep.size > 1)
-        model.load_state_dict(stage_state_dict(full, self.cfg, self.pipeline))
+        model.load_state_dict(stage_state_dict(full, self.cfg, self.pipeline), assign=bool(seeded))
         self.model = model.to(self.device, self.dtype).eval().fuse_projections()
         if fused_decode.available(self.cfg, self.device) and self.pipeline.size == 1:
             self.model.enable_fused_decode()

@@ -1,0 +1,57 @@
+"""Models of real shapes without weight files (`model.generate: llama-8b-shape`): config.json says
+hpc_random_weights and the engine makes the weights where it runs, the same on every worker; the tokenizer's
+vocabulary is padded to the model's. Checked here on a small shape (the 8B one needs a GPU's memory)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from hpc.runtime.engine.tiny import LLAMA_8B_SHAPE, build_shaped
+from hpc.runtime.engine.torch_engine import TorchEngine
+from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
+from hpc.runtime.frontend.tokenizer import TextCodec
+
+pytestmark = pytest.mark.unit
+SMALL = {**LLAMA_8B_SHAPE, "vocab_size": 6000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
+
+
+def _greedy(model_dir: str) -> list[int]:
+    async def run() -> list[int]:
+        async with TorchEngine(model_dir, DisaggregationMode.AGGREGATED, {"max_seq_len": 64, "max_batch_size": 2,
+                                                                         "dtype": "float32"}) as engine:
+            req = GenerateRequest(request_id="r", token_ids=[5, 6, 7, 8],
+                                  sampling=SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+            return [t async for out in engine.generate(req) for t in out.token_ids]
+    return asyncio.run(run())
+
+
+def test_weights_made_at_load_are_the_same_everywhere_and_every_id_decodes(tmp_path):
+    model = build_shaped(tmp_path / "m", SMALL, seed=9)
+    config = json.loads((model / "config.json").read_text())
+    assert config["vocab_size"] == 6000 and config["hpc_random_weights"] == {"seed": 9}
+    assert not list(model.glob("*.safetensors"))  # nothing written but the config and the tokenizer
+    first, second = _greedy(str(model)), _greedy(str(model))
+    assert first == second and len(first) == 12  # the same seeded weights on every load
+    codec = TextCodec(model)
+    assert codec.decode([5999]) == "~176f"  # a padded id is a token of its own
+    assert codec.encode("def main():") == TextCodec(model).encode("def main():")
+    assert max(codec.encode("the quick brown fox " * 20)) < 4096  # padding never changes how text encodes
+
+
+def test_the_8b_shape_is_llama_3_1_8b():
+    assert (LLAMA_8B_SHAPE["hidden_size"], LLAMA_8B_SHAPE["num_hidden_layers"], LLAMA_8B_SHAPE["num_attention_heads"],
+            LLAMA_8B_SHAPE["num_key_value_heads"], LLAMA_8B_SHAPE["intermediate_size"],
+            LLAMA_8B_SHAPE["vocab_size"]) == (4096, 32, 32, 8, 14336, 128256)
+
+
+def test_the_model_command_offers_every_kind_the_builder_knows():
+    from hpc.cli.main import build_parser
+    from hpc.runtime.engine.tiny import KINDS
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    kind = next(a for a in sub.choices["model"]._actions if a.dest == "kind")
+    assert tuple(kind.choices) == KINDS
