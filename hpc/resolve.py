@@ -285,7 +285,8 @@ def _check_video(cluster: ClusterProfile, recipe: Recipe, rfile: str) -> list[Us
     facts = model_facts(recipe.model.generate)
     problem = check_sizes(facts, d.default_height, d.default_width, d.default_num_frames)
     if problem:
-        errors.append(UserError(f"default size: {problem}", file=rfile, field="diffusion.default_num_frames" if "frames" in problem else "diffusion.default_height",
+        field = "diffusion.default_num_frames" if "frames" in problem else "diffusion.default_height"
+        errors.append(UserError(f"default size: {problem}", file=rfile, field=field,
                                 hint="fix default_height / default_width / default_num_frames"))
     if recipe.backend is Backend.TORCH:
         others = [f for f in ("dit_dp_size", "dit_tp_size", "dit_ring_size", "dit_fsdp_size") if getattr(d, f) > 1]

@@ -23,6 +23,7 @@ def plan_table(plan: Plan, title: str) -> str:
     for s in plan.services:
         rows.append([f"n{s.node}", s.name, 1, "-", " ".join(f"{k}={v}" for k, v in s.ports.items())])
     for w in plan.workers:
-        rows.append([_span(w.nodes), f"{w.name} ({w.pool})" if w.pool else w.name, w.tasks, w.gpu_text(), " ".join(f"{k}={v}" for k, v in w.ports.items())])
+        name = f"{w.name} ({w.pool})" if w.pool else w.name
+        rows.append([_span(w.nodes), name, w.tasks, w.gpu_text(), " ".join(f"{k}={v}" for k, v in w.ports.items())])
     body = table(["NODE", "COMPONENT", "TASKS", "GPUS", "PORTS"], rows)
     return f"{title}\n{body}\nreadiness: {' -> '.join(plan.readiness_order)}"

@@ -157,9 +157,11 @@ class Frontend:
             labels = [{"run": self.manifest.run_id, "role": r["role"], "pool": r["pool"]} for r in rows]
             for name, field in (("routed_total", "routed"), ("retried_away_total", "retried_away"),
                                 ("live", "live")):
-                body += prometheus_family(f"hpc_frontend_pool_{name}", [(lb, r[field]) for lb, r in zip(labels, rows)])
+                body += prometheus_family(f"hpc_frontend_pool_{name}",
+                                          [(lb, r[field]) for lb, r in zip(labels, rows)])
             body += prometheus_family("hpc_frontend_pool_decisions_total", [
-                ({**lb, "reason": reason}, n) for lb, r in zip(labels, rows) for reason, n in sorted(r["chosen_by"].items())])
+                ({**lb, "reason": reason}, n) for lb, r in zip(labels, rows)
+                for reason, n in sorted(r["chosen_by"].items())])
         return Response(body=body + self.latency.exposition(), content_type="text/plain; version=0.0.4")
 
     # ---- generation routes -----------------------------------------------------------------------
