@@ -148,18 +148,16 @@ def _conclude(recipe, resolved, req, results: dict[str, Any], out: Path) -> int:
     resolve_specs(resolved.cluster, Path(resolved.cluster_file), emitted, recipe_path)  # hpc validate accepts it
     written.append(recipe_path)
     results["emitted"] = {"recipe": str(recipe_path)}
-    if recipe.disaggregated:
-        grid = pick.router_grid(measured, req, isl_points(req, recipe.limits.max_input_tokens))
-        if grid is not None:
-            (out / "global_router.json").write_text(json.dumps(grid, indent=2) + "\n")
-            pooled = _absolute_configs(pick.pooled_recipe(emitted, grid, "global_router.json"),
-                                       Path(resolved.recipe_file))
-            pooled_path = out / "recipe-pools.yaml"
-            pooled_path.write_text(yaml.safe_dump(pooled.model_dump(mode="json", exclude_defaults=True),
-                                                  sort_keys=False))
-            resolve_specs(resolved.cluster, Path(resolved.cluster_file), pooled, pooled_path)
-            written += [out / "global_router.json", pooled_path]
-            results["emitted"]["pools"] = str(pooled_path)
+    grid = pick.router_grid(measured, req, isl_points(req, recipe.limits.max_input_tokens)) \
+        if recipe.disaggregated else pick.agg_router_grid(measured, req)
+    if grid is not None:  # different sizes win different regions: pools of them behind that grid
+        (out / "global_router.json").write_text(json.dumps(grid, indent=2) + "\n")
+        pooled = _absolute_configs(pick.pooled_recipe(emitted, grid, "global_router.json"), Path(resolved.recipe_file))
+        pooled_path = out / "recipe-pools.yaml"
+        pooled_path.write_text(yaml.safe_dump(pooled.model_dump(mode="json", exclude_defaults=True), sort_keys=False))
+        resolve_specs(resolved.cluster, Path(resolved.cluster_file), pooled, pooled_path)
+        written += [out / "global_router.json", pooled_path]
+        results["emitted"]["pools"] = str(pooled_path)
     save(out, results)
     print("wrote: " + ", ".join(str(p) for p in written))
     met = all(choice[k]["chosen"] is not None and choice[k]["chosen"]["meets"] for k in ("prefill", "decode"))

@@ -139,10 +139,37 @@ def router_grid(points: list[Measured], req: ProfileRequest, isls: list[int]) ->
     }
 
 
+def agg_router_grid(points: list[Measured], req: ProfileRequest) -> dict[str, Any] | None:
+    """An aggregated recipe's grid over (TTFT target, ITL target), columns as router_grid's: in each cell the TP
+    size with the most decode tokens/s per GPU among those that meet both (TTFT at the profiled input length),
+    else the fastest. None when one size wins everywhere."""
+    tps = sorted({p["tp"] for p in points})
+    lo, hi, cols = 0.25, 2.25, 4
+    middles = [lo + (i + 0.5) * (hi - lo) / cols for i in range(cols)]
+    mapping = []
+    for ttft_target in (m * req.ttft_ms for m in middles):
+        row = []
+        for itl_target in (m * req.itl_ms for m in middles):
+            meeting = [(tp, b) for tp in tps if (t := ttft_at(points, tp, req.isl)) is not None and t <= ttft_target
+                       and (b := decode_best(points, tp, itl_target)) is not None]
+            row.append(max(meeting, key=lambda f: (f[1]["tok_s"] / f[0], -f[0]))[0] if meeting else max(tps))
+        mapping.append(row)
+    used = sorted({tp for row in mapping for tp in row})
+    if len(used) == 1:
+        return None
+    return {"mode": "agg", "enable_priority_retry": True, "num_agg_pools": len(used),
+            "agg_pool_dynamo_namespaces": [f"agg-tp{t}" for t in used],
+            "agg_pool_priorities": [len(used) - i for i in range(len(used))],
+            "agg_pool_selection_strategy": {
+                "ttft_min_ms": lo * req.ttft_ms, "ttft_max_ms": hi * req.ttft_ms, "ttft_resolution": cols,
+                "itl_min_ms": lo * req.itl_ms, "itl_max_ms": hi * req.itl_ms, "itl_resolution": cols,
+                "agg_pool_mapping": [[used.index(tp) for tp in row] for row in mapping]}}
+
+
 def pooled_recipe(recipe: Recipe, grid: dict[str, Any], router_file: str) -> Recipe:
     """The recipe with one pool per TP size the grid uses (each one worker), behind that grid."""
     roles = {}
-    for role in ("prefill", "decode"):
+    for role in ("agg",) if grid["mode"] == "agg" else ("prefill", "decode"):
         spec = getattr(recipe.roles, role)
         pools = []
         for name in grid[f"{role}_pool_dynamo_namespaces"]:

@@ -156,3 +156,23 @@ def test_a_real_profile_writes_a_recipe_that_validates_and_resumes(tmp_path, mod
     assert "[5/6]" not in printed
     assert main([*args[:-4], "--isl", "32", *args[-4:]]) == 2  # other inputs in the same directory
     assert "holds a profile of something else" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_an_aggregated_recipe_gets_a_ttft_itl_grid_over_pools_of_the_winning_sizes():
+    req = ProfileRequest(isl=64, osl=16, ttft_ms=100, itl_ms=20, tps=[1, 2])
+    # TP 1: TTFT 80 ms, 300 tok/s at 15 ms; TP 2: TTFT 40 ms, 700 tok/s (350 per GPU) at 12 ms
+    points = _points({1: {64: 80}, 2: {64: 40}}, {1: {1: (5, 100), 4: (15, 300)}, 2: {1: (4, 120), 8: (12, 700)}})
+    grid = pick.agg_router_grid(points, req)
+    config = parse_global_router(grid, "grid")
+    names = config.pools("agg")
+    assert names == ["agg-tp1", "agg-tp2"]
+    assert names[config.agg_pool(ttft_ms=50, itl_ms=20)] == "agg-tp2"  # only TP 2 prefills within 50 ms
+    assert names[config.agg_pool(ttft_ms=100, itl_ms=30)] == "agg-tp2"  # both meet: 350 per GPU beats 300
+    points = _points({1: {64: 80}, 2: {64: 40}}, {1: {1: (5, 100), 4: (15, 400)}, 2: {1: (4, 120), 8: (12, 700)}})
+    names = parse_global_router(pick.agg_router_grid(points, req), "grid").pools("agg")
+    config = parse_global_router(pick.agg_router_grid(points, req), "grid")
+    assert names[config.agg_pool(ttft_ms=100, itl_ms=30)] == "agg-tp1"  # now TP 1's 400 per GPU wins there
+    recipe, _ = load_recipe("tiny-agg")
+    pooled = pick.pooled_recipe(recipe, pick.agg_router_grid(points, req), "gr.json")
+    assert [(p.name, p.tensor_parallel_size) for p in pooled.roles.agg.pools] == [("agg-tp1", 1), ("agg-tp2", 2)]
