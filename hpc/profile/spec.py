@@ -25,6 +25,14 @@ class ProfileRequest(BaseModel):
 def check_request(req: ProfileRequest, resolved: Resolved) -> None:
     """Bad SLA inputs and layouts the cluster cannot hold: one clear line naming the flag."""
     recipe, cluster = resolved.recipe, resolved.cluster
+    if recipe.modality == "video_diffusion":
+        raise UserError("hpc profile sizes text serving (TTFT, ITL); a video recipe is measured with hpc bench",
+                        file=resolved.recipe_file, field="modality", hint="hpc launch it, then hpc bench RUN")
+    pooled = [name.value for name, spec in recipe.roles.items() if spec.pools]
+    if pooled:
+        raise UserError(f"roles.{pooled[0]} has pools: a profile sizes one layout and writes the pools itself",
+                        file=resolved.recipe_file, field=f"roles.{pooled[0]}.pools",
+                        hint="profile the recipe without pools, or one pool: hpc recipe convert --pool NAME")
     for flag, value in (("--isl", req.isl), ("--osl", req.osl), ("--ttft", req.ttft_ms), ("--itl", req.itl_ms),
                         ("--requests", req.requests), ("--max-concurrency", req.max_concurrency)):
         if not value > 0 or value != value or value == float("inf"):

@@ -29,9 +29,15 @@ ARGS = ["profile", "-r", "tiny-disagg", "--isl", "64", "--osl", "16", "--ttft", 
     (["--tp", "3"], "--tp: --tp 3 does not divide the 8 GPUs of a node of 'local'"),
     (["--tp", "1,2,4,8"], "the profile keeps a prefill and a decode engine of each TP size warm: 30 GPUs"),
     (["--tp", "1,2", "--max-gpus", "4"], "6 GPUs for --tp 1,2, above the 4 allowed"),
+    (["-r", "tiny-video"], "modality: hpc profile sizes text serving"),
+    (["-r", "tiny-pools"], "roles.prefill.pools: roles.prefill has pools"),
 ])
 def test_bad_inputs_are_one_line_and_exit_2(extra, expect, capsys, tmp_path):
-    assert main([*ARGS, *extra, "--dry-run", "--out", str(tmp_path / "p")]) == 2
+    args = [*ARGS, *extra]
+    if extra[:1] == ["-r"]:  # another recipe
+        args = [a for a in args if a != "tiny-disagg"]
+        args.remove("-r")
+    assert main([*args, "--dry-run", "--out", str(tmp_path / "p")]) == 2
     err = capsys.readouterr().err
     assert expect in err and "Traceback" not in err and err.count("\n") == 1, err
     assert not (tmp_path / "p").exists()
