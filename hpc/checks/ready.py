@@ -113,8 +113,31 @@ def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float 
         return seen == names
     # a stuck stage names the first worker that has not registered yet
     until("workers registered", lambda: min(names - seen, default="frontend"), registered)
+    if manifest.recipe.disaggregated:
+        warm_handoffs(manifest, frontend["url"])
+        record("handoffs warmed")
     record("ready")
     return phases
+
+
+WARM_REQUESTS_MAX = 64
+
+
+def warm_handoffs(manifest: Manifest, url: str) -> None:
+    """Requests through prefill -> decode before "ready": the whole handoff path (frontend, prefill, KV transfer,
+    decode) has worked once before anyone is told it is ready — a broken transfer fails readiness, not the first
+    user. Round robin takes turns per role, so prefill x decode requests reach every pair when the counts are
+    coprime, and every worker in any case."""
+    from hpc.checks.probe import post_json
+
+    roles = manifest.recipe.roles
+    n = min(WARM_REQUESTS_MAX, roles.prefill.total_count * roles.decode.total_count)
+    for i in range(n):
+        status, body = post_json(url + "/v1/completions", {"model": manifest.recipe.model.served_name,
+                                                           "prompt": [100 + i, 200, 300, 400], "max_tokens": 2,
+                                                           "temperature": 0, "ignore_eos": True}, timeout=120)
+        if status != 200:
+            raise NotReady(f"a warm-up request through prefill -> decode failed: HTTP {status} {str(body)[:300]}")
 
 
 def main(argv: list[str] | None = None) -> int:
