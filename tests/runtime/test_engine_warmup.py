@@ -42,6 +42,9 @@ def test_warm_up_covers_prefill_and_every_decode_path_before_the_first_request(t
 
     warmed, reported, seconds = asyncio.run(main())
     # a 16-token prompt, then one-token steps at 1 row, past the fused GEMVs' batch limit, and the full batch
-    assert warmed == [(1, 16), (1, 1), (fused_decode.MAX_BATCH + 1, 1), (8, 1)]
-    assert reported == [("prefill", 16), ("decode", 1), ("decode", fused_decode.MAX_BATCH + 1), ("decode", 8)]
+    # a prompt alone (causal) and two together (masked), then decode at 1, 2 (Triton's other integer
+    # specialization), the first batched-matmul size and the largest batch
+    assert warmed == [(1, 16), (2, 16), (1, 1), (2, 1), (fused_decode.MAX_BATCH + 1, 1), (8, 1)]
+    assert reported == [("prefill", 16), ("decode", 1), ("decode", 2), ("decode", fused_decode.MAX_BATCH + 1),
+                        ("decode", 8)]
     assert seconds > 0

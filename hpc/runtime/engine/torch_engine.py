@@ -235,12 +235,22 @@ class TorchEngine:
         the same Triton attention over the whole cache (see fused_decode). Every TP rank runs the same steps
         in its own load(), so their collectives pair up."""
         t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            # Batched prefills and prefills after a reused prefix attend through a mask; SDPA would take cuDNN
+            # there, which builds a plan per (batch, length) shape — 30-500 ms each time a new mix of prompts
+            # is prefilled together, all through the first sweep after a launch. Its flash and memory-efficient
+            # kernels need no plans.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         n = min(self.WARMUP_PROMPT, self.max_len - 1)
-        ids = torch.full((1, n), 2, device=self.device)
-        self.model.forward_step(self.model.embed(ids), torch.arange(n, device=self.device)[None],
-                                torch.zeros(1, dtype=torch.long, device=self.device), self.cache)
+        rows_prefill = min(2, self.max_batch)
+        ids = torch.full((rows_prefill, n), 2, device=self.device)
+        for b in sorted({1, rows_prefill}):  # one prompt from scratch (causal), two together (masked)
+            self.model.forward_step(self.model.embed(ids[:b]), torch.arange(n, device=self.device)[None].expand(b, n),
+                                    torch.arange(b, dtype=torch.long, device=self.device), self.cache)
         self.warmed: list[tuple[str, int]] = [("prefill", n)]
-        for rows in sorted({1, min(self.max_batch, fused_decode.MAX_BATCH + 1), self.max_batch}):
+        # 1 and 2 rows: Triton specializes integer arguments equal to 1, so 2 compiles the other variant
+        for rows in sorted({1, min(self.max_batch, 2), min(self.max_batch, fused_decode.MAX_BATCH + 1),
+                            self.max_batch}):
             tokens = torch.full((rows, 1), 2, device=self.device)
             self.model.forward_step(self.model.embed(tokens), torch.full((rows, 1), n, device=self.device),
                                     torch.arange(rows, device=self.device), self.cache)
