@@ -56,10 +56,12 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
-    levels = [Level(c, args.input_tokens, args.output_tokens, REQUESTS_PER_USER * c)
+    recipe, _ = load_recipe(args.recipe)
+    # requests per level as `hpc bench` sends them by default: the recipe's number, at least 4 per user
+    levels = [Level(c, args.input_tokens, args.output_tokens,
+                    max(recipe.benchmark.requests_per_level, REQUESTS_PER_USER * c))
               for c in (int(x) for x in args.concurrency.split(","))]
     batch = max(lv.concurrency for lv in levels)
-    recipe, _ = load_recipe(args.recipe)
     roles = [name for name in ("agg", "prefill", "decode") if getattr(recipe.roles, name) is not None]
     overrides = [f'roles.{r}.override_engine_args={{"max_batch_size": {batch}}}' for r in roles]
 
