@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import secrets
 from pathlib import Path
 from typing import Any, Literal
 
@@ -81,7 +82,8 @@ class VideoService:
                             height=height, width=width, frames=frames,
                             steps=body.num_inference_steps or spec.default_num_inference_steps,
                             guidance=spec.default_guidance_scale if body.guidance_scale is None
-                            else body.guidance_scale, seed=body.seed if body.seed is not None else 0,
+                            else body.guidance_scale,
+                            seed=body.seed if body.seed is not None else secrets.randbits(63),  # unseeded: new noise
                             fps=fps, output_path=str(self.out_dir / f"{video_id}.mp4"), prompt=body.prompt,
                             negative_prompt=body.negative_prompt)
 

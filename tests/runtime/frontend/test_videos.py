@@ -118,3 +118,11 @@ def test_hpc_bench_of_a_video_run_reports_seconds_per_video_steps_and_teacache(v
     assert all(lv["steps_per_s"] > 0 and lv["seconds_per_video"]["p50"] > 0 for lv in levels)
     assert all(0 < lv["teacache_skip_rate"] < 1 for lv in levels)  # threshold 0.1, 12 steps: some skipped
     assert "s/video p50" in out and "TeaCache skip" in out
+
+
+def test_without_a_seed_each_video_starts_from_new_noise(video, tmp_path):
+    body = {"model": video.model, "prompt": "same words", "size": "64x64", "num_frames": 4,
+            "num_inference_steps": 3, "response_format": "b64_json"}
+    videos = [_mp4(base64.b64decode(post_json(video.url + "/v1/videos", body)[1]["data"][0]["b64_json"]),
+                   tmp_path)[0] for _ in range(2)]
+    assert not np.array_equal(videos[0], videos[1])
