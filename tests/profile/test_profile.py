@@ -182,3 +182,13 @@ def test_an_aggregated_recipe_gets_a_ttft_itl_grid_over_pools_of_the_winning_siz
     recipe, _ = load_recipe("tiny-agg")
     pooled = pick.pooled_recipe(recipe, pick.agg_router_grid(points, req), "gr.json")
     assert [(p.name, p.tensor_parallel_size) for p in pooled.roles.agg.pools] == [("agg-tp1", 1), ("agg-tp2", 2)]
+
+
+@pytest.mark.unit
+def test_the_aggregated_form_addresses_every_engine_by_priority_too():
+    recipe, _ = load_recipe("tiny-disagg")
+    prof = profile_recipe(recipe, [1, 2], "agg")
+    config = parse_global_router(prof.frontend.global_router, "profile")
+    req = ProfileRequest(isl=64, osl=16, ttft_ms=100, itl_ms=20, tps=[1, 2])
+    for point in points(recipe, req, {}, "agg"):
+        assert config.pools("agg")[config.agg_pool(priority=point.priority)] == point.pool, point
