@@ -10,7 +10,7 @@ from pathlib import Path
 from hpc.errors import UserError
 
 
-def _ints(text: str) -> list[int]:
+def positive_ints(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v]
     except ValueError:
@@ -25,9 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run", nargs="?", help="run directory, run id or job id (uses its frontend and recipe)")
     p.add_argument("--url", help="any OpenAI-compatible base URL instead of a run, e.g. http://host:8000")
     p.add_argument("--model", help="model name (default: the run's served name)")
-    p.add_argument("--concurrency", type=_ints, help="e.g. 1,4,16 (default: the recipe's)")
-    p.add_argument("--input-tokens", type=_ints, help="input lengths, e.g. 128,1024")
-    p.add_argument("--output-tokens", type=_ints, help="output lengths (paired with --input-tokens)")
+    p.add_argument("--concurrency", type=positive_ints, help="e.g. 1,4,16 (default: the recipe's)")
+    p.add_argument("--input-tokens", type=positive_ints, help="input lengths, e.g. 128,1024")
+    p.add_argument("--output-tokens", type=positive_ints, help="output lengths (paired with --input-tokens)")
     p.add_argument("--requests", type=int, help="requests per level (default: the recipe's, at least 4 x concurrency)")
     p.add_argument("--rate", type=float, help="open loop: requests/s (Poisson) instead of a closed loop")
     p.add_argument("--warmup", type=int, help="warm-up requests per level")

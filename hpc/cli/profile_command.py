@@ -8,14 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpc.cli.bench_command import positive_ints
 from hpc.errors import UserError
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def add_parser(sub: argparse._SubParsersAction, add_target) -> None:
@@ -26,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction, add_target) -> None:
     p.add_argument("--osl", type=int, required=True, help="output tokens of the target workload")
     p.add_argument("--ttft", type=float, required=True, metavar="MS", help="time-to-first-token target")
     p.add_argument("--itl", type=float, required=True, metavar="MS", help="inter-token-latency target")
-    p.add_argument("--tp", type=_ints, default=[1], help="TP sizes to profile, e.g. 1,2,4,8 (default: 1)")
+    p.add_argument("--tp", type=positive_ints, default=[1], help="TP sizes to profile, e.g. 1,2,4,8 (default: 1)")
     p.add_argument("--max-gpus", type=int, help="GPUs the profile may hold at once (default: the cluster's)")
     p.add_argument("--requests", type=int, default=8, help="requests per point (default: %(default)s)")
     p.add_argument("--max-concurrency", type=int, default=64, help="highest decode concurrency (default: 64)")
@@ -79,10 +73,10 @@ def profile(args: argparse.Namespace) -> int:
 
     out.mkdir(parents=True, exist_ok=True)
     results = load_results(out, req, recipe.name, cluster.name)
-    if all(p.key in results["points"] for p in todo):
+    before = sum(p.key in results["points"] for p in todo)
+    if before == len(todo):
         print(f"every point is measured already ({out / 'profile.json'}): nothing to launch")
         return _conclude(recipe, resolved, req, results, out)
-    before = sum(p.key in results["points"] for p in todo)
     if before:
         print(f"resuming: {before} of {len(todo)} points measured before")
     code, run = launch_resolved(prof, smoke=False)
@@ -124,13 +118,10 @@ def _stop(run) -> None:
 
 
 def _conclude(recipe, resolved, req, results: dict[str, Any], out: Path) -> int:
-    import yaml
-
     from hpc.profile import choose as pick
     from hpc.profile.plan import isl_points
     from hpc.profile.report import choice_table, plots, points_table
     from hpc.profile.sweep import save
-    from hpc.resolve import resolve_specs
 
     measured = list(results["points"].values())
     choice = pick.choose(measured, req)
@@ -142,20 +133,16 @@ def _conclude(recipe, resolved, req, results: dict[str, Any], out: Path) -> int:
         written += plots(measured, choice, req, out)
     except ImportError:  # a light launcher install: the figures are in the JSON and the table
         print("plots skipped: matplotlib is not installed (pip install 'hpc[serve]')")
-    emitted = _absolute_configs(pick.emitted_recipe(recipe, choice, req), Path(resolved.recipe_file))
-    recipe_path = out / "recipe.yaml"
-    recipe_path.write_text(yaml.safe_dump(emitted.model_dump(mode="json", exclude_defaults=True), sort_keys=False))
-    resolve_specs(resolved.cluster, Path(resolved.cluster_file), emitted, recipe_path)  # hpc validate accepts it
+    emitted = pick.emitted_recipe(recipe, choice, req)
+    recipe_path = _write_recipe(emitted, resolved, out / "recipe.yaml")
     written.append(recipe_path)
     results["emitted"] = {"recipe": str(recipe_path)}
     grid = pick.router_grid(measured, req, isl_points(req, recipe.limits.max_input_tokens)) \
         if recipe.disaggregated else pick.agg_router_grid(measured, req)
     if grid is not None:  # different sizes win different regions: pools of them behind that grid
         (out / "global_router.json").write_text(json.dumps(grid, indent=2) + "\n")
-        pooled = _absolute_configs(pick.pooled_recipe(emitted, grid, "global_router.json"), Path(resolved.recipe_file))
-        pooled_path = out / "recipe-pools.yaml"
-        pooled_path.write_text(yaml.safe_dump(pooled.model_dump(mode="json", exclude_defaults=True), sort_keys=False))
-        resolve_specs(resolved.cluster, Path(resolved.cluster_file), pooled, pooled_path)
+        pooled_path = _write_recipe(pick.pooled_recipe(emitted, grid, "global_router.json"), resolved,
+                                    out / "recipe-pools.yaml")
         written += [out / "global_router.json", pooled_path]
         results["emitted"]["pools"] = str(pooled_path)
     save(out, results)
@@ -165,6 +152,19 @@ def _conclude(recipe, resolved, req, results: dict[str, Any], out: Path) -> int:
     if not met:
         print("SLA NOT MET by any profiled size: the recipe written is the closest; profile larger TP sizes")
     return 0
+
+
+def _write_recipe(recipe, resolved, path: Path) -> Path:
+    """A recipe the profile made, its engine-config paths made absolute (it is written away from the recipe they
+    were relative to), checked as `hpc validate` would (relative to where it is written), then written."""
+    import yaml
+
+    from hpc.resolve import resolve_specs
+
+    recipe = _absolute_configs(recipe, Path(resolved.recipe_file))
+    resolve_specs(resolved.cluster, Path(resolved.cluster_file), recipe, path)
+    path.write_text(yaml.safe_dump(recipe.model_dump(mode="json", exclude_defaults=True), sort_keys=False))
+    return path
 
 
 def _absolute_configs(recipe, recipe_path: Path):

@@ -6,11 +6,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from hpc.bench.loadgen import REQUESTS_PER_USER
 from hpc.profile.spec import ProfileRequest
 from hpc.spec.modifiers import with_parallel
 from hpc.spec.recipe import BenchShape, PoolSpec, Recipe
 
 Measured = dict[str, Any]  # one point's figures: phase, tp, isl, concurrency, ttft_ms, itl_ms, tok_s, valid
+# A router grid's target axis, as a multiple of the SLA: uniform cells (as Dynamo's grids are) from a quarter to
+# 2.25 x, whose middles are 0.5, 1, 1.5 and 2 x.
+GRID_LO, GRID_HI, GRID_CELLS = 0.25, 2.25, 4
+GRID_MIDDLES = [GRID_LO + (i + 0.5) * (GRID_HI - GRID_LO) / GRID_CELLS for i in range(GRID_CELLS)]
 
 
 def ttft_at(points: list[Measured], tp: int, isl: int) -> float | None:
@@ -28,11 +33,19 @@ def ttft_at(points: list[Measured], tp: int, isl: int) -> float | None:
     return curve[-1][1]
 
 
+def _decode_levels(points: list[Measured], tp: int) -> list[Measured]:
+    return [p for p in points if p["phase"] == "decode" and p["tp"] == tp and p["valid"] and p["itl_ms"] is not None]
+
+
 def decode_best(points: list[Measured], tp: int, itl_ms: float) -> Measured | None:
     """The decode level of TP `tp` with the most tokens/s whose ITL meets the target."""
-    ok = [p for p in points if p["phase"] == "decode" and p["tp"] == tp and p["valid"] and p["itl_ms"] is not None
-          and p["itl_ms"] <= itl_ms]
-    return max(ok, key=lambda p: p["tok_s"], default=None)
+    return max((p for p in _decode_levels(points, tp) if p["itl_ms"] <= itl_ms), key=lambda p: p["tok_s"],
+               default=None)
+
+
+def _winner(options: list[tuple[int, float]]) -> int:
+    """(TP, tokens/s per GPU) options -> the TP with the most per GPU; the smaller TP on a tie."""
+    return max(options, key=lambda o: (o[1], -o[0]))[0]
 
 
 def choose(points: list[Measured], req: ProfileRequest) -> dict[str, Any]:
@@ -52,8 +65,7 @@ def choose(points: list[Measured], req: ProfileRequest) -> dict[str, Any]:
             decode.append({"tp": tp, "concurrency": best["concurrency"], "itl_ms": best["itl_ms"], "meets": True,
                            "tok_s": best["tok_s"], "tok_s_per_gpu": best["tok_s"] / tp})
         else:
-            lows = [p for p in points if p["phase"] == "decode" and p["tp"] == tp and p["valid"]
-                    and p["itl_ms"] is not None]
+            lows = _decode_levels(points, tp)
             if lows:
                 low = min(lows, key=lambda p: p["itl_ms"])
                 decode.append({"tp": tp, "concurrency": low["concurrency"], "itl_ms": low["itl_ms"], "meets": False,
@@ -85,7 +97,7 @@ def emitted_recipe(recipe: Recipe, choice: dict[str, Any], req: ProfileRequest) 
         bench = out.benchmark.model_copy(update={
             "concurrency": sorted({1, dec["concurrency"]}), "shapes": [BenchShape(input_tokens=req.isl,
                                                                                 output_tokens=req.osl)],
-            "requests_per_level": max(out.benchmark.requests_per_level, 4 * dec["concurrency"])})
+            "requests_per_level": max(out.benchmark.requests_per_level, REQUESTS_PER_USER * dec["concurrency"])})
         out = out.model_copy(update={"benchmark": bench})
     return out.model_copy(update={"name": f"{recipe.name}-sla"[:64]})
 
@@ -98,45 +110,48 @@ def router_grid(points: list[Measured], req: ProfileRequest, isls: list[int]) ->
     tps = sorted({p["tp"] for p in points})
     rows = len(isls)
     step = isls[-1] / rows
-    lo, hi, cols = 0.25, 2.25, 4
-    middles = [lo + (i + 0.5) * (hi - lo) / cols for i in range(cols)]  # 0.5, 1.0, 1.5, 2.0 x the SLA
     prefill_map = []
     for r in range(rows):
         isl = (r + 0.5) * step
         figures = [(tp, t) for tp in tps if (t := ttft_at(points, tp, isl)) is not None]
         row = []
-        for target in (m * req.ttft_ms for m in middles):
-            meeting = [(tp, t) for tp, t in figures if t <= target]
-            if meeting:  # per-GPU prefill throughput: isl / ttft / tp
-                row.append(max(meeting, key=lambda f: (isl / max(f[1], 1e-9) / f[0], -f[0]))[0])
+        for target in (m * req.ttft_ms for m in GRID_MIDDLES):
+            meeting = [(tp, isl / max(t, 1e-9) / tp) for tp, t in figures if t <= target]  # prefill tok/s per GPU
+            if meeting:
+                row.append(_winner(meeting))
             else:
                 row.append(min(figures, key=lambda f: f[1])[0])
         prefill_map.append(row)
     decode_row = []
-    for target in (m * req.itl_ms for m in middles):
-        meeting = [(tp, b) for tp in tps if (b := decode_best(points, tp, target)) is not None]
-        decode_row.append(max(meeting, key=lambda f: (f[1]["tok_s"] / f[0], -f[0]))[0] if meeting else max(tps))
+    for target in (m * req.itl_ms for m in GRID_MIDDLES):
+        meeting = [(tp, b["tok_s"] / tp) for tp in tps if (b := decode_best(points, tp, target)) is not None]
+        decode_row.append(_winner(meeting) if meeting else max(tps))
     prefill_tps = sorted({tp for row in prefill_map for tp in row})
     decode_tps = sorted(set(decode_row))
     if len(prefill_tps) == 1 and len(decode_tps) == 1:
         return None
     return {
         "mode": "disagg", "enable_priority_retry": True,
-        "num_prefill_pools": len(prefill_tps), "num_decode_pools": len(decode_tps),
-        "prefill_pool_dynamo_namespaces": [f"prefill-tp{t}" for t in prefill_tps],
-        "decode_pool_dynamo_namespaces": [f"decode-tp{t}" for t in decode_tps],
-        # a larger TP is faster: a failed smaller one retries on it
-        "prefill_pool_priorities": [len(prefill_tps) - i for i in range(len(prefill_tps))],
-        "decode_pool_priorities": [len(decode_tps) - i for i in range(len(decode_tps))],
+        **_pools("prefill", prefill_tps), **_pools("decode", decode_tps),
         "prefill_pool_selection_strategy": {
-            "isl_min": 0, "isl_max": isls[-1], "isl_resolution": rows,
-            "ttft_min_ms": lo * req.ttft_ms, "ttft_max_ms": hi * req.ttft_ms, "ttft_resolution": cols,
+            "isl_min": 0, "isl_max": isls[-1], "isl_resolution": rows, **_axis("ttft", req.ttft_ms),
             "prefill_pool_mapping": [[prefill_tps.index(tp) for tp in row] for row in prefill_map]},
         "decode_pool_selection_strategy": {
             "context_length_min": 0, "context_length_max": max(isls[-1], req.isl) + req.osl,
-            "context_length_resolution": 1, "itl_min_ms": lo * req.itl_ms, "itl_max_ms": hi * req.itl_ms,
-            "itl_resolution": cols, "decode_pool_mapping": [[decode_tps.index(tp) for tp in decode_row]]},
+            "context_length_resolution": 1, **_axis("itl", req.itl_ms),
+            "decode_pool_mapping": [[decode_tps.index(tp) for tp in decode_row]]},
     }
+
+
+def _pools(kind: str, tps: list[int]) -> dict[str, Any]:
+    """A grid's pools of one kind: one per TP size, named as the profile names its engines; a larger TP is
+    faster (a lower priority number), so a failed smaller one retries on it."""
+    return {f"num_{kind}_pools": len(tps), f"{kind}_pool_dynamo_namespaces": [f"{kind}-tp{t}" for t in tps],
+            f"{kind}_pool_priorities": [len(tps) - i for i in range(len(tps))]}
+
+
+def _axis(name: str, sla_ms: float) -> dict[str, Any]:
+    return {f"{name}_min_ms": GRID_LO * sla_ms, f"{name}_max_ms": GRID_HI * sla_ms, f"{name}_resolution": GRID_CELLS}
 
 
 def agg_router_grid(points: list[Measured], req: ProfileRequest) -> dict[str, Any] | None:
@@ -144,26 +159,21 @@ def agg_router_grid(points: list[Measured], req: ProfileRequest) -> dict[str, An
     size with the most decode tokens/s per GPU among those that meet both (TTFT at the profiled input length),
     else the fastest. None when one size wins everywhere."""
     tps = sorted({p["tp"] for p in points})
-    lo, hi, cols = 0.25, 2.25, 4
-    middles = [lo + (i + 0.5) * (hi - lo) / cols for i in range(cols)]
+    ttft = {tp: t for tp in tps if (t := ttft_at(points, tp, req.isl)) is not None}  # one figure per size
     mapping = []
-    for ttft_target in (m * req.ttft_ms for m in middles):
+    for ttft_target in (m * req.ttft_ms for m in GRID_MIDDLES):
         row = []
-        for itl_target in (m * req.itl_ms for m in middles):
-            meeting = [(tp, b) for tp in tps if (t := ttft_at(points, tp, req.isl)) is not None and t <= ttft_target
+        for itl_target in (m * req.itl_ms for m in GRID_MIDDLES):
+            meeting = [(tp, b["tok_s"] / tp) for tp, t in ttft.items() if t <= ttft_target
                        and (b := decode_best(points, tp, itl_target)) is not None]
-            row.append(max(meeting, key=lambda f: (f[1]["tok_s"] / f[0], -f[0]))[0] if meeting else max(tps))
+            row.append(_winner(meeting) if meeting else max(tps))
         mapping.append(row)
     used = sorted({tp for row in mapping for tp in row})
     if len(used) == 1:
         return None
-    return {"mode": "agg", "enable_priority_retry": True, "num_agg_pools": len(used),
-            "agg_pool_dynamo_namespaces": [f"agg-tp{t}" for t in used],
-            "agg_pool_priorities": [len(used) - i for i in range(len(used))],
-            "agg_pool_selection_strategy": {
-                "ttft_min_ms": lo * req.ttft_ms, "ttft_max_ms": hi * req.ttft_ms, "ttft_resolution": cols,
-                "itl_min_ms": lo * req.itl_ms, "itl_max_ms": hi * req.itl_ms, "itl_resolution": cols,
-                "agg_pool_mapping": [[used.index(tp) for tp in row] for row in mapping]}}
+    return {"mode": "agg", "enable_priority_retry": True, **_pools("agg", used),
+            "agg_pool_selection_strategy": {**_axis("ttft", req.ttft_ms), **_axis("itl", req.itl_ms),
+                                            "agg_pool_mapping": [[used.index(tp) for tp in row] for row in mapping]}}
 
 
 def pooled_recipe(recipe: Recipe, grid: dict[str, Any], router_file: str) -> Recipe:

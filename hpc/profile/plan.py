@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, NamedTuple
 
+from hpc.bench.loadgen import REQUESTS_PER_USER
 from hpc.profile.spec import ProfileRequest
 from hpc.spec.modifiers import to_agg, with_parallel
 from hpc.spec.recipe import PoolSpec, Recipe, Roles, RoleSpec, RouterPolicy
@@ -56,12 +57,20 @@ def engines(recipe: Recipe, tps: list[int], form: Form | None = None) -> list[En
     return out
 
 
+def pair_priority(prefill_pool: int, decode_pool: int, n_decode: int) -> int:
+    """The disaggregated form's priority for one (prefill pool, decode pool) pair; profile_recipe's router rules
+    read it back."""
+    return prefill_pool * n_decode + decode_pool
+
+
 def _priority(engine: Engine, form: Form, n_decode: int) -> int:
-    """Disaggregated form: priority = prefill pool x n_decode + decode pool; a prefill point pairs its engine with
-    decode pool 0, a decode point its engine with prefill pool 0 until fed_by() names the prefill it runs with."""
+    """A prefill point pairs its engine with decode pool 0, a decode point its engine with prefill pool 0 until
+    fed_by() names the prefill it runs with; the aggregated form numbers its engines."""
     if form == "agg":
         return engine.index
-    return engine.index * n_decode if engine.phase == "prefill" else engine.index
+    if engine.phase == "prefill":
+        return pair_priority(engine.index, 0, n_decode)
+    return pair_priority(0, engine.index, n_decode)
 
 
 def fed_by(point: Point, recipe: Recipe, req: ProfileRequest, prefill_tp: int) -> Point:
@@ -70,7 +79,7 @@ def fed_by(point: Point, recipe: Recipe, req: ProfileRequest, prefill_tp: int) -
     all_engines = engines(recipe, req.tps, "disagg")
     n_decode = sum(e.phase == "decode" for e in all_engines)
     prefill = next(e for e in all_engines if e.phase == "prefill" and e.tp == prefill_tp)
-    return point._replace(priority=prefill.index * n_decode + point.priority % n_decode)
+    return point._replace(priority=pair_priority(prefill.index, point.priority % n_decode, n_decode))
 
 
 def profile_recipe(recipe: Recipe, tps: list[int], form: Form | None = None) -> Recipe:
@@ -104,13 +113,14 @@ def profile_recipe(recipe: Recipe, tps: list[int], form: Form | None = None) -> 
                 "isl_min": 0, "isl_max": 1, "isl_resolution": 1, **{k: v for k, v in any_cell.items()
                                                                    if k.startswith("ttft")},
                 "prefill_pool_mapping": [[0]], "priority_overrides": [
-                    {"min_priority": i * n_dec, "max_priority": i * n_dec + n_dec - 1, "target_pool": i}
-                    for i in range(n_pre)]},
+                    {"min_priority": pair_priority(i, 0, n_dec), "max_priority": pair_priority(i, n_dec - 1, n_dec),
+                     "target_pool": i} for i in range(n_pre)]},
             "decode_pool_selection_strategy": {
                 "context_length_min": 0, "context_length_max": 1, "context_length_resolution": 1,
                 **{k: v for k, v in any_cell.items() if k.startswith("itl")}, "decode_pool_mapping": [[0]],
-                "priority_overrides": [{"min_priority": i * n_dec + j, "max_priority": i * n_dec + j,
-                                        "target_pool": j} for i in range(n_pre) for j in range(n_dec)]}}
+                "priority_overrides": [{"min_priority": pair_priority(i, j, n_dec),
+                                        "max_priority": pair_priority(i, j, n_dec), "target_pool": j}
+                                       for i in range(n_pre) for j in range(n_dec)]}}
         roles = Roles(prefill=RoleSpec(pools=pools["prefill"]), decode=RoleSpec(pools=pools["decode"]),
                       encode=recipe.roles.encode)
     frontend = recipe.frontend.model_copy(update={"global_router": router, "router": RouterPolicy.ROUND_ROBIN})
@@ -157,4 +167,4 @@ def points(recipe: Recipe, req: ProfileRequest, engine_args: dict[str, dict[str,
 def requests_at(point: Point, req: ProfileRequest) -> int:
     """Enough that every decode level really has `concurrency` requests in flight for a while: 4 per user, as
     `hpc bench` sends by default (its validity gate)."""
-    return req.requests if point.phase == "prefill" else max(req.requests, 4 * point.concurrency)
+    return req.requests if point.phase == "prefill" else max(req.requests, REQUESTS_PER_USER * point.concurrency)

@@ -306,23 +306,19 @@ class Frontend:
                              prompt_logprobs=first.prompt_logprobs)
         if done:
             return
+        async def prefill_again(failure: Exception, decode_req: GenerateRequest) -> GenerateRequest:
+            if not isinstance(failure, NotStarted):  # the pool had no worker: the KV still waits where it was
+                return decode_req
+            # the failed decode worker may have taken the prefilled KV with it: prefill again (the client has the
+            # first token already, so the decode goes on from that one)
+            again = await self._prefill(gen, deadline, prefill_pools)
+            return replace(decode_req, disaggregated_params=replace(again.disaggregated_params,
+                                                                    first_token_id=token))
+
         decode_req = replace(gen, disaggregated_params=first.disaggregated_params, image=None, media=None)
-        decode_pools: list[str | None] = pools.decode(isl, hints) if pools else [None]
-        for n, pool in enumerate(decode_pools):
-            try:
-                async for out in self.router.generate("decode", decode_req, deadline, [pool] if pool else None):
-                    yield out
-                return
-            except (NoInstance, NotStarted) as exc:
-                if n == len(decode_pools) - 1:
-                    raise
-                self.router.pool_retried[("decode", pool)] = self.router.pool_retried.get(("decode", pool), 0) + 1
-                if isinstance(exc, NotStarted):
-                    # the failed decode worker may have taken the prefilled KV with it: prefill again (the client
-                    # has the first token already, so the decode goes on from that one)
-                    again = await self._prefill(gen, deadline, prefill_pools)
-                    decode_req = replace(decode_req, disaggregated_params=replace(
-                        again.disaggregated_params, first_token_id=token))
+        async for out in self.router.generate("decode", decode_req, deadline,
+                                              pools.decode(isl, hints) if pools else None, prefill_again):
+            yield out
 
     async def _prefill(self, gen: GenerateRequest, deadline: float, pools: list[str] | None) -> GenerateOutput:
         first: GenerateOutput | None = None

@@ -16,7 +16,7 @@ import logging
 import math
 import random
 import time
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from hpc.runtime.frontend.kv_index import KvIndex
 from hpc.runtime.services.discovery import Instance, Snapshot
@@ -175,10 +175,14 @@ class Router:
         return self.rng.choices(keys, [math.exp(-(c - low) / self.temperature) for c in costs])[0]
 
     async def generate(self, role: str, request: GenerateRequest, deadline: float | None = None,
-                       pools: list[str] | None = None) -> AsyncIterator[GenerateOutput]:
+                       pools: list[str] | None = None,
+                       before_next_pool: Callable[[Exception, Any], Awaitable[Any]] | None = None,
+                       ) -> AsyncIterator[GenerateOutput]:
         """Stream from one instance of `role`. A request that produced nothing yet is retried elsewhere: on other
         instances, and with `pools` (the global router's order: the chosen pool, then the faster ones to retry on)
-        in the next pool when its own has no live worker or all that were tried failed before the first byte."""
+        in the next pool when its own has no live worker or all that were tried failed before the first byte.
+        `before_next_pool(failure, request)` gives the request the next pool gets (a decode whose KV may have gone
+        with the failed worker needs a fresh prefill)."""
         order: list[str | None] = list(pools) if pools else [None]
         for n, pool in enumerate(order):
             if pool is not None:
@@ -192,6 +196,8 @@ class Router:
                     raise
                 self.pool_retried[(role, pool)] = self.pool_retried.get((role, pool), 0) + 1
                 log.warning("%s pool %s: %s; retrying on pool %s", role, pool, exc, order[n + 1])
+                if before_next_pool is not None:
+                    request = await before_next_pool(exc, request)
 
     async def _generate_in(self, role: str, request: GenerateRequest, deadline: float | None,
                            pool: str | None) -> AsyncIterator[GenerateOutput]:

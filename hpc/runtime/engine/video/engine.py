@@ -91,9 +91,12 @@ class VideoEngine:
             job = VideoJob(list(request.prompt_ids), list(request.negative_ids), request.height, request.width,
                            request.frames, request.steps, request.guidance, request.seed, request.prompt,
                            request.negative_prompt)
-            if (job.frames * (job.height // 16) * (job.width // 16)) % self.par.ulysses_size:
-                raise ValueError(f"the video's {job.frames} x {job.height // 16} x {job.width // 16} patches do not "
-                                 f"split over dit_ulysses_size {self.par.ulysses_size}")
+            if self.par.ulysses_size > 1:  # each rank takes an equal slice of the video's patches
+                cell = self.cfg.vae_factor * self.cfg.patch  # pixels per patch, each side
+                tokens = job.frames * (job.height // cell) * (job.width // cell)
+                if tokens % self.par.ulysses_size:
+                    raise ValueError(f"the video's {tokens} patches do not split over dit_ulysses_size "
+                                     f"{self.par.ulysses_size}")
             if self.world > 1:
                 self._broadcast_job(job)
             t0 = time.perf_counter()
