@@ -110,13 +110,17 @@ class EtcdDiscovery:
                 pass
 
     async def snapshot(self) -> Snapshot:
+        return (await self._snapshot_at())[0]
+
+    async def _snapshot_at(self) -> tuple[Snapshot, int]:
+        """The registered instances and the store revision they were read at."""
         client = await self._connect()
         result = await client.get_prefix(self.prefix.encode())
         out = {}
         for kv in result:
             inst = Instance.model_validate_json(kv.value)
             out[inst.key] = inst
-        return out
+        return out, result.header.revision
 
     async def watch(self, on_change: Callable[[Snapshot], None]) -> None:
         """Call on_change with every new snapshot, forever (reconnecting after errors)."""
@@ -125,9 +129,11 @@ class EtcdDiscovery:
         while True:
             try:
                 client = await self._connect()
-                current = await self.snapshot()
+                current, revision = await self._snapshot_at()
                 on_change(dict(current))
-                watch = await client.watch_prefix(self.prefix.encode())
+                # from the revision after the snapshot: a worker that registers between the read and the watch
+                # is an event of the watch, not lost (it refreshes its lease, which puts nothing)
+                watch = await client.watch_prefix(self.prefix.encode(), start_revision=revision + 1)
                 async for event in watch:
                     key = event.kv.key.decode()[len(self.prefix):]
                     if event.kind == EventKind.PUT:
