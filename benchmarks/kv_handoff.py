@@ -1,94 +1,155 @@
-"""KV handoff prefill -> decode on one node: CUDA IPC (device to device) against the bytes path (GPU -> host
-bytes -> GPU, what crosses TCP), for an 8B-shaped model's KV of a 2,000-token prompt.
+"""KV handoff prefill -> decode through the workers' own code (hpc.runtime.worker.kv_handoff over hpc's RPC), each
+transport the machine has: bytes in the RPC answer, CUDA IPC (GPU, one node) and NIXL (the `nixl` extra).
 
-    python benchmarks/kv_handoff.py [--tokens 2000] [--handoffs 8]       # needs a CUDA GPU
+    python benchmarks/kv_handoff.py [--tokens 2000] [--handoffs 8] [--device cuda:0] [--layers 32]
 
-A child process plays the prefill worker: it makes one fresh KV tensor per handoff on its GPU ([32 layers, 2,
-8 KV heads, tokens, 128] bf16 = 262 MB at 2,000 tokens) and shares it with hpc.runtime.engine.kv.share; this
-process plays the decode worker and times copy_shared (open the IPC handle, copy to its own GPU buffer,
-synchronise) for each, checking the bytes arrived (a checksum the child computed). The bytes path times
-kv.pack + kv.unpack + the upload in one process (the TCP transfer itself not counted: it only adds).
-With two GPUs, `--decode-device cuda:1` copies GPU 0 -> 1 over the peer link.
+A child process plays the prefill worker: an RPC server answering FetchKv/ReleaseKv through KvHandoff.answer, holding
+one fresh KV tensor per handoff ([layers, 2, 8 KV heads, tokens, 128] bf16: Llama-3.1-8B's KV, 262 MB at 2,000
+tokens). This process plays the decode worker: it times KvHandoff.fetch — ask, move, land on its device, release —
+and checks every KV arrived whole (a checksum the child computed). With two GPUs, `--decode-device cuda:1`.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
-import msgspec
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from hpc.runtime.engine import kv as kvpack  # noqa: E402
-from hpc.runtime.serve.wire import KvMeta  # noqa: E402
+from hpc.runtime.engine.kv_nixl import NixlTransport, nixl_available  # noqa: E402
+from hpc.runtime.serve.rpc import RpcServer  # noqa: E402
+from hpc.runtime.serve.wire import FetchKv, ReleaseKv  # noqa: E402
+from hpc.runtime.worker.handlers import Peers  # noqa: E402
+from hpc.runtime.worker.kv_handoff import KvHandoff  # noqa: E402
 
-SHAPE = lambda tokens: [32, 2, 8, tokens, 128]  # noqa: E731  Llama-3.1-8B: 32 layers, 8 KV heads of 128
+HOST = "127.0.0.1"
 
 
-def prefill_side(tokens: int, handoffs: int) -> None:
-    """Child: share `handoffs` fresh KV tensors, one msgpack line each (hex), keep them alive until stdin ends."""
-    keep = []
-    for i in range(handoffs):
-        t = torch.randn(SHAPE(tokens), device="cuda:0", dtype=torch.bfloat16)
-        torch.cuda.synchronize()
-        keep.append(t)
-        line = msgspec.msgpack.encode([kvpack.share(t), float(t.float().sum())]).hex()
-        print(line, flush=True)
-    sys.stdin.read()
+class HeldKv:
+    """The prefill engine's side of the handoff (take / lend / release), as TorchEngine keeps it."""
+
+    def __init__(self, kvs: dict[str, torch.Tensor]) -> None:
+        self.kvs = kvs
+
+    def take_handoff(self, handle: str, ipc: bool = False):
+        if ipc and self.kvs[handle].is_cuda:
+            return kvpack.share(self.kvs[handle]), b""
+        return kvpack.pack(self.kvs.pop(handle))
+
+    def lend_handoff(self, handle: str) -> torch.Tensor:
+        return self.kvs[handle]
+
+    def release_handoff(self, handle: str) -> None:
+        self.kvs.pop(handle, None)
+
+
+def transports(device: str) -> list[tuple[str, str]]:
+    """(label, runtime.kv_transport setting) for each way this machine can move KV."""
+    ways = [("bytes over RPC (TCP)", "bytes")]
+    if device.startswith("cuda"):
+        ways.append(("CUDA IPC, device to device", "auto"))  # auto on one node's GPUs
+    if nixl_available():
+        ways.append(("NIXL READ (UCX)", "nixl"))
+    return ways
+
+
+async def prefill_side(args: argparse.Namespace) -> None:
+    shape = [args.layers, 2, 8, args.tokens, 128]
+    base = torch.randn(shape, device=args.device, dtype=torch.bfloat16)
+    kvs, sums = {}, []
+    for setting in dict(transports(args.device)).values():
+        for i in range(args.handoffs):
+            kvs[f"{setting}-{i}"] = kv = base + i  # a fresh tensor per handoff
+            sums.append(f"{setting}-{i}={float(kv.float().sum())!r}")
+    nixl = NixlTransport("bench-prefill") if nixl_available() else None
+    handoff = KvHandoff(setting="auto", device=args.device, host=HOST, engine=HeldKv(kvs), peers=None,
+                        counters={}, nixl=nixl)
+
+    async def answer(call, payload):
+        yield await handoff.answer(call)
+
+    async def release(call, payload):
+        handoff.release(call.handle)
+        return
+        yield
+
+    server = RpcServer({FetchKv: answer, ReleaseKv: release})
+    await server.start(HOST, 0)
+    print("READY", server.port, " ".join(sums), flush=True)
+    await asyncio.to_thread(sys.stdin.read)
+    await server.close()
+
+
+async def decode_side(args: argparse.Namespace, port: int, sums: dict[str, float]) -> list[tuple[str, list[float]]]:
+    peers = Peers()
+    rows = []
+    nixl = NixlTransport("bench-decode") if nixl_available() else None
+    torch.zeros(1, device=args.decode_device)  # the CUDA context exists before timing, as in a worker
+    for label, setting in transports(args.device):
+        handoff = KvHandoff(setting=setting, device=args.decode_device, host=HOST, engine=None, peers=peers,
+                            counters={}, nixl=nixl)
+        times = []
+        for i in range(args.handoffs):
+            params = SimpleNamespace(prefill_address=f"{HOST}:{port}", request_handle=f"{setting}-{i}")
+            t0 = time.perf_counter()
+            kv = (await handoff.fetch(params)).to(args.decode_device)
+            if kv.is_cuda:
+                torch.cuda.synchronize(kv.device)
+            times.append((time.perf_counter() - t0) * 1e3)
+            want = sums[params.request_handle]
+            if abs(float(kv.float().sum()) - want) > 1e-3 * max(1.0, abs(want)):
+                sys.exit(f"KV handoff FAILED over {label}: the KV that arrived differs from the prefill's")
+        used = [k for k, v in handoff.counters.items() if v]
+        rows.append((f"{label} [{', '.join(used)}]", times))
+    await peers.close()
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--handoffs", type=int, default=8)
-    parser.add_argument("--decode-device", default="cuda:0")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--decode-device", default=None)
     parser.add_argument("--prefill-side", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.decode_device = args.decode_device or args.device
     if args.prefill_side:
-        prefill_side(args.tokens, args.handoffs)
+        asyncio.run(prefill_side(args))
         return
     child = subprocess.Popen([sys.executable, __file__, "--prefill-side", "--tokens", str(args.tokens),
-                              "--handoffs", str(args.handoffs)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
-    decoder = msgspec.msgpack.Decoder(tuple[KvMeta, float])
-    ipc_ms, sizes, ok = [], 0, True
-    torch.zeros(1, device=args.decode_device)  # the CUDA context exists before timing, as in a worker
-    for _ in range(args.handoffs):
-        meta, checksum = decoder.decode(bytes.fromhex(child.stdout.readline().strip()))
-        t0 = time.perf_counter()
-        kv = kvpack.copy_shared(meta, args.decode_device)
-        ipc_ms.append((time.perf_counter() - t0) * 1e3)
-        sizes = kv.numel() * kv.element_size()
-        ok &= abs(float(kv.float().sum()) - checksum) <= 1e-3 * max(1.0, abs(checksum))
-    child.stdin.close()
-    child.wait(30)
-
-    bytes_ms = []
-    for _ in range(3):
-        t = torch.randn(SHAPE(args.tokens), device="cuda:0", dtype=torch.bfloat16)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        meta, data = kvpack.pack(t)
-        back = kvpack.unpack(meta, data).to(args.decode_device)
-        torch.cuda.synchronize()
-        bytes_ms.append((time.perf_counter() - t0) * 1e3)
-        ok &= torch.equal(back.cpu(), t.cpu())
-    name = torch.cuda.get_device_name(0)
-    print(f"KV handoff on {name}: {args.tokens} tokens of an 8B-shaped model ({sizes / 1e6:.0f} MB bf16), "
-          f"prefill cuda:0 -> decode {args.decode_device}")
-    print(f"{'path':<34} {'first ms':>9} {'median ms':>10} {'min ms':>8}")
-    print(f"{'CUDA IPC, device to device':<34} {ipc_ms[0]:>9.2f} {statistics.median(ipc_ms[1:] or ipc_ms):>10.2f} "
-          f"{min(ipc_ms):>8.2f}")
-    print(f"{'bytes via host (TCP path, no net)':<34} {bytes_ms[0]:>9.2f} {statistics.median(bytes_ms):>10.2f} "
-          f"{min(bytes_ms):>8.2f}")
-    if not ok:
-        sys.exit("KV handoff FAILED: the copied KV differs from the prefill side's")
+                              "--handoffs", str(args.handoffs), "--layers", str(args.layers), "--device",
+                              args.device], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    for line in child.stdout:  # nixl logs to stdout as well
+        if line.startswith("READY "):
+            break
+    else:
+        sys.exit("the prefill side exited before it was ready")
+    _, port, *pairs = line.split()
+    sums = {k: float(v) for k, v in (p.split("=") for p in pairs)}
+    try:
+        rows = asyncio.run(decode_side(args, int(port), sums))
+    finally:
+        child.stdin.close()
+        child.wait(60)
+    mb = args.layers * 2 * 8 * args.tokens * 128 * 2 / 1e6
+    where = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
+    print(f"KV handoff on {where}: {args.tokens} tokens, {args.layers} layers x 8 KV heads x 128 ({mb:.0f} MB bf16), "
+          f"prefill {args.device} -> decode {args.decode_device}, {args.handoffs} handoffs each")
+    print(f"{'path [what the decode side counted]':<58} {'first ms':>9} {'median ms':>10} {'min ms':>8} {'GB/s':>6}")
+    for label, times in rows:
+        med = statistics.median(times[1:] or times)
+        print(f"{label:<58} {times[0]:>9.2f} {med:>10.2f} {min(times):>8.2f} {mb / med:>6.1f}")
 
 
 if __name__ == "__main__":

@@ -209,6 +209,11 @@ def _check_disagg_pair(recipe: Recipe, args: dict[str, dict[str, Any]], files: d
                     hint="set pipeline_parallel_size to 1 for prefill and decode, serve it aggregated, or use "
                          "backend: trtllm"))
     if recipe.backend is Backend.TRTLLM:
+        if recipe.runtime.kv_transport != "auto":
+            errors.append(UserError(
+                f"runtime.kv_transport {recipe.runtime.kv_transport!r} is the torch engine's; TensorRT-LLM moves "
+                f"the KV cache through its cache transceiver", file=rfile, field="runtime.kv_transport",
+                hint="remove it and set cache_transceiver_config.backend (UCX or NIXL) in the engine configs"))
         for key in groups[RoleName.PREFILL] + groups[RoleName.DECODE]:
             ctc = args[key].get("cache_transceiver_config") or {}
             where = files[key] or rfile

@@ -248,3 +248,17 @@ def test_every_bad_diffusion_flag_is_one_line_exit_2(sets, expect, capsys):
 def test_the_eos_video_recipe_validates_and_plans_eight_ranks_per_worker():
     r = resolve("eos", "wan2.1-t2v-eos")
     assert r.recipe.diffusion.ranks == 8 and [w.tasks for w in r.plan.workers] == [8, 8]
+
+
+@pytest.mark.parametrize("recipe,kv_transport,expect", [
+    (["-r", "tiny-disagg"], "ucx", "runtime.kv_transport"),  # not one of auto / bytes / nixl
+    (["-r", "deepseek-r1-disagg", "-c", "eos"], "nixl",
+     "runtime.kv_transport: runtime.kv_transport 'nixl' is the torch engine's; TensorRT-LLM moves the KV cache"),
+])
+def test_the_kv_transport_is_one_the_engine_has(recipe, kv_transport, expect, capsys):
+    from hpc.cli.main import main
+
+    assert main(["validate", *recipe, "--set", f"runtime.kv_transport={kv_transport}"]) == 2
+    err = capsys.readouterr().err
+    assert expect in err and "Traceback" not in err, err
+    assert main(["validate", "-r", "tiny-disagg", "--set", "runtime.kv_transport=nixl"]) == 0

@@ -254,6 +254,10 @@ class RuntimeSpec(StrictModel):
         default_factory=list, description="image URLs may reach these hosts or CIDRs even when they are loopback, "
                                           "link-local or private (by default only public addresses)")
     max_file_size_mb: float = Field(16.0, gt=0, le=4096, allow_inf_nan=False)
+    kv_transport: Literal["auto", "bytes", "nixl"] = Field(
+        "auto", description="how the torch engine's KV moves prefill -> decode. auto: CUDA IPC on one node's GPUs, "
+                            "NIXL between GPUs of different nodes when installed, else bytes over the RPC "
+                            "connection; nixl: always NIXL (host or GPU memory, any two nodes); bytes: always bytes")
 
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"  # it names the Slurm job and the run directory

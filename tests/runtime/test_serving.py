@@ -6,14 +6,17 @@ import json
 import urllib.request
 
 import pytest
+import torch
 
 from hpc.checks.probe import get_json, get_text, metric_values, post_json, post_sse
+from hpc.runtime.engine.kv_nixl import nixl_available
 from tests.runtime.conftest import stack_fixture
 
 pytestmark = pytest.mark.integration
 
 agg = stack_fixture("tiny-agg")
 disagg = stack_fixture("tiny-disagg")
+disagg_nixl = stack_fixture("tiny-disagg", "--set", "runtime.kv_transport=nixl")
 
 PROMPT = "The capital of France is"
 
@@ -61,6 +64,30 @@ def test_disaggregated_path_really_ran(disagg):
     _complete(disagg)
     after = served("prefill"), served("decode")
     assert after[0] == before[0] + 1 and after[1] == before[1] + 1
+
+
+def _worker_metric(stack, worker: str, name: str) -> float:
+    state = json.loads((stack.run.state / f"{worker}.json").read_text())
+    return metric_values(get_text(state["http"] + "/metrics"), name)
+
+
+@pytest.mark.skipif(not nixl_available(), reason="needs the nixl extra (nixl-cu13)")
+def test_kv_moved_by_nixl_gives_the_same_tokens(disagg, disagg_nixl):
+    auto = "hpc_worker_kv_fetched_cuda_ipc" if torch.cuda.is_available() else "hpc_worker_kv_fetched_bytes"
+    before = {disagg: _worker_metric(disagg, "decode-0", auto),
+              disagg_nixl: _worker_metric(disagg_nixl, "decode-0", "hpc_worker_kv_fetched_bytes")}
+    for prompt in (PROMPT, "def main():", "word " * 200):
+        body = {"prompt": prompt, "temperature": 0, "max_tokens": 16, "ignore_eos": True}
+        want = post_json(disagg.url + "/v1/completions", {"model": disagg.model, **body})[1]
+        got = post_json(disagg_nixl.url + "/v1/completions", {"model": disagg_nixl.model, **body})[1]
+        assert "choices" in got and "choices" in want, (got, want)
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    # every handoff of the NIXL stack went through NIXL (prefill lent, decode read), none of the other's did
+    assert _worker_metric(disagg_nixl, "decode-0", "hpc_worker_kv_fetched_nixl") >= 3
+    assert _worker_metric(disagg_nixl, "prefill-0", "hpc_worker_kv_lent_nixl") >= 3
+    assert _worker_metric(disagg_nixl, "decode-0", "hpc_worker_kv_fetched_bytes") == before[disagg_nixl] == 0
+    assert _worker_metric(disagg, "decode-0", "hpc_worker_kv_fetched_nixl") == 0
+    assert _worker_metric(disagg, "decode-0", auto) == before[disagg] + 3
 
 
 @pytest.mark.parametrize("body,status,needle", [

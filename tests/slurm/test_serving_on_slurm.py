@@ -14,7 +14,8 @@ import pytest
 
 from hpc.cli.main import main
 from hpc.rundir import RunDir, list_runs
-from hpc.checks.probe import get_json, post_json, post_sse
+from hpc.checks.probe import get_json, get_text, metric_values, post_json, post_sse
+from hpc.runtime.engine.kv_nixl import nixl_available
 from tests.slurm.conftest import DEV, dev_cluster_file, frontend_port
 
 pytestmark = pytest.mark.slurm
@@ -83,6 +84,29 @@ def test_tiny_disagg_as_planned_with_smoke_and_clean_cancel(slurm_env, tmp_path)
     url = _url(run)
     assert url.startswith("http://10.77.0.11:")  # bound to node1's own address, reached from the host
     assert _complete(url, "hpc/tiny")
+    _cancel_and_check_clean(run)
+
+
+@pytest.mark.skipif(not nixl_available(), reason="needs the nixl extra (nixl-cu13)")
+def test_kv_crosses_nodes_over_nixl_tcp(slurm_env):
+    """Prefill on node2, decode on node3, the KV READ over NIXL with UCX held to TCP between the nodes' namespaces
+    (shared memory would work too: every dev node shares this host's /dev/shm, unlike real nodes)."""
+    prompts = ["The capital of France is", "def main():", "word " * 200]
+    run = _launch("-c", "dev", "-r", "tiny-disagg", "--no-smoke")
+    ref = [_complete(_url(run), "hpc/tiny", p, 16) for p in prompts]
+    _cancel_and_check_clean(run)
+    run = _launch("-c", "dev", "-r", "tiny-disagg", "--no-smoke", "--set", "runtime.kv_transport=nixl",
+                  "--set", "roles.prefill.env.UCX_TLS=tcp", "--set", "roles.decode.env.UCX_TLS=tcp")
+    states = run.component_states()
+    assert states["prefill-0"]["node"] == "node2" and states["decode-0"]["node"] == "node3"
+    assert [_complete(_url(run), "hpc/tiny", p, 16) for p in prompts] == ref
+
+    def metric(worker: str, name: str) -> float:
+        return metric_values(get_text(states[worker]["http"] + "/metrics"), name)
+
+    assert metric("decode-0", "hpc_worker_kv_fetched_nixl") >= len(prompts)  # readiness' warm-up fetched too
+    assert metric("prefill-0", "hpc_worker_kv_lent_nixl") == metric("decode-0", "hpc_worker_kv_fetched_nixl")
+    assert metric("decode-0", "hpc_worker_kv_fetched_bytes") == 0
     _cancel_and_check_clean(run)
 
 

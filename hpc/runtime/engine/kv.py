@@ -1,6 +1,6 @@
 """KV-cache blocks moved from a prefill worker to a decode worker: tensor <-> bytes (any two machines), or a
 CUDA IPC handle (same node, both on GPUs: the decode side copies device to device, no host round trip). No
-pickle either way."""
+pickle either way. NIXL, the third way, is in kv_nixl.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def pack(t: torch.Tensor) -> tuple[KvMeta, bytes]:
     return KvMeta(shape=list(t.shape), dtype=str(t.dtype)), t.view(torch.uint8).numpy().tobytes()
 
 
-def _dtype(meta: KvMeta) -> torch.dtype:
+def dtype_of(meta: KvMeta) -> torch.dtype:
     dtype = _DTYPES.get(meta.dtype)
     if dtype is None:
         raise ValueError(f"KV dtype {meta.dtype!r} is not one of {sorted(_DTYPES)}")
@@ -25,7 +25,7 @@ def _dtype(meta: KvMeta) -> torch.dtype:
 
 def unpack(meta: KvMeta, data: bytes) -> torch.Tensor:
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return raw.view(_dtype(meta)).reshape(meta.shape)
+    return raw.view(dtype_of(meta)).reshape(meta.shape)
 
 
 def share(t: torch.Tensor) -> KvMeta:
@@ -43,7 +43,7 @@ def share(t: torch.Tensor) -> KvMeta:
 
 def open_shared(meta: KvMeta) -> torch.Tensor:
     """The other process's tensor (on its device), opened from the IPC handle: copy it before releasing."""
-    ipc, dtype = meta.ipc, _dtype(meta)
+    ipc, dtype = meta.ipc, dtype_of(meta)
     if ipc is None:
         raise ValueError("this KV description carries bytes, not a CUDA IPC handle")
     torch.cuda._lazy_init()

@@ -315,6 +315,11 @@ class TorchEngine:
             return kvpack.share(tensor), b""
         return kvpack.pack(tensor)
 
+    def lend_handoff(self, handle: str) -> torch.Tensor:
+        """The prefilled KV of `handle`, kept until release_handoff (or its TTL): a transport reads it in place."""
+        with self._handoff_lock:
+            return self._handoff[handle][1]
+
     def release_handoff(self, handle: str) -> None:
         with self._handoff_lock:
             self._handoff.pop(handle, None)

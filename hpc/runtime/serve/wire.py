@@ -120,12 +120,18 @@ class GenerateOutput(Message, tag="output"):
 
 
 # ---- the other calls and their answers ---------------------------------------------------------------------------
+KvVia = Literal["bytes", "cuda_ipc", "nixl"]
+
+
 class FetchKv(Message, tag="fetch_kv"):
-    """Decode -> prefill: send the KV cache waiting under `handle` (once). `ipc`: the caller shares this node and
-    a CUDA device, so a CUDA IPC handle will do instead of the bytes."""
+    """Decode -> prefill: hand over the KV cache waiting under `handle`, preferably `via`: its bytes in the answer
+    (any two machines), a CUDA IPC handle (the caller shares this node and a GPU) or a NIXL location to READ from.
+    The answer says what was used (a prefill worker without a GPU or NIXL sends bytes). `nixl_agent`: the prefill's
+    NIXL agent the caller already knows, so its metadata need not come again."""
 
     handle: str
-    ipc: bool = False
+    via: KvVia = "bytes"
+    nixl_agent: str = ""
 
 
 class CudaIpc(Message):
@@ -143,13 +149,24 @@ class CudaIpc(Message):
     stride: list[int]
 
 
+class NixlKv(Message):
+    """Where a lent KV lies for a NIXL READ: the lender's agent, the lent region's partial metadata (with the
+    connection info when the reader did not know the agent yet) and the serialized transfer descriptors."""
+
+    agent: str
+    metadata: bytes
+    descs: bytes
+
+
 class KvMeta(Message, tag="kv"):
-    """Describes the KV in the frame's payload, or (ipc) where it sits on a GPU: [layers, 2, kv_heads, length,
-    head_dim]. An IPC handoff is released with ReleaseKv once the decode side has copied it."""
+    """Describes the KV in the frame's payload, or where it lies (ipc: on a GPU of this node; nixl: anywhere NIXL
+    reaches): [layers, 2, kv_heads, length, head_dim]. Shared or lent KV is released with ReleaseKv once the decode
+    side has its copy."""
 
     shape: list[int]
     dtype: str
     ipc: CudaIpc | None = None
+    nixl: NixlKv | None = None
 
 
 class ReleaseKv(Message, tag="release_kv"):

@@ -58,6 +58,7 @@ class HandlerDeps:
     image_size: int | None
     has_encode_role: bool
     on_first_token: Callable[[], None] = lambda: None
+    kv: Any = None  # the KV handoff (kv_handoff.KvHandoff); prefill workers answer fetches through it
     counters: dict[str, float] = field(default_factory=lambda: {"requests_total": 0, "errors_total": 0,
                                                                 "tokens_total": 0})
 
@@ -133,17 +134,11 @@ class PrefillHandler(HandlerBase):
         return {**super().ops(), FetchKv: self.fetch_kv, ReleaseKv: self.release_kv}
 
     async def fetch_kv(self, call: FetchKv, payload: bytes) -> AsyncIterator[Frame]:
-        try:
-            meta, data = self.deps.engine.take_handoff(call.handle, ipc=call.ipc)
-        except KeyError:
-            raise RemoteError(f"no KV cache waiting under handle {call.handle!r}", 404) from None
-        yield meta, data
+        yield await self.deps.kv.answer(call)
 
 
     async def release_kv(self, call: ReleaseKv, payload: bytes) -> AsyncIterator[Frame]:
-        release = getattr(self.deps.engine, "release_handoff", None)
-        if release is not None:
-            release(call.handle)
+        self.deps.kv.release(call.handle)
         return
         yield  # an async generator that answers nothing
 

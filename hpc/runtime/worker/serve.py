@@ -21,14 +21,13 @@ from hpc.runtime.engine.tiny import ensure_model
 from hpc.spec.recipe import Backend
 from hpc.runtime.services.discovery import Instance, open_discovery
 from hpc.runtime.engine.factory import build_engine
-from hpc.runtime.engine.kv import copy_shared, unpack
-from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode
+from hpc.runtime.engine.types import DisaggregationMode
 from hpc.runtime.serve.http import HttpServer, Request, Response, json_response
 from hpc.runtime.serve.metrics import prometheus
 from hpc.runtime.services.node import Reporter, node_address, publish_endpoint, rpc_token, wait_endpoint
-from hpc.runtime.serve.rpc import RemoteError, RpcServer
-from hpc.runtime.serve.wire import FetchKv, KvMeta, ReleaseKv
+from hpc.runtime.serve.rpc import RpcServer
 from hpc.runtime.worker.handlers import HandlerDeps, Peers, make_handler
+from hpc.runtime.worker.kv_handoff import KvHandoff, open_nixl
 
 log = logging.getLogger("hpc.worker")
 DRAIN_TIMEOUT_S = 30.0
@@ -64,22 +63,12 @@ async def serve(manifest: Manifest, role: str, index: int) -> int:
     rpc_address = f"{host}:{plan.ports['rpc']}"
     peers = Peers(token=rpc_token(manifest))
 
-    # Same node and a GPU here: ask for a CUDA IPC handle and copy device to device; else the bytes over TCP.
-    ipc_capable = device.startswith("cuda")
-
-    async def fetch_kv(params: DisaggregatedParams):
-        prefill = peers.client(params.prefill_address)
-        ipc = ipc_capable and params.prefill_address.rpartition(":")[0] == host
-        meta, data = await prefill.call(FetchKv(handle=params.request_handle, ipc=ipc))
-        if not isinstance(meta, KvMeta):
-            raise RemoteError("the prefill worker answered a KV fetch without its layout", 502)
-        if meta.ipc is None:
-            return unpack(meta, data)
-        kv = await asyncio.to_thread(copy_shared, meta, device)
-        await prefill.call(ReleaseKv(handle=params.request_handle))
-        return kv
-
-    engine = build_engine(manifest, role, self_address=rpc_address, tp=tp, fetch_kv=fetch_kv, device=device,
+    handoff = KvHandoff(setting=manifest.recipe.runtime.kv_transport, device=device, host=host, engine=None,
+                        peers=peers, counters={})
+    if rank == 0 and DisaggregationMode(role) in (DisaggregationMode.PREFILL, DisaggregationMode.DECODE) \
+            and manifest.recipe.backend is Backend.TORCH:
+        handoff.nixl = open_nixl(manifest.recipe.runtime.kv_transport, device.startswith("cuda"), name)
+    engine = build_engine(manifest, role, self_address=rpc_address, tp=tp, fetch_kv=handoff.fetch, device=device,
                           group=plan.group)
     if rank > 0:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
@@ -88,9 +77,13 @@ async def serve(manifest: Manifest, role: str, index: int) -> int:
         await asyncio.to_thread(engine.follow if hasattr(engine, "generate_video") else partial(follow, engine))
         reporter.phase("stopped")
         return 0
+    handoff.engine = engine
     async with engine:
         reporter.phase("weights_loaded")
-        code = await _serve_engine(manifest, role, index, engine, peers, host, reporter)
+        try:
+            code = await _serve_engine(manifest, role, index, engine, peers, host, reporter, handoff)
+        finally:
+            handoff.close()
         if tp is not None and not hasattr(engine, "generate_video"):  # the video engine stops its ranks itself
             broadcast_stop(tp, engine.device)
     if code == 0:
@@ -114,7 +107,7 @@ def planned_device(plan: WorkerPlan, rank: int, whole_node: bool = False) -> str
 
 
 async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers: Peers, host: str,
-                        reporter: Reporter) -> int:
+                        reporter: Reporter, handoff: KvHandoff) -> int:
     plan = manifest.plan.worker(role, index)
     recipe = manifest.recipe
     mode = DisaggregationMode(role)
@@ -151,7 +144,8 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
                        media_allowed_hosts=list(recipe.runtime.media_allowed_hosts),
                        max_file_size_mb=recipe.runtime.max_file_size_mb, image_size=vision,
                        has_encode_role=recipe.roles.encode is not None and mode is not DisaggregationMode.ENCODE,
-                       on_first_token=on_first_token)
+                       on_first_token=on_first_token, kv=handoff)
+    handoff.counters = deps.counters  # what arrived by which transport shows in /metrics and stats
     handler = make_handler(deps)
     rpc = RpcServer(handler.ops(), token=rpc_token(manifest))
     await rpc.start(host, plan.ports["rpc"])

@@ -10,8 +10,8 @@ import pytest
 from hpc.runtime.serve.rpc import RemoteError, RpcClient, RpcServer
 from hpc.runtime.serve.wire import (
     HEADER, Call, Cancel, CudaIpc, DisaggregatedParams, EncodedMedia, EncodeImage, FetchKv, GenerateOutput,
-    GenerateRequest, Hello, KvMeta, ReleaseKv, Reply, SamplingParams, StatsQuery, TrtllmContextParams, WorkerStats,
-    decode_call, decode_reply, encode_frame,
+    GenerateRequest, Hello, KvMeta, NixlKv, ReleaseKv, Reply, SamplingParams, StatsQuery, TrtllmContextParams,
+    WorkerStats, decode_call, decode_reply, encode_frame,
 )
 
 pytestmark = pytest.mark.unit
@@ -24,7 +24,8 @@ CALLS = [
     GenerateRequest(request_id="r-1", token_ids=[1, 2, 3],
                     sampling=SamplingParams(max_tokens=5, temperature=0.7, seed=2**63 - 1, stop=["\n\n", "`"]),
                     disaggregated_params=PARAMS, media=EncodedMedia(shape=[2, 4], data=bytes(range(32)))),
-    FetchKv(handle="abc"), FetchKv(handle="abc", ipc=True), ReleaseKv(handle="abc"),
+    FetchKv(handle="abc"), FetchKv(handle="abc", via="cuda_ipc"), FetchKv(handle="h", via="nixl", nixl_agent="p-1"),
+    ReleaseKv(handle="abc"),
     EncodeImage(image="file:///tmp/a b.png"), StatsQuery(), Hello(token="t"), Cancel(),
 ]
 REPLIES = [GenerateOutput(token_ids=[4], finished=True, finish_reason="stop", disaggregated_params=PARAMS),
@@ -33,6 +34,8 @@ REPLIES = [GenerateOutput(token_ids=[4], finished=True, finish_reason="stop", di
                   ipc=CudaIpc(device=1, handle=b"\x00" * 64, size_bytes=96, offset_bytes=0,
                               ref_counter_handle=b"\x01" * 8, ref_counter_offset=3, event_handle=b"\x02" * 64,
                               event_sync_required=True, tensor_offset=0, stride=[48, 24, 24, 8, 2])),
+           KvMeta(shape=[2, 2, 1, 3, 4], dtype="torch.bfloat16",
+                  nixl=NixlKv(agent="prefill-0-ab12", metadata=b"nixlSerDes\x00", descs=b"\x01\x02")),
            WorkerStats(values={"kv_usage": 0.25})]
 
 

@@ -1,0 +1,132 @@
+"""Prefill -> decode KV handoff in the worker: which transport a fetch asks for, the decode side's fetch and the
+prefill side's answer. Three ways, chosen per fetch (runtime.kv_transport):
+
+- cuda_ipc: same node, both on GPUs — the decode side copies device to device from an IPC handle (0.1 ms).
+- nixl: a NIXL READ from wherever the KV lies (across nodes GPU to GPU; host memory on CPU-only machines).
+- bytes: the KV's bytes in the RPC answer — any two machines, the CPU-only default.
+
+The prefill side answers with what it can (no GPU or no NIXL there: bytes); the decode side counts what arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Literal
+
+from hpc.runtime.serve.rpc import RemoteError
+from hpc.runtime.serve.wire import FetchKv, KvMeta, KvVia, ReleaseKv
+
+log = logging.getLogger("hpc.worker")
+TransportSetting = Literal["auto", "bytes", "nixl"]
+
+
+def choose_via(setting: TransportSetting, on_gpu: bool, same_node: bool, nixl_ready: bool) -> KvVia:
+    """The transport a decode worker asks for. CUDA IPC is the fastest on one node (measured, docs/performance.md);
+    NIXL is for GPUs on different nodes (bytes would go through both hosts' memory and the RPC socket)."""
+    if setting == "bytes":
+        return "bytes"
+    if setting == "nixl":
+        return "nixl"
+    if on_gpu and same_node:
+        return "cuda_ipc"
+    if on_gpu and nixl_ready:
+        return "nixl"
+    return "bytes"
+
+
+def wants_nixl(setting: TransportSetting, on_gpu: bool) -> bool | None:
+    """Whether this worker needs a NIXL agent: True (required), None (if installed), False (never)."""
+    if setting == "nixl":
+        return True
+    return None if setting == "auto" and on_gpu else False
+
+
+def open_nixl(setting: TransportSetting, on_gpu: bool, name: str):
+    """This worker's NIXL agent, or None where the setting never uses one (or auto and NIXL is not installed)."""
+    need = wants_nixl(setting, on_gpu)
+    if need is False:
+        return None
+    from hpc.runtime.engine.kv_nixl import NixlTransport, NixlUnavailable, nixl_available
+
+    if need is None and not nixl_available():
+        log.info("NIXL is not installed: KV between nodes moves as bytes over the RPC connection")
+        return None
+    try:
+        return NixlTransport(name)
+    except (NixlUnavailable, OSError) as exc:
+        raise RuntimeError(f"runtime.kv_transport is nixl but NIXL cannot start here: {exc}") from None
+
+
+class KvHandoff:
+    """Both ends of the handoff for one worker process."""
+
+    def __init__(self, *, setting: TransportSetting, device: str, host: str, engine: Any, peers: Any,
+                 counters: dict[str, float], nixl: Any = None) -> None:
+        self.setting, self.device, self.host = setting, device, host
+        self.engine, self.peers, self.counters, self.nixl = engine, peers, counters, nixl
+        self._releases: set[asyncio.Task] = set()  # sent, not yet answered (held so they are not collected)
+
+    def _count(self, key: str) -> None:
+        self.counters[key] = self.counters.get(key, 0) + 1
+
+    # ---- decode: fetch the KV a prefill worker holds ----------------------------------------------------------------
+    async def fetch(self, params: Any):
+        """The prefill's KV for `params` (DisaggregatedParams), on this worker's device or the host."""
+        from hpc.runtime.engine.kv import copy_shared, dtype_of, unpack
+
+        address = params.prefill_address
+        prefill = self.peers.client(address)
+        same_node = address.rpartition(":")[0] == self.host
+        via = choose_via(self.setting, self.device.startswith("cuda"), same_node, self.nixl is not None)
+        known = self.nixl.known_agent(address) if self.nixl is not None else ""
+        meta, data = await prefill.call(FetchKv(handle=params.request_handle, via=via, nixl_agent=known))
+        if not isinstance(meta, KvMeta):
+            raise RemoteError("the prefill worker answered a KV fetch without its layout", 502)
+        if meta.ipc is None and meta.nixl is None:
+            self._count("kv_fetched_bytes")
+            return unpack(meta, data)
+        try:
+            if meta.nixl is not None:
+                if self.nixl is None:
+                    raise RemoteError("the prefill worker lent its KV over NIXL, which this worker lacks", 502)
+                kv = await asyncio.to_thread(self.nixl.read, address, meta, self.device, dtype_of(meta))
+                self._count("kv_fetched_nixl")
+            else:
+                kv = await asyncio.to_thread(copy_shared, meta, self.device)
+                self._count("kv_fetched_cuda_ipc")
+        finally:
+            # The copy is complete (or failed): the prefill may free it; decoding need not wait for its answer.
+            release = asyncio.create_task(prefill.call(ReleaseKv(handle=params.request_handle)))
+            self._releases.add(release)
+            release.add_done_callback(self._released)
+        return kv
+
+    def _released(self, task: asyncio.Task) -> None:
+        self._releases.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # the prefill's TTL frees it instead
+            log.warning("releasing a handed-off KV failed: %s", task.exception())
+
+    # ---- prefill: answer a fetch, release what was lent -------------------------------------------------------------
+    async def answer(self, call: FetchKv) -> tuple[KvMeta, bytes]:
+        lend = getattr(self.engine, "lend_handoff", None)
+        try:
+            if call.via == "nixl" and self.nixl is not None and lend is not None:
+                kv = lend(call.handle)
+                meta = await asyncio.to_thread(self.nixl.lend, call.handle, kv, call.nixl_agent)
+                self._count("kv_lent_nixl")
+                return meta, b""
+            return self.engine.take_handoff(call.handle, ipc=call.via == "cuda_ipc")
+        except KeyError:
+            raise RemoteError(f"no KV cache waiting under handle {call.handle!r}", 404) from None
+
+    def release(self, handle: str) -> None:
+        if self.nixl is not None:
+            self.nixl.withdraw(handle)
+        release = getattr(self.engine, "release_handoff", None)
+        if release is not None:
+            release(handle)
+
+    def close(self) -> None:
+        if self.nixl is not None:
+            self.nixl.close()

@@ -1,0 +1,106 @@
+"""The KV handoff's transports: which one a fetch asks for, and NIXL moving KV between two real agents (UCX)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import msgspec
+import pytest
+import torch
+
+from hpc.runtime.engine.kv_nixl import nixl_available
+from hpc.runtime.serve.wire import KvMeta
+from hpc.runtime.worker.kv_handoff import choose_via, wants_nixl
+
+needs_nixl = pytest.mark.skipif(not nixl_available(), reason="needs the nixl extra (nixl-cu13)")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("setting,gpu,same_node,nixl,want", [
+    ("auto", True, True, True, "cuda_ipc"),  # one node's GPUs: IPC beats everything
+    ("auto", True, False, True, "nixl"),  # GPUs of two nodes
+    ("auto", True, False, False, "bytes"),  # ... without NIXL installed
+    ("auto", False, False, True, "bytes"),  # CPU-only machines keep the bytes path
+    ("auto", False, True, True, "bytes"),
+    ("nixl", False, True, True, "nixl"),  # asked for: even host memory on one node
+    ("bytes", True, True, True, "bytes"),
+])
+def test_the_transport_a_fetch_asks_for(setting, gpu, same_node, nixl, want):
+    assert choose_via(setting, gpu, same_node, nixl) == want
+
+
+@pytest.mark.unit
+def test_who_needs_an_agent():
+    assert wants_nixl("nixl", False) is True
+    assert wants_nixl("auto", True) is None  # if installed
+    assert wants_nixl("auto", False) is False and wants_nixl("bytes", True) is False
+
+
+def _kv(length: int) -> torch.Tensor:
+    return torch.randn(3, 2, 2, length, 8).to(torch.bfloat16)
+
+
+@pytest.mark.unit
+@needs_nixl
+def test_a_lent_kv_is_read_whole_and_metadata_travels_once():
+    from hpc.runtime.engine.kv_nixl import NixlTransport
+
+    prefill, decode = NixlTransport("prefill 'x'"), NixlTransport("decode $(x)")
+    try:
+        first, second = _kv(17), _kv(5)
+        meta = prefill.lend("h1", first, decode.known_agent("10.0.0.1:7000"))
+        assert meta.nixl.metadata and meta.shape == [3, 2, 2, 17, 8] and prefill.lent == 1
+        got = decode.read("10.0.0.1:7000", meta, "cpu", torch.bfloat16)
+        assert torch.equal(got, first)
+        assert decode.known_agent("10.0.0.1:7000") == prefill.name
+        first_metadata = meta.nixl.metadata
+        meta = prefill.lend("h2", second, decode.known_agent("10.0.0.1:7000"))
+        assert 0 < len(meta.nixl.metadata) < len(first_metadata)  # the region only: the reader can connect
+        assert torch.equal(decode.read("10.0.0.1:7000", meta, "cpu", torch.bfloat16), second)
+        assert prefill.withdraw("h1") and prefill.withdraw("h2") and not prefill.withdraw("h2")
+        assert prefill.lent == 0
+    finally:
+        prefill.close()
+        decode.close()
+
+
+CHILD = """
+import sys, msgspec, torch
+from hpc.runtime.engine.kv_nixl import NixlTransport
+torch.manual_seed(0)
+kv = torch.randn(4, 2, 2, 2000, 16)
+lender = NixlTransport("child")
+print("META", msgspec.msgpack.encode(lender.lend("h", kv)).hex(), flush=True)  # nixl logs to stdout too
+sys.stdin.readline()
+print("RESULT", "withdrawn" if lender.withdraw("h") else "missing", flush=True)
+"""
+
+
+def _tagged(child: subprocess.Popen, tag: str) -> str:
+    for line in child.stdout:
+        if line.startswith(tag + " "):
+            return line.split(" ", 1)[1].strip()
+    raise AssertionError(f"the child exited before printing {tag}")
+
+
+@pytest.mark.unit
+@needs_nixl
+def test_another_process_reads_the_lent_kv():
+    from hpc.runtime.engine.kv_nixl import NixlTransport
+
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    reader = NixlTransport("reader")
+    try:
+        meta = msgspec.msgpack.decode(bytes.fromhex(_tagged(child, "META")), type=KvMeta)
+        assert meta.nixl is not None and meta.ipc is None and meta.shape == [4, 2, 2, 2000, 16]
+        got = reader.read("child:1", meta, "cpu", torch.float32)
+        child.stdin.write("done\n")
+        child.stdin.flush()
+        assert _tagged(child, "RESULT") == "withdrawn"
+    finally:
+        child.stdin.close()
+        child.wait(30)
+        reader.close()
+    torch.manual_seed(0)
+    assert torch.equal(got, torch.randn(4, 2, 2, 2000, 16))
