@@ -108,6 +108,7 @@ async def decode_side(args: argparse.Namespace, port: int, sums: dict[str, float
             want = sums[params.request_handle]
             if abs(float(kv.float().sum()) - want) > 1e-3 * max(1.0, abs(want)):
                 sys.exit(f"KV handoff FAILED over {label}: the KV that arrived differs from the prefill's")
+        await handoff.settle()
         used = [k for k, v in handoff.counters.items() if v]
         rows.append((f"{label} [{', '.join(used)}]", times))
     await peers.close()
@@ -124,6 +125,12 @@ def main() -> None:
     parser.add_argument("--prefill-side", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.decode_device = args.decode_device or args.device
+    try:
+        import uvloop  # the workers' event loop (hpc.runtime.worker.entry)
+
+        uvloop.install()
+    except ImportError:
+        pass
     if args.prefill_side:
         asyncio.run(prefill_side(args))
         return

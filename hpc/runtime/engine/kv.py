@@ -11,9 +11,10 @@ from hpc.runtime.serve.wire import CudaIpc, KvMeta
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16)}
 
 
-def pack(t: torch.Tensor) -> tuple[KvMeta, bytes]:
+def pack(t: torch.Tensor) -> tuple[KvMeta, memoryview]:
+    """The KV's bytes without a copy on the host (the view keeps the tensor alive until it is sent)."""
     t = t.detach().contiguous().cpu()
-    return KvMeta(shape=list(t.shape), dtype=str(t.dtype)), t.view(torch.uint8).numpy().tobytes()
+    return KvMeta(shape=list(t.shape), dtype=str(t.dtype)), memoryview(t.view(torch.uint8).reshape(-1).numpy())
 
 
 def dtype_of(meta: KvMeta) -> torch.dtype:
@@ -23,8 +24,9 @@ def dtype_of(meta: KvMeta) -> torch.dtype:
     return dtype
 
 
-def unpack(meta: KvMeta, data: bytes) -> torch.Tensor:
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+def unpack(meta: KvMeta, data: bytes | bytearray) -> torch.Tensor:
+    # A large payload arrives as a bytearray of its own (rpc._read_raw): the tensor may take it over.
+    raw = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
     return raw.view(dtype_of(meta)).reshape(meta.shape)
 
 

@@ -14,8 +14,8 @@ import logging
 from typing import AsyncIterator, Callable
 
 from hpc.runtime.serve.wire import (
-    HEADER, MAX_FRAME, Call, CallBody, Cancel, DecodeError, Hello, Reply, ReplyBody, call_id, decode_call,
-    decode_reply, encode_frame,
+    BIG_PAYLOAD, HEADER, MAX_FRAME, Call, CallBody, Cancel, DecodeError, Hello, Reply, ReplyBody, call_id,
+    decode_call, decode_reply, encode_frame, frame_parts,
 )
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,19 @@ async def _read_raw(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
     if n_body + n_payload > MAX_FRAME:
         raise ConnectionError("frame too large")
     body = await reader.readexactly(n_body)
-    return body, (await reader.readexactly(n_payload) if n_payload else b"")
+    if n_payload < BIG_PAYLOAD:
+        return body, (await reader.readexactly(n_payload) if n_payload else b"")
+    # readexactly would grow the reader's own buffer to the whole payload (reallocations and copies of hundreds
+    # of MB); chunks into one buffer keep the reader's buffer small. A bytearray: unpacking needs no copy.
+    payload = bytearray(n_payload)
+    view, got = memoryview(payload), 0
+    while got < n_payload:
+        chunk = await reader.read(min(n_payload - got, BIG_PAYLOAD))
+        if not chunk:
+            raise asyncio.IncompleteReadError(bytes(view[:got]), n_payload)
+        view[got:got + len(chunk)] = chunk
+        got += len(chunk)
+    return body, payload
 
 
 _DEADLINE = object()  # queued by a call's deadline timer
@@ -59,14 +71,18 @@ class _Coalescer:
         self.writer = writer
         self.pending: list[bytes] = []
 
-    def write(self, frame: bytes) -> None:
+    def write(self, *parts: bytes | memoryview) -> None:
         if not self.pending:
             asyncio.get_running_loop().call_soon(self.flush)
-        self.pending.append(frame)
+        self.pending.extend(parts)
 
     def flush(self) -> None:
         frames, self.pending = self.pending, []
-        if frames and not self.writer.is_closing():  # the caller went away: nobody to answer
+        if not frames or self.writer.is_closing():  # the caller went away: nobody to answer
+            return
+        if any(len(part) >= BIG_PAYLOAD for part in frames):
+            self.writer.writelines(frames)  # uvloop sends the pieces as they are: a large payload is not copied
+        else:
             self.writer.write(b"".join(frames))
 
 
@@ -144,7 +160,7 @@ class RpcServer:
         writer = out.writer
 
         def send(reply: Reply, data: bytes = b"") -> None:
-            out.write(encode_frame(reply, data))
+            out.write(*frame_parts(reply, data))
         handler = self.handlers.get(type(call.body))
         self.inflight += 1
         try:
@@ -234,7 +250,7 @@ class RpcClient:
         try:
             if self._writer.is_closing():  # dropped, and the reader has not noticed yet
                 raise PeerGone(f"connection to {self.host}:{self.port} lost")
-            self._writer.write(encode_frame(Call(sid, body), payload))
+            self._writer.writelines(frame_parts(Call(sid, body), payload))
             while True:
                 item = await queue.get()
                 if item is None:

@@ -267,9 +267,21 @@ _id_decoder = msgspec.msgpack.Decoder(_CallId)
 DecodeError = msgspec.DecodeError  # ValidationError is a DecodeError
 
 
+BIG_PAYLOAD = 1 << 20  # from here on a payload is written as its own piece and read into one buffer
+
+
 def encode_frame(message: Call | Reply, payload: bytes = b"") -> bytes:
     body = _encoder.encode(message)
     return HEADER.pack(len(body), len(payload)) + body + payload
+
+
+def frame_parts(message: Call | Reply, payload: bytes | memoryview = b"") -> tuple[bytes | memoryview, ...]:
+    """A frame as the pieces to write: a large payload (a KV cache: hundreds of MB) stays its own piece rather
+    than being copied into the frame — each copy of fresh memory costs ~40 ms per 66 MB here."""
+    if len(payload) < BIG_PAYLOAD:
+        return (encode_frame(message, bytes(payload)),)
+    body = _encoder.encode(message)
+    return HEADER.pack(len(body), len(payload)) + body, payload
 
 
 def decode_call(body: bytes) -> Call:

@@ -127,6 +127,11 @@ class KvHandoff:
         if release is not None:
             release(handle)
 
+    async def settle(self) -> None:
+        """Wait for the releases still on their way (before the connections close)."""
+        if self._releases:
+            await asyncio.wait(list(self._releases), timeout=5)
+
     def close(self) -> None:
         if self.nixl is not None:
             self.nixl.close()

@@ -198,6 +198,7 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
     async def close_all() -> None:
         if watch_task:
             watch_task.cancel()
+        await handoff.settle()  # KV releases on their way to prefill workers leave before the connections close
         await rpc.close()
         await web.close()
         await discovery.close()
