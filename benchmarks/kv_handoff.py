@@ -7,6 +7,8 @@ A child process plays the prefill worker: an RPC server answering FetchKv/Releas
 one fresh KV tensor per handoff ([layers, 2, 8 KV heads, tokens, 128] bf16: Llama-3.1-8B's KV, 262 MB at 2,000
 tokens). This process plays the decode worker: it times KvHandoff.fetch — ask, move, land on its device, release —
 and checks every KV arrived whole (a checksum the child computed). With two GPUs, `--decode-device cuda:1`.
+`--ucx-tls tcp,cuda_copy` holds NIXL's UCX to what two nodes without RDMA have: GPU memory staged through the hosts
+and a TCP socket (on one node UCX would otherwise pick CUDA IPC).
 """
 
 from __future__ import annotations
@@ -122,8 +124,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--decode-device", default=None)
+    parser.add_argument("--ucx-tls", help="UCX_TLS for both sides' NIXL agents, e.g. tcp,cuda_copy")
     parser.add_argument("--prefill-side", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.ucx_tls:
+        os.environ["UCX_TLS"] = args.ucx_tls  # the child inherits it
     args.decode_device = args.decode_device or args.device
     try:
         import uvloop  # the workers' event loop (hpc.runtime.worker.entry)
@@ -152,7 +157,8 @@ def main() -> None:
     mb = args.layers * 2 * 8 * args.tokens * 128 * 2 / 1e6
     where = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
     print(f"KV handoff on {where}: {args.tokens} tokens, {args.layers} layers x 8 KV heads x 128 ({mb:.0f} MB bf16), "
-          f"prefill {args.device} -> decode {args.decode_device}, {args.handoffs} handoffs each")
+          f"prefill {args.device} -> decode {args.decode_device}, {args.handoffs} handoffs each"
+          + (f", UCX_TLS={args.ucx_tls}" if args.ucx_tls else ""))
     print(f"{'path [what the decode side counted]':<58} {'first ms':>9} {'median ms':>10} {'min ms':>8} {'GB/s':>6}")
     for label, times in rows:
         med = statistics.median(times[1:] or times)

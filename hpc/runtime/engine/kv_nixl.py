@@ -65,7 +65,8 @@ class NixlTransport:
         # UCX turns CUDA IPC reads off where it sees no NVLink (PCIe boxes, one-GPU VMs) and then emulates them
         # through TCP: 0.5 GB/s instead of ~160 GB/s for a 262 MB KV on one H100 (docs/performance.md). Our
         # decode side reads, so keep them on unless the user chose otherwise.
-        if torch.cuda.is_available():  # (UCX warns about the variable where its CUDA module is not loaded)
+        # (Not where UCX_TLS is set: that user chose the transports, and UCX warns about variables of unused ones.)
+        if torch.cuda.is_available() and "UCX_TLS" not in os.environ:
             os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
         api = nixl_api()
         config = api.nixl_agent_config(backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
