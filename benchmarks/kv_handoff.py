@@ -37,21 +37,39 @@ HOST = "127.0.0.1"
 
 
 class HeldKv:
-    """The prefill engine's side of the handoff (take / lend / release), as TorchEngine keeps it."""
+    """The prefill engine's side of the handoff (take / lend / release), as TorchEngine keeps it: each KV is made
+    when its fetch comes (a prefill just ran) and dropped at release, so the allocator reuses memory as in serving."""
 
-    def __init__(self, kvs: dict[str, torch.Tensor]) -> None:
-        self.kvs = kvs
+    def __init__(self, base: torch.Tensor) -> None:
+        self.base = base
+        self.kvs: dict[str, torch.Tensor] = {}
 
-    def take_handoff(self, handle: str, ipc: bool = False):
-        if ipc and self.kvs[handle].is_cuda:
-            return kvpack.share(self.kvs[handle]), b""
-        return kvpack.pack(self.kvs.pop(handle))
-
-    def lend_handoff(self, handle: str) -> torch.Tensor:
+    def made(self, handle: str) -> torch.Tensor:
+        """The KV under `handle` ("<transport>-<i>": the base + i, the same values every time), complete."""
+        if handle not in self.kvs:
+            self.kvs[handle] = self.base + int(handle.rpartition("-")[2])
+            if self.base.is_cuda:
+                torch.cuda.synchronize()  # the engine waits on its handoff's event the same way
         return self.kvs[handle]
 
-    def release_handoff(self, handle: str) -> None:
+    def _gone(self, handle: str) -> None:
+        """After a handoff: the next one's KV is made now, as the next prefill would have (not timed as the ask)."""
         self.kvs.pop(handle, None)
+        setting, _, i = handle.rpartition("-")
+        self.made(f"{setting}-{int(i) + 1}")
+
+    def take_handoff(self, handle: str, ipc: bool = False):
+        if ipc and self.base.is_cuda:
+            return kvpack.share(self.made(handle)), b""
+        answer = kvpack.pack(self.made(handle))
+        self._gone(handle)
+        return answer
+
+    def lend_handoff(self, handle: str) -> torch.Tensor:
+        return self.made(handle)
+
+    def release_handoff(self, handle: str) -> None:
+        self._gone(handle)
 
 
 def transports(device: str) -> list[tuple[str, str]]:
@@ -66,14 +84,15 @@ def transports(device: str) -> list[tuple[str, str]]:
 
 async def prefill_side(args: argparse.Namespace) -> None:
     shape = [args.layers, 2, 8, args.tokens, 128]
-    base = torch.randn(shape, device=args.device, dtype=torch.bfloat16)
-    kvs, sums = {}, []
+    held = HeldKv(torch.randn(shape, device=args.device, dtype=torch.bfloat16))
+    sums = []
     for setting in dict(transports(args.device)).values():
         for i in range(args.handoffs):
-            kvs[f"{setting}-{i}"] = kv = base + i  # a fresh tensor per handoff
-            sums.append(f"{setting}-{i}={float(kv.float().sum())!r}")
+            sums.append(f"{setting}-{i}={float(held.made(f'{setting}-{i}').float().sum())!r}")
+            held.kvs.clear()
+        held.made(f"{setting}-0")
     nixl = NixlTransport("bench-prefill") if nixl_available() else None
-    handoff = KvHandoff(setting="auto", device=args.device, host=HOST, engine=HeldKv(kvs), peers=None,
+    handoff = KvHandoff(setting="auto", device=args.device, host=HOST, engine=held, peers=None,
                         counters={}, nixl=nixl)
 
     async def answer(call, payload):
@@ -110,9 +129,12 @@ async def decode_side(args: argparse.Namespace, port: int, sums: dict[str, float
             want = sums[params.request_handle]
             if abs(float(kv.float().sum()) - want) > 1e-3 * max(1.0, abs(want)):
                 sys.exit(f"KV handoff FAILED over {label}: the KV that arrived differs from the prefill's")
+            del kv  # the decode engine copies it into its cache and lets it go
+            await handoff.settle()  # the release reached the prefill (which then made the next KV): not timed
         await handoff.settle()
-        used = [k for k, v in handoff.counters.items() if v]
-        rows.append((f"{label} [{', '.join(used)}]", times))
+        used = [k for k, v in handoff.counters.items() if v and k.startswith("kv_fetched")]
+        phases = {k: handoff.counters.get(f"kv_{k}_seconds_total", 0.0) * 1e3 / args.handoffs for k in ("ask", "move")}
+        rows.append((f"{label} [{', '.join(used)}]", times, phases))
     await peers.close()
     return rows
 
@@ -159,10 +181,12 @@ def main() -> None:
     print(f"KV handoff on {where}: {args.tokens} tokens, {args.layers} layers x 8 KV heads x 128 ({mb:.0f} MB bf16), "
           f"prefill {args.device} -> decode {args.decode_device}, {args.handoffs} handoffs each"
           + (f", UCX_TLS={args.ucx_tls}" if args.ucx_tls else ""))
-    print(f"{'path [what the decode side counted]':<58} {'first ms':>9} {'median ms':>10} {'min ms':>8} {'GB/s':>6}")
-    for label, times in rows:
+    print(f"{'path [what the decode side counted]':<58} {'first ms':>9} {'median ms':>10} {'min ms':>8} {'GB/s':>6} "
+          f"{'ask ms':>7} {'move ms':>8}")
+    for label, times, phases in rows:  # ask: the RPC round trip; move: open/read + copy + sync (means)
         med = statistics.median(times[1:] or times)
-        print(f"{label:<58} {times[0]:>9.2f} {med:>10.2f} {min(times):>8.2f} {mb / med:>6.1f}")
+        print(f"{label:<58} {times[0]:>9.2f} {med:>10.2f} {min(times):>8.2f} {mb / med:>6.1f} "
+              f"{phases['ask']:>7.2f} {phases['move']:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The prefill -> decode KV handoff over CUDA IPC: another process's GPU tensor, opened and copied (GPU only)."""
+"""The prefill -> decode KV handoff over CUDA IPC: another process's GPU tensor, opened once per allocation and
+copied (GPU only)."""
 
 from __future__ import annotations
 
@@ -10,31 +11,66 @@ import pytest
 import torch
 
 from hpc.runtime.engine import kv as kvpack
+from hpc.runtime.engine.cuda_ipc import OpenAllocations
 from hpc.runtime.serve.wire import KvMeta
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
+# The child shares three KVs one after another, freeing each before making the next (as a prefill worker does
+# after each ReleaseKv), then a fourth while the third is still held.
 CHILD = """
 import sys, msgspec, torch
 from hpc.runtime.engine import kv
-t = torch.arange(2 * 2 * 3 * 5 * 4, device="cuda", dtype=torch.float32).reshape(2, 2, 3, 5, 4)[:, :, :, 1:4]
-t = t.contiguous().to(torch.bfloat16)
+base = (torch.arange(2 * 2 * 8 * 1600 * 128, device="cuda", dtype=torch.float32) % 251).reshape(2, 2, 8, 1600, 128)
+base = base[:, :, :, 1:1537]  # 12.6 MB in bf16: the allocator's large blocks, as a real KV
+for i in range(3):
+    t = (base + i).contiguous().to(torch.bfloat16)
+    torch.cuda.synchronize()
+    print("META", msgspec.msgpack.encode(kv.share(t)).hex(), flush=True)
+    sys.stdin.readline()  # released
+    del t
+held = (base + 3).contiguous().to(torch.bfloat16)
+other = (base + 4).contiguous().to(torch.bfloat16)
 torch.cuda.synchronize()
-print(msgspec.msgpack.encode(kv.share(t)).hex(), flush=True)
+print("META", msgspec.msgpack.encode(kv.share(other)).hex(), flush=True)
 sys.stdin.read()
 """
 
 
-def test_a_shared_kv_arrives_whole_and_the_bytes_path_agrees():
+def _meta(child) -> KvMeta:
+    for line in child.stdout:
+        if line.startswith("META "):
+            return msgspec.msgpack.decode(bytes.fromhex(line.split()[1]), type=KvMeta)
+    raise AssertionError("the child exited early")
+
+
+def test_shared_kvs_arrive_whole_and_a_reused_allocation_is_not_opened_again():
     child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    opened = OpenAllocations()
+    got, metas = [], []
     try:
-        meta = msgspec.msgpack.decode(bytes.fromhex(child.stdout.readline().strip()), type=KvMeta)
-        assert meta.ipc is not None and meta.shape == [2, 2, 3, 3, 4] and meta.dtype == "torch.bfloat16"
-        got = kvpack.copy_shared(meta, "cuda:0")
+        for i in range(4):
+            meta = _meta(child)
+            assert meta.ipc is not None and meta.shape == [2, 2, 8, 1536, 128] and meta.dtype == "torch.bfloat16"
+            metas.append(meta)
+            got.append(kvpack.copy_shared(meta, "cuda:0", opened))
+            if i < 3:
+                child.stdin.write("released\n")
+                child.stdin.flush()
     finally:
         child.stdin.close()
         child.wait(30)
-    want = torch.arange(2 * 2 * 3 * 5 * 4, dtype=torch.float32).reshape(2, 2, 3, 5, 4)[:, :, :, 1:4].to(torch.bfloat16)
-    assert got.device.type == "cuda" and torch.equal(got.cpu(), want)
+        opened.close()
+    base = (torch.arange(2 * 2 * 8 * 1600 * 128, dtype=torch.float32) % 251).reshape(2, 2, 8, 1600, 128)[..., 1:1537, :]
+    for i, kv in enumerate(got):
+        assert kv.device.type == "cuda" and torch.equal(kv.cpu(), (base + i + (i == 3)).to(torch.bfloat16))
+    # the first three lay in one reused allocation of the child's caching allocator: opened once, found after
+    handles = [m.ipc.handle for m in metas]
+    assert handles[0] == handles[1] == handles[2], "the child's allocator reused the block"
+    assert opened.opened == len(set(handles)) < len(handles)  # each allocation opened once, not each handoff
+
+
+def test_the_bytes_path_agrees():
+    want = torch.randn(2, 2, 3, 7, 4).to(torch.bfloat16)
     meta, data = kvpack.pack(want.cuda())
     assert meta.ipc is None and torch.equal(kvpack.unpack(meta, data), want)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from hpc.runtime.serve.wire import CudaIpc, KvMeta
+from hpc.runtime.engine.cuda_ipc import OpenAllocations, export
+from hpc.runtime.serve.wire import KvMeta
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16)}
 
@@ -31,35 +32,20 @@ def unpack(meta: KvMeta, data: bytes | bytearray) -> torch.Tensor:
 
 
 def share(t: torch.Tensor) -> KvMeta:
-    """A CUDA tensor as an IPC handle; the caller keeps `t` alive until the other side released it."""
-    storage = t.untyped_storage()
-    (device, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
-     event_sync) = storage._share_cuda_()
-    return KvMeta(shape=list(t.shape), dtype=str(t.dtype),
-                  ipc=CudaIpc(device=int(device), handle=bytes(handle), size_bytes=int(size_bytes),
-                              offset_bytes=int(offset_bytes), ref_counter_handle=bytes(ref_handle),
-                              ref_counter_offset=int(ref_offset), event_handle=bytes(event_handle or b""),
-                              event_sync_required=bool(event_sync), tensor_offset=t.storage_offset(),
-                              stride=list(t.stride())))
+    """A CUDA tensor (complete: its producer synchronised) as an IPC location; the caller keeps `t` alive until the
+    other side released it."""
+    t = t.contiguous()
+    return KvMeta(shape=list(t.shape), dtype=str(t.dtype), ipc=export(t))
 
 
-def open_shared(meta: KvMeta) -> torch.Tensor:
-    """The other process's tensor (on its device), opened from the IPC handle: copy it before releasing."""
-    ipc, dtype = meta.ipc, dtype_of(meta)
-    if ipc is None:
-        raise ValueError("this KV description carries bytes, not a CUDA IPC handle")
-    torch.cuda._lazy_init()
-    storage = torch.UntypedStorage._new_shared_cuda(ipc.device, ipc.handle, ipc.size_bytes, ipc.offset_bytes,
-                                                    ipc.ref_counter_handle, ipc.ref_counter_offset,
-                                                    ipc.event_handle or None, ipc.event_sync_required)
-    return torch.empty(0, dtype=dtype, device=f"cuda:{ipc.device}").set_(storage, ipc.tensor_offset, meta.shape,
-                                                                         ipc.stride)
-
-
-def copy_shared(meta: KvMeta, device: str) -> torch.Tensor:
-    """Open the other process's KV and copy it onto `device` (peer to peer across GPUs), finished on return —
-    the owner may free it as soon as this returns."""
-    with torch.cuda.device(torch.device(device)):
-        kv = open_shared(meta).to(device, copy=True)
-        torch.cuda.current_stream().synchronize()
+def copy_shared(meta: KvMeta, device: str, opened: OpenAllocations) -> torch.Tensor:
+    """The other process's KV copied onto `device` (peer to peer across GPUs), finished on return — the owner may
+    free it as soon as this returns. `opened` keeps the owner's allocations open for the next handoffs."""
+    if meta.ipc is None:
+        raise ValueError("this KV description carries bytes, not a CUDA IPC location")
+    target = torch.device(device)
+    with torch.cuda.device(target):
+        raw = opened.view(meta.ipc, target)
+        kv = raw.view(dtype_of(meta)).reshape(meta.shape).to(target, copy=True)
+        torch.cuda.current_stream(target).synchronize()
     return kv

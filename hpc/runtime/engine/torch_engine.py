@@ -116,7 +116,7 @@ class TorchEngine:
         self.model: LlamaForCausalLM | None = None
         self.vision: VisionEncoder | None = None
         self._inbox: queue.Queue = queue.Queue()
-        self._handoff: dict[str, tuple[float, torch.Tensor]] = {}
+        self._handoff: dict[str, tuple[float, torch.Tensor, torch.cuda.Event | None]] = {}  # made, KV, ready
         self._handoff_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._running = False
@@ -309,16 +309,21 @@ class TorchEngine:
         shared over CUDA IPC (`ipc`, and the KV is on a GPU) it stays until release_handoff (or its TTL)."""
         shared = ipc and self.device.type == "cuda"  # the handed-off KV lives on the engine's device
         with self._handoff_lock:
-            _, tensor = self._handoff[handle] if shared else self._handoff.pop(handle)
+            _, tensor, ready = self._handoff[handle] if shared else self._handoff.pop(handle)
         if shared:
             self._counters["kv_ipc_shared"] = self._counters.get("kv_ipc_shared", 0) + 1
+            ready.synchronize()  # another process reads it next: its copy kernel must have finished
             return kvpack.share(tensor), b""
         return kvpack.pack(tensor)
 
     def lend_handoff(self, handle: str) -> torch.Tensor:
-        """The prefilled KV of `handle`, kept until release_handoff (or its TTL): a transport reads it in place."""
+        """The prefilled KV of `handle`, complete and kept until release_handoff (or its TTL): a transport reads it
+        in place."""
         with self._handoff_lock:
-            return self._handoff[handle][1]
+            _, tensor, ready = self._handoff[handle]
+        if ready is not None:
+            ready.synchronize()
+        return tensor
 
     def release_handoff(self, handle: str) -> None:
         with self._handoff_lock:
@@ -421,8 +426,12 @@ class TorchEngine:
                 kv = gather_kv(self.tp, self.cache, seq.slot, seq.length)
             else:
                 kv = torch.stack([layer[:, seq.slot, :, :seq.length] for layer in self.cache]).clone()
+            ready = None
+            if kv.is_cuda:  # when the copy above is done; a reader in another process cannot see our stream
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(kv.device))
             with self._handoff_lock:
-                self._handoff[handle] = (time.monotonic(), kv)
+                self._handoff[handle] = (time.monotonic(), kv, ready)
             params = DisaggregatedParams(request_handle=handle, prefill_address=self.self_address,
                                          first_token_id=first, prompt_length=seq.length)
             self._finish(seq, "length", tokens=[first], params=params, logprob=logprob)
@@ -616,5 +625,5 @@ class TorchEngine:
     def _expire_handoffs(self) -> None:
         now = time.monotonic()
         with self._handoff_lock:
-            for handle in [h for h, (t, _) in self._handoff.items() if now - t > HANDOFF_TTL_S]:
+            for handle in [h for h, (t, *_) in self._handoff.items() if now - t > HANDOFF_TTL_S]:
                 del self._handoff[handle]

@@ -135,18 +135,14 @@ class FetchKv(Message, tag="fetch_kv"):
 
 
 class CudaIpc(Message):
-    """A CUDA allocation shared with another process on the node (torch's storage._share_cuda_ fields)."""
+    """A GPU allocation shared with another process on the node: its CUDA IPC handle (the driver's 64 bytes) and
+    where in it the KV lies (hpc.runtime.engine.cuda_ipc)."""
 
     device: int
     handle: bytes
-    size_bytes: int
+    allocation_bytes: int
     offset_bytes: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes
-    event_sync_required: bool
-    tensor_offset: int
-    stride: list[int]
+    size_bytes: int
 
 
 class NixlKv(Message):

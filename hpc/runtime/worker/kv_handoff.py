@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Literal
 
 from hpc.runtime.serve.rpc import RemoteError
@@ -66,9 +67,13 @@ class KvHandoff:
         self.setting, self.device, self.host = setting, device, host
         self.engine, self.peers, self.counters, self.nixl = engine, peers, counters, nixl
         self._releases: set[asyncio.Task] = set()  # sent, not yet answered (held so they are not collected)
+        self._opened = None  # prefill workers' GPU allocations this decode worker has open (CUDA IPC)
 
     def _count(self, key: str) -> None:
-        self.counters[key] = self.counters.get(key, 0) + 1
+        self._add(key, 1)
+
+    def _add(self, key: str, value: float) -> None:
+        self.counters[key] = self.counters.get(key, 0) + value
 
     # ---- decode: fetch the KV a prefill worker holds ----------------------------------------------------------------
     async def fetch(self, params: Any):
@@ -80,7 +85,10 @@ class KvHandoff:
         same_node = address.rpartition(":")[0] == self.host
         via = choose_via(self.setting, self.device.startswith("cuda"), same_node, self.nixl is not None)
         known = self.nixl.known_agent(address) if self.nixl is not None else ""
+        asked = time.perf_counter()
         meta, data = await prefill.call(FetchKv(handle=params.request_handle, via=via, nixl_agent=known))
+        answered = time.perf_counter()
+        self._add("kv_ask_seconds_total", answered - asked)  # the round trip, bytes included on that path
         if not isinstance(meta, KvMeta):
             raise RemoteError("the prefill worker answered a KV fetch without its layout", 502)
         if meta.ipc is None and meta.nixl is None:
@@ -93,8 +101,13 @@ class KvHandoff:
                 kv = await asyncio.to_thread(self.nixl.read, address, meta, self.device, dtype_of(meta))
                 self._count("kv_fetched_nixl")
             else:
-                kv = await asyncio.to_thread(copy_shared, meta, self.device)
+                if self._opened is None:
+                    from hpc.runtime.engine.cuda_ipc import OpenAllocations
+
+                    self._opened = OpenAllocations()
+                kv = await asyncio.to_thread(copy_shared, meta, self.device, self._opened)
                 self._count("kv_fetched_cuda_ipc")
+            self._add("kv_move_seconds_total", time.perf_counter() - answered)  # open/read, copy, synchronise
         finally:
             # The copy is complete (or failed): the prefill may free it; decoding need not wait for its answer.
             release = asyncio.create_task(prefill.call(ReleaseKv(handle=params.request_handle)))
@@ -135,3 +148,5 @@ class KvHandoff:
     def close(self) -> None:
         if self.nixl is not None:
             self.nixl.close()
+        if self._opened is not None:
+            self._opened.close()

@@ -31,9 +31,8 @@ CALLS = [
 REPLIES = [GenerateOutput(token_ids=[4], finished=True, finish_reason="stop", disaggregated_params=PARAMS),
            KvMeta(shape=[2, 2, 1, 3, 4], dtype="torch.float16"), EncodedMedia(handles=[{"tensor_size": [1, 2]}]),
            KvMeta(shape=[2, 2, 1, 3, 4], dtype="torch.bfloat16",
-                  ipc=CudaIpc(device=1, handle=b"\x00" * 64, size_bytes=96, offset_bytes=0,
-                              ref_counter_handle=b"\x01" * 8, ref_counter_offset=3, event_handle=b"\x02" * 64,
-                              event_sync_required=True, tensor_offset=0, stride=[48, 24, 24, 8, 2])),
+                  ipc=CudaIpc(device=1, handle=b"\x00" * 64, allocation_bytes=2 << 20, offset_bytes=512,
+                              size_bytes=96)),
            KvMeta(shape=[2, 2, 1, 3, 4], dtype="torch.bfloat16",
                   nixl=NixlKv(agent="prefill-0-ab12", metadata=b"nixlSerDes\x00", descs=b"\x01\x02")),
            WorkerStats(values={"kv_usage": 0.25})]

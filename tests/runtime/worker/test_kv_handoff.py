@@ -104,3 +104,14 @@ def test_another_process_reads_the_lent_kv():
         reader.close()
     torch.manual_seed(0)
     assert torch.equal(got, torch.randn(4, 2, 2, 2000, 16))
+
+
+@pytest.mark.unit
+def test_a_cuda_ipc_handle_keeps_every_byte():
+    """The driver's 64-byte handle is mostly NULs: a char array would cut it at the first one."""
+    from hpc.runtime.engine.cuda_ipc import _Handle
+
+    raw = b"\x00\x01" + b"\x00" * 30 + bytes(range(32))
+    assert bytes(_Handle.of(raw).reserved) == raw
+    with pytest.raises(ValueError, match="64 bytes"):
+        _Handle.of(raw[:63])
