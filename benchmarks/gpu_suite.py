@@ -38,9 +38,9 @@ def steps(mpiexec: str, scratch: str, gpus: int) -> list[tuple[str, list[str], s
         # NIXL (when the nixl extra is installed): UCX held to TCP + staging, as between two nodes without RDMA
         ("kv_handoff_nixl_tcp", [py, "benchmarks/kv_handoff.py", "--tokens", "2000", "--handoffs", "8",
                                  "--ucx-tls", "tcp,cuda_copy"], None, 90),
-        # the NIXL transport's tests, and a local stack whose every handoff goes through NIXL (VRAM to VRAM)
-        ("kv_nixl_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_kv_handoff or nixl",
-                           "tests/runtime/worker/test_kv_handoff.py", "tests/runtime/test_serving.py"], None, 150),
+        # the transports' own tests (a whole stack over NIXL: tests/runtime/test_serving.py -k nixl, 80 s more)
+        ("kv_transport_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                "tests/runtime/worker/test_kv_handoff.py"], None, 60),
         ("kv_handoff_gpu0_to_1", [py, "benchmarks/kv_handoff.py", "--tokens", "2000", "--handoffs", "8",
                                   "--decode-device", "cuda:1"], None, 60),
         ("engine_sweeps", [py, "benchmarks/e2e_throughput.py", "--engine-only", "--concurrency", "1,8,32,64",

@@ -87,6 +87,7 @@ def _slurm_state(run: RunDir) -> dict[str, Any]:
 
 
 def _health(url: str | None) -> str:
+    """A worker's /health in words: its status, and for a decode worker how its KV arrived (which transport)."""
     if not url:
         return "-"
     from hpc.checks.probe import get_json
@@ -95,7 +96,10 @@ def _health(url: str | None) -> str:
         code, body = get_json(url, 1.0)
     except OSError:
         return "unreachable"
-    return (body or {}).get("status", str(code)) if isinstance(body, dict) else str(code)
+    if not isinstance(body, dict):
+        return str(code)
+    fetched = ", ".join(f"{via} {n}" for via, n in sorted((body.get("kv_fetched") or {}).items()))
+    return body.get("status", str(code)) + (f", KV by {fetched}" if fetched else "")
 
 
 def collect_status(run: RunDir) -> dict[str, Any]:

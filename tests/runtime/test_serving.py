@@ -72,7 +72,7 @@ def _worker_metric(stack, worker: str, name: str) -> float:
 
 
 @pytest.mark.skipif(not nixl_available(), reason="needs the nixl extra (nixl-cu13)")
-def test_kv_moved_by_nixl_gives_the_same_tokens(disagg, disagg_nixl):
+def test_kv_moved_by_nixl_gives_the_same_tokens(disagg, disagg_nixl, capsys):
     auto = "hpc_worker_kv_fetched_cuda_ipc" if torch.cuda.is_available() else "hpc_worker_kv_fetched_bytes"
     before = {disagg: _worker_metric(disagg, "decode-0", auto),
               disagg_nixl: _worker_metric(disagg_nixl, "decode-0", "hpc_worker_kv_fetched_bytes")}
@@ -88,6 +88,11 @@ def test_kv_moved_by_nixl_gives_the_same_tokens(disagg, disagg_nixl):
     assert _worker_metric(disagg_nixl, "decode-0", "hpc_worker_kv_fetched_bytes") == before[disagg_nixl] == 0
     assert _worker_metric(disagg, "decode-0", "hpc_worker_kv_fetched_nixl") == 0
     assert _worker_metric(disagg, "decode-0", auto) == before[disagg] + 3
+    from hpc.cli.main import main  # hpc status says how each decode worker's KV arrived
+
+    assert main(["status", str(disagg_nixl.run.path), "--json"]) == 0
+    health = {c["component"]: c["health"] for c in json.loads(capsys.readouterr().out)["components"]}
+    assert "KV by nixl " in health["decode-0"] and "KV by" not in health["prefill-0"], health
 
 
 @pytest.mark.parametrize("body,status,needle", [

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from collections import OrderedDict
 
 import torch
@@ -21,6 +22,9 @@ from hpc.runtime.serve.wire import CudaIpc
 
 _LAZY_ENABLE_PEER_ACCESS = 0x1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: a decode on another GPU of the node
 OPEN_ALLOCATIONS = 8  # per decode worker; the prefill's caching allocator reuses a few large blocks
+# An allocation the prefill freed (empty_cache, or its allocator's retry after an out-of-memory) stays in GPU memory
+# while it is open here: one not used for this long is closed at the next handoff.
+IDLE_CLOSE_S = 30.0
 
 
 class _Handle(ctypes.Structure):
@@ -110,11 +114,16 @@ class OpenAllocations:
     def __init__(self, limit: int = OPEN_ALLOCATIONS) -> None:
         self.limit = limit
         self._open: OrderedDict[tuple[int, bytes], int] = OrderedDict()  # (device, handle) -> base pointer
+        self._used: dict[tuple[int, bytes], float] = {}  # when each was last used
         self._lock = threading.Lock()
         self.opened = 0  # how many times an allocation had to be opened (the rest were found open)
 
     def view(self, ipc: CudaIpc, device: torch.device) -> torch.Tensor:
         """The shared bytes as a uint8 tensor on `device` (no copy); valid until the owner frees them."""
+        return torch.as_tensor(_Bytes(self.pointer(ipc, device), ipc.size_bytes), device=device)
+
+    def pointer(self, ipc: CudaIpc, device: torch.device) -> int:
+        """Where the shared bytes are in this process, opening their allocation unless it is open already."""
         key = (device.index or 0, ipc.handle)
         with self._lock:
             lib = _Driver.use(device)
@@ -125,16 +134,27 @@ class OpenAllocations:
                                                         _LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
                 base = self._open[key] = pointer.value
                 self.opened += 1
-                while len(self._open) > self.limit:
-                    (old_device, _), old = self._open.popitem(last=False)
-                    _Driver.check(_Driver.use(torch.device("cuda", old_device)).cuIpcCloseMemHandle(old),
-                                  "cuIpcCloseMemHandle")
-                    _Driver.use(device)
             self._open.move_to_end(key)
-        return torch.as_tensor(_Bytes(base + ipc.offset_bytes, ipc.size_bytes), device=device)
+            now = time.monotonic()
+            self._used[key] = now
+            while len(self._open) > self.limit or now - self._used[next(iter(self._open))] > IDLE_CLOSE_S:
+                self._close_oldest()
+            _Driver.use(device)
+        return base + ipc.offset_bytes
+
+    def _close_oldest(self) -> None:
+        (device, handle), base = self._open.popitem(last=False)
+        self._used.pop((device, handle), None)
+        _Driver.check(_Driver.use(torch.device("cuda", device)).cuIpcCloseMemHandle(base), "cuIpcCloseMemHandle")
+
+    @property
+    def open_count(self) -> int:
+        return len(self._open)
 
     def close(self) -> None:
         with self._lock:
             while self._open:
-                (device, _), base = self._open.popitem()
-                _Driver.use(torch.device("cuda", device)).cuIpcCloseMemHandle(base)
+                try:
+                    self._close_oldest()
+                except RuntimeError:  # the context went first (process exit): the driver frees the mappings
+                    self._open.clear()

@@ -51,6 +51,13 @@ def nixl_available() -> bool:
     return True
 
 
+def _infiniband_devices() -> list[str]:
+    try:
+        return os.listdir("/sys/class/infiniband")
+    except OSError:
+        return []
+
+
 @dataclass
 class _Lent:
     registration: Any
@@ -68,6 +75,10 @@ class NixlTransport:
         # (Not where UCX_TLS is set: that user chose the transports, and UCX warns about variables of unused ones.)
         if torch.cuda.is_available() and "UCX_TLS" not in os.environ:
             os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+        # Without InfiniBand devices, keep UCX's ib module unloaded: the libnl it pulls in (bundled in the wheel)
+        # crashes the process at exit (SIGSEGV in rtnl_tc_unregister, every exit after an agent started here).
+        if "UCX_MODULES" not in os.environ and not _infiniband_devices():
+            os.environ["UCX_MODULES"] = "^ib"
         api = nixl_api()
         config = api.nixl_agent_config(backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self.name = f"{name}-{uuid.uuid4().hex[:8]}"  # a restarted worker is a new agent to its readers
@@ -82,6 +93,7 @@ class NixlTransport:
         region's metadata, with the connection info unless the reader already added this agent (`reader_knows`)."""
         kv = kv.contiguous()
         self._expire()
+        self.withdraw(handle)  # asked again (a retried fetch): one registration per handle
         registration = self.agent.register_memory(kv)
         with self._lock:
             self._lent[handle] = _Lent(registration, kv, time.monotonic())

@@ -1,7 +1,8 @@
 """Prefill -> decode KV handoff in the worker: which transport a fetch asks for, the decode side's fetch and the
 prefill side's answer. Three ways, chosen per fetch (runtime.kv_transport):
 
-- cuda_ipc: same node, both on GPUs — the decode side copies device to device from an IPC handle (0.1 ms).
+- cuda_ipc: same node, both on GPUs — the decode side copies device to device from the prefill's allocation,
+  which it keeps open (cuda_ipc.py; 0.23 ms for a 262 MB KV on an H100, ~1.1 ms the whole fetch).
 - nixl: a NIXL READ from wherever the KV lies (across nodes GPU to GPU; host memory on CPU-only machines).
 - bytes: the KV's bytes in the RPC answer — any two machines, the CPU-only default.
 

@@ -158,7 +158,11 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
             if failure:
                 return json_response({"status": "failed", "error": failure, "role": role, "index": index}, 503)
             status = "draining" if draining else "ready"
-            return json_response({"status": status, "role": role, "index": index}, 503 if draining else 200)
+            fetched = {key.removeprefix("kv_fetched_"): int(n) for key, n in deps.counters.items()
+                       if key.startswith("kv_fetched_") and n}  # which transport the KV came by, so far
+            return json_response({"status": status, "role": role, "index": index, **({"kv_fetched": fetched}
+                                                                                     if fetched else {})},
+                                 503 if draining else 200)
         if req.path == "/metrics":
             stats = {**engine.stats(), **deps.counters, "inflight": rpc.inflight}
             return Response(body=prometheus("hpc_worker", stats, labels), content_type="text/plain; version=0.0.4")

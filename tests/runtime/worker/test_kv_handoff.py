@@ -115,3 +115,58 @@ def test_a_cuda_ipc_handle_keeps_every_byte():
     assert bytes(_Handle.of(raw).reserved) == raw
     with pytest.raises(ValueError, match="64 bytes"):
         _Handle.of(raw[:63])
+
+
+class FakeDriver:
+    """libcuda's IPC calls as OpenAllocations makes them (cuda.h: cuIpcOpenMemHandle_v2, cuIpcCloseMemHandle)."""
+
+    def __init__(self) -> None:
+        self.opened: list[bytes] = []
+        self.closed: list[int] = []
+
+    def cuIpcOpenMemHandle_v2(self, pointer_ref, handle, flags) -> int:
+        self.opened.append(bytes(handle.reserved))
+        pointer_ref._obj.value = 0x10000 * len(self.opened)
+        return 0
+
+    def cuIpcCloseMemHandle(self, base: int) -> int:
+        self.closed.append(base)
+        return 0
+
+
+@pytest.mark.unit
+def test_open_allocations_are_reused_and_the_oldest_or_idle_ones_closed(monkeypatch):
+    from hpc.runtime.engine import cuda_ipc
+    from hpc.runtime.serve.wire import CudaIpc
+
+    driver = FakeDriver()
+    monkeypatch.setattr(cuda_ipc._Driver, "use", classmethod(lambda cls, device: driver))
+    clock = [1000.0]
+    monkeypatch.setattr(cuda_ipc.time, "monotonic", lambda: clock[0])
+    opened = cuda_ipc.OpenAllocations(limit=2)
+    gpu = torch.device("cuda", 0)
+
+    def at(handle: int, offset: int) -> int:
+        return opened.pointer(CudaIpc(device=0, handle=bytes([handle]) * 64, allocation_bytes=1 << 20,
+                                      offset_bytes=offset, size_bytes=64), gpu)
+
+    assert at(1, 0) == 0x10000 and at(1, 512) == 0x10000 + 512  # a reused allocation: opened once
+    assert at(2, 0) == 0x20000 and opened.opened == 2 and driver.closed == []
+    assert at(1, 8) == 0x10000 + 8  # used again: now the newest
+    at(3, 0)  # over the limit: the least recently used (2) is closed, not 1
+    assert driver.closed == [0x20000] and opened.open_count == 2
+    clock[0] += cuda_ipc.IDLE_CLOSE_S + 1
+    at(3, 0)  # 1 sat idle past the limit: closed, though there is room
+    assert driver.closed == [0x20000, 0x10000] and opened.open_count == 1
+    opened.close()
+    assert driver.closed[-1] == 0x30000 and opened.open_count == 0
+
+
+@pytest.mark.unit
+@needs_nixl
+def test_a_process_with_a_nixl_agent_exits_cleanly():
+    """UCX's ib module, loaded on a machine without InfiniBand, made every such process die at exit (SIGSEGV in the
+    wheel's libnl): a worker's exit status must say how its work went, not that."""
+    code = "from hpc.runtime.engine.kv_nixl import NixlTransport; NixlTransport('exit-check')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
