@@ -60,10 +60,15 @@ def test_disaggregated_path_really_ran(disagg):
         state = json.loads((disagg.run.state / f"{role}-0.json").read_text())
         return metric_values(get_text(state["http"] + "/metrics"), "hpc_worker_requests_total")
 
-    before = served("prefill"), served("decode")
+    def direct(role):
+        return _worker_metric(disagg, f"{role}-0", "hpc_worker_requests_streamed_direct")
+
+    before = served("prefill"), served("decode"), direct("prefill"), direct("decode")
     _complete(disagg)
-    after = served("prefill"), served("decode")
+    after = served("prefill"), served("decode"), direct("prefill"), direct("decode")
     assert after[0] == before[0] + 1 and after[1] == before[1] + 1
+    # both workers wrote their outputs straight from the engine's step (TorchEngine.stream), not via a queue
+    assert after[2] == before[2] + 1 and after[3] == before[3] + 1
 
 
 def _worker_metric(stack, worker: str, name: str) -> float:

@@ -4,6 +4,9 @@ pickle either way. NIXL, the third way, is in kv_nixl.py."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import torch
 
 from hpc.runtime.engine.cuda_ipc import OpenAllocations, export
@@ -49,3 +52,56 @@ def copy_shared(meta: KvMeta, device: str, opened: OpenAllocations) -> torch.Ten
         kv = raw.view(dtype_of(meta)).reshape(meta.shape).to(target, copy=True)
         torch.cuda.current_stream(target).synchronize()
     return kv
+
+
+class HeldKv:
+    """A prefill engine's KV caches waiting for their decode workers, by handle: taken as bytes at once, or shared
+    (CUDA IPC) / lent (NIXL) until released; dropped after `ttl_s` when no decode worker came for them."""
+
+    def __init__(self, ttl_s: float = 120.0) -> None:
+        self.ttl_s = ttl_s
+        self._held: dict[str, tuple[float, torch.Tensor, torch.cuda.Event | None]] = {}  # made, KV, ready
+        self._lock = threading.Lock()
+
+    def put(self, handle: str, kv: torch.Tensor) -> None:
+        """From the scheduler thread, right after the copy that made `kv` was queued."""
+        ready = None
+        if kv.is_cuda:  # when that copy is done; a reader in another process cannot see our stream
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(kv.device))
+        with self._lock:
+            self._held[handle] = (time.monotonic(), kv, ready)
+
+    def take(self, handle: str, ipc: bool = False) -> tuple[KvMeta, bytes | memoryview]:
+        """[layers, 2, kv_heads, length, head_dim] as bytes (taken now), or shared over CUDA IPC (`ipc` and the KV is
+        on a GPU: kept until release). KeyError for an unknown handle."""
+        with self._lock:
+            _, kv, ready = self._held[handle]
+            shared = ipc and ready is not None
+            if not shared:
+                del self._held[handle]
+        if shared:
+            ready.synchronize()  # another process reads it next: its copy kernel must have finished
+            return share(kv), b""
+        return pack(kv)
+
+    def lend(self, handle: str) -> torch.Tensor:
+        """The KV itself, complete, kept until release: a transport reads it in place."""
+        with self._lock:
+            _, kv, ready = self._held[handle]
+        if ready is not None:
+            ready.synchronize()
+        return kv
+
+    def release(self, handle: str) -> None:
+        with self._lock:
+            self._held.pop(handle, None)
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for handle in [h for h, (made, *_) in self._held.items() if now - made > self.ttl_s]:
+                del self._held[handle]
+
+    def __len__(self) -> int:
+        return len(self._held)

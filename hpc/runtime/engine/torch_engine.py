@@ -27,6 +27,7 @@ from hpc.runtime.engine.llama import (LlamaConfig, LlamaForCausalLM, Pipeline, T
                                       random_state, shard_state_dict, stage_state_dict)
 from hpc.runtime.engine.moe import ExpertParallel, expert_state_dict
 from hpc.runtime.engine.prefix_cache import PrefixCache
+from hpc.runtime.engine.outputs import Direct, Emitter
 from hpc.runtime.engine.sampling import (keep_mask, make_generator, prompt_logprobs, sample, sample_rows,
                                          token_logprob)
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
@@ -34,34 +35,6 @@ from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, E
 
 log = logging.getLogger(__name__)
 HANDOFF_TTL_S = 120.0
-
-
-def _deliver(items: list[tuple[asyncio.Queue, GenerateOutput]]) -> None:
-    for outputs, out in items:
-        outputs.put_nowait(out)
-
-
-class Emitter:
-    """Outputs from the scheduler thread to the requests' event loops. Inside a decode step they are batched:
-    one wake-up of each loop per step, not one per row (call_soon_threadsafe writes to the loop's self-pipe)."""
-
-    def __init__(self) -> None:
-        self.batch: dict[asyncio.AbstractEventLoop, list] | None = None
-
-    def send(self, loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue, out: GenerateOutput) -> None:
-        if self.batch is None:
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
-        else:
-            self.batch.setdefault(loop, []).append((outputs, out))
-
-    def __enter__(self) -> "Emitter":
-        self.batch = {}
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        batch, self.batch = self.batch, None
-        for loop, items in batch.items():
-            loop.call_soon_threadsafe(_deliver, items)
 
 
 # the LLM API's `dtype` (TensorRT-LLM llmapi/llm_args.py): "auto" is bf16 on a GPU, fp32 on the CPU
@@ -116,8 +89,7 @@ class TorchEngine:
         self.model: LlamaForCausalLM | None = None
         self.vision: VisionEncoder | None = None
         self._inbox: queue.Queue = queue.Queue()
-        self._handoff: dict[str, tuple[float, torch.Tensor, torch.cuda.Event | None]] = {}  # made, KV, ready
-        self._handoff_lock = threading.Lock()
+        self.handoffs = kvpack.HeldKv(HANDOFF_TTL_S)  # prefill: KV waiting for its decode worker
         self._thread: threading.Thread | None = None
         self._running = False
         self.failure: str | None = None  # set when the scheduler thread dies
@@ -262,8 +234,46 @@ class TorchEngine:
 
     # ---- public API ------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
-        loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[GenerateOutput] = asyncio.Queue()
+        seq = await self._submit(request, outputs)
+        try:
+            while True:
+                out = await outputs.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            seq.cancelled = True  # client went away or the stream ended: the scheduler frees the slot
+
+    async def stream(self, request: GenerateRequest, deliver: Callable[[GenerateOutput], None]) -> None:
+        """generate() without a task wake-up and a generator resumption per token: each output goes to `deliver`
+        (on this loop) as its decode step's batch arrives — the worker's RPC writes the frame right there, 3-4x
+        less event-loop time per token, which the engine thread gets back (they share the GIL). Returns when the
+        request finished; raises what `deliver` raised."""
+        done = asyncio.get_running_loop().create_future()
+
+        def put(out: GenerateOutput) -> None:
+            if done.done():  # cancelled or failed: the scheduler's last outputs have nowhere to go
+                return
+            try:
+                deliver(out)
+            except Exception as exc:  # noqa: BLE001 - the caller's error, raised from stream()
+                done.set_exception(exc)
+                return
+            if out.finished:
+                done.set_result(None)
+
+        seq = await self._submit(request, Direct(put))
+        try:
+            await done
+        finally:
+            seq.cancelled = True
+            if not done.done():
+                done.cancel()
+
+    async def _submit(self, request: GenerateRequest, outputs) -> _Seq:
+        """Check the request, fetch its KV (decode), hand it to the scheduler; outputs go to `outputs`."""
+        loop = asyncio.get_running_loop()
         seq = _Seq(request=request, emit=lambda out: self.emitter.send(loop, outputs, out))
         if self.failure:
             raise RuntimeError(f"engine failed: {self.failure}")
@@ -277,14 +287,7 @@ class TorchEngine:
                                          dtype=torch.float32).reshape(request.media.shape)
         self._counters["waiting"] += 1
         self._inbox.put(seq)
-        try:
-            while True:
-                out = await outputs.get()
-                yield out
-                if out.finished:
-                    return
-        finally:
-            seq.cancelled = True  # client went away or the stream ended: the scheduler frees the slot
+        return seq
 
     def _validate(self, request: GenerateRequest) -> None:
         if not request.token_ids:
@@ -305,29 +308,16 @@ class TorchEngine:
         return EncodedMedia(shape=list(emb.shape), data=emb.numpy().tobytes())
 
     def take_handoff(self, handle: str, ipc: bool = False) -> tuple[KvMeta, bytes]:
-        """The prefilled KV of `handle`: [layers, 2, kv_heads, length, head_dim]. As bytes it is taken at once;
-        shared over CUDA IPC (`ipc`, and the KV is on a GPU) it stays until release_handoff (or its TTL)."""
-        shared = ipc and self.device.type == "cuda"  # the handed-off KV lives on the engine's device
-        with self._handoff_lock:
-            _, tensor, ready = self._handoff[handle] if shared else self._handoff.pop(handle)
-        if shared:
+        """The prefilled KV of `handle` (kv.HeldKv.take): as bytes, or shared over CUDA IPC until released."""
+        if ipc and self.device.type == "cuda":
             self._counters["kv_ipc_shared"] = self._counters.get("kv_ipc_shared", 0) + 1
-            ready.synchronize()  # another process reads it next: its copy kernel must have finished
-            return kvpack.share(tensor), b""
-        return kvpack.pack(tensor)
+        return self.handoffs.take(handle, ipc)
 
     def lend_handoff(self, handle: str) -> torch.Tensor:
-        """The prefilled KV of `handle`, complete and kept until release_handoff (or its TTL): a transport reads it
-        in place."""
-        with self._handoff_lock:
-            _, tensor, ready = self._handoff[handle]
-        if ready is not None:
-            ready.synchronize()
-        return tensor
+        return self.handoffs.lend(handle)
 
     def release_handoff(self, handle: str) -> None:
-        with self._handoff_lock:
-            self._handoff.pop(handle, None)
+        self.handoffs.release(handle)
 
     def stats(self) -> dict[str, float]:
         kv_usage = 0.0
@@ -335,7 +325,7 @@ class TorchEngine:
             kv_usage = 1.0 - len(self.free_slots) / self.max_batch
         prefix = {"prefix_blocks_hit": self.prefix.hits, "prefix_blocks_looked_up": self.prefix.lookups,
                   "prefix_blocks_held": len(self.prefix.index)} if self.prefix is not None else {}
-        return {**self._counters, **prefix, "kv_usage": kv_usage, "handoffs_waiting": len(self._handoff)}
+        return {**self._counters, **prefix, "kv_usage": kv_usage, "handoffs_waiting": len(self.handoffs)}
 
     # ---- scheduler thread ------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -363,7 +353,7 @@ class TorchEngine:
                 item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
             except queue.Empty:
                 item = None
-                self._expire_handoffs()
+                self.handoffs.expire()
             if item is not None:
                 self._counters["waiting"] -= 1
                 self._admit(item, running)
@@ -426,12 +416,7 @@ class TorchEngine:
                 kv = gather_kv(self.tp, self.cache, seq.slot, seq.length)
             else:
                 kv = torch.stack([layer[:, seq.slot, :, :seq.length] for layer in self.cache]).clone()
-            ready = None
-            if kv.is_cuda:  # when the copy above is done; a reader in another process cannot see our stream
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(kv.device))
-            with self._handoff_lock:
-                self._handoff[handle] = (time.monotonic(), kv, ready)
+            self.handoffs.put(handle, kv)
             params = DisaggregatedParams(request_handle=handle, prefill_address=self.self_address,
                                          first_token_id=first, prompt_length=seq.length)
             self._finish(seq, "length", tokens=[first], params=params, logprob=logprob)
@@ -621,9 +606,3 @@ class TorchEngine:
         if seq.slot >= 0:
             self.free_slots.append(seq.slot)
             seq.slot = -1
-
-    def _expire_handoffs(self) -> None:
-        now = time.monotonic()
-        with self._handoff_lock:
-            for handle in [h for h, (t, *_) in self._handoff.items() if now - t > HANDOFF_TTL_S]:
-                del self._handoff[handle]

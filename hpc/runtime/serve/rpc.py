@@ -8,6 +8,7 @@ fails every stream on it at once: that is how a dead worker is noticed first.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hmac
 import itertools
 import logging
@@ -60,6 +61,28 @@ StreamHandler = Callable[[CallBody, bytes], AsyncIterator[tuple[ReplyBody, bytes
 
 
 HELLO_TIMEOUT_S = 5.0
+
+
+class StreamSink:
+    """A handler's direct line to its call's stream: send() writes a reply frame at once, from a callback on the
+    event loop, instead of the handler yielding it (a task wake-up and generator resumptions per frame). The
+    frames keep their order with the ones yielded, and the end frame follows them all."""
+
+    __slots__ = ("sid", "out")
+
+    def __init__(self, sid: int, out: "_Coalescer") -> None:
+        self.sid, self.out = sid, out
+
+    def send(self, body: ReplyBody, data: bytes = b"") -> None:
+        self.out.write(*frame_parts(Reply(self.sid, body), data))
+
+
+_SINK: contextvars.ContextVar[StreamSink | None] = contextvars.ContextVar("hpc_rpc_sink", default=None)
+
+
+def current_sink() -> StreamSink | None:
+    """The stream of the call whose handler is running (in the RPC server's task for that call), else None."""
+    return _SINK.get()
 
 
 class _Coalescer:
@@ -163,6 +186,7 @@ class RpcServer:
             out.write(*frame_parts(reply, data))
         handler = self.handlers.get(type(call.body))
         self.inflight += 1
+        _SINK.set(StreamSink(sid, out))  # this task's context: the handler may write frames from callbacks
         try:
             if handler is None:
                 raise RemoteError(f"this worker does not serve {type(call.body).__name__}", 400)

@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Callable
 
 from hpc.runtime.engine.types import DisaggregationMode, EncodedMedia, GenerateRequest
 from hpc.runtime.engine.media import MediaError, read_image_bytes, to_pixels
-from hpc.runtime.serve.rpc import RemoteError, RpcClient, StreamHandler
+from hpc.runtime.serve.rpc import RemoteError, RpcClient, StreamHandler, current_sink
 from hpc.runtime.serve.wire import (
     EncodeImage, FetchKv, ReleaseKv, ReplyBody, StatsQuery, VideoProgress, VideoRequest, WorkerStats, replace,
 )
@@ -92,6 +92,10 @@ class HandlerBase:
     async def generate(self, request: GenerateRequest, payload: bytes) -> AsyncIterator[Frame]:
         request = await self._media(request)
         self.deps.counters["requests_total"] += 1
+        sink, stream = current_sink(), getattr(self.deps.engine, "stream", None)
+        if sink is not None and stream is not None:
+            await self._stream(request, stream, sink)  # each output written as it arrives, nothing yielded
+            return
         produced = 0
         try:
             async for out in self.deps.engine.generate(request):
@@ -101,6 +105,28 @@ class HandlerBase:
                 if out.error:
                     raise RemoteError(out.error, 500)
                 yield out, b""
+        except Exception:
+            self.deps.counters["errors_total"] += 1
+            raise
+        finally:
+            self.deps.counters["tokens_total"] += produced
+
+    async def _stream(self, request: GenerateRequest, stream, sink) -> None:
+        """The same stream as generate()'s loop, through the engine's callback path (TorchEngine.stream)."""
+        produced = 0
+        self.deps.counters["requests_streamed_direct"] = self.deps.counters.get("requests_streamed_direct", 0) + 1
+
+        def deliver(out) -> None:
+            nonlocal produced
+            if out.error:
+                raise RemoteError(out.error, 500)
+            if out.token_ids and produced == 0:
+                self.deps.on_first_token()
+            produced += len(out.token_ids)
+            sink.send(out)
+
+        try:
+            await stream(request, deliver)
         except Exception:
             self.deps.counters["errors_total"] += 1
             raise

@@ -34,3 +34,38 @@ def test_replies_written_in_one_loop_pass_leave_in_one_write():
         return writer.writes
 
     assert asyncio.run(main()) == [b"abc", b"d"]
+
+
+def test_a_handler_writes_frames_from_callbacks_through_its_sink_in_order_then_the_end():
+    from hpc.runtime.serve.rpc import RpcClient, RpcServer, current_sink
+    from hpc.runtime.serve.wire import GenerateOutput, GenerateRequest, StatsQuery, WorkerStats
+
+    async def handler(call, payload):
+        sink = current_sink()
+        assert sink is not None
+        yield GenerateOutput(token_ids=[1]), b""  # a yielded frame first, then three written from callbacks
+        done = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        for token in (2, 3, 4):
+            loop.call_soon(sink.send, GenerateOutput(token_ids=[token], finished=token == 4))
+        loop.call_soon(done.set_result, None)
+        await done
+
+    async def stats(call, payload):  # a handler that never asks for its sink still streams as before
+        yield WorkerStats(values={"sink_seen": float(current_sink() is not None)}), b""
+
+    async def main():
+        assert current_sink() is None  # outside a call
+        server = RpcServer({GenerateRequest: handler, StatsQuery: stats})
+        await server.start("127.0.0.1", 0)
+        client = RpcClient("127.0.0.1", server.port)
+        try:
+            got = [out.token_ids[0] async for out, _ in client.stream(GenerateRequest(request_id="r", token_ids=[9]))]
+            answer, _ = await client.call(StatsQuery())
+        finally:
+            await client.close()
+            await server.close()
+        return got, answer
+
+    got, answer = asyncio.run(main())
+    assert got == [1, 2, 3, 4] and answer.values == {"sink_seen": 1.0}

@@ -170,3 +170,25 @@ def test_a_process_with_a_nixl_agent_exits_cleanly():
     code = "from hpc.runtime.engine.kv_nixl import NixlTransport; NixlTransport('exit-check')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.unit
+def test_held_kv_is_taken_once_lent_until_released_and_expires():
+    from hpc.runtime.engine.kv import HeldKv, unpack
+
+    held = HeldKv(ttl_s=60.0)
+    a, b, c = _kv(3), _kv(4), _kv(5)
+    held.put("a", a)
+    held.put("b", b)
+    held.put("c", c)
+    meta, data = held.take("a", ipc=True)  # host memory: IPC is not possible, bytes it is, taken at once
+    assert meta.ipc is None and torch.equal(unpack(meta, bytearray(data)), a)
+    with pytest.raises(KeyError):
+        held.take("a")
+    assert held.lend("b") is b and held.lend("b") is b and len(held) == 2  # lent: still held
+    held.release("b")
+    held.release("b")  # twice: harmless
+    assert len(held) == 1
+    held.ttl_s = 0.0
+    held.expire()  # nobody came for "c"
+    assert len(held) == 0

@@ -1,0 +1,45 @@
+"""How outputs leave the torch engine's scheduler thread for the requests' event loops."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
+
+from hpc.runtime.engine.types import GenerateOutput
+
+
+def _deliver(items: list[tuple[asyncio.Queue, GenerateOutput]]) -> None:
+    for outputs, out in items:
+        outputs.put_nowait(out)
+
+
+class Direct:
+    """In place of a request's queue (TorchEngine.stream): each output goes straight to a callback on the loop."""
+
+    __slots__ = ("put_nowait",)
+
+    def __init__(self, put: Callable[[GenerateOutput], None]) -> None:
+        self.put_nowait = put
+
+
+class Emitter:
+    """Outputs from the scheduler thread to the requests' event loops. Inside a decode step they are batched:
+    one wake-up of each loop per step, not one per row (call_soon_threadsafe writes to the loop's self-pipe)."""
+
+    def __init__(self) -> None:
+        self.batch: dict[asyncio.AbstractEventLoop, list] | None = None
+
+    def send(self, loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue, out: GenerateOutput) -> None:
+        if self.batch is None:
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+        else:
+            self.batch.setdefault(loop, []).append((outputs, out))
+
+    def __enter__(self) -> "Emitter":
+        self.batch = {}
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        batch, self.batch = self.batch, None
+        for loop, items in batch.items():
+            loop.call_soon_threadsafe(_deliver, items)
