@@ -131,8 +131,10 @@ async def decode_side(args: argparse.Namespace, port: int, sums: dict[str, float
                 sys.exit(f"KV handoff FAILED over {label}: the KV that arrived differs from the prefill's")
             del kv  # the decode engine copies it into its cache and lets it go
             await handoff.settle()  # the release reached the prefill (which then made the next KV): not timed
-        await handoff.settle()
         used = [k for k, v in handoff.counters.items() if v and k.startswith("kv_fetched")]
+        want = {"bytes": "kv_fetched_bytes", "auto": "kv_fetched_cuda_ipc", "nixl": "kv_fetched_nixl"}[setting]
+        if used != [want]:  # e.g. a prefill side without NIXL answered with bytes: this row would be mislabelled
+            sys.exit(f"KV handoff FAILED over {label}: the decode side counted {used}, not {want}")
         phases = {k: handoff.counters.get(f"kv_{k}_seconds_total", 0.0) * 1e3 / args.handoffs for k in ("ask", "move")}
         rows.append((f"{label} [{', '.join(used)}]", times, phases))
     await peers.close()

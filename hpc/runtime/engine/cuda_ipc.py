@@ -124,6 +124,9 @@ class OpenAllocations:
 
     def pointer(self, ipc: CudaIpc, device: torch.device) -> int:
         """Where the shared bytes are in this process, opening their allocation unless it is open already."""
+        if ipc.offset_bytes < 0 or ipc.size_bytes < 0 or ipc.offset_bytes + ipc.size_bytes > ipc.allocation_bytes:
+            raise ValueError(f"shared bytes [{ipc.offset_bytes}, +{ipc.size_bytes}) lie outside their allocation "
+                             f"of {ipc.allocation_bytes}")
         key = (device.index or 0, ipc.handle)
         with self._lock:
             lib = _Driver.use(device)

@@ -160,6 +160,10 @@ def test_open_allocations_are_reused_and_the_oldest_or_idle_ones_closed(monkeypa
     assert driver.closed == [0x20000, 0x10000] and opened.open_count == 1
     opened.close()
     assert driver.closed[-1] == 0x30000 and opened.open_count == 0
+    with pytest.raises(ValueError, match="outside their allocation"):  # a bad description reads nothing
+        opened.pointer(CudaIpc(device=0, handle=bytes([4]) * 64, allocation_bytes=100, offset_bytes=64,
+                               size_bytes=64), gpu)
+    assert opened.opened == 3
 
 
 @pytest.mark.unit
