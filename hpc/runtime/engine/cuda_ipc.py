@@ -1,12 +1,12 @@
 """CUDA IPC through the driver API, for the same-node KV handoff: the prefill shares the allocation its KV lies in
-(handle + offset), the decode side opens each allocation once and keeps it open.
+(handle + offset), the decode side opens each allocation once, keeps it open and copies with the driver.
 
 Why not torch's `storage._share_cuda_`: every handoff then opened and closed the allocation's mapping
-(cuIpcOpenMemHandle/cuIpcCloseMemHandle, ~1 ms of the 1.3 ms fetch of a 262 MB KV on an H100), and keeping the
-opened storage alive to avoid that would keep torch's cross-process reference count up, so the prefill's allocator
-could never reuse the block. Here lifetime is hpc's own protocol instead: the prefill keeps the KV until the decode
-side's ReleaseKv, and its caching allocator hands the same allocation to later KVs, which the decode side then finds
-already open.
+(cuIpcOpenMemHandle/cuIpcCloseMemHandle; the whole fetch of a 262 MB KV on an H100 took 1.3-1.8 ms, now 0.9),
+and keeping the opened storage alive to avoid that would keep torch's cross-process reference count up, so the
+prefill's allocator could never reuse the block. Here lifetime is hpc's own protocol instead: the prefill keeps
+the KV until the decode side's ReleaseKv, and its caching allocator hands the same allocation to later KVs, which
+the decode side then finds already open.
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ class _Driver:
                 lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
                 lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
                 lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+                lib.cuMemcpyDtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t,
+                                                     ctypes.c_void_p]
                 cls._lib = lib
         return cls._lib
 
@@ -100,14 +102,6 @@ def export(t: torch.Tensor) -> CudaIpc:
                    offset_bytes=t.data_ptr() - base.value, size_bytes=t.numel() * t.element_size())
 
 
-class _Bytes:
-    """`__cuda_array_interface__` over opened memory: torch.as_tensor views it without a copy."""
-
-    def __init__(self, pointer: int, size: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (pointer, False),
-                                         "version": 3, "strides": None}
-
-
 class OpenAllocations:
     """The other processes' allocations this process has open, least recently used closed first."""
 
@@ -118,9 +112,16 @@ class OpenAllocations:
         self._lock = threading.Lock()
         self.opened = 0  # how many times an allocation had to be opened (the rest were found open)
 
-    def view(self, ipc: CudaIpc, device: torch.device) -> torch.Tensor:
-        """The shared bytes as a uint8 tensor on `device` (no copy); valid until the owner frees them."""
-        return torch.as_tensor(_Bytes(self.pointer(ipc, device), ipc.size_bytes), device=device)
+    def copy_into(self, ipc: CudaIpc, dst: torch.Tensor) -> None:
+        """Queue the copy of the shared bytes into `dst` (contiguous, as many bytes, on a GPU of this node) on its
+        device's current stream. The driver copies by address (one address space, peer access enabled at open),
+        so the source may lie on another GPU — no tensor over foreign memory, whose device torch would guess."""
+        if not (dst.is_cuda and dst.is_contiguous()) or dst.numel() * dst.element_size() != ipc.size_bytes:
+            raise ValueError(f"the copy needs a contiguous GPU tensor of {ipc.size_bytes} bytes")
+        source = self.pointer(ipc, dst.device)
+        stream = torch.cuda.current_stream(dst.device).cuda_stream
+        _Driver.check(_Driver.lib().cuMemcpyDtoDAsync_v2(dst.data_ptr(), source, ipc.size_bytes, stream),
+                      "cuMemcpyDtoDAsync")
 
     def pointer(self, ipc: CudaIpc, device: torch.device) -> int:
         """Where the shared bytes are in this process, opening their allocation unless it is open already."""

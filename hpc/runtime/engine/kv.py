@@ -48,8 +48,8 @@ def copy_shared(meta: KvMeta, device: str, opened: OpenAllocations) -> torch.Ten
         raise ValueError("this KV description carries bytes, not a CUDA IPC location")
     target = torch.device(device)
     with torch.cuda.device(target):
-        raw = opened.view(meta.ipc, target)
-        kv = raw.view(dtype_of(meta)).reshape(meta.shape).to(target, copy=True)
+        kv = torch.empty(meta.shape, dtype=dtype_of(meta), device=target)
+        opened.copy_into(meta.ipc, kv)
         torch.cuda.current_stream(target).synchronize()
     return kv
 
