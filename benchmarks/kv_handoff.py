@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from hpc.runtime.engine import kv as kvpack  # noqa: E402
 from hpc.runtime.engine.kv_nixl import NixlTransport, nixl_available  # noqa: E402
 from hpc.runtime.serve.rpc import RpcServer  # noqa: E402
-from hpc.runtime.serve.wire import FetchKv, ReleaseKv  # noqa: E402
-from hpc.runtime.worker.handlers import Peers  # noqa: E402
+from hpc.runtime.engine.types import DisaggregationMode  # noqa: E402
+from hpc.runtime.worker.handlers import HandlerDeps, Peers, make_handler  # noqa: E402
 from hpc.runtime.worker.kv_handoff import KvHandoff  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -95,15 +95,10 @@ async def prefill_side(args: argparse.Namespace) -> None:
     handoff = KvHandoff(setting="auto", device=args.device, host=HOST, engine=held, peers=None,
                         counters={}, nixl=nixl)
 
-    async def answer(call, payload):
-        yield await handoff.answer(call)
-
-    async def release(call, payload):
-        handoff.release(call.handle)
-        return
-        yield
-
-    server = RpcServer({FetchKv: answer, ReleaseKv: release})
+    deps = HandlerDeps(engine=held, mode=DisaggregationMode.PREFILL, peers=None, allowed_local_media_path=None,
+                       media_allowed_hosts=[], max_file_size_mb=1.0, image_size=None, has_encode_role=False,
+                       kv=handoff)
+    server = RpcServer(make_handler(deps).ops())  # the prefill worker's own FetchKv / ReleaseKv handlers
     await server.start(HOST, 0)
     print("READY", server.port, " ".join(sums), flush=True)
     await asyncio.to_thread(sys.stdin.read)

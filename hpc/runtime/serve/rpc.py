@@ -186,12 +186,13 @@ class RpcServer:
             out.write(*frame_parts(reply, data))
         handler = self.handlers.get(type(call.body))
         self.inflight += 1
-        _SINK.set(StreamSink(sid, out))  # this task's context: the handler may write frames from callbacks
+        sink = StreamSink(sid, out)
+        _SINK.set(sink)  # this task's context: the handler may write frames from callbacks
         try:
             if handler is None:
                 raise RemoteError(f"this worker does not serve {type(call.body).__name__}", 400)
             async for body, data in handler(call.body, payload):
-                send(Reply(sid, body), data)
+                sink.send(body, data)
                 if writer.transport.get_write_buffer_size() > 1 << 20:
                     out.flush()
                     await writer.drain()

@@ -93,45 +93,46 @@ class HandlerBase:
         request = await self._media(request)
         self.deps.counters["requests_total"] += 1
         sink, stream = current_sink(), getattr(self.deps.engine, "stream", None)
-        if sink is not None and stream is not None:
-            await self._stream(request, stream, sink)  # each output written as it arrives, nothing yielded
-            return
-        produced = 0
-        try:
+        with self._counted() as tally:
+            if sink is not None and stream is not None:  # each output written as it arrives, nothing yielded
+                self.deps.counters["requests_streamed_direct"] = \
+                    self.deps.counters.get("requests_streamed_direct", 0) + 1
+
+                def deliver(out) -> None:
+                    tally(out)
+                    sink.send(out)
+
+                await stream(request, deliver)
+                return
             async for out in self.deps.engine.generate(request):
-                if out.token_ids and produced == 0:
-                    self.deps.on_first_token()
-                produced += len(out.token_ids)
-                if out.error:
-                    raise RemoteError(out.error, 500)
+                tally(out)
                 yield out, b""
-        except Exception:
-            self.deps.counters["errors_total"] += 1
-            raise
-        finally:
-            self.deps.counters["tokens_total"] += produced
 
-    async def _stream(self, request: GenerateRequest, stream, sink) -> None:
-        """The same stream as generate()'s loop, through the engine's callback path (TorchEngine.stream)."""
-        produced = 0
-        self.deps.counters["requests_streamed_direct"] = self.deps.counters.get("requests_streamed_direct", 0) + 1
-
-        def deliver(out) -> None:
-            nonlocal produced
-            if out.error:
-                raise RemoteError(out.error, 500)
-            if out.token_ids and produced == 0:
-                self.deps.on_first_token()
-            produced += len(out.token_ids)
-            sink.send(out)
-
+    @contextlib.contextmanager
+    def _counted(self):
+        """One request's accounting, either way its outputs leave: tokens and errors counted, first token told."""
+        tally = _Tally(self.deps)
         try:
-            await stream(request, deliver)
+            yield tally
         except Exception:
             self.deps.counters["errors_total"] += 1
             raise
         finally:
-            self.deps.counters["tokens_total"] += produced
+            self.deps.counters["tokens_total"] += tally.produced
+
+
+class _Tally:
+    """Looks at each output of one request: an error output raises, the first token is reported, tokens counted."""
+
+    def __init__(self, deps: HandlerDeps) -> None:
+        self.deps, self.produced = deps, 0
+
+    def __call__(self, out) -> None:
+        if out.error:
+            raise RemoteError(out.error, 500)
+        if out.token_ids and self.produced == 0:
+            self.deps.on_first_token()
+        self.produced += len(out.token_ids)
 
 
 async def _load_pixels(deps: HandlerDeps, image: str):
