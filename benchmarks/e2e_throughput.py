@@ -2,6 +2,7 @@
 
     python benchmarks/e2e_throughput.py [--recipe tiny-agg|tiny-disagg] [--concurrency 1,8,32] [--output-tokens 64] [--rounds 3]
     python benchmarks/e2e_throughput.py --engine-only --concurrency 1,8,32,64   # e.g. on a GPU machine
+    python benchmarks/e2e_throughput.py --engine-only --engine-args '{"cuda_graph_config": null}'  # eager decode
 
 Both paths are warm alike: the direct engine is opened once and kept (as the stack's worker is), and every level
 of either path starts with the same warm-up requests. Stack mode alternates direct and stack rounds so machine
@@ -17,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import io
+import json
 import os
 import random
 import statistics
@@ -72,15 +74,17 @@ def main() -> None:
     parser.add_argument("--input-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians are reported")
-    parser.add_argument("--engine-only", action="store_true", help="two sweeps on the engine, no stack")
+    parser.add_argument("--engine-only", action="store_true", help="sweeps on the engine, no stack")
+    parser.add_argument("--sweeps", type=int, default=2, help="with --engine-only: sweeps back to back")
     parser.add_argument("--model", default="tiny", help="the generated model to serve (tiny)")
     parser.add_argument("--recipe", default="tiny-agg", help="the stack to compare with (tiny-agg, tiny-disagg)")
+    parser.add_argument("--engine-args", default="{}", help="JSON merged into the engine args of both paths")
     args = parser.parse_args()
     levels = [Level(c, args.input_tokens, args.output_tokens, max(args.requests, REQUESTS_PER_USER * c))
               for c in (int(x) for x in args.concurrency.split(","))]
     model_dir = ensure_model(f"~/.cache/hpc/models/{args.model}", args.model)
     engine_args = {"max_seq_len": args.input_tokens + args.output_tokens + 64,
-                   "max_batch_size": max(lv.concurrency for lv in levels)}
+                   "max_batch_size": max(lv.concurrency for lv in levels), **json.loads(args.engine_args)}
 
     async def run() -> tuple[str, dict[int, list[float]], dict[int, list[float]]]:
         direct: dict[int, list[float]] = {lv.concurrency: [] for lv in levels}
@@ -90,8 +94,8 @@ def main() -> None:
             print(f"engine loaded and warmed up in {time.perf_counter() - t0:.1f} s "
                   f"(warm-up {engine.warmup_s:.2f} s)", file=sys.stderr)
             rng = random.Random(0)
-            if args.engine_only:
-                for sweep in (direct, via):  # first sweep, second sweep
+            if args.engine_only:  # direct: the first sweep; via: the later ones
+                for sweep in [direct] + [via] * (args.sweeps - 1):
                     for lv in levels:
                         sweep[lv.concurrency].append(await engine_level(engine, lv, rng))
                 return device_label(engine), direct, via
@@ -101,9 +105,9 @@ def main() -> None:
 
             with contextlib.redirect_stdout(io.StringIO()):
                 recipe, _ = load_recipe(args.recipe)
-                stack = local_stack(args.recipe, *(
-                    f'roles.{role}.override_engine_args={{"max_batch_size": {engine_args["max_batch_size"]}}}'
-                    for role in ("agg", "prefill", "decode") if getattr(recipe.roles, role) is not None))
+                override = json.dumps({k: v for k, v in engine_args.items() if k != "max_seq_len"})
+                stack = local_stack(args.recipe, *(f"roles.{role}.override_engine_args={override}" for role in
+                                                   ("agg", "prefill", "decode") if getattr(recipe.roles, role) is not None))
                 _, url = stack.__enter__()
             try:
                 for _ in range(args.rounds):
@@ -118,14 +122,17 @@ def main() -> None:
 
     label, direct, via = asyncio.run(run())
     lv0 = levels[0]
-    print(f"tokens/s, tiny torch model on {label}, {lv0.input_tokens} in / {lv0.output_tokens} out, "
+    print(f"tokens/s, {args.model} torch model on {label}, {lv0.input_tokens} in / {lv0.output_tokens} out, "
           f"{'' if args.engine_only else f'stack {args.recipe}, '}"
-          f"{'two sweeps' if args.engine_only else f'{args.rounds} alternating rounds, medians'}")
+          f"{f'{args.sweeps} sweeps' if args.engine_only else f'{args.rounds} alternating rounds, medians'}"
+          f"{', engine args ' + args.engine_args if args.engine_args != '{}' else ''}")
     if args.engine_only:
-        print(f"{'c':>4} {'requests':>9} {'first sweep':>12} {'second sweep':>13} {'first/second':>13}")
+        print(f"{'c':>4} {'requests':>9} {'first sweep':>12} {'second sweep':>13} {'first/second':>13}"
+              f"{' later sweeps' if args.sweeps > 2 else ''}")
         for lv in levels:
-            first, second = direct[lv.concurrency][0], via[lv.concurrency][0]
-            print(f"{lv.concurrency:>4} {lv.requests:>9} {first:>12.1f} {second:>13.1f} {first / second:>13.0%}")
+            first, (second, *later) = direct[lv.concurrency][0], via[lv.concurrency]
+            print(f"{lv.concurrency:>4} {lv.requests:>9} {first:>12.1f} {second:>13.1f} {first / second:>13.0%}"
+                  f"{''.join(f' {x:.1f}' for x in later)}")
         return
     print(f"{'c':>4} {'requests':>9} {'engine directly':>16} {'through frontend':>17} {'kept':>6}")
     for lv in levels:

@@ -11,6 +11,7 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
+from hpc.engine_args.cuda_graphs import cross_field_problem
 from hpc.errors import UserError
 from hpc.spec.base import closest
 
@@ -195,4 +196,7 @@ def check_engine_config(config: dict[str, Any], *, file: str) -> list[UserError]
     """Every problem in `config` (unknown keys, wrong types, bad enum values), as user errors."""
     checker = _Checker(file)
     checker.model(field_table()["top_level_model"], config, "")
+    problem = cross_field_problem(config.get("cuda_graph_config")) if isinstance(config, dict) else None
+    if problem:  # TensorRT-LLM's model validator would refuse it at engine start
+        checker.error("cuda_graph_config", problem, hint="drop max_batch_size (it follows batch_sizes) or make them agree")
     return checker.errors

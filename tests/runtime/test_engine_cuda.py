@@ -20,8 +20,8 @@ from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, Sampli
 PROMPTS = [[5, 17, 300, 41, 9], [7, 7, 1200], [99, 3, 3, 3, 250, 11, 64]]
 
 
-async def _serve(model_dir) -> tuple[list[list[int]], TorchEngine]:
-    async with TorchEngine(model_dir, DisaggregationMode.AGGREGATED, {"max_batch_size": 4}) as engine:
+async def _serve(model_dir, args: dict | None = None) -> tuple[list[list[int]], TorchEngine]:
+    async with TorchEngine(model_dir, DisaggregationMode.AGGREGATED, {"max_batch_size": 4, **(args or {})}) as engine:
         async def one(i: int, prompt: list[int]) -> list[int]:
             request = GenerateRequest(request_id=f"r{i}", token_ids=prompt,
                                       sampling=SamplingParams(max_tokens=12, ignore_eos=True))
@@ -45,5 +45,22 @@ def test_engine_runs_bf16_on_the_gpu_through_the_fused_kernels(tmp_path, monkeyp
     assert [t[:6] for t in fused_tokens] == [t[:6] for t in torch_tokens]
 
 
-def _run(model_dir):
-    return asyncio.run(_serve(model_dir))
+def test_decode_steps_replay_from_cuda_graphs_with_the_eager_steps_tokens(tmp_path) -> None:
+    model_dir = build_tiny(tmp_path / "tiny", hidden=256, layers=4)
+    padded = {"cuda_graph_config": {"enable_padding": True, "batch_sizes": [1, 2, 4]}}
+    graphed, engine = _run(model_dir, padded)
+    stats = engine.stats()
+    assert ("graphs", 3) in engine.warmed and engine.cache[0].shape[1] == 4 + 1  # the spare slot for padded rows
+    # every step ran from a graph, the three-row ones padded to four
+    assert stats["decode_steps"] >= 11 and stats["decode_steps_graphed"] == stats["decode_steps"]
+    eager, plain = _run(model_dir, {"cuda_graph_config": None})
+    assert plain.graphs is None and plain.stats()["decode_steps"] >= 11 and "decode_steps_graphed" not in plain.stats()
+    # the same kernels with the same inputs: rows are independent, so padding changes nothing
+    assert graphed == eager
+    unpadded, default = _run(model_dir)  # the key absent: on, one graph per size up to the engine's batch
+    assert default.graphs.sizes.batch_sizes == (1, 2, 3, 4) and unpadded == eager
+    assert default.stats()["decode_steps_graphed"] == default.stats()["decode_steps"]
+
+
+def _run(model_dir, args: dict | None = None):
+    return asyncio.run(_serve(model_dir, args))

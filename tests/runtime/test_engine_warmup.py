@@ -38,13 +38,18 @@ def test_warm_up_covers_prefill_and_every_decode_path_before_the_first_request(t
             req = GenerateRequest(request_id="r", token_ids=[5, 6, 7], sampling=SamplingParams(max_tokens=3))
             outs = [o async for o in engine.generate(req)]
             assert sum(len(o.token_ids) for o in outs) == 3
-            return warmed, engine.warmed, engine.warmup_s
+            return warmed, engine.warmed, engine.warmup_s, engine.graphs
 
-    warmed, reported, seconds = asyncio.run(main())
+    warmed, reported, seconds, graphs = asyncio.run(main())
     # a 16-token prompt, then one-token steps at 1 row, past the fused GEMVs' batch limit, and the full batch
     # a prompt alone (causal) and two together (masked), then decode at 1, 2 (Triton's other integer
     # specialization), the first batched-matmul size and the largest batch
-    assert warmed == [(1, 16), (2, 16), (1, 1), (2, 1), (fused_decode.MAX_BATCH + 1, 1), (8, 1)]
-    assert reported == [("prefill", 16), ("decode", 1), ("decode", 2), ("decode", fused_decode.MAX_BATCH + 1),
-                        ("decode", 8)]
+    assert warmed[:6] == [(1, 16), (2, 16), (1, 1), (2, 1), (fused_decode.MAX_BATCH + 1, 1), (8, 1)]
+    assert reported[:5] == [("prefill", 16), ("decode", 1), ("decode", 2), ("decode", fused_decode.MAX_BATCH + 1),
+                            ("decode", 8)]
+    # on a GPU, then every decode graph (cuda_graph_config absent: one per size up to the batch), largest first:
+    # an eager run and the capture each
+    sizes = [] if graphs is None else sorted(graphs.sizes.batch_sizes, reverse=True)
+    assert warmed[6:] == [(size, 1) for size in sizes for _ in range(2)]
+    assert reported[5:] == ([("graphs", 8)] if graphs is not None else [])
     assert seconds > 0

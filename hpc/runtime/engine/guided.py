@@ -220,6 +220,25 @@ class Automaton:
         index, sub = state
         return self.pieces[index].min_close(sub) + self.rest[index]
 
+    def first_fit(self, state: tuple, order: list[int], texts: list[str | None], banned: set[int],
+                  left: int) -> tuple[int, tuple] | None:
+        """The first token of `order` whose text keeps the output a valid prefix that can still close within
+        `left` characters, with the state after it; None when no token fits."""
+        for token in order:
+            text = texts[token]
+            if not text or token in banned:
+                continue
+            nxt = self.feed(state, text)
+            if nxt is not None and self.min_close(nxt) <= left:
+                return token, nxt
+        return None
+
+
+def vocabulary_texts(tokenizer: Any) -> list[str | None]:
+    """Each token id's text (special tokens as written; None where a token is part of a UTF-8 character)."""
+    texts = [tokenizer.decode([i], skip_special_tokens=False) for i in range(tokenizer.get_vocab_size())]
+    return [None if "\ufffd" in t else t for t in texts]
+
 
 # ---- the same guide as an EBNF grammar, for TensorRT-LLM's guided decoding (xgrammar / llguidance) ----------
 _JSON_RULES = r'''

@@ -59,3 +59,18 @@ def keep_mask(rows: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch
     probs = torch.softmax(ordered.masked_fill(~keep, float("-inf")), dim=-1)
     keep &= probs.cumsum(-1) - probs < torch.tensor(top_p, device=rows.device)[:, None]
     return torch.zeros_like(keep).scatter(1, order, keep)
+
+
+def guided_order(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> list[int]:
+    """The order a guided step tries tokens in. Greedy: by logit. Sampled: by logit / temperature plus Gumbel
+    noise (which draws from the softmax restricted to whatever tokens the guide allows), the tokens top-k /
+    top-p keep before the others."""
+    scores = logits.float().cpu()
+    if params.temperature == 0:
+        return torch.argsort(scores, descending=True).tolist()
+    tempered = scores / params.temperature
+    uniform = torch.rand(scores.shape, generator=gen).clamp_(1e-20, 1.0)
+    noisy = tempered - torch.log(-torch.log(uniform))
+    kept = keep_mask(tempered[None], [params.top_k or len(scores)], [params.top_p])[0]
+    return torch.cat([idx[torch.argsort(noisy[idx], descending=True)]
+                      for idx in (kept.nonzero()[:, 0], (~kept).nonzero()[:, 0])]).tolist()

@@ -20,15 +20,17 @@ from typing import Any, AsyncIterator, Callable
 
 import torch
 
+from hpc.engine_args.cuda_graphs import decode_graph_sizes
 from hpc.runtime.engine import fused_decode
 from hpc.runtime.engine import kv as kvpack
-from hpc.runtime.engine.guided import Automaton
+from hpc.runtime.engine.decode_graphs import DecodeGraphs, cuda_capture
+from hpc.runtime.engine.guided import Automaton, vocabulary_texts
 from hpc.runtime.engine.llama import (LlamaConfig, LlamaForCausalLM, Pipeline, TensorParallel, VisionEncoder,
                                       random_state, shard_state_dict, stage_state_dict)
 from hpc.runtime.engine.moe import ExpertParallel, expert_state_dict
 from hpc.runtime.engine.prefix_cache import PrefixCache
 from hpc.runtime.engine.outputs import Direct, Emitter
-from hpc.runtime.engine.sampling import (keep_mask, make_generator, prompt_logprobs, sample, sample_rows,
+from hpc.runtime.engine.sampling import (guided_order, make_generator, prompt_logprobs, sample, sample_rows,
                                          token_logprob)
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
                                       GenerateRequest, KvMeta, TokenLogprob)
@@ -95,10 +97,11 @@ class TorchEngine:
         self.failure: str | None = None  # set when the scheduler thread dies
         self.emitter = Emitter()
         self._counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "running": 0, "waiting": 0,
-                          "prompt_tokens_computed": 0, "prompt_tokens_cached": 0}
+                          "prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "decode_steps": 0}
         self.on_kv_event: Callable[[dict[str, Any]], None] | None = None  # per-block stored/removed records
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self.prefix: PrefixCache | None = None
+        self.graphs: DecodeGraphs | None = None
         self._token_texts: list[str | None] | None = None  # guided decoding's view of the vocabulary
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -157,7 +160,10 @@ class TorchEngine:
             log.info("pipeline stage %d of %d: layers %d-%d", self.pipeline.rank, self.pipeline.size, own.start,
                      own.stop - 1)
         self.max_len = min(self.max_len, self.cfg.max_position_embeddings)
-        self.cache = self.model.new_cache(self.max_batch, self.max_len, self.dtype, self.device)
+        sizes = decode_graph_sizes(self.args, self.max_batch) if self._graphable() else None
+        self.graphs = DecodeGraphs(self._decode_logits, sizes, self.max_batch, self.device) if sizes else None
+        # one slot more with graphs: padded rows write their K/V there
+        self.cache = self.model.new_cache(self.max_batch + bool(sizes), self.max_len, self.dtype, self.device)
         self.free_slots = list(range(self.max_batch))
         self.canned = self._canned_ids(self.canned_completion)
         self.prefix = self._prefix_cache()
@@ -227,6 +233,9 @@ class TorchEngine:
             self.model.forward_step(self.model.embed(tokens), torch.full((rows, 1), n, device=self.device),
                                     torch.arange(rows, device=self.device), self.cache)
             self.warmed.append(("decode", rows))
+        if self.graphs is not None:
+            self.graphs.capture(cuda_capture(self.device))
+            self.warmed.append(("graphs", len(self.graphs.sizes.batch_sizes)))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.warmup_s = time.perf_counter() - t0
@@ -325,7 +334,8 @@ class TorchEngine:
             kv_usage = 1.0 - len(self.free_slots) / self.max_batch
         prefix = {"prefix_blocks_hit": self.prefix.hits, "prefix_blocks_looked_up": self.prefix.lookups,
                   "prefix_blocks_held": len(self.prefix.index)} if self.prefix is not None else {}
-        return {**self._counters, **prefix, "kv_usage": kv_usage, "handoffs_waiting": len(self.handoffs)}
+        graphed = {"decode_steps_graphed": self.graphs.replays} if self.graphs is not None else {}
+        return {**self._counters, **prefix, **graphed, "kv_usage": kv_usage, "handoffs_waiting": len(self.handoffs)}
 
     # ---- scheduler thread ------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -446,40 +456,20 @@ class TorchEngine:
 
     def _guided(self, seq: _Seq, logits: torch.Tensor) -> int:
         """The best-ranked token that keeps the output inside its guide and closable in the tokens left (see
-        guided). Greedy ranks by logit; sampling adds Gumbel noise to logit / temperature, which draws from the
-        softmax restricted to the allowed tokens; tokens top-k / top-p keep are tried before the others."""
+        guided); EOS when none fits (a max_tokens below the guide's minimum)."""
         automaton, state = seq.guide
         p = seq.request.sampling
         left = min(p.max_tokens - seq.generated, self.max_len - seq.length - 1) - 1  # after this token
-        scores = logits.float().cpu()
-        order = torch.argsort(scores, descending=True)
-        if p.temperature > 0:
-            tempered = scores / p.temperature
-            uniform = torch.rand(scores.shape, generator=seq.gen).clamp_(1e-20, 1.0)
-            scores = tempered - torch.log(-torch.log(uniform))
-            # what top-k / top-p keep comes first; the rest only if nothing kept fits the guide
-            kept = keep_mask(tempered[None], [p.top_k or len(scores)], [p.top_p])[0]
-            order = torch.cat([idx[torch.argsort(scores[idx], descending=True)]
-                               for idx in (kept.nonzero()[:, 0], (~kept).nonzero()[:, 0])])
-        texts = self.token_texts()
-        banned = {self.cfg.eos_token_id, *p.stop_token_ids}
-        for token in order.tolist():
-            text = texts[token]
-            if not text or token in banned:
-                continue
-            nxt = automaton.feed(state, text)
-            if nxt is not None and automaton.min_close(nxt) <= left:
-                seq.guide = (automaton, nxt)
-                return token
-        return self.cfg.eos_token_id  # nothing fits the tokens left (a max_tokens below the guide's minimum)
+        fit = automaton.first_fit(state, guided_order(logits, p, seq.gen), self.token_texts(),
+                                  {self.cfg.eos_token_id, *p.stop_token_ids}, left)
+        if fit is None:
+            return self.cfg.eos_token_id
+        seq.guide = (automaton, fit[1])
+        return fit[0]
 
     def token_texts(self) -> list[str | None]:
-        """Each token id's text (special tokens as written; None where a token is part of a UTF-8 character),
-        built on the first guided request."""
-        if self._token_texts is None:
-            tok = self._tokenizer()
-            texts = [tok.decode([i], skip_special_tokens=False) for i in range(tok.get_vocab_size())]
-            self._token_texts = [None if "\ufffd" in t else t for t in texts]
+        if self._token_texts is None:  # built on the first guided request
+            self._token_texts = vocabulary_texts(self._tokenizer())
         return self._token_texts
 
     def _prefill(self, seq: _Seq) -> tuple[int, TokenLogprob | None]:
@@ -535,11 +525,23 @@ class TorchEngine:
         seq.imported_kv = None
         self._counters["prompt_tokens"] += length
 
+    def _graphable(self) -> bool:
+        """Decode steps can be captured: one rank (collectives stay eager), the fused path's graph-safe attention,
+        no expert routing (its token counts are data-dependent)."""
+        return self.device.type == "cuda" and self.world.size == 1 and self.model.fused_decode is not None \
+            and not self.cfg.moe
+
+    def _decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return self._forward("decode", self.model.embed(tokens), positions, slots)
+
     def _decode_step(self, running: list[_Seq]) -> None:
-        tokens = torch.tensor([[s.last_token] for s in running], device=self.device)
-        positions = torch.tensor([[s.length] for s in running], device=self.device)
-        slots = torch.tensor([s.slot for s in running], device=self.device)
-        logits = self._forward("decode", self.model.embed(tokens), positions, slots)
+        self._counters["decode_steps"] += 1
+        logits = self.graphs.run([s.last_token for s in running], [s.length for s in running],
+                                 [s.slot for s in running]) if self.graphs is not None else None
+        if logits is None:
+            logits = self._decode_logits(torch.tensor([[s.last_token] for s in running], device=self.device),
+                                         torch.tensor([[s.length] for s in running], device=self.device),
+                                         torch.tensor([s.slot for s in running], device=self.device))
         # Rows without logprobs, penalties or a seed: one argmax for the greedy ones and one batched sampling
         # kernel for the others, a device sync each, not one per row (at 64 rows the per-row syncs cost more
         # than the step itself).

@@ -1,0 +1,85 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch size, captured before the worker says ready.
+
+A decode step of a small batch is bound by launching its kernels, not by running them: the fused path is
+six Triton launches per layer, each several microseconds of Python, more than the GPU needs for a small model.
+A graph replays the whole step in one call. Which batch sizes get a graph, and whether a batch may be padded
+up to the next one, is `cuda_graph_config` as TensorRT-LLM reads it (hpc.engine_args.cuda_graphs).
+
+Each graph reads its inputs from one static device buffer (token, position and cache slot per row) and writes
+its logits to a static tensor, so `run` copies a step's inputs in (one host-to-device copy) and replays.
+Padded rows are token 0 at position 0 in a spare cache slot that no sequence owns. The step must be graph-safe:
+no host syncs and no shapes that depend on values (the fused decode path is: its attention covers the whole
+cache and reads positions from device memory).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from hpc.engine_args.cuda_graphs import GraphSizes
+
+log = logging.getLogger(__name__)
+
+Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # tokens [B,1], positions [B,1], slots [B]
+# capture(fn) -> (replay, output): after replay() the output tensor holds what fn() would return now
+Capture = Callable[[Callable[[], torch.Tensor]], tuple[Callable[[], None], torch.Tensor]]
+
+
+def cuda_capture(device: torch.device) -> Capture:
+    """Real CUDA graphs sharing one memory pool (captured largest first, the smaller ones reuse its blocks)."""
+    pool = torch.cuda.graph_pool_handle()
+
+    def capture(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):  # one eager run first: lazy allocations and library handles, not captured
+            fn()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread's CUDA call (an event loop opening a KV handoff) must not void the capture
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = fn()
+        return graph.replay, out
+
+    return capture
+
+
+class DecodeGraphs:
+    def __init__(self, step: Step, sizes: GraphSizes, scratch_slot: int, device: torch.device) -> None:
+        self.step = step
+        self.sizes = sizes
+        self.scratch_slot = scratch_slot
+        self.device = device
+        largest = sizes.batch_sizes[-1]
+        # rows 0, 1, 2: token, position, cache slot of each row of the step
+        self.inputs = torch.zeros(3, largest, dtype=torch.long, device=device)
+        self.inputs[2].fill_(scratch_slot)
+        self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        self.replays = 0
+
+    def capture(self, capture: Capture) -> None:
+        for size in sorted(self.sizes.batch_sizes, reverse=True):
+            tokens, positions, slots = self.inputs[0, :size], self.inputs[1, :size], self.inputs[2, :size]
+            self._graphs[size] = capture(lambda t=tokens, p=positions, s=slots: self.step(t[:, None], p[:, None], s))
+        log.info("decode CUDA graphs for batch sizes %s (padding %s)", list(self.sizes.batch_sizes),
+                 "on" if self.sizes.padding else "off")
+
+    def run(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor | None:
+        """Logits [rows, V] of one decode step, or None when no graph fits (the caller runs it eagerly).
+
+        The logits are a view of the graph's output: read them before the next run."""
+        rows = len(tokens)
+        size = self.sizes.size_for(rows)
+        if size is None or size not in self._graphs:
+            return None
+        pad = self.inputs.shape[1] - rows  # the whole buffer: one contiguous copy
+        staged = torch.tensor([tokens + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad],
+                              dtype=torch.long)
+        self.inputs.copy_(staged)
+        replay, logits = self._graphs[size]
+        replay()
+        self.replays += 1
+        return logits[:rows]

@@ -1,0 +1,95 @@
+"""Decode steps replayed per batch size: staged inputs, padded rows kept in the spare slot, eager fallback.
+
+On CPU the fused decode kernels run under Triton's interpreter and a graph is stood in for by a capture that
+keeps the step's output tensor and refills it on replay (the contract of torch.cuda.CUDAGraph: inputs read from
+the static buffers, the output written in place). The real capture runs in tests/runtime/test_engine_cuda.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hpc.engine_args.cuda_graphs import GraphSizes
+from hpc.runtime.engine.decode_graphs import DecodeGraphs
+from hpc.runtime.engine.llama import LlamaConfig, LlamaForCausalLM, init_weights
+
+pytestmark = pytest.mark.unit
+
+pytest.importorskip("triton", reason="Triton is not installed (the CI installs it for these tests)")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("without a GPU the fused kernels run only under TRITON_INTERPRET=1 (set in tests/conftest.py)",
+                allow_module_level=True)
+
+CFG = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+SLOTS = 6  # sequences' slots 0..5; slot 6 is the spare one padded rows write to
+
+
+class RecordedGraph:
+    """capture(fn) -> (replay, output), replay recomputes fn into the same output tensor."""
+
+    def __init__(self) -> None:
+        self.captured: list[int] = []
+
+    def __call__(self, fn):
+        out = fn()
+        self.captured.append(out.shape[0])
+
+        def replay() -> None:
+            with torch.inference_mode():  # as the engine's steps run
+                out.copy_(fn())
+        return replay, out
+
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _model() -> LlamaForCausalLM:
+    model = LlamaForCausalLM(CFG)
+    init_weights(model, seed=5)
+    return model.to(DEVICE).eval().fuse_projections().enable_fused_decode()
+
+
+def _graphs(model, cache, sizes: GraphSizes) -> DecodeGraphs:
+    step = lambda t, p, s: model.forward_step(model.embed(t), p, s, cache)  # noqa: E731
+    return DecodeGraphs(step, sizes, scratch_slot=SLOTS, device=DEVICE)
+
+
+def test_padded_steps_give_the_eager_logits_and_touch_only_the_spare_slot() -> None:
+    model = _model()
+    gen = torch.Generator().manual_seed(1)
+    eager_cache = model.new_cache(SLOTS + 1, 32, torch.float32, DEVICE)
+    for layer in eager_cache:
+        layer.copy_(torch.randn(layer.shape, generator=gen))
+    graph_cache = [layer.clone() for layer in eager_cache]
+    graphs = _graphs(model, graph_cache, GraphSizes((1, 4), padding=True))
+    capture = RecordedGraph()
+    graphs.capture(capture)
+    assert capture.captured == [4, 1]  # largest first: the smaller graphs reuse its memory
+    slots, positions = [4, 0, 2], [7, 12, 3]
+    for step in range(2):  # the second step reads new inputs from the same buffers
+        tokens = torch.randint(2, CFG.vocab_size, (3,), generator=gen).tolist()
+        got = graphs.run(tokens, positions, slots)
+        want = model.forward_step(model.embed(torch.tensor(tokens, device=DEVICE)[:, None]),
+                                  torch.tensor(positions, device=DEVICE)[:, None], torch.tensor(slots, device=DEVICE),
+                                  eager_cache)
+        assert got.shape == (3, CFG.vocab_size)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for eager_layer, graph_layer in zip(eager_cache, graph_cache):
+            torch.testing.assert_close(graph_layer[:, :SLOTS], eager_layer[:, :SLOTS], rtol=1e-5, atol=1e-5)
+            assert not torch.equal(graph_layer[:, SLOTS, :, 0], eager_layer[:, SLOTS, :, 0])  # the padded row
+        positions = [p + 1 for p in positions]
+    assert graphs.replays == 2
+
+
+def test_without_padding_a_size_with_no_graph_is_left_to_the_eager_step() -> None:
+    model = _model()
+    cache = model.new_cache(SLOTS + 1, 32, torch.float32, DEVICE)
+    graphs = _graphs(model, cache, GraphSizes((1, 2), padding=False))
+    graphs.capture(RecordedGraph())
+    assert graphs.run([5, 6, 7], [1, 1, 1], [0, 1, 2]) is None
+    assert graphs.run([5, 6], [1, 1], [0, 1]).shape == (2, CFG.vocab_size)
+    assert graphs.replays == 1
