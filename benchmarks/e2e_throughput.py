@@ -106,8 +106,8 @@ def main() -> None:
             with contextlib.redirect_stdout(io.StringIO()):
                 recipe, _ = load_recipe(args.recipe)
                 override = json.dumps({k: v for k, v in engine_args.items() if k != "max_seq_len"})
-                stack = local_stack(args.recipe, *(f"roles.{role}.override_engine_args={override}" for role in
-                                                   ("agg", "prefill", "decode") if getattr(recipe.roles, role) is not None))
+                roles = [role for role in ("agg", "prefill", "decode") if getattr(recipe.roles, role) is not None]
+                stack = local_stack(args.recipe, *(f"roles.{role}.override_engine_args={override}" for role in roles))
                 _, url = stack.__enter__()
             try:
                 for _ in range(args.rounds):

@@ -198,5 +198,6 @@ def check_engine_config(config: dict[str, Any], *, file: str) -> list[UserError]
     checker.model(field_table()["top_level_model"], config, "")
     problem = cross_field_problem(config.get("cuda_graph_config")) if isinstance(config, dict) else None
     if problem:  # TensorRT-LLM's model validator would refuse it at engine start
-        checker.error("cuda_graph_config", problem, hint="drop max_batch_size (it follows batch_sizes) or make them agree")
+        checker.error("cuda_graph_config", problem,
+                      hint="drop max_batch_size (it follows batch_sizes) or make them agree")
     return checker.errors

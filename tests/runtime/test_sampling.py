@@ -49,11 +49,11 @@ def test_batched_sampling_keeps_each_rows_temperature_top_k_and_top_p():
 def test_a_decode_step_samples_unseeded_rows_in_one_batch(tiny, monkeypatch):
     """At temperature 1 (the OpenAI default) unseeded rows take the batched sampler; the per-row path, with
     its host round trip per row, is only for seeded, penalised or logprob rows."""
-    from hpc.runtime.engine import torch_engine
+    from hpc.runtime.engine import picking, torch_engine
 
     per_row, batched = [], []
-    real_sample, real_rows = torch_engine.sample, torch_engine.sample_rows
-    monkeypatch.setattr(torch_engine, "sample", lambda *a: per_row.append(1) or real_sample(*a))
+    real_sample, real_rows = picking.sample, torch_engine.sample_rows
+    monkeypatch.setattr(picking, "sample", lambda *a: per_row.append(1) or real_sample(*a))
     monkeypatch.setattr(torch_engine, "sample_rows", lambda logits, *a: batched.append(len(logits))
                         or real_rows(logits, *a))
 

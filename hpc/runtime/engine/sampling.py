@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from hpc.runtime.engine.types import SamplingParams, TokenLogprob
@@ -11,7 +13,9 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     if params.temperature == 0:
         return None
     gen = torch.Generator()
-    gen.manual_seed(params.seed if params.seed is not None else torch.seed() % (2**63))
+    # not torch.seed(): it reseeds every device type, and on a build with XPU queues a lazy call that captures a
+    # stack trace each time (a sixth of a worker's GIL time under load)
+    gen.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
     return gen
 
 

@@ -1,8 +1,9 @@
 """The torch reference engine: a KV cache in slots, iteration-level batching, streaming, cancellation.
 
-One scheduler thread owns the model. Each iteration it admits new requests (prefill, one at a time),
-then runs one batched decode step over every running request. With tensor parallelism, rank 0 runs the
-scheduler and broadcasts each step to the follower ranks, which run the same forward pass.
+One scheduler thread owns the model. Each iteration it admits the waiting requests that fit (their
+prompts prefilled together), then runs one batched decode step over every running request. With tensor
+parallelism, rank 0 runs the scheduler and broadcasts each step to the follower ranks, which run the same
+forward pass.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import torch
 
@@ -24,14 +25,14 @@ from hpc.engine_args.cuda_graphs import decode_graph_sizes
 from hpc.runtime.engine import fused_decode
 from hpc.runtime.engine import kv as kvpack
 from hpc.runtime.engine.decode_graphs import DecodeGraphs, cuda_capture
-from hpc.runtime.engine.guided import Automaton, vocabulary_texts
+from hpc.runtime.engine.guided import Automaton
 from hpc.runtime.engine.llama import (LlamaConfig, LlamaForCausalLM, Pipeline, TensorParallel, VisionEncoder,
                                       random_state, shard_state_dict, stage_state_dict)
 from hpc.runtime.engine.moe import ExpertParallel, expert_state_dict
 from hpc.runtime.engine.prefix_cache import PrefixCache
 from hpc.runtime.engine.outputs import Direct, Emitter
-from hpc.runtime.engine.sampling import (guided_order, make_generator, prompt_logprobs, sample, sample_rows,
-                                         token_logprob)
+from hpc.runtime.engine.picking import TokenPicker
+from hpc.runtime.engine.sampling import make_generator, prompt_logprobs, sample_rows
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
                                       GenerateRequest, KvMeta, TokenLogprob)
 
@@ -97,12 +98,12 @@ class TorchEngine:
         self.failure: str | None = None  # set when the scheduler thread dies
         self.emitter = Emitter()
         self._counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "running": 0, "waiting": 0,
-                          "prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "decode_steps": 0}
+                          "prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "prefill_steps": 0,
+                          "decode_steps": 0}
         self.on_kv_event: Callable[[dict[str, Any]], None] | None = None  # per-block stored/removed records
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self.prefix: PrefixCache | None = None
         self.graphs: DecodeGraphs | None = None
-        self._token_texts: list[str | None] | None = None  # guided decoding's view of the vocabulary
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def __aenter__(self) -> "TorchEngine":
@@ -165,7 +166,7 @@ class TorchEngine:
         # one slot more with graphs: padded rows write their K/V there
         self.cache = self.model.new_cache(self.max_batch + bool(sizes), self.max_len, self.dtype, self.device)
         self.free_slots = list(range(self.max_batch))
-        self.canned = self._canned_ids(self.canned_completion)
+        self.picker = TokenPicker(self.model_dir, self.cfg.eos_token_id, self.max_len, self.canned_completion)
         self.prefix = self._prefix_cache()
         self.sampler = torch.Generator(device=self.device)  # unseeded requests' draws, batched on the device
         self.sampler.manual_seed(torch.seed() % (2**63))
@@ -189,19 +190,6 @@ class TorchEngine:
         listener, loop = self.on_kv_event, self._event_loop
         if listener is not None and loop is not None:
             loop.call_soon_threadsafe(listener, record)
-
-    def _canned_ids(self, text: str | None) -> list[int] | None:
-        """A test knob (recipe `model.canned_completion`): every answer is this text, then EOS — produced through
-        the real sampler with all other tokens masked, so tool-call and reasoning markup can be tested end to
-        end on a random-weight model."""
-        if not text:
-            return None
-        return self._tokenizer().encode(str(text), add_special_tokens=False).ids
-
-    def _tokenizer(self):
-        from tokenizers import Tokenizer
-
-        return Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
 
     WARMUP_PROMPT = 16
 
@@ -365,17 +353,16 @@ class TorchEngine:
                 item = None
                 self.handoffs.expire()
             if item is not None:
-                self._counters["waiting"] -= 1
-                self._admit(item, running)
-                while self.free_slots:  # take every waiting request that fits before decoding
+                arrivals = [item]
+                while len(arrivals) < len(self.free_slots):  # every waiting request that fits, before decoding
                     try:
                         nxt = self._inbox.get_nowait()
                     except queue.Empty:
                         break
-                    if nxt is None:
-                        continue
-                    self._counters["waiting"] -= 1
-                    self._admit(nxt, running)
+                    if nxt is not None:
+                        arrivals.append(nxt)
+                self._counters["waiting"] -= len(arrivals)
+                self._admit(arrivals, running)
             elif not self._running:
                 break
             running[:] = [s for s in running if self._still_running(s)]
@@ -395,29 +382,68 @@ class TorchEngine:
             return False
         return seq.slot >= 0
 
-    def _admit(self, seq: _Seq, running: list[_Seq]) -> None:
-        if seq.cancelled:
-            return
-        if not self.free_slots:
-            self._inbox.put(seq)  # retry next iteration, after a decode step frees slots
-            self._counters["waiting"] += 1
-            return
-        seq.slot = self.free_slots.pop()
-        self._counters["requests"] += 1
-        try:
-            seq.gen = make_generator(seq.request.sampling)
-            if seq.request.sampling.guide is not None:
-                automaton = Automaton.from_guide(seq.request.sampling.guide)
-                seq.guide = (automaton, automaton.initial)
-            if seq.imported_kv is not None:
-                self._import(seq)
-                running.append(seq)
-                return
-            first, logprob = self._prefill(seq)
-        except Exception as exc:
-            log.exception("prefill failed")
-            self._finish(seq, "error", error=str(exc))
-            return
+    def _admit(self, seqs: list[_Seq], running: list[_Seq]) -> None:
+        """A slot for each; KV handed over from a prefill worker goes in as it is, prompts are prefilled together."""
+        fresh = []
+        for seq in seqs:
+            if seq.cancelled:
+                continue
+            if not self.free_slots:
+                self._inbox.put(seq)  # retry next iteration, after a decode step frees slots
+                self._counters["waiting"] += 1
+                continue
+            seq.slot = self.free_slots.pop()
+            self._counters["requests"] += 1
+            try:
+                seq.gen = make_generator(seq.request.sampling)
+                if seq.request.sampling.guide is not None:
+                    automaton = Automaton.from_guide(seq.request.sampling.guide)
+                    seq.guide = (automaton, automaton.initial)
+                if seq.imported_kv is not None:
+                    self._import(seq)
+                    running.append(seq)
+                    continue
+            except Exception as exc:
+                log.exception("admission failed")
+                self._finish(seq, "error", error=str(exc))
+                continue
+            fresh.append(seq)
+        for group in self._prefill_groups(fresh):
+            try:
+                picked = self._prefill(group)
+            except Exception as exc:
+                log.exception("prefill failed")
+                for seq in group:
+                    self._finish(seq, "error", error=str(exc))
+                continue
+            for seq, (first, logprob) in zip(group, picked):
+                self._prefilled(seq, first, logprob, running)
+
+    def _prefill_groups(self, seqs: list[_Seq]) -> Iterator[list[_Seq]]:
+        """Prompts prefilled in one forward pass, their padded tokens within `max_num_tokens` (TensorRT-LLM's
+        per-step token budget, 8192 by default). Alone: a prompt with media or asking for the prompt's logprobs,
+        and every prompt of a pipeline (only its last stage holds the logits' rows)."""
+        budget = int(self.args.get("max_num_tokens") or 8192)
+        group: list[_Seq] = []
+        width = 0
+        for seq in seqs:
+            alone = seq.media is not None or seq.request.sampling.prompt_logprobs is not None \
+                or self.pipeline.size > 1
+            n = len(seq.request.token_ids)
+            if group and (alone or max(width, n) * (len(group) + 1) > budget):
+                yield group
+                group, width = [], 0
+            if alone:
+                yield [seq]
+                continue
+            group.append(seq)
+            width = max(width, n)
+        if group:
+            yield group
+
+    def _prefilled(self, seq: _Seq, first: int, logprob: TokenLogprob | None, running: list[_Seq]) -> None:
+        """A prefill worker keeps the KV for its decode worker and answers with the first token; otherwise the
+        sequence decodes here."""
         if self.mode is DisaggregationMode.PREFILL:
             handle = uuid.uuid4().hex
             if self.tp.size > 1:  # every rank's heads, so that a decode of any TP can take it
@@ -434,74 +460,50 @@ class TorchEngine:
         if self._emit_token(seq, first, logprob):
             running.append(seq)
 
-    def _pick(self, seq: _Seq, logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
-        raw = logits  # logprobs report the model's own distribution, before penalties and the canned mask
-        p = seq.request.sampling
-        if (p.presence_penalty or p.frequency_penalty) and seq.counts:
-            # OpenAI's definition: logit - frequency * count - presence * (count > 0), over generated tokens
-            ids = torch.tensor(list(seq.counts), device=logits.device)
-            times = torch.tensor(list(seq.counts.values()), dtype=logits.dtype, device=logits.device)
-            logits = logits.clone()
-            logits[ids] -= p.frequency_penalty * times + p.presence_penalty
-        if self.canned is not None:
-            step = seq.generated
-            target = self.canned[step] if step < len(self.canned) else self.cfg.eos_token_id
-            forced = torch.full_like(logits, float("-inf"))
-            forced[target] = logits[target]
-            logits = forced
-        token = self._guided(seq, logits) if seq.guide is not None else sample(logits, seq.request.sampling,
-                                                                                  seq.gen)
-        top = seq.request.sampling.logprobs
-        return token, (None if top is None else token_logprob(raw, token, top))
-
-    def _guided(self, seq: _Seq, logits: torch.Tensor) -> int:
-        """The best-ranked token that keeps the output inside its guide and closable in the tokens left (see
-        guided); EOS when none fits (a max_tokens below the guide's minimum)."""
-        automaton, state = seq.guide
-        p = seq.request.sampling
-        left = min(p.max_tokens - seq.generated, self.max_len - seq.length - 1) - 1  # after this token
-        fit = automaton.first_fit(state, guided_order(logits, p, seq.gen), self.token_texts(),
-                                  {self.cfg.eos_token_id, *p.stop_token_ids}, left)
-        if fit is None:
-            return self.cfg.eos_token_id
-        seq.guide = (automaton, fit[1])
-        return fit[0]
-
-    def token_texts(self) -> list[str | None]:
-        if self._token_texts is None:  # built on the first guided request
-            self._token_texts = vocabulary_texts(self._tokenizer())
-        return self._token_texts
-
-    def _prefill(self, seq: _Seq) -> tuple[int, TokenLogprob | None]:
-        ids = seq.request.token_ids
-        self._counters["prompt_tokens"] += len(ids)
-        want = seq.request.sampling.prompt_logprobs if len(ids) > 1 else None
+    def _prefill(self, seqs: list[_Seq]) -> list[tuple[int, TokenLogprob | None]]:
+        """One forward pass over the prompts of `seqs`, each from its first token the prefix cache does not hold,
+        right-padded to the longest: a padded token's K/V lands past its row's end, where decode writes before it
+        reads, and each row's logits come from its own last token."""
+        first = seqs[0]
+        want = first.request.sampling.prompt_logprobs if len(first.request.token_ids) > 1 else None  # alone
         # image tokens look alike whatever the image; the prompt's logprobs need the logits of every position
-        reuse = self.prefix is not None and seq.media is None and want is None
-        if reuse:
-            rows = self.prefix.match(ids)
-            self.prefix.load(rows, seq.slot)
-            seq.cached = len(rows) * self.prefix.block
-        self._counters["prompt_tokens_cached"] += seq.cached
-        self._counters["prompt_tokens_computed"] += len(ids) - seq.cached
-        token_tensor = torch.tensor([ids[seq.cached:]], device=self.device)
+        reuse = [self.prefix is not None and seq.media is None and want is None for seq in seqs]
+        rows = []
+        for seq, reused in zip(seqs, reuse):
+            ids = seq.request.token_ids
+            self._counters["prompt_tokens"] += len(ids)
+            if reused:
+                blocks = self.prefix.match(ids)
+                self.prefix.load(blocks, seq.slot)
+                seq.cached = len(blocks) * self.prefix.block
+            self._counters["prompt_tokens_cached"] += seq.cached
+            self._counters["prompt_tokens_computed"] += len(ids) - seq.cached
+            rows.append(ids[seq.cached:])
+        width = max(map(len, rows))
+        token_tensor = torch.tensor([row + [0] * (width - len(row)) for row in rows], device=self.device)
         embeds = self.model.embed(token_tensor)
-        if seq.media is not None and self.cfg.vision:
+        if first.media is not None and self.cfg.vision:  # a prompt with media is prefilled alone
             mask = token_tensor[0] == self.cfg.vision["image_token_id"]
             count = int(mask.sum())
-            if count != seq.media.shape[0]:
-                raise ValueError(f"prompt has {count} image tokens but the image gave {seq.media.shape[0]}")
-            embeds[0, mask] = seq.media.to(self.device, self.dtype)
-        positions = torch.arange(seq.cached, len(ids), device=self.device)[None]
-        slots = torch.tensor([seq.slot], device=self.device)
-        logits = self._forward("prefill", embeds, positions, slots, last_only=want is None)
+            if count != first.media.shape[0]:
+                raise ValueError(f"prompt has {count} image tokens but the image gave {first.media.shape[0]}")
+            embeds[0, mask] = first.media.to(self.device, self.dtype)
+        positions = torch.tensor([[min(seq.cached + j, self.max_len - 1) for j in range(width)] for seq in seqs],
+                                 device=self.device)
+        slots = torch.tensor([seq.slot for seq in seqs], device=self.device)
+        last = torch.tensor([len(row) - 1 for row in rows], device=self.device) if len(seqs) > 1 else None
+        logits = self._forward("prefill", embeds, positions, slots, last_only=want is None, last=last)
+        self._counters["prefill_steps"] += 1
         if want is not None:  # [1, T, V]: position i's logits score token i + 1
-            seq.prompt_lp = prompt_logprobs(logits[0, :-1], ids[1:], want)
+            first.prompt_lp = prompt_logprobs(logits[0, :-1], first.request.token_ids[1:], want)
             logits = logits[:, -1]
-        seq.length = len(ids)
-        if reuse:
-            self.prefix.store(ids, seq.slot)
-        return self._pick(seq, logits[0])
+        picked = []
+        for i, (seq, reused) in enumerate(zip(seqs, reuse)):
+            seq.length = len(seq.request.token_ids)
+            if reused:
+                self.prefix.store(seq.request.token_ids, seq.slot)
+            picked.append(self.picker.pick(seq, logits[i]))
+        return picked
 
     def _import(self, seq: _Seq) -> None:
         kv = seq.imported_kv.to(self.device, self.dtype)  # [layers, 2, all kv heads, T, d]
@@ -520,7 +522,7 @@ class TorchEngine:
         seq.counts = {params.first_token_id: 1}
         if seq.guide is not None:  # the prefill worker's guided first token, replayed
             automaton, state = seq.guide
-            seq.guide = (automaton, automaton.feed(state, self.token_texts()[params.first_token_id] or "")
+            seq.guide = (automaton, automaton.feed(state, self.picker.token_texts()[params.first_token_id] or "")
                          or state)
         seq.imported_kv = None
         self._counters["prompt_tokens"] += length
@@ -545,7 +547,7 @@ class TorchEngine:
         # Rows without logprobs, penalties or a seed: one argmax for the greedy ones and one batched sampling
         # kernel for the others, a device sync each, not one per row (at 64 rows the per-row syncs cost more
         # than the step itself).
-        plain = [i for i, s in enumerate(running) if self._batchable(s.request.sampling)]
+        plain = [i for i, s in enumerate(running) if self.picker.batchable(s.request.sampling)]
         greedy = [i for i in plain if running[i].request.sampling.temperature == 0]
         sampled = [i for i in plain if running[i].request.sampling.temperature > 0]
         picked = dict(zip(greedy, logits[greedy].argmax(-1).tolist())) if greedy else {}
@@ -558,18 +560,14 @@ class TorchEngine:
                 if i in picked:
                     self._emit_token(s, picked[i])
                 else:
-                    self._emit_token(s, *self._pick(s, logits[i]))
+                    self._emit_token(s, *self.picker.pick(s, logits[i]))
 
-    def _batchable(self, p) -> bool:
-        return p.logprobs is None and p.seed is None and self.canned is None and p.guide is None \
-            and not (p.presence_penalty or p.frequency_penalty)
-
-    def _forward(self, kind: str, embeds, positions, slots, last_only: bool = True) -> torch.Tensor:
+    def _forward(self, kind: str, embeds, positions, slots, last_only: bool = True, last=None) -> torch.Tensor:
         if self.world.size > 1:
             from hpc.runtime.engine.tp import broadcast_step
 
             broadcast_step(self.world, kind, embeds, positions, slots)
-        return self.model.forward_step(embeds, positions, slots, self.cache, last_only=last_only)
+        return self.model.forward_step(embeds, positions, slots, self.cache, last_only=last_only, last=last)
 
     def _emit_token(self, seq: _Seq, token: int, logprob: TokenLogprob | None = None) -> bool:
         """Send one token; False when the sequence finished with it."""

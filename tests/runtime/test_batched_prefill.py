@@ -1,0 +1,71 @@
+"""Prompts that wait together are prefilled in one forward pass, right-padded, and answer exactly as when each
+is prefilled alone — with a prefix reused from the cache on one row and not on the others."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from hpc.runtime.engine.torch_engine import TorchEngine
+from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
+
+pytestmark = pytest.mark.unit
+
+SHARED = list(range(200, 240))  # 40 tokens: one full block of 32 for the prefix cache
+FIRST = SHARED + [7, 8]
+WAITING = [[5, 6, 7], SHARED + [9, 10, 11], [3] * 19, [42, 43, 44, 45, 46, 47, 48]]
+
+
+async def _tokens(engine: TorchEngine, ids: list[int]) -> list[int]:
+    req = GenerateRequest(request_id="p", token_ids=ids, sampling=SamplingParams(max_tokens=5, temperature=0,
+                                                                                  ignore_eos=True))
+    return [t async for out in engine.generate(req) for t in out.token_ids]
+
+
+async def _serve(model_dir, args: dict) -> tuple[list[list[int]], dict, list[list[int]]]:
+    """FIRST runs alone; while its first decode step is held, the others queue, then are admitted at once."""
+    engine = TorchEngine(model_dir, DisaggregationMode.AGGREGATED, {"max_seq_len": 256, "max_batch_size": 8,
+                                                                     "kv_cache_config": {"tokens_per_block": 32},
+                                                                     **args})
+    async with engine:
+        entered, release = threading.Event(), threading.Event()
+        step, widths = engine._decode_step, []
+        prefill = engine._prefill
+
+        def held(running):
+            entered.set()
+            release.wait(10)
+            step(running)
+
+        def recorded(seqs):
+            widths.append([len(s.request.token_ids) for s in seqs])
+            return prefill(seqs)
+        engine._decode_step, engine._prefill = held, recorded
+        first = asyncio.create_task(_tokens(engine, FIRST))
+        await asyncio.to_thread(entered.wait, 10)
+        waiting = [asyncio.create_task(_tokens(engine, ids)) for ids in WAITING]
+        await asyncio.sleep(0.05)  # every request is in the engine's inbox
+        release.set()
+        answers = await asyncio.gather(first, *waiting)
+        return answers, engine.stats(), widths
+
+
+def test_waiting_prompts_are_prefilled_together_with_the_answers_of_one_at_a_time(tiny):
+    together, stats, widths = asyncio.run(_serve(tiny, {}))
+    # FIRST alone, then the four waiting prompts in one forward pass
+    assert widths == [[len(FIRST)], [len(ids) for ids in WAITING]]
+    assert stats["prefill_steps"] == 2 and stats["requests"] == 5
+    assert stats["prompt_tokens_cached"] == 32  # the row that shares FIRST's block took it from the cache
+    alone, stats_alone, widths_alone = asyncio.run(_serve(tiny, {"max_num_tokens": 1}))  # a budget of one prompt
+    assert widths_alone == [[len(FIRST)]] + [[len(ids)] for ids in WAITING] and stats_alone["prefill_steps"] == 5
+    assert stats_alone["prompt_tokens_cached"] == 32
+    assert together == alone and all(len(t) == 5 for t in together)
+
+
+def test_the_token_budget_splits_the_waiting_prompts(tiny):
+    # padded to the widest row: 2 x 43 = 86 tokens fit in 90, a third row (3 x 43) does not; then 2 x 19
+    _, stats, widths = asyncio.run(_serve(tiny, {"max_num_tokens": 90}))
+    assert widths == [[len(FIRST)], [3, 43], [19, 7]]
+    assert stats["prefill_steps"] == 3
