@@ -62,6 +62,12 @@ def test_decode_steps_replay_from_cuda_graphs_with_the_eager_steps_tokens(tmp_pa
     assert default.graphs.sizes.batch_sizes == (1, 2, 3, 4) and unpadded == eager
     assert default.stats()["decode_steps_graphed"] == default.stats()["decode_steps"]
 
+    async def prefill_only():
+        async with TorchEngine(model_dir, DisaggregationMode.PREFILL, {"max_batch_size": 4}) as engine:
+            return engine.graphs, engine.warmed
+    graphs, warmed = asyncio.run(prefill_only())
+    assert graphs is None and ("graphs", 4) not in warmed  # a prefill worker never decodes: nothing captured
+
 
 def test_a_prefill_reads_the_device_once_per_step_not_in_every_layer(tmp_path) -> None:
     model_dir = build_tiny(tmp_path / "tiny", hidden=256, layers=4)

@@ -297,7 +297,7 @@ class LlamaForCausalLM(nn.Module):
 
         `window` fixes how many cache positions attention reads (instead of the longest row), and
         `contiguous_slots` promises slots == 0..B-1: together they make a decode step capturable in a
-        CUDA graph.
+        CUDA graph. `last` [B]: the position whose logits each row returns (right-padded prompts).
         """
         if self.takes_fused_path(embeds):
             return self.fused_decode(embeds, positions, slots, cache)
@@ -327,7 +327,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = cos_t[positions].to(h.dtype), sin_t[positions].to(h.dtype)
         lengths = positions[:, -1] + 1
         # read from the device once per step, not in every layer
-        from_scratch = window is None and positions.shape == (1, positions.shape[1]) and positions.shape[1] > 1 \
+        from_scratch = window is None and positions.shape[0] == 1 and positions.shape[1] > 1 \
             and int(positions[0, 0]) == 0
         if not from_scratch and window is None:
             window = int(lengths.max())

@@ -528,10 +528,10 @@ class TorchEngine:
         self._counters["prompt_tokens"] += length
 
     def _graphable(self) -> bool:
-        """Decode steps can be captured: one rank (collectives stay eager), the fused path's graph-safe attention,
-        no expert routing (its token counts are data-dependent)."""
-        return self.device.type == "cuda" and self.world.size == 1 and self.model.fused_decode is not None \
-            and not self.cfg.moe
+        """Decode steps worth capturing: this worker decodes (a prefill worker never does), one rank (collectives
+        stay eager), the fused path's graph-safe attention, no expert routing (data-dependent token counts)."""
+        return self.device.type == "cuda" and self.mode is not DisaggregationMode.PREFILL and self.world.size == 1 \
+            and self.model.fused_decode is not None and not self.cfg.moe
 
     def _decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         return self._forward("decode", self.model.embed(tokens), positions, slots)
