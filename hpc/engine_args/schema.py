@@ -199,5 +199,5 @@ def check_engine_config(config: dict[str, Any], *, file: str) -> list[UserError]
     problem = cross_field_problem(config.get("cuda_graph_config")) if isinstance(config, dict) else None
     if problem:  # TensorRT-LLM's model validator would refuse it at engine start
         checker.error("cuda_graph_config", problem,
-                      hint="drop max_batch_size (it follows batch_sizes) or make them agree")
+                      hint="drop max_batch_size, which follows batch_sizes, or make the two agree")
     return checker.errors
