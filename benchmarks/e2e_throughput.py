@@ -3,6 +3,7 @@
     python benchmarks/e2e_throughput.py [--recipe tiny-agg|tiny-disagg] [--concurrency 1,8,32] [--output-tokens 64] [--rounds 3]
     python benchmarks/e2e_throughput.py --engine-only --concurrency 1,8,32,64   # e.g. on a GPU machine
     python benchmarks/e2e_throughput.py --engine-only --engine-args '{"cuda_graph_config": null}'  # eager decode
+    python benchmarks/e2e_throughput.py --concurrency 64 --output-spread 32   # lengths 32-96: no waves
 
 Both paths are warm alike: the direct engine is opened once and kept (as the stack's worker is), and every level
 of either path starts with the same warm-up requests. Stack mode alternates direct and stack rounds so machine
@@ -38,7 +39,7 @@ WARMUP = 2
 async def engine_level(engine: TorchEngine, level: Level, rng: random.Random) -> float:
     async def one() -> int:
         req = GenerateRequest(request_id="x", token_ids=prompt_ids(level.input_tokens, rng),
-                              sampling=SamplingParams(max_tokens=level.output_tokens, ignore_eos=True,
+                              sampling=SamplingParams(max_tokens=level.max_tokens(rng), ignore_eos=True,
                                                       temperature=1.0))
         return sum([len(out.token_ids) async for out in engine.generate(req)])
 
@@ -79,9 +80,11 @@ def main() -> None:
     parser.add_argument("--model", default="tiny", help="the generated model to serve (tiny)")
     parser.add_argument("--recipe", default="tiny-agg", help="the stack to compare with (tiny-agg, tiny-disagg)")
     parser.add_argument("--engine-args", default="{}", help="JSON merged into the engine args of both paths")
+    parser.add_argument("--output-spread", type=int, default=0,
+                        help="each request's output length uniform in output-tokens +- this (0: all equal)")
     args = parser.parse_args()
-    levels = [Level(c, args.input_tokens, args.output_tokens, max(args.requests, REQUESTS_PER_USER * c))
-              for c in (int(x) for x in args.concurrency.split(","))]
+    levels = [Level(c, args.input_tokens, args.output_tokens, max(args.requests, REQUESTS_PER_USER * c),
+                    output_spread=args.output_spread) for c in (int(x) for x in args.concurrency.split(","))]
     model_dir = ensure_model(f"~/.cache/hpc/models/{args.model}", args.model)
     engine_args = {"max_seq_len": args.input_tokens + args.output_tokens + 64,
                    "max_batch_size": max(lv.concurrency for lv in levels), **json.loads(args.engine_args)}
@@ -122,7 +125,8 @@ def main() -> None:
 
     label, direct, via = asyncio.run(run())
     lv0 = levels[0]
-    print(f"tokens/s, {args.model} torch model on {label}, {lv0.input_tokens} in / {lv0.output_tokens} out, "
+    out = f"{lv0.output_tokens} +- {args.output_spread}" if args.output_spread else str(lv0.output_tokens)
+    print(f"tokens/s, {args.model} torch model on {label}, {lv0.input_tokens} in / {out} out, "
           f"{'' if args.engine_only else f'stack {args.recipe}, '}"
           f"{f'{args.sweeps} sweeps' if args.engine_only else f'{args.rounds} alternating rounds, medians'}"
           f"{', engine args ' + args.engine_args if args.engine_args != '{}' else ''}")

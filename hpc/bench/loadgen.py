@@ -35,6 +35,13 @@ class Level:
     # every request sends the same prompt: with prefix reuse only its last block is computed again, so a
     # decode-only profile measures decode (what the profiler's decode -> aggregated conversion enables reuse for)
     same_prompt: bool = False
+    # each request's max_tokens drawn from output_tokens +- output_spread (uniform): requests end in different
+    # steps, as real traffic does, instead of a closed loop of equal requests finishing (and returning) in waves
+    output_spread: int = 0
+
+    def max_tokens(self, rng: random.Random) -> int:
+        spread = min(self.output_spread, self.output_tokens - 1)
+        return self.output_tokens + rng.randint(-spread, spread) if spread > 0 else self.output_tokens
 
     def routing_fields(self) -> dict[str, Any]:
         targets = {k: v for k, v in (("ttft_target", self.ttft_target_ms), ("itl_target", self.itl_target_ms))
@@ -69,7 +76,7 @@ def prompt_ids(n: int, rng: random.Random) -> list[int]:
 
 async def one_request(pool: Pool, model: str, level: Level, streaming: bool, rng: random.Random) -> Sample:
     prompt = prompt_ids(level.input_tokens, random.Random(level.input_tokens) if level.same_prompt else rng)
-    body = {"model": model, "prompt": prompt, "max_tokens": level.output_tokens,
+    body = {"model": model, "prompt": prompt, "max_tokens": level.max_tokens(rng),
             "ignore_eos": True, "stream": streaming, **level.routing_fields()}
     if streaming:
         body["stream_options"] = {"include_usage": True}

@@ -29,6 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input-tokens", type=positive_ints, help="input lengths, e.g. 128,1024")
     p.add_argument("--output-tokens", type=positive_ints, help="output lengths (paired with --input-tokens)")
     p.add_argument("--requests", type=int, help="requests per level (default: the recipe's, at least 4 x concurrency)")
+    p.add_argument("--output-spread", type=int, default=0, metavar="N",
+                   help="each request's output length uniform in output-tokens +- N (default 0: all equal, so a "
+                        "closed loop's requests end and return together, in waves)")
     p.add_argument("--rate", type=float, help="open loop: requests/s (Poisson) instead of a closed loop")
     p.add_argument("--warmup", type=int, help="warm-up requests per level")
     p.add_argument("--no-stream", action="store_true", help="non-streaming requests (no TTFT/ITL)")
@@ -99,8 +102,11 @@ def bench(args: argparse.Namespace) -> int:
     for flag, value in (("--ttft-target", args.ttft_target), ("--itl-target", args.itl_target)):
         if value is not None and not 0 <= value < 1e9:
             raise UserError(f"{flag} {value:g} is not a latency in ms", field=flag, hint="pass a value >= 0")
+    if args.output_spread < 0:
+        raise UserError(f"--output-spread {args.output_spread} is negative", field="--output-spread",
+                        hint="pass 0 (equal lengths) or a number of tokens")
     levels = [Level(c, i, o, args.requests or max(base, REQUESTS_PER_USER * c), args.rate, args.ttft_target,
-                    args.itl_target, args.priority)
+                    args.itl_target, args.priority, output_spread=args.output_spread)
               for i, o in zip(ins, outs) for c in concurrency]
     results = {"target": url, "model": model, "streaming": streaming, "started": stamp,
                "levels": run_sweep(url, model, levels, streaming, warmup)}

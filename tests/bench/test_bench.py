@@ -58,6 +58,7 @@ class FakeServer:
         self.behaviour = behaviour
         self.count = 0
         self.port = free_port()
+        self.asked: list[int] = []  # each request's max_tokens
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
         threading.Thread(target=self._run, daemon=True).start()
@@ -66,6 +67,7 @@ class FakeServer:
     async def handle(self, req) -> Response:
         self.count += 1
         body = json.loads(req.body)
+        self.asked.append(body["max_tokens"])
         if self.behaviour == "fail-quarter" and self.count % 4 == 0:
             return json_response({"error": {"message": "overloaded", "type": "server_error", "code": 503}}, 503)
         tokens = 0 if self.behaviour == "empty" else body["max_tokens"]
@@ -105,6 +107,18 @@ def test_gate_flags_quarter_failures_and_cli_exits_nonzero(tmp_path):
                  "--requests", "20", "--warmup", "0", "--out", str(tmp_path / "o")])
     assert code == 1
     assert json.loads((tmp_path / "o" / "results.json").read_text())["valid"] is False
+
+
+@pytest.mark.unit
+def test_output_lengths_spread_around_the_level_and_a_negative_spread_is_refused(tmp_path, capsys):
+    srv = FakeServer("good")
+    (lv,) = run_sweep(f"http://127.0.0.1:{srv.port}", "m", [Level(4, 8, 20, 80, output_spread=10)], True, 0, False)
+    assert lv["valid"] and len(srv.asked) == 80 and min(srv.asked) >= 10 and max(srv.asked) <= 30
+    assert len(set(srv.asked)) > 5 and lv["output_tokens_total"] == sum(srv.asked)  # not 80 equal requests
+    code = main(["bench", "--url", f"http://127.0.0.1:{srv.port}", "--model", "m", "--output-spread", "-1",
+                 "--out", str(tmp_path / "o")])
+    assert code == 2 and "--output-spread -1 is negative" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists() and len(srv.asked) == 80  # nothing sent, nothing written
 
 
 @pytest.mark.unit
