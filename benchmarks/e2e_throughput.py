@@ -86,7 +86,7 @@ def main() -> None:
     levels = [Level(c, args.input_tokens, args.output_tokens, max(args.requests, REQUESTS_PER_USER * c),
                     output_spread=args.output_spread) for c in (int(x) for x in args.concurrency.split(","))]
     model_dir = ensure_model(f"~/.cache/hpc/models/{args.model}", args.model)
-    engine_args = {"max_seq_len": args.input_tokens + args.output_tokens + 64,
+    engine_args = {"max_seq_len": args.input_tokens + args.output_tokens + args.output_spread + 64,
                    "max_batch_size": max(lv.concurrency for lv in levels), **json.loads(args.engine_args)}
 
     async def run() -> tuple[str, dict[int, list[float]], dict[int, list[float]]]:

@@ -52,7 +52,6 @@ class DecodeGraphs:
         self.step = step
         self.sizes = sizes
         self.scratch_slot = scratch_slot
-        self.device = device
         largest = sizes.batch_sizes[-1]
         # rows 0, 1, 2: token, position, cache slot of each row of the step
         self.inputs = torch.zeros(3, largest, dtype=torch.long, device=device)

@@ -188,7 +188,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
             out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
             return self.tp.all_reduce(self.o_proj(out))
-        max_len = window or int(lengths.max())  # _layers passes it: one host sync per step, not per layer
+        max_len = window  # the longest row: _layers reads it from the device once per step, not every layer
         if contiguous_slots:  # slots 0..B-1: a view of the cache, no gather copy
             keys, values = cache_k[:b, :, :max_len], cache_v[:b, :, :max_len]
         else:

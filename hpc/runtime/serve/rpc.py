@@ -76,6 +76,10 @@ class StreamSink:
     def send(self, body: ReplyBody, data: bytes = b"") -> None:
         self.out.write(*frame_parts(Reply(self.sid, body), data))
 
+    def end(self, error: str | None = None, code: int = 0) -> None:
+        """The stream's last frame (with the error that ended it, if one did)."""
+        self.out.write(*frame_parts(Reply(self.sid, end=True, error=error, code=code)))
+
 
 _SINK: contextvars.ContextVar[StreamSink | None] = contextvars.ContextVar("hpc_rpc_sink", default=None)
 
@@ -181,9 +185,6 @@ class RpcServer:
                    streams: dict[int, asyncio.Task]) -> None:
         sid = call.id
         writer = out.writer
-
-        def send(reply: Reply, data: bytes = b"") -> None:
-            out.write(*frame_parts(reply, data))
         handler = self.handlers.get(type(call.body))
         self.inflight += 1
         sink = StreamSink(sid, out)
@@ -196,16 +197,16 @@ class RpcServer:
                 if writer.transport.get_write_buffer_size() > 1 << 20:
                     out.flush()
                     await writer.drain()
-            send(Reply(sid, end=True))
+            sink.end()
         except asyncio.CancelledError:
             pass
         except RemoteError as exc:
-            send(Reply(sid, end=True, error=str(exc), code=exc.code))
+            sink.end(str(exc), exc.code)
         except ValueError as exc:  # bad request content
-            send(Reply(sid, end=True, error=str(exc), code=400))
+            sink.end(str(exc), 400)
         except Exception as exc:
             log.exception("handler for %s failed", type(call.body).__name__)
-            send(Reply(sid, end=True, error=f"{type(exc).__name__}: {exc}", code=500))
+            sink.end(f"{type(exc).__name__}: {exc}", 500)
         finally:
             self.inflight -= 1
             streams.pop(sid, None)
