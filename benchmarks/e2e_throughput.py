@@ -3,6 +3,7 @@
     python benchmarks/e2e_throughput.py [--recipe tiny-agg|tiny-disagg] [--concurrency 1,8,32] [--output-tokens 64] [--rounds 3]
     python benchmarks/e2e_throughput.py --engine-only --concurrency 1,8,32,64   # e.g. on a GPU machine
     python benchmarks/e2e_throughput.py --engine-only --engine-args '{"cuda_graph_config": null}'  # eager decode
+    python benchmarks/e2e_throughput.py --engine-only --engine-args '{"torch_compile_config": null}'  # eager prefill
     python benchmarks/e2e_throughput.py --concurrency 64 --output-spread 32   # lengths 32-96: no waves
 
 Both paths are warm alike: the direct engine is opened once and kept (as the stack's worker is), and every level
@@ -29,6 +30,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 from hpc.bench.loadgen import REQUESTS_PER_USER, Level, prompt_ids  # noqa: E402
+from hpc.engine_args.precedence import TORCH_ENGINE_DEFAULTS, deep_update  # noqa: E402
 from hpc.runtime.engine.tiny import ensure_model  # noqa: E402
 from hpc.runtime.engine.torch_engine import TorchEngine  # noqa: E402
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams  # noqa: E402
@@ -86,8 +88,10 @@ def main() -> None:
     levels = [Level(c, args.input_tokens, args.output_tokens, max(args.requests, REQUESTS_PER_USER * c),
                     output_spread=args.output_spread) for c in (int(x) for x in args.concurrency.split(","))]
     model_dir = ensure_model(f"~/.cache/hpc/models/{args.model}", args.model)
-    engine_args = {"max_seq_len": args.input_tokens + args.output_tokens + args.output_spread + 64,
-                   "max_batch_size": max(lv.concurrency for lv in levels), **json.loads(args.engine_args)}
+    # what the stack's torch workers get too: the recipe's defaults for the engine, then --engine-args
+    engine_args = deep_update(TORCH_ENGINE_DEFAULTS, {
+        "max_seq_len": args.input_tokens + args.output_tokens + args.output_spread + 64,
+        "max_batch_size": max(lv.concurrency for lv in levels), **json.loads(args.engine_args)})
 
     async def run() -> tuple[str, dict[int, list[float]], dict[int, list[float]]]:
         direct: dict[int, list[float]] = {lv.concurrency: [] for lv in levels}

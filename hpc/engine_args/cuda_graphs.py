@@ -10,6 +10,12 @@ engine follows too, so one engine config means the same on both engines:
 - `batch_sizes` and a non-zero `max_batch_size` together must agree (max_batch_size == max(batch_sizes)): the
   model validator raises otherwise, at engine start. We say so before submitting.
 
+Prefill steps have graphs of their own: TensorRT-LLM's `torch_compile_config.enable_piecewise_cuda_graph`
+(TorchCompileConfig; off by default) captures context steps by their token count, `capture_num_tokens`, default
+1, 2, 4 ... 128 and 256 to 3072 in steps of 256 (docs: features/torch_compile_and_piecewise_cuda_graph.md); a
+step pads its tokens up to the next captured count. The torch engine reads the same two fields (it compiles
+nothing: attention is inside its graphs, see prefill_graphs); the recipe defaults turn them on for it.
+
 Light (no torch): the launcher validates with it, the engine reads it.
 """
 
@@ -20,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 DEFAULT_MAX_BATCH = 128  # BaseCudaGraphConfig: `self.max_batch_size or 128`
+# TorchCompileConfig's capture_num_tokens when none is given (the piecewise CUDA graph guide)
+DEFAULT_CAPTURE_NUM_TOKENS = tuple([2 ** i for i in range(8)] + list(range(256, 3073, 256)))
 _ENCODE_KEYS = ("num_tokens", "max_num_token", "seq_lens", "max_seq_len")
 
 
@@ -48,6 +56,16 @@ def generated_sizes(max_batch_size: int, enable_padding: bool) -> list[int]:
     if not sizes or sizes[-1] != max_batch_size:
         sizes.append(max_batch_size)
     return sizes
+
+
+def prefill_graph_tokens(engine_args: Mapping[str, Any], max_num_tokens: int) -> tuple[int, ...] | None:
+    """The prefill token counts an engine captures (ascending, none above its per-step budget); None: off."""
+    config = engine_args.get("torch_compile_config") or {}
+    if not config.get("enable_piecewise_cuda_graph"):
+        return None
+    counts = config.get("capture_num_tokens") or DEFAULT_CAPTURE_NUM_TOKENS
+    kept = tuple(sorted({n for n in counts if 0 < n <= max_num_tokens}))
+    return kept or None
 
 
 def _is_decode(config: Mapping[str, Any]) -> bool:

@@ -19,7 +19,7 @@ import copy
 import logging
 from typing import Any, Callable, Mapping
 
-from hpc.spec.recipe import Recipe, RoleSpec
+from hpc.spec.recipe import Backend, Recipe, RoleSpec
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,11 @@ KV_EVENT_BUFFER_MAX_SIZE = 1024
 # Dynamo's TensorRT-LLM worker turns on dynamic batch tuning; so do we (the defaults layer, so users can change it).
 DYNAMIC_BATCH_CONFIG = {"enable_batch_size_tuning": True, "enable_max_num_tokens_tuning": False,
                         "dynamic_batch_moving_average_window": 128}
+
+# The reference engine's own defaults. Prefill steps from CUDA graphs (cuda_graphs.prefill_graph_tokens): off by
+# default in TensorRT-LLM, whose piecewise graphs go through torch.compile; the torch engine captures its whole
+# prefill in about a second.
+TORCH_ENGINE_DEFAULTS = {"torch_compile_config": {"enable_piecewise_cuda_graph": True}}
 
 # Fields AutoDeploy's LlmArgs does not take: it shards by itself (world_size) and owns scheduling,
 # CUDA graphs and speculative decoding. Dropped with one warning each.
@@ -62,6 +67,8 @@ def recipe_defaults(recipe: Recipe, role: RoleSpec, trtllm: bool = False) -> dic
         defaults["moe_expert_parallel_size"] = role.expert_parallel_size
     if role.enable_attention_dp:
         defaults["enable_attention_dp"] = True
+    if recipe.backend is Backend.TORCH:
+        defaults.update(copy.deepcopy(TORCH_ENGINE_DEFAULTS))
     if trtllm:
         defaults["scheduler_config"] = {"capacity_scheduler_policy": "GUARANTEED_NO_EVICT",
                                         "dynamic_batch_config": dict(DYNAMIC_BATCH_CONFIG)}

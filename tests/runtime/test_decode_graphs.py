@@ -1,8 +1,8 @@
 """Decode steps replayed per batch size: staged inputs, padded rows kept in the spare slot, eager fallback.
 
 On CPU the fused decode kernels run under Triton's interpreter and a graph is stood in for by a capture that
-keeps the step's output tensor and refills it on replay (the contract of torch.cuda.CUDAGraph: inputs read from
-the static buffers, the output written in place). The real capture runs in tests/runtime/test_engine_cuda.py.
+keeps the step's output tensor and refills it on replay (tests/fakes/graphs.py). The real capture runs in
+tests/runtime/test_engine_cuda.py.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 from hpc.engine_args.cuda_graphs import GraphSizes
 from hpc.runtime.engine.decode_graphs import DecodeGraphs
 from hpc.runtime.engine.llama import LlamaConfig, LlamaForCausalLM, init_weights
+from tests.fakes.graphs import RecordedGraph
 
 pytestmark = pytest.mark.unit
 
@@ -26,22 +27,6 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 CFG = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 SLOTS = 6  # sequences' slots 0..5; slot 6 is the spare one padded rows write to
-
-
-class RecordedGraph:
-    """capture(fn) -> (replay, output), replay recomputes fn into the same output tensor."""
-
-    def __init__(self) -> None:
-        self.captured: list[int] = []
-
-    def __call__(self, fn):
-        out = fn()
-        self.captured.append(out.shape[0])
-
-        def replay() -> None:
-            with torch.inference_mode():  # as the engine's steps run
-                out.copy_(fn())
-        return replay, out
 
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -69,6 +69,27 @@ def test_decode_steps_replay_from_cuda_graphs_with_the_eager_steps_tokens(tmp_pa
     assert graphs is None and ("graphs", 4) not in warmed  # a prefill worker never decodes: nothing captured
 
 
+def test_prefills_replay_from_cuda_graphs_with_the_eager_prefills_tokens(tmp_path) -> None:
+    model_dir = build_tiny(tmp_path / "tiny", hidden=256, layers=4)
+    # fp32: the packed graph's masked attention and the eager causal one round alike, so greedy tokens must agree
+    fp32 = {"dtype": "float32"}
+    graphed, engine = _run(model_dir, {**fp32, "torch_compile_config": {"enable_piecewise_cuda_graph": True,
+                                                                        "capture_num_tokens": [4, 8, 16]}})
+    stats = engine.stats()
+    assert ("prefill graphs", 3) in engine.warmed and engine.cache[0].shape[1] == 4 + 1  # the spare slot
+    # three prompts of 5, 3 and 7 tokens, prefilled together (15 -> 16) or apart: every one from a graph
+    assert stats["prefill_steps"] >= 1 and stats["prefill_steps_graphed"] == stats["prefill_steps"]
+    eager, plain = _run(model_dir, {**fp32, "torch_compile_config": None})
+    assert plain.prefill_graphs is None and "prefill_steps_graphed" not in plain.stats()
+    assert graphed == eager
+
+    async def decode_only():
+        args = {"torch_compile_config": {"enable_piecewise_cuda_graph": True}}
+        async with TorchEngine(model_dir, DisaggregationMode.DECODE, {"max_batch_size": 4, **args}) as engine:
+            return engine.prefill_graphs
+    assert asyncio.run(decode_only()) is None  # a decode worker takes its KV from a prefill worker
+
+
 def test_a_prefill_reads_the_device_once_per_step_not_in_every_layer(tmp_path) -> None:
     model_dir = build_tiny(tmp_path / "tiny", hidden=256, layers=4)
 

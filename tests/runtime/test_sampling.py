@@ -49,12 +49,12 @@ def test_batched_sampling_keeps_each_rows_temperature_top_k_and_top_p():
 def test_a_decode_step_samples_unseeded_rows_in_one_batch(tiny, monkeypatch):
     """At temperature 1 (the OpenAI default) unseeded rows take the batched sampler; the per-row path, with
     its host round trip per row, is only for seeded, penalised or logprob rows."""
-    from hpc.runtime.engine import picking, torch_engine
+    from hpc.runtime.engine import picking
 
     per_row, batched = [], []
-    real_sample, real_rows = picking.sample, torch_engine.sample_rows
+    real_sample, real_rows = picking.sample, picking.sample_rows
     monkeypatch.setattr(picking, "sample", lambda *a: per_row.append(1) or real_sample(*a))
-    monkeypatch.setattr(torch_engine, "sample_rows", lambda logits, *a: batched.append(len(logits))
+    monkeypatch.setattr(picking, "sample_rows", lambda logits, *a: batched.append(len(logits))
                         or real_rows(logits, *a))
 
     async def main():
@@ -68,4 +68,6 @@ def test_a_decode_step_samples_unseeded_rows_in_one_batch(tiny, monkeypatch):
     outs = asyncio.run(main())
     assert all(len(o) == 6 for o in outs)
     assert max(batched) >= 2  # rows of one step sampled together
-    assert len(per_row) == 4 + 5  # each request's prefill pick, and the seeded one's five decode picks
+    assert len(per_row) == 1 + 5  # the seeded request's picks: its prefill's and its five decode steps'
+    # the unseeded ones' first tokens too, in their prefill steps: 3 rows batched, or fewer per step when apart
+    assert sum(batched) == 3 * 6

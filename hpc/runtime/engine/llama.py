@@ -159,10 +159,11 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, cos, sin, cache_k, cache_v, slots, positions, lengths, window=None,
-                contiguous_slots=False, from_scratch=False):
+                contiguous_slots=False, from_scratch=False, packed_mask=None):
         """x: [B, T, H]; positions: [B, T]; writes K/V into the cache slots, attends over `lengths`: the first
         `window` cache positions (the caller's longest row), or with `from_scratch` (one prompt from position 0)
-        only to its own fresh K/V."""
+        only to its own fresh K/V, or with `packed_mask` [1, 1, T, T] (prompts packed in one row, slots [1, T]
+        per token) to the fresh K/V the mask allows."""
         b, t, _ = x.shape
         if hasattr(self, "qkv_proj"):
             q, k, v = self.qkv_proj(x).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
@@ -175,13 +176,21 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # cache_*: [slots, kv_heads, max_len, head_dim]. One indexed write for every row's tokens: no host sync
         # (CUDA-graph friendly; a sync per row and layer made a 64-token prefill of the tiny model 3 ms on a GPU)
-        if t == 1:
+        if t == 1 and slots.dim() == 1:
             cache_k[slots, :, positions[:, 0]] = k[:, :, 0]
             cache_v[slots, :, positions[:, 0]] = v[:, :, 0]
         else:
-            rows = slots[:, None].expand(b, t)
+            rows = slots if slots.dim() == 2 else slots[:, None].expand(b, t)
             cache_k[rows, :, positions] = k.transpose(1, 2)
             cache_v[rows, :, positions] = v.transpose(1, 2)
+        if packed_mask is not None:
+            # K/V heads repeated: with a mask and grouped heads SDPA could leave its memory-efficient kernel for
+            # the math one, an [H, T, T] matrix in fp32
+            groups = self.heads // self.kv_heads
+            out = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
+                                                 attn_mask=packed_mask)
+            out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+            return self.tp.all_reduce(self.o_proj(out))
         if from_scratch:
             # A prompt from position 0 attends to itself, causally: the fresh K/V, no mask, so SDPA takes its
             # flash / memory-efficient kernels (no per-shape cuDNN plan for every new prompt length).
@@ -292,13 +301,21 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward_step(self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                      cache: list[torch.Tensor], last_only: bool = True, window: int | None = None,
-                     contiguous_slots: bool = False, last: torch.Tensor | None = None) -> torch.Tensor:
+                     contiguous_slots: bool = False, last: torch.Tensor | None = None,
+                     packed: torch.Tensor | None = None) -> torch.Tensor:
         """embeds [B, T, H] at positions [B, T] -> logits of each row's last position [B, V].
 
         `window` fixes how many cache positions attention reads (instead of the longest row), and
         `contiguous_slots` promises slots == 0..B-1: together they make a decode step capturable in a
         CUDA graph. `last` [B]: the position whose logits each row returns (right-padded prompts).
+        `packed` [T]: one row holds several prompts from position 0, token t belongs to prompt packed[t] and
+        goes to cache slot slots[0, t]; `last` [R] then indexes each prompt's last token (prefill_graphs).
         """
+        if packed is not None:
+            mask = (packed[:, None] == packed[None, :]) & torch.ones(
+                packed.shape[0], packed.shape[0], dtype=torch.bool, device=packed.device).tril()
+            h = self._layers(embeds, positions, slots, cache, None, False, mask[None, None])
+            return self.lm_head(self.model.norm(h[0, last])).float()
         if self.takes_fused_path(embeds):
             return self.fused_decode(embeds, positions, slots, cache)
         p = self.pipeline
@@ -321,19 +338,19 @@ class LlamaForCausalLM(nn.Module):
                 torch.distributed.recv(logits, p.size - 1, group=p.group)
         return logits
 
-    def _layers(self, h, positions, slots, cache, window, contiguous_slots) -> torch.Tensor:
+    def _layers(self, h, positions, slots, cache, window, contiguous_slots, packed_mask=None) -> torch.Tensor:
         """This stage's layers (all of them without pipeline parallelism)."""
         cos_t, sin_t = self.rope(h.device)
         cos, sin = cos_t[positions].to(h.dtype), sin_t[positions].to(h.dtype)
         lengths = positions[:, -1] + 1
-        # read from the device once per step, not in every layer
-        from_scratch = window is None and positions.shape[0] == 1 and positions.shape[1] > 1 \
-            and int(positions[0, 0]) == 0
-        if not from_scratch and window is None:
+        # read from the device once per step, not in every layer (packed prompts: never, they are graphed)
+        from_scratch = packed_mask is None and window is None and positions.shape[0] == 1 \
+            and positions.shape[1] > 1 and int(positions[0, 0]) == 0
+        if not from_scratch and window is None and packed_mask is None:
             window = int(lengths.max())
         for layer, kv in zip(self.model.layers, cache):
             h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv[0], kv[1], slots, positions, lengths,
-                                    window, contiguous_slots, from_scratch)
+                                    window, contiguous_slots, from_scratch, packed_mask)
             h = h + layer.feed_forward(h)
         return h
 

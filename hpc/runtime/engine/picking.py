@@ -2,7 +2,7 @@
 
 Per row, in order: presence/frequency penalties, the canned-answer test knob, the guide, then greedy or sampling;
 logprobs report the model's own distribution (before penalties and masks). Rows that need none of this take the
-decode step's batched path instead (`batchable`: one argmax or one sampling kernel for all of them).
+step's batched path instead (`batchable`: one argmax or one sampling kernel for all of them).
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hpc.runtime.engine.guided import vocabulary_texts
-from hpc.runtime.engine.sampling import guided_order, sample, token_logprob
+from hpc.runtime.engine.sampling import guided_order, sample, sample_rows, token_logprob
 from hpc.runtime.engine.types import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
-    from hpc.runtime.engine.torch_engine import _Seq
+    from hpc.runtime.engine.sequence import Seq
 
 
 class TokenPicker:
@@ -41,7 +41,22 @@ class TokenPicker:
         return p.logprobs is None and p.seed is None and self.canned is None and p.guide is None \
             and not (p.presence_penalty or p.frequency_penalty)
 
-    def pick(self, seq: "_Seq", logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+    def pick_rows(self, seqs: list["Seq"], logits: torch.Tensor,
+                  sampler: torch.Generator) -> list[tuple[int, TokenLogprob | None]]:
+        """Each row's next token. The `batchable` rows: one argmax for the greedy ones and one sampling kernel
+        (drawing from `sampler`) for the others, a device sync each, not one per row (at 64 rows the per-row
+        syncs cost more than the decode step itself)."""
+        plain = [i for i, s in enumerate(seqs) if self.batchable(s.request.sampling)]
+        greedy = [i for i in plain if seqs[i].request.sampling.temperature == 0]
+        sampled = [i for i in plain if seqs[i].request.sampling.temperature > 0]
+        picked: dict[int, tuple[int, TokenLogprob | None]] = \
+            {i: (t, None) for i, t in zip(greedy, logits[greedy].argmax(-1).tolist())} if greedy else {}
+        if sampled:
+            tokens = sample_rows(logits[sampled], [seqs[i].request.sampling for i in sampled], sampler)
+            picked.update((i, (t, None)) for i, t in zip(sampled, tokens.tolist()))
+        return [picked[i] if i in picked else self.pick(s, logits[i]) for i, s in enumerate(seqs)]
+
+    def pick(self, seq: "Seq", logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
         raw = logits
         p = seq.request.sampling
         if (p.presence_penalty or p.frequency_penalty) and seq.counts:
@@ -59,7 +74,7 @@ class TokenPicker:
         token = self._guided(seq, logits) if seq.guide is not None else sample(logits, p, seq.gen)
         return token, (None if p.logprobs is None else token_logprob(raw, token, p.logprobs))
 
-    def _guided(self, seq: "_Seq", logits: torch.Tensor) -> int:
+    def _guided(self, seq: "Seq", logits: torch.Tensor) -> int:
         """The best-ranked token that keeps the output inside its guide and closable in the tokens left (see
         guided); EOS when none fits (a max_tokens below the guide's minimum)."""
         automaton, state = seq.guide

@@ -15,13 +15,12 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Callable
 
 import torch
 
-from hpc.engine_args.cuda_graphs import decode_graph_sizes
+from hpc.engine_args.cuda_graphs import decode_graph_sizes, prefill_graph_tokens
 from hpc.runtime.engine import fused_decode
 from hpc.runtime.engine import kv as kvpack
 from hpc.runtime.engine.decode_graphs import DecodeGraphs, cuda_capture
@@ -32,7 +31,10 @@ from hpc.runtime.engine.moe import ExpertParallel, expert_state_dict
 from hpc.runtime.engine.prefix_cache import PrefixCache
 from hpc.runtime.engine.outputs import Direct, Emitter
 from hpc.runtime.engine.picking import TokenPicker
-from hpc.runtime.engine.sampling import make_generator, prompt_logprobs, sample_rows
+from hpc.runtime.engine.prefill_graphs import PrefillGraphs
+from hpc.runtime.engine.sampling import make_generator, prompt_logprobs
+from hpc.runtime.engine.sequence import Seq, prefill_groups
+from hpc.runtime.engine.tp import gather_kv, scatter_kv
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
                                       GenerateRequest, KvMeta, TokenLogprob)
 
@@ -42,25 +44,6 @@ HANDOFF_TTL_S = 120.0
 
 # the LLM API's `dtype` (TensorRT-LLM llmapi/llm_args.py): "auto" is bf16 on a GPU, fp32 on the CPU
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class _Seq:
-    request: GenerateRequest
-    emit: Callable[[GenerateOutput], None]
-    slot: int = -1
-    length: int = 0  # tokens in the KV cache
-    last_token: int = -1
-    generated: int = 0
-    gen: Any = None
-    cancelled: bool = False
-    imported_kv: torch.Tensor | None = None
-    media: torch.Tensor | None = None
-    started: float = field(default_factory=time.perf_counter)
-    counts: dict[int, int] = field(default_factory=dict)  # generated token -> times (for the penalties)
-    guide: Any = None  # (automaton, state) while the request's output is constrained (sampling.guide)
-    cached: int = 0  # prompt tokens taken from the prefix cache
-    prompt_lp: list[TokenLogprob] | None = None  # the prompt's logprobs, sent with the first output
 
 
 class TorchEngine:
@@ -104,6 +87,7 @@ class TorchEngine:
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self.prefix: PrefixCache | None = None
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def __aenter__(self) -> "TorchEngine":
@@ -163,8 +147,12 @@ class TorchEngine:
         self.max_len = min(self.max_len, self.cfg.max_position_embeddings)
         sizes = decode_graph_sizes(self.args, self.max_batch) if self._graphable() else None
         self.graphs = DecodeGraphs(self._decode_logits, sizes, self.max_batch, self.device) if sizes else None
-        # one slot more with graphs: padded rows write their K/V there
-        self.cache = self.model.new_cache(self.max_batch + bool(sizes), self.max_len, self.dtype, self.device)
+        counts = prefill_graph_tokens(self.args, self._token_budget()) if self._graphable(prefill=True) else None
+        self.prefill_graphs = PrefillGraphs(self._packed_logits, counts, self.max_batch, self.max_batch,
+                                            self.max_len, self.device) if counts else None
+        # one slot more with graphs: padded rows and tokens write their K/V there
+        self.cache = self.model.new_cache(self.max_batch + bool(sizes or counts), self.max_len, self.dtype,
+                                          self.device)
         self.free_slots = list(range(self.max_batch))
         self.picker = TokenPicker(self.model_dir, self.cfg.eos_token_id, self.max_len, self.canned_completion)
         self.prefix = self._prefix_cache()
@@ -224,6 +212,9 @@ class TorchEngine:
         if self.graphs is not None:
             self.graphs.capture(cuda_capture(self.device))
             self.warmed.append(("graphs", len(self.graphs.sizes.batch_sizes)))
+        if self.prefill_graphs is not None:  # a pool of its own: its logits are read while decode graphs run
+            self.prefill_graphs.capture(cuda_capture(self.device))
+            self.warmed.append(("prefill graphs", len(self.prefill_graphs.token_counts)))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.warmup_s = time.perf_counter() - t0
@@ -268,10 +259,10 @@ class TorchEngine:
             if not done.done():
                 done.cancel()
 
-    async def _submit(self, request: GenerateRequest, outputs) -> _Seq:
+    async def _submit(self, request: GenerateRequest, outputs) -> Seq:
         """Check the request, fetch its KV (decode), hand it to the scheduler; outputs go to `outputs`."""
         loop = asyncio.get_running_loop()
-        seq = _Seq(request=request, emit=lambda out: self.emitter.send(loop, outputs, out))
+        seq = Seq(request=request, emit=lambda out: self.emitter.send(loop, outputs, out))
         if self.failure:
             raise RuntimeError(f"engine failed: {self.failure}")
         self._validate(request)
@@ -323,12 +314,14 @@ class TorchEngine:
         prefix = {"prefix_blocks_hit": self.prefix.hits, "prefix_blocks_looked_up": self.prefix.lookups,
                   "prefix_blocks_held": len(self.prefix.index)} if self.prefix is not None else {}
         graphed = {"decode_steps_graphed": self.graphs.replays} if self.graphs is not None else {}
+        if self.prefill_graphs is not None:
+            graphed["prefill_steps_graphed"] = self.prefill_graphs.replays
         return {**self._counters, **prefix, **graphed, "kv_usage": kv_usage, "handoffs_waiting": len(self.handoffs)}
 
     # ---- scheduler thread ------------------------------------------------------------------------
     def _loop(self) -> None:
         """The scheduler; if it ever dies, the engine says so (health, every request) instead of hanging."""
-        running: list[_Seq] = []
+        running: list[Seq] = []
         try:
             self._schedule(running)
         except BaseException as exc:  # noqa: BLE001 - whatever kills the thread must be visible
@@ -344,7 +337,7 @@ class TorchEngine:
                 if seq is not None:
                     self._finish(seq, "error", error=f"engine failed: {self.failure}")
 
-    def _schedule(self, running: list[_Seq]) -> None:
+    def _schedule(self, running: list[Seq]) -> None:
         while self._running:
             try:
                 block = not running
@@ -376,13 +369,13 @@ class TorchEngine:
                     running.clear()
             self._counters["running"] = len(running)
 
-    def _still_running(self, seq: _Seq) -> bool:
+    def _still_running(self, seq: Seq) -> bool:
         if seq.cancelled and seq.slot >= 0:
             self._release(seq)
             return False
         return seq.slot >= 0
 
-    def _admit(self, seqs: list[_Seq], running: list[_Seq]) -> None:
+    def _admit(self, seqs: list[Seq], running: list[Seq]) -> None:
         """A slot for each; KV handed over from a prefill worker goes in as it is, prompts are prefilled together."""
         fresh = []
         for seq in seqs:
@@ -408,7 +401,11 @@ class TorchEngine:
                 self._finish(seq, "error", error=str(exc))
                 continue
             fresh.append(seq)
-        for group in self._prefill_groups(fresh):
+        # a step's tokens within max_num_tokens (TensorRT-LLM's per-step budget, 8192 by default) and, with
+        # prefill graphs, within the largest: two graphed steps beat an eager one (64 prompts of 64 tokens:
+        # 12 ms eager on an H100)
+        budget = self._token_budget() if self.prefill_graphs is None else self.prefill_graphs.token_counts[-1]
+        for group in prefill_groups(fresh, budget, pipeline=self.pipeline.size > 1):
             try:
                 picked = self._prefill(group)
             except Exception as exc:
@@ -419,40 +416,16 @@ class TorchEngine:
             for seq, (first, logprob) in zip(group, picked):
                 self._prefilled(seq, first, logprob, running)
 
-    def _prefill_groups(self, seqs: list[_Seq]) -> Iterator[list[_Seq]]:
-        """Prompts prefilled in one forward pass, their padded tokens within `max_num_tokens` (TensorRT-LLM's
-        per-step token budget, 8192 by default). Alone: a prompt with media or asking for the prompt's logprobs,
-        and every prompt of a pipeline (only its last stage holds the logits' rows)."""
-        budget = int(self.args.get("max_num_tokens") or 8192)
-        group: list[_Seq] = []
-        width = 0
-        for seq in seqs:
-            alone = seq.media is not None or seq.request.sampling.prompt_logprobs is not None \
-                or self.pipeline.size > 1
-            n = len(seq.request.token_ids)
-            if group and (alone or max(width, n) * (len(group) + 1) > budget):
-                yield group
-                group, width = [], 0
-            if alone:
-                yield [seq]
-                continue
-            group.append(seq)
-            width = max(width, n)
-        if group:
-            yield group
+    def _token_budget(self) -> int:
+        return int(self.args.get("max_num_tokens") or 8192)
 
-    def _prefilled(self, seq: _Seq, first: int, logprob: TokenLogprob | None, running: list[_Seq]) -> None:
+    def _prefilled(self, seq: Seq, first: int, logprob: TokenLogprob | None, running: list[Seq]) -> None:
         """A prefill worker keeps the KV for its decode worker and answers with the first token; otherwise the
         sequence decodes here."""
         if self.mode is DisaggregationMode.PREFILL:
             handle = uuid.uuid4().hex
-            if self.tp.size > 1:  # every rank's heads, so that a decode of any TP can take it
-                from hpc.runtime.engine.tp import gather_kv
-
-                kv = gather_kv(self.tp, self.cache, seq.slot, seq.length)
-            else:
-                kv = torch.stack([layer[:, seq.slot, :, :seq.length] for layer in self.cache]).clone()
-            self.handoffs.put(handle, kv)
+            # every rank's heads, so that a decode of any TP can take it
+            self.handoffs.put(handle, gather_kv(self.tp, self.cache, seq.slot, seq.length))
             params = DisaggregatedParams(request_handle=handle, prefill_address=self.self_address,
                                          first_token_id=first, prompt_length=seq.length)
             self._finish(seq, "length", tokens=[first], params=params, logprob=logprob)
@@ -460,7 +433,7 @@ class TorchEngine:
         if self._emit_token(seq, first, logprob):
             running.append(seq)
 
-    def _prefill(self, seqs: list[_Seq]) -> list[tuple[int, TokenLogprob | None]]:
+    def _prefill(self, seqs: list[Seq]) -> list[tuple[int, TokenLogprob | None]]:
         """One forward pass over the prompts of `seqs`, each from its first token the prefix cache does not hold,
         right-padded to the longest: a padded token's K/V lands past its row's end, where decode writes before it
         reads, and each row's logits come from its own last token."""
@@ -479,6 +452,23 @@ class TorchEngine:
             self._counters["prompt_tokens_cached"] += seq.cached
             self._counters["prompt_tokens_computed"] += len(ids) - seq.cached
             rows.append(ids[seq.cached:])
+        logits = self.prefill_graphs.run(rows, [seq.slot for seq in seqs]) if self.prefill_graphs is not None \
+            and want is None and first.media is None and not any(seq.cached for seq in seqs) else None
+        if logits is None:
+            logits = self._padded_prefill(seqs, rows, last_only=want is None)
+        self._counters["prefill_steps"] += 1
+        if want is not None:  # [1, T, V]: position i's logits score token i + 1
+            first.prompt_lp = prompt_logprobs(logits[0, :-1], first.request.token_ids[1:], want)
+            logits = logits[:, -1]
+        for seq, reused in zip(seqs, reuse):
+            seq.length = len(seq.request.token_ids)
+            if reused:
+                self.prefix.store(seq.request.token_ids, seq.slot)
+        return self.picker.pick_rows(seqs, logits, self.sampler)
+
+    def _padded_prefill(self, seqs: list[Seq], rows: list[list[int]], last_only: bool) -> torch.Tensor:
+        """The eager prefill: rows right-padded to the longest, after a prefix-cache hit too."""
+        first = seqs[0]
         width = max(map(len, rows))
         token_tensor = torch.tensor([row + [0] * (width - len(row)) for row in rows], device=self.device)
         embeds = self.model.embed(token_tensor)
@@ -492,30 +482,12 @@ class TorchEngine:
                                  device=self.device)
         slots = torch.tensor([seq.slot for seq in seqs], device=self.device)
         last = torch.tensor([len(row) - 1 for row in rows], device=self.device) if len(seqs) > 1 else None
-        logits = self._forward("prefill", embeds, positions, slots, last_only=want is None, last=last)
-        self._counters["prefill_steps"] += 1
-        if want is not None:  # [1, T, V]: position i's logits score token i + 1
-            first.prompt_lp = prompt_logprobs(logits[0, :-1], first.request.token_ids[1:], want)
-            logits = logits[:, -1]
-        picked = []
-        for i, (seq, reused) in enumerate(zip(seqs, reuse)):
-            seq.length = len(seq.request.token_ids)
-            if reused:
-                self.prefix.store(seq.request.token_ids, seq.slot)
-            picked.append(self.picker.pick(seq, logits[i]))
-        return picked
+        return self._forward("prefill", embeds, positions, slots, last_only=last_only, last=last)
 
-    def _import(self, seq: _Seq) -> None:
+    def _import(self, seq: Seq) -> None:
         kv = seq.imported_kv.to(self.device, self.dtype)  # [layers, 2, all kv heads, T, d]
-        length = kv.shape[3]
-        if self.tp.size > 1:
-            from hpc.runtime.engine.tp import scatter_kv
-
-            scatter_kv(self.tp, self.cache, seq.slot, kv)
-        else:
-            for layer, block in zip(self.cache, kv):
-                layer[:, seq.slot, :, :length] = block
-        seq.length = length
+        scatter_kv(self.tp, self.cache, seq.slot, kv)
+        seq.length = length = kv.shape[3]
         params = seq.request.disaggregated_params
         seq.last_token = params.first_token_id
         seq.generated = 1  # the prefill worker produced the first token
@@ -527,16 +499,26 @@ class TorchEngine:
         seq.imported_kv = None
         self._counters["prompt_tokens"] += length
 
-    def _graphable(self) -> bool:
-        """Decode steps worth capturing: this worker decodes (a prefill worker never does), one rank (collectives
-        stay eager), the fused path's graph-safe attention, no expert routing (data-dependent token counts)."""
-        return self.device.type == "cuda" and self.mode is not DisaggregationMode.PREFILL and self.world.size == 1 \
-            and self.model.fused_decode is not None and not self.cfg.moe
+    def _graphable(self, prefill: bool = False) -> bool:
+        """Steps worth capturing: one rank (collectives stay eager), no expert routing (data-dependent token
+        counts); decode: this worker decodes (a prefill worker never does) on the fused path's graph-safe
+        attention; prefill: this worker prefills (a decode worker takes its KV from one)."""
+        if self.device.type != "cuda" or self.world.size > 1 or self.cfg.moe:
+            return False
+        if prefill:
+            return self.mode in (DisaggregationMode.AGGREGATED, DisaggregationMode.PREFILL)
+        return self.mode is not DisaggregationMode.PREFILL and self.model.fused_decode is not None
 
     def _decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         return self._forward("decode", self.model.embed(tokens), positions, slots)
 
-    def _decode_step(self, running: list[_Seq]) -> None:
+    def _packed_logits(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                       prompts: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Prompts packed in one row (prefill_graphs); one rank only, so no step to broadcast."""
+        return self.model.forward_step(self.model.embed(tokens[None]), positions[None], slots[None], self.cache,
+                                       last=last, packed=prompts)
+
+    def _decode_step(self, running: list[Seq]) -> None:
         self._counters["decode_steps"] += 1
         logits = self.graphs.run([s.last_token for s in running], [s.length for s in running],
                                  [s.slot for s in running]) if self.graphs is not None else None
@@ -544,23 +526,12 @@ class TorchEngine:
             logits = self._decode_logits(torch.tensor([[s.last_token] for s in running], device=self.device),
                                          torch.tensor([[s.length] for s in running], device=self.device),
                                          torch.tensor([s.slot for s in running], device=self.device))
-        # Rows without logprobs, penalties or a seed: one argmax for the greedy ones and one batched sampling
-        # kernel for the others, a device sync each, not one per row (at 64 rows the per-row syncs cost more
-        # than the step itself).
-        plain = [i for i, s in enumerate(running) if self.picker.batchable(s.request.sampling)]
-        greedy = [i for i in plain if running[i].request.sampling.temperature == 0]
-        sampled = [i for i in plain if running[i].request.sampling.temperature > 0]
-        picked = dict(zip(greedy, logits[greedy].argmax(-1).tolist())) if greedy else {}
-        if sampled:
-            tokens = sample_rows(logits[sampled], [running[i].request.sampling for i in sampled], self.sampler)
-            picked.update(zip(sampled, tokens.tolist()))
+        for s in running:
+            s.length += 1
+        picked = self.picker.pick_rows(running, logits, self.sampler)
         with self.emitter:
-            for i, s in enumerate(running):
-                s.length += 1
-                if i in picked:
-                    self._emit_token(s, picked[i])
-                else:
-                    self._emit_token(s, *self.picker.pick(s, logits[i]))
+            for s, (token, logprob) in zip(running, picked):
+                self._emit_token(s, token, logprob)
 
     def _forward(self, kind: str, embeds, positions, slots, last_only: bool = True, last=None) -> torch.Tensor:
         if self.world.size > 1:
@@ -569,7 +540,7 @@ class TorchEngine:
             broadcast_step(self.world, kind, embeds, positions, slots)
         return self.model.forward_step(embeds, positions, slots, self.cache, last_only=last_only, last=last)
 
-    def _emit_token(self, seq: _Seq, token: int, logprob: TokenLogprob | None = None) -> bool:
+    def _emit_token(self, seq: Seq, token: int, logprob: TokenLogprob | None = None) -> bool:
         """Send one token; False when the sequence finished with it."""
         seq.generated += 1
         seq.last_token = token
@@ -588,7 +559,7 @@ class TorchEngine:
                                 prompt_logprobs=self._take_prompt_logprobs(seq)))
         return True
 
-    def _finish(self, seq: _Seq, reason: str, tokens: list[int] | None = None,
+    def _finish(self, seq: Seq, reason: str, tokens: list[int] | None = None,
                 params: DisaggregatedParams | None = None, error: str | None = None,
                 logprob: TokenLogprob | None = None) -> None:
         seq.emit(GenerateOutput(token_ids=tokens or [], finished=True, finish_reason=reason, error=error,
@@ -598,11 +569,11 @@ class TorchEngine:
         self._release(seq)
 
     @staticmethod
-    def _take_prompt_logprobs(seq: _Seq) -> list[TokenLogprob] | None:
+    def _take_prompt_logprobs(seq: Seq) -> list[TokenLogprob] | None:
         taken, seq.prompt_lp = seq.prompt_lp, None
         return taken
 
-    def _release(self, seq: _Seq) -> None:
+    def _release(self, seq: Seq) -> None:
         if seq.slot >= 0:
             self.free_slots.append(seq.slot)
             seq.slot = -1

@@ -53,7 +53,9 @@ def _local_kv(cache: list[torch.Tensor], slot: int, length: int) -> torch.Tensor
 
 def gather_kv(tp: TensorParallel, cache: list[torch.Tensor], slot: int, length: int) -> torch.Tensor:
     """Rank 0: the whole KV of a slot, every rank's heads in rank order (the checkpoint's order: each rank holds a
-    contiguous run of KV heads). The other ranks take part from follow()."""
+    contiguous run of KV heads). The other ranks take part from follow(). One rank: its own copy."""
+    if tp.size == 1:
+        return _local_kv(cache, slot, length)
     header = torch.tensor([_EXPORT_KV, slot, length, 0], dtype=torch.long, device=cache[0].device)
     dist.broadcast(header, 0, group=tp.group)
     local = _local_kv(cache, slot, length)
@@ -65,6 +67,9 @@ def gather_kv(tp: TensorParallel, cache: list[torch.Tensor], slot: int, length: 
 def scatter_kv(tp: TensorParallel, cache: list[torch.Tensor], slot: int, kv: torch.Tensor) -> None:
     """Rank 0: write a whole KV [layers, 2, all kv heads, length, head_dim] into a slot of every rank, each
     keeping its own heads — whatever TP the prefill worker that made it ran."""
+    if tp.size == 1:
+        _write_own_heads(tp, cache, slot, kv)
+        return
     heads, length = kv.shape[2], kv.shape[3]
     header = torch.tensor([_IMPORT_KV, slot, length, heads], dtype=torch.long, device=cache[0].device)
     dist.broadcast(header, 0, group=tp.group)

@@ -1,0 +1,132 @@
+"""Is the load generator the limit? One stack, the same total concurrency split over 1, 2 and 4 client processes.
+
+    python benchmarks/client_capacity.py [--recipe tiny-agg] [--concurrency 64] [--clients 1,2,4]
+
+hpc bench's client is one Python process parsing every streamed event; at tens of thousands of events a second
+it may saturate its core before the stack does. If more client processes get more tokens/s from the same
+stack, the single-client figure measured the client. Each client reports its own CPU time: near 100 % of the
+wall time means it was busy all along.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def child(url: str, concurrency: int, requests: int, output_tokens: int, spread: int, seed: int) -> None:
+    from hpc.bench.loadgen import Level, run_level
+
+    level = Level(concurrency, 64, output_tokens, requests, output_spread=spread)
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    res = asyncio.run(run_level(url, "hpc/tiny", level, True, 2, seed=seed))
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    print(json.dumps({"tok_s": res["output_tokens_per_s"], "cpu_share": cpu / wall}))
+
+
+def cpu_seconds(group: int) -> float:
+    """User + system time so far of every process in a process group (each component is one, all threads)."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == group:  # pgrp
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def engine_counters(run, components) -> dict[str, dict[str, float]]:
+    """Each worker's engine counters from its /metrics (decode and prefill steps, generated tokens)."""
+    out = {}
+    for name in components:
+        state = Path(run.path) / "state" / f"{name}.json"  # a worker's phases; "http" once registered
+        http = json.loads(state.read_text()).get("http") if state.is_file() else None
+        if not http or name == "frontend":
+            continue
+        with urllib.request.urlopen(f"{http}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        out[name] = {line.split("{")[0].removeprefix("hpc_worker_"): float(line.rsplit(" ", 1)[1])
+                     for line in text.splitlines() if line.startswith("hpc_worker_")}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--recipe", default="tiny-agg")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--clients", default="1,2,4")
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--output-spread", type=int, default=0)
+    parser.add_argument("--py-spy", metavar="DIR", help="record the stack's Python processes (GIL holders, collapsed "
+                        "stacks) for 5 s during the first client count, into DIR")
+    parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        url, c, n, out, spread, seed = args.child
+        child(url, int(c), int(n), int(out), int(spread), int(seed))
+        return
+    from _stack import local_stack
+
+    from hpc.spec.catalog import load_recipe
+
+    override = json.dumps({"max_batch_size": args.concurrency})
+    with contextlib.redirect_stdout(io.StringIO()):
+        recipe, _ = load_recipe(args.recipe)
+        roles = [role for role in ("agg", "prefill", "decode") if getattr(recipe.roles, role) is not None]
+        stack = local_stack(args.recipe, *(f"roles.{role}.override_engine_args={override}" for role in roles))
+        run, url = stack.__enter__()
+    from hpc.launch.local import local_pids
+
+    components = {name: group[0] for name, group in local_pids(run).items()}
+    rows = []
+    try:
+        for clients in (int(x) for x in args.clients.split(",")):
+            each = args.concurrency // clients
+            t0, before = time.perf_counter(), {name: cpu_seconds(pid) for name, pid in components.items()}
+            counted = engine_counters(run, components)
+            spies = [] if not args.py_spy or rows else [subprocess.Popen(
+                ["py-spy", "record", "--pid", str(pid), "--subprocesses", "--duration", "5", "--gil", "--nonblocking",
+                 "--format", "raw", "--output", os.path.join(args.py_spy, f"{name}.txt")], stdout=subprocess.DEVNULL)
+                for name, pid in components.items() if name not in ("etcd", "nats")]
+            procs = [subprocess.Popen([sys.executable, __file__, "--child", url, str(each), str(4 * each),
+                                       str(args.output_tokens), str(args.output_spread), str(i)],
+                                      stdout=subprocess.PIPE, text=True) for i in range(clients)]
+            results = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
+            wall = time.perf_counter() - t0
+            for spy in spies:
+                spy.wait()
+            busy = {name: (cpu_seconds(pid) - before[name]) / wall for name, pid in components.items()}
+            for name, now in engine_counters(run, components).items():
+                was = counted[name]
+                steps = now.get("decode_steps", 0) - was.get("decode_steps", 0)
+                print(f"  {clients} client(s), {name}: {steps / wall:.0f} decode steps/s, "
+                      f"{(now['generated_tokens'] - was['generated_tokens']) / max(steps, 1):.1f} tokens per step, "
+                      f"{(now.get('prefill_steps', 0) - was.get('prefill_steps', 0)) / wall:.0f} prefill steps/s",
+                      file=sys.stderr)
+            rows.append((clients, each, sum(r["tok_s"] for r in results), [r["cpu_share"] for r in results], busy))
+    finally:
+        with contextlib.redirect_stdout(io.StringIO()):
+            stack.__exit__(None, None, None)
+    print(f"stack {args.recipe}, total concurrency {args.concurrency}, 64 in / {args.output_tokens} +- "
+          f"{args.output_spread} out, 4 x concurrency requests per client")
+    print(f"{'clients':>7} {'c each':>6} {'tok/s (sum)':>12}  CPU / wall: clients; stack processes")
+    for clients, each, tok_s, cpu, busy in rows:
+        print(f"{clients:>7} {each:>6} {tok_s:>12.0f}  {' '.join(f'{c:.0%}' for c in cpu)}; "
+              f"{', '.join(f'{name} {share:.0%}' for name, share in busy.items())}")
+
+
+if __name__ == "__main__":
+    main()

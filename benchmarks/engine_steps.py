@@ -1,0 +1,109 @@
+"""Where the torch engine's scheduler thread spends a closed-loop level: prefill, decode, picking, the rest.
+
+    python benchmarks/engine_steps.py --concurrency 64 --output-spread 32   # sustained load (no waves)
+    python benchmarks/engine_steps.py --concurrency 64                      # lock-step waves
+    python benchmarks/engine_steps.py --engine-args '{"torch_compile_config": null}'   # eager prefill
+
+The scheduler's methods are wrapped with wall-clock timers (host time: a CUDA step returns once launched, so
+the wait for the GPU shows up in whatever reads its result first — picking the tokens). One level after a
+warm-up level; the table gives each phase's total, its share of the level and its time per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e_throughput import device_label, engine_level  # noqa: E402
+
+from hpc.bench.loadgen import Level  # noqa: E402
+from hpc.engine_args.precedence import TORCH_ENGINE_DEFAULTS, deep_update  # noqa: E402
+from hpc.runtime.engine.tiny import ensure_model  # noqa: E402
+from hpc.runtime.engine.torch_engine import TorchEngine  # noqa: E402
+from hpc.runtime.engine.types import DisaggregationMode  # noqa: E402
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.on = False
+
+    def wrap(self, owner: object, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            if not self.on:
+                return inner(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[label] += time.perf_counter() - t0
+                self.calls[label] += 1
+        setattr(owner, name, timed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--input-tokens", type=int, default=64)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--output-spread", type=int, default=32)
+    parser.add_argument("--engine-args", default="{}")
+    args = parser.parse_args()
+    level = Level(args.concurrency, args.input_tokens, args.output_tokens, 4 * args.concurrency,
+                  output_spread=args.output_spread)
+    engine_args = deep_update(TORCH_ENGINE_DEFAULTS, {
+        "max_seq_len": args.input_tokens + args.output_tokens + args.output_spread + 64,
+        "max_batch_size": args.concurrency, **json.loads(args.engine_args)})
+    timers = Timers()
+
+    async def run() -> tuple[str, float, float, dict]:
+        async with TorchEngine(ensure_model(f"~/.cache/hpc/models/{args.model}", args.model),
+                               DisaggregationMode.AGGREGATED, engine_args) as engine:
+            # the outer calls first: inner timers are then part of their callers' time
+            timers.wrap(engine, "_admit", "admit (prefill, incl. below)")
+            timers.wrap(engine, "_decode_step", "decode step (incl. below)")
+            timers.wrap(engine.picker, "pick_rows", "  pick tokens (waits for the GPU)")
+            for graphs, label in ((engine.graphs, "  decode graph launch"),
+                                  (engine.prefill_graphs, "  prefill graph launch")):
+                if graphs is not None:
+                    timers.wrap(graphs, "run", label)
+            timers.wrap(engine, "_padded_prefill", "  eager prefill")
+            timers.wrap(engine, "_emit_token", "  emit tokens")
+            rng = random.Random(0)
+            await engine_level(engine, level, rng)  # warm: the level's shapes and the loop's caches
+            before = engine.stats()
+            timers.on = True
+            t0 = time.perf_counter()
+            tok_s = await engine_level(engine, level, rng)
+            wall = time.perf_counter() - t0
+            timers.on = False
+            after = engine.stats()
+            steps = {k: after[k] - before[k] for k in ("decode_steps", "prefill_steps", "prefill_steps_graphed",
+                                                       "decode_steps_graphed") if k in after}
+            return device_label(engine), tok_s, wall, steps
+
+    label, tok_s, wall, steps = asyncio.run(run())
+    print(f"scheduler time, {args.model} on {label}, c={args.concurrency}, {args.input_tokens} in / "
+          f"{args.output_tokens} +- {args.output_spread} out, {level.requests} requests: {tok_s:.0f} tok/s, "
+          f"{wall * 1e3:.0f} ms; steps {steps}")
+    print(f"{'phase':<36} {'ms':>8} {'share':>6} {'calls':>6} {'us/call':>8}")
+    for label_, seconds in timers.seconds.items():
+        calls = timers.calls[label_]
+        print(f"{label_:<36} {seconds * 1e3:>8.1f} {seconds / wall:>6.0%} {calls:>6} {seconds / calls * 1e6:>8.0f}")
+    busy = timers.seconds.get("admit (prefill, incl. below)", 0) + timers.seconds.get("decode step (incl. below)", 0)
+    print(f"{'rest (inbox, bookkeeping, event loop)':<36} {(wall - busy) * 1e3:>8.1f} {(wall - busy) / wall:>6.0%}")
+
+
+if __name__ == "__main__":
+    main()
