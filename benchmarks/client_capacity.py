@@ -29,8 +29,11 @@ def child(url: str, concurrency: int, requests: int, output_tokens: int, spread:
     from hpc.bench.loadgen import Level, run_level
 
     level = Level(concurrency, 64, output_tokens, requests, output_spread=spread)
+    asyncio.run(run_level(url, "hpc/tiny", Level(1, 64, output_tokens, 2), True, 0, seed=seed))  # warm
+    print("ready", flush=True)
+    sys.stdin.readline()  # every client starts together, once the parent has read the engines' counters
     cpu0, t0 = time.process_time(), time.perf_counter()
-    res = asyncio.run(run_level(url, "hpc/tiny", level, True, 2, seed=seed))
+    res = asyncio.run(run_level(url, "hpc/tiny", level, True, 0, seed=seed))
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     print(json.dumps({"tok_s": res["output_tokens_per_s"], "cpu_share": cpu / wall}))
 
@@ -61,6 +64,19 @@ def engine_counters(run, components) -> dict[str, dict[str, float]]:
         out[name] = {line.split("{")[0].removeprefix("hpc_worker_"): float(line.rsplit(" ", 1)[1])
                      for line in text.splitlines() if line.startswith("hpc_worker_")}
     return out
+
+
+def engine_line(was: dict[str, float], now: dict[str, float], wall: float) -> str:
+    """An engine's steps over an interval, from two readings of its counters."""
+    def delta(key: str) -> float:
+        return now.get(key, 0.0) - was.get(key, 0.0)
+    steps = delta("decode_steps")
+    # shares of the scheduler's own accounted time: the readings need not bracket `wall` exactly
+    accounted = max(delta("decode_seconds_total") + delta("admit_seconds_total") + delta("idle_seconds_total"), 1e-9)
+    return (f"{steps / wall:.0f} decode steps/s of {delta('decode_seconds_total') / max(steps, 1) * 1e3:.2f} ms, "
+            f"{delta('generated_tokens') / max(steps, 1):.1f} tokens per step, {delta('prefill_steps') / wall:.0f} "
+            f"prefill steps/s; scheduler time: decode {delta('decode_seconds_total') / accounted:.0%}, admit "
+            f"{delta('admit_seconds_total') / accounted:.0%}, idle {delta('idle_seconds_total') / accounted:.0%}")
 
 
 def main() -> None:
@@ -95,27 +111,28 @@ def main() -> None:
     try:
         for clients in (int(x) for x in args.clients.split(",")):
             each = args.concurrency // clients
-            t0, before = time.perf_counter(), {name: cpu_seconds(pid) for name, pid in components.items()}
+            procs = [subprocess.Popen([sys.executable, __file__, "--child", url, str(each), str(4 * each),
+                                       str(args.output_tokens), str(args.output_spread), str(i)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                     for i in range(clients)]
+            for proc in procs:  # started and warm: the measured window holds the level only
+                assert proc.stdout.readline().strip() == "ready"
             counted = engine_counters(run, components)
+            t0, before = time.perf_counter(), {name: cpu_seconds(pid) for name, pid in components.items()}
             spies = [] if not args.py_spy or rows else [subprocess.Popen(
                 ["py-spy", "record", "--pid", str(pid), "--subprocesses", "--duration", "5", "--gil", "--nonblocking",
                  "--format", "raw", "--output", os.path.join(args.py_spy, f"{name}.txt")], stdout=subprocess.DEVNULL)
                 for name, pid in components.items() if name not in ("etcd", "nats")]
-            procs = [subprocess.Popen([sys.executable, __file__, "--child", url, str(each), str(4 * each),
-                                       str(args.output_tokens), str(args.output_spread), str(i)],
-                                      stdout=subprocess.PIPE, text=True) for i in range(clients)]
+            for proc in procs:
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
             results = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
             wall = time.perf_counter() - t0
-            for spy in spies:
-                spy.wait()
             busy = {name: (cpu_seconds(pid) - before[name]) / wall for name, pid in components.items()}
             for name, now in engine_counters(run, components).items():
-                was = counted[name]
-                steps = now.get("decode_steps", 0) - was.get("decode_steps", 0)
-                print(f"  {clients} client(s), {name}: {steps / wall:.0f} decode steps/s, "
-                      f"{(now['generated_tokens'] - was['generated_tokens']) / max(steps, 1):.1f} tokens per step, "
-                      f"{(now.get('prefill_steps', 0) - was.get('prefill_steps', 0)) / wall:.0f} prefill steps/s",
-                      file=sys.stderr)
+                print(f"  {clients} client(s), {name}: {engine_line(counted[name], now, wall)}", file=sys.stderr)
+            for spy in spies:
+                spy.wait()
             rows.append((clients, each, sum(r["tok_s"] for r in results), [r["cpu_share"] for r in results], busy))
     finally:
         with contextlib.redirect_stdout(io.StringIO()):

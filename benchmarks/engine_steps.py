@@ -21,6 +21,7 @@ import time
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from client_capacity import engine_line  # noqa: E402
 from e2e_throughput import device_label, engine_level  # noqa: E402
 
 from hpc.bench.loadgen import Level  # noqa: E402
@@ -91,6 +92,7 @@ def main() -> None:
             after = engine.stats()
             steps = {k: after[k] - before[k] for k in ("decode_steps", "prefill_steps", "prefill_steps_graphed",
                                                        "decode_steps_graphed") if k in after}
+            print(f"engine counters (as client_capacity.py reads a worker's): {engine_line(before, after, wall)}")
             return device_label(engine), tok_s, wall, steps
 
     label, tok_s, wall, steps = asyncio.run(run())

@@ -82,7 +82,8 @@ class TorchEngine:
         self.emitter = Emitter()
         self._counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "running": 0, "waiting": 0,
                           "prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "prefill_steps": 0,
-                          "decode_steps": 0}
+                          "decode_steps": 0, "idle_seconds_total": 0.0, "admit_seconds_total": 0.0,
+                          "decode_seconds_total": 0.0}
         self.on_kv_event: Callable[[dict[str, Any]], None] | None = None  # per-block stored/removed records
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self.prefix: PrefixCache | None = None
@@ -338,13 +339,17 @@ class TorchEngine:
                     self._finish(seq, "error", error=f"engine failed: {self.failure}")
 
     def _schedule(self, running: list[Seq]) -> None:
+        clock = self._counters  # seconds spent idle, admitting (prefill) and decoding: /metrics, per worker
         while self._running:
+            t0 = time.perf_counter()
             try:
                 block = not running
                 item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
             except queue.Empty:
                 item = None
                 self.handoffs.expire()
+            t1 = time.perf_counter()
+            clock["idle_seconds_total"] += t1 - t0
             if item is not None:
                 arrivals = [item]
                 while len(arrivals) < len(self.free_slots):  # every waiting request that fits, before decoding
@@ -356,12 +361,15 @@ class TorchEngine:
                         arrivals.append(nxt)
                 self._counters["waiting"] -= len(arrivals)
                 self._admit(arrivals, running)
+                clock["admit_seconds_total"] += time.perf_counter() - t1
             elif not self._running:
                 break
             running[:] = [s for s in running if self._still_running(s)]
             if running:
+                t2 = time.perf_counter()
                 try:
                     self._decode_step(running)
+                    clock["decode_seconds_total"] += time.perf_counter() - t2
                 except Exception as exc:  # keep serving others; fail the batch clearly
                     log.exception("decode step failed")
                     for s in running:

@@ -1,0 +1,44 @@
+"""The scheduler's clock: seconds idle, admitting (prefill) and decoding, in stats() and so in a worker's /metrics.
+It tells a stack's engine waiting for requests (a closed loop's waves) from one slowed down (benchmarks/
+client_capacity.py reads it from each worker)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hpc.runtime.engine.torch_engine import TorchEngine
+from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
+from hpc.runtime.serve.metrics import prometheus
+
+pytestmark = pytest.mark.unit
+
+CLOCK = ("idle_seconds_total", "admit_seconds_total", "decode_seconds_total")
+
+
+def test_idle_admit_and_decode_seconds_add_up_to_the_scheduler_time(tiny) -> None:
+    async def main():
+        async with TorchEngine(tiny, DisaggregationMode.AGGREGATED, {"max_seq_len": 128}) as engine:
+            await asyncio.sleep(0.2)
+            start = engine.stats()
+            await asyncio.sleep(0.7)  # nothing to run: the scheduler waits on its inbox
+            idle = engine.stats()
+            req = GenerateRequest(request_id="c", token_ids=[5, 6, 7],
+                                  sampling=SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            tokens = [t async for out in engine.generate(req) for t in out.token_ids]
+            busy_wall = loop.time() - t0
+            return start, idle, engine.stats(), tokens, busy_wall
+
+    start, idle, served, tokens, busy_wall = asyncio.run(main())
+    assert len(tokens) == 24
+    assert idle["idle_seconds_total"] - start["idle_seconds_total"] >= 0.5
+    assert idle["decode_seconds_total"] == start["decode_seconds_total"]  # nothing ran
+    decode = served["decode_seconds_total"] - idle["decode_seconds_total"]
+    admit = served["admit_seconds_total"] - idle["admit_seconds_total"]
+    assert served["decode_steps"] - idle["decode_steps"] == 23 and served["prefill_steps"] == 1
+    # the request's time in the engine is its prefill and its 23 decode steps, each counted once
+    assert 0 < admit < decode <= busy_wall
+    assert all(f"# TYPE hpc_worker_{name} counter" in prometheus("hpc_worker", served, {}).decode() for name in CLOCK)
