@@ -116,6 +116,17 @@ def test_override_wins_in_the_resolved_args(tmp_path):
     assert resolve("eos", r).engine_args["agg"]["max_batch_size"] == 7
 
 
+def test_prefill_graphs_are_a_torch_default_that_an_override_turns_off(tmp_path):
+    torch_recipe = _write_recipe(tmp_path, {"agg": {}}, backend="torch")
+    assert resolve("eos", torch_recipe).engine_args["agg"]["torch_compile_config"] == \
+        {"enable_piecewise_cuda_graph": True}
+    off = _write_recipe(tmp_path, {"agg": {"override_engine_args": '{"torch_compile_config": null}'}}, backend="torch")
+    assert resolve("eos", off).engine_args["agg"]["torch_compile_config"] is None
+    # TensorRT-LLM keeps its own default (off): nothing added to what its LLM API receives
+    trtllm = _write_recipe(tmp_path, {"agg": {}})
+    assert "torch_compile_config" not in resolve("eos", trtllm).engine_args["agg"]
+
+
 def test_bad_yaml_names_line(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("name: x\nroles: [\n")

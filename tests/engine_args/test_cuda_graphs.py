@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpc.engine_args.cuda_graphs import GraphSizes, cross_field_problem, decode_graph_sizes, generated_sizes
+from hpc.engine_args.cuda_graphs import (DEFAULT_CAPTURE_NUM_TOKENS, GraphSizes, cross_field_problem,
+                                         decode_graph_sizes, generated_sizes, prefill_graph_tokens)
 from hpc.engine_args.schema import check_engine_config
 
 pytestmark = pytest.mark.unit
@@ -51,3 +52,18 @@ def test_batch_sizes_and_a_different_max_batch_size_are_refused_before_submittin
     # a wrong type is the type check's one error, not a second one from here
     errors = check_engine_config({"cuda_graph_config": {"batch_sizes": ["a"], "max_batch_size": 16}}, file="x")
     assert len(errors) == 1 and "batch_sizes" in errors[0].field
+
+
+def test_prefill_graphs_follow_torch_compile_config_and_stop_at_the_step_budget():
+    # TorchCompileConfig: piecewise graphs off unless asked for; capture_num_tokens defaults to 1-128, 256-3072
+    assert prefill_graph_tokens({}, 8192) is None
+    assert prefill_graph_tokens({"torch_compile_config": None}, 8192) is None
+    assert prefill_graph_tokens({"torch_compile_config": {"enable_piecewise_cuda_graph": False}}, 8192) is None
+    on = {"torch_compile_config": {"enable_piecewise_cuda_graph": True}}
+    assert prefill_graph_tokens(on, 8192) == DEFAULT_CAPTURE_NUM_TOKENS
+    assert DEFAULT_CAPTURE_NUM_TOKENS[:8] == (1, 2, 4, 8, 16, 32, 64, 128) and DEFAULT_CAPTURE_NUM_TOKENS[-1] == 3072
+    assert prefill_graph_tokens(on, 300) == (1, 2, 4, 8, 16, 32, 64, 128, 256)  # none above max_num_tokens
+    listed = {"torch_compile_config": {"enable_piecewise_cuda_graph": True, "capture_num_tokens": [64, 8, 64, 9000]}}
+    assert prefill_graph_tokens(listed, 8192) == (8, 64)
+    assert prefill_graph_tokens({"torch_compile_config": {"enable_piecewise_cuda_graph": True,
+                                                          "capture_num_tokens": [9000]}}, 8192) is None
