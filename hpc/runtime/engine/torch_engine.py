@@ -442,9 +442,10 @@ class TorchEngine:
             running.append(seq)
 
     def _prefill(self, seqs: list[Seq]) -> list[tuple[int, TokenLogprob | None]]:
-        """One forward pass over the prompts of `seqs`, each from its first token the prefix cache does not hold,
-        right-padded to the longest: a padded token's K/V lands past its row's end, where decode writes before it
-        reads, and each row's logits come from its own last token."""
+        """One forward pass over the prompts of `seqs`, each from its first token the prefix cache does not hold:
+        replayed from a prefill graph (prompts packed in one row) when every one starts at position 0, else
+        eagerly, right-padded to the longest (a padded token's K/V lands past its row's end, where decode writes
+        before it reads). Each prompt's first token is picked from its own last position's logits."""
         first = seqs[0]
         want = first.request.sampling.prompt_logprobs if len(first.request.token_ids) > 1 else None  # alone
         # image tokens look alike whatever the image; the prompt's logprobs need the logits of every position
