@@ -122,3 +122,21 @@ def test_a_prefill_reads_the_device_once_per_step_not_in_every_layer(tmp_path) -
 
 def _run(model_dir, args: dict | None = None):
     return asyncio.run(_serve(model_dir, args))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_an_engine_on_the_second_gpu_runs_its_triton_kernels_there(tmp_path) -> None:
+    # The local disaggregated launch puts decode on cuda:1. Triton launches on the thread's current device
+    # (cuda:0 unless set), so the fused kernels' autotuning failed with "Pointer argument cannot be accessed
+    # from Triton" before the engine made its GPU current in the threads that load it and schedule.
+    model_dir = build_tiny(tmp_path / "tiny", hidden=256, layers=4)
+
+    async def main():
+        async with TorchEngine(model_dir, DisaggregationMode.AGGREGATED, {"max_batch_size": 4},
+                               device="cuda:1") as engine:
+            req = GenerateRequest(request_id="g1", token_ids=PROMPTS[0],
+                                  sampling=SamplingParams(max_tokens=8, ignore_eos=True))
+            return [t async for out in engine.generate(req) for t in out.token_ids], engine
+    tokens, engine = asyncio.run(main())
+    assert len(tokens) == 8 and engine.cache[0].device == torch.device("cuda:1")
+    assert engine.model.fused_decode is not None and engine.stats()["decode_steps_graphed"] >= 7

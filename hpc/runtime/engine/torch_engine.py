@@ -9,6 +9,7 @@ forward pass.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import queue
@@ -106,7 +107,16 @@ class TorchEngine:
         if self._thread:
             await asyncio.to_thread(self._thread.join, 10)
 
+    def on_device(self):
+        """This engine's GPU as the thread's current device: Triton launches on the current device, so a worker
+        on cuda:1 would hand its kernels pointers they cannot reach (the CUDA runtime keeps one per thread)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     def load(self) -> None:
+        with self.on_device():
+            self._load()
+
+    def _load(self) -> None:
         from safetensors.torch import load_file
 
         self.cfg = LlamaConfig.load(self.model_dir)
@@ -324,7 +334,8 @@ class TorchEngine:
         """The scheduler; if it ever dies, the engine says so (health, every request) instead of hanging."""
         running: list[Seq] = []
         try:
-            self._schedule(running)
+            with self.on_device():
+                self._schedule(running)
         except BaseException as exc:  # noqa: BLE001 - whatever kills the thread must be visible
             log.exception("the scheduler thread died")
             self.failure = f"{type(exc).__name__}: {exc}"

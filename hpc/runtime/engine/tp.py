@@ -90,7 +90,13 @@ def broadcast_stop(tp: TensorParallel, device: torch.device) -> None:
 
 
 def follow(engine) -> None:
-    """Ranks > 0: run every forward pass rank 0 broadcasts, until it says stop."""
+    """Ranks > 0: run every forward pass rank 0 broadcasts, until it says stop (on the rank's own GPU as the
+    thread's current device, as the engine's scheduler runs)."""
+    with engine.on_device():
+        _follow(engine)
+
+
+def _follow(engine) -> None:
     device, tp = engine.device, engine.world
     while True:
         header = torch.empty(4, dtype=torch.long, device=device)
