@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -51,19 +50,17 @@ def cpu_seconds(group: int) -> float:
     return total
 
 
-def engine_counters(run, components) -> dict[str, dict[str, float]]:
-    """Each worker's engine counters from its /metrics (decode and prefill steps, generated tokens)."""
-    out = {}
-    for name in components:
-        state = Path(run.path) / "state" / f"{name}.json"  # a worker's phases; "http" once registered
-        http = json.loads(state.read_text()).get("http") if state.is_file() else None
-        if not http or name == "frontend":
-            continue
-        with urllib.request.urlopen(f"{http}/metrics", timeout=5) as resp:
-            text = resp.read().decode()
-        out[name] = {line.split("{")[0].removeprefix("hpc_worker_"): float(line.rsplit(" ", 1)[1])
-                     for line in text.splitlines() if line.startswith("hpc_worker_")}
-    return out
+# what engine_line reads from each worker
+STEP_COUNTERS = ("decode_steps", "prefill_steps", "generated_tokens", "idle_seconds_total", "admit_seconds_total",
+                 "decode_seconds_total")
+
+
+def engine_counters(run) -> dict[str, dict[str, float]]:
+    """Each registered worker's engine counters, from its /metrics."""
+    from stack_sweeps import counters, workers
+
+    return {name: counters(state["http"], STEP_COUNTERS) for name, state in workers(Path(run.path)).items()
+            if state.get("http")}
 
 
 def engine_line(was: dict[str, float], now: dict[str, float], wall: float) -> str:
@@ -117,7 +114,7 @@ def main() -> None:
                      for i in range(clients)]
             for proc in procs:  # started and warm: the measured window holds the level only
                 assert proc.stdout.readline().strip() == "ready"
-            counted = engine_counters(run, components)
+            counted = engine_counters(run)
             t0, before = time.perf_counter(), {name: cpu_seconds(pid) for name, pid in components.items()}
             spies = [] if not args.py_spy or rows else [subprocess.Popen(
                 ["py-spy", "record", "--pid", str(pid), "--subprocesses", "--duration", "5", "--gil", "--nonblocking",
@@ -129,7 +126,7 @@ def main() -> None:
             results = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
             wall = time.perf_counter() - t0
             busy = {name: (cpu_seconds(pid) - before[name]) / wall for name, pid in components.items()}
-            for name, now in engine_counters(run, components).items():
+            for name, now in engine_counters(run).items():
                 print(f"  {clients} client(s), {name}: {engine_line(counted[name], now, wall)}", file=sys.stderr)
             for spy in spies:
                 spy.wait()

@@ -26,6 +26,7 @@ import random
 import statistics
 import sys
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -62,6 +63,14 @@ async def engine_level(engine: TorchEngine, level: Level, rng: random.Random) ->
     return tokens / (time.perf_counter() - t0)
 
 
+def direct_engine_args(input_tokens: int, output_tokens: int, spread: int, batch: int,
+                       extra: dict[str, Any]) -> dict[str, Any]:
+    """What the stack's torch workers get too: the recipe's defaults for the engine, room for the longest
+    request, a batch for the highest level, then the caller's --engine-args."""
+    return deep_update(TORCH_ENGINE_DEFAULTS, {"max_seq_len": input_tokens + output_tokens + spread + 64,
+                                               "max_batch_size": batch, **extra})
+
+
 def device_label(engine: TorchEngine) -> str:
     import torch
 
@@ -88,10 +97,8 @@ def main() -> None:
     levels = [Level(c, args.input_tokens, args.output_tokens, max(args.requests, REQUESTS_PER_USER * c),
                     output_spread=args.output_spread) for c in (int(x) for x in args.concurrency.split(","))]
     model_dir = ensure_model(f"~/.cache/hpc/models/{args.model}", args.model)
-    # what the stack's torch workers get too: the recipe's defaults for the engine, then --engine-args
-    engine_args = deep_update(TORCH_ENGINE_DEFAULTS, {
-        "max_seq_len": args.input_tokens + args.output_tokens + args.output_spread + 64,
-        "max_batch_size": max(lv.concurrency for lv in levels), **json.loads(args.engine_args)})
+    engine_args = direct_engine_args(args.input_tokens, args.output_tokens, args.output_spread,
+                                     max(lv.concurrency for lv in levels), json.loads(args.engine_args))
 
     async def run() -> tuple[str, dict[int, list[float]], dict[int, list[float]]]:
         direct: dict[int, list[float]] = {lv.concurrency: [] for lv in levels}

@@ -22,10 +22,9 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from client_capacity import engine_line  # noqa: E402
-from e2e_throughput import device_label, engine_level  # noqa: E402
+from e2e_throughput import device_label, direct_engine_args, engine_level  # noqa: E402
 
 from hpc.bench.loadgen import Level  # noqa: E402
-from hpc.engine_args.precedence import TORCH_ENGINE_DEFAULTS, deep_update  # noqa: E402
 from hpc.runtime.engine.tiny import ensure_model  # noqa: E402
 from hpc.runtime.engine.torch_engine import TorchEngine  # noqa: E402
 from hpc.runtime.engine.types import DisaggregationMode  # noqa: E402
@@ -63,9 +62,8 @@ def main() -> None:
     args = parser.parse_args()
     level = Level(args.concurrency, args.input_tokens, args.output_tokens, 4 * args.concurrency,
                   output_spread=args.output_spread)
-    engine_args = deep_update(TORCH_ENGINE_DEFAULTS, {
-        "max_seq_len": args.input_tokens + args.output_tokens + args.output_spread + 64,
-        "max_batch_size": args.concurrency, **json.loads(args.engine_args)})
+    engine_args = direct_engine_args(args.input_tokens, args.output_tokens, args.output_spread, args.concurrency,
+                                     json.loads(args.engine_args))
     timers = Timers()
 
     async def run() -> tuple[str, float, float, dict]:

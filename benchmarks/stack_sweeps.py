@@ -40,12 +40,12 @@ def workers(run_path: Path) -> dict[str, dict]:
 WORKER_COUNTERS = ("requests", "kv_ipc_shared", "prompt_tokens", "prompt_tokens_computed", "prompt_tokens_cached")
 
 
-def counters(metrics_url: str) -> dict[str, float]:
+def counters(metrics_url: str, names: tuple[str, ...] = WORKER_COUNTERS) -> dict[str, float]:
     """A worker's counters that the benchmarks report, from its /metrics."""
     from hpc.checks.probe import get_text, metric_values
 
     text = get_text(f"{metrics_url}/metrics")
-    return {name: metric_values(text, f"hpc_worker_{name}") for name in WORKER_COUNTERS}
+    return {name: metric_values(text, f"hpc_worker_{name}") for name in names}
 
 
 def main() -> None:
