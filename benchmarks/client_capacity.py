@@ -85,6 +85,8 @@ def main() -> None:
     parser.add_argument("--output-spread", type=int, default=0)
     parser.add_argument("--py-spy", metavar="DIR", help="record the stack's Python processes (GIL holders, collapsed "
                         "stacks) for 5 s during the first client count, into DIR")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                        help="a recipe override for the stack, e.g. frontend.processes=2 (repeatable)")
     parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -99,7 +101,8 @@ def main() -> None:
     with contextlib.redirect_stdout(io.StringIO()):
         recipe, _ = load_recipe(args.recipe)
         roles = [role for role in ("agg", "prefill", "decode") if getattr(recipe.roles, role) is not None]
-        stack = local_stack(args.recipe, *(f"roles.{role}.override_engine_args={override}" for role in roles))
+        stack = local_stack(args.recipe, *(f"roles.{role}.override_engine_args={override}" for role in roles),
+                            *args.overrides)
         run, url = stack.__enter__()
     from hpc.launch.local import local_pids
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 import re
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, TypeVar, get_args, get_origin
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, model_validator
 
@@ -32,8 +32,9 @@ class StrictModel(BaseModel):
 
 
 def _wants_number(annotation: Any) -> bool:
-    """int or float (possibly Optional), and not also bool."""
-    args = set(getattr(annotation, "__args__", ()) or ()) or {annotation}
+    """int or float (possibly Optional, constrained or beside a literal such as "auto"), and not also bool."""
+    args = {get_args(a)[0] if get_origin(a) is Annotated else a
+            for a in (getattr(annotation, "__args__", ()) or ())} or {annotation}
     return bool(args & {int, float}) and bool not in args
 
 

@@ -11,6 +11,7 @@ import sys
 from hpc.manifest import Manifest
 from hpc.runtime.services.discovery import open_discovery
 from hpc.runtime.frontend.app import Frontend, model_dir
+from hpc.runtime.frontend.group import FrontendGroup, resolve_processes
 from hpc.runtime.frontend.router import SETTLE_S, Router
 from hpc.runtime.frontend.kv_index import KvIndex
 from hpc.runtime.frontend.parsers import HARMONY
@@ -23,9 +24,12 @@ from hpc.spec.recipe import RouterPolicy
 log = logging.getLogger(__name__)
 
 
-async def serve(manifest: Manifest, bind: str | None = None) -> int:
+async def serve(manifest: Manifest, bind: str | None = None, group: FrontendGroup | None = None) -> int:
+    """One frontend process; with a group, process 0 also starts the others and reports for all of them."""
+    first = group is None or group.index == 0
     reporter = Reporter(manifest, "frontend")
-    reporter.phase("started")
+    if first:
+        reporter.phase("started")
     # A generated model is built by the job (the launcher stays free of torch); the workers race for the same lock.
     await asyncio.to_thread(ensure_model, manifest.recipe.model.path, manifest.recipe.model.generate)
     model = manifest.recipe.model
@@ -45,26 +49,40 @@ async def serve(manifest: Manifest, bind: str | None = None) -> int:
         max_body_bytes=int(http.max_request_body_mb * 1024 * 1024), header_timeout_s=http.header_timeout_s,
         body_timeout_s=http.body_timeout_s, keepalive_timeout_s=http.keepalive_timeout_s,
         max_concurrent=http.max_concurrent_requests))
-    await server.start(host, port)
+    await server.start(host, port, reuse_port=group is not None)
     discovery = await asyncio.to_thread(open_discovery, manifest)
     watch = asyncio.create_task(discovery.watch(router.update))
     expiry = asyncio.create_task(_expire_unlisted(router))
-    url = f"http://{host}:{port}"
-    publish_endpoint(manifest, "frontend", host=host, port=port, url=url)
-    reporter.phase("ready", url=url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, lambda: None)  # drain tier: keep serving while workers leave
+    url = f"http://{host}:{port}"
+    if group is not None:
+        app.group = group
+        await group.start(app.health_view, app.metrics_text)
+        group.gone.add_done_callback(lambda _: stop.set())
+        if first:
+            await group.spawn(host)
+        else:
+            print(f"ready {group.port}", flush=True)  # to process 0, which waits for every process
+    if first:
+        publish_endpoint(manifest, "frontend", host=host, port=port, url=url)
+        reporter.phase("ready", url=url)
     await stop.wait()
     watch.cancel()
     expiry.cancel()
     await server.close()
+    if group is not None:
+        await group.close()
+        if group.gone.done() and first:  # a process of the frontend died: so does the frontend, visibly
+            raise RuntimeError(group.gone.result())
     await router.close()
     if kv_feed is not None:
         await kv_feed.close()
-    reporter.phase("stopped")
+    if first:
+        reporter.phase("stopped")
     return 0
 
 
@@ -116,8 +134,14 @@ async def _expire_unlisted(router: Router) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpc.runtime.frontend")
     parser.add_argument("manifest")
+    # the processes of one frontend after the first (frontend.processes), started by it
+    parser.add_argument("--replica", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--of", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--primary-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--bind", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(message)s")
+    name = f"frontend[{args.replica}]" if args.replica else "frontend"
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     try:
         import uvloop
 
@@ -125,10 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     manifest = Manifest.load(args.manifest)
+    size = args.of or resolve_processes(manifest.recipe.frontend.processes)
+    group = FrontendGroup(args.replica, size, args.manifest, args.primary_port) if size > 1 else None
     try:
-        return asyncio.run(serve(manifest))
+        return asyncio.run(serve(manifest, args.bind, group))
     except Exception as exc:  # where readiness and status look: the job's checks stop at once, not at a timeout
-        Reporter(manifest, "frontend").phase("failed", error=f"{type(exc).__name__}: {exc}")
+        if args.replica == 0:  # process 0 speaks for the frontend (it stops when another process fails)
+            Reporter(manifest, "frontend").phase("failed", error=f"{type(exc).__name__}: {exc}")
         raise
 
 

@@ -13,6 +13,7 @@ from hpc.runtime.engine.types import GenerateOutput, GenerateRequest, SamplingPa
 from hpc.runtime.frontend.openai import (ApiError, ChatRequest, CompletionRequest, RouteHints, chat_logprobs,
                                          completion_logprobs, new_id, now, unsupported_param)
 from hpc.runtime.frontend.parsers import AnswerParser, json_answer_guide, tool_call_guide
+from hpc.runtime.frontend.group import FrontendGroup, health_status
 from hpc.runtime.frontend.pools import PoolRouter
 from hpc.runtime.frontend.router import NoInstance, NotStarted, Router
 from hpc.runtime.frontend.tokenizer import Detokenizer, TextCodec
@@ -49,6 +50,7 @@ class Frontend:
             ("GET", "/live"): self.live,
             ("GET", "/metrics"): self.metrics,
         }
+        self.group: FrontendGroup | None = None  # several processes on the port: /health, /metrics for all
         self.videos = None
         if self.recipe.modality == "video_diffusion":  # seed 004: the videos API
             from hpc.runtime.frontend.videos import VideoService
@@ -124,20 +126,26 @@ class Frontend:
                              "chosen_by": reasons})
         return rows
 
-    async def health(self, req: Request) -> Response:
+    def health_view(self) -> dict[str, Any]:
+        """This process's view: the workers it can route to, and how the router chose."""
         table = self.instance_table()
         live = {role: len(items) for role, items in table.items()}
-        ready = all(live.get(role, 0) >= n for role, n in self.expected.items())
-        serving = all(live.get(role, 0) > 0 for role in self.expected)
-        status = "healthy" if ready else ("degraded" if serving else "unhealthy")
-        return json_response({"status": status, "model": self.model_name, "expected": self.expected,
-                              "live": live, "instances": table, "router": self.router_view()},
-                             200 if serving else 503)
+        return {"status": health_status(live, self.expected), "model": self.model_name, "expected": self.expected,
+                "live": live, "instances": table, "router": self.router_view()}
+
+    async def health(self, req: Request) -> Response:
+        view = await self.group.health() if self.group is not None else self.health_view()
+        return json_response(view, 503 if view["status"] == "unhealthy" else 200)
 
     async def live(self, req: Request) -> Response:
         return json_response({"status": "live"})
 
     async def metrics(self, req: Request) -> Response:
+        body = await self.group.metrics() if self.group is not None else self.metrics_text()
+        return Response(body=body, content_type="text/plain; version=0.0.4")
+
+    def metrics_text(self) -> bytes:
+        """This process's counters and latency histograms (a group merges those of all its processes)."""
         values = dict(self.counters)
         if self.videos is not None:
             values.update(self.videos.counters)
@@ -162,7 +170,7 @@ class Frontend:
             body += prometheus_family("hpc_frontend_pool_decisions_total", [
                 ({**lb, "reason": reason}, n) for lb, r in zip(labels, rows)
                 for reason, n in sorted(r["chosen_by"].items())])
-        return Response(body=body + self.latency.exposition(), content_type="text/plain; version=0.0.4")
+        return body + self.latency.exposition()
 
     # ---- generation routes -----------------------------------------------------------------------
     def _parse(self, req: Request, model: type) -> Any:

@@ -390,10 +390,11 @@ class HttpServer:
         self.state = _Server(handler, limits or HttpLimits())
         self.server: asyncio.base_events.Server | None = None
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> None:
+        """reuse_port: several processes listen on the port, the kernel spreads connections over them."""
         loop = asyncio.get_running_loop()
         self.server = await loop.create_server(lambda: _Protocol(self.state), host, port,
-                                               reuse_address=True, backlog=1024)
+                                               reuse_address=True, reuse_port=reuse_port or None, backlog=1024)
 
     @property
     def port(self) -> int:
