@@ -13,19 +13,25 @@ from hpc.spec.base import load_yaml
 from hpc.spec.catalog import available, find
 
 
-def _free_local_ports(cluster):
-    """Several local runs may live side by side: move this one's internal ports to a free range."""
+def _this_machine(cluster, for_launch: bool):
+    """The local profile is this machine: the cores this process may use (what the frontend's processes scale
+    with) and, for a launch, a free port range (several local runs may live side by side)."""
     if not cluster.is_local:
         return cluster
-    from hpc.launch.local import free_port_base
+    import os
 
-    return cluster.model_copy(update={"port_base": free_port_base(cluster.port_base, 64)})
+    update = {"cpus_per_node": len(os.sched_getaffinity(0))}
+    if for_launch:
+        from hpc.launch.local import free_port_base
+
+        update["port_base"] = free_port_base(cluster.port_base, 64)
+    return cluster.model_copy(update=update)
 
 
 def _resolve(args: argparse.Namespace, for_launch: bool = False) -> Resolved:
     from hpc.engine_args.flags import EngineArgFlags
 
-    r = resolve(args.cluster, args.recipe, args.overrides, adjust_cluster=_free_local_ports if for_launch else None,
+    r = resolve(args.cluster, args.recipe, args.overrides, adjust_cluster=lambda c: _this_machine(c, for_launch),
                 engine_flags=EngineArgFlags(extra=args.extra_engine_args, override=args.override_engine_args))
     for warning in r.warnings:
         print(f"warning: {warning}", file=sys.stderr)

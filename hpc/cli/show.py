@@ -21,7 +21,8 @@ def _span(nodes: list[int]) -> str:
 def plan_table(plan: Plan, title: str) -> str:
     rows: list[list[object]] = []
     for s in plan.services:
-        rows.append([f"n{s.node}", s.name, 1, "-", " ".join(f"{k}={v}" for k, v in s.ports.items())])
+        name = f"{s.name} ({s.processes} processes)" if s.processes > 1 else s.name
+        rows.append([f"n{s.node}", name, 1, "-", " ".join(f"{k}={v}" for k, v in s.ports.items())])
     for w in plan.workers:
         name = f"{w.name} ({w.pool})" if w.pool else w.name
         rows.append([_span(w.nodes), name, w.tasks, w.gpu_text(), " ".join(f"{k}={v}" for k, v in w.ports.items())])

@@ -133,12 +133,7 @@ def build_view(m: Manifest) -> View:
                         "#SBATCH lines cannot carry", field="HPC_RUNS_DIR", hint="use another runs directory")
     logs = f"{run_dir}/logs"
     manifest = f"{run_dir}/manifest.json"
-    per_node: dict[int, int] = {}
-    for w in plan.workers:  # workers packed on one node each need their own task slots (CPUs)
-        for n in w.nodes:
-            per_node[n] = per_node.get(n, 0) + w.tasks_per_node
-    tasks_per_node = max([*per_node.values(), 1])
-    flags = [f"--job-name={m.job_name}", f"--nodes={plan.job_nodes}", f"--ntasks-per-node={tasks_per_node}",
+    flags = [f"--job-name={m.job_name}", f"--nodes={plan.job_nodes}", f"--ntasks-per-node={plan.tasks_per_node}",
              f"--time={time_to_minutes(m.recipe.time_limit or c.time_limit)}",
              f"--output={logs}/job.out", f"--error={logs}/job.out"]
     if plan.gpus_per_node and any(w.tasks for w in plan.workers) and m.recipe.backend.value != "mock":
@@ -162,8 +157,10 @@ def build_view(m: Manifest) -> View:
     services = []
     for s in plan.services:
         services.append(Step(
-            name=s.name, comment=f"{s.name} on node {s.node}, ports {s.ports}",
+            name=s.name, comment=f"{s.name} on node {s.node}, ports {s.ports}"
+                                 + (f", {s.processes} processes" if s.processes > 1 else ""),
             srun_flags=["--overlap", f"--job-name={s.name}", "--nodes=1", "--ntasks=1",
+                        *([f"--cpus-per-task={s.processes}"] if s.processes > 1 else []),
                         f"--output={logs}/{s.name}.log",
                         *container, *c.srun_args],
             nodelist=_nodelist([s.node]), command=service_argv(m, s.name, c.python)))

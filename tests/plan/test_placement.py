@@ -94,3 +94,24 @@ def test_topology_coordinates():
     assert (c.gpu, c.dp, c.ep) == (7, 0, 0)
     with pytest.raises(ValueError):
         rank_coords(8, tp=4, pp=2, ep=1, attention_dp=False, tasks_per_node=8)
+
+
+def test_frontend_processes_scale_with_the_cores_the_job_holds_on_its_node():
+    def processes(cluster, recipe, setting=None):
+        r = load_recipe(recipe, [f"frontend.processes={setting}"] if setting else None)[0]
+        return plan(cluster, r).service("frontend").processes
+
+    eos = load_cluster("eos")[0]  # exclusive nodes of 224 cores
+    assert processes(eos, "deepseek-r1-disagg") == 4
+    assert processes(eos, "deepseek-r1-disagg", 16) == 16
+    eight = _cluster(cpus_per_node=16, exclusive=True)
+    assert plan(eight, _recipe({"agg": {}})).service("frontend").processes == 2  # one per 8 cores
+    # not exclusive: the job holds a CPU per task slot, and the frontend's processes get one each
+    shared = _cluster(cpus_per_node=128)
+    assert plan(shared, _recipe({"agg": {}})).service("frontend").processes == 1
+    assert plan(shared, _recipe({"agg": {"tensor_parallel_size": 8}})).service("frontend").processes == 4
+    assert plan(shared, _recipe({"agg": {"tensor_parallel_size": 2}}, frontend={"processes": 2})) \
+        .service("frontend").processes == 2
+    with pytest.raises(UserError) as err:
+        plan(shared, _recipe({"agg": {}}, frontend={"processes": 2}))
+    assert err.value.field == "frontend.processes" and "holds 1" in err.value.message

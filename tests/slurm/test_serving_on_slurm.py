@@ -314,3 +314,33 @@ def test_tiny_video_on_dev_with_cfg_parallel_ranks(slurm_env):
     log = (run.logs / "agg-0.log").read_text()
     assert "rank 0 of 2 (cfg 0/2" in log and "rank 1 of 2 (cfg 1/2" in log
     _cancel_and_check_clean(run)
+
+
+def test_a_frontend_of_two_processes_in_one_slurm_step(slurm_env, tmp_path):
+    """frontend.processes on Slurm: the step gets a CPU per process (an exclusive node here), both serve the
+    port inside the node's namespace, and cancelling the job leaves none behind."""
+    whole_nodes = dev_cluster_file(tmp_path, exclusive=True)
+    run = _launch("-c", whole_nodes, "-r", "mock-agg", "--no-smoke", "--set", "frontend.processes=2")
+    try:
+        assert "--cpus-per-task=2" in next(line for line in (run.path / "job.sbatch").read_text().splitlines()
+                                            if "--job-name=frontend" in line)
+        frontends = []
+        for ns, names in _node_processes().items():
+            for pid in (entry.split(":")[0] for entry in names):
+                try:
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if argv[1:3] == [b"-m", b"hpc.runtime.frontend"]:  # not the srun that started it
+                    frontends.append((ns, pid))
+        assert len(frontends) == 2 and {ns for ns, _ in frontends} == {"hpc-node1"}, frontends
+        url, model = _url(run), run.manifest().recipe.model.served_name
+        for _ in range(24):  # a connection each: the kernel picks a process per connection
+            _complete(url, model, n=2)
+        text = get_text(url + "/metrics")
+        per_process = [sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                           if line.startswith("hpc_frontend_process_requests_total") and f'process="{i}"' in line)
+                       for i in range(2)]
+        assert sum(per_process) == 24 and min(per_process) > 0, per_process
+    finally:
+        _cancel_and_check_clean(run)

@@ -11,7 +11,7 @@ import sys
 from hpc.manifest import Manifest
 from hpc.runtime.services.discovery import open_discovery
 from hpc.runtime.frontend.app import Frontend, model_dir
-from hpc.runtime.frontend.group import FrontendGroup, resolve_processes
+from hpc.runtime.frontend.group import FrontendGroup
 from hpc.runtime.frontend.router import SETTLE_S, Router
 from hpc.runtime.frontend.kv_index import KvIndex
 from hpc.runtime.frontend.parsers import HARMONY
@@ -136,7 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("manifest")
     # the processes of one frontend after the first (frontend.processes), started by it
     parser.add_argument("--replica", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--of", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--primary-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--bind", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -149,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     manifest = Manifest.load(args.manifest)
-    size = args.of or resolve_processes(manifest.recipe.frontend.processes)
+    size = manifest.plan.service("frontend").processes
     group = FrontendGroup(args.replica, size, args.manifest, args.primary_port) if size > 1 else None
     try:
         return asyncio.run(serve(manifest, args.bind, group))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import sys
 from typing import Any, Awaitable, Callable
 
@@ -22,19 +21,10 @@ from hpc.runtime.serve.http import HttpServer, Request, Response, json_response
 
 log = logging.getLogger(__name__)
 
-AUTO_CORES_PER_PROCESS = 8  # "auto": one process per 8 usable cores (two on a 16-core GPU box measured best)
-AUTO_MAX = 4
 REPLICA_START_S = 120.0
 # Metrics that every process reads off the same shared state (workers in discovery, the KV event stream): the
 # group's value is the largest, not the sum. Start times of histograms: the earliest.
 _SHARED_SUFFIXES = ("_instances", "_kv_index_stale", "_kv_events_total", "_pool_live")
-
-
-def resolve_processes(setting: int | str) -> int:
-    """A number as it is; "auto" from the cores this process may run on (a Slurm step's share, not the node's)."""
-    if setting != "auto":
-        return int(setting)
-    return max(1, min(AUTO_MAX, len(os.sched_getaffinity(0)) // AUTO_CORES_PER_PROCESS))
 
 
 def health_status(live: dict[str, int], expected: dict[str, int]) -> str:
@@ -184,7 +174,7 @@ class FrontendGroup:
         for index in range(1, self.size):
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "hpc.runtime.frontend", self.manifest_path, "--bind", host,
-                "--replica", str(index), "--of", str(self.size), "--primary-port", str(self.port),
+                "--replica", str(index), "--primary-port", str(self.port),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
             self.replicas.append(proc)
             port = await self._ready_port(proc)
