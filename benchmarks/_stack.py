@@ -15,6 +15,12 @@ from hpc.launch.local import stop_local
 from hpc.rundir import RunDir, list_runs
 
 
+def add_set_option(parser) -> None:
+    """--set PATH=VALUE for the stack's recipe (hpc launch's), e.g. frontend.processes=1."""
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                        help="a recipe override for the stack, e.g. frontend.processes=1 (repeatable)")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

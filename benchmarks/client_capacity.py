@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _stack import add_set_option  # noqa: E402
 
 
 def child(url: str, concurrency: int, requests: int, output_tokens: int, spread: int, seed: int) -> None:
@@ -85,8 +86,7 @@ def main() -> None:
     parser.add_argument("--output-spread", type=int, default=0)
     parser.add_argument("--py-spy", metavar="DIR", help="record the stack's Python processes (GIL holders, collapsed "
                         "stacks) for 5 s during the first client count, into DIR")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
-                        help="a recipe override for the stack, e.g. frontend.processes=2 (repeatable)")
+    add_set_option(parser)
     parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

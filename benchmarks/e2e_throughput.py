@@ -30,6 +30,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from _stack import add_set_option  # noqa: E402
 from hpc.bench.loadgen import REQUESTS_PER_USER, Level, prompt_ids  # noqa: E402
 from hpc.engine_args.precedence import TORCH_ENGINE_DEFAULTS, deep_update  # noqa: E402
 from hpc.runtime.engine.tiny import ensure_model  # noqa: E402
@@ -90,6 +91,7 @@ def main() -> None:
     parser.add_argument("--sweeps", type=int, default=2, help="with --engine-only: sweeps back to back")
     parser.add_argument("--model", default="tiny", help="the generated model to serve (tiny)")
     parser.add_argument("--recipe", default="tiny-agg", help="the stack to compare with (tiny-agg, tiny-disagg)")
+    add_set_option(parser)
     parser.add_argument("--engine-args", default="{}", help="JSON merged into the engine args of both paths")
     parser.add_argument("--output-spread", type=int, default=0,
                         help="each request's output length uniform in output-tokens +- this (0: all equal)")
@@ -121,8 +123,10 @@ def main() -> None:
                 recipe, _ = load_recipe(args.recipe)
                 override = json.dumps({k: v for k, v in engine_args.items() if k != "max_seq_len"})
                 roles = [role for role in ("agg", "prefill", "decode") if getattr(recipe.roles, role) is not None]
-                stack = local_stack(args.recipe, *(f"roles.{role}.override_engine_args={override}" for role in roles))
-                _, url = stack.__enter__()
+                stack = local_stack(args.recipe, *(f"roles.{role}.override_engine_args={override}" for role in roles),
+                                    *args.overrides)
+                stack_run, url = stack.__enter__()
+            frontends[0] = stack_run.manifest().plan.service("frontend").processes
             try:
                 for _ in range(args.rounds):
                     for lv in levels:
@@ -134,11 +138,12 @@ def main() -> None:
                     stack.__exit__(None, None, None)
             return device_label(engine), direct, via
 
+    frontends = [0]
     label, direct, via = asyncio.run(run())
     lv0 = levels[0]
     out = f"{lv0.output_tokens} +- {args.output_spread}" if args.output_spread else str(lv0.output_tokens)
     print(f"tokens/s, {args.model} torch model on {label}, {lv0.input_tokens} in / {out} out, "
-          f"{'' if args.engine_only else f'stack {args.recipe}, '}"
+          f"{'' if args.engine_only else f'stack {args.recipe} ({frontends[0]} frontend processes), '}"
           f"{f'{args.sweeps} sweeps' if args.engine_only else f'{args.rounds} alternating rounds, medians'}"
           f"{', engine args ' + args.engine_args if args.engine_args != '{}' else ''}")
     if args.engine_only:

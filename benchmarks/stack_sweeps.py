@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _stack import local_stack  # noqa: E402
+from _stack import add_set_option, local_stack  # noqa: E402
 
 from hpc.bench.loadgen import REQUESTS_PER_USER, Level, run_level  # noqa: E402
 from hpc.spec.catalog import load_recipe  # noqa: E402
@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--input-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--json", help="also write the figures here")
+    add_set_option(parser)
     args = parser.parse_args()
     recipe, _ = load_recipe(args.recipe)
     # requests per level as `hpc bench` sends them by default: the recipe's number, at least 4 per user
@@ -72,8 +73,9 @@ def main() -> None:
         return out
 
     with contextlib.redirect_stdout(io.StringIO()):
-        stack = local_stack(args.recipe, *overrides)
+        stack = local_stack(args.recipe, *overrides, *args.overrides)
         run, url = stack.__enter__()
+    frontends = run.manifest().plan.service("frontend").processes
     try:
         model = json.loads(urllib.request.urlopen(f"{url}/v1/models", timeout=10).read())["data"][0]["id"]
         first, second = asyncio.run(sweeps(url, model))
@@ -83,7 +85,8 @@ def main() -> None:
     finally:
         with contextlib.redirect_stdout(io.StringIO()):
             stack.__exit__(None, None, None)
-    print(f"{args.recipe}: " + ", ".join(f"{name} on {state['device']}" for name, state in placed.items()))
+    print(f"{args.recipe}: " + ", ".join(f"{name} on {state['device']}" for name, state in placed.items())
+          + f"; {frontends} frontend processes")
     for name, stats in handoff.items():
         print(f"{name}: {int(stats.get('requests', 0))} prefills, {int(stats.get('kv_ipc_shared', 0))} KV handoffs "
               f"shared over CUDA IPC (the rest as bytes)")

@@ -28,6 +28,47 @@ class Seq:
     guide: Any = None  # (automaton, state) while the request's output is constrained (sampling.guide)
     cached: int = 0  # prompt tokens taken from the prefix cache
     prompt_lp: list[TokenLogprob] | None = None  # the prompt's logprobs, sent with the first output
+    held: list[int] = field(default_factory=list)  # tokens not sent yet (stream_interval)
+    held_lp: list[TokenLogprob] = field(default_factory=list)
+
+    def hold(self, token: int, logprob: TokenLogprob | None) -> None:
+        self.held.append(token)
+        if logprob is not None:
+            self.held_lp.append(logprob)
+
+    def send_held(self, **final: Any) -> None:
+        """An output with the tokens held so far (their logprobs, the prompt's on the first); `final` for the last
+        (finished, finish_reason, error, disaggregated_params)."""
+        tokens, logprobs = self.held, self.held_lp or None
+        self.held, self.held_lp = [], []
+        prompt_lp, self.prompt_lp = self.prompt_lp, None
+        self.emit(GenerateOutput(token_ids=tokens, prompt_tokens=len(self.request.token_ids), logprobs=logprobs,
+                                 cached_tokens=self.cached, prompt_logprobs=prompt_lp, **final))
+
+
+class BatchWait:
+    """TensorRT-LLM's batch waiting (batch_wait_timeout_iters, batch_wait_max_tokens_ratio; PyExecutor's
+    _waiting_requests in tensorrt_llm/_torch/pyexecutor/py_executor.py): while sequences decode, new prompts wait
+    until they and the decoding rows make `ratio` x max_num_tokens tokens, or for `timeout_iters` steps at most,
+    so that prompts arriving one by one are prefilled together instead of each stopping the decode for a step
+    of its own. Off when both are 0 (the default); nothing waits when nothing decodes. As there, both are
+    needed: a ratio of 0 is always reached, so the steps alone hold nothing back."""
+
+    def __init__(self, timeout_iters: int, max_tokens_ratio: float, max_num_tokens: int) -> None:
+        self.enabled = timeout_iters > 0 or max_tokens_ratio > 0
+        self.timeout_iters = timeout_iters
+        self.threshold = max_tokens_ratio * max_num_tokens
+        self.waited = 0  # steps the current arrivals have waited
+
+    def admit_now(self, arrivals: list[Seq], decoding: int) -> bool:
+        if not self.enabled or not arrivals or not decoding:
+            return True
+        tokens = sum(len(seq.request.token_ids) for seq in arrivals) + decoding
+        if self.waited >= self.timeout_iters or tokens >= self.threshold:
+            self.waited = 0
+            return True
+        self.waited += 1
+        return False
 
 
 def prefill_groups(seqs: list[Seq], budget: int, pipeline: bool) -> Iterator[list[Seq]]:

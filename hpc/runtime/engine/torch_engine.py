@@ -34,7 +34,7 @@ from hpc.runtime.engine.outputs import Direct, Emitter
 from hpc.runtime.engine.picking import TokenPicker
 from hpc.runtime.engine.prefill_graphs import PrefillGraphs
 from hpc.runtime.engine.sampling import make_generator, prompt_logprobs
-from hpc.runtime.engine.sequence import Seq, prefill_groups
+from hpc.runtime.engine.sequence import BatchWait, Seq, prefill_groups
 from hpc.runtime.engine.tp import gather_kv, scatter_kv
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
                                       GenerateRequest, KvMeta, TokenLogprob)
@@ -70,6 +70,12 @@ class TorchEngine:
             else ExpertParallel()
         self.max_batch = int(self.args.get("max_batch_size") or 32)
         self.max_len = int(self.args.get("max_seq_len") or 2048)
+        # TensorRT-LLM's stream_interval: a streamed output every N tokens (the first and the last always)
+        self.stream_interval = int(self.args.get("stream_interval") or 1)
+        self.batch_wait = BatchWait(int(self.args.get("batch_wait_timeout_iters") or 0),
+                                    float(self.args.get("batch_wait_max_tokens_ratio") or 0.0),
+                                    self._token_budget())
+        self._deferred: list[Seq] = []  # arrivals the batch wait holds back
         self.fetch_kv = fetch_kv
         self.self_address = self_address
         self.cfg: LlamaConfig | None = None
@@ -339,7 +345,7 @@ class TorchEngine:
         except BaseException as exc:  # noqa: BLE001 - whatever kills the thread must be visible
             log.exception("the scheduler thread died")
             self.failure = f"{type(exc).__name__}: {exc}"
-            for seq in running:
+            for seq in running + self._deferred:
                 self._finish(seq, "error", error=f"engine failed: {self.failure}")
             while True:
                 try:
@@ -354,15 +360,16 @@ class TorchEngine:
         while self._running:
             t0 = time.perf_counter()
             try:
-                block = not running
+                block = not running and not self._deferred
                 item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
             except queue.Empty:
                 item = None
                 self.handoffs.expire()
             t1 = time.perf_counter()
             clock["idle_seconds_total"] += t1 - t0
+            arrivals, self._deferred = self._deferred, []
             if item is not None:
-                arrivals = [item]
+                arrivals.append(item)
                 while len(arrivals) < len(self.free_slots):  # every waiting request that fits, before decoding
                     try:
                         nxt = self._inbox.get_nowait()
@@ -370,11 +377,14 @@ class TorchEngine:
                         break
                     if nxt is not None:
                         arrivals.append(nxt)
+            elif not self._running:
+                break
+            if arrivals and not self.batch_wait.admit_now(arrivals, len(running)):
+                self._deferred = arrivals  # prefilled together a few steps later
+            elif arrivals:
                 self._counters["waiting"] -= len(arrivals)
                 self._admit(arrivals, running)
                 clock["admit_seconds_total"] += time.perf_counter() - t1
-            elif not self._running:
-                break
             running[:] = [s for s in running if self._still_running(s)]
             if running:
                 t2 = time.perf_counter()
@@ -447,7 +457,8 @@ class TorchEngine:
             self.handoffs.put(handle, gather_kv(self.tp, self.cache, seq.slot, seq.length))
             params = DisaggregatedParams(request_handle=handle, prefill_address=self.self_address,
                                          first_token_id=first, prompt_length=seq.length)
-            self._finish(seq, "length", tokens=[first], params=params, logprob=logprob)
+            seq.hold(first, logprob)
+            self._finish(seq, "length", params=params)
             return
         if self._emit_token(seq, first, logprob):
             running.append(seq)
@@ -567,31 +578,23 @@ class TorchEngine:
         seq.counts[token] = seq.counts.get(token, 0) + 1
         self._counters["generated_tokens"] += 1
         p = seq.request.sampling
+        seq.hold(token, logprob)
         if (token == self.cfg.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids or \
                 (seq.guide is not None and seq.guide[0].complete(seq.guide[1])):  # the guide is complete
-            self._finish(seq, "stop", tokens=[token], logprob=logprob)
+            self._finish(seq, "stop")
             return False
         if seq.generated >= p.max_tokens or seq.length + 1 >= self.max_len:
-            self._finish(seq, "length", tokens=[token], logprob=logprob)
+            self._finish(seq, "length")
             return False
-        seq.emit(GenerateOutput(token_ids=[token], prompt_tokens=len(seq.request.token_ids),
-                                logprobs=None if logprob is None else [logprob], cached_tokens=seq.cached,
-                                prompt_logprobs=self._take_prompt_logprobs(seq)))
+        if seq.generated == 1 or seq.generated % self.stream_interval == 0:  # TensorRT-LLM's rule (_handle_responses)
+            seq.send_held()
         return True
 
-    def _finish(self, seq: Seq, reason: str, tokens: list[int] | None = None,
-                params: DisaggregatedParams | None = None, error: str | None = None,
-                logprob: TokenLogprob | None = None) -> None:
-        seq.emit(GenerateOutput(token_ids=tokens or [], finished=True, finish_reason=reason, error=error,
-                                prompt_tokens=len(seq.request.token_ids), disaggregated_params=params,
-                                logprobs=None if logprob is None else [logprob], cached_tokens=seq.cached,
-                                prompt_logprobs=self._take_prompt_logprobs(seq)))
+    def _finish(self, seq: Seq, reason: str, params: DisaggregatedParams | None = None,
+                error: str | None = None) -> None:
+        """The last output: the tokens still held (the last one among them), why it ended."""
+        seq.send_held(finished=True, finish_reason=reason, error=error, disaggregated_params=params)
         self._release(seq)
-
-    @staticmethod
-    def _take_prompt_logprobs(seq: Seq) -> list[TokenLogprob] | None:
-        taken, seq.prompt_lp = seq.prompt_lp, None
-        return taken
 
     def _release(self, seq: Seq) -> None:
         if seq.slot >= 0:
