@@ -25,17 +25,37 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _stack import add_set_option  # noqa: E402
 
 
-def child(url: str, concurrency: int, requests: int, output_tokens: int, spread: int, seed: int) -> None:
+def child(url: str, concurrency: int, requests: int, input_tokens: int, output_tokens: int, spread: int,
+          seed: int) -> None:
     from hpc.bench.loadgen import Level, run_level
 
-    level = Level(concurrency, 64, output_tokens, requests, output_spread=spread)
-    asyncio.run(run_level(url, "hpc/tiny", Level(1, 64, output_tokens, 2), True, 0, seed=seed))  # warm
+    level = Level(concurrency, input_tokens, output_tokens, requests, output_spread=spread)
+    asyncio.run(run_level(url, "hpc/tiny", Level(1, input_tokens, output_tokens, 2), True, 0, seed=seed))  # warm
     print("ready", flush=True)
     sys.stdin.readline()  # every client starts together, once the parent has read the engines' counters
     cpu0, t0 = time.process_time(), time.perf_counter()
     res = asyncio.run(run_level(url, "hpc/tiny", level, True, 0, seed=seed))
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     print(json.dumps({"tok_s": res["output_tokens_per_s"], "cpu_share": cpu / wall}))
+
+
+def start_client(url: str, level, seed: int = 0) -> subprocess.Popen:
+    """A load generator in a process of its own (as `hpc bench` is): warmed up, it waits for go()."""
+    proc = subprocess.Popen([sys.executable, __file__, "--child", url, str(level.concurrency), str(level.requests),
+                             str(level.input_tokens), str(level.output_tokens), str(level.output_spread), str(seed)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def go(proc: subprocess.Popen) -> None:
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+
+
+def result(proc: subprocess.Popen) -> dict:
+    """{"tok_s", "cpu_share"} of a client once its level ran."""
+    return json.loads(proc.communicate()[0].strip().splitlines()[-1])
 
 
 def cpu_seconds(group: int) -> float:
@@ -87,14 +107,15 @@ def main() -> None:
     parser.add_argument("--py-spy", metavar="DIR", help="record the stack's Python processes (GIL holders, collapsed "
                         "stacks) for 5 s during the first client count, into DIR")
     add_set_option(parser)
-    parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        url, c, n, out, spread, seed = args.child
-        child(url, int(c), int(n), int(out), int(spread), int(seed))
+        url, *numbers = args.child
+        child(url, *map(int, numbers))
         return
     from _stack import local_stack
 
+    from hpc.bench.loadgen import Level
     from hpc.spec.catalog import load_recipe
 
     override = json.dumps({"max_batch_size": args.concurrency})
@@ -111,12 +132,9 @@ def main() -> None:
     try:
         for clients in (int(x) for x in args.clients.split(",")):
             each = args.concurrency // clients
-            procs = [subprocess.Popen([sys.executable, __file__, "--child", url, str(each), str(4 * each),
-                                       str(args.output_tokens), str(args.output_spread), str(i)],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                     for i in range(clients)]
-            for proc in procs:  # started and warm: the measured window holds the level only
-                assert proc.stdout.readline().strip() == "ready"
+            level = Level(each, 64, args.output_tokens, 4 * each, output_spread=args.output_spread)
+            # started and warm: the measured window holds the level only
+            procs = [start_client(url, level, seed=i) for i in range(clients)]
             counted = engine_counters(run)
             t0, before = time.perf_counter(), {name: cpu_seconds(pid) for name, pid in components.items()}
             spies = [] if not args.py_spy or rows else [subprocess.Popen(
@@ -124,9 +142,8 @@ def main() -> None:
                  "--format", "raw", "--output", os.path.join(args.py_spy, f"{name}.txt")], stdout=subprocess.DEVNULL)
                 for name, pid in components.items() if name not in ("etcd", "nats")]
             for proc in procs:
-                proc.stdin.write("go\n")
-                proc.stdin.flush()
-            results = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
+                go(proc)
+            results = [result(p) for p in procs]
             wall = time.perf_counter() - t0
             busy = {name: (cpu_seconds(pid) - before[name]) / wall for name, pid in components.items()}
             for name, now in engine_counters(run).items():

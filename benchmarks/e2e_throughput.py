@@ -92,6 +92,9 @@ def main() -> None:
     parser.add_argument("--model", default="tiny", help="the generated model to serve (tiny)")
     parser.add_argument("--recipe", default="tiny-agg", help="the stack to compare with (tiny-agg, tiny-disagg)")
     add_set_option(parser)
+    parser.add_argument("--client-in-process", action="store_true",
+                        help="the stack's load generator in this process, beside the engine (before 2026-11-25); "
+                             "by default it has a process of its own, as hpc bench does")
     parser.add_argument("--engine-args", default="{}", help="JSON merged into the engine args of both paths")
     parser.add_argument("--output-spread", type=int, default=0,
                         help="each request's output length uniform in output-tokens +- this (0: all equal)")
@@ -116,6 +119,7 @@ def main() -> None:
                         sweep[lv.concurrency].append(await engine_level(engine, lv, rng))
                 return device_label(engine), direct, via
             from _stack import local_stack
+            from client_capacity import go, result, start_client
             from hpc.bench.loadgen import run_level
             from hpc.spec.catalog import load_recipe
 
@@ -131,8 +135,13 @@ def main() -> None:
                 for _ in range(args.rounds):
                     for lv in levels:
                         direct[lv.concurrency].append(await engine_level(engine, lv, rng))
-                        res = await run_level(url, "hpc/tiny", lv, True, WARMUP)
-                        via[lv.concurrency].append(res["output_tokens_per_s"])
+                        if args.client_in_process:
+                            res = await run_level(url, "hpc/tiny", lv, True, WARMUP)
+                            via[lv.concurrency].append(res["output_tokens_per_s"])
+                            continue
+                        client = await asyncio.to_thread(start_client, url, lv)
+                        go(client)
+                        via[lv.concurrency].append((await asyncio.to_thread(result, client))["tok_s"])
             finally:
                 with contextlib.redirect_stdout(io.StringIO()):
                     stack.__exit__(None, None, None)
