@@ -34,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction, add_target) -> None:
 
 
 def profile(args: argparse.Namespace) -> int:
-    from hpc.cli.commands import _free_local_ports, launch_resolved, plan_table
+    from hpc.cli.commands import _this_machine, launch_resolved, plan_table
     from hpc.profile.choose import choose
     from hpc.profile.plan import default_form, engines, fed_by, points, profile_recipe, requests_at
     from hpc.profile.spec import ProfileRequest, check_request, gpus_needed
@@ -46,7 +46,7 @@ def profile(args: argparse.Namespace) -> int:
     req = ProfileRequest(isl=args.isl, osl=args.osl, ttft_ms=args.ttft, itl_ms=args.itl, tps=args.tp,
                          max_gpus=args.max_gpus, requests=args.requests, max_concurrency=args.max_concurrency)
     check_request(req, resolved)
-    cluster = resolved.cluster if args.dry_run else _free_local_ports(resolved.cluster)
+    cluster = _this_machine(resolved.cluster, for_launch=not args.dry_run)
     if args.form == "disagg" and not recipe.disaggregated:
         raise UserError("--form disagg needs a disaggregated recipe", file=resolved.recipe_file, field="roles",
                         hint="leave --form out for an aggregated recipe")
