@@ -30,7 +30,7 @@ def steps(mpiexec: str, scratch: str, gpus: int) -> list[tuple[str, list[str], s
         ("cuda_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/runtime/test_engine_cuda.py",
                         "tests/runtime/test_fused_decode.py", "tests/runtime/test_engine_warmup.py",
                         "tests/runtime/test_kv_ipc_cuda.py", "tests/runtime/test_decode_graphs.py",
-                        "tests/runtime/test_prefill_graphs.py"], None, 200),
+                        "tests/runtime/test_prefill_graphs.py", "tests/runtime/test_overlap.py"], None, 200),
         ("gpu_check_0.9b", [py, "benchmarks/gpu_check.py", "--shape", "1b", "--mpiexec", mpiexec, "--json",
                             f"{scratch}/1b.json"], f"{scratch}/1b.json", 150 * gpus),
         ("gpu_check_8b", [py, "benchmarks/gpu_check.py", "--shape", "8b", "--mpiexec", mpiexec, "--json",
@@ -49,6 +49,10 @@ def steps(mpiexec: str, scratch: str, gpus: int) -> list[tuple[str, list[str], s
         # the same without decode CUDA graphs (every step launched from Python)
         ("engine_sweeps_eager", [py, "benchmarks/e2e_throughput.py", "--engine-only", "--concurrency", "1,8,32,64",
                                  "--output-tokens", "64", "--engine-args", '{"cuda_graph_config": null}'], None, 150),
+        # the same step by step (every step's tokens read before the next is launched)
+        ("engine_sweeps_no_overlap", [py, "benchmarks/e2e_throughput.py", "--engine-only", "--concurrency",
+                                      "1,8,32,64", "--output-tokens", "64", "--engine-args",
+                                      '{"disable_overlap_scheduler": true}'], None, 150),
         # sustained load: output lengths 32-96, so every step admits a prompt or two beside its decode rows
         ("engine_spread", [py, "benchmarks/e2e_throughput.py", "--engine-only", "--concurrency", "8,32,64",
                            "--output-tokens", "64", "--output-spread", "32"], None, 150),
@@ -58,6 +62,9 @@ def steps(mpiexec: str, scratch: str, gpus: int) -> list[tuple[str, list[str], s
                                          "--engine-args", '{"torch_compile_config": null}'], None, 150),
         ("engine_8b", [py, "benchmarks/e2e_throughput.py", "--engine-only", "--model", "llama-8b-shape",
                        "--concurrency", "1,8,32", "--output-tokens", "64"], None, 200),
+        ("engine_8b_no_overlap", [py, "benchmarks/e2e_throughput.py", "--engine-only", "--model",
+                                  "llama-8b-shape", "--concurrency", "1,8,32", "--output-tokens", "64", "--engine-args",
+                                  '{"disable_overlap_scheduler": true}'], None, 200),
         ("engine_8b_eager", [py, "benchmarks/e2e_throughput.py", "--engine-only", "--model", "llama-8b-shape",
                              "--concurrency", "1,8,32", "--output-tokens", "64", "--engine-args",
                              '{"cuda_graph_config": null}'], None, 200),

@@ -56,6 +56,12 @@ class DecodeGraphs:
         # rows 0, 1, 2: token, position, cache slot of each row of the step
         self.inputs = torch.zeros(3, largest, dtype=torch.long, device=device)
         self.inputs[2].fill_(scratch_slot)
+        # the host side of each step's inputs, pinned, two in turn: a copy from pageable memory would first wait
+        # for the steps already queued (an overlapped step's is queued behind the one running; overlap.py), and a
+        # buffer is written again only after the step that read it has been read back
+        pinned = device.type == "cuda"
+        self._staging = [torch.zeros(3, largest, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self._turn = 0
         self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
         self.replays = 0
 
@@ -66,18 +72,27 @@ class DecodeGraphs:
         log.info("decode CUDA graphs for batch sizes %s (padding %s)", list(self.sizes.batch_sizes),
                  "on" if self.sizes.padding else "off")
 
-    def run(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor | None:
+    def run(self, tokens: list[int], positions: list[int], slots: list[int],
+            device_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [rows, V] of one decode step, or None when no graph fits (the caller runs it eagerly).
+        `device_tokens` [rows]: the tokens are already on the device (an overlapped step's input) and `tokens`
+        is ignored.
 
         The logits are a view of the graph's output: read them before the next run."""
-        rows = len(tokens)
+        rows = len(positions)
         size = self.sizes.size_for(rows)
         if size is None or size not in self._graphs:
             return None
         pad = self.inputs.shape[1] - rows  # the whole buffer: one contiguous copy
-        staged = torch.tensor([tokens + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad],
-                              dtype=torch.long)
-        self.inputs.copy_(staged)
+        if device_tokens is not None:
+            tokens = [0] * rows
+        staged = self._staging[self._turn]
+        self._turn ^= 1
+        staged.copy_(torch.tensor([tokens + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad],
+                                  dtype=torch.long))
+        self.inputs.copy_(staged, non_blocking=True)
+        if device_tokens is not None:
+            self.inputs[0, :rows].copy_(device_tokens)
         replay, logits = self._graphs[size]
         replay()
         self.replays += 1

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hpc.runtime.engine.guided import vocabulary_texts
-from hpc.runtime.engine.sampling import guided_order, sample, sample_rows, token_logprob
+from hpc.runtime.engine.sampling import guided_order, on_device, sample, sample_rows, token_logprob
 from hpc.runtime.engine.types import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
@@ -55,6 +55,22 @@ class TokenPicker:
             tokens = sample_rows(logits[sampled], [seqs[i].request.sampling for i in sampled], sampler)
             picked.update((i, (t, None)) for i, t in zip(sampled, tokens.tolist()))
         return [picked[i] if i in picked else self.pick(s, logits[i]) for i, s in enumerate(seqs)]
+
+    def pick_on_device(self, seqs: list["Seq"], logits: torch.Tensor, sampler: torch.Generator) -> torch.Tensor:
+        """pick_rows for rows that are all `batchable`, without reading the tokens: [rows] on the logits' device
+        (an overlapped step's tokens, the next step's input)."""
+        greedy = [i for i, s in enumerate(seqs) if s.request.sampling.temperature == 0]
+        if len(greedy) == len(seqs):
+            return logits.argmax(-1)
+        if not greedy:
+            return sample_rows(logits, [s.request.sampling for s in seqs], sampler)
+        sampled = [i for i, s in enumerate(seqs) if s.request.sampling.temperature > 0]
+        where_greedy, where_sampled = on_device(greedy, logits.device), on_device(sampled, logits.device)
+        tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        tokens[where_greedy] = logits[where_greedy].argmax(-1)
+        tokens[where_sampled] = sample_rows(logits[where_sampled], [seqs[i].request.sampling for i in sampled],
+                                            sampler)
+        return tokens
 
     def pick(self, seq: "Seq", logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
         raw = logits

@@ -42,11 +42,20 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
     return int(sample_rows(logits[None].float().cpu(), [params], gen)[0])
 
 
+def on_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list on the device without waiting for the device: from pageable memory a copy first waits
+    for the stream's queued work, which an overlapped step must not (a pinned copy is queued behind it)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gen: torch.Generator | None) -> torch.Tensor:
     """One token per row of logits [N, V] (temperature > 0), each row with its own temperature, top-k and
     top-p, in a few batched kernels on the logits' device: a decode step of 64 sampled rows costs one sync,
     not 64 host round trips."""
-    rows = logits.float() / torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
+    rows = logits.float() / on_device([p.temperature for p in params], logits.device)[:, None]
     top_k = [p.top_k or rows.shape[-1] for p in params]
     top_p = [p.top_p for p in params]
     if max(top_p) < 1.0 or min(top_k) < rows.shape[-1]:
@@ -59,9 +68,9 @@ def keep_mask(rows: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch
     always) keeps: rows [N, V] of tempered logits -> bool [N, V]."""
     ordered, order = rows.sort(dim=-1, descending=True)
     rank = torch.arange(rows.shape[-1], device=rows.device)[None]
-    keep = rank < torch.tensor(top_k, device=rows.device)[:, None]
+    keep = rank < on_device(top_k, rows.device)[:, None]
     probs = torch.softmax(ordered.masked_fill(~keep, float("-inf")), dim=-1)
-    keep &= probs.cumsum(-1) - probs < torch.tensor(top_p, device=rows.device)[:, None]
+    keep &= probs.cumsum(-1) - probs < on_device(top_p, rows.device)[:, None]
     return torch.zeros_like(keep).scatter(1, order, keep)
 
 

@@ -34,6 +34,8 @@ from hpc.runtime.engine.outputs import Direct, Emitter
 from hpc.runtime.engine.picking import TokenPicker
 from hpc.runtime.engine.prefill_graphs import PrefillGraphs
 from hpc.runtime.engine.sampling import make_generator, prompt_logprobs
+from hpc.runtime.engine.decode_steps import DecodeSteps
+from hpc.runtime.engine.overlap import HostCopies, InflightStep
 from hpc.runtime.engine.sequence import BatchWait, Seq, prefill_groups
 from hpc.runtime.engine.tp import gather_kv, scatter_kv
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
@@ -47,7 +49,7 @@ HANDOFF_TTL_S = 120.0
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class TorchEngine:
+class TorchEngine(DecodeSteps):
     def __init__(self, model_dir: Path, mode: DisaggregationMode, engine_args: dict[str, Any], *,
                  device: str | None = None, tp: TensorParallel | None = None,
                  fetch_kv: Callable[[DisaggregatedParams], Any] | None = None,
@@ -76,6 +78,10 @@ class TorchEngine:
                                     float(self.args.get("batch_wait_max_tokens_ratio") or 0.0),
                                     self._token_budget())
         self._deferred: list[Seq] = []  # arrivals the batch wait holds back
+        # TensorRT-LLM's overlap scheduler, on unless disable_overlap_scheduler (one rank: followers step in turn)
+        self.overlap = not self.args.get("disable_overlap_scheduler") and self.world.size == 1
+        self._inflight: InflightStep | None = None
+        self._host_copies = HostCopies(self.max_batch, self.device)
         self.fetch_kv = fetch_kv
         self.self_address = self_address
         self.cfg: LlamaConfig | None = None
@@ -393,6 +399,7 @@ class TorchEngine:
                     clock["decode_seconds_total"] += time.perf_counter() - t2
                 except Exception as exc:  # keep serving others; fail the batch clearly
                     log.exception("decode step failed")
+                    self._inflight = None
                     for s in running:
                         self._finish(s, "error", error=str(exc))
                     running.clear()
@@ -548,21 +555,6 @@ class TorchEngine:
         """Prompts packed in one row (prefill_graphs); one rank only, so no step to broadcast."""
         return self.model.forward_step(self.model.embed(tokens[None]), positions[None], slots[None], self.cache,
                                        last=last, packed=prompts)
-
-    def _decode_step(self, running: list[Seq]) -> None:
-        self._counters["decode_steps"] += 1
-        logits = self.graphs.run([s.last_token for s in running], [s.length for s in running],
-                                 [s.slot for s in running]) if self.graphs is not None else None
-        if logits is None:
-            logits = self._decode_logits(torch.tensor([[s.last_token] for s in running], device=self.device),
-                                         torch.tensor([[s.length] for s in running], device=self.device),
-                                         torch.tensor([s.slot for s in running], device=self.device))
-        for s in running:
-            s.length += 1
-        picked = self.picker.pick_rows(running, logits, self.sampler)
-        with self.emitter:
-            for s, (token, logprob) in zip(running, picked):
-                self._emit_token(s, token, logprob)
 
     def _forward(self, kind: str, embeds, positions, slots, last_only: bool = True, last=None) -> torch.Tensor:
         if self.world.size > 1:

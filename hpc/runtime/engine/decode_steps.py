@@ -1,0 +1,64 @@
+"""How the torch engine runs a decode step: step by step (launch, read the tokens, emit them), or overlapped
+(overlap.py: the next step launched from the tokens still on the device, the previous step's emitted meanwhile).
+A part of TorchEngine, apart for size; it uses the engine's picker, graphs, sampler, emitter and counters."""
+
+from __future__ import annotations
+
+import torch
+
+from hpc.runtime.engine.overlap import InflightStep, chainable, startable
+from hpc.runtime.engine.sequence import Seq
+
+
+class DecodeSteps:
+    def _decode_step(self, running: list[Seq]) -> None:
+        batchable = self.picker.batchable
+        if self._inflight is not None:  # its tokens are not read yet
+            if not chainable(self._inflight, running, self.max_len, batchable):
+                self._emit_inflight()  # the batch changes: the next step is staged from the host
+                return
+            self._launch_overlapped(running, self._inflight.tokens)
+            return
+        if self.overlap and startable(running, self.max_len, batchable):
+            self._launch_overlapped(running, None)
+            return
+        self._counters["decode_steps"] += 1
+        logits = self._decode_launch(running, None)
+        picked = self.picker.pick_rows(running, logits, self.sampler)
+        with self.emitter:
+            for s, (token, logprob) in zip(running, picked):
+                self._emit_token(s, token, logprob)
+
+    def _decode_launch(self, running: list[Seq], device_tokens: torch.Tensor | None) -> torch.Tensor:
+        """One decode step's logits, each row's token from its last one (or `device_tokens`, on the device)."""
+        positions, slots = [s.length for s in running], [s.slot for s in running]
+        tokens = [s.last_token for s in running]
+        logits = self.graphs.run(tokens, positions, slots, device_tokens) if self.graphs is not None else None
+        if logits is None:
+            token_tensor = device_tokens[:, None] if device_tokens is not None else \
+                torch.tensor([[t] for t in tokens], device=self.device)
+            logits = self._decode_logits(token_tensor, torch.tensor([[p] for p in positions], device=self.device),
+                                         torch.tensor(slots, device=self.device))
+        for s in running:
+            s.length += 1
+        return logits
+
+    def _launch_overlapped(self, running: list[Seq], device_tokens: torch.Tensor | None) -> None:
+        """Launch a step whose tokens stay on the device, then emit the previous step's (overlap.py)."""
+        self._counters["decode_steps"] += 1
+        self._counters["decode_steps_overlapped"] = self._counters.get("decode_steps_overlapped", 0) + 1
+        tokens = self.picker.pick_on_device(running, self._decode_launch(running, device_tokens), self.sampler)
+        previous, self._inflight = self._inflight, InflightStep(list(running), tokens, *self._host_copies.start(tokens))
+        if previous is not None:
+            self._emit_inflight(previous)
+
+    def _emit_inflight(self, step: InflightStep | None = None) -> None:
+        """Read a step's tokens (the one in flight by default) and send them; rows that ended meanwhile (a stop
+        token read after this step was launched, a cancel) are skipped."""
+        if step is None:
+            step, self._inflight = self._inflight, None
+        with self.emitter:
+            for seq, token in zip(step.rows, step.read()):
+                if seq.slot >= 0:
+                    self._emit_token(seq, token)
+
