@@ -35,17 +35,20 @@ class InflightStep:
 
 
 class HostCopies:
-    """Two pinned host buffers, used in turn: a step's tokens are read while the next step's are being copied."""
+    """Two pinned host buffers, used in turn: a step's tokens are read while the next step's are being copied.
+    Made on first use, in the scheduler thread: pinning memory sets up CUDA on the thread's current device, which
+    only the engine's own threads make the engine's GPU."""
 
     def __init__(self, rows: int, device: torch.device) -> None:
-        self.device = device
-        cuda = device.type == "cuda"
-        self.buffers = [torch.empty(rows, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self.rows, self.device = rows, device
+        self.buffers: list[torch.Tensor] = []
         self.turn = 0
 
     def start(self, tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
         if self.device.type != "cuda":
             return tokens, None
+        if not self.buffers:
+            self.buffers = [torch.empty(self.rows, dtype=torch.long, pin_memory=True) for _ in range(2)]
         host = self.buffers[self.turn][:tokens.shape[0]]
         self.turn ^= 1
         host.copy_(tokens, non_blocking=True)
