@@ -140,7 +140,8 @@ class FrontendGroup:
         routes: dict[str, Callable[[], Awaitable[Response]]] = {
             "/own/health": self._own_health_response, "/own/metrics": self._own_metrics_response}
         if self.index == 0:
-            routes.update({"/group/health": self._group_health_response, "/group/metrics": self._group_metrics_response})
+            routes.update({"/group/health": self._group_health_response,
+                           "/group/metrics": self._group_metrics_response})
         route = routes.get(req.path)
         return await route() if route else Response(status=404)
 
