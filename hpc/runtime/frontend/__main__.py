@@ -76,7 +76,7 @@ async def serve(manifest: Manifest, bind: str | None = None, group: FrontendGrou
     await server.close()
     if group is not None:
         await group.close()
-        if group.gone.done() and first:  # a process of the frontend died: so does the frontend, visibly
+        if first and group.gone.done() and group.gone.result():  # a process died: so does the frontend, visibly
             raise RuntimeError(group.gone.result())
     await router.close()
     if kv_feed is not None:

@@ -117,7 +117,8 @@ class FrontendGroup:
         self.primary_port = primary_port  # process 0's loopback port, for the others
         self.replica_ports: list[int] = []
         self.replicas: list[asyncio.subprocess.Process] = []
-        self.gone: asyncio.Future | None = None  # a process of the group died: the frontend stops
+        # set when a process of the group ends: the frontend stops (the result: why it failed, None if it did not)
+        self.gone: asyncio.Future | None = None
         self._peer: HttpServer | None = None
         self._own_health: Callable[[], dict[str, Any]] = dict
         self._own_metrics: Callable[[], bytes] = bytes
@@ -171,14 +172,15 @@ class FrontendGroup:
         return merge_metrics(texts) + _per_process(texts)
 
     async def spawn(self, host: str) -> None:
-        """Process 0: start the others on the same manifest and port, each answering `ready PORT` once it listens."""
+        """Process 0: start the others on the same manifest and port (together), each answering `ready PORT` once
+        it listens."""
         for index in range(1, self.size):
-            proc = await asyncio.create_subprocess_exec(
+            self.replicas.append(await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "hpc.runtime.frontend", self.manifest_path, "--bind", host,
                 "--replica", str(index), "--primary-port", str(self.port),
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
-            self.replicas.append(proc)
-            port = await self._ready_port(proc)
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE))
+        ports = await asyncio.gather(*(self._ready_port(proc) for proc in self.replicas))
+        for index, (proc, port) in enumerate(zip(self.replicas, ports), start=1):
             if port is None:
                 code = proc.returncode if proc.returncode is not None else "none yet"
                 raise RuntimeError(f"frontend process {index} of {self.size} did not start (exit code {code}; "
@@ -204,9 +206,11 @@ class FrontendGroup:
                 return int(port)
 
     async def _watch_replica(self, index: int, proc: asyncio.subprocess.Process) -> None:
+        """A process that dies takes the group down: as a failure, unless it stopped cleanly (code 0: the signal
+        that stops a Slurm step or a local run reaches every process of the group, this one too)."""
         code = await proc.wait()
         if not self.gone.done():
-            self.gone.set_result(f"frontend process {index} of {self.size} exited with code {code}")
+            self.gone.set_result(f"frontend process {index} of {self.size} exited with code {code}" if code else None)
 
     async def _watch_primary(self) -> None:
         """Process 0 holds our stdin open: end of file is its death (even a SIGKILL)."""

@@ -147,3 +147,22 @@ def test_a_process_that_dies_takes_the_frontend_down_visibly(failing):
     state = wait_until(failed, 15, "the frontend to report failed")
     assert "frontend process" in state["error"] and "exited with code -9" in state["error"]
     wait_until(lambda: True if not any(alive(p) for p in pids) else None, 15, "every frontend process to stop")
+
+
+stopping = stack_fixture("mock-agg", "--set", "frontend.processes=2")
+
+
+@pytest.mark.integration
+def test_a_stop_signal_to_every_process_is_a_clean_stop_not_a_failure(stopping):
+    pids = _frontend_processes(stopping)
+    assert len(pids) == 2
+    (leader,) = local_pids(stopping.run)["frontend"]
+    os.killpg(leader, signal.SIGTERM)  # what hpc cancel and a Slurm step's end send: every process at once
+    state_file = stopping.run.state / "frontend.json"
+
+    def ended():
+        state = json.loads(state_file.read_text())
+        return state if state.get("phase") in ("stopped", "failed") else None
+    state = wait_until(ended, 15, "the frontend to stop")
+    assert state["phase"] == "stopped", state
+    wait_until(lambda: True if not any(alive(p) for p in pids) else None, 15, "every frontend process to stop")
