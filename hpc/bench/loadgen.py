@@ -57,7 +57,8 @@ class Sample:
     ok: bool
     e2e: float = 0.0
     ttft: float | None = None
-    itls: list[float] = field(default_factory=list)
+    itls: list[float] = field(default_factory=list)  # gaps between streamed events (each may carry several tokens)
+    decode_s: float | None = None  # first streamed token to the last
     tokens: int = 0
     error: str = ""
 
@@ -116,6 +117,8 @@ async def one_request(pool: Pool, model: str, level: Level, streaming: bool, rng
                         elif last is not None:
                             sample.itls.append(now - last)
                         last = now
+            if sample.ttft is not None and last is not None:
+                sample.decode_s = last - t0 - sample.ttft
             if status != 200 and not sample.error:
                 try:
                     sample.error = json.loads(buffer)["error"]["message"]
@@ -190,6 +193,9 @@ def summarize(level: Level, samples: list[Sample], wall: float, peak_inflight: i
         "requests_per_s": len(ok) / wall if wall else 0.0,
         "ttft_s": percentiles([s.ttft for s in ok if s.ttft is not None]),
         "itl_s": percentiles([x for s in ok for x in s.itls]),
+        # time per output token after the first, per request (AIPerf's inter-token latency): right however many
+        # tokens an event carries (stream_interval > 1, TensorRT-LLM's multi-token outputs), where the gaps are not
+        "tpot_s": percentiles([s.decode_s / (s.tokens - 1) for s in ok if s.decode_s is not None and s.tokens > 1]),
         "e2e_s": percentiles([s.e2e for s in ok]),
         "valid": not reasons, "invalid_reasons": reasons, "errors": errors,
     }

@@ -10,7 +10,7 @@ from typing import Any
 COLUMNS = ["concurrency", "input_tokens", "output_tokens", "output_tokens_per_request", "requests", "completed",
            "peak_inflight", "failure_rate",
            "output_tokens_per_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-           "e2e_p50_ms", "e2e_p90_ms", "e2e_p99_ms", "valid"]
+           "tpot_p50_ms", "tpot_p99_ms", "e2e_p50_ms", "e2e_p90_ms", "e2e_p99_ms", "valid"]
 
 
 def _ms(value: float | None) -> float | None:
@@ -19,9 +19,9 @@ def _ms(value: float | None) -> float | None:
 
 def flat(level: dict[str, Any]) -> dict[str, Any]:
     row = {k: level[k] for k in COLUMNS if k in level}
-    for metric in ("ttft", "itl", "e2e"):
+    for metric in ("ttft", "itl", "tpot", "e2e"):
         for q in ("p50", "p90", "p99"):
-            row[f"{metric}_{q}_ms"] = _ms(level[f"{metric}_s"][q])
+            row[f"{metric}_{q}_ms"] = _ms((level.get(f"{metric}_s") or {}).get(q))  # tpot: not in older results
     return {k: row.get(k) for k in COLUMNS}
 
 
@@ -38,7 +38,7 @@ def write(results: dict[str, Any], out_dir: Path) -> list[Path]:
 
 def table(results: dict[str, Any]) -> str:
     head = f"{'conc':>5} {'in':>5} {'out':>5} {'out/req':>7} {'ok':>6} {'fail%':>6} {'tok/s':>9} {'req/s':>8} " \
-           f"{'TTFT p50':>9} {'ITL p50':>8} {'e2e p50':>8} {'e2e p99':>8}  valid"
+           f"{'TTFT p50':>9} {'ITL p50':>8} {'TPOT p50':>9} {'e2e p50':>8} {'e2e p99':>8}  valid"
     lines = [head]
     for lv in results["levels"]:
         f = flat(lv)
@@ -47,7 +47,7 @@ def table(results: dict[str, Any]) -> str:
                      f"{lv.get('output_tokens_per_request', 0):>7.1f} "
                      f"{lv['completed']:>6} {100 * lv['failure_rate']:>5.1f}% {lv['output_tokens_per_s']:>9.1f} "
                      f"{lv['requests_per_s']:>8.2f} {fmt(f['ttft_p50_ms']):>9} {fmt(f['itl_p50_ms']):>8} "
-                     f"{fmt(f['e2e_p50_ms']):>8} {fmt(f['e2e_p99_ms']):>8}  "
+                     f"{fmt(f['tpot_p50_ms']):>9} {fmt(f['e2e_p50_ms']):>8} {fmt(f['e2e_p99_ms']):>8}  "
                      f"{'yes' if lv['valid'] else 'NO: ' + '; '.join(lv['invalid_reasons'])}")
     return "\n".join(lines)
 

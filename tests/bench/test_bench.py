@@ -72,6 +72,14 @@ class FakeServer:
             return json_response({"error": {"message": "overloaded", "type": "server_error", "code": 503}}, 503)
         tokens = 0 if self.behaviour == "empty" else body["max_tokens"]
         text = "" if self.behaviour == "empty" else "x" * tokens
+        if body.get("stream") and self.behaviour == "chunked":  # 1 token, then 3 and 4 at 40 ms intervals
+            async def chunks():
+                for piece in ("x", "xxx", "xxxx"):
+                    yield b'data: {"choices": [{"text": "' + piece.encode() + b'"}]}\n\n'
+                    await asyncio.sleep(0.04)
+                yield b'data: {"choices": [], "usage": {"completion_tokens": 8}}\n\n'
+                yield b"data: [DONE]\n\n"
+            return Response(content_type="text/event-stream", stream=chunks())
         if body.get("stream"):
             async def events():
                 if text:
@@ -119,6 +127,19 @@ def test_output_lengths_spread_around_the_level_and_a_negative_spread_is_refused
                  "--out", str(tmp_path / "o")])
     assert code == 2 and "--output-spread -1 is negative" in capsys.readouterr().err
     assert not (tmp_path / "o").exists() and len(srv.asked) == 80  # nothing sent, nothing written
+
+
+@pytest.mark.unit
+def test_time_per_output_token_is_per_token_when_events_carry_several(tmp_path):
+    srv = FakeServer("chunked")
+    (lv,) = run_sweep(f"http://127.0.0.1:{srv.port}", "m", [Level(1, 8, 8, 4)], True, 0, False)
+    # 80 ms from the first token to the last over 7 tokens: ~11 ms each; the gaps between events are 40 ms
+    assert 0.009 <= lv["tpot_s"]["p50"] <= 0.02 and lv["itl_s"]["p50"] >= 0.035
+    assert main(["bench", "--url", f"http://127.0.0.1:{srv.port}", "--model", "m", "--concurrency", "1",
+                 "--input-tokens", "8", "--output-tokens", "8", "--requests", "4", "--warmup", "0",
+                 "--out", str(tmp_path / "o")]) == 0
+    row = (tmp_path / "o" / "results.csv").read_text().splitlines()
+    assert "tpot_p50_ms" in row[0].split(",") and row[1].split(",")[row[0].split(",").index("tpot_p50_ms")]
 
 
 @pytest.mark.unit
