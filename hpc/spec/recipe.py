@@ -92,6 +92,14 @@ class FrontendSpec(StrictModel):
                             "use, 1 to 4")
     http: HttpSpec = Field(default_factory=HttpSpec)
 
+    @field_validator("processes", mode="before")
+    @classmethod
+    def _count_or_auto(cls, value: Any) -> Any:
+        """One message for both forms (pydantic would report each branch of the union on a line of its own)."""
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 64):
+            return value
+        raise ValueError("expected a count from 1 to 64 or 'auto'")
+
 
 class InfraSpec(StrictModel):
     etcd: bool = True

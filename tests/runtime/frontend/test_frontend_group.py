@@ -21,12 +21,18 @@ from tests.runtime.conftest import stack_fixture
 
 
 @pytest.mark.unit
-def test_processes_is_a_count_or_auto_and_never_a_boolean():
+def test_processes_is_a_count_or_auto_and_never_a_boolean(capsys):
     assert FrontendSpec().processes == "auto"
     assert FrontendSpec(processes=3).processes == 3
     for bad in (0, 65, True, "many", 1.5):
         with pytest.raises(ValueError):
             FrontendSpec(processes=bad)
+    from hpc.cli.main import main
+
+    assert main(["validate", "-r", "tiny-agg", "--set", "frontend.processes=0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tiny-agg.yaml" in err[0] and \
+        "frontend.processes: expected a count from 1 to 64 or 'auto', got 0" in err[0], err
 
 
 @pytest.mark.unit
