@@ -105,7 +105,8 @@ def main() -> None:
     engine_args = direct_engine_args(args.input_tokens, args.output_tokens, args.output_spread,
                                      max(lv.concurrency for lv in levels), json.loads(args.engine_args))
 
-    async def run() -> tuple[str, dict[int, list[float]], dict[int, list[float]]]:
+    async def run() -> tuple[str, dict[int, list[float]], dict[int, list[float]], int]:
+        """(device, engine tok/s per level, stack tok/s per level, the stack's frontend processes)."""
         direct: dict[int, list[float]] = {lv.concurrency: [] for lv in levels}
         via: dict[int, list[float]] = {lv.concurrency: [] for lv in levels}
         t0 = time.perf_counter()
@@ -117,7 +118,7 @@ def main() -> None:
                 for sweep in [direct] + [via] * (args.sweeps - 1):
                     for lv in levels:
                         sweep[lv.concurrency].append(await engine_level(engine, lv, rng))
-                return device_label(engine), direct, via
+                return device_label(engine), direct, via, 0
             from _stack import local_stack
             from client_capacity import go, result, start_client
             from hpc.bench.loadgen import run_level
@@ -130,7 +131,7 @@ def main() -> None:
                 stack = local_stack(args.recipe, *(f"roles.{role}.override_engine_args={override}" for role in roles),
                                     *args.overrides)
                 stack_run, url = stack.__enter__()
-            frontends[0] = stack_run.manifest().plan.service("frontend").processes
+            frontends = stack_run.manifest().plan.service("frontend").processes
             try:
                 for _ in range(args.rounds):
                     for lv in levels:
@@ -145,14 +146,13 @@ def main() -> None:
             finally:
                 with contextlib.redirect_stdout(io.StringIO()):
                     stack.__exit__(None, None, None)
-            return device_label(engine), direct, via
+            return device_label(engine), direct, via, frontends
 
-    frontends = [0]
-    label, direct, via = asyncio.run(run())
+    label, direct, via, frontends = asyncio.run(run())
     lv0 = levels[0]
     out = f"{lv0.output_tokens} +- {args.output_spread}" if args.output_spread else str(lv0.output_tokens)
     print(f"tokens/s, {args.model} torch model on {label}, {lv0.input_tokens} in / {out} out, "
-          f"{'' if args.engine_only else f'stack {args.recipe} ({frontends[0]} frontend processes), '}"
+          f"{'' if args.engine_only else f'stack {args.recipe} ({frontends} frontend processes), '}"
           f"{f'{args.sweeps} sweeps' if args.engine_only else f'{args.rounds} alternating rounds, medians'}"
           f"{', engine args ' + args.engine_args if args.engine_args != '{}' else ''}")
     if args.engine_only:

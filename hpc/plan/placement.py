@@ -131,7 +131,6 @@ def plan(cluster: ClusterProfile, recipe: Recipe) -> Plan:
     if recipe.infra.nats:
         services.append(ServicePlan(name="nats", node=0, ports={"client": base + NATS_CLIENT,
                                                                 "monitor": base + NATS_MONITOR}))
-    services.append(ServicePlan(name="frontend", node=0, ports={"http": recipe.frontend.port}))
 
     node, used_on_node = (1, 0) if dedicated_infra else (0, 0)
     floor = node  # the first node workers may use
@@ -182,8 +181,9 @@ def plan(cluster: ClusterProfile, recipe: Recipe) -> Plan:
                 ports={"rpc": first, "http": first + 1, "dist": first + 2}, ranks=ranks))
             serial += 1
     job_nodes = 1 if local else max([0] + [n for w in workers for n in w.nodes]) + 1
-    processes = frontend_processes(recipe.frontend.processes, cluster, workers)
-    services[-1] = services[-1].model_copy(update={"processes": processes})
+    # after the workers: how many processes the frontend gets depends on the CPUs the job holds for them
+    services.append(ServicePlan(name="frontend", node=0, ports={"http": recipe.frontend.port},
+                                processes=frontend_processes(recipe.frontend.processes, cluster, workers)))
     order = [s.name for s in services if s.name != "frontend"] + ["frontend"] + [w.name for w in workers]
     return Plan(job_nodes=job_nodes, gpus_per_node=gpn, services=services, workers=workers,
                 readiness_order=order)

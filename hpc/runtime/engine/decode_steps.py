@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from hpc.runtime.engine.overlap import InflightStep, chainable, startable
+from hpc.runtime.engine.sampling import on_device
 from hpc.runtime.engine.sequence import Seq
 
 
@@ -34,11 +35,10 @@ class DecodeSteps:
         positions, slots = [s.length for s in running], [s.slot for s in running]
         tokens = [s.last_token for s in running]
         logits = self.graphs.run(tokens, positions, slots, device_tokens) if self.graphs is not None else None
-        if logits is None:
-            token_tensor = device_tokens[:, None] if device_tokens is not None else \
-                torch.tensor([[t] for t in tokens], device=self.device)
-            logits = self._decode_logits(token_tensor, torch.tensor([[p] for p in positions], device=self.device),
-                                         torch.tensor(slots, device=self.device))
+        if logits is None:  # no graph for this batch: eagerly, its inputs staged as the graphs' are (pinned)
+            token_tensor = device_tokens if device_tokens is not None else on_device(tokens, self.device)
+            logits = self._decode_logits(token_tensor[:, None], on_device(positions, self.device)[:, None],
+                                         on_device(slots, self.device))
         for s in running:
             s.length += 1
         return logits

@@ -44,16 +44,14 @@ class TokenPicker:
     def pick_rows(self, seqs: list["Seq"], logits: torch.Tensor,
                   sampler: torch.Generator) -> list[tuple[int, TokenLogprob | None]]:
         """Each row's next token. The `batchable` rows: one argmax for the greedy ones and one sampling kernel
-        (drawing from `sampler`) for the others, a device sync each, not one per row (at 64 rows the per-row
-        syncs cost more than the decode step itself)."""
+        (drawing from `sampler`) for the others (pick_on_device), read back in one sync, not one per row (at 64
+        rows the per-row syncs cost more than the decode step itself)."""
         plain = [i for i, s in enumerate(seqs) if self.batchable(s.request.sampling)]
-        greedy = [i for i in plain if seqs[i].request.sampling.temperature == 0]
-        sampled = [i for i in plain if seqs[i].request.sampling.temperature > 0]
-        picked: dict[int, tuple[int, TokenLogprob | None]] = \
-            {i: (t, None) for i, t in zip(greedy, logits[greedy].argmax(-1).tolist())} if greedy else {}
-        if sampled:
-            tokens = sample_rows(logits[sampled], [seqs[i].request.sampling for i in sampled], sampler)
-            picked.update((i, (t, None)) for i, t in zip(sampled, tokens.tolist()))
+        picked: dict[int, tuple[int, TokenLogprob | None]] = {}
+        if plain:
+            rows = logits if len(plain) == len(seqs) else logits[plain]
+            tokens = self.pick_on_device([seqs[i] for i in plain], rows, sampler).tolist()
+            picked = {i: (t, None) for i, t in zip(plain, tokens)}
         return [picked[i] if i in picked else self.pick(s, logits[i]) for i, s in enumerate(seqs)]
 
     def pick_on_device(self, seqs: list["Seq"], logits: torch.Tensor, sampler: torch.Generator) -> torch.Tensor:
