@@ -67,6 +67,10 @@ def _generic(type_str: str) -> tuple[str, list[str]]:
     return type_str, []
 
 
+# an enum TensorRT-LLM also takes by member name, any case (its `match` note in the table)
+_BY_NAME = "case-insensitive member NAME"
+
+
 class _Checker:
     def __init__(self, file: str) -> None:
         self.file = file
@@ -120,6 +124,9 @@ class _Checker:
         if head == "Optional":
             return value is None or self.matches(args[0], value, path, constraints, report)
         if head == "Union":
+            named = [a for a in args if _BY_NAME in self.table["models"].get(a, {}).get("match", "")]
+            if named and "str" in args:  # the str is one of the enum's names (load_format's own validator)
+                return self._enum(named[0], value, path, report)
             if any(self.matches(a, value, path, constraints, report=False) for a in args):
                 return True
             return report and self._first_model(args, value, path)
@@ -148,6 +155,8 @@ class _Checker:
             return isinstance(value, bool)
         if type_str in ("str", "Path"):
             return isinstance(value, str)
+        if table["models"].get(type_str, {}).get("kind") == "enum":
+            return self._enum(type_str, value, path, report)
         if type_str in table["models"]:
             if not isinstance(value, dict):
                 return False
@@ -157,6 +166,20 @@ class _Checker:
         if type_str in table["unions"]:
             return self.union(type_str, value, path, report)
         return True  # enums from elsewhere, object, Any: TensorRT-LLM itself checks them
+
+    def _enum(self, name: str, value: Any, path: str, report: bool) -> bool:
+        """By value, as pydantic validates an enum field (a YAML `true` is not the value 1); by member name too,
+        any case, where TensorRT-LLM's own validator takes names (load_format)."""
+        spec = self.table["models"][name]
+        by_name = _BY_NAME in spec.get("match", "")
+        fits = not isinstance(value, bool) and value in spec["enum"]
+        if not fits and by_name and isinstance(value, str):
+            fits = value.upper() in spec["members"]
+        if fits or not report:
+            return fits
+        choices = [name.lower() for name in spec["members"]] if by_name else spec["enum"]
+        self.error(path, f"must be one of {', '.join(map(str, choices))}, got {value!r}")
+        return True
 
     def _first_model(self, options: list[str], value: Any, path: str) -> bool:
         """For Optional[Model] style unions, descend into the first model to report precise errors."""

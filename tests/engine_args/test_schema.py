@@ -41,6 +41,21 @@ def test_enum_values():
     assert "pytorch, _autodeploy" in msg
 
 
+def test_enum_typed_fields_take_the_enum_values_and_name_the_choices_otherwise():
+    # Dynamo's configs set these; each used to be refused as "expected CapacitySchedulerPolicy"
+    assert _messages({"scheduler_config": {"capacity_scheduler_policy": "GUARANTEED_NO_EVICT",
+                                           "context_chunking_policy": "EQUAL_PROGRESS"}}) == []
+    (msg,) = _messages({"scheduler_config": {"context_chunking_policy": "FIFO"}})
+    assert msg == "e.yaml: scheduler_config.context_chunking_policy: must be one of FIRST_COME_FIRST_SERVED, " \
+                  "EQUAL_PROGRESS, FORCE_CHUNK, got 'FIFO'"
+    (msg,) = _messages({"scheduler_config": {"capacity_scheduler_policy": True}})
+    assert "must be one of MAX_UTILIZATION, GUARANTEED_NO_EVICT, STATIC_BATCH, got True" in msg
+    # load_format: a member's value or its name in any case (TorchLlmArgs' own validator), nothing else
+    assert _messages({"load_format": "dummy"}) == [] and _messages({"load_format": 1}) == []
+    assert _messages({"load_format": "dumy"}) == ["e.yaml: load_format: must be one of auto, dummy, vision_only, "
+                                                  "gms, got 'dumy'"]
+
+
 def test_speculative_union_by_decoding_type():
     assert _messages({"speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 1}}) == []
     (msg,) = _messages({"speculative_config": {"decoding_type": "Medusa"}})
