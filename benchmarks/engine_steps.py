@@ -70,7 +70,8 @@ def main() -> None:
         async with TorchEngine(ensure_model(f"~/.cache/hpc/models/{args.model}", args.model),
                                DisaggregationMode.AGGREGATED, engine_args) as engine:
             # the outer calls first: inner timers are then part of their callers' time
-            timers.wrap(engine, "_admit", "admit (prefill, incl. below)")
+            timers.wrap(engine, "_admit", "admit (slots, prefix cache)")
+            timers.wrap(engine, "_context_step", "prefill (incl. below)")
             timers.wrap(engine, "_decode_step", "decode step (incl. below)")
             timers.wrap(engine.picker, "pick_rows", "  pick tokens (waits for the GPU)")
             for graphs, label in ((engine.graphs, "  decode graph launch"),
@@ -101,7 +102,8 @@ def main() -> None:
     for label_, seconds in timers.seconds.items():
         calls = timers.calls[label_]
         print(f"{label_:<36} {seconds * 1e3:>8.1f} {seconds / wall:>6.0%} {calls:>6} {seconds / calls * 1e6:>8.0f}")
-    busy = timers.seconds.get("admit (prefill, incl. below)", 0) + timers.seconds.get("decode step (incl. below)", 0)
+    busy = sum(timers.seconds.get(label_, 0) for label_ in ("admit (slots, prefix cache)", "prefill (incl. below)",
+                                                            "decode step (incl. below)"))
     print(f"{'rest (inbox, bookkeeping, event loop)':<36} {(wall - busy) * 1e3:>8.1f} {(wall - busy) / wall:>6.0%}")
 
 

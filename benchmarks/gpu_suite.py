@@ -30,7 +30,11 @@ def steps(mpiexec: str, scratch: str, gpus: int) -> list[tuple[str, list[str], s
         ("cuda_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/runtime/test_engine_cuda.py",
                         "tests/runtime/test_fused_decode.py", "tests/runtime/test_engine_warmup.py",
                         "tests/runtime/test_kv_ipc_cuda.py", "tests/runtime/test_decode_graphs.py",
-                        "tests/runtime/test_prefill_graphs.py", "tests/runtime/test_overlap.py"], None, 200),
+                        "tests/runtime/test_prefill_graphs.py", "tests/runtime/test_overlap.py",
+                        "tests/runtime/test_chunked_prefill.py"], None, 200),
+        # the chunks alone, for a call short of time
+        ("chunked_prefill_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                   "tests/runtime/test_chunked_prefill.py"], None, 60),
         ("gpu_check_0.9b", [py, "benchmarks/gpu_check.py", "--shape", "1b", "--mpiexec", mpiexec, "--json",
                             f"{scratch}/1b.json"], f"{scratch}/1b.json", 150 * gpus),
         ("gpu_check_8b", [py, "benchmarks/gpu_check.py", "--shape", "8b", "--mpiexec", mpiexec, "--json",
@@ -71,6 +75,10 @@ def steps(mpiexec: str, scratch: str, gpus: int) -> list[tuple[str, list[str], s
         ("engine_8b_eager_prefill", [py, "benchmarks/e2e_throughput.py", "--engine-only", "--model",
                                      "llama-8b-shape", "--concurrency", "1,8,32", "--output-tokens", "64",
                                      "--engine-args", '{"torch_compile_config": null}'], None, 200),
+        # decoding streams while long prompts arrive: prefilled whole, or in chunks between the decode steps
+        ("chunked_prefill", [py, "benchmarks/chunked_prefill.py"], None, 90),
+        ("chunked_prefill_8b", [py, "benchmarks/chunked_prefill.py", "--model", "llama-8b-shape", "--long-tokens",
+                                "4096", "--budgets", "8192,1024"], None, 150),
         # TP, PP, EP (MoE) and TP-sharded MoE on two GPUs over NCCL: fp32 greedy tokens equal one rank's
         ("parallel_layouts_nccl", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
                                    "tests/runtime/test_parallel_layouts.py"], None, 150),

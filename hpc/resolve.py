@@ -16,6 +16,7 @@ from hpc.engine_args.flags import EngineArgFlags, apply_engine_flags
 from hpc.engine_args.precedence import (forced_values, merge_engine_args, overridden, prune_for_autodeploy,
                                         recipe_defaults)
 from hpc.engine_args.schema import check_engine_config
+from hpc.engine_args.scheduling import ChunkingPolicy, max_num_tokens
 from hpc.errors import UserError, UserErrors
 from hpc.plan.placement import PORTS_PER_WORKER, WORKER_PORTS_START, Plan, plan
 from hpc.spec.base import load_yaml
@@ -175,9 +176,27 @@ def _check_role(recipe: Recipe, role_name: RoleName, role: RoleSpec, field: str,
         if merged.get("enable_attention_dp"):
             errors.append(UserError("the torch reference engine has no attention-DP", file=where,
                                     field="enable_attention_dp", hint="remove it, or use backend: trtllm"))
+        policy = (merged.get("scheduler_config") or {}).get("context_chunking_policy")
+        if policy is not None and policy not in {p.value for p in ChunkingPolicy}:
+            errors.append(UserError(f"the torch reference engine chunks prompts "
+                                    f"{' or '.join(p.value for p in ChunkingPolicy)}, not {policy}", file=where,
+                                    field="scheduler_config.context_chunking_policy",
+                                    hint="use one of those, or backend: trtllm"))
     if merged.get("enable_attention_dp") and tp == 1:
         errors.append(UserError("attention-DP needs tensor_parallel_size > 1", file=where,
                                 field="enable_attention_dp", hint="disable it or raise TP"))
+    budget, longest = merged.get("max_num_tokens"), recipe.limits.max_input_tokens
+    budget = max_num_tokens(merged) if isinstance(budget, int) or budget is None else None
+    if role_name in (RoleName.AGG, RoleName.PREFILL) and not merged.get("enable_chunked_prefill") and \
+            budget is not None and budget < longest:
+        # both engines refuse such a prompt at request time (TensorRT-LLM's LLM._check_arguments): found here,
+        # not by the first user with a long prompt
+        errors.append(UserError(
+            f"max_num_tokens {budget} is below the longest prompt the recipe accepts (limits.max_input_tokens "
+            f"{longest}) and enable_chunked_prefill is off: longer prompts would be refused by the engine",
+            file=where, field="max_num_tokens",
+            hint=f"set enable_chunked_prefill: true, raise max_num_tokens to at least {longest}, or lower "
+                 f"limits.max_input_tokens"))
     return errors
 
 

@@ -60,6 +60,25 @@ def test_transceiver_buffer_must_hold_longest_input(tmp_path):
     assert "p.yaml: cache_transceiver_config.max_tokens_in_buffer: max_tokens_in_buffer 1024 is below" in msg
 
 
+def test_a_prompt_the_recipe_accepts_must_fit_the_step_budget_unless_chunked(tmp_path):
+    ctc = {"backend": "UCX"}
+    r = _write_recipe(tmp_path, {"prefill": {"engine_config": "p.yaml"}, "decode": {"engine_config": "d.yaml"}},
+                      {"p": {"cache_transceiver_config": ctc, "max_num_tokens": 2048},
+                       "d": {"cache_transceiver_config": ctc, "max_num_tokens": 256}},  # decode takes no prompts
+                      limits={"max_input_tokens": 4096})
+    msg = _error("eos", r)
+    assert msg.count("max_num_tokens") >= 1 and "d.yaml" not in msg
+    assert "p.yaml: max_num_tokens: max_num_tokens 2048 is below the longest prompt the recipe accepts " \
+           "(limits.max_input_tokens 4096) and enable_chunked_prefill is off" in msg
+    assert "set enable_chunked_prefill: true, raise max_num_tokens to at least 4096" in msg
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump({"cache_transceiver_config": ctc, "max_num_tokens": 2048,
+                                                     "enable_chunked_prefill": True}))
+    assert resolve("eos", r).engine_args["prefill"]["enable_chunked_prefill"] is True
+    # the default budget (8192) against a longer limit, aggregated
+    r = _write_recipe(tmp_path, {"agg": {}}, limits={"max_input_tokens": 10000})
+    assert "max_num_tokens: max_num_tokens 8192 is below" in _error("eos", r)
+
+
 def test_transceiver_required_for_disagg(tmp_path):
     r = _write_recipe(tmp_path, {"prefill": {}, "decode": {}})
     assert "cache_transceiver_config.backend: disaggregated serving needs a cache transceiver" in _error("eos", r)
@@ -146,6 +165,17 @@ def test_the_torch_engine_refuses_layouts_it_cannot_run(tmp_path, layout, field,
     assert resolve("eos", trtllm).recipe.backend.value == "trtllm"  # the same layout is fine on TensorRT-LLM
     pipeline = _write_recipe(tmp_path, {"agg": {"pipeline_parallel_size": 2}}, backend="torch")
     assert resolve("eos", pipeline).plan.workers[0].tasks == 2  # pipeline parallelism alone runs
+
+
+def test_the_torch_engine_refuses_a_chunking_policy_it_does_not_run(tmp_path):
+    chunked = {"enable_chunked_prefill": True, "scheduler_config": {"context_chunking_policy": "FORCE_CHUNK"}}
+    r = _write_recipe(tmp_path, {"agg": {"engine_config": "e.yaml"}}, {"e": chunked}, backend="torch")
+    assert "e.yaml: scheduler_config.context_chunking_policy: the torch reference engine chunks prompts " \
+           "FIRST_COME_FIRST_SERVED or EQUAL_PROGRESS, not FORCE_CHUNK" in _error("eos", r)
+    assert resolve("eos", _write_recipe(tmp_path, {"agg": {"engine_config": "e.yaml"}}, {"e": chunked}))  # trtllm
+    chunked["scheduler_config"]["context_chunking_policy"] = "EQUAL_PROGRESS"
+    assert resolve("eos", _write_recipe(tmp_path, {"agg": {"engine_config": "e.yaml"}}, {"e": chunked},
+                                        backend="torch"))
 
 
 def test_torch_expert_parallelism_needs_an_moe_model(tmp_path):

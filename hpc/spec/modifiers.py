@@ -6,7 +6,9 @@ validation still apply, and a conversion undoes exactly what it did.
 What a role needs to run aggregated, as the profiler sets it:
 - from prefill: no block reuse (a prefill-only profile must compute every prompt), the overlap scheduler back on
   (prefill configs turn it off), no cache transceiver (nothing to hand off);
-- from decode: block reuse on (a decode-only profile skips prefill by reusing it), no cache transceiver.
+- from decode: block reuse on (a decode-only profile skips prefill by reusing it), no cache transceiver, and
+  chunked prefill on: a decode config's max_num_tokens (128-256) is far below the prompts it decodes, and without
+  chunking the engine refuses a prompt longer than that (TensorRT-LLM's LLM._check_arguments).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ Source = Literal["prefill", "decode"]
 AGG_FROM: dict[str, dict[str, Any]] = {
     "prefill": {"kv_cache_config": {"enable_block_reuse": False}, "disable_overlap_scheduler": False,
                 "cache_transceiver_config": None},
-    "decode": {"kv_cache_config": {"enable_block_reuse": True}, "cache_transceiver_config": None},
+    "decode": {"kv_cache_config": {"enable_block_reuse": True}, "cache_transceiver_config": None,
+               "enable_chunked_prefill": True},
 }
 _MARK = "hpc_converted_from"  # in the recipe's description: which role an aggregated recipe came from
 

@@ -39,9 +39,9 @@ async def _serve(model_dir, args: dict) -> tuple[list[list[int]], dict, list[lis
             release.wait(10)
             step(running)
 
-        def recorded(seqs):
-            widths.append([len(s.request.token_ids) for s in seqs])
-            return prefill(seqs)
+        def recorded(group):
+            widths.append([len(s.request.token_ids) for s, _ in group])
+            return prefill(group)
         engine._decode_step, engine._prefill = held, recorded
         first = asyncio.create_task(_tokens(engine, FIRST))
         await asyncio.to_thread(entered.wait, 10)
@@ -52,20 +52,28 @@ async def _serve(model_dir, args: dict) -> tuple[list[list[int]], dict, list[lis
         return answers, engine.stats(), widths
 
 
+async def _one_by_one(model_dir) -> tuple[list[list[int]], dict]:
+    """FIRST, then each waiting prompt, each sent when the one before has finished."""
+    async with TorchEngine(model_dir, DisaggregationMode.AGGREGATED, {"max_seq_len": 256, "max_batch_size": 8,
+                                                                       "kv_cache_config": {"tokens_per_block": 32}}
+                           ) as engine:
+        return [await _tokens(engine, ids) for ids in [FIRST] + WAITING], engine.stats()
+
+
 def test_waiting_prompts_are_prefilled_together_with_the_answers_of_one_at_a_time(tiny):
     together, stats, widths = asyncio.run(_serve(tiny, {}))
     # FIRST alone, then the four waiting prompts in one forward pass
     assert widths == [[len(FIRST)], [len(ids) for ids in WAITING]]
     assert stats["prefill_steps"] == 2 and stats["requests"] == 5
     assert stats["prompt_tokens_cached"] == 32  # the row that shares FIRST's block took it from the cache
-    alone, stats_alone, widths_alone = asyncio.run(_serve(tiny, {"max_num_tokens": 1}))  # a budget of one prompt
-    assert widths_alone == [[len(FIRST)]] + [[len(ids)] for ids in WAITING] and stats_alone["prefill_steps"] == 5
-    assert stats_alone["prompt_tokens_cached"] == 32
+    alone, stats_alone = asyncio.run(_one_by_one(tiny))
+    assert stats_alone["prefill_steps"] == 5 and stats_alone["prompt_tokens_cached"] == 32
     assert together == alone and all(len(t) == 5 for t in together)
 
 
 def test_the_token_budget_splits_the_waiting_prompts(tiny):
-    # padded to the widest row: 2 x 43 = 86 tokens fit in 90, a third row (3 x 43) does not; then 2 x 19
-    _, stats, widths = asyncio.run(_serve(tiny, {"max_num_tokens": 90}))
+    # padded to the widest row's computed tokens (the 43-token prompt computes 11, its first 32 come from the
+    # prefix cache): 2 x 11 = 22 tokens fit in 44, a third row (3 x 19) does not; then 2 x 19
+    _, stats, widths = asyncio.run(_serve(tiny, {"max_num_tokens": 44}))
     assert widths == [[len(FIRST)], [3, 43], [19, 7]]
     assert stats["prefill_steps"] == 3

@@ -60,9 +60,9 @@ async def _arrivals(model_dir, args: dict) -> tuple[list[list[int]], list[list[i
                 late.append(asyncio.run_coroutine_threadsafe(submit(PROMPTS[len(late)]), loop).result())
             step(running)
 
-        def recorded(seqs):
-            widths.append([len(s.request.token_ids) for s in seqs])
-            return prefill(seqs)
+        def recorded(group):
+            widths.append([len(s.request.token_ids) for s, _ in group])
+            return prefill(group)
         engine._decode_step, engine._prefill = stepped, recorded
         await _collect(engine, [9] * 20, n=40)
         answers = await asyncio.gather(*late)

@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from hpc.engine_args.scheduling import ChunkingPolicy
 from hpc.runtime.engine.types import GenerateOutput, GenerateRequest, TokenLogprob
 
 
@@ -27,6 +28,7 @@ class Seq:
     counts: dict[int, int] = field(default_factory=dict)  # generated token -> times (for the penalties)
     guide: Any = None  # (automaton, state) while the request's output is constrained (sampling.guide)
     cached: int = 0  # prompt tokens taken from the prefix cache
+    reuse: bool = False  # its blocks go to the prefix cache once its prompt is prefilled
     prompt_lp: list[TokenLogprob] | None = None  # the prompt's logprobs, sent with the first output
     held: list[int] = field(default_factory=list)  # tokens not sent yet (stream_interval)
     held_lp: list[TokenLogprob] = field(default_factory=list)
@@ -71,21 +73,70 @@ class BatchWait:
         return False
 
 
-def prefill_groups(seqs: list[Seq], budget: int, pipeline: bool) -> Iterator[list[Seq]]:
-    """Prompts prefilled in one forward pass, their padded tokens within `budget`. Alone: a prompt with media or
-    asking for the prompt's logprobs, and every prompt of a pipeline (only its last stage holds the logits' rows)."""
-    group: list[Seq] = []
+def chunkable(seq: Seq) -> bool:
+    """A prompt with media (its image tokens take the encoder's rows in one pass) or asking for the prompt's
+    logprobs (every position's logits at once) is prefilled whole."""
+    return seq.media is None and seq.request.sampling.prompt_logprobs is None
+
+
+def remaining(seq: Seq) -> int:
+    """Prompt tokens not in the KV cache yet (after a prefix-cache hit and the chunks prefilled so far)."""
+    return len(seq.request.token_ids) - seq.length
+
+
+def context_work(waiting: list[Seq], capacity: int, chunking: ChunkingPolicy | None,
+                 unit: int) -> list[tuple[Seq, int]]:
+    """The prompt tokens one step prefills, (sequence, tokens) in arrival order, within `capacity` (the step's
+    max_num_tokens less a token per decoding row) — TensorRT-LLM's micro-batch scheduler for context requests
+    (PyMicroBatchScheduler in tensorrt_llm/_torch/pyexecutor/scheduler.py). Without chunking a prompt goes whole
+    or waits, and the prompts behind it with it. With chunking, when not all fit: FIRST_COME_FIRST_SERVED gives
+    each in turn what is left, cut to a multiple of `unit` (tokens_per_block) unless it is the prompt's end;
+    EQUAL_PROGRESS adds `unit` tokens to each in turn while they fit. A prompt that cannot be chunked goes whole
+    or waits, as without chunking."""
+    if chunking is None or sum(map(remaining, waiting)) <= capacity:
+        work, used = [], 0
+        for seq in waiting:
+            if used + remaining(seq) > capacity:
+                break
+            work.append((seq, remaining(seq)))
+            used += remaining(seq)
+        return work
+    sizes = dict.fromkeys(range(len(waiting)), 0)
+    if chunking is ChunkingPolicy.FIRST_COME_FIRST_SERVED:
+        left = capacity
+        for i, seq in enumerate(waiting):
+            size = remaining(seq) if remaining(seq) <= left else (left // unit) * unit if chunkable(seq) else -1
+            if size < 0:  # whole or not at all: it and those behind it wait
+                break
+            sizes[i], left = size, left - size
+            if left <= 0:
+                break
+    else:
+        used, progressed = 0, True
+        while used < capacity and progressed:
+            progressed = False
+            for i, seq in enumerate(waiting):
+                step = min(unit, remaining(seq) - sizes[i]) if chunkable(seq) else remaining(seq) - sizes[i]
+                if step > 0 and used + step <= capacity:
+                    sizes[i], used, progressed = sizes[i] + step, used + step, True
+    return [(seq, sizes[i]) for i, seq in enumerate(waiting) if sizes[i] > 0]
+
+
+def prefill_groups(work: list[tuple[Seq, int]], budget: int, pipeline: bool) -> Iterator[list[tuple[Seq, int]]]:
+    """Prompt chunks prefilled in one forward pass, their padded tokens within `budget`. Alone: a prompt with
+    media or asking for the prompt's logprobs, and every prompt of a pipeline (only its last stage holds the
+    logits' rows)."""
+    group: list[tuple[Seq, int]] = []
     width = 0
-    for seq in seqs:
-        alone = seq.media is not None or seq.request.sampling.prompt_logprobs is not None or pipeline
-        n = len(seq.request.token_ids)
+    for seq, n in work:
+        alone = not chunkable(seq) or pipeline
         if group and (alone or max(width, n) * (len(group) + 1) > budget):
             yield group
             group, width = [], 0
         if alone:
-            yield [seq]
+            yield [(seq, n)]
             continue
-        group.append(seq)
+        group.append((seq, n))
         width = max(width, n)
     if group:
         yield group

@@ -15,17 +15,16 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import torch
 
 from hpc.engine_args.cuda_graphs import decode_graph_sizes, prefill_graph_tokens
+from hpc.engine_args.scheduling import chunking_policy, tokens_per_block
 from hpc.runtime.engine import fused_decode
 from hpc.runtime.engine import kv as kvpack
 from hpc.runtime.engine.decode_graphs import DecodeGraphs, cuda_capture
-from hpc.runtime.engine.guided import Automaton
 from hpc.runtime.engine.llama import (LlamaConfig, LlamaForCausalLM, Pipeline, TensorParallel, VisionEncoder,
                                       random_state, shard_state_dict, stage_state_dict)
 from hpc.runtime.engine.moe import ExpertParallel, expert_state_dict
@@ -33,11 +32,11 @@ from hpc.runtime.engine.prefix_cache import PrefixCache
 from hpc.runtime.engine.outputs import Direct, Emitter
 from hpc.runtime.engine.picking import TokenPicker
 from hpc.runtime.engine.prefill_graphs import PrefillGraphs
-from hpc.runtime.engine.sampling import make_generator, prompt_logprobs
+from hpc.runtime.engine.context_steps import ContextSteps
 from hpc.runtime.engine.decode_steps import DecodeSteps
 from hpc.runtime.engine.overlap import HostCopies, InflightStep
-from hpc.runtime.engine.sequence import BatchWait, Seq, prefill_groups
-from hpc.runtime.engine.tp import gather_kv, scatter_kv
+from hpc.runtime.engine.sequence import BatchWait, Seq
+from hpc.runtime.engine.tp import scatter_kv
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
                                       GenerateRequest, KvMeta, TokenLogprob)
 
@@ -49,7 +48,7 @@ HANDOFF_TTL_S = 120.0
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class TorchEngine(DecodeSteps):
+class TorchEngine(ContextSteps, DecodeSteps):
     def __init__(self, model_dir: Path, mode: DisaggregationMode, engine_args: dict[str, Any], *,
                  device: str | None = None, tp: TensorParallel | None = None,
                  fetch_kv: Callable[[DisaggregatedParams], Any] | None = None,
@@ -78,6 +77,12 @@ class TorchEngine(DecodeSteps):
                                     float(self.args.get("batch_wait_max_tokens_ratio") or 0.0),
                                     self._token_budget())
         self._deferred: list[Seq] = []  # arrivals the batch wait holds back
+        self._prefilling: list[Seq] = []  # admitted, their prompts not all in the KV cache yet
+        # TensorRT-LLM's chunked prefill (hpc.engine_args.scheduling)
+        self.chunking, self.chunk_unit = chunking_policy(self.args), tokens_per_block(self.args)
+        if self.chunking is not None and self._token_budget() < self.chunk_unit:
+            raise ValueError(f"enable_chunked_prefill: max_num_tokens ({self._token_budget()}) is below one chunk "
+                             f"(kv_cache_config.tokens_per_block, {self.chunk_unit}): no long prompt could start")
         # TensorRT-LLM's overlap scheduler, on unless disable_overlap_scheduler (one rank: followers step in turn)
         self.overlap = not self.args.get("disable_overlap_scheduler") and self.world.size == 1
         self._inflight: InflightStep | None = None
@@ -192,7 +197,7 @@ class TorchEngine(DecodeSteps):
         if kv.get("enable_block_reuse") is False or self.world.size > 1 or self.mode not in (
                 DisaggregationMode.AGGREGATED, DisaggregationMode.PREFILL):
             return None
-        block = int(kv.get("tokens_per_block") or 32)
+        block = tokens_per_block(self.args)
         capacity = int(kv.get("max_tokens") or 8 * self.max_len) // block
         return PrefixCache(block, max(1, capacity), self.cache, on_event=self._kv_event)
 
@@ -308,6 +313,11 @@ class TorchEngine(DecodeSteps):
                              f"({request.sampling.max_tokens}) exceeds max_seq_len {self.max_len}")
         if self.cfg and max(request.token_ids) >= self.cfg.vocab_size:
             raise ValueError("token id outside the vocabulary")
+        whole = self.chunking is None or request.media is not None or request.sampling.prompt_logprobs is not None
+        if whole and self.mode is not DisaggregationMode.DECODE and len(request.token_ids) > self._token_budget():
+            # as TensorRT-LLM's LLM API refuses it (_check_arguments): one step could never hold the prompt
+            raise ValueError(f"prompt ({len(request.token_ids)} tokens) exceeds max_num_tokens "
+                             f"({self._token_budget()}); set enable_chunked_prefill: true or raise max_num_tokens")
         if request.sampling.prompt_logprobs is not None and self.pipeline.size > 1:
             raise ValueError("the prompt's logprobs are not computed across pipeline stages")
 
@@ -351,7 +361,7 @@ class TorchEngine(DecodeSteps):
         except BaseException as exc:  # noqa: BLE001 - whatever kills the thread must be visible
             log.exception("the scheduler thread died")
             self.failure = f"{type(exc).__name__}: {exc}"
-            for seq in running + self._deferred:
+            for seq in running + self._deferred + self._prefilling:
                 self._finish(seq, "error", error=f"engine failed: {self.failure}")
             while True:
                 try:
@@ -366,7 +376,7 @@ class TorchEngine(DecodeSteps):
         while self._running:
             t0 = time.perf_counter()
             try:
-                block = not running and not self._deferred
+                block = not running and not self._deferred and not self._prefilling
                 item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
             except queue.Empty:
                 item = None
@@ -390,7 +400,9 @@ class TorchEngine(DecodeSteps):
             elif arrivals:
                 self._counters["waiting"] -= len(arrivals)
                 self._admit(arrivals, running)
-                clock["admit_seconds_total"] += time.perf_counter() - t1
+            if self._prefilling:
+                self._context_step(running)
+            clock["admit_seconds_total"] += time.perf_counter() - t1
             running[:] = [s for s in running if self._still_running(s)]
             if running:
                 t2 = time.perf_counter()
@@ -410,117 +422,6 @@ class TorchEngine(DecodeSteps):
             self._release(seq)
             return False
         return seq.slot >= 0
-
-    def _admit(self, seqs: list[Seq], running: list[Seq]) -> None:
-        """A slot for each; KV handed over from a prefill worker goes in as it is, prompts are prefilled together."""
-        fresh = []
-        for seq in seqs:
-            if seq.cancelled:
-                continue
-            if not self.free_slots:
-                self._inbox.put(seq)  # retry next iteration, after a decode step frees slots
-                self._counters["waiting"] += 1
-                continue
-            seq.slot = self.free_slots.pop()
-            self._counters["requests"] += 1
-            try:
-                seq.gen = make_generator(seq.request.sampling)
-                if seq.request.sampling.guide is not None:
-                    automaton = Automaton.from_guide(seq.request.sampling.guide)
-                    seq.guide = (automaton, automaton.initial)
-                if seq.imported_kv is not None:
-                    self._import(seq)
-                    running.append(seq)
-                    continue
-            except Exception as exc:
-                log.exception("admission failed")
-                self._finish(seq, "error", error=str(exc))
-                continue
-            fresh.append(seq)
-        # a step's tokens within max_num_tokens (TensorRT-LLM's per-step budget, 8192 by default) and, with
-        # prefill graphs, within the largest: two graphed steps beat an eager one (64 prompts of 64 tokens:
-        # 12 ms eager on an H100)
-        budget = self._token_budget() if self.prefill_graphs is None else self.prefill_graphs.token_counts[-1]
-        for group in prefill_groups(fresh, budget, pipeline=self.pipeline.size > 1):
-            try:
-                picked = self._prefill(group)
-            except Exception as exc:
-                log.exception("prefill failed")
-                for seq in group:
-                    self._finish(seq, "error", error=str(exc))
-                continue
-            for seq, (first, logprob) in zip(group, picked):
-                self._prefilled(seq, first, logprob, running)
-
-    def _token_budget(self) -> int:
-        return int(self.args.get("max_num_tokens") or 8192)
-
-    def _prefilled(self, seq: Seq, first: int, logprob: TokenLogprob | None, running: list[Seq]) -> None:
-        """A prefill worker keeps the KV for its decode worker and answers with the first token; otherwise the
-        sequence decodes here."""
-        if self.mode is DisaggregationMode.PREFILL:
-            handle = uuid.uuid4().hex
-            # every rank's heads, so that a decode of any TP can take it
-            self.handoffs.put(handle, gather_kv(self.tp, self.cache, seq.slot, seq.length))
-            params = DisaggregatedParams(request_handle=handle, prefill_address=self.self_address,
-                                         first_token_id=first, prompt_length=seq.length)
-            seq.hold(first, logprob)
-            self._finish(seq, "length", params=params)
-            return
-        if self._emit_token(seq, first, logprob):
-            running.append(seq)
-
-    def _prefill(self, seqs: list[Seq]) -> list[tuple[int, TokenLogprob | None]]:
-        """One forward pass over the prompts of `seqs`, each from its first token the prefix cache does not hold:
-        replayed from a prefill graph (prompts packed in one row) when every one starts at position 0, else
-        eagerly, right-padded to the longest (a padded token's K/V lands past its row's end, where decode writes
-        before it reads). Each prompt's first token is picked from its own last position's logits."""
-        first = seqs[0]
-        want = first.request.sampling.prompt_logprobs if len(first.request.token_ids) > 1 else None  # alone
-        # image tokens look alike whatever the image; the prompt's logprobs need the logits of every position
-        reuse = [self.prefix is not None and seq.media is None and want is None for seq in seqs]
-        rows = []
-        for seq, reused in zip(seqs, reuse):
-            ids = seq.request.token_ids
-            self._counters["prompt_tokens"] += len(ids)
-            if reused:
-                blocks = self.prefix.match(ids)
-                self.prefix.load(blocks, seq.slot)
-                seq.cached = len(blocks) * self.prefix.block
-            self._counters["prompt_tokens_cached"] += seq.cached
-            self._counters["prompt_tokens_computed"] += len(ids) - seq.cached
-            rows.append(ids[seq.cached:])
-        logits = self.prefill_graphs.run(rows, [seq.slot for seq in seqs]) if self.prefill_graphs is not None \
-            and want is None and first.media is None and not any(seq.cached for seq in seqs) else None
-        if logits is None:
-            logits = self._padded_prefill(seqs, rows, last_only=want is None)
-        self._counters["prefill_steps"] += 1
-        if want is not None:  # [1, T, V]: position i's logits score token i + 1
-            first.prompt_lp = prompt_logprobs(logits[0, :-1], first.request.token_ids[1:], want)
-            logits = logits[:, -1]
-        for seq, reused in zip(seqs, reuse):
-            seq.length = len(seq.request.token_ids)
-            if reused:
-                self.prefix.store(seq.request.token_ids, seq.slot)
-        return self.picker.pick_rows(seqs, logits, self.sampler)
-
-    def _padded_prefill(self, seqs: list[Seq], rows: list[list[int]], last_only: bool) -> torch.Tensor:
-        """The eager prefill: rows right-padded to the longest, after a prefix-cache hit too."""
-        first = seqs[0]
-        width = max(map(len, rows))
-        token_tensor = torch.tensor([row + [0] * (width - len(row)) for row in rows], device=self.device)
-        embeds = self.model.embed(token_tensor)
-        if first.media is not None and self.cfg.vision:  # a prompt with media is prefilled alone
-            mask = token_tensor[0] == self.cfg.vision["image_token_id"]
-            count = int(mask.sum())
-            if count != first.media.shape[0]:
-                raise ValueError(f"prompt has {count} image tokens but the image gave {first.media.shape[0]}")
-            embeds[0, mask] = first.media.to(self.device, self.dtype)
-        positions = torch.tensor([[min(seq.cached + j, self.max_len - 1) for j in range(width)] for seq in seqs],
-                                 device=self.device)
-        slots = torch.tensor([seq.slot for seq in seqs], device=self.device)
-        last = torch.tensor([len(row) - 1 for row in rows], device=self.device) if len(seqs) > 1 else None
-        return self._forward("prefill", embeds, positions, slots, last_only=last_only, last=last)
 
     def _import(self, seq: Seq) -> None:
         kv = seq.imported_kv.to(self.device, self.dtype)  # [layers, 2, all kv heads, T, d]
