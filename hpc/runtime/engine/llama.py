@@ -75,6 +75,16 @@ class RMSNorm(nn.Module):
         return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
 
 
+def fused_linear(*parts: nn.Linear) -> nn.Linear:
+    """One bias-free linear layer whose output is the parts' outputs side by side. Made on the meta device, its
+    weight then given: an nn.Linear made on the GPU draws a random initial weight from the device's generator,
+    which fails while a CUDA graph capture holds that generator (and is work thrown away anyway)."""
+    weight = torch.cat([part.weight for part in parts])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    return fused
+
+
 def rope_tables(cfg: LlamaConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device).float() / cfg.head_dim))
     t = torch.arange(cfg.max_position_embeddings, device=device).float()
@@ -152,10 +162,7 @@ class Attention(nn.Module):
         """One matmul for q, k and v: fewer, larger kernels (decode at small batch is bandwidth-bound)."""
         if hasattr(self, "qkv_proj"):
             return
-        weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-        self.qkv_proj = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
-                                  dtype=weight.dtype)
-        self.qkv_proj.weight = nn.Parameter(weight, requires_grad=False)
+        self.qkv_proj = fused_linear(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, cos, sin, cache_k, cache_v, slots, positions, lengths, window=None,
@@ -225,10 +232,7 @@ class MLP(nn.Module):
     def fuse(self) -> None:
         if hasattr(self, "gate_up_proj"):
             return
-        weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
-        self.gate_up_proj = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
-                                      dtype=weight.dtype)
-        self.gate_up_proj.weight = nn.Parameter(weight, requires_grad=False)
+        self.gate_up_proj = fused_linear(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

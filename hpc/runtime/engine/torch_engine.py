@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import queue
+import random
 import threading
 import time
 from pathlib import Path
@@ -185,7 +186,8 @@ class TorchEngine(ContextSteps, DecodeSteps):
         self.picker = TokenPicker(self.model_dir, self.cfg.eos_token_id, self.max_len, self.canned_completion)
         self.prefix = self._prefix_cache()
         self.sampler = torch.Generator(device=self.device)  # unseeded requests' draws, batched on the device
-        self.sampler.manual_seed(torch.seed() % (2**63))
+        # not torch.seed(): it reseeds every GPU's default generator, other engines' in this process too
+        self.sampler.manual_seed(random.getrandbits(63))
         self.warm_up()
 
     def _prefix_cache(self) -> PrefixCache | None:
