@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import tempfile
 from pathlib import Path
@@ -49,8 +50,9 @@ def local_stack(recipe: str, *overrides: str, cluster: str | None = None) -> Ite
             raise SystemExit(f"launch of {recipe} failed before it wrote a run directory (the error is above)")
         run = list_runs()[0]
         try:
-            if code != 0:
-                raise SystemExit(f"launch of {recipe} failed; logs in {run.logs}")
+            if code != 0:  # the run directory goes with the temporary one: its logs are kept apart
+                kept = shutil.copytree(run.path, tempfile.mkdtemp(prefix="hpc-bench-failed-"), dirs_exist_ok=True)
+                raise SystemExit(f"launch of {recipe} failed; logs in {Path(kept) / 'logs'}")
             url = json.loads((Path(run.path) / "endpoints" / "frontend.json").read_text())["url"]
             yield run, url
         finally:

@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 
+from hpc.engine_args.scheduling import tokens_per_block
 from hpc.manifest import Manifest
 from hpc.runtime.services.discovery import open_discovery
 from hpc.runtime.frontend.app import Frontend, model_dir
@@ -50,23 +51,25 @@ async def serve(manifest: Manifest, bind: str | None = None, group: FrontendGrou
         body_timeout_s=http.body_timeout_s, keepalive_timeout_s=http.keepalive_timeout_s,
         max_concurrent=http.max_concurrent_requests))
     await server.start(host, port, reuse_port=group is not None)
-    discovery = await asyncio.to_thread(open_discovery, manifest)
-    watch = asyncio.create_task(discovery.watch(router.update))
-    expiry = asyncio.create_task(_expire_unlisted(router))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, lambda: None)  # drain tier: keep serving while workers leave
-    url = f"http://{host}:{port}"
     if group is not None:
         app.group = group
         await group.start(app.health_view, app.metrics_text)
         group.gone.add_done_callback(lambda _: stop.set())
         if first:
+            # before discovery starts gRPC's threads (the etcd client): a process forked beside them can crash
+            # before it runs anything of its own (gRPC's fork handlers; 4 in 40 starts of 4 processes here)
             await group.spawn(host)
-        else:
-            print(f"ready {group.port}", flush=True)  # to process 0, which waits for every process
+    discovery = await asyncio.to_thread(open_discovery, manifest)
+    watch = asyncio.create_task(discovery.watch(router.update))
+    expiry = asyncio.create_task(_expire_unlisted(router))
+    url = f"http://{host}:{port}"
+    if group is not None and not first:
+        print(f"ready {group.port}", flush=True)  # to process 0, which waits for every process
     if first:
         publish_endpoint(manifest, "frontend", host=host, port=port, url=url)
         reporter.phase("ready", url=url)
@@ -87,12 +90,12 @@ async def serve(manifest: Manifest, bind: str | None = None, group: FrontendGrou
 
 
 def _block_size(manifest: Manifest) -> int:
-    """The KV block the routed engines cut prompts by (kv_cache_config.tokens_per_block; 32 by default)."""
+    """The KV block the routed engines cut prompts by (kv_cache_config.tokens_per_block)."""
     for role in ("prefill", "agg"):
         args = manifest.engine_args.get(role)
         if args is not None:
-            return int((args.get("kv_cache_config") or {}).get("tokens_per_block") or 32)
-    return 32
+            return tokens_per_block(args)
+    return tokens_per_block({})
 
 
 async def _follow_kv_events(manifest: Manifest, kv: KvIndex):

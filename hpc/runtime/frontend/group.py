@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import sys
 from typing import Any, Awaitable, Callable
 
@@ -178,7 +179,9 @@ class FrontendGroup:
             self.replicas.append(await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "hpc.runtime.frontend", self.manifest_path, "--bind", host,
                 "--replica", str(index), "--primary-port", str(self.port),
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE))
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                # a crash before its first log line (a signal during start-up) still leaves its Python stack
+                env={**os.environ, "PYTHONFAULTHANDLER": "1"}))
         ports = await asyncio.gather(*(self._ready_port(proc) for proc in self.replicas))
         for index, (proc, port) in enumerate(zip(self.replicas, ports), start=1):
             if port is None:
