@@ -167,6 +167,12 @@ def test_engine_args_become_the_api_config_classes_and_stay_strict(tiny):
     scheduler = kwargs["scheduler_config"]
     assert isinstance(scheduler.dynamic_batch_config, llmapi.DynamicBatchConfig)  # on by default, as in Dynamo
     assert scheduler.capacity_scheduler_policy is llmapi.CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
+    chunked = llm_kwargs({"enable_chunked_prefill": True,
+                          "scheduler_config": {"context_chunking_policy": "EQUAL_PROGRESS"}}, llmapi)
+    assert chunked["scheduler_config"].context_chunking_policy is llmapi.ContextChunkingPolicy.EQUAL_PROGRESS
+    assert chunked["enable_chunked_prefill"] is True
+    with pytest.raises(ValueError, match="FIFO"):
+        llm_kwargs({"scheduler_config": {"context_chunking_policy": "FIFO"}}, llmapi)
     with pytest.raises(ValueError, match="dtyp"):
         llm_kwargs({"kv_cache_config": {"dtyp": "fp8"}}, llmapi)
 

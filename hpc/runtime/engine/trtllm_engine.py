@@ -76,9 +76,10 @@ def llm_kwargs(args: dict[str, Any], llmapi: Any) -> dict[str, Any]:
         scheduler = dict(scheduler)
         if isinstance(scheduler.get("dynamic_batch_config"), dict):
             scheduler["dynamic_batch_config"] = llmapi.DynamicBatchConfig(**scheduler["dynamic_batch_config"])
-        if isinstance(scheduler.get("capacity_scheduler_policy"), str):
-            scheduler["capacity_scheduler_policy"] = llmapi.CapacitySchedulerPolicy(
-                scheduler["capacity_scheduler_policy"])
+        for field, enum in (("capacity_scheduler_policy", "CapacitySchedulerPolicy"),
+                            ("context_chunking_policy", "ContextChunkingPolicy")):
+            if isinstance(scheduler.get(field), str):
+                scheduler[field] = getattr(llmapi, enum)(scheduler[field])
         kwargs["scheduler_config"] = llmapi.SchedulerConfig(**scheduler)
     return kwargs
 

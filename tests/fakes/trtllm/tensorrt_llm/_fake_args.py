@@ -61,3 +61,9 @@ class CapacitySchedulerPolicy(str, Enum):  # tensorrt_llm/llmapi/llm_args.py
     MAX_UTILIZATION = "MAX_UTILIZATION"
     GUARANTEED_NO_EVICT = "GUARANTEED_NO_EVICT"
     STATIC_BATCH = "STATIC_BATCH"
+
+
+class ContextChunkingPolicy(str, Enum):  # tensorrt_llm/llmapi/llm_args.py (a StrEnum there)
+    FIRST_COME_FIRST_SERVED = "FIRST_COME_FIRST_SERVED"
+    EQUAL_PROGRESS = "EQUAL_PROGRESS"
+    FORCE_CHUNK = "FORCE_CHUNK"

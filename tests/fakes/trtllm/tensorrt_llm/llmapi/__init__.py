@@ -1,6 +1,6 @@
 """Upstream: tensorrt_llm/llmapi/__init__.py exports these names."""
 
-from tensorrt_llm._fake_args import CapacitySchedulerPolicy  # noqa: F401
+from tensorrt_llm._fake_args import CapacitySchedulerPolicy, ContextChunkingPolicy  # noqa: F401
 from tensorrt_llm.disaggregated_params import DisaggregatedParams  # noqa: F401
 from tensorrt_llm.llmapi.llm import (LLM, CacheTransceiverConfig, DynamicBatchConfig, KvCacheConfig,  # noqa: F401
                                      SchedulerConfig)

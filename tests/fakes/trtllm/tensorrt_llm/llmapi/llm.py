@@ -35,7 +35,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from tensorrt_llm._fake_args import CapacitySchedulerPolicy, StrictConfig, coerce, fields_of
+from tensorrt_llm._fake_args import (CapacitySchedulerPolicy, ContextChunkingPolicy, StrictConfig, coerce,
+                                     fields_of)
 from tensorrt_llm.disaggregated_params import DisaggregatedParams
 from tensorrt_llm.executor.result import GenerationResult, IterationResult, Response
 from tensorrt_llm.sampling_params import SamplingParams
@@ -56,9 +57,12 @@ class SchedulerConfig(StrictConfig):
         super().__init__(**kwargs)
         if "dynamic_batch_config" in kwargs:
             self.dynamic_batch_config = coerce("DynamicBatchConfig", DynamicBatchConfig, kwargs["dynamic_batch_config"])
-        policy = kwargs.get("capacity_scheduler_policy")
-        if policy is not None:
-            self.capacity_scheduler_policy = CapacitySchedulerPolicy(getattr(policy, "value", policy))
+        # enum fields by value, as pydantic validates them (a wrong value raises)
+        for field, enum in (("capacity_scheduler_policy", CapacitySchedulerPolicy),
+                            ("context_chunking_policy", ContextChunkingPolicy)):
+            policy = kwargs.get(field)
+            if policy is not None:
+                setattr(self, field, enum(getattr(policy, "value", policy)))
 
 
 class CacheTransceiverConfig(StrictConfig):
