@@ -14,7 +14,7 @@ import torch
 
 from hpc.engine_args.scheduling import max_num_tokens
 from hpc.runtime.engine.guided import Automaton
-from hpc.runtime.engine.sampling import make_generator, prompt_logprobs
+from hpc.runtime.engine.sampling import make_generator, on_device, prompt_logprobs
 from hpc.runtime.engine.sequence import Seq, context_work, prefill_groups
 from hpc.runtime.engine.tp import gather_kv
 from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode, TokenLogprob
@@ -134,7 +134,7 @@ class ContextSteps:
                 self.prefix.store(seq.request.token_ids, seq.slot)
         picked: list[Picked | None] = [None] * len(group)
         if done:
-            rows_done = logits if len(done) == len(group) else logits[torch.tensor(done, device=logits.device)]
+            rows_done = logits if len(done) == len(group) else logits[on_device(done, logits.device)]
             for i, result in zip(done, self.picker.pick_rows([seqs[i] for i in done], rows_done, self.sampler)):
                 picked[i] = result
         return picked
@@ -143,7 +143,9 @@ class ContextSteps:
         """The eager prefill: rows right-padded to the longest, each from its first token not in the cache."""
         first = seqs[0]
         width = max(map(len, rows))
-        token_tensor = torch.tensor([row + [0] * (width - len(row)) for row in rows], device=self.device)
+        # staged as the decode steps' are (pinned): a chunk runs between overlapped decode steps without
+        # waiting for the one in flight
+        token_tensor = on_device([row + [0] * (width - len(row)) for row in rows], self.device)
         embeds = self.model.embed(token_tensor)
         if first.media is not None and self.cfg.vision:  # a prompt with media is prefilled alone, whole
             mask = token_tensor[0] == self.cfg.vision["image_token_id"]
@@ -151,8 +153,8 @@ class ContextSteps:
             if count != first.media.shape[0]:
                 raise ValueError(f"prompt has {count} image tokens but the image gave {first.media.shape[0]}")
             embeds[0, mask] = first.media.to(self.device, self.dtype)
-        positions = torch.tensor([[min(seq.length + j, self.max_len - 1) for j in range(width)] for seq in seqs],
-                                 device=self.device)
-        slots = torch.tensor([seq.slot for seq in seqs], device=self.device)
-        last = torch.tensor([len(row) - 1 for row in rows], device=self.device) if len(seqs) > 1 else None
+        positions = on_device([[min(seq.length + j, self.max_len - 1) for j in range(width)] for seq in seqs],
+                              self.device)
+        slots = on_device([seq.slot for seq in seqs], self.device)
+        last = on_device([len(row) - 1 for row in rows], self.device) if len(seqs) > 1 else None
         return self._forward("prefill", embeds, positions, slots, last_only=last_only, last=last)
