@@ -38,6 +38,9 @@ def workers(run_path: Path) -> dict[str, dict]:
 
 
 WORKER_COUNTERS = ("requests", "kv_ipc_shared", "prompt_tokens", "prompt_tokens_computed", "prompt_tokens_cached")
+# where each sweep's time went in each worker: what the first sweep pays more than the second shows here
+SWEEP_COUNTERS = ("kv_ask_seconds_total", "kv_move_seconds_total", "kv_ipc_opened", "kv_ipc_open_seconds_total",
+                  "admit_seconds_total", "decode_seconds_total", "idle_seconds_total")
 
 
 def counters(metrics_url: str, names: tuple[str, ...] = WORKER_COUNTERS) -> dict[str, float]:
@@ -66,11 +69,15 @@ def main() -> None:
     roles = [name for name in ("agg", "prefill", "decode") if getattr(recipe.roles, name) is not None]
     overrides = [f'roles.{r}.override_engine_args={{"max_batch_size": {batch}}}' for r in roles]
 
-    async def sweeps(url: str, model: str) -> list[dict[int, dict]]:
-        out = []
+    async def sweeps(url: str, model: str, urls: dict[str, str]) -> tuple[list[dict[int, dict]], list[dict]]:
+        """Two sweeps, and each worker's SWEEP_COUNTERS over each."""
+        out, spent = [], []
         for _ in range(2):  # no warm-up requests: the first sweep is what a user's first traffic sees
+            before = {name: counters(u, SWEEP_COUNTERS) for name, u in urls.items()}
             out.append({lv.concurrency: await run_level(url, model, lv, True, 0) for lv in levels})
-        return out
+            after = {name: counters(u, SWEEP_COUNTERS) for name, u in urls.items()}
+            spent.append({name: {k: after[name][k] - before[name][k] for k in SWEEP_COUNTERS} for name in urls})
+        return out, spent
 
     with contextlib.redirect_stdout(io.StringIO()):
         stack = local_stack(args.recipe, *overrides, *args.overrides)
@@ -78,8 +85,9 @@ def main() -> None:
     frontends = run.manifest().plan.service("frontend").processes
     try:
         model = json.loads(urllib.request.urlopen(f"{url}/v1/models", timeout=10).read())["data"][0]["id"]
-        first, second = asyncio.run(sweeps(url, model))
         placed = workers(Path(run.path))
+        urls = {name: state["http"] for name, state in placed.items() if state.get("http")}
+        (first, second), spent = asyncio.run(sweeps(url, model, urls))
         handoff = {name: counters(state["http"]) for name, state in placed.items()
                    if state.get("http") and name.startswith("prefill")}
     finally:
@@ -97,12 +105,18 @@ def main() -> None:
         print(f"{lv.concurrency:>4} {lv.requests:>9} {a['peak_inflight']:>5} {a['output_tokens_per_s']:>12.1f} "
               f"{b['output_tokens_per_s']:>13.1f} {a['output_tokens_per_s'] / b['output_tokens_per_s']:>13.0%} "
               f"{a['e2e_s']['p99']:>16.3f}")
+    print("each worker over the first / second sweep (seconds, or allocations opened over CUDA IPC):")
+    for name in urls:
+        a, b = spent[0][name], spent[1][name]
+        print(f"  {name}: " + ", ".join(f"{k.removesuffix('_total')} {a[k]:.3g} / {b[k]:.3g}"
+                                        for k in SWEEP_COUNTERS if a[k] or b[k]))
     lo, hi = levels[0].concurrency, levels[-1].concurrency
     scale = [s[hi]["output_tokens_per_s"] / s[lo]["output_tokens_per_s"] for s in (first, second)]
     print(f"c={hi} / c={lo}: first sweep {scale[0]:.1f}x, second {scale[1]:.1f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"recipe": args.recipe, "workers": placed, "handoff": handoff,
-                                               "first": first, "second": second}, indent=1, default=str))
+                                               "first": first, "second": second, "per_sweep": spent},
+                                              indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -111,6 +111,9 @@ class OpenAllocations:
         self._used: dict[tuple[int, bytes], float] = {}  # when each was last used
         self._lock = threading.Lock()
         self.opened = 0  # how many times an allocation had to be opened (the rest were found open)
+        # the time those opens took (the first also enables peer access to another GPU): what a fetch pays
+        # once per allocation, and what a first sweep after a launch pays more than the second
+        self.open_seconds = 0.0
 
     def copy_into(self, ipc: CudaIpc, dst: torch.Tensor) -> None:
         """Queue the copy of the shared bytes into `dst` (contiguous, as many bytes, on a GPU of this node) on its
@@ -134,8 +137,10 @@ class OpenAllocations:
             base = self._open.get(key)
             if base is None:
                 pointer = ctypes.c_uint64()
+                began = time.perf_counter()
                 _Driver.check(lib.cuIpcOpenMemHandle_v2(ctypes.byref(pointer), _Handle.of(ipc.handle),
                                                         _LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
+                self.open_seconds += time.perf_counter() - began
                 base = self._open[key] = pointer.value
                 self.opened += 1
             self._open.move_to_end(key)

@@ -363,7 +363,8 @@ class TorchEngine(ContextSteps, DecodeSteps):
         except BaseException as exc:  # noqa: BLE001 - whatever kills the thread must be visible
             log.exception("the scheduler thread died")
             self.failure = f"{type(exc).__name__}: {exc}"
-            for seq in running + self._deferred + self._prefilling:
+            # a prompt can be in both lists if the thread died while it moved from prefill to decode
+            for seq in {id(s): s for s in running + self._deferred + self._prefilling}.values():
                 self._finish(seq, "error", error=f"engine failed: {self.failure}")
             while True:
                 try:

@@ -108,6 +108,8 @@ class KvHandoff:
                     self._opened = OpenAllocations()
                 kv = await asyncio.to_thread(copy_shared, meta, self.device, self._opened)
                 self._count("kv_fetched_cuda_ipc")
+                self.counters["kv_ipc_opened"] = self._opened.opened
+                self.counters["kv_ipc_open_seconds_total"] = self._opened.open_seconds
             self._add("kv_move_seconds_total", time.perf_counter() - answered)  # open/read, copy, synchronise
         finally:
             # The copy is complete (or failed): the prefill may free it; decoding need not wait for its answer.

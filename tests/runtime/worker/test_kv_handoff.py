@@ -152,6 +152,7 @@ def test_open_allocations_are_reused_and_the_oldest_or_idle_ones_closed(monkeypa
 
     assert at(1, 0) == 0x10000 and at(1, 512) == 0x10000 + 512  # a reused allocation: opened once
     assert at(2, 0) == 0x20000 and opened.opened == 2 and driver.closed == []
+    assert opened.open_seconds > 0  # the two opens were timed, the reuse was not an open
     assert at(1, 8) == 0x10000 + 8  # used again: now the newest
     at(3, 0)  # over the limit: the least recently used (2) is closed, not 1
     assert driver.closed == [0x20000] and opened.open_count == 2
