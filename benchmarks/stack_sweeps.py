@@ -40,7 +40,7 @@ def workers(run_path: Path) -> dict[str, dict]:
 WORKER_COUNTERS = ("requests", "kv_ipc_shared", "prompt_tokens", "prompt_tokens_computed", "prompt_tokens_cached")
 # where each sweep's time went in each worker: what the first sweep pays more than the second shows here
 SWEEP_COUNTERS = ("kv_ask_seconds_total", "kv_move_seconds_total", "kv_ipc_opened", "kv_ipc_open_seconds_total",
-                  "admit_seconds_total", "decode_seconds_total", "idle_seconds_total")
+                  "cuda_malloc_segments", "admit_seconds_total", "decode_seconds_total", "idle_seconds_total")
 
 
 def counters(metrics_url: str, names: tuple[str, ...] = WORKER_COUNTERS) -> dict[str, float]:

@@ -351,6 +351,10 @@ class TorchEngine(ContextSteps, DecodeSteps):
         graphed = {"decode_steps_graphed": self.graphs.replays} if self.graphs is not None else {}
         if self.prefill_graphs is not None:
             graphed["prefill_steps_graphed"] = self.prefill_graphs.replays
+        if self.device.type == "cuda" and torch.cuda.is_initialized():
+            # segments the caching allocator took from cudaMalloc (milliseconds each), so far: a first sweep that
+            # grows the allocator shows here
+            graphed["cuda_malloc_segments"] = torch.cuda.memory_stats(self.device).get("segment.all.allocated", 0)
         return {**self._counters, **prefix, **graphed, "kv_usage": kv_usage, "handoffs_waiting": len(self.handoffs)}
 
     # ---- scheduler thread ------------------------------------------------------------------------
