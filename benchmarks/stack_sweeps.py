@@ -16,6 +16,7 @@ import io
 import json
 import os
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -24,6 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _stack import add_set_option, local_stack  # noqa: E402
 
 from hpc.bench.loadgen import REQUESTS_PER_USER, Level, run_level  # noqa: E402
+from hpc.launch.local import local_pids  # noqa: E402
 from hpc.spec.catalog import load_recipe  # noqa: E402
 
 
@@ -51,6 +53,20 @@ def counters(metrics_url: str, names: tuple[str, ...] = WORKER_COUNTERS) -> dict
     return {name: metric_values(text, f"hpc_worker_{name}") for name in names}
 
 
+def group_cpu_seconds(leader: int) -> float:
+    """CPU seconds (user + system) of every live process in `leader`'s process group (a local component and
+    what it started: the frontend's other processes), from /proc."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == leader:  # field 5 of stat: the process group
+            total += (int(fields[11]) + int(fields[12])) / tick  # fields 14 and 15: utime, stime
+    return total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--recipe", default="tiny-disagg")
@@ -69,15 +85,24 @@ def main() -> None:
     roles = [name for name in ("agg", "prefill", "decode") if getattr(recipe.roles, name) is not None]
     overrides = [f'roles.{r}.override_engine_args={{"max_batch_size": {batch}}}' for r in roles]
 
-    async def sweeps(url: str, model: str, urls: dict[str, str]) -> tuple[list[dict[int, dict]], list[dict]]:
-        """Two sweeps, and each worker's SWEEP_COUNTERS over each."""
-        out, spent = [], []
+    async def sweeps(url: str, model: str, urls: dict[str, str],
+                     leaders: dict[str, int]) -> tuple[list[dict[int, dict]], list[dict], list[dict[str, float]]]:
+        """Two sweeps; each worker's SWEEP_COUNTERS over each; the cores each component kept busy in the
+        highest level of each (CPU seconds / wall seconds: near 1 for one process is a GIL-bound one)."""
+        out, spent, busy = [], [], []
         for _ in range(2):  # no warm-up requests: the first sweep is what a user's first traffic sees
             before = {name: counters(u, SWEEP_COUNTERS) for name, u in urls.items()}
-            out.append({lv.concurrency: await run_level(url, model, lv, True, 0) for lv in levels})
+            results = {}
+            for lv in levels:
+                if lv is levels[-1]:
+                    cpu0, wall0 = {n: group_cpu_seconds(p) for n, p in leaders.items()}, time.perf_counter()
+                results[lv.concurrency] = await run_level(url, model, lv, True, 0)
+            wall = time.perf_counter() - wall0
+            busy.append({n: (group_cpu_seconds(p) - cpu0[n]) / wall for n, p in leaders.items()})
+            out.append(results)
             after = {name: counters(u, SWEEP_COUNTERS) for name, u in urls.items()}
             spent.append({name: {k: after[name][k] - before[name][k] for k in SWEEP_COUNTERS} for name in urls})
-        return out, spent
+        return out, spent, busy
 
     with contextlib.redirect_stdout(io.StringIO()):
         stack = local_stack(args.recipe, *overrides, *args.overrides)
@@ -87,7 +112,8 @@ def main() -> None:
         model = json.loads(urllib.request.urlopen(f"{url}/v1/models", timeout=10).read())["data"][0]["id"]
         placed = workers(Path(run.path))
         urls = {name: state["http"] for name, state in placed.items() if state.get("http")}
-        (first, second), spent = asyncio.run(sweeps(url, model, urls))
+        leaders = {name: pids[0] for name, pids in local_pids(run).items() if pids and name not in ("etcd", "nats")}
+        (first, second), spent, busy = asyncio.run(sweeps(url, model, urls, leaders))
         handoff = {name: counters(state["http"]) for name, state in placed.items()
                    if state.get("http") and name.startswith("prefill")}
     finally:
@@ -110,12 +136,15 @@ def main() -> None:
         a, b = spent[0][name], spent[1][name]
         print(f"  {name}: " + ", ".join(f"{k.removesuffix('_total')} {a[k]:.3g} / {b[k]:.3g}"
                                         for k in SWEEP_COUNTERS if a[k] or b[k]))
+    print(f"cores busy at c={levels[-1].concurrency}, first / second sweep: "
+          + ", ".join(f"{n} {busy[0][n]:.2f} / {busy[1][n]:.2f}" for n in busy[0]))
     lo, hi = levels[0].concurrency, levels[-1].concurrency
     scale = [s[hi]["output_tokens_per_s"] / s[lo]["output_tokens_per_s"] for s in (first, second)]
     print(f"c={hi} / c={lo}: first sweep {scale[0]:.1f}x, second {scale[1]:.1f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"recipe": args.recipe, "workers": placed, "handoff": handoff,
-                                               "first": first, "second": second, "per_sweep": spent},
+                                               "first": first, "second": second, "per_sweep": spent,
+                                               "cores_busy_at_highest": busy},
                                               indent=1, default=str))
 
 

@@ -65,6 +65,9 @@ def _rank(rank: int, port: int, model_dir: str, layout: str, out: str, device_ty
         with open(f"{out}.{rank}", "w") as handle:
             json.dump({"tokens": tokens, "world": dist.get_world_size(), "backend": dist.get_backend(),
                        "device": str(engine.model.lm_head.weight.device), **_held(engine)}, handle)
+        # leave together: a rank whose peer tore gloo's connections down first can abort on its way out
+        # ("terminate called without an active exception", SIGABRT: once in a CI run)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
