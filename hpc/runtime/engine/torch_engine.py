@@ -1,7 +1,8 @@
 """The torch reference engine: a KV cache in slots, iteration-level batching, streaming, cancellation.
 
-One scheduler thread owns the model. Each iteration it admits the waiting requests that fit (their
-prompts prefilled together), then runs one batched decode step over every running request. With tensor
+One scheduler thread owns the model. Each iteration it admits the waiting requests that fit a slot, prefills
+the prompt tokens that fit the step's max_num_tokens (together; with enable_chunked_prefill a long prompt a chunk
+per iteration: context_steps), then runs one batched decode step over every running request. With tensor
 parallelism, rank 0 runs the scheduler and broadcasts each step to the follower ranks, which run the same
 forward pass.
 """
