@@ -18,11 +18,15 @@ from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, Sampli
 
 ARGS = {"max_seq_len": 128, "max_batch_size": 4, "dtype": "float32"}
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [42] * 9]
-LAYOUTS = {  # name: (model kind, TorchEngine options)
-    "tensor": ("tiny", {}),
-    "pipeline": ("tiny", {"pipeline": True}),
-    "expert": ("tiny-moe", {"expert_parallel": True}),
-    "tensor-moe": ("tiny-moe", {}),
+# a step of 8 tokens in chunks of 4: the 9-token prompt is prefilled in chunks beside the others' decode steps,
+# each chunk broadcast to the follower rank at its offset
+CHUNKED = {"enable_chunked_prefill": True, "max_num_tokens": 8, "kv_cache_config": {"tokens_per_block": 4}}
+LAYOUTS = {  # name: (model kind, TorchEngine options, engine args beside ARGS)
+    "tensor": ("tiny", {}, {}),
+    "pipeline": ("tiny", {"pipeline": True}, {}),
+    "expert": ("tiny-moe", {"expert_parallel": True}, {}),
+    "tensor-moe": ("tiny-moe", {}, {}),
+    "tensor-chunked": ("tiny", {}, CHUNKED),
 }
 
 
@@ -40,7 +44,7 @@ def _held(engine: TorchEngine) -> dict:
     moe = getattr(layers[0], "block_sparse_moe", None)
     return {"layers": len(layers), "heads": layers[0].self_attn.heads, "experts": sorted(int(k) for k in moe.experts) if moe else [],
             "expert_rows": moe.experts[next(iter(moe.experts))].w1.weight.shape[0] if moe else 0,
-            "sent_pairs": engine.ep.sent_pairs}
+            "sent_pairs": engine.ep.sent_pairs, "prefill_chunks": engine.stats().get("prefill_chunks", 0)}
 
 
 def _rank(rank: int, port: int, model_dir: str, layout: str, out: str, device_type: str) -> None:
@@ -49,8 +53,8 @@ def _rank(rank: int, port: int, model_dir: str, layout: str, out: str, device_ty
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     world = init_group(rank, 2, f"127.0.0.1:{port}", device)  # NCCL on GPUs, gloo on CPU, as a worker does
     try:
-        engine = TorchEngine(model_dir, DisaggregationMode.AGGREGATED, ARGS, tp=world, device=str(device),
-                             **LAYOUTS[layout][1])
+        engine = TorchEngine(model_dir, DisaggregationMode.AGGREGATED, {**ARGS, **LAYOUTS[layout][2]}, tp=world,
+                             device=str(device), **LAYOUTS[layout][1])
         if rank == 0:
             async def main() -> list[list[int]]:
                 async with engine:
@@ -111,8 +115,10 @@ def _check_layout(model_cache, tmp_path, layout: str, device_type: str) -> None:
     if device_type == "cuda":  # each rank on its own GPU
         assert [r["device"] for r in ranks] == ["cuda:0", "cuda:1"]
     assert ranks[0]["tokens"] == want and all(len(t) == 8 for t in want)
-    if layout == "tensor":  # each rank held every layer with half its attention heads
+    if layout in ("tensor", "tensor-chunked"):  # each rank held every layer with half its attention heads
         assert all(r["layers"] == whole["layers"] and 2 * r["heads"] == whole["heads"] for r in ranks)
+        # chunked: the single rank prefilled each prompt whole, the two ranks the long one in chunks
+        assert ranks[0]["prefill_chunks"] >= (layout == "tensor-chunked") and whole["prefill_chunks"] == 0
     elif layout == "pipeline":  # each stage held part of the layers
         assert all(0 < r["layers"] < whole["layers"] for r in ranks)
         assert sum(r["layers"] for r in ranks) == whole["layers"]
