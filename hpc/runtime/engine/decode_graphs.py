@@ -14,6 +14,7 @@ cache and reads positions from device memory).
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Callable
 
@@ -29,7 +30,15 @@ Capture = Callable[[Callable[[], torch.Tensor]], tuple[Callable[[], None], torch
 
 
 def cuda_capture(device: torch.device) -> Capture:
-    """Real CUDA graphs sharing one memory pool (captured largest first, the smaller ones reuse its blocks)."""
+    """Real CUDA graphs sharing one memory pool (captured largest first, the smaller ones reuse its blocks).
+
+    No garbage collection during a capture: a cycle collected there that held CUDA resources (pinned memory, an
+    earlier engine's graphs in the same process: an engine is a reference cycle) frees them inside the capture,
+    which voids it — and a capture that fails to end leaves the device's default random generator in capture
+    mode, so that every later draw raises 'Offset increment outside graph capture': the likely cause of that
+    error in the GPU run of a test that builds engines one after another. What garbage there is now is
+    collected first."""
+    gc.collect()
     pool = torch.cuda.graph_pool_handle()
 
     def capture(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
@@ -39,9 +48,15 @@ def cuda_capture(device: torch.device) -> Capture:
             fn()
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread's CUDA call (an event loop opening a KV handoff) must not void the capture
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            out = fn()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            # thread_local: another thread's CUDA call (an event loop opening a KV handoff) must not void it
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                out = fn()
+        finally:
+            if collecting:
+                gc.enable()
         return graph.replay, out
 
     return capture
