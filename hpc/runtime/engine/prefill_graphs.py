@@ -72,7 +72,12 @@ class PrefillGraphs:
             [i for i, p in enumerate(prompts) for _ in p] + [-1] * pad,  # padding: a prompt of its own
             [end - 1 for end in ends] + [0] * (count - len(prompts)),
         ], dtype=torch.long)
-        self.inputs[:, :count].copy_(staged)  # one host-to-device copy
+        # one host-to-device copy, from pinned memory on a GPU: from pageable memory it would first wait for the
+        # decode step in flight (a chunk or prompt admitted between overlapped steps)
+        if self.inputs.is_cuda:
+            self.inputs[:, :count].copy_(staged.pin_memory(), non_blocking=True)
+        else:
+            self.inputs[:, :count].copy_(staged)
         replay, logits = self._graphs[count]
         replay()
         self.replays += 1
