@@ -109,13 +109,16 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_decode_steps_of_the_ot
 
 
 def test_a_prompt_longer_than_max_num_tokens_is_refused_without_chunking_and_served_with_it(tiny):
-    async def answer(args: dict) -> list[int]:
-        async with TorchEngine(tiny, DisaggregationMode.AGGREGATED, {**BASE, **args}) as engine:
+    async def answer(args: dict, mode: DisaggregationMode = DisaggregationMode.AGGREGATED) -> list[int]:
+        async with TorchEngine(tiny, mode, {**BASE, **args}) as engine:
             return await _collect(engine, LONG, 4)
 
-    with pytest.raises(ValueError, match=r"prompt \(150 tokens\) exceeds max_num_tokens \(64\); set "
-                                         r"enable_chunked_prefill: true"):
-        asyncio.run(answer({"max_num_tokens": 64}))
+    for mode in (DisaggregationMode.AGGREGATED, DisaggregationMode.PREFILL, DisaggregationMode.DECODE):
+        # a decode worker prefills a prompt that comes without a prefill worker's KV: refused too, not left
+        # waiting forever for a step that could hold it
+        with pytest.raises(ValueError, match=r"prompt \(150 tokens\) exceeds max_num_tokens \(64\); set "
+                                             r"enable_chunked_prefill: true"):
+            asyncio.run(answer({"max_num_tokens": 64}, mode))
     assert asyncio.run(answer({"max_num_tokens": 64, "enable_chunked_prefill": True})) == \
         asyncio.run(answer({}))
     for policy in ("EQUAL_PROGRESS", "FIRST_COME_FIRST_SERVED"):

@@ -317,7 +317,8 @@ class TorchEngine(ContextSteps, DecodeSteps):
         if self.cfg and max(request.token_ids) >= self.cfg.vocab_size:
             raise ValueError("token id outside the vocabulary")
         whole = self.chunking is None or request.media is not None or request.sampling.prompt_logprobs is not None
-        if whole and self.mode is not DisaggregationMode.DECODE and len(request.token_ids) > self._token_budget():
+        imports = request.disaggregated_params is not None and self.mode is DisaggregationMode.DECODE  # no prefill
+        if whole and not imports and len(request.token_ids) > self._token_budget():
             # as TensorRT-LLM's LLM API refuses it (_check_arguments): one step could never hold the prompt
             raise ValueError(f"prompt ({len(request.token_ids)} tokens) exceeds max_num_tokens "
                              f"({self._token_budget()}); set enable_chunked_prefill: true or raise max_num_tokens")
