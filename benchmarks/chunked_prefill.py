@@ -25,15 +25,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_throughput import device_label  # noqa: E402
 
+from hpc.bench.loadgen import percentiles  # noqa: E402
 from hpc.engine_args.precedence import TORCH_ENGINE_DEFAULTS, deep_update  # noqa: E402
 from hpc.runtime.engine.tiny import ensure_model  # noqa: E402
 from hpc.runtime.engine.torch_engine import TorchEngine  # noqa: E402
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams  # noqa: E402
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def _round(engine: TorchEngine, args: argparse.Namespace, vocab: int, rng: random.Random) -> dict[str, float]:
@@ -71,7 +67,8 @@ async def _round(engine: TorchEngine, args: argparse.Namespace, vocab: int, rng:
     ttft = await asyncio.gather(*longs)
     wall = time.perf_counter() - t0
     gaps = [b - a for row in times for a, b in zip(row, row[1:])]
-    return {"p50": _percentile(gaps, 0.5), "p99": _percentile(gaps, 0.99), "max": max(gaps),
+    spread = percentiles(gaps)
+    return {"p50": spread["p50"], "p99": spread["p99"], "max": max(gaps),
             "ttft": statistics.median(ttft), "ttft_max": max(ttft),
             "tok_s": sum(map(len, times)) / wall}
 

@@ -27,8 +27,8 @@ DECODING = [5, 6, 7, 8]
 def _seq(tokens: int, done: int = 0, whole: bool = False) -> SimpleNamespace:
     """What context_work reads of a sequence: its prompt, the tokens in the cache, media or prompt logprobs."""
     sampling = SamplingParams(prompt_logprobs=1 if whole else None)
-    return SimpleNamespace(request=SimpleNamespace(token_ids=[1] * tokens, sampling=sampling), length=done,
-                           media=None)
+    return SimpleNamespace(request=SimpleNamespace(token_ids=[1] * tokens, sampling=sampling, media=None),
+                           length=done)
 
 
 def _sizes(work) -> list[int]:

@@ -15,7 +15,7 @@ import torch
 from hpc.engine_args.scheduling import max_num_tokens
 from hpc.runtime.engine.guided import Automaton
 from hpc.runtime.engine.sampling import make_generator, on_device, prompt_logprobs
-from hpc.runtime.engine.sequence import Seq, context_work, prefill_groups
+from hpc.runtime.engine.sequence import Seq, context_work, prefill_groups, remaining, wanted_prompt_logprobs
 from hpc.runtime.engine.tp import gather_kv
 from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode, TokenLogprob
 
@@ -56,8 +56,7 @@ class ContextSteps:
         tokens look alike whatever the image; the prompt's logprobs need the logits of every position."""
         ids = seq.request.token_ids
         self._counters["prompt_tokens"] += len(ids)
-        want = seq.request.sampling.prompt_logprobs if len(ids) > 1 else None
-        seq.reuse = self.prefix is not None and seq.media is None and want is None
+        seq.reuse = self.prefix is not None and seq.media is None and wanted_prompt_logprobs(seq.request) is None
         if seq.reuse:
             blocks = self.prefix.match(ids)
             self.prefix.load(blocks, seq.slot)
@@ -84,7 +83,7 @@ class ContextSteps:
             for (seq, _), first in zip(group, picked):
                 if first is not None:
                     self._prefilled(seq, *first, running)
-        self._prefilling = [s for s in self._prefilling if s.slot >= 0 and s.length < len(s.request.token_ids)]
+        self._prefilling = [s for s in self._prefilling if s.slot >= 0 and remaining(s)]
 
     def _token_budget(self) -> int:
         """Tokens one step may process (max_num_tokens)."""
@@ -113,7 +112,7 @@ class ContextSteps:
         own last position's logits; a chunk that ends mid-prompt picks nothing (None)."""
         seqs = [seq for seq, _ in group]
         first = seqs[0]
-        want = first.request.sampling.prompt_logprobs if len(first.request.token_ids) > 1 else None  # alone
+        want = wanted_prompt_logprobs(first.request)  # such a prompt is prefilled alone
         rows = [seq.request.token_ids[seq.length:seq.length + n] for seq, n in group]
         logits = self.prefill_graphs.run(rows, [seq.slot for seq in seqs]) if self.prefill_graphs is not None \
             and want is None and first.media is None and not any(seq.length for seq in seqs) else None
@@ -126,7 +125,7 @@ class ContextSteps:
         done = []
         for i, (seq, n) in enumerate(group):
             seq.length += n
-            if seq.length < len(seq.request.token_ids):
+            if remaining(seq):
                 self._counters["prefill_chunks"] = self._counters.get("prefill_chunks", 0) + 1
                 continue
             done.append(i)

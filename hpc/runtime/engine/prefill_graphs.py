@@ -74,10 +74,7 @@ class PrefillGraphs:
         ], dtype=torch.long)
         # one host-to-device copy, from pinned memory on a GPU: from pageable memory it would first wait for the
         # decode step in flight (a chunk or prompt admitted between overlapped steps)
-        if self.inputs.is_cuda:
-            self.inputs[:, :count].copy_(staged.pin_memory(), non_blocking=True)
-        else:
-            self.inputs[:, :count].copy_(staged)
+        self.inputs[:, :count].copy_(staged.pin_memory() if self.inputs.is_cuda else staged, non_blocking=True)
         replay, logits = self._graphs[count]
         replay()
         self.replays += 1

@@ -73,10 +73,15 @@ class BatchWait:
         return False
 
 
-def chunkable(seq: Seq) -> bool:
+def chunkable(request: GenerateRequest) -> bool:
     """A prompt with media (its image tokens take the encoder's rows in one pass) or asking for the prompt's
     logprobs (every position's logits at once) is prefilled whole."""
-    return seq.media is None and seq.request.sampling.prompt_logprobs is None
+    return request.media is None and request.sampling.prompt_logprobs is None
+
+
+def wanted_prompt_logprobs(request: GenerateRequest) -> int | None:
+    """How many logprobs the request wants for each prompt token (None: none; a one-token prompt has none)."""
+    return request.sampling.prompt_logprobs if len(request.token_ids) > 1 else None
 
 
 def remaining(seq: Seq) -> int:
@@ -105,7 +110,7 @@ def context_work(waiting: list[Seq], capacity: int, chunking: ChunkingPolicy | N
     if chunking is ChunkingPolicy.FIRST_COME_FIRST_SERVED:
         left = capacity
         for i, seq in enumerate(waiting):
-            size = remaining(seq) if remaining(seq) <= left else (left // unit) * unit if chunkable(seq) else -1
+            size = remaining(seq) if remaining(seq) <= left else (left // unit) * unit if chunkable(seq.request) else -1
             if size < 0:  # whole or not at all: it and those behind it wait
                 break
             sizes[i], left = size, left - size
@@ -116,7 +121,7 @@ def context_work(waiting: list[Seq], capacity: int, chunking: ChunkingPolicy | N
         while used < capacity and progressed:
             progressed = False
             for i, seq in enumerate(waiting):
-                step = min(unit, remaining(seq) - sizes[i]) if chunkable(seq) else remaining(seq) - sizes[i]
+                step = min(unit, remaining(seq) - sizes[i]) if chunkable(seq.request) else remaining(seq) - sizes[i]
                 if step > 0 and used + step <= capacity:
                     sizes[i], used, progressed = sizes[i] + step, used + step, True
     return [(seq, sizes[i]) for i, seq in enumerate(waiting) if sizes[i] > 0]
@@ -129,7 +134,7 @@ def prefill_groups(work: list[tuple[Seq, int]], budget: int, pipeline: bool) -> 
     group: list[tuple[Seq, int]] = []
     width = 0
     for seq, n in work:
-        alone = not chunkable(seq) or pipeline
+        alone = not chunkable(seq.request) or pipeline
         if group and (alone or max(width, n) * (len(group) + 1) > budget):
             yield group
             group, width = [], 0

@@ -37,7 +37,7 @@ from hpc.runtime.engine.prefill_graphs import PrefillGraphs
 from hpc.runtime.engine.context_steps import ContextSteps
 from hpc.runtime.engine.decode_steps import DecodeSteps
 from hpc.runtime.engine.overlap import HostCopies, InflightStep
-from hpc.runtime.engine.sequence import BatchWait, Seq
+from hpc.runtime.engine.sequence import BatchWait, Seq, chunkable
 from hpc.runtime.engine.tp import scatter_kv
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
                                       GenerateRequest, KvMeta, TokenLogprob)
@@ -316,7 +316,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
                              f"({request.sampling.max_tokens}) exceeds max_seq_len {self.max_len}")
         if self.cfg and max(request.token_ids) >= self.cfg.vocab_size:
             raise ValueError("token id outside the vocabulary")
-        whole = self.chunking is None or request.media is not None or request.sampling.prompt_logprobs is not None
+        whole = self.chunking is None or not chunkable(request)
         imports = request.disaggregated_params is not None and self.mode is DisaggregationMode.DECODE  # no prefill
         if whole and not imports and len(request.token_ids) > self._token_budget():
             # as TensorRT-LLM's LLM API refuses it (_check_arguments): one step could never hold the prompt
