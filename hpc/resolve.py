@@ -16,7 +16,7 @@ from hpc.engine_args.flags import EngineArgFlags, apply_engine_flags
 from hpc.engine_args.precedence import (forced_values, merge_engine_args, overridden, prune_for_autodeploy,
                                         recipe_defaults)
 from hpc.engine_args.schema import check_engine_config
-from hpc.engine_args.scheduling import ChunkingPolicy, max_num_tokens
+from hpc.engine_args.scheduling import ChunkingPolicy, max_num_tokens, tokens_per_block
 from hpc.errors import UserError, UserErrors
 from hpc.plan.placement import PORTS_PER_WORKER, WORKER_PORTS_START, Plan, plan
 from hpc.spec.base import load_yaml
@@ -182,6 +182,13 @@ def _check_role(recipe: Recipe, role_name: RoleName, role: RoleSpec, field: str,
                                     f"{' or '.join(p.value for p in ChunkingPolicy)}, not {policy}", file=where,
                                     field="scheduler_config.context_chunking_policy",
                                     hint="use one of those, or backend: trtllm"))
+        step, unit = merged.get("max_num_tokens"), _tokens_per_block(merged)
+        if merged.get("enable_chunked_prefill") and isinstance(step, int) and unit and step < unit:
+            # the engine refuses it at start (TorchEngine): said here, before anything is submitted
+            errors.append(UserError(
+                f"max_num_tokens {step} is below one chunk (kv_cache_config.tokens_per_block {unit}): with "
+                f"enable_chunked_prefill no long prompt could start", file=where, field="max_num_tokens",
+                hint=f"raise max_num_tokens to at least {unit}"))
     if merged.get("enable_attention_dp") and tp == 1:
         errors.append(UserError("attention-DP needs tensor_parallel_size > 1", file=where,
                                 field="enable_attention_dp", hint="disable it or raise TP"))
@@ -198,6 +205,14 @@ def _check_role(recipe: Recipe, role_name: RoleName, role: RoleSpec, field: str,
             hint=f"set enable_chunked_prefill: true, raise max_num_tokens to at least {longest}, or lower "
                  f"limits.max_input_tokens"))
     return errors
+
+
+def _tokens_per_block(merged: dict[str, Any]) -> int | None:
+    """The KV block, or None when its setting has the wrong type (the schema check reports that)."""
+    try:
+        return tokens_per_block(merged)
+    except (AttributeError, TypeError, ValueError):
+        return None
 
 
 def _check_disagg_pair(recipe: Recipe, args: dict[str, dict[str, Any]], files: dict[str, str | None],

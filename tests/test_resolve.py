@@ -173,6 +173,11 @@ def test_the_torch_engine_refuses_a_chunking_policy_it_does_not_run(tmp_path):
     assert "e.yaml: scheduler_config.context_chunking_policy: the torch reference engine chunks prompts " \
            "FIRST_COME_FIRST_SERVED or EQUAL_PROGRESS, not FORCE_CHUNK" in _error("eos", r)
     assert resolve("eos", _write_recipe(tmp_path, {"agg": {"engine_config": "e.yaml"}}, {"e": chunked}))  # trtllm
+    tiny_step = {"enable_chunked_prefill": True, "max_num_tokens": 16}  # below the default block of 32
+    r = _write_recipe(tmp_path, {"agg": {"engine_config": "e.yaml"}}, {"e": tiny_step}, backend="torch",
+                      limits={"max_input_tokens": 16})
+    assert "e.yaml: max_num_tokens: max_num_tokens 16 is below one chunk (kv_cache_config.tokens_per_block 32)" \
+        in _error("eos", r)
     chunked["scheduler_config"]["context_chunking_policy"] = "EQUAL_PROGRESS"
     assert resolve("eos", _write_recipe(tmp_path, {"agg": {"engine_config": "e.yaml"}}, {"e": chunked},
                                         backend="torch"))
