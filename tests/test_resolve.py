@@ -146,6 +146,22 @@ def test_prefill_graphs_are_a_torch_default_that_an_override_turns_off(tmp_path)
     assert "torch_compile_config" not in resolve("eos", trtllm).engine_args["agg"]
 
 
+def test_padded_decode_graphs_are_a_torch_default_a_users_graph_config_merges_with(tmp_path):
+    from hpc.engine_args.cuda_graphs import decode_graph_sizes
+
+    torch_recipe = _write_recipe(tmp_path, {"agg": {}}, backend="torch")
+    args = resolve("eos", torch_recipe).engine_args["agg"]
+    sizes = decode_graph_sizes(args, 64)
+    assert sizes.padding and sizes.size_for(57) == 64  # a batch of 57 rows replays the 64-row graph, not eager
+    listed = _write_recipe(tmp_path, {"agg": {"override_engine_args": '{"cuda_graph_config": {"batch_sizes": [8]}}'}},
+                           backend="torch")
+    assert resolve("eos", listed).engine_args["agg"]["cuda_graph_config"] == {"enable_padding": True,
+                                                                              "batch_sizes": [8]}
+    off = _write_recipe(tmp_path, {"agg": {"override_engine_args": '{"cuda_graph_config": null}'}}, backend="torch")
+    assert decode_graph_sizes(resolve("eos", off).engine_args["agg"], 64) is None
+    assert "cuda_graph_config" not in resolve("eos", _write_recipe(tmp_path, {"agg": {}})).engine_args["agg"]
+
+
 def test_bad_yaml_names_line(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("name: x\nroles: [\n")

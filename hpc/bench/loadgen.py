@@ -198,6 +198,8 @@ def summarize(level: Level, samples: list[Sample], wall: float, peak_inflight: i
         "tpot_s": percentiles([s.decode_s / (s.tokens - 1) for s in ok if s.decode_s is not None and s.tokens > 1]),
         "e2e_s": percentiles([s.e2e for s in ok]),
         "valid": not reasons, "invalid_reasons": reasons, "errors": errors,
+        # the first requests to complete (at c=1, the first sent): what a fresh launch makes its first users pay
+        "first_requests": [{"ttft_s": s.ttft, "e2e_s": s.e2e} for s in samples[:3]],
     }
 
 

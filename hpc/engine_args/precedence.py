@@ -31,8 +31,11 @@ DYNAMIC_BATCH_CONFIG = {"enable_batch_size_tuning": True, "enable_max_num_tokens
 
 # The reference engine's own defaults. Prefill steps from CUDA graphs (cuda_graphs.prefill_graph_tokens): off by
 # default in TensorRT-LLM, whose piecewise graphs go through torch.compile; the torch engine captures its whole
-# prefill in about a second.
-TORCH_ENGINE_DEFAULTS = {"torch_compile_config": {"enable_piecewise_cuda_graph": True}}
+# prefill in about a second. Decode graphs padded (as this repo's TensorRT-LLM decode configs set it): without,
+# only batches of 1-32 and 64 rows have a graph, and under load a served batch is rarely exactly 64 — the stack's
+# decode worker at c=64 ran most steps eagerly (py-spy, docs/performance.md).
+TORCH_ENGINE_DEFAULTS = {"torch_compile_config": {"enable_piecewise_cuda_graph": True},
+                         "cuda_graph_config": {"enable_padding": True}}
 
 # Fields AutoDeploy's LlmArgs does not take: it shards by itself (world_size) and owns scheduling,
 # CUDA graphs and speculative decoding. Dropped with one warning each.

@@ -13,8 +13,14 @@ from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, Sampli
 pytestmark = pytest.mark.unit
 
 
-def test_warm_up_covers_prefill_and_every_decode_path_before_the_first_request(tiny):
+def test_warm_up_covers_prefill_and_every_decode_path_before_the_first_request(tiny, monkeypatch):
+    from hpc.runtime.engine import torch_engine
+
     steps = []
+    sampled = []  # (rows, top_k) of each sampling kernel run: their modules load before the first request
+    real_sample_rows = torch_engine.sample_rows
+    monkeypatch.setattr(torch_engine, "sample_rows", lambda logits, params, gen: (
+        sampled.append((logits.shape[0], params[0].top_k)), real_sample_rows(logits, params, gen))[1])
 
     async def main():
         engine = TorchEngine(tiny, DisaggregationMode.AGG, {"max_seq_len": 256, "max_batch_size": 8})
@@ -35,6 +41,7 @@ def test_warm_up_covers_prefill_and_every_decode_path_before_the_first_request(t
         async with engine:
             assert steps, "warm-up ran inside load(), before the engine was handed out"
             warmed = list(steps)
+            assert sampled == [(1, 0), (1, 40), (2, 0), (2, 40)]  # plain and top-k/top-p, on 1 and 2 rows
             req = GenerateRequest(request_id="r", token_ids=[5, 6, 7], sampling=SamplingParams(max_tokens=3))
             outs = [o async for o in engine.generate(req)]
             assert sum(len(o.token_ids) for o in outs) == 3
@@ -51,5 +58,5 @@ def test_warm_up_covers_prefill_and_every_decode_path_before_the_first_request(t
     # an eager run and the capture each
     sizes = [] if graphs is None else sorted(graphs.sizes.batch_sizes, reverse=True)
     assert warmed[6:] == [(size, 1) for size in sizes for _ in range(2)]
-    assert reported[5:] == ([("graphs", 8)] if graphs is not None else [])
+    assert reported[5:] == [("sampling", 2)] + ([("graphs", 8)] if graphs is not None else [])
     assert seconds > 0

@@ -53,7 +53,9 @@ def test_shared_kvs_arrive_whole_and_a_reused_allocation_is_not_opened_again():
             meta = _meta(child)
             assert meta.ipc is not None and meta.shape == [2, 2, 8, 1536, 128] and meta.dtype == "torch.bfloat16"
             metas.append(meta)
-            got.append(kvpack.copy_shared(meta, "cuda:0", opened))
+            kv, copied = kvpack.copy_shared(meta, "cuda:0", opened)
+            copied.synchronize()  # before the child frees it (the worker releases after this event)
+            got.append(kv)
             if i < 3:
                 child.stdin.write("released\n")
                 child.stdin.flush()
@@ -74,3 +76,28 @@ def test_the_bytes_path_agrees():
     want = torch.randn(2, 2, 3, 7, 4).to(torch.bfloat16)
     meta, data = kvpack.pack(want.cuda())
     assert meta.ipc is None and torch.equal(kvpack.unpack(meta, data), want)
+
+
+def test_a_handoff_does_not_wait_for_the_steps_the_engine_launched():
+    # The decode engine's stream has steps queued when a KV arrives. The copy goes on the handoff stream and
+    # completes while they still run (on their stream it waited for them: 1-4 ms a handoff); the engine's
+    # stream then waits for it on the GPU (kv.arrived), so what it reads next is the whole KV.
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    opened = OpenAllocations()
+    try:
+        meta = _meta(child)
+        engine_stream = torch.cuda.current_stream()
+        torch.cuda._sleep(3_000_000_000)  # about a second and a half of queued work on the engine's stream
+        kv, copied = kvpack.copy_shared(meta, "cuda:0", opened)
+        copied.synchronize()
+        busy_after_copy = not engine_stream.query()
+        kvpack.arrived(kv)
+        total = kv.float().sum()  # on the engine's stream, after the wait
+    finally:
+        child.stdin.close()
+        child.wait(30)
+        opened.close()
+    assert busy_after_copy, "the copy waited for the engine's stream"
+    base = (torch.arange(2 * 2 * 8 * 1600 * 128, dtype=torch.float32) % 251).reshape(2, 2, 8, 1600, 128)[..., 1:1537, :]
+    assert torch.equal(kv.cpu(), base.to(torch.bfloat16))
+    assert float(total) == float(base.to(torch.bfloat16).float().sum())

@@ -51,8 +51,10 @@ def cuda_capture(device: torch.device) -> Capture:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            # thread_local: another thread's CUDA call (an event loop opening a KV handoff) must not void it
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            # thread_local: another thread's CUDA call (an event loop opening a KV handoff) must not void it.
+            # stream: torch.cuda.graph's default capture stream is made once per process on the device current
+            # then, so a second engine on another GPU would capture on the first one's (an empty graph).
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 out = fn()
         finally:
             if collecting:

@@ -41,17 +41,60 @@ def share(t: torch.Tensor) -> KvMeta:
     return KvMeta(shape=list(t.shape), dtype=str(t.dtype), ipc=export(t))
 
 
-def copy_shared(meta: KvMeta, device: str, opened: OpenAllocations) -> torch.Tensor:
-    """The other process's KV copied onto `device` (peer to peer across GPUs), finished on return — the owner may
-    free it as soon as this returns. `opened` keeps the owner's allocations open for the next handoffs."""
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_COPY_STREAMS_LOCK = threading.Lock()
+
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream KV handoffs copy on, one per device: on the engine's own stream a copy would queue behind the
+    decode steps already launched, and waiting for it would wait for them (1-4 ms a handoff under load)."""
+    if device.index is None:  # one key per GPU: "cuda" and "cuda:0" must find the same stream
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _COPY_STREAMS_LOCK:
+        stream = _COPY_STREAMS.get(device)
+        if stream is None:
+            stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
+        return stream
+
+
+def handoff_buffer(shape: list[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """An empty tensor for a handed-over KV, from the pool of the device's handoff stream on a GPU: the block is
+    then not one still read by the engine's launched steps (their stream's freed blocks are reused at once), so a
+    writer outside stream order (NIXL) cannot overwrite what a queued kernel reads."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.empty(shape, dtype=dtype, device=device)
+    with torch.cuda.device(device), torch.cuda.stream(copy_stream(device)):
+        return torch.empty(shape, dtype=dtype, device=device)
+
+
+def copy_shared(meta: KvMeta, device: str, opened: OpenAllocations) -> tuple[torch.Tensor, torch.cuda.Event]:
+    """The other process's KV copied onto `device` (peer to peer across GPUs): the copy is queued on the device's
+    handoff stream (copy_stream) into a handoff_buffer, and the event returned completes with it — only then may
+    the owner free its memory. Nothing here waits: a reader on another stream waits for the handoff stream
+    (TorchEngine._import: wait_stream, then record_stream so that the block is not reused before it has read).
+    Waiting on the host cost a thread hop and GIL hand-offs, 7 ms a handoff on average under load.
+    `opened` keeps the owner's allocations open for the next handoffs."""
     if meta.ipc is None:
         raise ValueError("this KV description carries bytes, not a CUDA IPC location")
     target = torch.device(device)
-    with torch.cuda.device(target):
-        kv = torch.empty(meta.shape, dtype=dtype_of(meta), device=target)
+    stream = copy_stream(target)
+    kv = handoff_buffer(meta.shape, dtype_of(meta), target)
+    with torch.cuda.device(target), torch.cuda.stream(stream):
         opened.copy_into(meta.ipc, kv)
-        torch.cuda.current_stream(target).synchronize()
-    return kv
+        copied = torch.cuda.Event()
+        copied.record(stream)
+    return kv, copied
+
+
+def arrived(kv: torch.Tensor) -> None:
+    """On the stream that reads a handed-over KV (the thread's current one), before reading it: wait for the copies
+    queued on the handoff stream (copy_shared's; GPU-side, the host does not wait), and keep the KV's block from
+    reuse until this stream is done with it."""
+    if kv.is_cuda:
+        reader = torch.cuda.current_stream(kv.device)
+        reader.wait_stream(copy_stream(kv.device))
+        kv.record_stream(reader)
 
 
 class HeldKv:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from hpc.runtime.engine.kv import handoff_buffer
 from hpc.runtime.serve.wire import KvMeta, NixlKv
 
 # How long a lent KV stays registered without its reader's ReleaseKv (the engine's own handoff TTL).
@@ -134,7 +135,7 @@ class NixlTransport:
         added = added.decode() if isinstance(added, bytes) else added
         with self._lock:
             self._peers[address] = added
-        kv = torch.empty(meta.shape, dtype=dtype, device=device)
+        kv = handoff_buffer(meta.shape, dtype, device)
         registration = self.agent.register_memory(kv)
         try:
             remote = self.agent.deserialize_descs(where.descs)

@@ -40,7 +40,8 @@ from hpc.runtime.engine.overlap import HostCopies, InflightStep
 from hpc.runtime.engine.sequence import BatchWait, Seq, chunkable
 from hpc.runtime.engine.tp import scatter_kv
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
-                                      GenerateRequest, KvMeta, TokenLogprob)
+                                      GenerateRequest, KvMeta, SamplingParams, TokenLogprob)
+from hpc.runtime.engine.sampling import prompt_logprobs, sample_rows
 
 log = logging.getLogger(__name__)
 HANDOFF_TTL_S = 120.0
@@ -240,6 +241,8 @@ class TorchEngine(ContextSteps, DecodeSteps):
             self.model.forward_step(self.model.embed(tokens), torch.full((rows, 1), n, device=self.device),
                                     torch.arange(rows, device=self.device), self.cache)
             self.warmed.append(("decode", rows))
+        self._warm_sampling()
+        self.warmed.append(("sampling", 2))
         if self.graphs is not None:
             self.graphs.capture(cuda_capture(self.device))
             self.warmed.append(("graphs", len(self.graphs.sizes.batch_sizes)))
@@ -250,6 +253,18 @@ class TorchEngine(ContextSteps, DecodeSteps):
             torch.cuda.synchronize(self.device)
         self.warmup_s = time.perf_counter() - t0
         log.info("warmed up in %.2f s: %s", self.warmup_s, self.warmed)
+
+    def _warm_sampling(self) -> None:
+        """The kernels that choose tokens, on 1 and 2 rows: sampled with temperature alone and with top-k/top-p,
+        greedy, and logprobs. On a GPU each kernel's first launch loads its module (CUDA's lazy loading): the
+        first sampled request of a launch paid some 25 ms for it, in its TTFT on prefill and again in decode."""
+        vocab = self.cfg.vocab_size
+        for rows in sorted({1, min(self.max_batch, 2)}):
+            logits = torch.zeros(rows, vocab, device=self.device, dtype=self.dtype)
+            for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=40, top_p=0.9)):
+                sample_rows(logits, [params] * rows, self.sampler).tolist()
+            logits.argmax(-1).tolist()
+            prompt_logprobs(logits, [0] * rows, 2)
 
     # ---- public API ------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
@@ -433,6 +448,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
         return seq.slot >= 0
 
     def _import(self, seq: Seq) -> None:
+        kvpack.arrived(seq.imported_kv)  # its copy may still run on the handoff stream (kv.copy_shared)
         kv = seq.imported_kv.to(self.device, self.dtype)  # [layers, 2, all kv heads, T, d]
         scatter_kv(self.tp, self.cache, seq.slot, kv)
         seq.length = length = kv.shape[3]

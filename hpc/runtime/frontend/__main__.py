@@ -19,7 +19,7 @@ from hpc.runtime.frontend.parsers import HARMONY
 from hpc.runtime.frontend.tokenizer import TextCodec
 from hpc.runtime.engine.tiny import ensure_model
 from hpc.runtime.serve.http import HttpLimits, HttpServer
-from hpc.runtime.services.node import Reporter, node_address, publish_endpoint, rpc_token
+from hpc.runtime.services.node import Reporter, freeze_startup_objects, node_address, publish_endpoint, rpc_token
 from hpc.spec.recipe import RouterPolicy
 
 log = logging.getLogger(__name__)
@@ -65,9 +65,14 @@ async def serve(manifest: Manifest, bind: str | None = None, group: FrontendGrou
             # before it runs anything of its own (gRPC's fork handlers; 4 in 40 starts of 4 processes here)
             await group.spawn(host)
     discovery = await asyncio.to_thread(open_discovery, manifest)
-    watch = asyncio.create_task(discovery.watch(router.update))
+    def on_change(snapshot) -> None:
+        router.update(snapshot)
+        router.preconnect()
+
+    watch = asyncio.create_task(discovery.watch(on_change))
     expiry = asyncio.create_task(_expire_unlisted(router))
     url = f"http://{host}:{port}"
+    freeze_startup_objects()
     if group is not None and not first:
         print(f"ready {group.port}", flush=True)  # to process 0, which waits for every process
     if first:

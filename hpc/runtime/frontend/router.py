@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from hpc.runtime.frontend.kv_index import KvIndex
 from hpc.runtime.services.discovery import Instance, Snapshot
 from hpc.runtime.engine.types import GenerateOutput, GenerateRequest
-from hpc.runtime.serve.rpc import PeerGone, RpcClient
+from hpc.runtime.serve.rpc import OpenAhead, PeerGone, RpcClient
 from hpc.spec.recipe import RouterPolicy
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ class Router:
         self.unlisted: dict[str, float] = {}  # key -> when it leaves routing unless it re-registers
         self.vanished_at: dict[str, float] = {}  # key -> when its lease expired (connected instances only)
         self._rr: dict[str, itertools.count] = {}  # one turn order per role
+        self._ahead = OpenAhead("worker")
 
     def update(self, snapshot: Snapshot, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -161,12 +162,20 @@ class Router:
         else:  # least loaded, and kv_aware without an event stream
             key = min(keys, key=lambda k: self.inflight.get(k, 0))
         self.routed[key] = self.routed.get(key, 0) + 1
+        return key, self._client(key), new_blocks
+
+    def _client(self, key: str) -> RpcClient:
         client = self.clients.get(key)
         if client is None or not client.alive:
             inst = self.instances[key]
             client = RpcClient(inst.host, inst.rpc_port, on_lost=lambda c, k=key: self._lost(k, c), token=self.token)
             self.clients[key] = client
-        return key, client, new_blocks
+        return client
+
+    def preconnect(self) -> None:
+        """Connect to every listed instance not connected yet (after update, on the event loop)."""
+        for key in self.instances:
+            self._ahead.open(self._client(key))
 
     def _draw(self, keys: list[str], cost) -> str:
         """A worker drawn with weight exp(-(cost - cheapest) / temperature)."""

@@ -237,6 +237,10 @@ class RpcClient:
     def connected(self) -> bool:
         return self._writer is not None and self.alive
 
+    async def open(self) -> None:
+        """Connect now, not on the first call (a worker learnt from discovery, before traffic needs it)."""
+        await self._ensure()
+
     async def _ensure(self) -> None:
         if self._writer is None:
             async with self._lock:
@@ -311,3 +315,25 @@ class RpcClient:
             self._writer.close()
         if self._reader_task:
             self._reader_task.cancel()
+
+
+class OpenAhead:
+    """Connections opened before the first request needs them (from discovery's callback, on the event loop):
+    that request then pays for neither the connection nor the token's Hello. A failure is only logged; the
+    first call connects again."""
+
+    def __init__(self, peer_kind: str) -> None:
+        self.peer_kind = peer_kind
+        self._opening: set[asyncio.Task] = set()  # held until done, so they are not collected
+
+    def open(self, client: RpcClient) -> None:
+        if client.connected:
+            return
+        task = asyncio.get_running_loop().create_task(client.open())
+        self._opening.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._opening.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.info("connecting ahead to a %s failed: %s", self.peer_kind, task.exception())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import fcntl
 import os
 import platform
@@ -106,3 +107,11 @@ def rpc_token(manifest: Manifest) -> str | None:
 def _secret(manifest: Manifest, name: str) -> str | None:
     path = Path(manifest.run_dir) / "secrets" / name
     return path.read_text().strip() if path.is_file() else None
+
+
+def freeze_startup_objects() -> None:
+    """What start-up made (modules, the model, the engine) leaves the collector's view: a full collection under
+    load no longer walks it all (vLLM does the same once its engine is up). Garbage is collected first, since
+    frozen objects are never collected."""
+    gc.collect()
+    gc.freeze()

@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Callable
 
 from hpc.runtime.engine.types import DisaggregationMode, EncodedMedia, GenerateRequest
 from hpc.runtime.engine.media import MediaError, read_image_bytes, to_pixels
-from hpc.runtime.serve.rpc import RemoteError, RpcClient, StreamHandler, current_sink
+from hpc.runtime.serve.rpc import OpenAhead, RemoteError, RpcClient, StreamHandler, current_sink
 from hpc.runtime.serve.wire import (
     EncodeImage, FetchKv, ReleaseKv, ReplyBody, StatsQuery, VideoProgress, VideoRequest, WorkerStats, replace,
 )
@@ -26,6 +26,7 @@ class Peers:
         self.token = token
         self.clients: dict[str, RpcClient] = {}
         self.instances: dict[str, Any] = {}  # discovery snapshot, kept fresh by the worker
+        self._ahead = OpenAhead("peer worker")
 
     def client(self, address: str) -> RpcClient:
         c = self.clients.get(address)
@@ -33,6 +34,13 @@ class Peers:
             host, _, port = address.rpartition(":")
             c = self.clients[address] = RpcClient(host, int(port), token=self.token)
         return c
+
+    def preconnect(self, roles: tuple[str, ...]) -> None:
+        """Connect to the listed instances of `roles` now (from discovery's callback), so that the first request
+        that needs one does not pay for the connection."""
+        for inst in self.instances.values():
+            if inst.role in roles:
+                self._ahead.open(self.client(inst.address))
 
     def pick(self, role: str) -> str:
         live = sorted(i.address for i in self.instances.values() if i.role == role)

@@ -24,7 +24,8 @@ from hpc.runtime.engine.factory import build_engine
 from hpc.runtime.engine.types import DisaggregationMode
 from hpc.runtime.serve.http import HttpServer, Request, Response, json_response
 from hpc.runtime.serve.metrics import prometheus
-from hpc.runtime.services.node import Reporter, node_address, publish_endpoint, rpc_token, wait_endpoint
+from hpc.runtime.services.node import (Reporter, freeze_startup_objects, node_address, publish_endpoint,
+                                       rpc_token, wait_endpoint)
 from hpc.runtime.serve.rpc import RpcServer
 from hpc.runtime.worker.handlers import HandlerDeps, Peers, make_handler
 from hpc.runtime.worker.kv_handoff import KvHandoff, open_nixl
@@ -174,12 +175,14 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
     if recipe.roles.encode is not None or mode is DisaggregationMode.DECODE:
         def keep(snapshot):
             peers.instances = snapshot
+            peers.preconnect(("prefill", "encode"))  # the first handoff or image does not connect
 
         watch_task = asyncio.create_task(discovery.watch(keep))
     else:
         watch_task = None
     instance = Instance(role=role, index=index, pool=plan.pool or "", instance_id=uuid.uuid4().hex[:12],
                         host=host, rpc_port=plan.ports["rpc"], http_port=plan.ports["http"], node=os.uname().nodename)
+    freeze_startup_objects()
     await discovery.register(instance)
     reporter.phase("registered", address=instance.address, http=f"http://{host}:{plan.ports['http']}")
     if events is not None:

@@ -77,3 +77,31 @@ def test_a_restarted_worker_replaces_the_old_process():
     router.update({again.key: again, "prefill/0": _instance("prefill", 0)}, now=1.0)
     assert router.instances["decode/0"].instance_id == again.instance_id
     assert "decode/0" not in router.clients  # the old connection is not reused for the new process
+
+
+def test_a_listed_worker_is_connected_before_its_first_request():
+    # The first request to a new worker should not pay for the connection (nor its token's Hello).
+    import asyncio
+
+    async def main():
+        accepted = []
+
+        async def worker_side(reader, writer):  # a worker's RPC port: holds what connects
+            accepted.append(await reader.read(1))
+        server = await asyncio.start_server(worker_side, "127.0.0.1", 0)
+        worker = Instance(role="decode", index=0, instance_id="d0", host="127.0.0.1",
+                          rpc_port=server.sockets[0].getsockname()[1], http_port=1, node="n0")
+        router = Router(RouterPolicy.ROUND_ROBIN, token="t 'x' $(y)")
+        router.update({worker.key: worker})
+        router.preconnect()
+        for _ in range(200):
+            if accepted:
+                break
+            await asyncio.sleep(0.01)
+        _, client, _ = router.pick("decode", set())
+        state = (len(accepted), client is router.clients[worker.key], client.connected)
+        await router.close()
+        server.close()
+        return state
+
+    assert asyncio.run(main()) == (1, True, True)  # connected ahead, and that connection is the one used

@@ -197,3 +197,96 @@ def test_held_kv_is_taken_once_lent_until_released_and_expires():
     held.ttl_s = 0.0
     held.expire()  # nobody came for "c"
     assert len(held) == 0
+
+
+class _PrefillPeer:
+    """The prefill worker's end of the RPC as the decode side sees it: answers FetchKv, records ReleaseKv."""
+
+    def __init__(self, copy: "_CopyEvent") -> None:
+        self.copy = copy
+        self.calls: list[str] = []
+        self.released_while_copying = False
+
+    def client(self, address: str) -> "_PrefillPeer":
+        return self
+
+    async def call(self, body):
+        from hpc.runtime.serve.wire import CudaIpc, FetchKv, ReleaseKv
+
+        self.calls.append(type(body).__name__)
+        if isinstance(body, FetchKv):
+            ipc = CudaIpc(device=0, handle=b"\0" * 64, allocation_bytes=64, offset_bytes=0, size_bytes=64)
+            return KvMeta(shape=[2, 2, 2, 2, 2], dtype="torch.bfloat16", ipc=ipc), b""
+        assert isinstance(body, ReleaseKv) and body.handle == "h-1"
+        self.released_while_copying = self.copy.pending >= 0
+        return None, b""
+
+
+class _CopyEvent:
+    """A CUDA event's query(): the queued copy completes after `pending` more polls."""
+
+    def __init__(self, pending: int) -> None:
+        self.pending = pending
+
+    def query(self) -> bool:
+        self.pending -= 1
+        return self.pending < 0
+
+
+@pytest.mark.unit
+def test_a_cuda_ipc_fetch_returns_at_once_and_releases_the_prefills_kv_only_after_the_copy(monkeypatch):
+    import asyncio
+    from types import SimpleNamespace
+
+    from hpc.runtime.engine import kv as kvmod
+    from hpc.runtime.worker.kv_handoff import KvHandoff
+
+    copy = _CopyEvent(pending=3)
+    landed = torch.zeros(2, 2, 2, 2, 2)
+    monkeypatch.setattr(kvmod, "copy_shared", lambda meta, device, opened: (landed, copy))
+    prefill = _PrefillPeer(copy)
+    handoff = KvHandoff(setting="auto", device="cuda:1", host="10.0.0.1", engine=None, peers=prefill, counters={})
+
+    async def main():
+        kv = await handoff.fetch(SimpleNamespace(prefill_address="10.0.0.1:7000", request_handle="h-1"))
+        still_copying = copy.pending >= 0  # returned with the copy queued, not waited for
+        await handoff.settle()
+        return kv, still_copying
+
+    kv, still_copying = asyncio.run(main())
+    assert kv is landed and handoff.counters["kv_fetched_cuda_ipc"] == 1 and still_copying
+    assert prefill.calls == ["FetchKv", "ReleaseKv"]
+    assert not prefill.released_while_copying  # the copy reads the prefill's memory until it completes
+
+
+@pytest.mark.unit
+def test_a_decode_worker_connects_to_the_prefill_workers_it_learns_of_before_their_first_handoff():
+    import asyncio
+
+    from hpc.runtime.services.discovery import Instance
+    from hpc.runtime.worker.handlers import Peers
+
+    async def main():
+        accepted = []
+
+        async def prefill_side(reader, writer):
+            accepted.append(await reader.read(1))
+        server = await asyncio.start_server(prefill_side, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        peers = Peers(token="t")
+        peers.instances = {"prefill/0": Instance(role="prefill", index=0, instance_id="p", host="127.0.0.1",
+                                                 rpc_port=port, http_port=1, node="n"),
+                           "decode/1": Instance(role="decode", index=1, instance_id="d", host="127.0.0.1",
+                                                rpc_port=1, http_port=1, node="n")}
+        peers.preconnect(("prefill", "encode"))
+        for _ in range(200):
+            if accepted:
+                break
+            await asyncio.sleep(0.01)
+        address = f"127.0.0.1:{port}"
+        state = (len(accepted), peers.client(address).connected, sorted(peers.clients) == [address])
+        await peers.close()
+        server.close()
+        return state
+
+    assert asyncio.run(main()) == (1, True, True)  # the prefill connected ahead; the other decode worker not
