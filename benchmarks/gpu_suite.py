@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,9 +24,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def steps(mpiexec: str, scratch: str, gpus: int) -> list[tuple[str, list[str], str | None, int]]:
+def steps(mpiexec: str, scratch: str, gpus: int, profiles: str) -> list[tuple[str, list[str], str | None, int]]:
     """(name, argv, JSON file it writes or None, seconds it may take at most)."""
     py = sys.executable
+    # where each component's time and GIL go at the highest concurrency, when py-spy is installed
+    profile = ["--profile", profiles] if shutil.which("py-spy") else []
     return [
         ("cuda_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/runtime/test_engine_cuda.py",
                         "tests/runtime/test_fused_decode.py", "tests/runtime/test_engine_warmup.py",
@@ -87,7 +90,7 @@ def steps(mpiexec: str, scratch: str, gpus: int) -> list[tuple[str, list[str], s
                        "tests/runtime/test_video.py"], None, 150),
         # the whole local stack (etcd, NATS, frontend, workers): prefill and decode on their own GPUs
         ("stack_sweeps_disagg", [py, "benchmarks/stack_sweeps.py", "--recipe", "tiny-disagg", "--json",
-                                 f"{scratch}/stack.json"], f"{scratch}/stack.json", 150),
+                                 f"{scratch}/stack.json"] + profile, f"{scratch}/stack.json", 150),
         ("stack_vs_engine_agg", [py, "benchmarks/e2e_throughput.py", "--recipe", "tiny-agg", "--concurrency",
                                  "1,8,32,64", "--rounds", "2"], None, 150),
         ("stack_vs_engine_disagg", [py, "benchmarks/e2e_throughput.py", "--recipe", "tiny-disagg",
@@ -113,6 +116,7 @@ def main() -> None:
     parser.add_argument("--mpiexec", default="mpirun --allow-run-as-root")
     parser.add_argument("--budget", type=float, default=560.0, help="seconds for the whole suite")
     parser.add_argument("--only", help="comma-separated step names")
+    parser.add_argument("--profiles", help="where the stack's py-spy profiles go (default: a scratch directory)")
     args = parser.parse_args()
     import torch
 
@@ -121,7 +125,8 @@ def main() -> None:
               "gpus": torch.cuda.device_count(), "torch": torch.__version__, "steps": {}}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with tempfile.TemporaryDirectory(prefix="gpu-suite-") as scratch:
-        for name, argv, json_file, limit in steps(args.mpiexec, scratch, max(1, min(2, report["gpus"]))):
+        for name, argv, json_file, limit in steps(args.mpiexec, scratch, max(1, min(2, report["gpus"])),
+                                                  args.profiles or f"{scratch}/profile"):
             if args.only and name not in args.only.split(","):
                 continue
             if name.endswith(("gpu0_to_1", "_nccl")) and torch.cuda.device_count() < 2:

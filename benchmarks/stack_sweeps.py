@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import _profile  # noqa: E402
 from _stack import add_set_option, local_stack  # noqa: E402
 
 from hpc.bench.loadgen import REQUESTS_PER_USER, Level, run_level  # noqa: E402
@@ -42,7 +43,8 @@ def workers(run_path: Path) -> dict[str, dict]:
 WORKER_COUNTERS = ("requests", "kv_ipc_shared", "prompt_tokens", "prompt_tokens_computed", "prompt_tokens_cached")
 # where each sweep's time went in each worker: what the first sweep pays more than the second shows here
 SWEEP_COUNTERS = ("kv_ask_seconds_total", "kv_move_seconds_total", "kv_ipc_opened", "kv_ipc_open_seconds_total",
-                  "cuda_malloc_segments", "admit_seconds_total", "decode_seconds_total", "idle_seconds_total")
+                  "cuda_malloc_segments", "admit_seconds_total", "decode_seconds_total", "idle_seconds_total",
+                  "prefill_steps", "decode_steps", "decode_steps_graphed")
 
 
 def counters(metrics_url: str, names: tuple[str, ...] = WORKER_COUNTERS) -> dict[str, float]:
@@ -74,6 +76,8 @@ def main() -> None:
     parser.add_argument("--input-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--profile", metavar="DIR", help="after the sweeps, profile each component with py-spy "
+                        "through a longer run at the highest concurrency (which functions hold each one's GIL)")
     add_set_option(parser)
     args = parser.parse_args()
     recipe, _ = load_recipe(args.recipe)
@@ -96,14 +100,32 @@ def main() -> None:
             for lv in levels:
                 if lv is levels[-1]:
                     cpu0, wall0 = {n: group_cpu_seconds(p) for n, p in leaders.items()}, time.perf_counter()
-                results[lv.concurrency] = await run_level(url, model, lv, True, 0)
+                began = time.time()  # wall clock: to line up with a GPU clock log (nvidia-smi -lms)
+                results[lv.concurrency] = {**await run_level(url, model, lv, True, 0), "began_at": began}
             wall = time.perf_counter() - wall0
             busy.append({n: (group_cpu_seconds(p) - cpu0[n]) / wall for n, p in leaders.items()})
             out.append(results)
             after = {name: counters(u, SWEEP_COUNTERS) for name, u in urls.items()}
             spent.append({name: {k: after[name][k] - before[name][k] for k in SWEEP_COUNTERS} for name in urls})
+        if args.profile:
+            await profiled_level(url, model, leaders)
         return out, spent, busy
 
+    async def profiled_level(url: str, model: str, leaders: dict[str, int]) -> None:
+        top = levels[-1]
+        load = asyncio.create_task(run_level(url, model, Level(top.concurrency, top.input_tokens,
+                                                               top.output_tokens, top.requests * 8), True, 0))
+        await asyncio.sleep(0.5)  # at full concurrency before sampling starts
+        spies = _profile.record(leaders, 3, Path(args.profile))
+        await load
+        for name, mode, path, spy in spies:
+            _, err = await asyncio.to_thread(spy.communicate)
+            profiles.setdefault(name, []).extend(_profile.summary(path, mode) if path.is_file()
+                                                 else [f"  py-spy ({mode}) failed: {err.decode()[-300:]}"])
+
+    if args.profile and not _profile.available():
+        raise SystemExit("--profile needs py-spy on PATH (pip install py-spy)")
+    profiles: dict[str, list[str]] = {}
     with contextlib.redirect_stdout(io.StringIO()):
         stack = local_stack(args.recipe, *overrides, *args.overrides)
         run, url = stack.__enter__()
@@ -131,6 +153,13 @@ def main() -> None:
         print(f"{lv.concurrency:>4} {lv.requests:>9} {a['peak_inflight']:>5} {a['output_tokens_per_s']:>12.1f} "
               f"{b['output_tokens_per_s']:>13.1f} {a['output_tokens_per_s'] / b['output_tokens_per_s']:>13.0%} "
               f"{a['e2e_s']['p99']:>16.3f}")
+    def requests_ms(level: dict) -> str:
+        return ", ".join(f"{r['ttft_s'] * 1e3:.1f} / {r['e2e_s'] * 1e3:.1f}" for r in level["first_requests"]
+                         if r["ttft_s"] is not None)
+
+    low = levels[0].concurrency
+    print(f"first requests at c={low}, TTFT / e2e ms: first sweep {requests_ms(first[low])}; "
+          f"second {requests_ms(second[low])}")
     print("each worker over the first / second sweep (seconds, or allocations opened over CUDA IPC):")
     for name in urls:
         a, b = spent[0][name], spent[1][name]
@@ -141,6 +170,8 @@ def main() -> None:
     lo, hi = levels[0].concurrency, levels[-1].concurrency
     scale = [s[hi]["output_tokens_per_s"] / s[lo]["output_tokens_per_s"] for s in (first, second)]
     print(f"c={hi} / c={lo}: first sweep {scale[0]:.1f}x, second {scale[1]:.1f}x")
+    for name, lines in profiles.items():
+        print(f"profile of {name} at c={hi} (py-spy, files in {args.profile}):", *lines, sep="\n")
     if args.json:
         Path(args.json).write_text(json.dumps({"recipe": args.recipe, "workers": placed, "handoff": handoff,
                                                "first": first, "second": second, "per_sweep": spent,
