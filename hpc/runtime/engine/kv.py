@@ -97,6 +97,13 @@ def arrived(kv: torch.Tensor) -> None:
         kv.record_stream(reader)
 
 
+def _finish(event: torch.cuda.Event | None) -> None:
+    """Wait for `event` unless it has completed: a host wait gives up the GIL, and getting it back from a busy
+    engine thread can take Python's whole switch interval (5 ms)."""
+    if event is not None and not event.query():
+        event.synchronize()
+
+
 class HeldKv:
     """A prefill engine's KV caches waiting for their decode workers, by handle: taken as bytes at once, or shared
     (CUDA IPC) / lent (NIXL) until released; dropped after `ttl_s` when no decode worker came for them."""
@@ -124,16 +131,21 @@ class HeldKv:
             if not shared:
                 del self._held[handle]
         if shared:
-            ready.synchronize()  # another process reads it next: its copy kernel must have finished
+            _finish(ready)  # another process reads it next: its copy kernel must have finished
             return share(kv), b""
         return pack(kv)
+
+    def ready(self, handle: str) -> torch.cuda.Event | None:
+        """The event the KV's copy completes with (None: on the host, complete). KeyError for an unknown handle.
+        A caller on an event loop waits for it (polling) before take/lend, which then do not block."""
+        with self._lock:
+            return self._held[handle][2]
 
     def lend(self, handle: str) -> torch.Tensor:
         """The KV itself, complete, kept until release: a transport reads it in place."""
         with self._lock:
             _, kv, ready = self._held[handle]
-        if ready is not None:
-            ready.synchronize()
+        _finish(ready)
         return kv
 
     def release(self, handle: str) -> None:

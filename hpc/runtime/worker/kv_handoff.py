@@ -21,7 +21,7 @@ from hpc.runtime.serve.wire import FetchKv, KvMeta, KvVia, ReleaseKv
 
 log = logging.getLogger("hpc.worker")
 TransportSetting = Literal["auto", "bytes", "nixl"]
-RELEASE_POLL_S = 0.0002
+EVENT_POLL_S = 0.0002
 
 
 def choose_via(setting: TransportSetting, on_gpu: bool, same_node: bool, nixl_ready: bool) -> KvVia:
@@ -59,6 +59,13 @@ def open_nixl(setting: TransportSetting, on_gpu: bool, name: str):
         return NixlTransport(name)
     except (NixlUnavailable, OSError) as exc:
         raise RuntimeError(f"runtime.kv_transport is nixl but NIXL cannot start here: {exc}") from None
+
+
+async def completed(event: Any) -> None:
+    """Until a CUDA event (or None) has completed, without blocking the event loop's thread: polled, as a host
+    wait would hold the thread and give up the GIL, and the copies it waits for take microseconds."""
+    while event is not None and not event.query():
+        await asyncio.sleep(EVENT_POLL_S)
 
 
 class KvHandoff:
@@ -125,9 +132,8 @@ class KvHandoff:
     @staticmethod
     async def _release(prefill: Any, handle: str, copied: Any = None) -> None:
         """ReleaseKv once `copied` (a CUDA event, or None: done) has completed: until then the copy reads the
-        prefill's memory. Polled: a host wait would hold a thread, and the copy takes microseconds."""
-        while copied is not None and not copied.query():
-            await asyncio.sleep(RELEASE_POLL_S)
+        prefill's memory."""
+        await completed(copied)
         await prefill.call(ReleaseKv(handle=handle))
 
     def _released(self, task: asyncio.Task) -> None:
@@ -138,7 +144,10 @@ class KvHandoff:
     # ---- prefill: answer a fetch, release what was lent -------------------------------------------------------------
     async def answer(self, call: FetchKv) -> tuple[KvMeta, bytes]:
         lend = getattr(self.engine, "lend_handoff", None)
+        ready = getattr(self.engine, "handoff_ready", None)
         try:
+            if ready is not None and call.via in ("cuda_ipc", "nixl"):  # the copy that made the KV, finished
+                await completed(ready(call.handle))
             if call.via == "nixl" and self.nixl is not None and lend is not None:
                 kv = lend(call.handle)
                 meta = await asyncio.to_thread(self.nixl.lend, call.handle, kv, call.nixl_agent)

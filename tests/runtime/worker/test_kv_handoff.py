@@ -290,3 +290,46 @@ def test_a_decode_worker_connects_to_the_prefill_workers_it_learns_of_before_the
         return state
 
     assert asyncio.run(main()) == (1, True, True)  # the prefill connected ahead; the other decode worker not
+
+
+class _PrefillEngine:
+    """The prefill engine's handoff calls as KvHandoff.answer makes them; its KV's copy completes after 3 polls."""
+
+    def __init__(self) -> None:
+        self.copy = _CopyEvent(pending=3)
+        self.taken_while_copying: bool | None = None
+
+    def handoff_ready(self, handle: str) -> _CopyEvent:
+        assert handle == "h-2"
+        return self.copy
+
+    def take_handoff(self, handle: str, ipc: bool = False):
+        self.taken_while_copying = self.copy.pending >= 0  # take() would block the event loop on the GPU
+        return KvMeta(shape=[1], dtype="torch.bfloat16"), b""
+
+
+@pytest.mark.unit
+def test_a_prefill_answers_a_cuda_ipc_fetch_once_its_copy_completed_without_blocking_its_event_loop():
+    import asyncio
+
+    from hpc.runtime.serve.wire import FetchKv
+    from hpc.runtime.worker.kv_handoff import KvHandoff
+
+    engine = _PrefillEngine()
+    handoff = KvHandoff(setting="auto", device="cuda:0", host="10.0.0.1", engine=engine, peers=None, counters={})
+
+    async def main():
+        ticks = 0
+
+        async def ticker():  # the event loop keeps running other work meanwhile
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+        task = asyncio.create_task(ticker())
+        meta, _ = await handoff.answer(FetchKv(handle="h-2", via="cuda_ipc"))
+        task.cancel()
+        return meta, ticks
+
+    meta, ticks = asyncio.run(main())
+    assert meta.shape == [1] and engine.taken_while_copying is False and ticks > 0
