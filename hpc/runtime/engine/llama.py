@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from torch import nn
 
 from hpc.runtime.engine.moe import ExpertParallel, SparseMoE
@@ -166,11 +167,12 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, cos, sin, cache_k, cache_v, slots, positions, lengths, window=None,
-                contiguous_slots=False, from_scratch=False, packed_mask=None):
+                contiguous_slots=False, from_scratch=False, packed_mask=None, continuing=False):
         """x: [B, T, H]; positions: [B, T]; writes K/V into the cache slots, attends over `lengths`: the first
         `window` cache positions (the caller's longest row), or with `from_scratch` (one prompt from position 0)
         only to its own fresh K/V, or with `packed_mask` [1, 1, T, T] (prompts packed in one row, slots [1, T]
-        per token) to the fresh K/V the mask allows."""
+        per token) to the fresh K/V the mask allows, or with `continuing` (one row whose T positions are the
+        last of its `window`) causally, aligned at the end."""
         b, t, _ = x.shape
         if hasattr(self, "qkv_proj"):
             q, k, v = self.qkv_proj(x).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
@@ -202,6 +204,18 @@ class Attention(nn.Module):
             # A prompt from position 0 attends to itself, causally: the fresh K/V, no mask, so SDPA takes its
             # flash / memory-efficient kernels (no per-shape cuDNN plan for every new prompt length).
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+            out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+            return self.tp.all_reduce(self.o_proj(out))
+        if continuing:
+            # A prompt going on from its cached positions (a chunk after the first, a prefix-cache hit): each of
+            # its queries sees every key up to its own position, causal aligned at the end (lower right), which
+            # SDPA runs in its flash or memory-efficient kernels. Through the boolean mask below (grouped heads,
+            # an arbitrary mask) it could take the math kernel, an [H, T, window] matrix: on the 8B shape a step
+            # with a 1,024-token chunk held the decoders about as long as four whole 4,096-token prompts.
+            groups = self.heads // self.kv_heads
+            keys = cache_k[slots, :, :window].repeat_interleave(groups, 1)
+            values = cache_v[slots, :, :window].repeat_interleave(groups, 1)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(t, window))
             out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
             return self.tp.all_reduce(self.o_proj(out))
         max_len = window  # the longest row: _layers reads it from the device once per step, not every layer
@@ -348,13 +362,14 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = cos_t[positions].to(h.dtype), sin_t[positions].to(h.dtype)
         lengths = positions[:, -1] + 1
         # read from the device once per step, not in every layer (packed prompts: never, they are graphed)
-        from_scratch = packed_mask is None and window is None and positions.shape[0] == 1 \
-            and positions.shape[1] > 1 and int(positions[0, 0]) == 0
+        one_prompt = packed_mask is None and window is None and positions.shape[0] == 1 and positions.shape[1] > 1
+        from_scratch = one_prompt and int(positions[0, 0]) == 0
+        continuing = one_prompt and not from_scratch  # its positions are consecutive: one prompt's next tokens
         if not from_scratch and window is None and packed_mask is None:
             window = int(lengths.max())
         for layer, kv in zip(self.model.layers, cache):
             h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv[0], kv[1], slots, positions, lengths,
-                                    window, contiguous_slots, from_scratch, packed_mask)
+                                    window, contiguous_slots, from_scratch, packed_mask, continuing)
             h = h + layer.feed_forward(h)
         return h
 
