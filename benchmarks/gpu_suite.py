@@ -91,6 +91,9 @@ def steps(mpiexec: str, scratch: str, gpus: int, profiles: str) -> list[tuple[st
         # the whole local stack (etcd, NATS, frontend, workers): prefill and decode on their own GPUs
         ("stack_sweeps_disagg", [py, "benchmarks/stack_sweeps.py", "--recipe", "tiny-disagg", "--json",
                                  f"{scratch}/stack.json"] + profile, f"{scratch}/stack.json", 150),
+        # the same with levels four times as long: first vs second with less of each level's noise
+        ("stack_sweeps_disagg_long", [py, "benchmarks/stack_sweeps.py", "--recipe", "tiny-disagg",
+                                      "--requests-per-user", "16"], None, 150),
         ("stack_vs_engine_agg", [py, "benchmarks/e2e_throughput.py", "--recipe", "tiny-agg", "--concurrency",
                                  "1,8,32,64", "--rounds", "2"], None, 150),
         ("stack_vs_engine_disagg", [py, "benchmarks/e2e_throughput.py", "--recipe", "tiny-disagg",

@@ -3,6 +3,7 @@ as fast as the second (every worker warms up before it registers), and tokens/s 
 Prints where each worker ran and how the KV crossed from prefill to decode (CUDA IPC or bytes).
 
     python benchmarks/stack_sweeps.py [--recipe tiny-disagg] [--concurrency 1,8,32,64] [--output-tokens 64]
+                                      [--requests-per-user 4] [--profile DIR] [--json FILE]
 
 Goals (issue #14, on a GPU machine): first sweep within 10 % of the second at every level; c=64 >= 20 x c=1.
 """
@@ -75,6 +76,9 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--input-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--requests-per-user", type=int, default=REQUESTS_PER_USER,
+                        help="requests per level, per unit of concurrency, at least (hpc bench's floor: "
+                             f"{REQUESTS_PER_USER}); more makes each level longer and its figure less noisy")
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--profile", metavar="DIR", help="after the sweeps, profile each component with py-spy "
                         "through a longer run at the highest concurrency (which functions hold each one's GIL)")
@@ -83,7 +87,7 @@ def main() -> None:
     recipe, _ = load_recipe(args.recipe)
     # requests per level as `hpc bench` sends them by default: the recipe's number, at least 4 per user
     levels = [Level(c, args.input_tokens, args.output_tokens,
-                    max(recipe.benchmark.requests_per_level, REQUESTS_PER_USER * c))
+                    max(recipe.benchmark.requests_per_level, args.requests_per_user * c))
               for c in (int(x) for x in args.concurrency.split(","))]
     batch = max(lv.concurrency for lv in levels)
     roles = [name for name in ("agg", "prefill", "decode") if getattr(recipe.roles, name) is not None]
