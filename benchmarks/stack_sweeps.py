@@ -45,7 +45,8 @@ WORKER_COUNTERS = ("requests", "kv_ipc_shared", "prompt_tokens", "prompt_tokens_
 # where each sweep's time went in each worker: what the first sweep pays more than the second shows here
 SWEEP_COUNTERS = ("kv_ask_seconds_total", "kv_move_seconds_total", "kv_ipc_opened", "kv_ipc_open_seconds_total",
                   "cuda_malloc_segments", "admit_seconds_total", "decode_seconds_total", "idle_seconds_total",
-                  "prefill_steps", "decode_steps", "decode_steps_graphed")
+                  "prefill_steps", "decode_steps", "decode_steps_graphed", "requests", "queue_seconds_total",
+                  "first_tokens", "first_token_seconds_total")
 
 
 def counters(metrics_url: str, names: tuple[str, ...] = WORKER_COUNTERS) -> dict[str, float]:
@@ -169,6 +170,14 @@ def main() -> None:
         a, b = spent[0][name], spent[1][name]
         print(f"  {name}: " + ", ".join(f"{k.removesuffix('_total')} {a[k]:.3g} / {b[k]:.3g}"
                                         for k in SWEEP_COUNTERS if a[k] or b[k]))
+    def per_request(spent: dict[str, float]) -> str:
+        """Inside a worker's engine, per request: arrival to a slot, arrival to its first token (prefill)."""
+        queue = spent["queue_seconds_total"] / max(spent["requests"], 1) * 1e3
+        first = spent["first_token_seconds_total"] / spent["first_tokens"] * 1e3 if spent["first_tokens"] else None
+        return f"queue {queue:.2f} ms" + (f", first token {first:.2f} ms" if first is not None else "")
+
+    print("inside each engine per request, first / second sweep: " + "; ".join(
+        f"{name} {per_request(spent[0][name])} / {per_request(spent[1][name])}" for name in urls))
     print(f"cores busy at c={levels[-1].concurrency}, first / second sweep: "
           + ", ".join(f"{n} {busy[0][n]:.2f} / {busy[1][n]:.2f}" for n in busy[0]))
     lo, hi = levels[0].concurrency, levels[-1].concurrency

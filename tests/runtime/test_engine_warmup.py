@@ -60,3 +60,21 @@ def test_warm_up_covers_prefill_and_every_decode_path_before_the_first_request(t
     assert warmed[6:] == [(size, 1) for size in sizes for _ in range(2)]
     assert reported[5:] == [("sampling", 2)] + ([("graphs", 8)] if graphs is not None else [])
     assert seconds > 0
+
+
+def test_the_engine_counts_each_requests_wait_for_a_slot_and_for_its_first_token(tiny):
+    # what stack_sweeps prints per worker: where a request's time to first token goes inside the engine
+    async def main():
+        async with TorchEngine(tiny, DisaggregationMode.AGG, {"max_seq_len": 256, "max_batch_size": 1}) as engine:
+            requests = [GenerateRequest(request_id=f"r{i}", token_ids=[5, 6, 7],
+                                        sampling=SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(2)]
+
+            async def run(req):
+                return [o async for o in engine.generate(req)]
+            await asyncio.gather(*(run(r) for r in requests))
+            return engine.stats()
+
+    stats = asyncio.run(main())
+    assert stats["requests"] == 2 and stats["first_tokens"] == 2
+    # one slot: the second request waited for the first to finish its 8 tokens before it had a slot
+    assert 0 < stats["queue_seconds_total"] < stats["first_token_seconds_total"]

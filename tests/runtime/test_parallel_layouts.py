@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 
 import pytest
@@ -74,6 +75,9 @@ def _rank(rank: int, port: int, model_dir: str, layout: str, out: str, device_ty
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # ... and skip the interpreter's teardown: with the barrier a rank still aborted there once more in CI (the
+    # expert layout; 0 of 40 runs here), after its results were written — what this test checks is in them
+    os._exit(0)
 
 
 TWO_GPUS = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,

@@ -8,6 +8,7 @@ size; it uses the engine's model, cache, prefix cache, graphs, picker and counte
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 import torch
@@ -35,6 +36,8 @@ class ContextSteps:
                 continue
             seq.slot = self.free_slots.pop()
             self._counters["requests"] += 1
+            # from its arrival at the engine (a decode worker's KV fetch included) to a slot
+            self._counters["queue_seconds_total"] += time.perf_counter() - seq.started
             try:
                 seq.gen = make_generator(seq.request.sampling)
                 if seq.request.sampling.guide is not None:
@@ -92,6 +95,8 @@ class ContextSteps:
     def _prefilled(self, seq: Seq, first: int, logprob: TokenLogprob | None, running: list[Seq]) -> None:
         """A prefill worker keeps the KV for its decode worker and answers with the first token; otherwise the
         sequence decodes here."""
+        self._counters["first_tokens"] += 1  # from its arrival at the engine to its first token picked
+        self._counters["first_token_seconds_total"] += time.perf_counter() - seq.started
         if self.mode is DisaggregationMode.PREFILL:
             handle = uuid.uuid4().hex
             # every rank's heads, so that a decode of any TP can take it

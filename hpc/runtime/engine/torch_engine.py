@@ -104,7 +104,8 @@ class TorchEngine(ContextSteps, DecodeSteps):
         self._counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "running": 0, "waiting": 0,
                           "prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "prefill_steps": 0,
                           "decode_steps": 0, "idle_seconds_total": 0.0, "admit_seconds_total": 0.0,
-                          "decode_seconds_total": 0.0}
+                          "decode_seconds_total": 0.0, "queue_seconds_total": 0.0, "first_tokens": 0,
+                          "first_token_seconds_total": 0.0}
         self.on_kv_event: Callable[[dict[str, Any]], None] | None = None  # per-block stored/removed records
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self.prefix: PrefixCache | None = None
