@@ -210,8 +210,8 @@ class Attention(nn.Module):
             # A prompt going on from its cached positions (a chunk after the first, a prefix-cache hit): each of
             # its queries sees every key up to its own position, causal aligned at the end (lower right), which
             # SDPA runs in its flash or memory-efficient kernels. Through the boolean mask below (grouped heads,
-            # an arbitrary mask) it could take the math kernel, an [H, T, window] matrix: on the 8B shape a step
-            # with a 1,024-token chunk held the decoders about as long as four whole 4,096-token prompts.
+            # an arbitrary mask) it can take the math kernel, an [H, T, window] matrix: the likely reason a step
+            # with a 1,024-token chunk of the 8B shape held the decoders as long as four whole 4,096-token prompts.
             groups = self.heads // self.kv_heads
             keys = cache_k[slots, :, :window].repeat_interleave(groups, 1)
             values = cache_v[slots, :, :window].repeat_interleave(groups, 1)
