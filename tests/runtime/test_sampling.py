@@ -71,3 +71,21 @@ def test_a_decode_step_samples_unseeded_rows_in_one_batch(tiny, monkeypatch):
     assert len(per_row) == 1 + 5  # the seeded request's picks: its prefill's and its five decode steps'
     # the unseeded ones' first tokens too, in their prefill steps: 3 rows batched, or fewer per step when apart
     assert sum(batched) == 3 * 6
+
+
+def test_rows_of_one_temperature_draw_as_rows_of_their_own_temperatures_do():
+    # one temperature for the whole batch divides by a scalar; several by a per-row tensor: the same draws
+    import torch
+
+    from hpc.runtime.engine.sampling import sample_rows
+
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+    for temperature in (0.3, 1.0, 2.5):
+        want = torch.multinomial(torch.softmax(logits / temperature, -1), 1,
+                                 generator=torch.Generator().manual_seed(7))[:, 0]
+        got = sample_rows(logits, [SamplingParams(temperature=temperature)] * 6, torch.Generator().manual_seed(7))
+        assert torch.equal(got, want)
+    mixed = [SamplingParams(temperature=t) for t in (0.3, 1.0, 2.5, 0.3, 1.0, 2.5)]
+    want = torch.multinomial(torch.softmax(logits / torch.tensor([0.3, 1.0, 2.5] * 2)[:, None], -1), 1,
+                             generator=torch.Generator().manual_seed(7))[:, 0]
+    assert torch.equal(sample_rows(logits, mixed, torch.Generator().manual_seed(7)), want)

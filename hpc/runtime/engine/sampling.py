@@ -55,7 +55,11 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gen: torch.G
     """One token per row of logits [N, V] (temperature > 0), each row with its own temperature, top-k and
     top-p, in a few batched kernels on the logits' device: a decode step of 64 sampled rows costs one sync,
     not 64 host round trips."""
-    rows = logits.float() / on_device([p.temperature for p in params], logits.device)[:, None]
+    temperatures = {p.temperature for p in params}
+    # one temperature for every row (the usual case): a scalar, not a tensor staged and copied to the device each
+    # step (6-11 % of the decode engine thread's wall time at c=64 on an H200, py-spy)
+    rows = logits.float() / (next(iter(temperatures)) if len(temperatures) == 1 else
+                             on_device([p.temperature for p in params], logits.device)[:, None])
     top_k = [p.top_k or rows.shape[-1] for p in params]
     top_p = [p.top_p for p in params]
     if max(top_p) < 1.0 or min(top_k) < rows.shape[-1]:
