@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from hpc.runtime.engine.prefix_cache import block_hashes, chain_hash
 from hpc.runtime.engine.torch_engine import TorchEngine
@@ -82,3 +83,25 @@ def test_a_full_pool_evicts_the_least_recently_used_block_and_says_so(tiny):
     assert kinds == [("stored", 2), ("removed", 1), ("stored", 1), ("removed", 1), ("removed", 1), ("stored", 2)]
     assert answers[2][1] == 0 and answers[2][0] == answers[0][0]
     assert [e["event_id"] for e in events] == list(range(1, 7))
+
+
+def test_stored_blocks_hold_their_kv_even_from_a_prompt_longer_than_the_pool():
+    from hpc.runtime.engine.prefix_cache import PrefixCache
+
+    block, layers = 4, 3
+    cache = [torch.randn(2, 2, 2, 32, 8) for _ in range(layers)]  # [2, slots, kv heads, max_len, dim] per layer
+    pool = PrefixCache(block, capacity=3, cache=cache)
+    tokens = list(range(100, 120))  # 5 full blocks into 3 rows: the first two are taken over by the last two
+    pool.store(tokens, slot=1)
+    hashes = [h for h in pool.index]
+    assert len(hashes) == 3 and sorted(pool.index.values()) == [0, 1, 2]
+    for i, h in zip((2, 3, 4), hashes):  # what each remaining block's row holds: that block of slot 1, every layer
+        row = pool.index[h]
+        for layer in range(layers):
+            assert torch.equal(pool.pool[row, layer], cache[layer][:, 1, :, i * block:(i + 1) * block])
+    # and a later prompt with the same first two blocks finds nothing (its first block was evicted), while
+    # loading rows puts them back in order
+    assert pool.match(tokens) == []
+    pool.load([pool.index[hashes[0]], pool.index[hashes[1]]], slot=0)
+    for layer in range(layers):
+        assert torch.equal(cache[layer][:, 0, :, :2 * block], cache[layer][:, 1, :, 2 * block:4 * block])

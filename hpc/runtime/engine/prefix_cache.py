@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 import torch
 
+from hpc.runtime.engine.sampling import on_device
+
 
 def chain_hash(parent: int | None, tokens: list[int]) -> int:
     """A block's hash from its parent's and its own tokens (63 bits: fits every JSON and msgpack integer)."""
@@ -76,6 +78,7 @@ class PrefixCache:
     def store(self, tokens: list[int], slot: int) -> None:
         """Keep the prompt's full blocks that the pool does not hold yet (their KV is in `slot` now)."""
         b, parent, run = self.block, None, []
+        taken: dict[int, int] = {}  # pool row -> the prompt's block copied there
         for i, h in enumerate(block_hashes(tokens, b)):
             if h in self.index:
                 self.index.move_to_end(h)
@@ -83,12 +86,24 @@ class PrefixCache:
                 run = []
             else:
                 row = self._take()
-                for layer, kv in enumerate(self.cache):
-                    self.pool[row, layer] = kv[:, slot, :, i * b:(i + 1) * b]
+                taken[row] = i  # a row taken twice (a prompt longer than the pool) keeps the later block
                 self.index[h] = row
                 run.append((h, parent, tokens[i * b:(i + 1) * b]))
             parent = h
         self._stored(run)
+        self._copy_in(taken, slot)
+
+    def _copy_in(self, taken: dict[int, int], slot: int) -> None:
+        """The slot's blocks into their pool rows: one indexed copy per layer, not one per block and layer (a
+        4,096-token prompt of the 8B shape: 32 copies instead of 4,096 kernel launches)."""
+        if not taken:
+            return
+        b, n = self.block, max(taken.values()) + 1
+        rows = on_device(list(taken), self.pool.device)
+        blocks = on_device(list(taken.values()), self.pool.device)
+        for layer, kv in enumerate(self.cache):
+            whole = kv[:, slot, :, :n * b].unflatten(2, (n, b))  # [2, heads, n, block, dim]
+            self.pool[rows, layer] = whole[:, :, blocks].permute(2, 0, 1, 3, 4)
 
     def _stored(self, run: list[tuple[int, int | None, list[int]]]) -> None:
         if run:  # as TensorRT-LLM sends them: the parent of the first block, then the blocks in order
