@@ -6,11 +6,14 @@ work without Slurm.
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,13 +24,30 @@ from hpc.rundir import RunDir, read_json, write_json
 from hpc.waiting import wait_until
 
 
-def free_port_base(start: int, span: int) -> int:
-    """The first base at or after `start` whose `span` ports are all free on loopback."""
-    base = start
-    while base + span < 65535:
-        if all(port_free(base + i) for i in range(span)):
-            return base
-        base += span
+# A range chosen by a launch stays claimed this long: its servers bind their ports only once they start (a worker
+# after loading its model), and a second launch in between would otherwise see the range free and take it too.
+PORT_CLAIM_S = 300.0
+
+
+def free_port_base(start: int, span: int, claims: Path | None = None) -> int:
+    """The first base at or after `start` whose `span` ports are all free on loopback and that no other launch
+    claimed in the last PORT_CLAIM_S; the choice is claimed under a lock (`claims`: a JSON file shared by every
+    local launch of this machine)."""
+    claims = claims or Path(tempfile.gettempdir()) / "hpc-local-port-claims.json"
+    with open(claims.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        now = time.time()
+        try:
+            held = {int(b): t for b, t in json.loads(claims.read_text()).items() if now - t < PORT_CLAIM_S}
+        except (OSError, ValueError):
+            held = {}
+        base = start
+        while base + span < 65535:
+            if base not in held and all(port_free(base + i) for i in range(span)):
+                held[base] = now
+                claims.write_text(json.dumps(held))
+                return base
+            base += span
     raise UserError("no free local port range found", hint="set port_base in clusters/local.yaml")
 
 
