@@ -170,10 +170,11 @@ def main() -> None:
         a, b = spent[0][name], spent[1][name]
         print(f"  {name}: " + ", ".join(f"{k.removesuffix('_total')} {a[k]:.3g} / {b[k]:.3g}"
                                         for k in SWEEP_COUNTERS if a[k] or b[k]))
-    def per_request(spent: dict[str, float]) -> str:
+
+    def per_request(sweep: dict[str, float]) -> str:
         """Inside a worker's engine, per request: arrival to a slot, arrival to its first token (prefill)."""
-        queue = spent["queue_seconds_total"] / max(spent["requests"], 1) * 1e3
-        first = spent["first_token_seconds_total"] / spent["first_tokens"] * 1e3 if spent["first_tokens"] else None
+        queue = sweep["queue_seconds_total"] / max(sweep["requests"], 1) * 1e3
+        first = sweep["first_token_seconds_total"] / sweep["first_tokens"] * 1e3 if sweep["first_tokens"] else None
         return f"queue {queue:.2f} ms" + (f", first token {first:.2f} ms" if first is not None else "")
 
     print("inside each engine per request, first / second sweep: " + "; ".join(

@@ -72,7 +72,8 @@ def copy_shared(meta: KvMeta, device: str, opened: OpenAllocations) -> tuple[tor
     """The other process's KV copied onto `device` (peer to peer across GPUs): the copy is queued on the device's
     handoff stream (copy_stream) into a handoff_buffer, and the event returned completes with it — only then may
     the owner free its memory. Nothing here waits: a reader on another stream waits for the handoff stream
-    (TorchEngine._import: wait_stream, then record_stream so that the block is not reused before it has read).
+    (`arrived`, from TorchEngine._import: wait_stream, then record_stream so that the block is not reused before
+    it has read).
     Waiting on the host cost a thread hop and GIL hand-offs, 7 ms a handoff on average under load.
     `opened` keeps the owner's allocations open for the next handoffs."""
     if meta.ipc is None:

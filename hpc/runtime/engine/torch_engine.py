@@ -354,7 +354,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
             self._counters["kv_ipc_shared"] = self._counters.get("kv_ipc_shared", 0) + 1
         return self.handoffs.take(handle, ipc)
 
-    def handoff_ready(self, handle: str) -> "torch.cuda.Event | None":
+    def handoff_ready(self, handle: str) -> torch.cuda.Event | None:
         return self.handoffs.ready(handle)
 
     def lend_handoff(self, handle: str) -> torch.Tensor:

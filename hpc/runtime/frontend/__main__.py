@@ -65,6 +65,7 @@ async def serve(manifest: Manifest, bind: str | None = None, group: FrontendGrou
             # before it runs anything of its own (gRPC's fork handlers; 4 in 40 starts of 4 processes here)
             await group.spawn(host)
     discovery = await asyncio.to_thread(open_discovery, manifest)
+
     def on_change(snapshot) -> None:
         router.update(snapshot)
         router.preconnect()

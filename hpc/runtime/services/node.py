@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import gc
 import fcntl
+import gc
 import os
 import platform
 import socket
