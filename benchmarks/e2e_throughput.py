@@ -10,7 +10,8 @@ Both paths are warm alike: the direct engine is opened once and kept (as the sta
 of either path starts with the same warm-up requests. Stack mode alternates direct and stack rounds so machine
 noise hits both; goal: the stack keeps >= 95 % of the engine's tokens/s at every level. `--engine-only` runs two
 sweeps on one freshly loaded engine and prints both: the engine warms up before it says ready, so the first
-sweep should be as fast as the second. Each level sends 4 x concurrency requests (at least --requests).
+sweep should be as fast as the second. Each level sends 4 x concurrency requests (at least --requests;
+--requests-per-user 16 makes levels four times as long, and their figures less noisy).
 Both paths sample at temperature 1: what hpc bench's requests get from the frontend (OpenAI's default).
 """
 
@@ -84,6 +85,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--concurrency", default="8", help="levels, e.g. 1,8,32,64")
     parser.add_argument("--requests", type=int, default=32, help="requests per level (at least 4 x concurrency)")
+    parser.add_argument("--requests-per-user", type=int, default=REQUESTS_PER_USER,
+                        help=f"each level sends at least this many requests per user (default {REQUESTS_PER_USER}); "
+                             "more makes each level longer and its figure less noisy")
     parser.add_argument("--input-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians are reported")
@@ -99,7 +103,7 @@ def main() -> None:
     parser.add_argument("--output-spread", type=int, default=0,
                         help="each request's output length uniform in output-tokens +- this (0: all equal)")
     args = parser.parse_args()
-    levels = [Level(c, args.input_tokens, args.output_tokens, max(args.requests, REQUESTS_PER_USER * c),
+    levels = [Level(c, args.input_tokens, args.output_tokens, max(args.requests, args.requests_per_user * c),
                     output_spread=args.output_spread) for c in (int(x) for x in args.concurrency.split(","))]
     model_dir = ensure_model(f"~/.cache/hpc/models/{args.model}", args.model)
     engine_args = direct_engine_args(args.input_tokens, args.output_tokens, args.output_spread,
@@ -163,10 +167,11 @@ def main() -> None:
             print(f"{lv.concurrency:>4} {lv.requests:>9} {first:>12.1f} {second:>13.1f} {first / second:>13.0%}"
                   f"{''.join(f' {x:.1f}' for x in later)}")
         return
-    print(f"{'c':>4} {'requests':>9} {'engine directly':>16} {'through frontend':>17} {'kept':>6}")
+    print(f"{'c':>4} {'requests':>9} {'engine directly':>16} {'through frontend':>17} {'kept':>6}  each round's kept")
     for lv in levels:
         d, v = statistics.median(direct[lv.concurrency]), statistics.median(via[lv.concurrency])
-        print(f"{lv.concurrency:>4} {lv.requests:>9} {d:>16.1f} {v:>17.1f} {v / d:>6.0%}")
+        rounds = " ".join(f"{b / a:.0%}" for a, b in zip(direct[lv.concurrency], via[lv.concurrency]))
+        print(f"{lv.concurrency:>4} {lv.requests:>9} {d:>16.1f} {v:>17.1f} {v / d:>6.0%}  {rounds}")
 
 
 if __name__ == "__main__":

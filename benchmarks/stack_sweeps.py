@@ -45,7 +45,8 @@ WORKER_COUNTERS = ("requests", "kv_ipc_shared", "prompt_tokens", "prompt_tokens_
 # where each sweep's time went in each worker: what the first sweep pays more than the second shows here
 SWEEP_COUNTERS = ("kv_ask_seconds_total", "kv_move_seconds_total", "kv_ipc_opened", "kv_ipc_open_seconds_total",
                   "cuda_malloc_segments", "admit_seconds_total", "decode_seconds_total", "idle_seconds_total",
-                  "prefill_steps", "decode_steps", "decode_steps_graphed", "requests", "queue_seconds_total",
+                  "prefill_steps", "decode_steps", "decode_steps_graphed", "decode_steps_overlapped",
+                  "decode_rows_joined_in_flight", "requests", "queue_seconds_total",
                   "first_tokens", "first_token_seconds_total")
 
 

@@ -49,8 +49,37 @@ def test_overlapped_steps_answer_as_step_by_step_ones(tiny):
     first_stop = reference[0][0].index(stop)
     assert overlapped[0] == (reference[0][0][:first_stop + 1], "stop")
     assert [len(tokens) for tokens, _ in overlapped[1:]] == [3, MAX_LEN - 12 - 1, 1]
-    assert stats["decode_steps_overlapped"] > 0, stats  # the overlapped path ran
-    assert stats["decode_steps_overlapped"] < stats["decode_steps"]  # and stepped aside at the ends
+    # every step ran from the device tokens of the one before, rows leaving the chain as they ended
+    assert stats["decode_steps_overlapped"] == stats["decode_steps"] > 0, stats
+
+
+def test_requests_join_a_chain_of_overlapped_steps(tiny):
+    # Requests arriving while others decode join the next step beside the rows going on from the device
+    # tokens (TensorRT-LLM's overlap scheduler), with the answers step by step gives.
+    async def staggered(args: dict) -> tuple[list[list[int]], dict]:
+        engine_args = {"max_seq_len": MAX_LEN, "max_batch_size": 8, **args}
+        async with TorchEngine(tiny, DisaggregationMode.AGGREGATED, engine_args) as engine:
+            started = [asyncio.Event() for _ in PROMPTS]
+
+            async def one(i: int) -> list[int]:
+                if i:
+                    await started[i - 1].wait()  # after the one before has three tokens out
+                sampling = SamplingParams(max_tokens=12 - 2 * i, temperature=0, ignore_eos=True)
+                tokens: list[int] = []
+                async for out in engine.generate(GenerateRequest(request_id=str(i), token_ids=PROMPTS[i],
+                                                                 sampling=sampling)):
+                    tokens += out.token_ids
+                    if len(tokens) >= 3:
+                        started[i].set()
+                return tokens
+            answers = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+            return answers, engine.stats()
+
+    overlapped, stats = asyncio.run(staggered({}))
+    stepwise, _ = asyncio.run(staggered({"disable_overlap_scheduler": True}))
+    assert overlapped == stepwise and [len(t) for t in overlapped] == [12, 10, 8, 6]
+    assert stats["decode_rows_joined_in_flight"] >= len(PROMPTS) - 1, stats  # each later one joined a chain
+    assert stats["decode_steps_overlapped"] == stats["decode_steps"], stats
 
 
 def test_rows_that_need_their_tokens_on_the_host_step_by_step(tiny):
@@ -69,3 +98,28 @@ def test_greedy_and_sampled_rows_in_one_overlapped_batch(tiny):
     overlapped, stepwise, stats = _both(tiny, mixed)
     assert [overlapped[i] for i in (0, 2)] == [stepwise[i] for i in (0, 2)]  # the greedy rows, exactly
     assert [len(tokens) for tokens, _ in overlapped] == [8] * 4 and stats["decode_steps_overlapped"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_sampling_a_step_does_not_wait_for_the_device():
+    # An overlapped step samples while the step before it still runs; a host wait in the sampler (as
+    # torch.multinomial's validity checks are) would hold the scheduler until the device caught up.
+    import time
+
+    import torch
+
+    from hpc.runtime.engine.sampling import sample_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(64, 4096, device="cuda")
+    params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9)] * 64
+    sample_rows(logits, params, gen)  # kernels loaded
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of queued work
+    t0 = time.perf_counter()
+    tokens = sample_rows(logits, params, gen)
+    returned_after = time.perf_counter() - t0
+    busy = not torch.cuda.current_stream().query()
+    assert busy and returned_after < 0.2, f"sampling waited {returned_after:.3f} s for the device"
+    assert tokens.shape == (64,) and int(tokens.max()) < 4096

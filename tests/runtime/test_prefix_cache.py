@@ -86,10 +86,11 @@ def test_a_full_pool_evicts_the_least_recently_used_block_and_says_so(tiny):
 
 
 def test_stored_blocks_hold_their_kv_even_from_a_prompt_longer_than_the_pool():
+    from hpc.runtime.engine.llama import KvCache
     from hpc.runtime.engine.prefix_cache import PrefixCache
 
     block, layers = 4, 3
-    cache = [torch.randn(2, 2, 2, 32, 8) for _ in range(layers)]  # [2, slots, kv heads, max_len, dim] per layer
+    cache = KvCache(torch.randn(layers, 2, 2, 2, 32, 8))  # per layer [2, slots, kv heads, max_len, dim]
     pool = PrefixCache(block, capacity=3, cache=cache)
     tokens = list(range(100, 120))  # 5 full blocks into 3 rows: the first two are taken over by the last two
     pool.store(tokens, slot=1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from hpc.runtime.engine.overlap import InflightStep, chainable, startable
+from hpc.runtime.engine.overlap import InflightStep, carry_over, next_tokens, startable
 from hpc.runtime.engine.sampling import on_device
 from hpc.runtime.engine.sequence import Seq
 
@@ -15,10 +15,16 @@ class DecodeSteps:
     def _decode_step(self, running: list[Seq]) -> None:
         batchable = self.picker.batchable
         if self._inflight is not None:  # its tokens are not read yet
-            if not chainable(self._inflight, running, self.max_len, batchable):
-                self._emit_inflight()  # the batch changes: the next step is staged from the host
+            carried = carry_over(self._inflight, running, self.max_len, batchable)
+            if carried is None or not (carried[0] or carried[1]):
+                self._emit_inflight()  # a row needs its token on the host, or none goes on: read it first
                 return
-            self._launch_overlapped(running, self._inflight.tokens)
+            kept, joined = carried
+            if joined:
+                self._counters["decode_rows_joined_in_flight"] = \
+                    self._counters.get("decode_rows_joined_in_flight", 0) + len(joined)
+            tokens = next_tokens(self._inflight, kept, joined, lambda ids: on_device(ids, self.device))
+            self._launch_overlapped([self._inflight.rows[i] for i in kept] + joined, tokens)
             return
         if self.overlap and startable(running, self.max_len, batchable):
             self._launch_overlapped(running, None)

@@ -20,6 +20,16 @@ from torch import nn
 from hpc.runtime.engine.moe import ExpertParallel, SparseMoE
 
 
+class KvCache(list):
+    """The KV cache as the model reads it, per layer a [2, slots, kv_heads, max_len, head_dim] tensor: views of
+    one [layers, 2, slots, ...] tensor (`whole`), so that one slot's KV over every layer moves in one kernel (the
+    prefix cache's blocks, the KV handoff) instead of one per layer (32 on the 8B shape)."""
+
+    def __init__(self, whole: torch.Tensor) -> None:
+        super().__init__(whole.unbind(0))
+        self.whole = whole
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int
@@ -310,11 +320,11 @@ class LlamaForCausalLM(nn.Module):
             self._rope = rope_tables(self.cfg, device)
         return self._rope
 
-    def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-        """Per layer: a [2, slots, kv_heads, max_len, head_dim] tensor."""
+    def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KvCache:
+        """Per layer: a [2, slots, kv_heads, max_len, head_dim] tensor, all of them views of one."""
         attn = self.model.layers[0].self_attn
-        return [torch.zeros(2, slots, attn.kv_heads, max_len, attn.head_dim, dtype=dtype, device=device)
-                for _ in self.model.layers]
+        return KvCache(torch.zeros(len(self.model.layers), 2, slots, attn.kv_heads, max_len, attn.head_dim,
+                                   dtype=dtype, device=device))
 
     @torch.inference_mode()
     def forward_step(self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

@@ -3,11 +3,14 @@
 TensorRT-LLM's overlap scheduler (on unless `disable_overlap_scheduler`; PyExecutor._executor_loop_overlap in
 tensorrt_llm/_torch/pyexecutor/py_executor.py) keeps the GPU busy while the host emits the previous step's tokens,
 checks stops and stages the next step: the tokens a step picks stay on the device and are the next step's input.
-Here a chain of such steps runs while the batch stays the same; it breaks (the step in flight is read first, then
-the next one is staged from the host) when a request arrives or ends, or when a row needs its token on the host
-before the next step (penalties, guides, seeds, logprobs: TokenPicker.batchable). A row that stops on a token
-the host reads later (EOS, a stop token) has one more token computed in the step already in flight, never sent.
-A row that ends by count or by the cache's length is known in advance: no step is launched past it.
+Here steps chain while requests arrive and end: the next step takes the rows of the step in flight that go on
+(their tokens gathered on the device) and the rows that joined since (their tokens from the host). The chain
+breaks (the step in flight is read first, then the next one is staged from the host) only when a row needs its
+token on the host before the next step (penalties, guides, seeds, logprobs: TokenPicker.batchable). A row that
+stops on a token the host reads later (EOS, a stop token) has one more token computed in the step already in
+flight, never sent. A row that ends by count or by the cache's length is known in advance: no step is launched
+past it. Under load a request arrives or ends at nearly every step, so a chain that broke at each batch change
+was read back step by step nearly all the time.
 """
 
 from __future__ import annotations
@@ -57,24 +60,44 @@ class HostCopies:
         return host, done
 
 
-def chainable(step: InflightStep | None, running: list["Seq"], max_len: int, batchable) -> bool:
-    """May the next step be launched from `step`'s device tokens before they are read? The same rows, each
-    batchable, and none ending by count or cache length when its token in flight is emitted (that is known now;
-    the next step then fits, and a stop by length is found exactly where the step-by-step path finds it)."""
-    if step is None or len(step.rows) != len(running) or any(a is not b for a, b in zip(step.rows, running)):
-        return False
+def carry_over(step: InflightStep, running: list["Seq"], max_len: int,
+               batchable) -> tuple[list[int], list["Seq"]] | None:
+    """The next step's rows while `step` is in flight, as TensorRT-LLM's overlap scheduler forms them: the rows
+    of `step` that go on past its token (their indices in it: their input is its device tokens), then the rows
+    that joined since (prefilled here or handed over, their token on the host). A row whose token in flight ends
+    it by count or cache length (known now) sits the step out; its token is emitted as the step launches.
+    None when a row needs its token on the host before its next step (penalties, guides, seeds, logprobs)."""
+    index = {id(seq): i for i, seq in enumerate(step.rows)}
+    kept: list[int] = []
+    joined: list["Seq"] = []
     for seq in running:
         p = seq.request.sampling
-        if not batchable(p) or seq.generated + 1 >= p.max_tokens or seq.length + 2 >= max_len:
-            return False
-    return True
+        if not batchable(p):
+            return None
+        i = index.get(id(seq))
+        if i is None:
+            if seq.length + 1 >= max_len:
+                return None
+            joined.append(seq)
+        elif seq.generated + 1 < p.max_tokens and seq.length + 2 < max_len:
+            kept.append(i)
+    return kept, joined
+
+
+def next_tokens(step: InflightStep, kept: list[int], joined: list["Seq"], stage) -> torch.Tensor:
+    """The device input of the step after `step` (carry_over's rows): its kept rows' tokens, still on the device,
+    then the joined rows' from the host (`stage`: a host list to the device without waiting for it)."""
+    if kept == list(range(len(step.rows))):
+        carried = step.tokens
+    else:
+        carried = step.tokens[stage(kept)] if kept else None
+    if not joined:
+        return carried
+    fresh = stage([seq.last_token for seq in joined])
+    return fresh if carried is None else torch.cat([carried, fresh])
 
 
 def startable(running: list["Seq"], max_len: int, batchable) -> bool:
-    """May a chain start with this step? Its rows batchable, and their next token not their last by count or
-    cache length (a step launched after it would be wasted on every row)."""
-    for seq in running:
-        p = seq.request.sampling
-        if not batchable(p) or seq.generated + 2 >= p.max_tokens or seq.length + 2 >= max_len:
-            return False
-    return True
+    """May a chain start with this step? Its rows batchable and none at the cache's end (a row whose next token is
+    its last by count just sits out the step after, carry_over)."""
+    return all(batchable(seq.request.sampling) and seq.length + 2 < max_len for seq in running)

@@ -16,8 +16,7 @@ import hashlib
 from collections import OrderedDict
 from typing import Any, Callable
 
-import torch
-
+from hpc.runtime.engine.llama import KvCache
 from hpc.runtime.engine.sampling import on_device
 
 
@@ -38,13 +37,13 @@ def block_hashes(tokens: list[int], block: int) -> list[int]:
 
 
 class PrefixCache:
-    def __init__(self, block: int, capacity: int, cache: list[torch.Tensor],
+    def __init__(self, block: int, capacity: int, cache: KvCache,
                  on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
-        """`cache`: the engine's per-layer [2, slots, kv_heads, max_len, head_dim] tensors (blocks copy from and
-        into a slot); `capacity`: blocks the pool holds."""
-        self.block, self.capacity, self.cache = block, capacity, cache
-        two, _, heads, _, dim = cache[0].shape
-        self.pool = cache[0].new_zeros((capacity, len(cache), two, heads, block, dim))
+        """`cache`: the engine's KV cache, [layers, 2, slots, kv_heads, max_len, head_dim] (blocks copy from and
+        into a slot, every layer in one kernel); `capacity`: blocks the pool holds."""
+        self.block, self.capacity, self.cache = block, capacity, cache.whole
+        layers, two, _, heads, _, dim = self.cache.shape
+        self.pool = self.cache.new_zeros((capacity, layers, two, heads, block, dim))
         self.index: OrderedDict[int, int] = OrderedDict()  # block hash -> pool row, least recently used first
         self.free = list(range(capacity))
         self.on_event = on_event
@@ -67,13 +66,12 @@ class PrefixCache:
         return rows
 
     def load(self, rows: list[int], slot: int) -> None:
-        """The pool rows, in order, become the slot's first len(rows) blocks: one copy per layer."""
+        """The pool rows, in order, become the slot's first len(rows) blocks: one copy for every layer."""
         if not rows:
             return
-        blocks = self.pool[torch.tensor(rows, device=self.pool.device)]  # [n, layers, 2, heads, block, dim]
-        n, _, two, heads, b, dim = blocks.shape
-        for layer, kv in enumerate(self.cache):
-            kv[:, slot, :, :n * b] = blocks[:, layer].permute(1, 2, 0, 3, 4).reshape(two, heads, n * b, dim)
+        blocks = self.pool[on_device(rows, self.pool.device)]  # [n, layers, 2, heads, block, dim]
+        n, layers, two, heads, b, dim = blocks.shape
+        self.cache[:, :, slot, :, :n * b] = blocks.permute(1, 2, 3, 0, 4, 5).reshape(layers, two, heads, n * b, dim)
 
     def store(self, tokens: list[int], slot: int) -> None:
         """Keep the prompt's full blocks that the pool does not hold yet (their KV is in `slot` now)."""
@@ -94,16 +92,14 @@ class PrefixCache:
         self._copy_in(taken, slot)
 
     def _copy_in(self, taken: dict[int, int], slot: int) -> None:
-        """The slot's blocks into their pool rows: one indexed copy per layer, not one per block and layer (a
-        4,096-token prompt of the 8B shape: 32 copies instead of 4,096 kernel launches)."""
+        """The slot's blocks into their pool rows: one indexed copy for every block and layer (a 4,096-token
+        prompt of the 8B shape: one copy instead of 4,096 kernel launches)."""
         if not taken:
             return
         b, n = self.block, max(taken.values()) + 1
-        rows = on_device(list(taken), self.pool.device)
-        blocks = on_device(list(taken.values()), self.pool.device)
-        for layer, kv in enumerate(self.cache):
-            whole = kv[:, slot, :, :n * b].unflatten(2, (n, b))  # [2, heads, n, block, dim]
-            self.pool[rows, layer] = whole[:, :, blocks].permute(2, 0, 1, 3, 4)
+        rows, blocks = on_device([list(taken), list(taken.values())], self.pool.device)
+        prompt = self.cache[:, :, slot, :, :n * b].unflatten(3, (n, b))  # [layers, 2, heads, n, block, dim]
+        self.pool[rows] = prompt[:, :, :, blocks].permute(3, 0, 1, 2, 4, 5)
 
     def _stored(self, run: list[tuple[int, int | None, list[int]]]) -> None:
         if run:  # as TensorRT-LLM sends them: the parent of the first block, then the blocks in order

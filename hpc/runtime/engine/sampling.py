@@ -64,7 +64,16 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gen: torch.G
     top_p = [p.top_p for p in params]
     if max(top_p) < 1.0 or min(top_k) < rows.shape[-1]:
         rows = rows.masked_fill(~keep_mask(rows, top_k, top_p), float("-inf"))
-    return torch.multinomial(torch.softmax(rows, dim=-1), 1, generator=gen)[:, 0]
+    return draw(torch.softmax(rows, dim=-1), gen)
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    """One token per row of probabilities [N, V]: argmax of p / q with q ~ Exp(1), the same kernels and random
+    stream as torch.multinomial(probs, 1)'s fast path (aten/src/ATen/native/Distributions.cpp multinomial_out)
+    without the checks it runs first — a min/max/sum validity test that releases the host only once the step
+    before it is done on the device (`.item()` in older builds, an async assert and four more kernels in newer
+    ones), so an overlapped decode step could not run ahead of the device."""
+    return probs.div_(torch.empty_like(probs).exponential_(generator=gen)).argmax(dim=-1)
 
 
 def keep_mask(rows: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -7,7 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from hpc.runtime.engine.llama import TensorParallel
+from hpc.runtime.engine.llama import KvCache, TensorParallel
 
 _STOP, _PREFILL, _DECODE, _EXPORT_KV, _IMPORT_KV = 0, 1, 2, 3, 4
 _KINDS = {"prefill": _PREFILL, "decode": _DECODE}
@@ -46,12 +46,12 @@ def broadcast_step(tp: TensorParallel, kind: str, embeds: torch.Tensor, position
     dist.broadcast(slots.contiguous(), 0, group=tp.group)
 
 
-def _local_kv(cache: list[torch.Tensor], slot: int, length: int) -> torch.Tensor:
+def _local_kv(cache: KvCache, slot: int, length: int) -> torch.Tensor:
     """This rank's KV of one slot: [layers, 2, its kv heads, length, head_dim]."""
-    return torch.stack([layer[:, slot, :, :length] for layer in cache]).contiguous()
+    return cache.whole[:, :, slot, :, :length].contiguous()
 
 
-def gather_kv(tp: TensorParallel, cache: list[torch.Tensor], slot: int, length: int) -> torch.Tensor:
+def gather_kv(tp: TensorParallel, cache: KvCache, slot: int, length: int) -> torch.Tensor:
     """Rank 0: the whole KV of a slot, every rank's heads in rank order (the checkpoint's order: each rank holds a
     contiguous run of KV heads). The other ranks take part from follow(). One rank: its own copy."""
     if tp.size == 1:
@@ -64,7 +64,7 @@ def gather_kv(tp: TensorParallel, cache: list[torch.Tensor], slot: int, length: 
     return torch.cat(parts, dim=2)
 
 
-def scatter_kv(tp: TensorParallel, cache: list[torch.Tensor], slot: int, kv: torch.Tensor) -> None:
+def scatter_kv(tp: TensorParallel, cache: KvCache, slot: int, kv: torch.Tensor) -> None:
     """Rank 0: write a whole KV [layers, 2, all kv heads, length, head_dim] into a slot of every rank, each
     keeping its own heads — whatever TP the prefill worker that made it ran."""
     if tp.size == 1:
@@ -78,11 +78,9 @@ def scatter_kv(tp: TensorParallel, cache: list[torch.Tensor], slot: int, kv: tor
     _write_own_heads(tp, cache, slot, kv)
 
 
-def _write_own_heads(tp: TensorParallel, cache: list[torch.Tensor], slot: int, kv: torch.Tensor) -> None:
+def _write_own_heads(tp: TensorParallel, cache: KvCache, slot: int, kv: torch.Tensor) -> None:
     own = cache[0].shape[2]  # kv heads per rank
-    length = kv.shape[3]
-    for layer, block in zip(cache, kv):
-        layer[:, slot, :, :length] = block[:, tp.rank * own:(tp.rank + 1) * own]
+    cache.whole[:, :, slot, :, :kv.shape[3]] = kv[:, :, tp.rank * own:(tp.rank + 1) * own]
 
 
 def broadcast_stop(tp: TensorParallel, device: torch.device) -> None:
