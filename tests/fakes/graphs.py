@@ -13,10 +13,13 @@ class RecordedGraph:
         self.captured: list[int] = []  # each capture's output rows, in capture order
 
     def __call__(self, fn):
-        out = fn()
-        self.captured.append(out.shape[0])
+        out = fn()  # a tensor, or a tuple of them
+        outs = out if isinstance(out, tuple) else (out,)
+        self.captured.append(outs[0].shape[0])
 
         def replay() -> None:
             with torch.inference_mode():  # as the engine's steps run
-                out.copy_(fn())
+                again = fn()
+                for old, new in zip(outs, again if isinstance(again, tuple) else (again,)):
+                    old.copy_(new)
         return replay, out

@@ -78,3 +78,23 @@ def test_without_padding_a_size_with_no_graph_is_left_to_the_eager_step() -> Non
     assert graphs.run([5, 6, 7], [1, 1, 1], [0, 1, 2]) is None
     assert graphs.run([5, 6], [1, 1], [0, 1]).shape == (2, CFG.vocab_size)
     assert graphs.replays == 1
+
+
+def test_a_graph_that_picks_gives_its_logits_argmax_at_temperature_zero() -> None:
+    from hpc.runtime.engine.sampling import pick_in_graph
+
+    model = _model()
+    cache = model.new_cache(SLOTS + 1, 32, torch.float32, DEVICE)
+    step = lambda t, p, s: model.forward_step(model.embed(t), p, s, cache)  # noqa: E731
+    graphs = DecodeGraphs(step, GraphSizes((1, 4), padding=True), scratch_slot=SLOTS, device=DEVICE,
+                          pick=pick_in_graph)
+    graphs.capture(RecordedGraph())
+    logits, picked = graphs.run_picking([5, 6, 7], [1, 1, 1], [0, 1, 2], temperatures=[0.0, 0.0, 0.0])
+    assert picked.shape == (3,) and torch.equal(picked, logits.argmax(-1))
+    # a step whose rows the graph does not pick for (top-k, top-p): its logits only
+    assert graphs.run([5, 6, 7], [2, 2, 2], [0, 1, 2]).shape == (3, CFG.vocab_size)
+    # temperatures ride the inputs as fixed point: a hot row draws, the greedy ones stay the argmax
+    torch.manual_seed(0)
+    draws = {int(graphs.run_picking([5, 6, 7], [3, 3, 3], [0, 1, 2], [0.0, 100.0, 0.0])[1][1]) for _ in range(20)}
+    assert len(draws) > 5
+    assert graphs.replays == 22

@@ -54,6 +54,8 @@ def test_decode_steps_replay_from_cuda_graphs_with_the_eager_steps_tokens(tmp_pa
     assert ("graphs", 3) in engine.warmed and engine.cache[0].shape[1] == 4 + 1  # the spare slot for padded rows
     # every step ran from a graph, the three-row ones padded to four
     assert stats["decode_steps"] >= 11 and stats["decode_steps_graphed"] == stats["decode_steps"]
+    # the overlapped steps' greedy tokens were picked inside the graphs (and equal the eager argmax, below)
+    assert stats["decode_steps_picked_in_graph"] == stats["decode_steps_overlapped"] > 0
     eager, plain = _run(model_dir, {"cuda_graph_config": None})
     assert plain.graphs is None and plain.stats()["decode_steps"] >= 11 and "decode_steps_graphed" not in plain.stats()
     # the same kernels with the same inputs: rows are independent, so padding changes nothing
@@ -118,6 +120,23 @@ def test_a_prefill_reads_the_device_once_per_step_not_in_every_layer(tmp_path) -
     # (four here: a sync per layer and row made a 64-token prefill of the tiny model 3 ms)
     counts = asyncio.run(main())
     assert len(counts) == 3 and max(counts) <= 2
+
+
+def test_sampled_rows_are_drawn_inside_the_decode_graphs_with_fresh_noise_each_step(tmp_path) -> None:
+    model_dir = build_tiny(tmp_path / "tiny", hidden=256, layers=4)
+
+    async def main():
+        async with TorchEngine(model_dir, DisaggregationMode.AGGREGATED, {"max_batch_size": 4}) as engine:
+            async def one(i: int) -> list[int]:
+                request = GenerateRequest(request_id=f"s{i}", token_ids=PROMPTS[0], sampling=SamplingParams(
+                    max_tokens=24, temperature=100.0, ignore_eos=True))
+                return [t async for out in engine.generate(request) for t in out.token_ids]
+            return await asyncio.gather(*(one(i) for i in range(3))), engine.stats()
+
+    answers, stats = asyncio.run(main())
+    assert stats["decode_steps_picked_in_graph"] >= 20, stats
+    # near-uniform draws: a replay that reused the noise of the one before would pick one token over and over
+    assert all(len(set(tokens)) > 12 for tokens in answers) and len({tuple(t) for t in answers}) == 3
 
 
 def _run(model_dir, args: dict | None = None):

@@ -46,6 +46,25 @@ def test_batched_sampling_keeps_each_rows_temperature_top_k_and_top_p():
     assert counts[0] == pytest.approx(torch.softmax(torch.tensor([4.0, 3.0]), 0)[0], abs=0.08)
 
 
+def test_picks_in_a_decode_graph_are_greedy_at_zero_and_drawn_at_each_rows_temperature():
+    import torch
+
+    from hpc.runtime.engine.sampling import graph_temperatures, pick_in_graph
+
+    torch.manual_seed(0)  # the graph draws from the default generator
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(4000, 1)
+    temperatures = torch.tensor([0.0, 2.0]).repeat_interleave(2000)
+    picked = pick_in_graph(logits, temperatures)
+    assert set(picked[:2000].tolist()) == {0}  # temperature 0: the argmax
+    counts = torch.bincount(picked[2000:], minlength=4).float() / 2000
+    torch.testing.assert_close(counts, torch.softmax(logits[0] / 2.0, 0), atol=0.03, rtol=0)
+    # rows the graph cannot pick for: any top-k below the vocabulary or top-p below 1
+    plain = [SamplingParams(temperature=0.7), SamplingParams(temperature=0, top_k=4)]
+    assert graph_temperatures(plain, vocab=4) == [0.7, 0]
+    assert graph_temperatures([*plain, SamplingParams(temperature=1.0, top_k=3)], vocab=4) is None
+    assert graph_temperatures([*plain, SamplingParams(temperature=1.0, top_p=0.9)], vocab=4) is None
+
+
 def test_a_decode_step_samples_unseeded_rows_in_one_batch(tiny, monkeypatch):
     """At temperature 1 (the OpenAI default) unseeded rows take the batched sampler; the per-row path, with
     its host round trip per row, is only for seeded, penalised or logprob rows."""

@@ -25,8 +25,12 @@ from hpc.engine_args.cuda_graphs import GraphSizes
 log = logging.getLogger(__name__)
 
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # tokens [B,1], positions [B,1], slots [B]
-# capture(fn) -> (replay, output): after replay() the output tensor holds what fn() would return now
-Capture = Callable[[Callable[[], torch.Tensor]], tuple[Callable[[], None], torch.Tensor]]
+Pick = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # logits [B, V], temperatures [B] -> tokens [B]
+Outputs = torch.Tensor | tuple[torch.Tensor, ...]
+# capture(fn) -> (replay, output): after replay() the output tensor(s) hold what fn() would return now
+Capture = Callable[[Callable[[], Outputs]], tuple[Callable[[], None], Outputs]]
+# temperatures ride in the long input buffer as fixed point: one staged copy a step for all of a step's inputs
+TEMPERATURE_SCALE = 1 << 24
 
 
 def cuda_capture(device: torch.device) -> Capture:
@@ -41,7 +45,7 @@ def cuda_capture(device: torch.device) -> Capture:
     gc.collect()
     pool = torch.cuda.graph_pool_handle()
 
-    def capture(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+    def capture(fn: Callable[[], Outputs]) -> tuple[Callable[[], None], Outputs]:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):  # one eager run first: lazy allocations and library handles, not captured
@@ -65,29 +69,42 @@ def cuda_capture(device: torch.device) -> Capture:
 
 
 class DecodeGraphs:
-    def __init__(self, step: Step, sizes: GraphSizes, scratch_slot: int, device: torch.device) -> None:
+    def __init__(self, step: Step, sizes: GraphSizes, scratch_slot: int, device: torch.device,
+                 pick: Pick | None = None) -> None:
+        """`pick`: each row's token from the step's logits at its temperature, captured with the step
+        (run_picking)."""
         self.step = step
+        self.pick = pick
         self.sizes = sizes
         self.scratch_slot = scratch_slot
         largest = sizes.batch_sizes[-1]
-        # rows 0, 1, 2: token, position, cache slot of each row of the step
-        self.inputs = torch.zeros(3, largest, dtype=torch.long, device=device)
+        # rows 0-3: token, position, cache slot and temperature (x TEMPERATURE_SCALE) of each row of the step
+        self.inputs = torch.zeros(4, largest, dtype=torch.long, device=device)
         self.inputs[2].fill_(scratch_slot)
         # the host side of each step's inputs, pinned, two in turn: a copy from pageable memory would first wait
         # for the steps already queued (an overlapped step's is queued behind the one running; overlap.py), and a
         # buffer is written again only after the step that read it has been read back
         pinned = device.type == "cuda"
-        self._staging = [torch.zeros(3, largest, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self._staging = [torch.zeros(4, largest, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         self._turn = 0
-        self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[Callable[[], None], Outputs]] = {}
         self.replays = 0
 
     def capture(self, capture: Capture) -> None:
         for size in sorted(self.sizes.batch_sizes, reverse=True):
-            tokens, positions, slots = self.inputs[0, :size], self.inputs[1, :size], self.inputs[2, :size]
-            self._graphs[size] = capture(lambda t=tokens, p=positions, s=slots: self.step(t[:, None], p[:, None], s))
+            self._graphs[size] = capture(self._step_of(size))
         log.info("decode CUDA graphs for batch sizes %s (padding %s)", list(self.sizes.batch_sizes),
                  "on" if self.sizes.padding else "off")
+
+    def _step_of(self, size: int) -> Callable[[], Outputs]:
+        tokens, positions, slots, temperatures = (self.inputs[i, :size] for i in range(4))
+
+        def step() -> Outputs:
+            logits = self.step(tokens[:, None], positions[:, None], slots)
+            if self.pick is None:
+                return logits
+            return logits, self.pick(logits, temperatures.float() / TEMPERATURE_SCALE)
+        return step
 
     def run(self, tokens: list[int], positions: list[int], slots: list[int],
             device_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -96,21 +113,40 @@ class DecodeGraphs:
         is ignored.
 
         The logits are a view of the graph's output: read them before the next run."""
+        replayed = self._replay(tokens, positions, slots, device_tokens, None)
+        return None if replayed is None else replayed[0]
+
+    def run_picking(self, tokens: list[int], positions: list[int], slots: list[int], temperatures: list[float],
+                    device_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """run(), and each row's next token [rows] picked inside the graph at its temperature (0: greedy): a step's
+        tokens without the sampling kernels launched from the host one by one (seven launches, each a release
+        and re-take of the GIL that the worker's event loop contends for). None without a graph or a pick."""
+        if self.pick is None:
+            return None
+        return self._replay(tokens, positions, slots, device_tokens, temperatures)
+
+    def _replay(self, tokens: list[int], positions: list[int], slots: list[int],
+                device_tokens: torch.Tensor | None,
+                temperatures: list[float] | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         rows = len(positions)
         size = self.sizes.size_for(rows)
         if size is None or size not in self._graphs:
             return None
-        pad = self.inputs.shape[1] - rows  # the whole buffer: one contiguous copy
+        pad = [0] * (self.inputs.shape[1] - rows)  # the whole buffer: one contiguous copy
         if device_tokens is not None:
             tokens = [0] * rows
+        scaled = [round(t * TEMPERATURE_SCALE) for t in temperatures] if temperatures is not None else [0] * rows
         staged = self._staging[self._turn]
         self._turn ^= 1
-        staged.copy_(torch.tensor([tokens + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad],
-                                  dtype=torch.long))
+        staged.copy_(torch.tensor([tokens + pad, positions + pad, slots + [self.scratch_slot] * len(pad),
+                                   scaled + pad], dtype=torch.long))
         self.inputs.copy_(staged, non_blocking=True)
         if device_tokens is not None:
             self.inputs[0, :rows].copy_(device_tokens)
-        replay, logits = self._graphs[size]
+        replay, out = self._graphs[size]
         replay()
         self.replays += 1
-        return logits[:rows]
+        if self.pick is None:
+            return out[:rows], None
+        logits, picked = out
+        return logits[:rows], (picked[:rows] if temperatures is not None else None)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from hpc.runtime.engine.overlap import InflightStep, carry_over, next_tokens, startable
-from hpc.runtime.engine.sampling import on_device
+from hpc.runtime.engine.sampling import graph_temperatures, on_device
 from hpc.runtime.engine.sequence import Seq
 
 
@@ -30,30 +30,44 @@ class DecodeSteps:
             self._launch_overlapped(running, None)
             return
         self._counters["decode_steps"] += 1
-        logits = self._decode_launch(running, None)
+        logits, _ = self._decode_launch(running, None)
         picked = self.picker.pick_rows(running, logits, self.sampler)
         with self.emitter:
             for s, (token, logprob) in zip(running, picked):
                 self._emit_token(s, token, logprob)
 
-    def _decode_launch(self, running: list[Seq], device_tokens: torch.Tensor | None) -> torch.Tensor:
-        """One decode step's logits, each row's token from its last one (or `device_tokens`, on the device)."""
+    def _decode_launch(self, running: list[Seq], device_tokens: torch.Tensor | None,
+                       pick: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step's logits, each row's token from its last one (or `device_tokens`, on the device); with
+        `pick`, each row's next token too when the step's graph could pick them (else None)."""
         positions, slots = [s.length for s in running], [s.slot for s in running]
         tokens = [s.last_token for s in running]
-        logits = self.graphs.run(tokens, positions, slots, device_tokens) if self.graphs is not None else None
-        if logits is None:  # no graph for this batch: eagerly, its inputs staged as the graphs' are (pinned)
+        replayed = None
+        if self.graphs is not None:
+            temperatures = graph_temperatures([s.request.sampling for s in running], self.cfg.vocab_size) \
+                if pick else None
+            replayed = self.graphs.run_picking(tokens, positions, slots, temperatures, device_tokens) \
+                if temperatures is not None else None
+            if replayed is None:
+                logits = self.graphs.run(tokens, positions, slots, device_tokens)
+                replayed = None if logits is None else (logits, None)
+        if replayed is None:  # no graph for this batch: eagerly, its inputs staged as the graphs' are (pinned)
             token_tensor = device_tokens if device_tokens is not None else on_device(tokens, self.device)
-            logits = self._decode_logits(token_tensor[:, None], on_device(positions, self.device)[:, None],
-                                         on_device(slots, self.device))
+            replayed = self._decode_logits(token_tensor[:, None], on_device(positions, self.device)[:, None],
+                                           on_device(slots, self.device)), None
         for s in running:
             s.length += 1
-        return logits
+        return replayed
 
     def _launch_overlapped(self, running: list[Seq], device_tokens: torch.Tensor | None) -> None:
         """Launch a step whose tokens stay on the device, then emit the previous step's (overlap.py)."""
         self._counters["decode_steps"] += 1
         self._counters["decode_steps_overlapped"] = self._counters.get("decode_steps_overlapped", 0) + 1
-        tokens = self.picker.pick_on_device(running, self._decode_launch(running, device_tokens), self.sampler)
+        logits, tokens = self._decode_launch(running, device_tokens, pick=True)
+        if tokens is None:
+            tokens = self.picker.pick_on_device(running, logits, self.sampler)
+        else:
+            self._counters["decode_steps_picked_in_graph"] = self._counters.get("decode_steps_picked_in_graph", 0) + 1
         previous, self._inflight = self._inflight, InflightStep(list(running), tokens, *self._host_copies.start(tokens))
         if previous is not None:
             self._emit_inflight(previous)

@@ -67,6 +67,21 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gen: torch.G
     return draw(torch.softmax(rows, dim=-1), gen)
 
 
+def pick_in_graph(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """Each row's token inside a decode graph: drawn at its temperature (sample_rows without top-k/top-p), greedy
+    where that is 0. Draws come from the device's default generator, the one a graph's replay advances."""
+    tempered = logits.float() / temperatures.clamp_min(1e-6)[:, None]
+    return torch.where(temperatures > 0, draw(torch.softmax(tempered, dim=-1), None), logits.argmax(dim=-1))
+
+
+def graph_temperatures(params: list[SamplingParams], vocab: int) -> list[float] | None:
+    """The rows' temperatures when pick_in_graph draws what sample_rows would (no top-k, no top-p), else None."""
+    for p in params:
+        if (p.top_k and p.top_k < vocab) or p.top_p < 1.0:
+            return None
+    return [p.temperature for p in params]
+
+
 def draw(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
     """One token per row of probabilities [N, V]: argmax of p / q with q ~ Exp(1), the same kernels and random
     stream as torch.multinomial(probs, 1)'s fast path (aten/src/ATen/native/Distributions.cpp multinomial_out)

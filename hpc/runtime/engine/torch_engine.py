@@ -41,7 +41,7 @@ from hpc.runtime.engine.sequence import BatchWait, Seq, chunkable
 from hpc.runtime.engine.tp import scatter_kv
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
                                       GenerateRequest, KvMeta, SamplingParams, TokenLogprob)
-from hpc.runtime.engine.sampling import prompt_logprobs, sample_rows
+from hpc.runtime.engine.sampling import pick_in_graph, prompt_logprobs, sample_rows
 
 log = logging.getLogger(__name__)
 HANDOFF_TTL_S = 120.0
@@ -178,7 +178,8 @@ class TorchEngine(ContextSteps, DecodeSteps):
                      own.stop - 1)
         self.max_len = min(self.max_len, self.cfg.max_position_embeddings)
         sizes = decode_graph_sizes(self.args, self.max_batch) if self._graphable() else None
-        self.graphs = DecodeGraphs(self._decode_logits, sizes, self.max_batch, self.device) if sizes else None
+        self.graphs = DecodeGraphs(self._decode_logits, sizes, self.max_batch, self.device,
+                                   pick=pick_in_graph) if sizes else None
         counts = prefill_graph_tokens(self.args, self._token_budget()) if self._graphable(prefill=True) else None
         self.prefill_graphs = PrefillGraphs(self._packed_logits, counts, self.max_batch, self.max_batch,
                                             self.max_len, self.device) if counts else None

@@ -15,8 +15,8 @@ import logging
 from typing import AsyncIterator, Callable
 
 from hpc.runtime.serve.wire import (
-    BIG_PAYLOAD, HEADER, MAX_FRAME, Call, CallBody, Cancel, DecodeError, Hello, Reply, ReplyBody, call_id,
-    decode_call, decode_reply, encode_frame, frame_parts,
+    BIG_PAYLOAD, HEADER, MAX_FRAME, REPLIES_FRAME, Call, CallBody, Cancel, DecodeError, Hello, Reply, ReplyBody,
+    call_id, decode_call, decode_replies, decode_reply, encode_frame, encode_replies, frame_parts,
 )
 
 log = logging.getLogger(__name__)
@@ -34,8 +34,13 @@ class PeerGone(ConnectionError):
     """The connection to the peer dropped before the stream ended."""
 
 
-async def _read_raw(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+async def _read_raw(reader: asyncio.StreamReader) -> tuple[bytes, bytes | None]:
+    """A frame's body and payload; None for the payload of a frame of replies (wire.REPLIES_FRAME)."""
     n_body, n_payload = HEADER.unpack(await reader.readexactly(HEADER.size))
+    if n_payload == REPLIES_FRAME:
+        if n_body > MAX_FRAME:
+            raise ConnectionError("frame too large")
+        return await reader.readexactly(n_body), None
     if n_body + n_payload > MAX_FRAME:
         raise ConnectionError("frame too large")
     body = await reader.readexactly(n_body)
@@ -74,11 +79,14 @@ class StreamSink:
         self.sid, self.out = sid, out
 
     def send(self, body: ReplyBody, data: bytes = b"") -> None:
-        self.out.write(*frame_parts(Reply(self.sid, body), data))
+        if data:
+            self.out.write(*frame_parts(Reply(self.sid, body), data))
+        else:
+            self.out.reply(Reply(self.sid, body))
 
     def end(self, error: str | None = None, code: int = 0) -> None:
         """The stream's last frame (with the error that ended it, if one did)."""
-        self.out.write(*frame_parts(Reply(self.sid, end=True, error=error, code=code)))
+        self.out.reply(Reply(self.sid, end=True, error=error, code=code))
 
 
 _SINK: contextvars.ContextVar[StreamSink | None] = contextvars.ContextVar("hpc_rpc_sink", default=None)
@@ -90,20 +98,34 @@ def current_sink() -> StreamSink | None:
 
 
 class _Coalescer:
-    """The replies one connection gets during one pass of the event loop leave in one write: a decode step wakes
-    every stream at once, so its 64 tokens cost one send() instead of 64 (and the GIL the engine thread needs
-    is held that much less). Latency: at most the rest of the current loop pass."""
+    """The replies one connection gets during one pass of the event loop leave in one write, those without a
+    payload in one frame of replies (wire.REPLIES_FRAME): a decode step wakes every stream at once, so its 64
+    tokens cost one encode and one send() instead of 64 of each (and the GIL the engine thread needs is held that much
+    less). Latency: at most the rest of the current loop pass. Order on the connection is kept."""
 
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
-        self.pending: list[bytes] = []
+        self.pending: list[bytes | memoryview] = []
+        self.replies: list[Reply] = []  # after `pending`, in one frame
+
+    def reply(self, reply: Reply) -> None:
+        if not self.pending and not self.replies:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self.replies.append(reply)
 
     def write(self, *parts: bytes | memoryview) -> None:
-        if not self.pending:
+        if not self.pending and not self.replies:
             asyncio.get_running_loop().call_soon(self.flush)
+        self._close_replies()
         self.pending.extend(parts)
 
+    def _close_replies(self) -> None:
+        if self.replies:
+            self.pending.append(encode_replies(self.replies))
+            self.replies = []
+
     def flush(self) -> None:
+        self._close_replies()
         frames, self.pending = self.pending, []
         if not frames or self.writer.is_closing():  # the caller went away: nobody to answer
             return
@@ -156,6 +178,9 @@ class RpcServer:
                 return
             while True:
                 raw, payload = await _read_raw(reader)
+                if payload is None:
+                    log.warning("closing an RPC connection that sent replies, not calls")
+                    return
                 try:
                     call = decode_call(raw)
                 except DecodeError as exc:  # a malformed body: answer on its stream when its id is readable
@@ -253,10 +278,10 @@ class RpcClient:
         try:
             while True:
                 raw, payload = await _read_raw(reader)
-                reply = decode_reply(raw)
-                queue = self._queues.get(reply.id)
-                if queue is not None:
-                    queue.put_nowait((reply, payload))
+                for reply in decode_replies(raw) if payload is None else (decode_reply(raw),):
+                    queue = self._queues.get(reply.id)
+                    if queue is not None:
+                        queue.put_nowait((reply, payload or b""))
         except (asyncio.IncompleteReadError, ConnectionError, OSError, DecodeError):
             pass
         finally:

@@ -259,6 +259,12 @@ _encoder = msgspec.msgpack.Encoder()
 _call_decoder = msgspec.msgpack.Decoder(Call)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 _id_decoder = msgspec.msgpack.Decoder(_CallId)
+_replies_decoder = msgspec.msgpack.Decoder(list[Reply])
+
+# In a frame's header, the payload length with this bit set: the body is a list of replies (of any streams on the
+# connection, in order) and there is no payload. A decode step's tokens for 64 streams leave as one such frame:
+# one encode, one header, one read, instead of 64 of each.
+REPLIES_FRAME = 1 << 31
 
 DecodeError = msgspec.DecodeError  # ValidationError is a DecodeError
 
@@ -278,6 +284,15 @@ def frame_parts(message: Call | Reply, payload: bytes | memoryview = b"") -> tup
         return (encode_frame(message, bytes(payload)),)
     body = _encoder.encode(message)
     return HEADER.pack(len(body), len(payload)) + body, payload
+
+
+def encode_replies(replies: list[Reply]) -> bytes:
+    body = _encoder.encode(replies)
+    return HEADER.pack(len(body), REPLIES_FRAME) + body
+
+
+def decode_replies(body: bytes) -> list[Reply]:
+    return _replies_decoder.decode(body)
 
 
 def decode_call(body: bytes) -> Call:

@@ -9,18 +9,21 @@ import pytest
 pytestmark = pytest.mark.unit
 
 
+class Writer:
+    """The two calls the coalescer makes on an asyncio.StreamWriter."""
+
+    def __init__(self):
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+
 def test_replies_written_in_one_loop_pass_leave_in_one_write():
     from hpc.runtime.serve.rpc import _Coalescer
-
-    class Writer:  # the two calls the coalescer makes on an asyncio.StreamWriter
-        def __init__(self):
-            self.writes: list[bytes] = []
-
-        def write(self, data: bytes) -> None:
-            self.writes.append(data)
-
-        def is_closing(self) -> bool:
-            return False
 
     async def main():
         writer = Writer()
@@ -34,6 +37,38 @@ def test_replies_written_in_one_loop_pass_leave_in_one_write():
         return writer.writes
 
     assert asyncio.run(main()) == [b"abc", b"d"]
+
+
+def test_replies_without_payload_leave_as_one_frame_in_order_with_the_others():
+    from hpc.runtime.serve.rpc import _Coalescer
+    from hpc.runtime.serve.wire import HEADER, REPLIES_FRAME, GenerateOutput, Reply, decode_replies
+
+    def frames(data: bytes) -> list:
+        out = []
+        while data:
+            n_body, n_payload = HEADER.unpack(data[:HEADER.size])
+            body = data[HEADER.size:HEADER.size + n_body]
+            if n_payload == REPLIES_FRAME:
+                out.append([(r.id, r.body.token_ids if r.body else None, r.end) for r in decode_replies(body)])
+                n_payload = 0
+            else:
+                out.append(body + data[HEADER.size + n_body:HEADER.size + n_body + n_payload])
+            data = data[HEADER.size + n_body + n_payload:]
+        return out
+
+    async def main():
+        writer = Writer()
+        out = _Coalescer(writer)
+        for sid in (1, 2, 3):  # a decode step's tokens for three streams
+            out.reply(Reply(sid, GenerateOutput(token_ids=[sid])))
+        out.write(HEADER.pack(1, 2) + b"kKV")  # a frame with a payload: after them, on the connection
+        out.reply(Reply(1, end=True))
+        await asyncio.sleep(0)
+        return writer.writes
+
+    writes = asyncio.run(main())
+    assert len(writes) == 1  # one write for the whole pass
+    assert frames(writes[0]) == [[(1, [1], False), (2, [2], False), (3, [3], False)], b"kKV", [(1, None, True)]]
 
 
 def test_a_handler_writes_frames_from_callbacks_through_its_sink_in_order_then_the_end():

@@ -9,9 +9,9 @@ import pytest
 
 from hpc.runtime.serve.rpc import RemoteError, RpcClient, RpcServer
 from hpc.runtime.serve.wire import (
-    HEADER, Call, Cancel, CudaIpc, DisaggregatedParams, EncodedMedia, EncodeImage, FetchKv, GenerateOutput,
-    GenerateRequest, Hello, KvMeta, NixlKv, ReleaseKv, Reply, SamplingParams, StatsQuery, TrtllmContextParams,
-    WorkerStats, decode_call, decode_reply, encode_frame,
+    HEADER, REPLIES_FRAME, Call, Cancel, CudaIpc, DisaggregatedParams, EncodedMedia, EncodeImage, FetchKv,
+    GenerateOutput, GenerateRequest, Hello, KvMeta, NixlKv, ReleaseKv, Reply, SamplingParams, StatsQuery,
+    TrtllmContextParams, WorkerStats, decode_call, decode_replies, decode_reply, encode_frame,
 )
 
 pytestmark = pytest.mark.unit
@@ -91,8 +91,12 @@ def test_server_hands_typed_calls_and_answers_a_bad_one_on_its_own_stream():
             ok = encode_frame(Call(42, GenerateRequest(request_id="r2", token_ids=[1],
                                                        sampling=SamplingParams(max_tokens=1))))
             writer.write(ok)
-            n_body, _ = HEADER.unpack(await reader.readexactly(HEADER.size))
-            assert decode_reply(await reader.readexactly(n_body)).body == GenerateOutput(token_ids=[0], finished=True)
+            # the answer and the stream's end, written in one pass of the server's loop: one frame of replies
+            n_body, n_payload = HEADER.unpack(await reader.readexactly(HEADER.size))
+            assert n_payload == REPLIES_FRAME
+            answer, end = decode_replies(await reader.readexactly(n_body))
+            assert (answer.id, answer.body, end.id, end.end) == (42, GenerateOutput(token_ids=[0], finished=True),
+                                                                 42, True)
             writer.close()
 
             client = RpcClient("127.0.0.1", server.port)
