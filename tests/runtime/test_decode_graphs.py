@@ -97,4 +97,11 @@ def test_a_graph_that_picks_gives_its_logits_argmax_at_temperature_zero() -> Non
     torch.manual_seed(0)
     draws = {int(graphs.run_picking([5, 6, 7], [3, 3, 3], [0, 1, 2], [0.0, 100.0, 0.0])[1][1]) for _ in range(20)}
     assert len(draws) > 5
-    assert graphs.replays == 22
+    # a full step, then a padded one: the padded row writes the spare slot, not the slot the full step's last
+    # row left in the staged inputs
+    graphs.run([5, 6, 7, 8], [4, 4, 4, 4], [0, 1, 2, 3])
+    slot_3 = [layer[:, 3].clone() for layer in cache]
+    graphs.run([5, 6, 7], [5, 5, 5], [0, 1, 2])
+    graphs.run([5, 6, 7], [6, 6, 6], [0, 1, 2])  # both staging buffers have held four rows now
+    assert all(torch.equal(layer[:, 3], before) for layer, before in zip(cache, slot_3))
+    assert graphs.replays == 25

@@ -123,3 +123,29 @@ def test_sampling_a_step_does_not_wait_for_the_device():
     busy = not torch.cuda.current_stream().query()
     assert busy and returned_after < 0.2, f"sampling waited {returned_after:.3f} s for the device"
     assert tokens.shape == (64,) and int(tokens.max()) < 4096
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_small_copies_to_the_device_neither_wait_for_it_nor_reuse_a_buffer_too_soon():
+    # on_device stages through a ring of pinned buffers: the copies queue behind the device's work without the
+    # host waiting, and a buffer is written again only after the copy that read it ran (else that copy would
+    # carry the later values)
+    import time
+
+    import torch
+
+    from hpc.runtime.engine.sampling import _PinnedRing, on_device
+
+    device = torch.device("cuda")
+    on_device([0], device)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # about half a second of queued work
+    t0 = time.perf_counter()
+    first = [on_device([i, i + 1], device) for i in range(_PinnedRing.SLOTS)]
+    returned_after = time.perf_counter() - t0
+    busy = not torch.cuda.current_stream().query()
+    later = [on_device([i, -i], device) for i in range(3 * _PinnedRing.SLOTS)]  # round the ring: waits as needed
+    assert busy and returned_after < 0.1, f"staging waited {returned_after:.3f} s for the device"
+    assert [t.tolist() for t in first] == [[i, i + 1] for i in range(_PinnedRing.SLOTS)]
+    assert [t.tolist() for t in later] == [[i, -i] for i in range(3 * _PinnedRing.SLOTS)]

@@ -86,7 +86,11 @@ class DecodeGraphs:
         # buffer is written again only after the step that read it has been read back
         pinned = device.type == "cuda"
         self._staging = [torch.zeros(4, largest, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        for staged in self._staging:
+            staged[2].fill_(scratch_slot)
+        self._host = [staged.numpy() for staged in self._staging]  # the same memory
         self._turn = 0
+        self._token_views: dict[int, torch.Tensor] = {}
         self._graphs: dict[int, tuple[Callable[[], None], Outputs]] = {}
         self.replays = 0
 
@@ -125,6 +129,12 @@ class DecodeGraphs:
             return None
         return self._replay(tokens, positions, slots, device_tokens, temperatures)
 
+    def _tokens_of(self, rows: int) -> torch.Tensor:
+        view = self._token_views.get(rows)
+        if view is None:
+            view = self._token_views[rows] = self.inputs[0, :rows]
+        return view
+
     def _replay(self, tokens: list[int], positions: list[int], slots: list[int],
                 device_tokens: torch.Tensor | None,
                 temperatures: list[float] | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -132,17 +142,21 @@ class DecodeGraphs:
         size = self.sizes.size_for(rows)
         if size is None or size not in self._graphs:
             return None
-        pad = [0] * (self.inputs.shape[1] - rows)  # the whole buffer: one contiguous copy
-        if device_tokens is not None:
-            tokens = [0] * rows
-        scaled = [round(t * TEMPERATURE_SCALE) for t in temperatures] if temperatures is not None else [0] * rows
-        staged = self._staging[self._turn]
+        staged, host = self._staging[self._turn], self._host[self._turn]
         self._turn ^= 1
-        staged.copy_(torch.tensor([tokens + pad, positions + pad, slots + [self.scratch_slot] * len(pad),
-                                   scaled + pad], dtype=torch.long))
-        self.inputs.copy_(staged, non_blocking=True)
+        # filled through numpy: no torch call, so no release and re-take of the GIL (each torch call is one, and
+        # the worker's event loop takes the GIL in between)
+        if device_tokens is None:
+            host[0, :rows] = tokens
+        host[1, :rows] = positions
+        host[2, :rows] = slots
+        host[3, :rows] = [round(t * TEMPERATURE_SCALE) for t in temperatures] if temperatures is not None else 0
+        if size > rows:  # padded rows: token 0 at position 0 in the spare slot, whatever an earlier step left
+            host[[0, 1, 3], rows:size] = 0
+            host[2, rows:size] = self.scratch_slot
+        self.inputs.copy_(staged, non_blocking=True)  # the whole buffer: one contiguous copy
         if device_tokens is not None:
-            self.inputs[0, :rows].copy_(device_tokens)
+            self._tokens_of(rows).copy_(device_tokens)
         replay, out = self._graphs[size]
         replay()
         self.replays += 1

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from hpc.runtime.engine.decode_graphs import Capture
+from hpc.runtime.engine.sampling import pinned_copy
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class PrefillGraphs:
         ], dtype=torch.long)
         # one host-to-device copy, from pinned memory on a GPU: from pageable memory it would first wait for the
         # decode step in flight (a chunk or prompt admitted between overlapped steps)
-        self.inputs[:, :count].copy_(staged.pin_memory() if self.inputs.is_cuda else staged, non_blocking=True)
+        self.inputs[:, :count].copy_(pinned_copy(staged, self.inputs.device) if self.inputs.is_cuda else staged)
         replay, logits = self._graphs[count]
         replay()
         self.replays += 1

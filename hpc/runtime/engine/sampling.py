@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import torch
 
@@ -48,7 +49,47 @@ def on_device(values: list, device: torch.device, dtype: torch.dtype | None = No
     host = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return host
-    return host.pin_memory().to(device, non_blocking=True)
+    return pinned_copy(host, device)
+
+
+class _PinnedRing:
+    """Pinned host buffers used in turn for small host-to-device copies, each written again only once the copy
+    that last read it is done (its event): a pin_memory() per copy went through the caching host allocator, some
+    0.3 ms a call under load on an H200 (a fifth of the prefill engine thread's wall time, py-spy)."""
+
+    SLOTS, SLOT_BYTES = 32, 1 << 19  # a prefill graph's staged inputs: 5 x 8,192 tokens x 8 bytes
+
+    def __init__(self) -> None:
+        self.buffers = [torch.empty(self.SLOT_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(self.SLOTS)]
+        self.events: list[torch.cuda.Event | None] = [None] * self.SLOTS
+        self.turn = 0
+
+    def copy(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        size = host.numel() * host.element_size()
+        if size > self.SLOT_BYTES:
+            return host.pin_memory().to(device, non_blocking=True)
+        i, self.turn = self.turn, (self.turn + 1) % self.SLOTS
+        done = self.events[i]
+        if done is None:
+            done = self.events[i] = torch.cuda.Event()
+        else:
+            done.synchronize()  # long done: the ring comes round after dozens of copies
+        staged = self.buffers[i][:size].view(host.dtype).view(host.shape)
+        staged.copy_(host)
+        out = staged.to(device, non_blocking=True)
+        done.record(torch.cuda.current_stream(device))
+        return out
+
+
+_rings = threading.local()  # one ring per thread: each engine's scheduler stages its own copies
+
+
+def pinned_copy(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` (a small CPU tensor) on `device` through pinned memory, queued on the device's current stream."""
+    ring = getattr(_rings, "ring", None)
+    if ring is None:
+        ring = _rings.ring = _PinnedRing()
+    return ring.copy(host, device)
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gen: torch.Generator | None) -> torch.Tensor:
