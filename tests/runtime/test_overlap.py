@@ -66,11 +66,14 @@ def test_requests_join_a_chain_of_overlapped_steps(tiny):
                     await started[i - 1].wait()  # after the one before has three tokens out
                 sampling = SamplingParams(max_tokens=12 - 2 * i, temperature=0, ignore_eos=True)
                 tokens: list[int] = []
-                async for out in engine.generate(GenerateRequest(request_id=str(i), token_ids=PROMPTS[i],
-                                                                 sampling=sampling)):
-                    tokens += out.token_ids
-                    if len(tokens) >= 3:
-                        started[i].set()
+                try:
+                    async for out in engine.generate(GenerateRequest(request_id=str(i), token_ids=PROMPTS[i],
+                                                                     sampling=sampling)):
+                        tokens += out.token_ids
+                        if len(tokens) >= 3:
+                            started[i].set()
+                finally:
+                    started[i].set()  # a failed request must not hold the next one back for ever
                 return tokens
             answers = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
             return answers, engine.stats()
@@ -80,6 +83,8 @@ def test_requests_join_a_chain_of_overlapped_steps(tiny):
     assert overlapped == stepwise and [len(t) for t in overlapped] == [12, 10, 8, 6]
     assert stats["decode_rows_joined_in_flight"] >= len(PROMPTS) - 1, stats  # each later one joined a chain
     assert stats["decode_steps_overlapped"] == stats["decode_steps"], stats
+    # each prompt's first token stayed on the device as its first decode step's input, read as that launched
+    assert stats["first_tokens_left_on_device"] == len(PROMPTS), stats
 
 
 def test_rows_that_need_their_tokens_on_the_host_step_by_step(tiny):
@@ -88,6 +93,7 @@ def test_rows_that_need_their_tokens_on_the_host_step_by_step(tiny):
     overlapped, stepwise, stats = _both(tiny, with_logprobs)
     assert overlapped == stepwise
     assert stats.get("decode_steps_overlapped", 0) == 0  # one row with logprobs keeps the whole batch step-wise
+    assert stats.get("first_tokens_left_on_device", 0) < len(PROMPTS)  # its own first token is read at once
     sampled = [SamplingParams(max_tokens=7, temperature=1.0, ignore_eos=True) for _ in PROMPTS]
     answers, stats = asyncio.run(_answers(tiny, {}, sampled))
     assert [len(tokens) for tokens, _ in answers] == [7] * 4 and stats["decode_steps_overlapped"] > 0

@@ -22,6 +22,7 @@ from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode, To
 
 log = logging.getLogger(__name__)
 Picked = tuple[int, TokenLogprob | None]
+ON_DEVICE = object()  # a prompt's first token, picked and left on the device (overlap.FirstTokens)
 
 
 class ContextSteps:
@@ -84,7 +85,9 @@ class ContextSteps:
                     self._finish(seq, "error", error=str(exc))
                 continue
             for (seq, _), first in zip(group, picked):
-                if first is not None:
+                if first is ON_DEVICE:  # joins the next decode step; its first token is sent as that launches
+                    running.append(seq)
+                elif first is not None:
                     self._prefilled(seq, *first, running)
         self._prefilling = [s for s in self._prefilling if s.slot >= 0 and remaining(s)]
 
@@ -95,21 +98,37 @@ class ContextSteps:
     def _prefilled(self, seq: Seq, first: int, logprob: TokenLogprob | None, running: list[Seq]) -> None:
         """A prefill worker keeps the KV for its decode worker and answers with the first token; otherwise the
         sequence decodes here."""
-        self._counters["first_tokens"] += 1  # from its arrival at the engine to its first token picked
-        self._counters["first_token_seconds_total"] += time.perf_counter() - seq.started
-        if self.mode is DisaggregationMode.PREFILL:
-            handle = uuid.uuid4().hex
-            # every rank's heads, so that a decode of any TP can take it
-            self.handoffs.put(handle, gather_kv(self.tp, self.cache, seq.slot, seq.length))
-            params = DisaggregatedParams(request_handle=handle, prefill_address=self.self_address,
-                                         first_token_id=first, prompt_length=seq.length)
-            seq.hold(first, logprob)
-            self._finish(seq, "length", params=params)
+        if self.mode is not DisaggregationMode.PREFILL:
+            if self._first_token(seq, first, logprob):
+                running.append(seq)
             return
-        if self._emit_token(seq, first, logprob):
-            running.append(seq)
+        self._counted_first(seq)
+        handle = uuid.uuid4().hex
+        # every rank's heads, so that a decode of any TP can take it
+        self.handoffs.put(handle, gather_kv(self.tp, self.cache, seq.slot, seq.length))
+        params = DisaggregatedParams(request_handle=handle, prefill_address=self.self_address,
+                                     first_token_id=first, prompt_length=seq.length)
+        seq.hold(first, logprob)
+        self._finish(seq, "length", params=params)
 
-    def _prefill(self, group: list[tuple[Seq, int]]) -> list[Picked | None]:
+    def _counted_first(self, seq: Seq) -> None:
+        self._counters["first_tokens"] += 1  # from its arrival at the engine to its first token read
+        self._counters["first_token_seconds_total"] += time.perf_counter() - seq.started
+
+    def _first_token(self, seq: Seq, token: int, logprob: TokenLogprob | None) -> bool:
+        """Send a prompt's first token (here or once read from the device); False when it ended the request."""
+        self._counted_first(seq)
+        return self._emit_token(seq, token, logprob)
+
+    def _keeps_first_on_device(self, seqs: list[Seq], want: int | None) -> bool:
+        """May these prompts' first tokens stay on the device for the next decode step (FirstTokens)? Overlapped
+        steps, rows the device can pick for, and a next step for each (not its last token, room in the cache)."""
+        if not self.overlap or want is not None or self.mode is DisaggregationMode.PREFILL or self._first.full():
+            return False
+        return all(self.picker.batchable(s.request.sampling) and s.request.sampling.max_tokens > 1
+                   and s.length + 2 < self.max_len for s in seqs)
+
+    def _prefill(self, group: list[tuple[Seq, int]]) -> list[Picked | object | None]:
         """One forward pass over the next `n` prompt tokens of each sequence, from the first one not in the cache:
         replayed from a prefill graph (packed in one row) when every one starts at position 0, else eagerly,
         right-padded to the longest (a padded token's K/V lands past its row's end, where the next chunk or
@@ -136,10 +155,18 @@ class ContextSteps:
             done.append(i)
             if seq.reuse:
                 self.prefix.store(seq.request.token_ids, seq.slot)
-        picked: list[Picked | None] = [None] * len(group)
+        picked: list[Picked | object | None] = [None] * len(group)
         if done:
             rows_done = logits if len(done) == len(group) else logits[on_device(done, logits.device)]
-            for i, result in zip(done, self.picker.pick_rows([seqs[i] for i in done], rows_done, self.sampler)):
+            done_seqs = [seqs[i] for i in done]
+            if self._keeps_first_on_device(done_seqs, want):
+                self._first.hold(done_seqs, self.picker.pick_on_device(done_seqs, rows_done, self.sampler))
+                self._counters["first_tokens_left_on_device"] = \
+                    self._counters.get("first_tokens_left_on_device", 0) + len(done_seqs)
+                for i in done:
+                    picked[i] = ON_DEVICE
+                return picked
+            for i, result in zip(done, self.picker.pick_rows(done_seqs, rows_done, self.sampler)):
                 picked[i] = result
         return picked
 

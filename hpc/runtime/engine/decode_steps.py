@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from hpc.runtime.engine.overlap import InflightStep, carry_over, next_tokens, startable
+from hpc.runtime.engine.overlap import InflightStep, carry_over, next_inputs, startable
 from hpc.runtime.engine.sampling import graph_temperatures, on_device
 from hpc.runtime.engine.sequence import Seq
 
@@ -14,17 +14,20 @@ from hpc.runtime.engine.sequence import Seq
 class DecodeSteps:
     def _decode_step(self, running: list[Seq]) -> None:
         batchable = self.picker.batchable
-        if self._inflight is not None:  # its tokens are not read yet
+        if self._inflight is not None or self._first.steps:  # tokens not read yet: a step's, prefills' first ones
             carried = carry_over(self._inflight, running, self.max_len, batchable)
             if carried is None or not (carried[0] or carried[1]):
-                self._emit_inflight()  # a row needs its token on the host, or none goes on: read it first
+                self._emit_first_tokens()  # a row needs its token on the host, or none goes on: read them first
+                if self._inflight is not None:
+                    self._emit_inflight()
                 return
             kept, joined = carried
-            if joined:
+            if joined and self._inflight is not None:
                 self._counters["decode_rows_joined_in_flight"] = \
                     self._counters.get("decode_rows_joined_in_flight", 0) + len(joined)
-            tokens = next_tokens(self._inflight, kept, joined, lambda ids: on_device(ids, self.device))
-            self._launch_overlapped([self._inflight.rows[i] for i in kept] + joined, tokens)
+            rows, tokens = next_inputs(self._inflight, kept, joined, self._first,
+                                       lambda ids: on_device(ids, self.device))
+            self._launch_overlapped(rows, tokens)
             return
         if self.overlap and startable(running, self.max_len, batchable):
             self._launch_overlapped(running, None)
@@ -71,6 +74,15 @@ class DecodeSteps:
         previous, self._inflight = self._inflight, InflightStep(list(running), tokens, *self._host_copies.start(tokens))
         if previous is not None:
             self._emit_inflight(previous)
+        self._emit_first_tokens()
+
+    def _emit_first_tokens(self) -> None:
+        """Read and send the first tokens prefills picked on the device (ContextSteps: FirstTokens)."""
+        for step in self._first.take():
+            with self.emitter:
+                for seq, token in zip(step.rows, step.read()):
+                    if seq.slot >= 0:
+                        self._first_token(seq, token, None)
 
     def _emit_inflight(self, step: InflightStep | None = None) -> None:
         """Read a step's tokens (the one in flight by default) and send them; rows that ended meanwhile (a stop

@@ -38,12 +38,13 @@ class InflightStep:
 
 
 class HostCopies:
-    """Two pinned host buffers, used in turn: a step's tokens are read while the next step's are being copied.
+    """Pinned host buffers (two by default), used in turn: a step's tokens are read while the next step's are being
+    copied.
     Made on first use, in the scheduler thread: pinning memory sets up CUDA on the thread's current device, which
     only the engine's own threads make the engine's GPU."""
 
-    def __init__(self, rows: int, device: torch.device) -> None:
-        self.rows, self.device = rows, device
+    def __init__(self, rows: int, device: torch.device, buffers: int = 2) -> None:
+        self.rows, self.device, self.count = rows, device, buffers
         self.buffers: list[torch.Tensor] = []
         self.turn = 0
 
@@ -51,23 +52,24 @@ class HostCopies:
         if self.device.type != "cuda":
             return tokens, None
         if not self.buffers:
-            self.buffers = [torch.empty(self.rows, dtype=torch.long, pin_memory=True) for _ in range(2)]
+            self.buffers = [torch.empty(self.rows, dtype=torch.long, pin_memory=True) for _ in range(self.count)]
         host = self.buffers[self.turn][:tokens.shape[0]]
-        self.turn ^= 1
+        self.turn = (self.turn + 1) % self.count
         host.copy_(tokens, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         return host, done
 
 
-def carry_over(step: InflightStep, running: list["Seq"], max_len: int,
+def carry_over(step: InflightStep | None, running: list["Seq"], max_len: int,
                batchable) -> tuple[list[int], list["Seq"]] | None:
     """The next step's rows while `step` is in flight, as TensorRT-LLM's overlap scheduler forms them: the rows
     of `step` that go on past its token (their indices in it: their input is its device tokens), then the rows
-    that joined since (prefilled here or handed over, their token on the host). A row whose token in flight ends
-    it by count or cache length (known now) sits the step out; its token is emitted as the step launches.
-    None when a row needs its token on the host before its next step (penalties, guides, seeds, logprobs)."""
-    index = {id(seq): i for i, seq in enumerate(step.rows)}
+    that joined since (handed over or prefilled here: their token on the host, or still on the device where the
+    prefill picked it, FirstTokens). A row whose token in flight ends it by count or cache length (known now)
+    sits the step out; its token is emitted as the step launches. None when a row needs its token on the host
+    before its next step (penalties, guides, seeds, logprobs)."""
+    index = {id(seq): i for i, seq in enumerate(step.rows)} if step is not None else {}
     kept: list[int] = []
     joined: list["Seq"] = []
     for seq in running:
@@ -84,17 +86,61 @@ def carry_over(step: InflightStep, running: list["Seq"], max_len: int,
     return kept, joined
 
 
-def next_tokens(step: InflightStep, kept: list[int], joined: list["Seq"], stage) -> torch.Tensor:
-    """The device input of the step after `step` (carry_over's rows): its kept rows' tokens, still on the device,
-    then the joined rows' from the host (`stage`: a host list to the device without waiting for it)."""
-    if kept == list(range(len(step.rows))):
-        carried = step.tokens
-    else:
-        carried = step.tokens[stage(kept)] if kept else None
-    if not joined:
-        return carried
-    fresh = stage([seq.last_token for seq in joined])
-    return fresh if carried is None else torch.cat([carried, fresh])
+def _gathered(step: InflightStep, indices: list[int], stage) -> torch.Tensor:
+    return step.tokens if indices == list(range(len(step.rows))) else step.tokens[stage(indices)]
+
+
+def next_inputs(step: InflightStep | None, kept: list[int], joined: list["Seq"], first: "FirstTokens",
+                stage) -> tuple[list["Seq"], torch.Tensor]:
+    """The rows of the step after `step` (carry_over's) and their input tokens on the device: the kept rows'
+    from `step`, the joined rows' from the prefill steps that picked their first token on the device, the
+    others' from the host (`stage`: a host list to the device without waiting for it)."""
+    rows = [step.rows[i] for i in kept] if step is not None else []
+    parts = [_gathered(step, kept, stage)] if kept else []
+    from_host: list["Seq"] = []
+    by_prefill: dict[int, tuple[InflightStep, list[int], list["Seq"]]] = {}
+    for seq in joined:
+        where = first.rows.get(id(seq))
+        if where is None:
+            from_host.append(seq)
+        else:
+            _, indices, seqs = by_prefill.setdefault(id(where[0]), (where[0], [], []))
+            indices.append(where[1])
+            seqs.append(seq)
+    for prefill, indices, seqs in by_prefill.values():
+        parts.append(_gathered(prefill, indices, stage))
+        rows += seqs
+    if from_host:
+        parts.append(stage([seq.last_token for seq in from_host]))
+        rows += from_host
+    return rows, parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class FirstTokens:
+    """First tokens a prefill picked on the device and nobody has read yet (TensorRT-LLM's overlap scheduler keeps a
+    context request's first token on the device too): the rows join the next decode step with them as input,
+    and they are read and sent as that step launches — an aggregated engine under load prefills at nearly
+    every step, and reading each prefill's tokens back at once drained the device before every such step."""
+
+    LIMIT = 4  # steps held at most (host buffers in turn); one more is read first
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        self.copies = HostCopies(rows, device, buffers=2 * self.LIMIT)
+        self.steps: list[InflightStep] = []
+        self.rows: dict[int, tuple[InflightStep, int]] = {}  # id(seq) -> (its prefill's picks, its index there)
+
+    def hold(self, seqs: list["Seq"], tokens: torch.Tensor) -> None:
+        step = InflightStep(list(seqs), tokens, *self.copies.start(tokens))
+        self.steps.append(step)
+        for i, seq in enumerate(seqs):
+            self.rows[id(seq)] = (step, i)
+
+    def full(self) -> bool:
+        return len(self.steps) >= self.LIMIT
+
+    def take(self) -> list[InflightStep]:
+        steps, self.steps, self.rows = self.steps, [], {}
+        return steps
 
 
 def startable(running: list["Seq"], max_len: int, batchable) -> bool:

@@ -36,7 +36,7 @@ from hpc.runtime.engine.picking import TokenPicker
 from hpc.runtime.engine.prefill_graphs import PrefillGraphs
 from hpc.runtime.engine.context_steps import ContextSteps
 from hpc.runtime.engine.decode_steps import DecodeSteps
-from hpc.runtime.engine.overlap import HostCopies, InflightStep
+from hpc.runtime.engine.overlap import FirstTokens, HostCopies, InflightStep
 from hpc.runtime.engine.sequence import BatchWait, Seq, chunkable
 from hpc.runtime.engine.tp import scatter_kv
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
@@ -90,6 +90,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
         self.overlap = not self.args.get("disable_overlap_scheduler") and self.world.size == 1
         self._inflight: InflightStep | None = None
         self._host_copies = HostCopies(self.max_batch, self.device)
+        self._first = FirstTokens(self.max_batch, self.device)  # prefills' first tokens, still on the device
         self.fetch_kv = fetch_kv
         self.self_address = self_address
         self.cfg: LlamaConfig | None = None
@@ -441,6 +442,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
                 except Exception as exc:  # keep serving others; fail the batch clearly
                     log.exception("decode step failed")
                     self._inflight = None
+                    self._first.take()
                     for s in running:
                         self._finish(s, "error", error=str(exc))
                     running.clear()
