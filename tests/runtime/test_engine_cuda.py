@@ -139,6 +139,19 @@ def test_sampled_rows_are_drawn_inside_the_decode_graphs_with_fresh_noise_each_s
     assert all(len(set(tokens)) > 12 for tokens in answers) and len({tuple(t) for t in answers}) == 3
 
 
+def test_the_scheduler_thread_makes_its_pinned_buffers_before_the_engine_serves(tmp_path) -> None:
+    from hpc.runtime.engine.sampling import _PinnedRing
+
+    model_dir = build_tiny(tmp_path / "tiny", hidden=256, layers=4)
+
+    async def main() -> list[str]:
+        before = len(_PinnedRing.made_by)
+        async with TorchEngine(model_dir, DisaggregationMode.AGGREGATED, {"max_batch_size": 2}):
+            return _PinnedRing.made_by[before:]
+
+    assert "torch-engine" in asyncio.run(main())  # as it started, not in the first request
+
+
 def _run(model_dir, args: dict | None = None):
     return asyncio.run(_serve(model_dir, args))
 

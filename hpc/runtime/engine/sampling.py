@@ -58,8 +58,10 @@ class _PinnedRing:
     0.3 ms a call under load on an H200 (a fifth of the prefill engine thread's wall time, py-spy)."""
 
     SLOTS, SLOT_BYTES = 32, 1 << 19  # a prefill graph's staged inputs: 5 x 8,192 tokens x 8 bytes
+    made_by: list[str] = []  # the threads that made one, in order (tests)
 
     def __init__(self) -> None:
+        self.made_by.append(threading.current_thread().name)
         self.buffers = [torch.empty(self.SLOT_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(self.SLOTS)]
         self.events: list[torch.cuda.Event | None] = [None] * self.SLOTS
         self.turn = 0
@@ -86,10 +88,16 @@ _rings = threading.local()  # one ring per thread: each engine's scheduler stage
 
 def pinned_copy(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`host` (a small CPU tensor) on `device` through pinned memory, queued on the device's current stream."""
+    return prepare_pinned_copies().copy(host, device)
+
+
+def prepare_pinned_copies() -> _PinnedRing:
+    """This thread's ring, made now if it is not yet (16 MB of pinned memory: a scheduler thread makes it as it
+    starts, not in its first request)."""
     ring = getattr(_rings, "ring", None)
     if ring is None:
         ring = _rings.ring = _PinnedRing()
-    return ring.copy(host, device)
+    return ring
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gen: torch.Generator | None) -> torch.Tensor:

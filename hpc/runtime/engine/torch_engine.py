@@ -41,7 +41,7 @@ from hpc.runtime.engine.sequence import BatchWait, Seq, chunkable
 from hpc.runtime.engine.tp import scatter_kv
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
                                       GenerateRequest, KvMeta, SamplingParams, TokenLogprob)
-from hpc.runtime.engine.sampling import pick_in_graph, prompt_logprobs, sample_rows
+from hpc.runtime.engine.sampling import pick_in_graph, prepare_pinned_copies, prompt_logprobs, sample_rows
 
 log = logging.getLogger(__name__)
 HANDOFF_TTL_S = 120.0
@@ -99,6 +99,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
         self._inbox: queue.Queue = queue.Queue()
         self.handoffs = kvpack.HeldKv(HANDOFF_TTL_S)  # prefill: KV waiting for its decode worker
         self._thread: threading.Thread | None = None
+        self._scheduling = threading.Event()  # the scheduler thread is set up
         self._running = False
         self.failure: str | None = None  # set when the scheduler thread dies
         self.emitter = Emitter()
@@ -121,6 +122,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
         if self.mode is not DisaggregationMode.ENCODE:
             self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
             self._thread.start()
+            await asyncio.to_thread(self._scheduling.wait, 60)  # its own buffers made before anyone is served
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -386,8 +388,12 @@ class TorchEngine(ContextSteps, DecodeSteps):
         running: list[Seq] = []
         try:
             with self.on_device():
+                if self.device.type == "cuda":
+                    prepare_pinned_copies()
+                self._scheduling.set()
                 self._schedule(running)
         except BaseException as exc:  # noqa: BLE001 - whatever kills the thread must be visible
+            self._scheduling.set()  # dead before it was set up: the engine's start is not held for it
             log.exception("the scheduler thread died")
             self.failure = f"{type(exc).__name__}: {exc}"
             # a prompt can be in both lists if the thread died while it moved from prefill to decode
