@@ -42,3 +42,30 @@ def test_idle_admit_and_decode_seconds_add_up_to_the_scheduler_time(tiny) -> Non
     # the request's time in the engine is its prefill and its 23 decode steps, each counted once
     assert 0 < admit < decode <= busy_wall
     assert all(f"# TYPE hpc_worker_{name} counter" in prometheus("hpc_worker", served, {}).decode() for name in CLOCK)
+
+
+def test_each_engine_value_is_typed_a_counter_unless_it_is_a_level(tiny) -> None:
+    # A count exported as a gauge breaks rate() in every dashboard. Every value the engine reports is a counter
+    # but for these levels; a new value must be put on one side (metrics.COUNTERS or here).
+    from hpc.runtime.serve.metrics import metric_kind
+
+    levels = {"running", "waiting", "kv_usage", "handoffs_waiting", "prefix_blocks_held"}
+
+    async def main():
+        async with TorchEngine(tiny, DisaggregationMode.AGGREGATED, {"max_seq_len": 128}) as engine:
+            req = GenerateRequest(request_id="k", token_ids=[5, 6, 7],
+                                  sampling=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+            await asyncio.gather(*[_drain(engine.generate(req)) for _ in range(3)])
+            return engine.stats()
+
+    stats = asyncio.run(main())
+    assert {"decode_steps_overlapped", "first_tokens_left_on_device", "first_tokens"} <= set(stats)
+    wrong = {name: metric_kind(name) for name in stats if metric_kind(name) != ("gauge" if name in levels
+                                                                                 else "counter")}
+    assert not wrong, wrong
+    assert b"# TYPE hpc_worker_decode_steps counter" in prometheus("hpc_worker", stats, {})
+
+
+async def _drain(outputs) -> None:
+    async for _ in outputs:
+        pass

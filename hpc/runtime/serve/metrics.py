@@ -6,6 +6,21 @@ import time
 from typing import Any, AsyncIterator
 
 
+# Monotonic counts whose names predate the _total convention (benchmarks and docs read them by these names).
+COUNTERS = frozenset({
+    "requests", "prompt_tokens", "generated_tokens", "prompt_tokens_cached", "prompt_tokens_computed",
+    "prefill_steps", "prefill_steps_graphed", "prefill_chunks", "decode_steps", "decode_steps_graphed",
+    "decode_steps_overlapped", "decode_steps_picked_in_graph", "decode_rows_joined_in_flight", "first_tokens",
+    "first_tokens_left_on_device", "kv_events", "kv_ipc_shared", "kv_ipc_opened", "aborted", "stats_records",
+    "cuda_malloc_segments", "prefix_blocks_hit", "prefix_blocks_looked_up", "requests_streamed_direct",
+})
+
+
+def metric_kind(name: str) -> str:
+    """Prometheus' type of one of our values: a counter only goes up (rate() applies), a gauge is a level."""
+    return "counter" if name.endswith("_total") or name in COUNTERS or name.startswith("kv_fetched_") else "gauge"
+
+
 def prometheus(prefix: str, values: dict[str, float], labels: dict[str, str]) -> bytes:
     label = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     lines = []
@@ -13,8 +28,7 @@ def prometheus(prefix: str, values: dict[str, float], labels: dict[str, str]) ->
         if not isinstance(value, (int, float)):
             continue
         metric = f"{prefix}_{name}"
-        kind = "counter" if name.endswith("_total") or name in ("requests", "prompt_tokens", "generated_tokens") \
-            else "gauge"
+        kind = metric_kind(name)
         lines.append(f"# TYPE {metric} {kind}")
         lines.append(f"{metric}{{{label}}} {value}")
     return ("\n".join(lines) + "\n").encode()

@@ -7,6 +7,7 @@ the failure policy live in entry.py.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -165,7 +166,9 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
                                                                                      if fetched else {})},
                                  503 if draining else 200)
         if req.path == "/metrics":
-            stats = {**engine.stats(), **deps.counters, "inflight": rpc.inflight}
+            # gc_frozen_objects: what start-up left out of the collector's view (freeze_startup_objects)
+            stats = {**engine.stats(), **deps.counters, "inflight": rpc.inflight,
+                     "gc_frozen_objects": gc.get_freeze_count()}
             return Response(body=prometheus("hpc_worker", stats, labels), content_type="text/plain; version=0.0.4")
         return json_response({"error": {"message": "not found", "code": 404}}, 404)
 

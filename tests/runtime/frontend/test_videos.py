@@ -42,11 +42,14 @@ def test_a_video_by_url_and_inline_decodes_to_the_asked_size(video, tmp_path):
     assert frames.std() > 1  # a picture, not a blank
     status, inline = post_json(video.url + "/v1/videos", {**body, "response_format": "b64_json"})
     again, _ = _mp4(base64.b64decode(inline["data"][0]["b64_json"]), tmp_path)
-    assert np.array_equal(again, frames)  # the same seed, the same video
+    # the same seed, the same video: identical in most runs, but one run in three or four on CPU differed from the
+    # run before by 0.16-0.43 of 255 on average (up to 18 on a few pixels; not pinned down: a rounding difference
+    # that flips a TeaCache skip is the suspect) — a different prompt differs by about 3.3
+    assert np.abs(again.astype(int) - frames.astype(int)).mean() < 1.0
     status, other = post_json(video.url + "/v1/videos", {**body, "prompt": "a blue whale", "response_format":
                                                          "b64_json"})
     assert np.abs(_mp4(base64.b64decode(other["data"][0]["b64_json"]), tmp_path)[0].astype(int) -
-                  frames.astype(int)).mean() > 0.5  # the prompt conditions it
+                  frames.astype(int)).mean() > 2.0  # the prompt conditions it
     _, job = get_json(video.url + f"/v1/videos/{resp['id']}")
     assert job["status"] == "completed" and "path" not in job
 
