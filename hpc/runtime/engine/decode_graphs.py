@@ -117,27 +117,16 @@ class DecodeGraphs:
         is ignored.
 
         The logits are a view of the graph's output: read them before the next run."""
-        replayed = self._replay(tokens, positions, slots, device_tokens, None)
+        replayed = self.run_picking(tokens, positions, slots, None, device_tokens)
         return None if replayed is None else replayed[0]
 
-    def run_picking(self, tokens: list[int], positions: list[int], slots: list[int], temperatures: list[float],
-                    device_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """run(), and each row's next token [rows] picked inside the graph at its temperature (0: greedy): a step's
-        tokens without the sampling kernels launched from the host one by one (seven launches, each a release
-        and re-take of the GIL that the worker's event loop contends for). None without a graph or a pick."""
-        if self.pick is None:
-            return None
-        return self._replay(tokens, positions, slots, device_tokens, temperatures)
-
-    def _tokens_of(self, rows: int) -> torch.Tensor:
-        view = self._token_views.get(rows)
-        if view is None:
-            view = self._token_views[rows] = self.inputs[0, :rows]
-        return view
-
-    def _replay(self, tokens: list[int], positions: list[int], slots: list[int],
-                device_tokens: torch.Tensor | None,
-                temperatures: list[float] | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def run_picking(self, tokens: list[int], positions: list[int], slots: list[int],
+                    temperatures: list[float] | None,
+                    device_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """run(), and with `temperatures` (one a row) each row's next token [rows] picked inside the graph at its
+        temperature (0: greedy): a step's tokens without the sampling kernels launched from the host one by one
+        (seven launches, each a release and re-take of the GIL that the worker's event loop contends for). The
+        picks are None without temperatures or a `pick`; the whole is None when no graph fits."""
         rows = len(positions)
         size = self.sizes.size_for(rows)
         if size is None or size not in self._graphs:
@@ -164,3 +153,9 @@ class DecodeGraphs:
             return out[:rows], None
         logits, picked = out
         return logits[:rows], (picked[:rows] if temperatures is not None else None)
+
+    def _tokens_of(self, rows: int) -> torch.Tensor:
+        view = self._token_views.get(rows)
+        if view is None:
+            view = self._token_views[rows] = self.inputs[0, :rows]
+        return view

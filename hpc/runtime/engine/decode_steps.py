@@ -49,11 +49,7 @@ class DecodeSteps:
         if self.graphs is not None:
             temperatures = graph_temperatures([s.request.sampling for s in running], self.cfg.vocab_size) \
                 if pick else None
-            replayed = self.graphs.run_picking(tokens, positions, slots, temperatures, device_tokens) \
-                if temperatures is not None else None
-            if replayed is None:
-                logits = self.graphs.run(tokens, positions, slots, device_tokens)
-                replayed = None if logits is None else (logits, None)
+            replayed = self.graphs.run_picking(tokens, positions, slots, temperatures, device_tokens)
         if replayed is None:  # no graph for this batch: eagerly, its inputs staged as the graphs' are (pinned)
             token_tensor = device_tokens if device_tokens is not None else on_device(tokens, self.device)
             replayed = self._decode_logits(token_tensor[:, None], on_device(positions, self.device)[:, None],
@@ -79,18 +75,19 @@ class DecodeSteps:
     def _emit_first_tokens(self) -> None:
         """Read and send the first tokens prefills picked on the device (ContextSteps: FirstTokens)."""
         for step in self._first.take():
-            with self.emitter:
-                for seq, token in zip(step.rows, step.read()):
-                    if seq.slot >= 0:
-                        self._first_token(seq, token, None)
+            self._send_read(step, lambda seq, token: self._first_token(seq, token, None))
 
     def _emit_inflight(self, step: InflightStep | None = None) -> None:
-        """Read a step's tokens (the one in flight by default) and send them; rows that ended meanwhile (a stop
-        token read after this step was launched, a cancel) are skipped."""
+        """Read a step's tokens (the one in flight by default) and send them."""
         if step is None:
             step, self._inflight = self._inflight, None
+        self._send_read(step, self._emit_token)
+
+    def _send_read(self, step: InflightStep, send) -> None:
+        """Read tokens picked on the device and `send` each; rows that ended meanwhile (a stop token read after
+        this step was launched, a cancel) are skipped."""
         with self.emitter:
             for seq, token in zip(step.rows, step.read()):
                 if seq.slot >= 0:
-                    self._emit_token(seq, token)
+                    send(seq, token)
 

@@ -75,7 +75,10 @@ class PrefillGraphs:
         ], dtype=torch.long)
         # one host-to-device copy, from pinned memory on a GPU: from pageable memory it would first wait for the
         # decode step in flight (a chunk or prompt admitted between overlapped steps)
-        self.inputs[:, :count].copy_(pinned_copy(staged, self.inputs.device) if self.inputs.is_cuda else staged)
+        if self.inputs.is_cuda:
+            pinned_copy(staged, self.inputs.device, into=self.inputs[:, :count])
+        else:
+            self.inputs[:, :count].copy_(staged)
         replay, logits = self._graphs[count]
         replay()
         self.replays += 1

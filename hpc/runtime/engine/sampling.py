@@ -66,10 +66,11 @@ class _PinnedRing:
         self.events: list[torch.cuda.Event | None] = [None] * self.SLOTS
         self.turn = 0
 
-    def copy(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    def copy(self, host: torch.Tensor, device: torch.device, into: torch.Tensor | None = None) -> torch.Tensor:
         size = host.numel() * host.element_size()
         if size > self.SLOT_BYTES:
-            return host.pin_memory().to(device, non_blocking=True)
+            pinned = host.pin_memory()
+            return pinned.to(device, non_blocking=True) if into is None else into.copy_(pinned, non_blocking=True)
         i, self.turn = self.turn, (self.turn + 1) % self.SLOTS
         done = self.events[i]
         if done is None:
@@ -78,7 +79,7 @@ class _PinnedRing:
             done.synchronize()  # long done: the ring comes round after dozens of copies
         staged = self.buffers[i][:size].view(host.dtype).view(host.shape)
         staged.copy_(host)
-        out = staged.to(device, non_blocking=True)
+        out = staged.to(device, non_blocking=True) if into is None else into.copy_(staged, non_blocking=True)
         done.record(torch.cuda.current_stream(device))
         return out
 
@@ -86,9 +87,10 @@ class _PinnedRing:
 _rings = threading.local()  # one ring per thread: each engine's scheduler stages its own copies
 
 
-def pinned_copy(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`host` (a small CPU tensor) on `device` through pinned memory, queued on the device's current stream."""
-    return prepare_pinned_copies().copy(host, device)
+def pinned_copy(host: torch.Tensor, device: torch.device, into: torch.Tensor | None = None) -> torch.Tensor:
+    """`host` (a small CPU tensor) on `device` through pinned memory, queued on the device's current stream: a new
+    tensor, or written into `into` (a tensor of its shape on that device)."""
+    return prepare_pinned_copies().copy(host, device, into)
 
 
 def prepare_pinned_copies() -> _PinnedRing:

@@ -37,13 +37,12 @@ class PeerGone(ConnectionError):
 async def _read_raw(reader: asyncio.StreamReader) -> tuple[bytes, bytes | None]:
     """A frame's body and payload; None for the payload of a frame of replies (wire.REPLIES_FRAME)."""
     n_body, n_payload = HEADER.unpack(await reader.readexactly(HEADER.size))
-    if n_payload == REPLIES_FRAME:
-        if n_body > MAX_FRAME:
-            raise ConnectionError("frame too large")
-        return await reader.readexactly(n_body), None
-    if n_body + n_payload > MAX_FRAME:
+    replies = n_payload == REPLIES_FRAME
+    if n_body + (0 if replies else n_payload) > MAX_FRAME:
         raise ConnectionError("frame too large")
     body = await reader.readexactly(n_body)
+    if replies:
+        return body, None
     if n_payload < BIG_PAYLOAD:
         return body, (await reader.readexactly(n_payload) if n_payload else b"")
     # readexactly would grow the reader's own buffer to the whole payload (reallocations and copies of hundreds
@@ -109,15 +108,18 @@ class _Coalescer:
         self.replies: list[Reply] = []  # after `pending`, in one frame
 
     def reply(self, reply: Reply) -> None:
-        if not self.pending and not self.replies:
-            asyncio.get_running_loop().call_soon(self.flush)
+        self._flush_soon()
         self.replies.append(reply)
 
     def write(self, *parts: bytes | memoryview) -> None:
-        if not self.pending and not self.replies:
-            asyncio.get_running_loop().call_soon(self.flush)
+        self._flush_soon()
         self._close_replies()
         self.pending.extend(parts)
+
+    def _flush_soon(self) -> None:
+        """The first frame of this loop pass: the flush that sends them all runs at the pass's end."""
+        if not self.pending and not self.replies:
+            asyncio.get_running_loop().call_soon(self.flush)
 
     def _close_replies(self) -> None:
         if self.replies:
