@@ -15,6 +15,8 @@ refuses instead of comparing one record with itself). It builds a random-weight 
      Every batch runs the engine's decode path: batch 1 the fused Triton kernels (six per layer), batch 8
      and 64 cuBLAS matmuls around the Triton decode attention; batch 8 and 64 are also timed on the torch
      path compiled by inductor (SDPA attention). `--torch-b1` also times batch 1 on the compiled torch path.
+     With TP=2 the fused path's all-reduces go over peer memory (`peer_reduce`) where the GPUs reach each
+     other; batch 1 is then timed through NCCL's all-reduce too, and its bf16 greedy tokens must be the same.
 Prints one table; `--json PATH` also writes the figures; `--profile` adds the batch-1 kernel times.
 """
 
@@ -198,6 +200,13 @@ def run_rank(tp_size: int, out_path: str) -> None:
     result["params"] = sum(p.numel() for p in bf16.parameters()) * world
     result["weight_bytes_per_rank"] = weight_bytes(bf16)
     result["decode_tps"] = {b: decode_speed(bf16, device, b) for b in (1, 8, 64)}
+    peer = bf16.fused_decode.peer
+    result["peer_reduce"] = peer is not None
+    if peer is not None:  # the same steps with NCCL's all-reduce: the same tokens, and how much slower
+        bf16.fused_decode.peer = None
+        result["greedy_bf16_nccl"] = greedy(bf16, device, torch.bfloat16)[0]
+        result["decode_tps_b1_nccl"] = decode_speed(bf16, device, 1)
+        bf16.fused_decode.peer = peer
     # the engine's batched decode (cuBLAS matmuls + Triton attention) against the compiled torch path (SDPA)
     fused, bf16.fused_decode = bf16.fused_decode, None
     result["decode_tps_torch"] = {b: decode_speed(bf16, device, b) for b in (8, 64)}
@@ -285,6 +294,14 @@ def main() -> None:
         all_gaps = sorted(g for gaps in tp1["gaps_bf16"] for g in gaps)
         print(f"bf16: {same16}/{len(PROMPTS)} prompts identical; the others part at " + ("; ".join(split) or "-")
               + f"; median top-2 gap over all steps {all_gaps[len(all_gaps) // 2]:.3f}")
+        if tp2[0]["peer_reduce"]:
+            # the same sums in the same order as NCCL's: the same bits, so the same tokens
+            same_reduce = all(r["greedy_bf16"] == r["greedy_bf16_nccl"] for r in tp2)
+            result_ok = result_ok and same_reduce
+            print(f"TP=2 all-reduce over peer memory: bf16 greedy tokens == NCCL's: {same_reduce}; batch 1 "
+                  f"{tp2[0]['decode_tps']['1']:.1f} tok/s vs {tp2[0]['decode_tps_b1_nccl']:.1f} through NCCL")
+        else:
+            print("TP=2 all-reduce: NCCL (peer memory not available between these GPUs)")
     print(f"{'':6} {'b=1 tok/s':>10} {'b=8 tok/s':>10} {'b=64 tok/s':>11} {'b=1 roofline':>13} {'b=1 / roof':>10} "
           f"{'copy GB/s':>10}")
     for label, tps, roof, bw in rows:
@@ -308,7 +325,8 @@ def main() -> None:
         with open(args.json, "w") as handle:
             json.dump({"tp1": tp1, "tp2": tp2}, handle, indent=1)
     if not result_ok:
-        sys.exit("GPU check FAILED: fp32 TP=2 tokens differ from TP=1, or two ranks share a GPU")
+        sys.exit("GPU check FAILED: fp32 TP=2 tokens differ from TP=1, two ranks share a GPU, or the all-reduce "
+                 "over peer memory gave other tokens than NCCL's")
 
 
 if __name__ == "__main__":

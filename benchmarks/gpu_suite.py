@@ -35,7 +35,7 @@ def steps(mpiexec: str, scratch: str, gpus: int, profiles: str) -> list[tuple[st
                         "tests/runtime/test_kv_ipc_cuda.py", "tests/runtime/test_decode_graphs.py",
                         "tests/runtime/test_prefill_graphs.py", "tests/runtime/test_overlap.py",
                         "tests/runtime/test_chunked_prefill.py", "tests/runtime/test_attention_paths.py",
-                        "tests/runtime/test_prefix_cache.py"], None, 200),
+                        "tests/runtime/test_prefix_cache.py", "tests/runtime/test_peer_reduce.py"], None, 200),
         # the chunks alone, for a call short of time
         ("chunked_prefill_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                    "tests/runtime/test_chunked_prefill.py"], None, 60),

@@ -119,12 +119,15 @@ def tuned_configs() -> dict[str, str]:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 1e-5,
          silu_mul: bool = False, residual: torch.Tensor | None = None,
-         out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [M, K] (or [M, 2K] with silu_mul) times weight [N, K]ᵀ -> [M, N]; M is small (decode)."""
+         out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (or [M, 2K] with silu_mul) times weight [N, K]ᵀ -> [M, N]; M is small (decode).
+    `out`: where to write it (contiguous [M, N]; its dtype wins over out_dtype)."""
     rows = x.shape[0]
     n, k = weight.shape
     assert x.is_contiguous() and weight.is_contiguous() and x.shape[1] == (2 * k if silu_mul else k)
-    out = torch.empty(rows, n, dtype=out_dtype or x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(rows, n, dtype=out_dtype or x.dtype, device=x.device)
+    assert out.shape == (rows, n) and out.is_contiguous()
     if residual is not None:
         assert residual.shape == out.shape and residual.is_contiguous()
     grid = lambda meta: (rows * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731

@@ -36,6 +36,12 @@ class FusedDecoder:
         self.kernels = decode_kernels
         self.model = model
         self.eps = model.cfg.rms_norm_eps
+        self.peer = None  # the all-reduce over peer memory, where the TP ranks share a node (peer_reduce)
+        if model.tp.size > 1 and model.lm_head.weight.is_cuda:
+            from hpc.runtime.engine.peer_reduce import PeerReduce
+
+            self.peer = PeerReduce.connect(model.tp.group, model.lm_head.weight.device, MAX_BATCH,
+                                           model.cfg.hidden_size)
 
     def supports(self, embeds: torch.Tensor) -> bool:
         return embeds.shape[1] == 1
@@ -54,9 +60,9 @@ class FusedDecoder:
             qkv = gemv(h, attn.qkv_proj.weight, norm=layer.input_layernorm.weight, eps=self.eps)
             heads = self.kernels.decode_attention(qkv, kv[0], kv[1], slots, pos, cos, sin, attn.heads,
                                                   attn.kv_heads)
-            h = self._row_parallel(heads, attn.o_proj.weight, h)
+            h = self._row_parallel(heads, attn.o_proj.weight, h, slot=0)
             gate_up = gemv(h, mlp.gate_up_proj.weight, norm=layer.post_attention_layernorm.weight, eps=self.eps)
-            h = self._row_parallel(gate_up, mlp.down_proj.weight, h, silu_mul=True)
+            h = self._row_parallel(gate_up, mlp.down_proj.weight, h, slot=1, silu_mul=True)
         return gemv(h, model.lm_head.weight, norm=model.model.norm.weight, eps=self.eps, out_dtype=torch.float32)
 
     def batched(self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -75,12 +81,16 @@ class FusedDecoder:
             h = h + layer.feed_forward(h)
         return model.lm_head(model.model.norm(h)).float()
 
-    def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+    def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, slot: int,
                       silu_mul: bool = False) -> torch.Tensor:
-        """The residual stream plus a row-parallel matmul; with TP the partial sums meet in fp32."""
+        """The residual stream plus a row-parallel matmul; with TP the partial sums meet in fp32 (over peer
+        memory in `slot` where the ranks share a node)."""
         tp = self.model.tp
         if tp.size == 1:
             return self.kernels.gemv(x, weight, silu_mul=silu_mul, residual=residual)
+        if self.peer is not None:
+            self.kernels.gemv(x, weight, silu_mul=silu_mul, out=self.peer.slot(slot, x.shape[0]))
+            return self.peer.reduce_add(slot, residual)
         partial = self.kernels.gemv(x, weight, silu_mul=silu_mul, out_dtype=torch.float32)
         tp.all_reduce(partial)
         # add in fp32 and round once, as the TP=1 kernel's residual epilogue does
