@@ -72,6 +72,36 @@ def test_decode_steps_match_the_reference(slots: list[int], chunk: int, monkeypa
         positions += 1
     # past MAX_BATCH rows: cuBLAS matmuls around the same Triton attention; up to it: the fused GEMVs
     assert len(batched_calls) == (4 if len(slots) > fused_decode.MAX_BATCH else 0)
+    # each head's last chunk merged them and set its arrival count back, ready for the next step
+    assert fused.fused_decode.counts.count_nonzero() == 0
+
+
+def test_attention_merges_in_its_own_launch_or_in_a_second_one_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With arrival counts the last chunk of each head merges; without (or too few counts), a merge kernel."""
+    from hpc.runtime.engine import decode_kernels
+
+    merges = []
+    kernel = decode_kernels._attention_merge_kernel
+    monkeypatch.setattr(decode_kernels, "_attention_merge_kernel",
+                        type("Counted", (), {"__getitem__": lambda _, grid: merges.append(grid) or kernel[grid]})())
+
+    device = _device()
+    gen = torch.Generator().manual_seed(9)
+    heads, kv_heads, dim, rows = 4, 2, 16, 3
+    cache = [torch.randn(4, kv_heads, 200, dim, generator=gen).to(device) for _ in range(2)]
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(device)
+    slots, positions = torch.tensor([2, 0, 3], device=device), torch.tensor([130, 5, 64], device=device)
+    cos, sin = (torch.randn(200, dim, generator=gen).to(device) for _ in range(2))
+    outs = []
+    for counts in (None, torch.zeros(rows * heads - 1, dtype=torch.int32, device=device),
+                   torch.zeros(rows * heads, dtype=torch.int32, device=device)):
+        caches = [c.clone() for c in cache]
+        outs.append(decode_kernels.decode_attention(qkv, *caches, slots, positions, cos, sin, heads, kv_heads,
+                                                    counts))
+        assert counts is None or counts.count_nonzero() == 0
+    assert merges == [(rows, heads)] * 2  # the third call merged inside its one launch
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    torch.testing.assert_close(outs[2], outs[0], rtol=1e-6, atol=1e-6)
 
 
 def test_prefill_keeps_the_torch_path_and_every_decode_batch_the_triton_attention() -> None:

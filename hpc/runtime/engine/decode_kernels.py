@@ -1,4 +1,4 @@
-"""Fused Triton kernels for small-batch decode: six launches per layer instead of dozens.
+"""Fused Triton kernels for small-batch decode: five launches per layer instead of dozens.
 
 Batch-1 decode is bound by how fast the weights stream from memory, and by how many kernels each
 token pays a launch-and-drain gap for. These kernels fold the element-wise work into the matmuls:
@@ -8,9 +8,9 @@ token pays a launch-and-drain gap for. These kernels fold the element-wise work 
   prologue (the MLP's activation) and an optional residual epilogue;
 - `decode_attention`: RoPE on q and k, the new K/V written into the cache slot, and attention over the
   cached positions split into chunks of `ATTN_CHUNK` (one program per query head and chunk, so a single
-  token's attention still spreads over the whole GPU), then a small kernel that merges the chunks.
+  token's attention still spreads over the whole GPU); the last chunk of each head to finish merges them.
 
-Per layer: norm+qkv, rope+kv-write+attention, merge, o+residual, norm+gate/up, act+down+residual.
+Per layer: norm+qkv, rope+kv-write+attention(+merge), o+residual, norm+gate/up, act+down+residual.
 On Hopper and later the kernels use programmatic dependent launch: each one is launched while the
 previous drains, starts loading its weights, and waits (`gdc_wait`) only before reading what the
 previous kernel wrote.
@@ -146,13 +146,16 @@ def _rope(at, d, rotated, sign, cos, sin):
 
 @triton.jit
 def _attention_chunk_kernel(qkv_ptr, k_cache, v_cache, part_acc, part_stat, slots_ptr, pos_ptr, cos_ptr, sin_ptr,
-                            stride_qkv, stride_slot, stride_head, stride_pos, scale, chunks,
+                            counts_ptr, out_ptr, stride_qkv, stride_slot, stride_head, stride_pos, scale, chunks,
                             HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+                            CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr, MERGE: tl.constexpr,
+                            USE_PDL: tl.constexpr):
     """Program (row, head, chunk): softmax statistics and weighted values over one chunk of positions.
 
     Chunk 0 also takes the new token (from registers) and its head-group leader writes the new K/V into
     the cache; other chunks read only positions before it, so nothing reads what this launch writes.
+    With MERGE the last of a head's chunks to finish (an arrival count per row and head, which it sets back
+    to 0) merges them all and writes the head's output: no merge kernel, one launch and one wait fewer.
     """
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -204,6 +207,31 @@ def _attention_chunk_kernel(qkv_ptr, k_cache, v_cache, part_acc, part_stat, slot
         tl.store(part_acc + at * HEAD_DIM + d, acc)
         tl.store(part_stat + at * 2, best)
         tl.store(part_stat + at * 2 + 1, total)
+        if MERGE:
+            tl.debug_barrier()  # every thread's stores are issued before the count says this chunk is done
+            used = tl.maximum(tl.cdiv(pos, CHUNK), 1)  # the chunks that take part: 0, and those before pos
+            count = counts_ptr + row * HEADS + head
+            if tl.atomic_add(count, 1, sem="acq_rel") == used - 1:  # the last one: the others' stores are seen
+                _merge_chunks(part_acc, part_stat, out_ptr, row, head, used, chunks, HEADS, HEAD_DIM, MAX_CHUNKS)
+                tl.store(count, 0)
+
+
+@triton.jit
+def _merge_chunks(part_acc, part_stat, out_ptr, row, head, used, chunks, HEADS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, MAX_CHUNKS: tl.constexpr):
+    """One head's output from its first `used` chunks' statistics and weighted values (read past L1: other
+    programs of the same launch may have written them)."""
+    c = tl.arange(0, MAX_CHUNKS)
+    c_mask = c < used
+    at = (row * HEADS + head) * chunks + c
+    best = tl.load(part_stat + at * 2, mask=c_mask, other=float("-inf"), cache_modifier=".cg")
+    total = tl.load(part_stat + at * 2 + 1, mask=c_mask, other=0.0, cache_modifier=".cg")
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.load(part_acc + at[:, None] * HEAD_DIM + d[None, :], mask=c_mask[:, None], other=0.0,
+                  cache_modifier=".cg")
+    weight = tl.where(c_mask, tl.exp(best - tl.max(best, axis=0)), 0.0)
+    out = tl.sum(weight[:, None] * acc, axis=0) / tl.sum(weight * total, axis=0)
+    tl.store(out_ptr + row * HEADS * HEAD_DIM + head * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -216,26 +244,20 @@ def _attention_merge_kernel(part_acc, part_stat, pos_ptr, out_ptr, chunks, HEADS
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     used = tl.maximum(tl.cdiv(tl.load(pos_ptr + row), CHUNK), 1)
-    c = tl.arange(0, MAX_CHUNKS)
-    c_mask = c < used
-    at = (row * HEADS + head) * chunks + c
-    best = tl.load(part_stat + at * 2, mask=c_mask, other=float("-inf"))
-    total = tl.load(part_stat + at * 2 + 1, mask=c_mask, other=0.0)
-    d = tl.arange(0, HEAD_DIM)
-    acc = tl.load(part_acc + at[:, None] * HEAD_DIM + d[None, :], mask=c_mask[:, None], other=0.0)
-    weight = tl.where(c_mask, tl.exp(best - tl.max(best, axis=0)), 0.0)
-    out = tl.sum(weight[:, None] * acc, axis=0) / tl.sum(weight * total, axis=0)
-    tl.store(out_ptr + row * HEADS * HEAD_DIM + head * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
+    _merge_chunks(part_acc, part_stat, out_ptr, row, head, used, chunks, HEADS, HEAD_DIM, MAX_CHUNKS)
 
 
 def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                      positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                     kv_heads: int) -> torch.Tensor:
+                     kv_heads: int, counts: torch.Tensor | None = None) -> torch.Tensor:
     """qkv [M, (heads + 2 kv_heads) * D] of one new token per row at `positions` [M] in cache `slots` [M].
 
     Writes the token's K/V into the caches ([slots, kv_heads, max_len, D]) and returns attention [M, heads * D].
     cos/sin are the fp32 RoPE tables [max_len, D]. The launch covers the whole cache length, so one
     captured graph serves every position; chunks past a row's position return at once.
+    `counts`: int32 zeros, at least M × heads, for the chunks to merge themselves (see the chunk kernel); one
+    buffer per stream of launches (the model's), as two launches at once would count into each other. Without
+    it (or when too small) a second kernel merges.
     """
     rows = qkv.shape[0]
     head_dim = k_cache.shape[-1]
@@ -244,14 +266,18 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     part_acc = torch.empty(rows, heads, chunks, head_dim, dtype=torch.float32, device=qkv.device)
     part_stat = torch.empty(rows, heads, chunks, 2, dtype=torch.float32, device=qkv.device)
     out = torch.empty(rows, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+    merge = counts is not None and counts.numel() >= rows * heads
     pdl = _use_pdl(qkv.device)
+    max_chunks = triton.next_power_of_2(chunks)
     _attention_chunk_kernel[(rows, heads, chunks)](
-        qkv, k_cache, v_cache, part_acc, part_stat, slots, positions, cos, sin, qkv.stride(0), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), head_dim ** -0.5, chunks, HEADS=heads, KV_HEADS=kv_heads,
-        HEAD_DIM=head_dim, CHUNK=ATTN_CHUNK, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
-    _attention_merge_kernel[(rows, heads)](
-        part_acc, part_stat, positions, out, chunks, HEADS=heads, HEAD_DIM=head_dim, CHUNK=ATTN_CHUNK,
-        MAX_CHUNKS=triton.next_power_of_2(chunks), USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+        qkv, k_cache, v_cache, part_acc, part_stat, slots, positions, cos, sin, counts if merge else positions,
+        out, qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), head_dim ** -0.5, chunks,
+        HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, CHUNK=ATTN_CHUNK, MAX_CHUNKS=max_chunks, MERGE=merge,
+        USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+    if not merge:
+        _attention_merge_kernel[(rows, heads)](
+            part_acc, part_stat, positions, out, chunks, HEADS=heads, HEAD_DIM=head_dim, CHUNK=ATTN_CHUNK,
+            MAX_CHUNKS=max_chunks, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
 
 

@@ -1,4 +1,4 @@
-"""The decode step through the fused Triton kernels (`decode_kernels`): six launches per layer.
+"""The decode step through the fused Triton kernels (`decode_kernels`): five launches per layer.
 
 With tensor parallelism each row-parallel matmul adds an all-reduce and a residual-add launch.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+ATTENTION_COUNTS = 1 << 16  # (row, head) pairs whose attention chunks merge themselves: 256 KB
 MAX_BATCH = 4  # past this a batched matmul (one read of each weight for all rows) is faster: 3.2k vs 4.4k tok/s at 8
 
 
@@ -36,6 +37,8 @@ class FusedDecoder:
         self.kernels = decode_kernels
         self.model = model
         self.eps = model.cfg.rms_norm_eps
+        # the attention chunks' arrival counts: the model's own, as its steps run one after another on one stream
+        self.counts = torch.zeros(ATTENTION_COUNTS, dtype=torch.int32, device=model.lm_head.weight.device)
         self.peer = None  # the all-reduce over peer memory, where the TP ranks share a node (peer_reduce)
         if model.tp.size > 1 and model.lm_head.weight.is_cuda:
             from hpc.runtime.engine.peer_reduce import PeerReduce
@@ -59,7 +62,7 @@ class FusedDecoder:
             attn, mlp = layer.self_attn, layer.mlp
             qkv = gemv(h, attn.qkv_proj.weight, norm=layer.input_layernorm.weight, eps=self.eps)
             heads = self.kernels.decode_attention(qkv, kv[0], kv[1], slots, pos, cos, sin, attn.heads,
-                                                  attn.kv_heads)
+                                                  attn.kv_heads, self.counts)
             h = self._row_parallel(heads, attn.o_proj.weight, h, slot=0)
             gate_up = gemv(h, mlp.gate_up_proj.weight, norm=layer.post_attention_layernorm.weight, eps=self.eps)
             h = self._row_parallel(gate_up, mlp.down_proj.weight, h, slot=1, silu_mul=True)
@@ -76,7 +79,7 @@ class FusedDecoder:
             attn = layer.self_attn
             qkv = attn.qkv_proj(layer.input_layernorm(h)).contiguous()
             heads = self.kernels.decode_attention(qkv, kv[0], kv[1], slots, pos, cos, sin, attn.heads,
-                                                  attn.kv_heads)
+                                                  attn.kv_heads, self.counts)
             h = h + model.tp.all_reduce(attn.o_proj(heads))
             h = h + layer.feed_forward(h)
         return model.lm_head(model.model.norm(h)).float()
