@@ -12,7 +12,7 @@ refuses instead of comparing one record with itself). It builds a random-weight 
      compared in fp32 (bf16 agreement is reported too);
   2. decode tokens/s at batch 1, 8 and 64 in bf16 (decode step captured in a CUDA graph), and batch 1
      against the HBM roofline: bytes read per token (weights + KV) / measured device copy bandwidth.
-     Every batch runs the engine's decode path: batch 1 the fused Triton kernels (six per layer), batch 8
+     Every batch runs the engine's decode path: batch 1 the fused Triton kernels (five per layer), batch 8
      and 64 cuBLAS matmuls around the Triton decode attention; batch 8 and 64 are also timed on the torch
      path compiled by inductor (SDPA attention). `--torch-b1` also times batch 1 on the compiled torch path.
      With TP=2 the fused path's all-reduces go over peer memory (`peer_reduce`) where the GPUs reach each
