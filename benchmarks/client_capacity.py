@@ -30,7 +30,8 @@ def child(url: str, concurrency: int, requests: int, input_tokens: int, output_t
     from hpc.bench.loadgen import Level, run_level
 
     level = Level(concurrency, input_tokens, output_tokens, requests, output_spread=spread)
-    asyncio.run(run_level(url, "hpc/tiny", Level(1, input_tokens, output_tokens, 2), True, 0, seed=seed))  # warm
+    # warm, with prompts the level will not send again
+    asyncio.run(run_level(url, "hpc/tiny", Level(1, input_tokens, output_tokens, 2), True, 0, seed=-1 - seed))
     print("ready", flush=True)
     sys.stdin.readline()  # every client starts together, once the parent has read the engines' counters
     cpu0, t0 = time.process_time(), time.perf_counter()

@@ -137,14 +137,17 @@ def main() -> None:
                 stack_run, url = stack.__enter__()
             frontends = stack_run.manifest().plan.service("frontend").processes
             try:
-                for _ in range(args.rounds):
-                    for lv in levels:
+                for round_ in range(args.rounds):
+                    for i, lv in enumerate(levels):
                         direct[lv.concurrency].append(await engine_level(engine, lv, rng))
+                        # prompts of its own each round and level, as the engine's (rng goes on): a round that
+                        # repeated the last round's would find them in the workers' prefix cache
+                        seed = round_ * len(levels) + i
                         if args.client_in_process:
-                            res = await run_level(url, "hpc/tiny", lv, True, WARMUP)
+                            res = await run_level(url, "hpc/tiny", lv, True, WARMUP, seed=seed)
                             via[lv.concurrency].append(res["output_tokens_per_s"])
                             continue
-                        client = await asyncio.to_thread(start_client, url, lv)
+                        client = await asyncio.to_thread(start_client, url, lv, seed)
                         go(client)
                         via[lv.concurrency].append((await asyncio.to_thread(result, client))["tok_s"])
             finally:

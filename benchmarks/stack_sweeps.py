@@ -100,14 +100,17 @@ def main() -> None:
         """Two sweeps; each worker's SWEEP_COUNTERS over each; the cores each component kept busy in the
         highest level of each (CPU seconds / wall seconds: near 1 for one process is a GIL-bound one)."""
         out, spent, busy = [], [], []
-        for _ in range(2):  # no warm-up requests: the first sweep is what a user's first traffic sees
+        for sweep in range(2):  # no warm-up requests: the first sweep is what a user's first traffic sees
             before = {name: counters(u, SWEEP_COUNTERS) for name, u in urls.items()}
             results = {}
-            for lv in levels:
+            for i, lv in enumerate(levels):
                 if lv is levels[-1]:
                     cpu0, wall0 = {n: group_cpu_seconds(p) for n, p in leaders.items()}, time.perf_counter()
                 began = time.time()  # wall clock: to line up with a GPU clock log (nvidia-smi -lms)
-                results[lv.concurrency] = {**await run_level(url, model, lv, True, 0), "began_at": began}
+                # prompts of their own at each level and sweep: the second sweep must not find the first's in
+                # the prefix cache (it did, with one seed for all, and was faster for it)
+                results[lv.concurrency] = {**await run_level(url, model, lv, True, 0, seed=sweep * len(levels) + i),
+                                           "began_at": began}
             wall = time.perf_counter() - wall0
             busy.append({n: (group_cpu_seconds(p) - cpu0[n]) / wall for n, p in leaders.items()})
             out.append(results)
@@ -120,7 +123,8 @@ def main() -> None:
     async def profiled_level(url: str, model: str, leaders: dict[str, int]) -> None:
         top = levels[-1]
         load = asyncio.create_task(run_level(url, model, Level(top.concurrency, top.input_tokens,
-                                                               top.output_tokens, top.requests * 8), True, 0))
+                                                               top.output_tokens, top.requests * 8), True, 0,
+                                                         seed=2 * len(levels)))
         await asyncio.sleep(0.5)  # at full concurrency before sampling starts
         spies = _profile.record(leaders, 3, Path(args.profile))
         await load

@@ -215,13 +215,16 @@ def bar(label: str) -> Callable[[int, int], None]:
 
 
 def run_sweep(url: str, model: str, levels: list[Level], streaming: bool, warmup: int,
-              show_progress: bool = True) -> list[dict[str, Any]]:
+              show_progress: bool = True, seed: int = 0) -> list[dict[str, Any]]:
+    """Each level in turn on the same warm engines; level i's prompts come from seed + i, so no level sends the
+    prompts an earlier one sent (a prefix cache would find them all: one seed for every level made each level
+    begin with the previous level's prompts)."""
     async def sweep() -> list[dict[str, Any]]:
         out = []
-        for lv in levels:  # one after another on the same warm engines
+        for i, lv in enumerate(levels):
             label = f"c={lv.concurrency} in={lv.input_tokens} out={lv.output_tokens}"
             out.append(await run_level(url, model, lv, streaming, warmup,
-                                       bar(label) if show_progress else (lambda d, t: None)))
+                                       bar(label) if show_progress else (lambda d, t: None), seed=seed + i))
         return out
 
     return asyncio.run(sweep())

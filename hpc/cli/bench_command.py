@@ -34,6 +34,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "closed loop's requests end and return together, in waves)")
     p.add_argument("--rate", type=float, help="open loop: requests/s (Poisson) instead of a closed loop")
     p.add_argument("--warmup", type=int, help="warm-up requests per level")
+    p.add_argument("--seed", type=int, default=0,
+                   help="prompts of level i come from seed + i: no level repeats an earlier level's prompts, and "
+                        "the same seed sends the same prompts again (default 0; a second sweep of the same run "
+                        "with the same seed finds its prompts in the prefix cache)")
     p.add_argument("--no-stream", action="store_true", help="non-streaming requests (no TTFT/ITL)")
     p.add_argument("--ttft-target", type=float, metavar="MS",
                    help="send this TTFT target (extra_args.ttft_target): a global router picks pools by it")
@@ -108,8 +112,8 @@ def bench(args: argparse.Namespace) -> int:
     levels = [Level(c, i, o, args.requests or max(base, REQUESTS_PER_USER * c), args.rate, args.ttft_target,
                     args.itl_target, args.priority, output_spread=args.output_spread)
               for i, o in zip(ins, outs) for c in concurrency]
-    results = {"target": url, "model": model, "streaming": streaming, "started": stamp,
-               "levels": run_sweep(url, model, levels, streaming, warmup)}
+    results = {"target": url, "model": model, "streaming": streaming, "started": stamp, "seed": args.seed,
+               "levels": run_sweep(url, model, levels, streaming, warmup, seed=args.seed)}
     results["valid"] = all(lv["valid"] for lv in results["levels"])
     out = args.out or ((run.path / "bench" / stamp) if run else Path("bench") / stamp)
     paths = report.write(results, out)

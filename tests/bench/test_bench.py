@@ -59,6 +59,7 @@ class FakeServer:
         self.count = 0
         self.port = free_port()
         self.asked: list[int] = []  # each request's max_tokens
+        self.prompts: list[tuple[int, ...]] = []  # and its prompt
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
         threading.Thread(target=self._run, daemon=True).start()
@@ -68,6 +69,7 @@ class FakeServer:
         self.count += 1
         body = json.loads(req.body)
         self.asked.append(body["max_tokens"])
+        self.prompts.append(tuple(body["prompt"]))
         if self.behaviour == "fail-quarter" and self.count % 4 == 0:
             return json_response({"error": {"message": "overloaded", "type": "server_error", "code": 503}}, 503)
         tokens = 0 if self.behaviour == "empty" else body["max_tokens"]
@@ -167,3 +169,21 @@ def test_bench_sends_sla_targets_and_priority_as_the_global_router_reads_them():
     assert Level(1, 8, 8, 4).routing_fields() == {}
     assert Level(1, 8, 8, 4, ttft_target_ms=50, priority=3).routing_fields() == {
         "extra_args": {"ttft_target": 50}, "nvext": {"agent_hints": {"priority": 3}}}
+
+
+@pytest.mark.unit
+def test_each_level_sends_prompts_of_its_own_and_a_seed_repeats_them(tmp_path):
+    """One seed for every level made each level begin with the previous level's prompts (prefix-cache hits)."""
+    srv = FakeServer("good")
+    levels = [Level(1, 8, 4, 6), Level(2, 8, 4, 6)]
+    run_sweep(f"http://127.0.0.1:{srv.port}", "m", levels, True, 0, False)
+    first, second = srv.prompts[:6], srv.prompts[6:12]
+    assert len(set(first)) == 6 and not set(first) & set(second)
+    run_sweep(f"http://127.0.0.1:{srv.port}", "m", levels, True, 0, False)  # the same seed: the same prompts
+    assert srv.prompts[12:18] == first and set(srv.prompts[18:]) == set(second)
+    run_sweep(f"http://127.0.0.1:{srv.port}", "m", levels[:1], True, 0, False, seed=2)  # past both levels' seeds
+    assert not set(srv.prompts[24:]) & set(srv.prompts[:12])
+    assert main(["bench", "--url", f"http://127.0.0.1:{srv.port}", "--model", "m", "--concurrency", "1",
+                 "--input-tokens", "8", "--output-tokens", "4", "--requests", "4", "--warmup", "0", "--seed", "7",
+                 "--out", str(tmp_path / "o")]) == 0
+    assert json.loads((tmp_path / "o" / "results.json").read_text())["seed"] == 7

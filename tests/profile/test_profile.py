@@ -192,3 +192,32 @@ def test_the_aggregated_form_addresses_every_engine_by_priority_too():
     req = ProfileRequest(isl=64, osl=16, ttft_ms=100, itl_ms=20, tps=[1, 2])
     for point in points(recipe, req, {}, "agg"):
         assert config.pools("agg")[config.agg_pool(priority=point.priority)] == point.pool, point
+
+
+@pytest.mark.unit
+def test_each_prefill_point_sends_prompts_no_earlier_point_began_with(monkeypatch):
+    """One seed for every point made a longer prompt begin with the shorter points' tokens, which the prefill
+    worker's prefix cache held: TTFT came out too low. Each point draws from a seed of its own, the same on a
+    rerun (a resumed profile measures what it would have)."""
+    import random
+
+    from hpc.bench import loadgen
+    from hpc.profile.plan import Point
+    from hpc.profile.sweep import measure
+
+    seeds = []
+
+    async def fake_level(url, model, level, streaming, warmup, seed=0):
+        seeds.append(seed)
+        percentile = {"p50": 0.01}
+        return {"ttft_s": percentile, "tpot_s": percentile, "output_tokens_per_s": 1.0, "valid": True,
+                "invalid_reasons": []}
+
+    monkeypatch.setattr(loadgen, "run_level", fake_level)
+    req = ProfileRequest(isl=64, osl=16, ttft_ms=100, itl_ms=20, tps=[1])
+    short, long = (Point("prefill", 1, "prefill-tp1", 0, isl, 1, 1) for isl in (32, 64))
+    for point in (short, long, short):
+        measure(point, req, "http://x", "m")
+    assert seeds[0] != seeds[1] and seeds[2] == seeds[0]
+    first = loadgen.prompt_ids(32, random.Random(seeds[0]))
+    assert loadgen.prompt_ids(64, random.Random(seeds[1]))[:32] != first

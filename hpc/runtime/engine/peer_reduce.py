@@ -94,26 +94,32 @@ class PeerReduce:
     def connect(cls, group, device: torch.device, rows: int, width: int) -> "PeerReduce | None":
         """Collective over `group` (CUDA ranks): a PeerReduce on every rank, or None on every rank where peer
         memory is not for this group (ranks on several nodes, GPUs without peer access, HPC_PEER_REDUCE=0)."""
-        import torch.distributed._symmetric_memory as symm_mem
         from hpc.runtime.engine.decode_kernels import _use_pdl
 
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+        except ImportError:  # a torch without it: every rank alike
+            symm_mem = None
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        wanted = (os.environ.get("HPC_PEER_REDUCE", "1") == "1" and triton.cdiv(rows * width, BLOCK) <= MAX_PROGRAMS
-                  and SLOTS * MAX_PROGRAMS * world * 4 <= symm_mem.get_signal_pad_size())
+        wanted = symm_mem is not None and os.environ.get("HPC_PEER_REDUCE", "1") == "1" \
+            and triton.cdiv(rows * width, BLOCK) <= MAX_PROGRAMS
         reachable = _peers_reachable(group, device, world)  # collective: asked on every rank, wanted or not
         if not _agreed(group, device, wanted and reachable):
+            log.info("TP all-reduce of the decode step: NCCL (%s)", "peer memory not wanted" if not wanted else
+                     "not every rank on this host with peer access to the others' GPUs")
             return None
         try:
             buffer = symm_mem.empty(SLOTS * world * rows * width, dtype=torch.float32, device=device)
             handle = symm_mem.rendezvous(buffer, group)
             # each rank's buffer as this process sees it (its own: the tensor itself, at the allocation's start)
             ptrs = [handle.get_buffer(r, (buffer.numel(),), torch.float32).data_ptr() for r in range(world)]
-            made = ptrs[rank] == buffer.data_ptr()
-        except RuntimeError as exc:  # a build or driver without symmetric memory: NCCL stays
+            made = ptrs[rank] == buffer.data_ptr() and SLOTS * MAX_PROGRAMS * world * 4 <= handle.signal_pad_size
+        except (RuntimeError, AttributeError) as exc:  # a build or driver without symmetric memory: NCCL stays
             log.warning("no all-reduce over peer memory (%s); NCCL's is used", exc)
             made = False
         if not _agreed(group, device, made):
             return None
+        log.info("TP all-reduce of the decode step: peer memory, %d ranks on this host", world)
         return cls(buffer, ptrs, list(handle.signal_pad_ptrs), rank, rows, width, _use_pdl(device))
 
     def slot(self, index: int, rows: int, sender: int | None = None) -> torch.Tensor:
