@@ -77,3 +77,34 @@ def test_the_token_budget_splits_the_waiting_prompts(tiny):
     _, stats, widths = asyncio.run(_serve(tiny, {"max_num_tokens": 44}))
     assert widths == [[len(FIRST)], [3, 43], [19, 7]]
     assert stats["prefill_steps"] == 3
+
+
+def test_a_prefill_worker_hands_over_each_prompt_of_a_step_with_its_own_kv(tiny):
+    """Prompts prefilled in one step of a prefill worker are handed over together (one event for their copies
+    on a GPU): each under its own handle, with the KV and first token it has when prefilled alone."""
+    prompts = [[5, 6, 7], SHARED + [9, 10, 11], [3] * 19]
+    args = {"max_seq_len": 256, "max_batch_size": 8}
+
+    async def first_and_kv(engine, ids):
+        req = GenerateRequest(request_id="p", token_ids=ids, sampling=SamplingParams(max_tokens=1, temperature=0))
+        params = [out async for out in engine.generate(req)][-1].disaggregated_params
+        return params.request_handle, params.first_token_id, engine.handoffs.lend(params.request_handle).clone()
+
+    async def together():
+        engine = TorchEngine(tiny, DisaggregationMode.PREFILL, args)
+        gate, get = threading.Event(), engine._inbox.get
+        engine._inbox.get = lambda *a, **k: gate.wait(10) and get(*a, **k)  # the scheduler waits for all three
+        async with engine:
+            tasks = [asyncio.create_task(first_and_kv(engine, ids)) for ids in prompts]
+            await asyncio.sleep(0.05)
+            gate.set()
+            return await asyncio.gather(*tasks), engine.stats()
+
+    async def alone():
+        async with TorchEngine(tiny, DisaggregationMode.PREFILL, args) as engine:
+            return [await first_and_kv(engine, ids) for ids in prompts]
+
+    (handed, stats), single = asyncio.run(together()), asyncio.run(alone())
+    assert stats["prefill_steps"] == 1 and len({handle for handle, _, _ in handed}) == 3
+    for (_, token, kv), (_, token_alone, kv_alone) in zip(handed, single):
+        assert token == token_alone and kv.shape == kv_alone.shape and (kv - kv_alone).abs().max() < 1e-4

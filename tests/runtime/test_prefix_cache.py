@@ -106,3 +106,36 @@ def test_stored_blocks_hold_their_kv_even_from_a_prompt_longer_than_the_pool():
     pool.load([pool.index[hashes[0]], pool.index[hashes[1]]], slot=0)
     for layer in range(layers):
         assert torch.equal(cache[layer][:, 0, :, :2 * block], cache[layer][:, 1, :, 2 * block:4 * block])
+
+
+def test_a_steps_prompts_are_stored_together_as_one_by_one(monkeypatch):
+    """store_all of a prefill step's prompts (two sharing a block, max_len not a whole number of blocks) leaves
+    the pool, the index and the records as storing them one by one does, in one copy for all of them."""
+    from hpc.runtime.engine import prefix_cache
+    from hpc.runtime.engine.llama import KvCache
+    from hpc.runtime.engine.prefix_cache import PrefixCache
+
+    block = 4
+    whole = torch.randn(3, 2, 4, 2, 30, 8)  # [layers, 2, slots, kv heads, max_len 30 (7 blocks and 2), dim]
+    shared = list(range(100, 108))
+    prompts = [(shared + [1, 2, 3, 4, 5], 2), (shared + [9] * 6, 0), (list(range(200, 229)), 3)]
+    pools, records = [], []
+    copies = []
+    copy_in = PrefixCache._copy_in
+    monkeypatch.setattr(PrefixCache, "_copy_in", lambda self, taken: copies.append(len(taken)) or copy_in(self, taken))
+    for together in (False, True):
+        seen = []
+        pool = PrefixCache(block, capacity=16, cache=KvCache(whole.clone()), on_event=seen.append)
+        if together:
+            pool.store_all(prompts)
+        else:
+            for tokens, slot in prompts:
+                pool.store(tokens, slot)
+        pools.append(pool)
+        records.append(seen)
+    (one, both), (a, b) = pools, records
+    assert one.index == both.index and a == b and torch.equal(one.pool, both.pool)
+    assert copies == [3, 1, 7, 11]  # one by one: 3, 1 (its shared blocks held), 7; together: 11 in one copy
+    for row, (slot, i) in ((both.index[h], (3, k)) for k, h in enumerate(prefix_cache.block_hashes(prompts[2][0],
+                                                                                                   block))):
+        assert torch.equal(both.pool[row], whole[:, :, slot, :, i * block:(i + 1) * block])

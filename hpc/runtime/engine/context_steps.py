@@ -84,32 +84,31 @@ class ContextSteps:
                 for seq, _ in group:
                     self._finish(seq, "error", error=str(exc))
                 continue
+            if self.mode is DisaggregationMode.PREFILL:
+                self._hand_over([(seq, *first) for (seq, _), first in zip(group, picked) if first is not None])
+                continue
             for (seq, _), first in zip(group, picked):
                 if first is ON_DEVICE:  # joins the next decode step; its first token is sent as that launches
                     running.append(seq)
-                elif first is not None:
-                    self._prefilled(seq, *first, running)
+                elif first is not None and self._first_token(seq, *first):  # decodes here from its first token
+                    running.append(seq)
         self._prefilling = [s for s in self._prefilling if s.slot >= 0 and remaining(s)]
 
     def _token_budget(self) -> int:
         """Tokens one step may process (max_num_tokens)."""
         return max_num_tokens(self.args)
 
-    def _prefilled(self, seq: Seq, first: int, logprob: TokenLogprob | None, running: list[Seq]) -> None:
-        """A prefill worker keeps the KV for its decode worker and answers with the first token; otherwise the
-        sequence decodes here."""
-        if self.mode is not DisaggregationMode.PREFILL:
-            if self._first_token(seq, first, logprob):
-                running.append(seq)
-            return
-        self._counted_first(seq)
-        handle = uuid.uuid4().hex
-        # every rank's heads, so that a decode of any TP can take it
-        self.handoffs.put(handle, gather_kv(self.tp, self.cache, seq.slot, seq.length))
-        params = DisaggregatedParams(request_handle=handle, prefill_address=self.self_address,
-                                     first_token_id=first, prompt_length=seq.length)
-        seq.hold(first, logprob)
-        self._finish(seq, "length", params=params)
+    def _hand_over(self, done: list[tuple[Seq, int, TokenLogprob | None]]) -> None:
+        """A prefill worker keeps each prompt's KV for its decode worker (every rank's heads, so that a decode of
+        any TP can take it), all of a step's together, and answers each with its first token."""
+        kvs = [(uuid.uuid4().hex, gather_kv(self.tp, self.cache, seq.slot, seq.length)) for seq, _, _ in done]
+        self.handoffs.put_all(kvs)  # before any answer: a decode worker may ask for its KV at once
+        for (seq, first, logprob), (handle, _) in zip(done, kvs):
+            self._counted_first(seq)
+            params = DisaggregatedParams(request_handle=handle, prefill_address=self.self_address,
+                                         first_token_id=first, prompt_length=seq.length)
+            seq.hold(first, logprob)
+            self._finish(seq, "length", params=params)
 
     def _counted_first(self, seq: Seq) -> None:
         self._counters["first_tokens"] += 1  # from its arrival at the engine to its first token read
@@ -153,8 +152,8 @@ class ContextSteps:
                 self._counters["prefill_chunks"] = self._counters.get("prefill_chunks", 0) + 1
                 continue
             done.append(i)
-            if seq.reuse:
-                self.prefix.store(seq.request.token_ids, seq.slot)
+        if self.prefix is not None:  # the prompts' new blocks into the pool, all in one copy
+            self.prefix.store_all([(seqs[i].request.token_ids, seqs[i].slot) for i in done if seqs[i].reuse])
         picked: list[Picked | object | None] = [None] * len(group)
         if done:
             rows_done = logits if len(done) == len(group) else logits[on_device(done, logits.device)]

@@ -116,12 +116,21 @@ class HeldKv:
 
     def put(self, handle: str, kv: torch.Tensor) -> None:
         """From the scheduler thread, right after the copy that made `kv` was queued."""
+        self.put_all([(handle, kv)])
+
+    def put_all(self, kvs: list[tuple[str, torch.Tensor]]) -> None:
+        """put() for each (handle, kv), all on one device, after every copy that made them was queued: one event
+        for all (a prefill step's handoffs)."""
+        if not kvs:
+            return
         ready = None
-        if kv.is_cuda:  # when that copy is done; a reader in another process cannot see our stream
+        if kvs[0][1].is_cuda:  # when those copies are done; a reader in another process cannot see our stream
             ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(kv.device))
+            ready.record(torch.cuda.current_stream(kvs[0][1].device))
+        made = time.monotonic()
         with self._lock:
-            self._held[handle] = (time.monotonic(), kv, ready)
+            for handle, kv in kvs:
+                self._held[handle] = (made, kv, ready)
 
     def take(self, handle: str, ipc: bool = False) -> tuple[KvMeta, bytes | memoryview]:
         """[layers, 2, kv_heads, length, head_dim] as bytes (taken now), or shared over CUDA IPC (`ipc` and the KV is

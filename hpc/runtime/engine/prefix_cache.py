@@ -75,31 +75,41 @@ class PrefixCache:
 
     def store(self, tokens: list[int], slot: int) -> None:
         """Keep the prompt's full blocks that the pool does not hold yet (their KV is in `slot` now)."""
-        b, parent, run = self.block, None, []
-        taken: dict[int, int] = {}  # pool row -> the prompt's block copied there
-        for i, h in enumerate(block_hashes(tokens, b)):
-            if h in self.index:
-                self.index.move_to_end(h)
-                self._stored(run)  # a record is one chain: a block already held ends it
-                run = []
-            else:
-                row = self._take()
-                taken[row] = i  # a row taken twice (a prompt longer than the pool) keeps the later block
-                self.index[h] = row
-                run.append((h, parent, tokens[i * b:(i + 1) * b]))
-            parent = h
-        self._stored(run)
-        self._copy_in(taken, slot)
+        self.store_all([(tokens, slot)])
 
-    def _copy_in(self, taken: dict[int, int], slot: int) -> None:
-        """The slot's blocks into their pool rows: one indexed copy for every block and layer (a 4,096-token
-        prompt of the 8B shape: one copy instead of 4,096 kernel launches)."""
+    def store_all(self, prompts: list[tuple[list[int], int]]) -> None:
+        """store() for each (tokens, slot) in order, the KV of every new block copied in one indexed copy: a
+        prefill step's prompts cost a few launches together, not a few each (every launch gives up the GIL,
+        and the worker's event loop, busy under load, may keep it a while before the scheduler gets it back)."""
+        b = self.block
+        taken: dict[int, tuple[int, int]] = {}  # pool row -> (slot, block of its prompt) copied there
+        for tokens, slot in prompts:
+            parent, run = None, []
+            for i, h in enumerate(block_hashes(tokens, b)):
+                if h in self.index:  # held, or taken by an earlier prompt of this call: copied with it
+                    self.index.move_to_end(h)
+                    self._stored(run)  # a record is one chain: a block already held ends it
+                    run = []
+                else:
+                    row = self._take()
+                    taken[row] = (slot, i)  # a row taken twice (the pool full) keeps the later block
+                    self.index[h] = row
+                    run.append((h, parent, tokens[i * b:(i + 1) * b]))
+                parent = h
+            self._stored(run)
+        self._copy_in(taken)
+
+    def _copy_in(self, taken: dict[int, tuple[int, int]]) -> None:
+        """Each taken pool row gets its (slot, block)'s KV: one indexed copy for every block, prompt and layer (a
+        4,096-token prompt of the 8B shape: one copy instead of 4,096 kernel launches)."""
         if not taken:
             return
-        b, n = self.block, max(taken.values()) + 1
-        rows, blocks = on_device([list(taken), list(taken.values())], self.pool.device)
-        prompt = self.cache[:, :, slot, :, :n * b].unflatten(3, (n, b))  # [layers, 2, heads, n, block, dim]
-        self.pool[rows] = prompt[:, :, :, blocks].permute(3, 0, 1, 2, 4, 5)
+        b = self.block
+        rows, slots, blocks = on_device([list(taken), [s for s, _ in taken.values()],
+                                         [i for _, i in taken.values()]], self.pool.device)
+        usable = self.cache.shape[4] // b * b  # whole blocks of a slot: [layers, 2, slots, heads, blocks, b, dim]
+        by_block = self.cache[:, :, :, :, :usable].unflatten(4, (usable // b, b))
+        self.pool[rows] = by_block[:, :, slots, :, blocks]  # the indexed dims lead: [n, layers, 2, heads, b, dim]
 
     def _stored(self, run: list[tuple[int, int | None, list[int]]]) -> None:
         if run:  # as TensorRT-LLM sends them: the parent of the first block, then the blocks in order
