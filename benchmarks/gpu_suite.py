@@ -50,6 +50,10 @@ def steps(mpiexec: str, scratch: str, gpus: int, profiles: str) -> list[tuple[st
         # the transports' own tests (a whole stack over NIXL: tests/runtime/test_serving.py -k nixl, 80 s more)
         ("kv_transport_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                 "tests/runtime/worker/test_kv_handoff.py"], None, 60),
+        # the whole local stack on the GPUs: the same greedy text aggregated and disaggregated, the KV shared over
+        # CUDA IPC with the prefill's answer
+        ("stack_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/runtime/test_serving.py", "-k",
+                         "same_greedy or really_ran"], None, 150),
         ("kv_handoff_gpu0_to_1", [py, "benchmarks/kv_handoff.py", "--tokens", "2000", "--handoffs", "8",
                                   "--decode-device", "cuda:1"], None, 60),
         ("engine_sweeps", [py, "benchmarks/e2e_throughput.py", "--engine-only", "--concurrency", "1,8,32,64",

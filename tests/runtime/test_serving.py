@@ -63,12 +63,18 @@ def test_disaggregated_path_really_ran(disagg):
     def direct(role):
         return _worker_metric(disagg, f"{role}-0", "hpc_worker_requests_streamed_direct")
 
-    before = served("prefill"), served("decode"), direct("prefill"), direct("decode")
+    def moved():  # how the decode worker got the KV: with the prefill's answer (CUDA IPC, a GPU) or as bytes
+        return (_worker_metric(disagg, "decode-0", "hpc_worker_kv_taken_from_answer"),
+                _worker_metric(disagg, "decode-0", "hpc_worker_kv_fetched_bytes"))
+
+    before = served("prefill"), served("decode"), direct("prefill"), direct("decode"), *moved()
     _complete(disagg)
-    after = served("prefill"), served("decode"), direct("prefill"), direct("decode")
+    after = served("prefill"), served("decode"), direct("prefill"), direct("decode"), *moved()
     assert after[0] == before[0] + 1 and after[1] == before[1] + 1
     # both workers wrote their outputs straight from the engine's step (TorchEngine.stream), not via a queue
     assert after[2] == before[2] + 1 and after[3] == before[3] + 1
+    # on GPUs of one node the KV came shared with the prefill's answer, no FetchKv; on CPU as bytes
+    assert (after[4] - before[4], after[5] - before[5]) == ((1, 0) if torch.cuda.is_available() else (0, 1))
 
 
 def _worker_metric(stack, worker: str, name: str) -> float:

@@ -98,14 +98,22 @@ class ContextSteps:
         """Tokens one step may process (max_num_tokens)."""
         return max_num_tokens(self.args)
 
-    def _hand_over(self, done: list[tuple[Seq, int, TokenLogprob | None]]) -> None:
+    def _keep_for_handoff(self, seqs: list[Seq]) -> None:
         """A prefill worker keeps each prompt's KV for its decode worker (every rank's heads, so that a decode of
-        any TP can take it), all of a step's together, and answers each with its first token."""
-        kvs = [(uuid.uuid4().hex, gather_kv(self.tp, self.cache, seq.slot, seq.length)) for seq, _, _ in done]
+        any TP can take it), all of a step's under one event, queued before the step's first tokens are read: that
+        read waits for the copies too, so the KV is complete when the answer leaves (and can go with it: the
+        worker's PrefillHandler shares it over CUDA IPC in the answer, sparing the decode worker a FetchKv)."""
+        kvs = []
+        for seq in seqs:
+            seq.handoff = uuid.uuid4().hex
+            kvs.append((seq.handoff, gather_kv(self.tp, self.cache, seq.slot, seq.length)))
         self.handoffs.put_all(kvs)  # before any answer: a decode worker may ask for its KV at once
-        for (seq, first, logprob), (handle, _) in zip(done, kvs):
+
+    def _hand_over(self, done: list[tuple[Seq, int, TokenLogprob | None]]) -> None:
+        """Answer each prompt a prefill worker prefilled with its first token and where its KV waits."""
+        for seq, first, logprob in done:
             self._counted_first(seq)
-            params = DisaggregatedParams(request_handle=handle, prefill_address=self.self_address,
+            params = DisaggregatedParams(request_handle=seq.handoff, prefill_address=self.self_address,
                                          first_token_id=first, prompt_length=seq.length)
             seq.hold(first, logprob)
             self._finish(seq, "length", params=params)
@@ -154,6 +162,8 @@ class ContextSteps:
             done.append(i)
         if self.prefix is not None:  # the prompts' new blocks into the pool, all in one copy
             self.prefix.store_all([(seqs[i].request.token_ids, seqs[i].slot) for i in done if seqs[i].reuse])
+        if self.mode is DisaggregationMode.PREFILL:
+            self._keep_for_handoff([seqs[i] for i in done])
         picked: list[Picked | object | None] = [None] * len(group)
         if done:
             rows_done = logits if len(done) == len(group) else logits[on_device(done, logits.device)]

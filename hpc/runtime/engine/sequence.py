@@ -32,6 +32,7 @@ class Seq:
     prompt_lp: list[TokenLogprob] | None = None  # the prompt's logprobs, sent with the first output
     held: list[int] = field(default_factory=list)  # tokens not sent yet (stream_interval)
     held_lp: list[TokenLogprob] = field(default_factory=list)
+    handoff: str = ""  # on a prefill worker: the handle its KV waits under for the decode worker
 
     def hold(self, token: int, logprob: TokenLogprob | None) -> None:
         self.held.append(token)

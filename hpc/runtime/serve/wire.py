@@ -85,6 +85,9 @@ class DisaggregatedParams(Message):
     first_token_id: int
     prompt_length: int
     trtllm: TrtllmContextParams | None = None
+    # the KV shared over CUDA IPC with the answer (torch engine on a GPU): a decode worker on the same node copies
+    # from it without a FetchKv round trip, and releases it as it would a fetched one
+    kv: KvMeta | None = None
 
 
 class EncodedMedia(Message, tag="media"):

@@ -108,13 +108,17 @@ class HandlerBase:
 
                 def deliver(out) -> None:
                     tally(out)
-                    sink.send(out)
+                    sink.send(self._answer(out))
 
                 await stream(request, deliver)
                 return
             async for out in self.deps.engine.generate(request):
                 tally(out)
-                yield out, b""
+                yield self._answer(out), b""
+
+    def _answer(self, out):
+        """An output as it leaves this worker (a prefill worker adds where its KV can be read)."""
+        return out
 
     @contextlib.contextmanager
     def _counted(self):
@@ -163,10 +167,18 @@ class AggregatedHandler(HandlerBase):
 
 
 class PrefillHandler(HandlerBase):
-    """Runs the prompt, returns the first token and where its KV cache waits; serves KV fetches."""
+    """Runs the prompt, returns the first token and where its KV cache waits (shared over CUDA IPC in the answer
+    where it can be, kv_handoff.KvHandoff.shared_now); serves KV fetches."""
 
     def ops(self):
         return {**super().ops(), FetchKv: self.fetch_kv, ReleaseKv: self.release_kv}
+
+    def _answer(self, out):
+        params = out.disaggregated_params
+        if params is None or params.kv is not None or params.trtllm is not None or self.deps.kv is None:
+            return out
+        meta = self.deps.kv.shared_now(params.request_handle)
+        return out if meta is None else replace(out, disaggregated_params=replace(params, kv=meta))
 
     async def fetch_kv(self, call: FetchKv, payload: bytes) -> AsyncIterator[Frame]:
         yield await self.deps.kv.answer(call)

@@ -95,7 +95,11 @@ class KvHandoff:
         via = choose_via(self.setting, self.device.startswith("cuda"), same_node, self.nixl is not None)
         known = self.nixl.known_agent(address) if self.nixl is not None else ""
         asked = time.perf_counter()
-        meta, data = await prefill.call(FetchKv(handle=params.request_handle, via=via, nixl_agent=known))
+        if via == "cuda_ipc" and params.kv is not None and params.kv.ipc is not None:
+            meta, data = params.kv, b""  # shared with the prefill's answer: nothing to ask
+            self._count("kv_taken_from_answer")
+        else:
+            meta, data = await prefill.call(FetchKv(handle=params.request_handle, via=via, nixl_agent=known))
         answered = time.perf_counter()
         self._add("kv_ask_seconds_total", answered - asked)  # the round trip, bytes included on that path
         if not isinstance(meta, KvMeta):
@@ -141,7 +145,24 @@ class KvHandoff:
         if not task.cancelled() and task.exception() is not None:  # the prefill's TTL frees it instead
             log.warning("releasing a handed-off KV failed: %s", task.exception())
 
-    # ---- prefill: answer a fetch, release what was lent -------------------------------------------------------------
+    # ---- prefill: share with the answer, answer a fetch, release what was lent ----------------------------------
+    def shared_now(self, handle: str) -> Any:
+        """The KV under `handle` shared over CUDA IPC (KvMeta), to go with the prefill's answer — or None: not on a
+        GPU, a transport other than auto chosen, or its copy not complete yet (never waited for here: the decode
+        worker then fetches it as before)."""
+        ready = getattr(self.engine, "handoff_ready", None)
+        if self.setting != "auto" or ready is None or not self.device.startswith("cuda"):
+            return None
+        try:
+            event = ready(handle)
+            if event is None or not event.query():
+                return None
+            meta, _ = self.engine.take_handoff(handle, ipc=True)
+        except KeyError:
+            return None
+        self._count("kv_shared_with_answer")
+        return meta
+
     async def answer(self, call: FetchKv) -> tuple[KvMeta, bytes]:
         lend = getattr(self.engine, "lend_handoff", None)
         ready = getattr(self.engine, "handoff_ready", None)

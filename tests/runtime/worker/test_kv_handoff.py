@@ -236,9 +236,9 @@ class _CopyEvent:
 @pytest.mark.unit
 def test_a_cuda_ipc_fetch_returns_at_once_and_releases_the_prefills_kv_only_after_the_copy(monkeypatch):
     import asyncio
-    from types import SimpleNamespace
 
     from hpc.runtime.engine import kv as kvmod
+    from hpc.runtime.serve.wire import DisaggregatedParams
     from hpc.runtime.worker.kv_handoff import KvHandoff
 
     copy = _CopyEvent(pending=3)
@@ -248,7 +248,8 @@ def test_a_cuda_ipc_fetch_returns_at_once_and_releases_the_prefills_kv_only_afte
     handoff = KvHandoff(setting="auto", device="cuda:1", host="10.0.0.1", engine=None, peers=prefill, counters={})
 
     async def main():
-        kv = await handoff.fetch(SimpleNamespace(prefill_address="10.0.0.1:7000", request_handle="h-1"))
+        kv = await handoff.fetch(DisaggregatedParams(request_handle="h-1", prefill_address="10.0.0.1:7000",
+                                                     first_token_id=5, prompt_length=2))
         still_copying = copy.pending >= 0  # returned with the copy queued, not waited for
         await handoff.settle()
         return kv, still_copying
@@ -333,3 +334,56 @@ def test_a_prefill_answers_a_cuda_ipc_fetch_once_its_copy_completed_without_bloc
 
     meta, ticks = asyncio.run(main())
     assert meta.shape == [1] and engine.taken_while_copying is False and ticks > 0
+
+
+@pytest.mark.unit
+def test_a_kv_shared_with_the_prefills_answer_is_copied_without_asking_and_released_after_the_copy(monkeypatch):
+    import asyncio
+
+    from hpc.runtime.engine import kv as kvmod
+    from hpc.runtime.serve.wire import CudaIpc, DisaggregatedParams
+    from hpc.runtime.worker.kv_handoff import KvHandoff
+
+    copy = _CopyEvent(pending=3)
+    landed, seen = torch.zeros(2, 2, 2, 2, 2), []
+    monkeypatch.setattr(kvmod, "copy_shared", lambda meta, device, opened: seen.append(meta) or (landed, copy))
+    ipc = CudaIpc(device=0, handle=b"\1" * 64, allocation_bytes=64, offset_bytes=0, size_bytes=64)
+    shared = KvMeta(shape=[2, 2, 2, 2, 2], dtype="torch.bfloat16", ipc=ipc)
+
+    def fetch(setting: str, host: str):
+        prefill = _PrefillPeer(copy)
+        handoff = KvHandoff(setting=setting, device="cuda:1", host=host, engine=None, peers=prefill, counters={})
+        params = DisaggregatedParams(request_handle="h-1", prefill_address="10.0.0.1:7000", first_token_id=5,
+                                     prompt_length=2, kv=shared)
+
+        async def main():
+            kv = await handoff.fetch(params)
+            await handoff.settle()
+            return kv
+        return asyncio.run(main()), prefill, handoff.counters
+
+    kv, prefill, counters = fetch("auto", "10.0.0.1")
+    assert kv is landed and seen == [shared] and prefill.calls == ["ReleaseKv"]  # no FetchKv
+    assert counters["kv_taken_from_answer"] == 1 and not prefill.released_while_copying
+    copy.pending = 3
+    _, prefill, counters = fetch("auto", "10.0.0.2")  # another node: the handle is of no use there, ask
+    assert prefill.calls[0] == "FetchKv" and "kv_taken_from_answer" not in counters
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("setting,device,polls,shared", [
+    ("auto", "cuda:0", 0, True),  # the copies were complete when the answer left (read with the first tokens)
+    ("auto", "cuda:0", 2, False),  # not yet: never waited for here, the decode worker asks as before
+    ("bytes", "cuda:0", 0, False),  # a transport chosen: kept to it
+    ("auto", "cpu", 0, False),  # host memory: no CUDA IPC
+])
+def test_a_prefill_shares_its_kv_with_the_answer_only_when_it_is_complete_on_a_gpu(setting, device, polls, shared):
+    from hpc.runtime.worker.kv_handoff import KvHandoff
+
+    engine = _PrefillEngine()
+    engine.copy.pending = polls
+    handoff = KvHandoff(setting=setting, device=device, host="10.0.0.1", engine=engine, peers=None, counters={})
+    meta = handoff.shared_now("h-2")
+    assert (meta is not None) == shared and (engine.taken_while_copying is False if shared else
+                                            engine.taken_while_copying is None)
+    assert handoff.counters.get("kv_shared_with_answer", 0) == int(shared)
