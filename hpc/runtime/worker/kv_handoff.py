@@ -160,6 +160,9 @@ class KvHandoff:
             meta, _ = self.engine.take_handoff(handle, ipc=True)
         except KeyError:
             return None
+        except (RuntimeError, OSError) as exc:  # the answer still goes; a fetch then says what is wrong
+            log.warning("sharing a KV with the prefill's answer failed: %s", exc)
+            return None
         self._count("kv_shared_with_answer")
         return meta
 
