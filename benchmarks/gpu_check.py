@@ -10,7 +10,8 @@ refuses instead of comparing one record with itself). It builds a random-weight 
   1. greedy tokens for a fixed prompt set with TP=1, and with TP=2 launched as 2 MPI ranks (mpiexec),
      the process group initialised from the MPI ranks and each rank pinned to its own GPU;
      compared in fp32 (bf16 agreement is reported too);
-  2. decode tokens/s at batch 1, 8 and 64 in bf16 (decode step captured in a CUDA graph), and batch 1
+  2. decode tokens/s at batch 1, 8 and 64 in bf16 (a token's step, greedy pick and next input captured in a
+     CUDA graph, as the engine's decode graphs hold them), and batch 1
      against the HBM roofline: bytes read per token (weights + KV) / measured device copy bandwidth.
      Every batch runs the engine's decode path: batch 1 the fused Triton kernels (five per layer), batch 8
      and 64 cuBLAS matmuls around the Triton decode attention; batch 8 and 64 are also timed on the torch
@@ -117,16 +118,17 @@ def decode_speed(model: LlamaForCausalLM, device: torch.device, batch: int, cont
             step()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        logits = step()
+    with torch.cuda.graph(graph):  # a whole token, as the engine's decode graphs take it (they pick in the graph):
+        logits = step()  # the step, its greedy pick, the pick's embedding as the next input, the next position
+        embeds.copy_(model.embed(logits.argmax(-1, keepdim=True)))
+        positions.add_(1)
     for _ in range(5):
         graph.replay()
+    positions.fill_(context)  # the warm replays moved on; the timed ones start at `context` again
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
         graph.replay()
-        embeds.copy_(model.embed(logits.argmax(-1, keepdim=True)))  # the next token feeds the next step
-        positions.add_(1)
     torch.cuda.synchronize()
     return batch * steps / (time.perf_counter() - t0)
 
