@@ -128,3 +128,37 @@ def test_peer_all_reduce_equals_nccl_and_add_on_two_gpus(tmp_path) -> None:
     for r in ranks:
         assert r["same"] == [True] * 40
         assert r["graph_same"] == [True] * 5
+
+
+def _connect_rank(rank: int, port: int, case: str, out: str) -> None:
+    """One of two gloo ranks asking for peer memory with one thing amiss on rank 1 (or nothing): `connect` must
+    answer alike on both ranks and never leave one waiting in a collective the other skipped."""
+    import socket as sockets
+    import torch.distributed as dist
+
+    from hpc.runtime.engine import peer_reduce
+
+    if case == "turned-off-on-one-rank" and rank == 1:
+        os.environ["HPC_PEER_REDUCE"] = "0"
+    host = sockets.gethostname()
+    peer_reduce.socket.gethostname = lambda: host + ("-other" if case == "another-host" and rank == 1 else "")
+    torch.cuda.current_device = lambda: rank  # the ranks' "GPUs": gloo carries the collectives on CPU tensors
+    torch.cuda.can_device_access_peer = lambda a, b: case != "no-peer-access"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        got = peer_reduce.PeerReduce.connect(dist.group.WORLD, torch.device("cpu"), 4, 4096)
+        with open(f"{out}.{rank}", "w") as handle:
+            json.dump({"connected": got is not None}, handle)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", ["turned-off-on-one-rank", "another-host", "no-peer-access",
+                                  "symmetric-memory-fails"])  # the last: CPU tensors, which it cannot map
+def test_every_rank_falls_back_to_nccl_together(tmp_path, case) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_connect_rank, args=(port, case, str(tmp_path / "rank")), nprocs=2, join=True)
+    assert [json.loads((tmp_path / f"rank.{r}").read_text()) for r in range(2)] == [{"connected": False}] * 2
