@@ -93,18 +93,34 @@ def test_a_decode_step_samples_unseeded_rows_in_one_batch(tiny, monkeypatch):
 
 
 def test_rows_of_one_temperature_draw_as_rows_of_their_own_temperatures_do():
-    # one temperature for the whole batch divides by a scalar; several by a per-row tensor: the same draws
+    # one temperature for the whole batch divides by a scalar; several by a per-row tensor: both draw what the
+    # tempered softmax gives, from the same random stream
     import torch
 
-    from hpc.runtime.engine.sampling import sample_rows
+    from hpc.runtime.engine.sampling import draw, sample_rows
 
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
-    for temperature in (0.3, 1.0, 2.5):
-        want = torch.multinomial(torch.softmax(logits / temperature, -1), 1,
-                                 generator=torch.Generator().manual_seed(7))[:, 0]
-        got = sample_rows(logits, [SamplingParams(temperature=temperature)] * 6, torch.Generator().manual_seed(7))
+    for temperatures in ([0.3] * 6, [1.0] * 6, [2.5] * 6, [0.3, 1.0, 2.5, 0.3, 1.0, 2.5]):
+        want = draw(torch.softmax(logits / torch.tensor(temperatures)[:, None], -1), torch.Generator().manual_seed(7))
+        got = sample_rows(logits, [SamplingParams(temperature=t) for t in temperatures],
+                          torch.Generator().manual_seed(7))
         assert torch.equal(got, want)
-    mixed = [SamplingParams(temperature=t) for t in (0.3, 1.0, 2.5, 0.3, 1.0, 2.5)]
-    want = torch.multinomial(torch.softmax(logits / torch.tensor([0.3, 1.0, 2.5] * 2)[:, None], -1), 1,
-                             generator=torch.Generator().manual_seed(7))[:, 0]
-    assert torch.equal(sample_rows(logits, mixed, torch.Generator().manual_seed(7)), want)
+
+
+def test_the_cpu_draw_follows_the_distribution_and_never_picks_an_impossible_token():
+    """On the CPU a row's token is found by one uniform in its cumulative sum (the V exponentials of the GPU's
+    draw cost more than the tiny model's decode step there)."""
+    import torch
+
+    from hpc.runtime.engine.sampling import draw
+
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3, 0.0]]).repeat(20000, 1)  # masked tokens first, between, last
+    counts = torch.bincount(draw(probs.clone(), gen), minlength=6).float() / 20000
+    assert counts[[0, 2, 5]].sum() == 0
+    torch.testing.assert_close(counts, probs[0], atol=0.015, rtol=0)
+    unnormalised = torch.tensor([[0.0, 3.0, 1.0]]).repeat(20000, 1)  # rows need not sum to 1
+    counts = torch.bincount(draw(unnormalised, gen), minlength=3).float() / 20000
+    torch.testing.assert_close(counts, torch.tensor([0.0, 0.75, 0.25]), atol=0.015, rtol=0)
+    edge = torch.tensor([[0.0, 1.0, 0.0]])  # a uniform that rounds up to the total must still land on token 1
+    assert all(int(draw(edge, torch.Generator().manual_seed(s))[0]) == 1 for s in range(200))
