@@ -93,7 +93,7 @@ def test_stored_blocks_hold_their_kv_even_from_a_prompt_longer_than_the_pool():
     cache = KvCache(torch.randn(layers, 2, 2, 2, 32, 8))  # per layer [2, slots, kv heads, max_len, dim]
     pool = PrefixCache(block, capacity=3, cache=cache)
     tokens = list(range(100, 120))  # 5 full blocks into 3 rows: the first two are taken over by the last two
-    pool.store(tokens, slot=1)
+    pool.store_all([(tokens, 1)])
     hashes = [h for h in pool.index]
     assert len(hashes) == 3 and sorted(pool.index.values()) == [0, 1, 2]
     for i, h in zip((2, 3, 4), hashes):  # what each remaining block's row holds: that block of slot 1, every layer
@@ -130,7 +130,7 @@ def test_a_steps_prompts_are_stored_together_as_one_by_one(monkeypatch):
             pool.store_all(prompts)
         else:
             for tokens, slot in prompts:
-                pool.store(tokens, slot)
+                pool.store_all([(tokens, slot)])
         pools.append(pool)
         records.append(seen)
     (one, both), (a, b) = pools, records

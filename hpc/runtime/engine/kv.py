@@ -114,13 +114,9 @@ class HeldKv:
         self._held: dict[str, tuple[float, torch.Tensor, torch.cuda.Event | None]] = {}  # made, KV, ready
         self._lock = threading.Lock()
 
-    def put(self, handle: str, kv: torch.Tensor) -> None:
-        """From the scheduler thread, right after the copy that made `kv` was queued."""
-        self.put_all([(handle, kv)])
-
     def put_all(self, kvs: list[tuple[str, torch.Tensor]]) -> None:
-        """put() for each (handle, kv), all on one device, after every copy that made them was queued: one event
-        for all (a prefill step's handoffs)."""
+        """Each (handle, kv), all on one device, from the scheduler thread right after every copy that made them was
+        queued: one event for all (a prefill step's handoffs)."""
         if not kvs:
             return
         ready = None

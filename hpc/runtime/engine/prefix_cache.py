@@ -73,14 +73,11 @@ class PrefixCache:
         n, layers, two, heads, b, dim = blocks.shape
         self.cache[:, :, slot, :, :n * b] = blocks.permute(1, 2, 3, 0, 4, 5).reshape(layers, two, heads, n * b, dim)
 
-    def store(self, tokens: list[int], slot: int) -> None:
-        """Keep the prompt's full blocks that the pool does not hold yet (their KV is in `slot` now)."""
-        self.store_all([(tokens, slot)])
-
     def store_all(self, prompts: list[tuple[list[int], int]]) -> None:
-        """store() for each (tokens, slot) in order, the KV of every new block copied in one indexed copy: a
-        prefill step's prompts cost a few launches together, not a few each (every launch gives up the GIL,
-        and the worker's event loop, busy under load, may keep it a while before the scheduler gets it back)."""
+        """Keep each prompt's full blocks that the pool does not hold yet (their KV is in its slot now), in order,
+        the KV of every new block copied in one indexed copy: a prefill step's prompts cost a few launches
+        together, not a few each (every launch gives up the GIL, and the worker's event loop, busy under load, may
+        keep it a while before the scheduler gets it back)."""
         b = self.block
         taken: dict[int, tuple[int, int]] = {}  # pool row -> (slot, block of its prompt) copied there
         for tokens, slot in prompts:

@@ -183,9 +183,7 @@ def test_held_kv_is_taken_once_lent_until_released_and_expires():
 
     held = HeldKv(ttl_s=60.0)
     a, b, c = _kv(3), _kv(4), _kv(5)
-    held.put("a", a)
-    held.put("b", b)
-    held.put("c", c)
+    held.put_all([("a", a), ("b", b), ("c", c)])
     meta, data = held.take("a", ipc=True)  # host memory: IPC is not possible, bytes it is, taken at once
     assert meta.ipc is None and torch.equal(unpack(meta, bytearray(data)), a)
     with pytest.raises(KeyError):
