@@ -144,11 +144,15 @@ def _connect_rank(rank: int, port: int, case: str, out: str) -> None:
     peer_reduce.socket.gethostname = lambda: host + ("-other" if case == "another-host" and rank == 1 else "")
     torch.cuda.current_device = lambda: rank  # the ranks' "GPUs": gloo carries the collectives on CPU tensors
     torch.cuda.can_device_access_peer = lambda a, b: case != "no-peer-access"
+    import torch.distributed._symmetric_memory as symm_mem
+
+    tried, empty = [], symm_mem.empty
+    symm_mem.empty = lambda *a, **k: tried.append(1) or empty(*a, **k)  # raises: CPU tensors it cannot map
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         got = peer_reduce.PeerReduce.connect(dist.group.WORLD, torch.device("cpu"), 4, 4096)
         with open(f"{out}.{rank}", "w") as handle:
-            json.dump({"connected": got is not None}, handle)
+            json.dump({"connected": got is not None, "tried_symmetric_memory": bool(tried)}, handle)
     finally:
         dist.destroy_process_group()
 
@@ -161,4 +165,7 @@ def test_every_rank_falls_back_to_nccl_together(tmp_path, case) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     torch.multiprocessing.spawn(_connect_rank, args=(port, case, str(tmp_path / "rank")), nprocs=2, join=True)
-    assert [json.loads((tmp_path / f"rank.{r}").read_text()) for r in range(2)] == [{"connected": False}] * 2
+    # refused before any symmetric memory is made where a check says no; made, failed and refused together else
+    tried = case == "symmetric-memory-fails"
+    assert [json.loads((tmp_path / f"rank.{r}").read_text()) for r in range(2)] == \
+        [{"connected": False, "tried_symmetric_memory": tried}] * 2
