@@ -12,8 +12,8 @@ token pays a launch-and-drain gap for. These kernels fold the element-wise work 
 
 Per layer: norm+qkv, rope+kv-write+attention(+merge), o+residual, norm+gate/up, act+down+residual.
 On Hopper and later the kernels use programmatic dependent launch: each one is launched while the
-previous drains, starts loading its weights, and waits (`gdc_wait`) only before reading what the
-previous kernel wrote.
+previous runs (once all of the previous one's programs have started), starts loading its weights, and waits
+(`gdc_wait`) only before reading what the previous kernel wrote.
 Accumulation is fp32 throughout; inputs and weights keep their dtype. Imported only where Triton is
 (CUDA machines; the tests run the same kernels on CPU under TRITON_INTERPRET=1).
 """
@@ -37,7 +37,13 @@ _GEMV_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_st
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if _INTERPRET:  # the CPU interpreter has nothing to time: one config
     _GEMV_CONFIGS = _GEMV_CONFIGS[2:3]  # (8, 256, 4), 3 stages
-ATTN_CHUNK = 64  # cached positions per attention program
+# Measured on two H200 with the 8B shape at batch 1 (benchmarks/decode_knobs.py, docs/performance.md): chunks of
+# 128 with the early trigger, 244.9 tok/s at TP=1 against 239.3 with chunks of 64 and the trigger after the loads
+ATTN_CHUNK = 128  # cached positions per attention program
+ATTN_WARPS = 4  # 8 with chunks of 128: 240.1
+# The next kernel may launch as soon as every program of a GEMV has started, not once each has issued its last
+# loads: its programs take the SMs the GEMV's last wave leaves and fetch their first weights during its tail.
+GEMV_EARLY_TRIGGER = True
 
 
 @functools.cache  # asked at every launch of the decode hot path
@@ -85,7 +91,7 @@ _CACHE_RESULTS = {"cache_results": True} if "cache_results" in inspect.signature
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_ptr, N, K, stride_x, stride_out, eps,
                  HAS_NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 EARLY_TRIGGER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # One flat grid, batch row fastest: programs reading the same weight tile run together. (Not a 2-D grid:
     # its second axis stops at 65,535 blocks, fewer than a 128k vocabulary's tiles at small BLOCK_N.)
     rows = tl.num_programs(0) // tl.cdiv(N, BLOCK_N)
@@ -95,6 +101,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_ptr, N, K, stride_x, strid
     x_row = x_ptr + row * stride_x
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    if USE_PDL and EARLY_TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     first = _weight_tile(w_ptr, cols_n, n_mask, 0, K, BLOCK_K)  # weights never change: load before waiting
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -102,7 +110,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_ptr, N, K, stride_x, strid
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w = _weight_tile(w_ptr, cols_n, n_mask, k0, K, BLOCK_K)
         acc, squares = _gemv_block(acc, squares, x_row, norm_ptr, k0, K, w, HAS_NORM, SILU_MUL, BLOCK_K)
-    if USE_PDL:
+    if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
     if HAS_NORM:
@@ -119,9 +127,11 @@ def tuned_configs() -> dict[str, str]:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 1e-5,
          silu_mul: bool = False, residual: torch.Tensor | None = None,
-         out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+         early_trigger: bool | None = None) -> torch.Tensor:
     """x [M, K] (or [M, 2K] with silu_mul) times weight [N, K]ᵀ -> [M, N]; M is small (decode).
-    `out`: where to write it (contiguous [M, N]; its dtype wins over out_dtype)."""
+    `out`: where to write it (contiguous [M, N]; its dtype wins over out_dtype). `early_trigger`: whether the next
+    kernel may launch as soon as this one's programs start (default GEMV_EARLY_TRIGGER)."""
     rows = x.shape[0]
     n, k = weight.shape
     assert x.is_contiguous() and weight.is_contiguous() and x.shape[1] == (2 * k if silu_mul else k)
@@ -135,7 +145,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm: torch.Tensor | None = N
     _gemv_kernel[grid](x, weight, out, residual if residual is not None else out,
                        norm if norm is not None else weight, n, k, x.stride(0), out.stride(0), eps,
                        HAS_NORM=norm is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None,
-                       USE_PDL=pdl, launch_pdl=pdl)
+                       USE_PDL=pdl, launch_pdl=pdl,
+                       EARLY_TRIGGER=GEMV_EARLY_TRIGGER if early_trigger is None else early_trigger)
     return out
 
 
@@ -273,7 +284,7 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         qkv, k_cache, v_cache, part_acc, part_stat, slots, positions, cos, sin, counts if merge else positions,
         out, qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), head_dim ** -0.5, chunks,
         HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, CHUNK=ATTN_CHUNK, MAX_CHUNKS=max_chunks, MERGE=merge,
-        USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+        USE_PDL=pdl, num_warps=ATTN_WARPS, launch_pdl=pdl)
     if not merge:
         _attention_merge_kernel[(rows, heads)](
             part_acc, part_stat, positions, out, chunks, HEADS=heads, HEAD_DIM=head_dim, CHUNK=ATTN_CHUNK,

@@ -36,8 +36,8 @@ import triton
 import triton.language as tl
 
 SLOTS = 2  # attention's all-reduce, then the MLP's
-BLOCK = 1024  # elements per program (and per signal word)
-MAX_PROGRAMS = 64  # signal words per slot and sender: room for 64 K elements (16 rows of 4,096)
+BLOCK = 512  # elements per program (and per signal word): 8 pushes and waits at once for a row of 4,096, not 4
+MAX_PROGRAMS = 64  # signal words per slot and sender: room for 32 K elements (8 rows of 4,096)
 log = logging.getLogger(__name__)
 
 

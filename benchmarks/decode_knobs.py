@@ -1,0 +1,101 @@
+"""Batch-1 decode of the 8B shape under the fused kernels' knobs, variants in alternating rounds (needs CUDA).
+
+    python benchmarks/decode_knobs.py [--rounds 3] [--steps 256] [--json FILE]
+    mpirun --allow-run-as-root -n 2 python benchmarks/decode_knobs.py      # TP=2, one rank per GPU
+
+Each variant's step (with its greedy pick and next input, as gpu_check times it) is captured in a CUDA graph and
+replayed; every round times every variant once, so a clock that drifts hits them all alike. Prints tok/s per
+round, the median, and the share of the HBM roofline gpu_check uses (weights but the embedding table + 512
+tokens of KV, over the measured copy bandwidth). Knobs (module constants, see KNOBS): whether the next kernel
+launches as a GEMV starts rather than once its loads are issued (and whether before the peer all-reduce too),
+cached positions per attention program and its warps, elements per peer all-reduce program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+os.environ.setdefault("HPC_GPU_CHECK_SHAPE", "8b")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+
+import gpu_check  # noqa: E402
+from hpc.runtime.engine import decode_kernels, fused_decode, peer_reduce  # noqa: E402
+from hpc.runtime.engine.llama import TensorParallel  # noqa: E402
+from hpc.runtime.engine.tp import init_group, world_rank  # noqa: E402
+
+KNOBS = {"early": (decode_kernels, "GEMV_EARLY_TRIGGER"), "chunk": (decode_kernels, "ATTN_CHUNK"),
+         "warps": (decode_kernels, "ATTN_WARPS"), "before_peer": (fused_decode, "EARLY_BEFORE_PEER_REDUCE"),
+         "peer_block": (peer_reduce, "BLOCK")}
+NOW = {knob: getattr(module, attr) for knob, (module, attr) in KNOBS.items()}
+VARIANTS = {  # name: the knobs it changes from what the code has now
+    "now": {},
+    "late trigger": {"early": False},
+    "early trigger": {"early": True},
+    "early, chunk 128": {"early": True, "chunk": 128},
+    "early, chunk 128, 8 warps": {"early": True, "chunk": 128, "warps": 8},
+    "early, chunk 256, 8 warps": {"early": True, "chunk": 256, "warps": 8},
+    "late, chunk 128": {"early": False, "chunk": 128},
+}
+PEER_VARIANTS = {  # with TP over peer memory
+    "late, peer 512": {"early": False, "peer_block": 512},
+    "early, late before peer, peer 512": {"early": True, "before_peer": False, "peer_block": 512},
+    "early all, peer 512": {"early": True, "before_peer": True, "peer_block": 512},
+    "early, late before peer, 512, chunk 128": {"early": True, "before_peer": False, "peer_block": 512,
+                                                "chunk": 128},
+    "early, late before peer, peer 256": {"early": True, "before_peer": False, "peer_block": 256},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=256)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    rank, world, local = world_rank()
+    torch.cuda.set_device(local % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device())
+    tp = TensorParallel()
+    if world > 1:
+        from mpi4py import MPI
+
+        master = MPI.COMM_WORLD.bcast(f"127.0.0.1:{29500 + os.getpid() % 1000}" if rank == 0 else None, root=0)
+        tp = init_group(rank, world, master, device)
+    model = gpu_check.build(tp, device, torch.bfloat16, fused=True)
+    bandwidth = gpu_check.copy_bandwidth(device)
+    cfg = gpu_check.CFG
+    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * 512 / world
+    roof = bandwidth / (gpu_check.weight_bytes(model) + kv_bytes)
+    variants = {**VARIANTS, **(PEER_VARIANTS if model.fused_decode.peer is not None else {})}
+    figures: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, changes in variants.items():
+            for knob, value in {**NOW, **changes}.items():
+                setattr(*KNOBS[knob], value)
+            if world > 1:
+                torch.distributed.barrier()
+            figures[name].append(gpu_check.decode_speed(model, device, 1, steps=args.steps))
+    if rank == 0:
+        name = torch.cuda.get_device_name(device)
+        print(f"8B shape, batch 1, TP={world} on {name}: copy {bandwidth / 1e9:.0f} GB/s, roofline {roof:.1f} tok/s "
+              f"(peer all-reduce: {model.fused_decode.peer is not None})")
+        print(f"{'variant':42} {'rounds tok/s':>24} {'median':>8} {'of roof':>8}")
+        for name, values in figures.items():
+            median = statistics.median(values)
+            print(f"{name:42} {' / '.join(f'{v:.1f}' for v in values):>24} {median:8.1f} {median / roof:8.1%}")
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump({"device": name, "tp": world, "copy_bandwidth": bandwidth, "roofline": roof, "now": NOW,
+                           "variants": variants, "tok_s": figures}, handle, indent=1)
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
