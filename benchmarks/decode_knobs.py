@@ -1,6 +1,6 @@
-"""Batch-1 decode of the 8B shape under the fused kernels' knobs, variants in alternating rounds (needs CUDA).
+"""Decode of the 8B shape under the fused kernels' knobs, variants in alternating rounds (needs CUDA).
 
-    python benchmarks/decode_knobs.py [--rounds 3] [--steps 256] [--json FILE]
+    python benchmarks/decode_knobs.py [--rounds 3] [--steps 256] [--batch 1] [--json FILE]
     mpirun --allow-run-as-root -n 2 python benchmarks/decode_knobs.py      # TP=2, one rank per GPU
 
 Each variant's step (with its greedy pick and next input, as gpu_check times it) is captured in a CUDA graph and
@@ -8,7 +8,8 @@ replayed; every round times every variant once, so a clock that drifts hits them
 round, the median, and the share of the HBM roofline gpu_check uses (weights but the embedding table + 512
 tokens of KV, over the measured copy bandwidth). Knobs (module constants, see KNOBS): whether the next kernel
 launches as a GEMV starts rather than once its loads are issued (and whether before the peer all-reduce too),
-cached positions per attention program and its warps, elements per peer all-reduce program.
+cached positions per attention program and its warps, elements per peer all-reduce program; with `--batch` past
+fused_decode.MAX_BATCH rows, the batched path's attention chunk.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from hpc.runtime.engine.llama import TensorParallel  # noqa: E402
 from hpc.runtime.engine.tp import init_group, world_rank  # noqa: E402
 
 KNOBS = {"early": (decode_kernels, "GEMV_EARLY_TRIGGER"), "chunk": (decode_kernels, "ATTN_CHUNK"),
+         "chunk_batched": (decode_kernels, "ATTN_CHUNK_BATCHED"),
          "warps": (decode_kernels, "ATTN_WARPS"), "before_peer": (fused_decode, "EARLY_BEFORE_PEER_REDUCE"),
          "peer_block": (peer_reduce, "BLOCK")}
 NOW = {knob: getattr(module, attr) for knob, (module, attr) in KNOBS.items()}
@@ -41,6 +43,12 @@ VARIANTS = {  # name: the knobs it changes from what the code has now
     "early, chunk 128, 8 warps": {"early": True, "chunk": 128, "warps": 8},
     "early, chunk 256, 8 warps": {"early": True, "chunk": 256, "warps": 8},
     "late, chunk 128": {"early": False, "chunk": 128},
+}
+BATCHED_VARIANTS = {  # past fused_decode.MAX_BATCH rows: cuBLAS matmuls around the Triton attention
+    "now": {},
+    "batched chunk 64": {"chunk_batched": 64},
+    "batched chunk 128": {"chunk_batched": 128},
+    "batched chunk 32": {"chunk_batched": 32},
 }
 PEER_VARIANTS = {  # with TP over peer memory
     "late, peer 512": {"early": False, "peer_block": 512},
@@ -56,6 +64,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=1, help="rows per step (past 4: the batched variants)")
     parser.add_argument("--json")
     args = parser.parse_args()
     rank, world, local = world_rank()
@@ -72,7 +81,10 @@ def main() -> None:
     cfg = gpu_check.CFG
     kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * 512 / world
     roof = bandwidth / (gpu_check.weight_bytes(model) + kv_bytes)
-    variants = {**VARIANTS, **(PEER_VARIANTS if model.fused_decode.peer is not None else {})}
+    if args.batch > fused_decode.MAX_BATCH:
+        variants = BATCHED_VARIANTS
+    else:
+        variants = {**VARIANTS, **(PEER_VARIANTS if model.fused_decode.peer is not None else {})}
     figures: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, changes in variants.items():
@@ -80,19 +92,20 @@ def main() -> None:
                 setattr(*KNOBS[knob], value)
             if world > 1:
                 torch.distributed.barrier()
-            figures[name].append(gpu_check.decode_speed(model, device, 1, steps=args.steps))
+            figures[name].append(gpu_check.decode_speed(model, device, args.batch, steps=args.steps))
     if rank == 0:
         name = torch.cuda.get_device_name(device)
-        print(f"8B shape, batch 1, TP={world} on {name}: copy {bandwidth / 1e9:.0f} GB/s, roofline {roof:.1f} tok/s "
-              f"(peer all-reduce: {model.fused_decode.peer is not None})")
+        print(f"8B shape, batch {args.batch}, TP={world} on {name}: copy {bandwidth / 1e9:.0f} GB/s, batch-1 roofline "
+              f"{roof:.1f} tok/s (peer all-reduce: {model.fused_decode.peer is not None})")
         print(f"{'variant':42} {'rounds tok/s':>24} {'median':>8} {'of roof':>8}")
         for name, values in figures.items():
             median = statistics.median(values)
-            print(f"{name:42} {' / '.join(f'{v:.1f}' for v in values):>24} {median:8.1f} {median / roof:8.1%}")
+            share = f"{median / roof:8.1%}" if args.batch == 1 else f"{'-':>8}"  # the roofline is batch 1's
+            print(f"{name:42} {' / '.join(f'{v:.1f}' for v in values):>24} {median:8.1f} {share}")
         if args.json:
             with open(args.json, "w") as handle:
                 json.dump({"device": name, "tp": world, "copy_bandwidth": bandwidth, "roofline": roof, "now": NOW,
-                           "variants": variants, "tok_s": figures}, handle, indent=1)
+                           "batch": args.batch, "variants": variants, "tok_s": figures}, handle, indent=1)
     if world > 1:
         torch.distributed.destroy_process_group()
 

@@ -44,6 +44,7 @@ def test_decode_steps_match_the_reference(slots: list[int], chunk: int, monkeypa
     from hpc.runtime.engine import decode_kernels, fused_decode
 
     monkeypatch.setattr(decode_kernels, "ATTN_CHUNK", chunk)  # positions 0..13 span up to 4 chunks of 4
+    monkeypatch.setattr(decode_kernels, "ATTN_CHUNK_BATCHED", chunk)  # the same past MAX_BATCH rows
     device, dtype = _device(), torch.float32
     reference, fused = _models(device, dtype)
     gen = torch.Generator().manual_seed(7)
@@ -74,6 +75,27 @@ def test_decode_steps_match_the_reference(slots: list[int], chunk: int, monkeypa
     assert len(batched_calls) == (4 if len(slots) > fused_decode.MAX_BATCH else 0)
     # each head's last chunk merged them and set its arrival count back, ready for the next step
     assert fused.fused_decode.counts.count_nonzero() == 0
+
+
+def test_few_rows_attend_in_wide_chunks_and_batches_in_narrow_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to MAX_BATCH rows (the GEMV path) ATTN_CHUNK positions per program, past it ATTN_CHUNK_BATCHED: wide
+    chunks were faster at batch 1 on an H200, narrow ones at batch 64 (benchmarks/decode_knobs.py)."""
+    from hpc.runtime.engine import decode_kernels, fused_decode
+
+    chunks = []
+    attention = decode_kernels.decode_attention
+    monkeypatch.setattr(decode_kernels, "decode_attention",
+                        lambda *a, **k: chunks.append(a[-1]) or attention(*a, **k))
+    device, dtype = _device(), torch.float32
+    _, fused = _models(device, dtype)
+    cache = fused.new_cache(8, 32, dtype, device)
+    for rows in (1, fused_decode.MAX_BATCH + 1):
+        ids = torch.randint(2, CFG.vocab_size, (rows, 1)).to(device)
+        fused.forward_step(fused.embed(ids), torch.full((rows, 1), 3, device=device),
+                           torch.arange(rows, device=device), cache)
+    layers = CFG.num_hidden_layers
+    assert chunks == [decode_kernels.ATTN_CHUNK] * layers + [decode_kernels.ATTN_CHUNK_BATCHED] * layers
+    assert decode_kernels.ATTN_CHUNK != decode_kernels.ATTN_CHUNK_BATCHED
 
 
 def test_attention_merges_in_its_own_launch_or_in_a_second_one_alike(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -40,6 +40,7 @@ if _INTERPRET:  # the CPU interpreter has nothing to time: one config
 # Measured on two H200 with the 8B shape at batch 1 (benchmarks/decode_knobs.py, docs/performance.md): chunks of
 # 128 with the early trigger, 244.9 tok/s at TP=1 against 239.3 with chunks of 64 and the trigger after the loads
 ATTN_CHUNK = 128  # cached positions per attention program
+ATTN_CHUNK_BATCHED = 64  # past the GEMVs' few rows (fused_decode.MAX_BATCH), where programs are many anyway
 ATTN_WARPS = 4  # 8 with chunks of 128: 240.1
 # The next kernel may launch as soon as every program of a GEMV has started, not once each has issued its last
 # loads: its programs take the SMs the GEMV's last wave leaves and fetch their first weights during its tail.
@@ -260,7 +261,7 @@ def _attention_merge_kernel(part_acc, part_stat, pos_ptr, out_ptr, chunks, HEADS
 
 def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                      positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                     kv_heads: int, counts: torch.Tensor | None = None) -> torch.Tensor:
+                     kv_heads: int, counts: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """qkv [M, (heads + 2 kv_heads) * D] of one new token per row at `positions` [M] in cache `slots` [M].
 
     Writes the token's K/V into the caches ([slots, kv_heads, max_len, D]) and returns attention [M, heads * D].
@@ -268,12 +269,13 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     captured graph serves every position; chunks past a row's position return at once.
     `counts`: int32 zeros, at least M × heads, for the chunks to merge themselves (see the chunk kernel); one
     buffer per stream of launches (the model's), as two launches at once would count into each other. Without
-    it (or when too small) a second kernel merges.
+    it (or when too small) a second kernel merges. `chunk`: cached positions per program (default ATTN_CHUNK).
     """
     rows = qkv.shape[0]
     head_dim = k_cache.shape[-1]
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and qkv.is_contiguous()
-    chunks = triton.cdiv(k_cache.shape[2], ATTN_CHUNK)
+    chunk = chunk or ATTN_CHUNK
+    chunks = triton.cdiv(k_cache.shape[2], chunk)
     part_acc = torch.empty(rows, heads, chunks, head_dim, dtype=torch.float32, device=qkv.device)
     part_stat = torch.empty(rows, heads, chunks, 2, dtype=torch.float32, device=qkv.device)
     out = torch.empty(rows, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -283,11 +285,11 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     _attention_chunk_kernel[(rows, heads, chunks)](
         qkv, k_cache, v_cache, part_acc, part_stat, slots, positions, cos, sin, counts if merge else positions,
         out, qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), head_dim ** -0.5, chunks,
-        HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, CHUNK=ATTN_CHUNK, MAX_CHUNKS=max_chunks, MERGE=merge,
+        HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, CHUNK=chunk, MAX_CHUNKS=max_chunks, MERGE=merge,
         USE_PDL=pdl, num_warps=ATTN_WARPS, launch_pdl=pdl)
     if not merge:
         _attention_merge_kernel[(rows, heads)](
-            part_acc, part_stat, positions, out, chunks, HEADS=heads, HEAD_DIM=head_dim, CHUNK=ATTN_CHUNK,
+            part_acc, part_stat, positions, out, chunks, HEADS=heads, HEAD_DIM=head_dim, CHUNK=chunk,
             MAX_CHUNKS=max_chunks, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
 

@@ -65,7 +65,7 @@ class FusedDecoder:
             attn, mlp = layer.self_attn, layer.mlp
             qkv = gemv(h, attn.qkv_proj.weight, norm=layer.input_layernorm.weight, eps=self.eps)
             heads = self.kernels.decode_attention(qkv, kv[0], kv[1], slots, pos, cos, sin, attn.heads,
-                                                  attn.kv_heads, self.counts)
+                                                  attn.kv_heads, self.counts, self.kernels.ATTN_CHUNK)
             h = self._row_parallel(heads, attn.o_proj.weight, h, slot=0)
             gate_up = gemv(h, mlp.gate_up_proj.weight, norm=layer.post_attention_layernorm.weight, eps=self.eps)
             h = self._row_parallel(gate_up, mlp.down_proj.weight, h, slot=1, silu_mul=True)
@@ -82,7 +82,7 @@ class FusedDecoder:
             attn = layer.self_attn
             qkv = attn.qkv_proj(layer.input_layernorm(h)).contiguous()
             heads = self.kernels.decode_attention(qkv, kv[0], kv[1], slots, pos, cos, sin, attn.heads,
-                                                  attn.kv_heads, self.counts)
+                                                  attn.kv_heads, self.counts, self.kernels.ATTN_CHUNK_BATCHED)
             h = h + model.tp.all_reduce(attn.o_proj(heads))
             h = h + layer.feed_forward(h)
         return model.lm_head(model.model.norm(h)).float()
