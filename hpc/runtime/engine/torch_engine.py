@@ -13,8 +13,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import queue
 import random
+import sys
 import threading
 import time
 from pathlib import Path
@@ -49,6 +51,15 @@ HANDOFF_TTL_S = 120.0
 
 # the LLM API's `dtype` (TensorRT-LLM llmapi/llm_args.py): "auto" is bf16 on a GPU, fp32 on the CPU
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _take_gil_switch_interval() -> None:
+    """HPC_GIL_SWITCH_INTERVAL (seconds): how long a thread that wants the GIL back waits before it asks the holder
+    to drop it (Python's default 5 ms). The scheduler thread gives the GIL up at each CUDA call and may then wait
+    on the event loop's bursts of replies; an experiment's knob, unset by default."""
+    interval = os.environ.get("HPC_GIL_SWITCH_INTERVAL")
+    if interval:
+        sys.setswitchinterval(float(interval))
 
 
 class TorchEngine(ContextSteps, DecodeSteps):
@@ -117,6 +128,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
     # ---- lifecycle -------------------------------------------------------------------------------
     async def __aenter__(self) -> "TorchEngine":
         self._event_loop = asyncio.get_running_loop()
+        _take_gil_switch_interval()
         await asyncio.to_thread(self.load)
         self._running = True
         if self.mode is not DisaggregationMode.ENCODE:
