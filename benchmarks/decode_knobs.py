@@ -94,8 +94,8 @@ def main() -> None:
                 torch.distributed.barrier()
             figures[name].append(gpu_check.decode_speed(model, device, args.batch, steps=args.steps))
     if rank == 0:
-        name = torch.cuda.get_device_name(device)
-        print(f"8B shape, batch {args.batch}, TP={world} on {name}: copy {bandwidth / 1e9:.0f} GB/s, batch-1 roofline "
+        gpu = torch.cuda.get_device_name(device)
+        print(f"8B shape, batch {args.batch}, TP={world} on {gpu}: copy {bandwidth / 1e9:.0f} GB/s, batch-1 roofline "
               f"{roof:.1f} tok/s (peer all-reduce: {model.fused_decode.peer is not None})")
         print(f"{'variant':42} {'rounds tok/s':>24} {'median':>8} {'of roof':>8}")
         for name, values in figures.items():
@@ -104,7 +104,7 @@ def main() -> None:
             print(f"{name:42} {' / '.join(f'{v:.1f}' for v in values):>24} {median:8.1f} {share}")
         if args.json:
             with open(args.json, "w") as handle:
-                json.dump({"device": name, "tp": world, "copy_bandwidth": bandwidth, "roofline": roof, "now": NOW,
+                json.dump({"device": gpu, "tp": world, "copy_bandwidth": bandwidth, "roofline": roof, "now": NOW,
                            "batch": args.batch, "variants": variants, "tok_s": figures}, handle, indent=1)
     if world > 1:
         torch.distributed.destroy_process_group()
