@@ -43,6 +43,10 @@ def steps(mpiexec: str, scratch: str, gpus: int, profiles: str) -> list[tuple[st
                             f"{scratch}/1b.json"], f"{scratch}/1b.json", 150 * gpus),
         ("gpu_check_8b", [py, "benchmarks/gpu_check.py", "--shape", "8b", "--mpiexec", mpiexec, "--json",
                           f"{scratch}/8b.json"], f"{scratch}/8b.json", 210 * gpus),  # TP=2 too on two GPUs
+        # the 8B shape's batch-1 step under the decode kernels' knobs (each in alternating rounds), TP=1 and TP=2
+        ("decode_knobs_8b", [py, "benchmarks/decode_knobs.py", "--rounds", "2"], None, 120),
+        ("decode_knobs_8b_tp2", [*mpiexec.split(), "-n", "2", py, "benchmarks/decode_knobs.py", "--rounds", "2"],
+         None, 150),
         ("kv_handoff", [py, "benchmarks/kv_handoff.py", "--tokens", "2000", "--handoffs", "8"], None, 60),
         # NIXL (when the nixl extra is installed): UCX held to TCP + staging, as between two nodes without RDMA
         ("kv_handoff_nixl_tcp", [py, "benchmarks/kv_handoff.py", "--tokens", "2000", "--handoffs", "8",
@@ -140,7 +144,7 @@ def main() -> None:
                                                   args.profiles or f"{scratch}/profile"):
             if args.only and name not in args.only.split(","):
                 continue
-            if name.endswith(("gpu0_to_1", "_nccl")) and torch.cuda.device_count() < 2:
+            if name.endswith(("gpu0_to_1", "_nccl", "_tp2")) and torch.cuda.device_count() < 2:
                 report["steps"][name] = {"status": "skipped: one GPU"}
                 continue
             left = deadline - time.monotonic()
