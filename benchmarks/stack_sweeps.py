@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--profile", metavar="DIR", help="after the sweeps, profile each component with py-spy "
                         "through a longer run at the highest concurrency (which functions hold each one's GIL)")
+    parser.add_argument("--profile-seconds", type=int, default=3, help="how long each py-spy samples")
     add_set_option(parser)
     args = parser.parse_args()
     recipe, _ = load_recipe(args.recipe)
@@ -123,10 +124,12 @@ def main() -> None:
     async def profiled_level(url: str, model: str, leaders: dict[str, int]) -> None:
         top = levels[-1]
         load = asyncio.create_task(run_level(url, model, Level(top.concurrency, top.input_tokens,
-                                                               top.output_tokens, top.requests * 8), True, 0,
+                                                               top.output_tokens,
+                                                               top.requests * 8 * -(-args.profile_seconds // 3)),
+                                                         True, 0,
                                                          seed=2 * len(levels)))
         await asyncio.sleep(0.5)  # at full concurrency before sampling starts
-        spies = _profile.record(leaders, 3, Path(args.profile))
+        spies = _profile.record(leaders, args.profile_seconds, Path(args.profile))
         await load
         for name, mode, path, spy in spies:
             _, err = await asyncio.to_thread(spy.communicate)
