@@ -3,7 +3,8 @@ as fast as the second (every worker warms up before it registers), and tokens/s 
 Prints where each worker ran and how the KV crossed from prefill to decode (CUDA IPC or bytes).
 
     python benchmarks/stack_sweeps.py [--recipe tiny-disagg] [--concurrency 1,8,32,64] [--output-tokens 64]
-                                      [--requests-per-user 4] [--profile DIR] [--json FILE]
+                                      [--requests-per-user 4] [--profile DIR [--profile-seconds 3]]
+                                      [--json FILE]
 
 Goals (issue #14, on a GPU machine): first sweep within 10 % of the second at every level; c=64 >= 20 x c=1.
 """
