@@ -69,3 +69,24 @@ def test_each_engine_value_is_typed_a_counter_unless_it_is_a_level(tiny) -> None
 async def _drain(outputs) -> None:
     async for _ in outputs:
         pass
+
+
+def test_the_gil_switch_interval_is_python_s_unless_the_environment_sets_it(tiny, monkeypatch) -> None:
+    """HPC_GIL_SWITCH_INTERVAL: an experiment's knob for how long the scheduler thread waits for the GIL back."""
+    import sys
+
+    before = sys.getswitchinterval()
+    try:
+        for setting, expected in ((None, before), ("0.0005", 0.0005)):
+            if setting is None:
+                monkeypatch.delenv("HPC_GIL_SWITCH_INTERVAL", raising=False)
+            else:
+                monkeypatch.setenv("HPC_GIL_SWITCH_INTERVAL", setting)
+
+            async def main():
+                async with TorchEngine(tiny, DisaggregationMode.AGGREGATED, {"max_seq_len": 128}):
+                    return sys.getswitchinterval()
+
+            assert asyncio.run(main()) == pytest.approx(expected)
+    finally:
+        sys.setswitchinterval(before)
