@@ -155,3 +155,37 @@ def test_small_copies_to_the_device_neither_wait_for_it_nor_reuse_a_buffer_too_s
     assert busy and returned_after < 0.1, f"staging waited {returned_after:.3f} s for the device"
     assert [t.tolist() for t in first] == [[i, i + 1] for i in range(_PinnedRing.SLOTS)]
     assert [t.tolist() for t in later] == [[i, -i] for i in range(3 * _PinnedRing.SLOTS)]
+
+
+class _Event:
+    """A CUDA event's host side as `finish` uses it: whether it completed, and the waits it was asked for."""
+
+    def __init__(self, completed: bool) -> None:
+        self.completed, self.queries, self.waits = completed, 0, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.completed
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        self.completed = True
+
+
+def test_a_completed_event_is_not_waited_for_so_the_gil_is_kept():
+    """torch's Event.synchronize gives up the GIL even for a completed event (query keeps it): a step's read, a
+    pinned copy's slot and a KV handoff wait only for an event still running."""
+    import torch
+
+    from hpc.runtime.engine.overlap import InflightStep, finish
+
+    done, running = _Event(True), _Event(False)
+    finish(done)
+    finish(running)
+    finish(None)
+    assert (done.queries, done.waits) == (1, 0)
+    assert (running.queries, running.waits) == (1, 1)
+    step = InflightStep(rows=[], tokens=torch.tensor([3, 4]), host=torch.tensor([3, 4]), done=_Event(True))
+    assert step.read() == [3, 4] and step.done.waits == 0
+    step.done = _Event(False)
+    assert step.read() == [3, 4] and step.done.waits == 1

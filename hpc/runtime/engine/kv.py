@@ -10,6 +10,7 @@ import time
 import torch
 
 from hpc.runtime.engine.cuda_ipc import OpenAllocations, export
+from hpc.runtime.engine.overlap import finish
 from hpc.runtime.serve.wire import KvMeta
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16)}
@@ -98,13 +99,6 @@ def arrived(kv: torch.Tensor) -> None:
         kv.record_stream(reader)
 
 
-def _finish(event: torch.cuda.Event | None) -> None:
-    """Wait for `event` unless it has completed: a host wait gives up the GIL, and getting it back from a busy
-    engine thread can take Python's whole switch interval (5 ms)."""
-    if event is not None and not event.query():
-        event.synchronize()
-
-
 class HeldKv:
     """A prefill engine's KV caches waiting for their decode workers, by handle: taken as bytes at once, or shared
     (CUDA IPC) / lent (NIXL) until released; dropped after `ttl_s` when no decode worker came for them."""
@@ -137,7 +131,7 @@ class HeldKv:
             if not shared:
                 del self._held[handle]
         if shared:
-            _finish(ready)  # another process reads it next: its copy kernel must have finished
+            finish(ready)  # another process reads it next: its copy kernel must have finished
             return share(kv), b""
         return pack(kv)
 
@@ -151,7 +145,7 @@ class HeldKv:
         """The KV itself, complete, kept until release: a transport reads it in place."""
         with self._lock:
             _, kv, ready = self._held[handle]
-        _finish(ready)
+        finish(ready)
         return kv
 
     def release(self, handle: str) -> None:

@@ -24,6 +24,14 @@ if TYPE_CHECKING:
     from hpc.runtime.engine.sequence import Seq
 
 
+def finish(event: Any) -> None:
+    """Wait on the host for a CUDA event (or None) unless it has completed: `Event.synchronize` gives the GIL up even
+    then (torch/csrc/cuda/Event.cpp releases it around the wait; `query` keeps it), and getting it back from a busy
+    event loop can take Python's whole switch interval (5 ms)."""
+    if event is not None and not event.query():
+        event.synchronize()
+
+
 @dataclass
 class InflightStep:
     rows: list["Seq"]
@@ -32,8 +40,7 @@ class InflightStep:
     done: Any = None  # a CUDA event after the copy (None on the CPU: the copy is done)
 
     def read(self) -> list[int]:
-        if self.done is not None:
-            self.done.synchronize()  # waits for this step only, not the one launched after it
+        finish(self.done)  # this step only, not the one launched after it
         return self.host.tolist()
 
 

@@ -7,6 +7,7 @@ import threading
 
 import torch
 
+from hpc.runtime.engine.overlap import finish
 from hpc.runtime.engine.types import SamplingParams, TokenLogprob
 
 
@@ -76,7 +77,7 @@ class _PinnedRing:
         if done is None:
             done = self.events[i] = torch.cuda.Event()
         else:
-            done.synchronize()  # long done: the ring comes round after dozens of copies
+            finish(done)  # long done, mostly: the ring comes round after dozens of copies
         staged = self.buffers[i][:size].view(host.dtype).view(host.shape)
         staged.copy_(host)
         out = staged.to(device, non_blocking=True) if into is None else into.copy_(staged, non_blocking=True)
