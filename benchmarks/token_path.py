@@ -31,14 +31,14 @@ from hpc.runtime.worker.handlers import AggregatedHandler, HandlerDeps
 VOCAB = 8192
 
 
-def drain(sock: socket.socket) -> None:
-    """The frontend's end of the connection: read and drop until it closes."""
-    while sock.recv(1 << 20):
-        pass
+def drain(sock: socket.socket, received: list[int]) -> None:
+    """The frontend's end of the connection: read and count until it closes."""
+    while chunk := sock.recv(1 << 20):
+        received.append(len(chunk))
 
 
-async def one_round(rows: int, steps: int) -> tuple[float, float, int]:
-    """(scheduler-thread µs per token, event-loop µs per token, bytes written)."""
+async def one_round(rows: int, steps: int) -> tuple[float, float, float]:
+    """(scheduler-thread µs per token, event-loop µs per token, bytes on the connection per token)."""
     engine = TorchEngine(Path("."), DisaggregationMode.AGGREGATED,
                          {"max_seq_len": steps + 128, "max_batch_size": rows}, device="cpu")
     engine.cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -48,7 +48,8 @@ async def one_round(rows: int, steps: int) -> tuple[float, float, int]:
                                             allowed_local_media_path=None, media_allowed_hosts=[],
                                             max_file_size_mb=1, image_size=None, has_encode_role=False))
     ours, theirs = socket.socketpair()
-    drainer = threading.Thread(target=drain, args=(theirs,), daemon=True)
+    received: list[int] = []
+    drainer = threading.Thread(target=drain, args=(theirs, received), daemon=True)
     drainer.start()
     _, writer = await asyncio.open_connection(sock=ours)
     frames = rpc._Coalescer(writer)
@@ -97,10 +98,14 @@ async def one_round(rows: int, steps: int) -> tuple[float, float, int]:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    written = writer.transport.get_write_buffer_size()
     writer.close()
+    await writer.wait_closed()
+    drainer.join(timeout=10)
+    theirs.close()
     tokens = rows * steps
-    return sum(engine_cpu) / tokens * 1e6, loop_cpu / tokens * 1e6, written
+    if sum(received) < tokens:  # every token left as a reply of a few bytes at least
+        raise SystemExit(f"only {sum(received)} bytes reached the socket for {tokens} tokens: the path did not run")
+    return sum(engine_cpu) / tokens * 1e6, loop_cpu / tokens * 1e6, sum(received) / tokens
 
 
 def main() -> None:
@@ -117,6 +122,7 @@ def main() -> None:
     print(f"  scheduler thread (emit)          {min(engine):6.2f}   rounds " + " / ".join(f"{v:.2f}" for v in engine))
     print(f"  event loop (deliver, frames)     {min(loop):6.2f}   rounds " + " / ".join(f"{v:.2f}" for v in loop))
     print(f"  both (one GIL)                   {min(e + lp for e, lp in zip(engine, loop)):6.2f}")
+    print(f"  bytes on the connection per token: {results[0][2]:.1f}")
 
 
 if __name__ == "__main__":
