@@ -100,7 +100,7 @@ def steps(mpiexec: str, scratch: str, gpus: int, profiles: str) -> list[tuple[st
         # the whole local stack (etcd, NATS, frontend, workers): prefill and decode on their own GPUs
         ("stack_sweeps_disagg", [py, "benchmarks/stack_sweeps.py", "--recipe", "tiny-disagg", "--json",
                                  f"{scratch}/stack.json"] + profile, f"{scratch}/stack.json", 150),
-        # the same with levels 16 times as long (c=1: a second, not a sixteenth): first vs second beyond the noise
+        # the same with levels of 64 requests a user (c=1 lasts about a second): first vs second beyond the noise
         ("stack_sweeps_disagg_long", [py, "benchmarks/stack_sweeps.py", "--recipe", "tiny-disagg",
                                       "--requests-per-user", "64"], None, 150),
         # levels of 16 requests a user, three rounds: a level of 4 a user lasted 0.1-0.4 s, and one hiccup moved
