@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import gpu_check  # noqa: E402
 from hpc.runtime.engine import decode_kernels, fused_decode, peer_reduce  # noqa: E402
 from hpc.runtime.engine.llama import TensorParallel  # noqa: E402
-from hpc.runtime.engine.tp import init_group, world_rank  # noqa: E402
+from hpc.runtime.engine.tp import world_rank  # noqa: E402
 
 KNOBS = {"early": (decode_kernels, "GEMV_EARLY_TRIGGER"), "chunk": (decode_kernels, "ATTN_CHUNK"),
          "chunk_batched": (decode_kernels, "ATTN_CHUNK_BATCHED"),
@@ -67,20 +67,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="rows per step (past 4: the batched variants)")
     parser.add_argument("--json")
     args = parser.parse_args()
-    rank, world, local = world_rank()
-    torch.cuda.set_device(local % torch.cuda.device_count())
+    tp = gpu_check.join_mpi_ranks()[0] if world_rank()[1] > 1 else TensorParallel()
+    rank, world = tp.rank, tp.size
     device = torch.device("cuda", torch.cuda.current_device())
-    tp = TensorParallel()
-    if world > 1:
-        from mpi4py import MPI
-
-        master = MPI.COMM_WORLD.bcast(f"127.0.0.1:{29500 + os.getpid() % 1000}" if rank == 0 else None, root=0)
-        tp = init_group(rank, world, master, device)
     model = gpu_check.build(tp, device, torch.bfloat16, fused=True)
     bandwidth = gpu_check.copy_bandwidth(device)
-    cfg = gpu_check.CFG
-    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * 512 / world
-    roof = bandwidth / (gpu_check.weight_bytes(model) + kv_bytes)
+    roof = gpu_check.roofline(bandwidth, gpu_check.weight_bytes(model), world)
     if args.batch > fused_decode.MAX_BATCH:
         variants = BATCHED_VARIANTS
     else:

@@ -176,19 +176,29 @@ def profile_step(model: LlamaForCausalLM, device: torch.device, context: int = 5
     return sorted(rows, key=lambda r: -r[2])
 
 
+def join_mpi_ranks():
+    """This MPI rank on its own GPU (the launcher's local rank) and the TP group of every rank, NCCL set up from
+    MPI: (TensorParallel, the MPI communicator)."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    torch.cuda.set_device(world_rank()[2] % torch.cuda.device_count())
+    master = comm.bcast(f"127.0.0.1:{29500 + os.getpid() % 1000}" if rank == 0 else None, root=0)
+    return init_group(rank, world, master, torch.device("cuda", torch.cuda.current_device())), comm
+
+
+def roofline(bandwidth: float, weight_bytes_per_rank: int, ranks: int, context: int = 512) -> float:
+    """Tokens/s of batch-1 decode if it only streamed its bytes at copy speed: each rank's weights and its share
+    of `context` tokens of bf16 KV."""
+    kv = 2 * CFG.num_hidden_layers * CFG.num_key_value_heads * CFG.head_dim * 2 * context
+    return bandwidth / (weight_bytes_per_rank + kv / ranks)
+
+
 def run_rank(tp_size: int, out_path: str) -> None:
     """One rank: TP=1 in this process, or rank r of TP=2 started by mpiexec."""
-    rank, world = 0, 1
-    if tp_size > 1:
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD
-        rank, world = comm.Get_rank(), comm.Get_size()
-        torch.cuda.set_device(world_rank()[2] % torch.cuda.device_count())  # the launcher's local rank
-        master = comm.bcast(f"127.0.0.1:{29500 + os.getpid() % 1000}" if rank == 0 else None, root=0)
-        tp = init_group(rank, world, master, torch.device("cuda", torch.cuda.current_device()))
-    else:
-        tp = TensorParallel()
+    tp, comm = join_mpi_ranks() if tp_size > 1 else (TensorParallel(), None)
+    rank, world = tp.rank, tp.size
     device = torch.device("cuda", torch.cuda.current_device())
     props = torch.cuda.get_device_properties(device)
     result = {"rank": rank, "world": world, "gpu": torch.cuda.current_device(), "name": props.name,
@@ -266,15 +276,13 @@ def main() -> None:
         if worlds != [2, 2]:
             sys.exit(f"GPU check FAILED: `{args.mpiexec} -n 2` gave ranks of world size {worlds}, not two ranks of "
                      "one world of 2: the launcher is not the MPI mpi4py was built against (use its mpirun)")
-    context_kv = 2 * CFG.num_hidden_layers * CFG.num_key_value_heads * CFG.head_dim * 2 * 512  # bf16, 512 tokens
     rows = []
     for label, ranks in (("TP=1", [tp1]), ("TP=2", tp2)):
         if not ranks:
             continue
         r0 = ranks[0]
         bw = min(r["copy_bandwidth"] for r in ranks)
-        per_token_bytes = r0["weight_bytes_per_rank"] + context_kv / len(ranks)
-        roof = bw / per_token_bytes  # tokens/s if batch-1 decode only streamed its bytes at copy speed
+        roof = roofline(bw, r0["weight_bytes_per_rank"], len(ranks))
         rows.append((label, r0["decode_tps"], roof, bw))
     print(f"GPU check on {tp1['name']}: {tp1['params'] / 1e9:.2f} B parameters, bf16 decode, KV context 512")
     print("ranks: " + "; ".join(f"TP=2 rank {r['rank']} -> cuda:{r['gpu']} {r['uuid'] or r['pci_bus']}"
