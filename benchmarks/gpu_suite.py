@@ -58,6 +58,9 @@ def steps(mpiexec: str, scratch: str, gpus: int, profiles: str) -> list[tuple[st
         # CUDA IPC with the prefill's answer
         ("stack_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/runtime/test_serving.py", "-k",
                          "same_greedy or really_ran"], None, 150),
+        # a decode worker whose engine runs in a process of its own (the default on GPUs)
+        ("engine_process_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                  "tests/runtime/worker/test_engine_process.py"], None, 120),
         ("kv_handoff_gpu0_to_1", [py, "benchmarks/kv_handoff.py", "--tokens", "2000", "--handoffs", "8",
                                   "--decode-device", "cuda:1"], None, 60),
         ("engine_sweeps", [py, "benchmarks/e2e_throughput.py", "--engine-only", "--concurrency", "1,8,32,64",
@@ -109,6 +112,16 @@ def steps(mpiexec: str, scratch: str, gpus: int, profiles: str) -> list[tuple[st
                                  "1,8,32,64", "--rounds", "3", "--requests-per-user", "16"], None, 150),
         ("stack_vs_engine_disagg", [py, "benchmarks/e2e_throughput.py", "--recipe", "tiny-disagg",
                                     "--concurrency", "1,8,32,64", "--rounds", "3", "--requests-per-user", "16"],
+         None, 150),
+        # the same with each worker's engine in the worker's process (on a GPU it has one of its own by default)
+        ("stack_vs_engine_agg_in_worker", [py, "benchmarks/e2e_throughput.py", "--recipe", "tiny-agg",
+                                           "--concurrency", "1,8,32,64", "--rounds", "3", "--requests-per-user", "16",
+                                           "--set", "runtime.engine_process=worker"], None, 150),
+        ("stack_vs_engine_disagg_in_worker", [py, "benchmarks/e2e_throughput.py", "--recipe", "tiny-disagg",
+                                              "--concurrency", "1,8,32,64", "--rounds", "3", "--requests-per-user",
+                                              "16", "--set", "runtime.engine_process=worker"], None, 150),
+        ("stack_sweeps_disagg_long_in_worker", [py, "benchmarks/stack_sweeps.py", "--recipe", "tiny-disagg",
+                                                "--requests-per-user", "64", "--set", "runtime.engine_process=worker"],
          None, 150),
         # the same through a frontend of one process (the default on this 16-core machine is two)
         ("stack_vs_engine_agg_1frontend", [py, "benchmarks/e2e_throughput.py", "--recipe", "tiny-agg",

@@ -286,7 +286,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
     # ---- public API ------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         outputs: asyncio.Queue[GenerateOutput] = asyncio.Queue()
-        seq = await self._submit(request, outputs)
+        seq = await self.submit(request, outputs)
         try:
             while True:
                 out = await outputs.get()
@@ -314,7 +314,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
             if out.finished:
                 done.set_result(None)
 
-        seq = await self._submit(request, Direct(put))
+        seq = await self.submit(request, Direct(put))
         try:
             await done
         finally:
@@ -322,8 +322,9 @@ class TorchEngine(ContextSteps, DecodeSteps):
             if not done.done():
                 done.cancel()
 
-    async def _submit(self, request: GenerateRequest, outputs) -> Seq:
-        """Check the request, fetch its KV (decode), hand it to the scheduler; outputs go to `outputs`."""
+    async def submit(self, request: GenerateRequest, outputs) -> Seq:
+        """Check the request, fetch its KV (decode), hand it to the scheduler; its outputs go to `outputs` through
+        `self.emitter` (generate and stream; an engine process's link sends them to its worker instead)."""
         loop = asyncio.get_running_loop()
         seq = Seq(request=request, emit=lambda out: self.emitter.send(loop, outputs, out))
         if self.failure:

@@ -148,6 +148,8 @@ class RpcServer:
         self.server: asyncio.base_events.Server | None = None
         self.inflight = 0
         self._tasks: set[asyncio.Task] = set()
+        self._connections: set[asyncio.Task] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
 
     async def start(self, host: str, port: int) -> None:
         self.server = await asyncio.start_server(self._serve, host, port, reuse_address=True)
@@ -161,6 +163,13 @@ class RpcServer:
             self.server.close()
         for task in list(self._tasks):
             task.cancel()
+        # Connections end by their reads seeing the close, not by asyncio.run cancelling their tasks at exit
+        # (which Python 3.11's stream callback logs as an error with a traceback).
+        connections = [task for task in self._connections if not task.done()]
+        for writer in self._writers:
+            writer.close()
+        if connections:
+            await asyncio.wait(connections, timeout=1)
 
     async def _hello(self, reader: asyncio.StreamReader) -> bool:
         try:
@@ -173,6 +182,9 @@ class RpcServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         streams: dict[int, asyncio.Task] = {}
         out = _Coalescer(writer)
+        this = asyncio.current_task()
+        self._connections.add(this)
+        self._writers.add(writer)
         try:
             if self.token is not None and not await self._hello(reader):
                 self.refused += 1
@@ -207,6 +219,8 @@ class RpcServer:
             for task in streams.values():  # the client went away: cancel its engine requests
                 task.cancel()
             writer.close()
+            self._connections.discard(this)
+            self._writers.discard(writer)
 
     async def _run(self, call: Call, payload: bytes, out: "_Coalescer",
                    streams: dict[int, asyncio.Task]) -> None:

@@ -35,7 +35,7 @@ def main_entry(manifest_path: str, role: str, index: int, supervise: bool) -> in
     from hpc.runtime.worker.serve import serve  # the heavy part: engine, torch
 
     try:
-        return asyncio.run(serve(manifest, role, index))
+        return asyncio.run(serve(manifest, role, index, manifest_path))
     except Exception as exc:  # report it where readiness and status look, then fail the step
         rank = _rank_suffix(plan.tasks)
         Reporter(manifest, f"{role}-{index}{rank}").phase("failed", error=f"{type(exc).__name__}: {exc}")

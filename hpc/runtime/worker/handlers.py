@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator, Callable
 from hpc.runtime.engine.types import DisaggregationMode, EncodedMedia, GenerateRequest
 from hpc.runtime.engine.media import MediaError, read_image_bytes, to_pixels
 from hpc.runtime.serve.rpc import OpenAhead, RemoteError, RpcClient, StreamHandler, current_sink
+from hpc.runtime.worker.engine_process import engine_stats
 from hpc.runtime.serve.wire import (
     EncodeImage, FetchKv, ReleaseKv, ReplyBody, StatsQuery, VideoProgress, VideoRequest, WorkerStats, replace,
 )
@@ -80,7 +81,7 @@ class HandlerBase:
         return {GenerateRequest: self.generate, StatsQuery: self.stats}
 
     async def stats(self, query: StatsQuery, payload: bytes) -> AsyncIterator[Frame]:
-        yield WorkerStats(values={**self.deps.engine.stats(), **self.deps.counters}), b""
+        yield WorkerStats(values={**await engine_stats(self.deps.engine), **self.deps.counters}), b""
 
     async def _media(self, request: GenerateRequest) -> GenerateRequest:
         """Attach image embeddings: from an encode worker when the recipe has one, else encode here."""

@@ -29,13 +29,14 @@ from hpc.runtime.services.node import (Reporter, freeze_startup_objects, node_ad
                                        rpc_token, wait_endpoint)
 from hpc.runtime.serve.rpc import RpcServer
 from hpc.runtime.worker.handlers import HandlerDeps, Peers, make_handler
+from hpc.runtime.worker.engine_process import EngineProcess, engine_in_own_process, engine_stats
 from hpc.runtime.worker.kv_handoff import KvHandoff, open_nixl
 
 log = logging.getLogger("hpc.worker")
 DRAIN_TIMEOUT_S = 30.0
 
 
-async def serve(manifest: Manifest, role: str, index: int) -> int:
+async def serve(manifest: Manifest, role: str, index: int, manifest_file: str) -> int:
     from hpc.runtime.engine.tp import broadcast_stop, follow, init_group, world_rank
 
     plan = manifest.plan.worker(role, index)
@@ -67,11 +68,17 @@ async def serve(manifest: Manifest, role: str, index: int) -> int:
 
     handoff = KvHandoff(setting=manifest.recipe.runtime.kv_transport, device=device, host=host, engine=None,
                         peers=peers, counters={})
-    if rank == 0 and DisaggregationMode(role) in (DisaggregationMode.PREFILL, DisaggregationMode.DECODE) \
-            and manifest.recipe.backend is Backend.TORCH:
-        handoff.nixl = open_nixl(manifest.recipe.runtime.kv_transport, device.startswith("cuda"), name)
-    engine = build_engine(manifest, role, self_address=rpc_address, tp=tp, fetch_kv=handoff.fetch, device=device,
-                          group=plan.group)
+    recipe = manifest.recipe
+    if engine_in_own_process(recipe.runtime.engine_process, recipe.backend, recipe.modality, DisaggregationMode(role),
+                             world, device.startswith("cuda")):
+        # the engine's own process fetches its KV itself; this one serves RPC and HTTP (engine_process.py)
+        engine = EngineProcess(manifest_file, role, index, device, recipe.runtime.readiness_timeout_s)
+    else:
+        if rank == 0 and DisaggregationMode(role) in (DisaggregationMode.PREFILL, DisaggregationMode.DECODE) \
+                and recipe.backend is Backend.TORCH:
+            handoff.nixl = open_nixl(recipe.runtime.kv_transport, device.startswith("cuda"), name)
+        engine = build_engine(manifest, role, self_address=rpc_address, tp=tp, fetch_kv=handoff.fetch,
+                              device=device, group=plan.group)
     if rank > 0:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         await asyncio.to_thread(engine.load)
@@ -81,7 +88,7 @@ async def serve(manifest: Manifest, role: str, index: int) -> int:
         return 0
     handoff.engine = engine
     async with engine:
-        reporter.phase("weights_loaded")
+        reporter.phase("weights_loaded", **({"engine_pid": engine.pid} if isinstance(engine, EngineProcess) else {}))
         try:
             code = await _serve_engine(manifest, role, index, engine, peers, host, reporter, handoff)
         finally:
@@ -160,14 +167,15 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
             if failure:
                 return json_response({"status": "failed", "error": failure, "role": role, "index": index}, 503)
             status = "draining" if draining else "ready"
-            fetched = {key.removeprefix("kv_fetched_"): int(n) for key, n in deps.counters.items()
+            counted = {**engine.stats(), **deps.counters}  # an engine process fetches the KV itself
+            fetched = {key.removeprefix("kv_fetched_"): int(n) for key, n in counted.items()
                        if key.startswith("kv_fetched_") and n}  # which transport the KV came by, so far
             return json_response({"status": status, "role": role, "index": index, **({"kv_fetched": fetched}
                                                                                      if fetched else {})},
                                  503 if draining else 200)
         if req.path == "/metrics":
             # gc_frozen_objects: what start-up left out of the collector's view (freeze_startup_objects)
-            stats = {**engine.stats(), **deps.counters, "inflight": rpc.inflight,
+            stats = {**await engine_stats(engine), **deps.counters, "inflight": rpc.inflight,
                      "gc_frozen_objects": gc.get_freeze_count()}
             return Response(body=prometheus("hpc_worker", stats, labels), content_type="text/plain; version=0.0.4")
         return json_response({"error": {"message": "not found", "code": 404}}, 404)
@@ -219,6 +227,7 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
     if failed.done():
         # A dead engine must not look alive: leave routing, report, and exit non-zero so the role's failure
         # policy (restart / continue / fail the job) applies.
+        log.error("engine failed: %s", engine.failure)
         reporter.phase("failed", error=f"engine failed: {engine.failure}")
         await discovery.deregister()
         await close_all()

@@ -1,0 +1,196 @@
+"""`python -m hpc.runtime.worker.engine_core`: a worker's torch engine in a process of its own.
+
+The worker (engine_process.EngineProcess) starts it with the manifest, its role and index, the device and the
+two ends of its link (engine_link.py). Here: the engine in `async with`, the KV fetches of a decode worker (the
+CUDA IPC copy is queued where the engine's stream can wait for it), and the link. The scheduler thread sends
+each decode step's outputs itself, one message for all of its rows; this process's event loop only admits
+requests. Its GIL is the engine's alone: the worker's RPC and output path run in the worker's process (vLLM V1
+splits its EngineCore from the API server for the same reason).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from typing import Any, Callable
+
+from hpc.manifest import Manifest
+from hpc.runtime.engine.outputs import Emitter
+from hpc.runtime.engine.types import DisaggregationMode, GenerateOutput
+from hpc.runtime.serve.rpc import RemoteError
+from hpc.runtime.worker.engine_link import (
+    AskStats, BlockingSender, Drop, Failed, KvEvent, Outputs, Ready, Refused, Stats, Stop, Submit, ToEngine,
+    receive,
+)
+
+log = logging.getLogger("hpc.engine")
+STATS_EVERY_S = 1.0  # the worker's load reports and /health read the last pushed figures
+
+
+class Keyed:
+    """What the engine's submit() gets as a request's outputs: the key they go back to the worker under."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+
+
+class LinkEmitter(Emitter):
+    """The engine's emitter with the worker at the other end of a socket instead of on an event loop: inside a
+    decode step the rows' outputs gather and leave as one message when the step ends, written by the scheduler
+    thread itself (no hop through this process's event loop); outside one each leaves at once."""
+
+    def __init__(self, send: Callable[[Outputs], None], finished: Callable[[int], None]) -> None:
+        super().__init__()
+        self._send, self._finished = send, finished
+        self._keys: list[int] = []
+        self._outputs: list[GenerateOutput] = []
+        self._batching = False
+
+    def send(self, loop: Any, outputs: Keyed, out: GenerateOutput) -> None:
+        if out.finished:
+            self._finished(outputs.key)
+        if self._batching:
+            self._keys.append(outputs.key)
+            self._outputs.append(out)
+        else:
+            self._send(Outputs(keys=[outputs.key], outputs=[out]))
+
+    def __enter__(self) -> "LinkEmitter":
+        self._batching = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._batching = False
+        if self._keys:
+            keys, outs, self._keys, self._outputs = self._keys, self._outputs, [], []
+            self._send(Outputs(keys=keys, outputs=outs))
+
+
+class Core:
+    """The requests this engine holds for its worker, by key."""
+
+    def __init__(self, engine: Any, sender: BlockingSender, counters: dict[str, float]) -> None:
+        self.engine, self.sender, self.counters = engine, sender, counters
+        self.seqs: dict[int, Any] = {}  # key -> Seq (None while its KV is fetched)
+        self.tasks: set[asyncio.Task] = set()
+        self.stopped = asyncio.Event()
+        engine.emitter = LinkEmitter(sender.send, self._finished)
+
+    def _finished(self, key: int) -> None:  # on the scheduler thread
+        self.seqs.pop(key, None)
+
+    def stats(self) -> dict[str, float]:
+        return {**self.engine.stats(), **self.counters, "engine_pid": os.getpid()}
+
+    def on_message(self, message: Any) -> None:
+        if isinstance(message, Submit):
+            self.seqs[message.key] = None
+            task = asyncio.create_task(self._submit(message))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        elif isinstance(message, Drop):
+            seq = self.seqs.pop(message.key, None)
+            if seq is not None:
+                seq.cancelled = True  # the scheduler frees its slot at the next step
+        elif isinstance(message, AskStats):
+            self.sender.send(Stats(values=self.stats()))
+        elif isinstance(message, Stop):
+            self.stopped.set()
+
+    async def _submit(self, message: Submit) -> None:
+        try:
+            seq = await self.engine.submit(message.request, Keyed(message.key))
+        except ValueError as exc:
+            self.seqs.pop(message.key, None)
+            self.sender.send(Refused(key=message.key, message=str(exc), code=400))
+            return
+        except Exception as exc:  # noqa: BLE001 - whatever stops a request is the worker's to answer
+            self.seqs.pop(message.key, None)
+            code = exc.code if isinstance(exc, RemoteError) else 500
+            self.sender.send(Refused(key=message.key, message=str(exc), code=code))
+            return
+        if message.key in self.seqs:
+            self.seqs[message.key] = seq
+        else:  # dropped while its KV was fetched (or already finished: then this changes nothing)
+            seq.cancelled = True
+
+    async def report(self) -> None:
+        """Stats every second; the engine's failure as soon as it is seen."""
+        while not self.stopped.is_set():
+            if self.engine.failure:
+                self.sender.send(Failed(error=self.engine.failure))
+                return
+            self.sender.send(Stats(values=self.stats()))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stopped.wait(), STATS_EVERY_S)
+
+
+async def run(manifest: Manifest, role: str, index: int, device: str, requests_fd: int, outputs_fd: int) -> int:
+    from hpc.runtime.engine.factory import build_engine
+    from hpc.runtime.services.node import node_address, rpc_token
+    from hpc.runtime.worker.handlers import Peers
+    from hpc.runtime.worker.kv_handoff import KvHandoff, open_nixl
+
+    plan = manifest.plan.worker(role, index)
+    host = node_address(manifest)
+    sender = BlockingSender(socket.socket(fileno=outputs_fd))
+    peers = Peers(token=rpc_token(manifest))  # to the prefill workers whose KV this decode worker takes
+    handoff = KvHandoff(setting=manifest.recipe.runtime.kv_transport, device=device, host=host, engine=None,
+                        peers=peers, counters={})
+    if DisaggregationMode(role) is DisaggregationMode.DECODE:
+        handoff.nixl = open_nixl(manifest.recipe.runtime.kv_transport, device.startswith("cuda"), plan.name)
+    engine = build_engine(manifest, role, self_address=f"{host}:{plan.ports['rpc']}", fetch_kv=handoff.fetch,
+                          device=device, group=plan.group)
+    handoff.engine = engine
+    core = Core(engine, sender, handoff.counters)
+    engine.on_kv_event = lambda record: sender.send(KvEvent(record=record))  # on this loop (TorchEngine._kv_event)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, core.stopped.set)
+    try:
+        async with engine:
+            requests = await receive(socket.socket(fileno=requests_fd), ToEngine, core.on_message,
+                                     core.stopped.set)  # the worker gone: stop
+            sender.send(Ready(pid=os.getpid()))
+            await core.report()
+            await core.stopped.wait()
+            requests.close()
+            await handoff.settle()
+    finally:
+        handoff.close()
+        await peers.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpc.runtime.worker.engine_core")
+    parser.add_argument("manifest")
+    parser.add_argument("--role", required=True, choices=["agg", "decode"])
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--device", required=True)
+    parser.add_argument("--requests-fd", type=int, required=True)
+    parser.add_argument("--outputs-fd", type=int, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s {args.role}-{args.index}.engine %(levelname)s %(message)s")
+    # the worker stops this process (Stop, or its link closing); a Ctrl-C on a local launch reaches the whole
+    # process group, and the worker's drain must still find its engine serving
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+    return asyncio.run(run(Manifest.load(args.manifest), args.role, args.index, args.device, args.requests_fd,
+                           args.outputs_fd))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""The link between a worker and its engine in a process of its own (engine_process.py, engine_core.py).
+
+Two socket pairs, each one way: requests, cancellations and stats questions go worker -> engine, a decode step's
+outputs (all of its rows in one message), refusals, stats and KV events come back. A message is a 4-byte length
+and a msgpack body, typed by msgspec as the RPC's frames are (wire.py), so neither side sees an untyped dict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import threading
+from typing import Any, Callable, Union
+
+import msgspec
+from msgspec import Struct
+
+from hpc.runtime.engine.types import GenerateOutput, GenerateRequest
+
+LENGTH = struct.Struct(">I")
+
+
+class _Link(Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    pass
+
+
+# ---- worker -> engine ---------------------------------------------------------------------------------------
+class Submit(_Link, tag="submit"):
+    key: int
+    request: GenerateRequest
+
+
+class Drop(_Link, tag="drop"):
+    """The worker no longer wants `key`'s outputs (its caller went away): the scheduler frees the slot."""
+
+    key: int
+
+
+class AskStats(_Link, tag="ask_stats"):
+    pass
+
+
+class Stop(_Link, tag="stop"):
+    pass
+
+
+# ---- engine -> worker ---------------------------------------------------------------------------------------
+class Ready(_Link, tag="ready"):
+    pid: int
+
+
+class Outputs(_Link, tag="outputs"):
+    """One decode step's outputs (or one output outside a step), in the order the engine sent them."""
+
+    keys: list[int]
+    outputs: list[GenerateOutput]
+
+
+class Refused(_Link, tag="refused"):
+    """`key` never reached the scheduler: 400 for the request's fault (ValueError), else the engine's."""
+
+    key: int
+    message: str
+    code: int
+
+
+class Stats(_Link, tag="stats"):
+    values: dict[str, float]
+
+
+class KvEvent(_Link, tag="kv_event"):
+    record: dict[str, Any]
+
+
+class Failed(_Link, tag="failed"):
+    error: str
+
+
+ToEngine = Union[Submit, Drop, AskStats, Stop]
+FromEngine = Union[Ready, Outputs, Refused, Stats, KvEvent, Failed]
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: _Link) -> bytes:
+    body = _encoder.encode(message)
+    return LENGTH.pack(len(body)) + body
+
+
+class Receiver(asyncio.Protocol):
+    """Reads length-prefixed messages on an event loop and hands each, decoded, to `on_message`; `on_closed` when
+    the other end is gone (its process exited or closed the link)."""
+
+    def __init__(self, kind: Any, on_message: Callable[[Any], None], on_closed: Callable[[], None]) -> None:
+        self.decoder = msgspec.msgpack.Decoder(kind)
+        self.on_message, self.on_closed = on_message, on_closed
+        self.buffer = bytearray()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        messages, pos, view = [], 0, memoryview(self.buffer)
+        try:
+            while len(view) - pos >= LENGTH.size:
+                (n,) = LENGTH.unpack_from(view, pos)
+                if len(view) - pos - LENGTH.size < n:
+                    break
+                messages.append(self.decoder.decode(view[pos + LENGTH.size:pos + LENGTH.size + n]))
+                pos += LENGTH.size + n
+        finally:
+            view.release()  # the buffer cannot shrink while a view of it lives
+        del self.buffer[:pos]
+        for message in messages:
+            self.on_message(message)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.on_closed()
+
+
+async def receive(sock: socket.socket, kind: Any, on_message: Callable[[Any], None],
+                  on_closed: Callable[[], None]) -> asyncio.Transport:
+    """Start reading `sock` on the running loop; returns the transport (its write() sends the other way, on a
+    socket used both ways)."""
+    transport, _ = await asyncio.get_running_loop().create_unix_connection(
+        lambda: Receiver(kind, on_message, on_closed), sock=sock)
+    return transport
+
+
+class BlockingSender:
+    """Sends from any thread (the engine's scheduler thread writes a step's outputs itself, the event loop its
+    answers): one lock, blocking writes. A full socket holds the writer back until the worker reads."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(True)
+        self.sock, self.lock = sock, threading.Lock()
+
+    def send(self, message: _Link) -> None:
+        data = encode(message)
+        with self.lock:
+            self.sock.sendall(data)

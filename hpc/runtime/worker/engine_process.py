@@ -1,0 +1,225 @@
+"""A worker's torch engine in a process of its own, used as the worker uses an engine in its own process.
+
+Why: a decode worker at 64 streams kept one core busy and its GIL held 71 % of the time, shared by the engine's
+scheduler thread (staging each step, reading its tokens, admitting requests) and the event loop's output path
+(each token's frame to the frontend): each waited for the other (docs/performance.md). Apart, each has a GIL of
+its own; what crosses between them is one message per decode step (every row's output) and one per request.
+vLLM V1 splits its EngineCore from the API server process the same way.
+
+`runtime.engine_process` chooses (engine_in_own_process): own, worker, or auto — own for aggregated and decode
+workers of one rank on a GPU. A prefill worker keeps its engine (the KV it lends is read from the engine's memory
+by the RPC answers), and so does a worker of several ranks (rank 0's engine is an MPI rank).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+import subprocess
+import sys
+from typing import Any, AsyncIterator, Callable
+
+from hpc.runtime.engine.types import DisaggregationMode, GenerateOutput, GenerateRequest
+from hpc.runtime.serve.rpc import RemoteError
+from hpc.runtime.worker.engine_link import (
+    AskStats, Drop, Failed, FromEngine, KvEvent, Outputs, Ready, Refused, Stats, Stop, Submit, encode, receive,
+)
+from hpc.spec.recipe import Backend
+
+log = logging.getLogger("hpc.worker")
+STATS_TIMEOUT_S = 2.0
+STOP_TIMEOUT_S = 15.0
+CLOSED_GRACE_S = 1.0
+
+
+def engine_in_own_process(setting: str, backend: Backend, modality: str, mode: DisaggregationMode, ranks: int,
+                          on_gpu: bool) -> bool:
+    if setting == "worker" or backend is not Backend.TORCH or modality != "text" or ranks > 1:
+        return False
+    if mode not in (DisaggregationMode.AGGREGATED, DisaggregationMode.DECODE):
+        return False
+    return setting == "own" or on_gpu
+
+
+async def engine_stats(engine: Any) -> dict[str, float]:
+    """The engine's figures now (an engine process is asked; one in this process just answers)."""
+    fresh = getattr(engine, "fresh_stats", None)
+    return await fresh() if fresh is not None else engine.stats()
+
+
+class EngineProcess:
+    """Opened with `async with` (the engine process is loaded and warm when it returns); stream(), generate(),
+    stats() and failure as TorchEngine has them."""
+
+    def __init__(self, manifest_file: str, role: str, index: int, device: str, ready_timeout_s: float) -> None:
+        self.mode = DisaggregationMode(role)
+        self.device = device
+        self.failure: str | None = None
+        self.on_kv_event: Callable[[dict[str, Any]], None] | None = None
+        self.pid: int | None = None
+        self._cmd = [sys.executable, "-m", "hpc.runtime.worker.engine_core", manifest_file, "--role", role,
+                     "--index", str(index), "--device", device]
+        self._ready_timeout_s = ready_timeout_s
+        self._keys = itertools.count()
+        self._streams: dict[int, tuple[Callable[[GenerateOutput], None], asyncio.Future]] = {}
+        self._stats: dict[str, float] = {}
+        self._stats_waiters: list[asyncio.Future] = []
+        self._ready: asyncio.Future | None = None
+        self._proc: subprocess.Popen | None = None
+        self._requests: asyncio.Transport | None = None
+        self._outputs: asyncio.Transport | None = None
+        self._exited: asyncio.Task | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+    async def __aenter__(self) -> "EngineProcess":
+        loop = asyncio.get_running_loop()
+        requests, requests_there = socket.socketpair()
+        outputs, outputs_there = socket.socketpair()
+        fds = (requests_there.fileno(), outputs_there.fileno())
+        self._proc = subprocess.Popen([*self._cmd, "--requests-fd", str(fds[0]), "--outputs-fd", str(fds[1])],
+                                      pass_fds=fds)
+        requests_there.close()
+        outputs_there.close()
+        self._ready = loop.create_future()
+        self._outputs = await receive(outputs, FromEngine, self._on_message, self._on_closed)
+        self._requests, _ = await loop.create_unix_connection(asyncio.Protocol, sock=requests)
+        self._exited = asyncio.create_task(asyncio.to_thread(self._proc.wait))
+        self._exited.add_done_callback(self._on_exit)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._ready), self._ready_timeout_s)
+        except BaseException:
+            await self._stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._stop()
+
+    async def _stop(self) -> None:
+        if self._proc is None:
+            return
+        if self._proc.poll() is None and self._requests is not None and not self._requests.is_closing():
+            self._requests.write(encode(Stop()))
+        try:
+            await asyncio.wait_for(asyncio.shield(self._exited), STOP_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.warning("the engine process did not stop in %.0f s; killing it", STOP_TIMEOUT_S)
+            self._proc.kill()
+            await self._exited
+        for transport in (self._requests, self._outputs):
+            if transport is not None:
+                transport.close()
+
+    def _on_exit(self, task: asyncio.Task) -> None:
+        code = task.result() if not task.cancelled() and task.exception() is None else None
+        self._fail(f"the engine process exited (code {code})")
+
+    def _on_closed(self) -> None:
+        # the process is exiting, most likely: its exit code (_on_exit) says more than this, if it comes soon
+        asyncio.get_running_loop().call_later(CLOSED_GRACE_S, self._fail, "the engine process closed its link")
+
+    def _fail(self, error: str) -> None:
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(RuntimeError(f"{error} before it was ready; its log says why"))
+        if self.failure is None:
+            self.failure = error
+        streams, self._streams = self._streams, {}
+        for _, done in streams.values():
+            if not done.done():
+                done.set_exception(RuntimeError(f"engine failed: {self.failure}"))
+
+    # ---- from the engine ------------------------------------------------------------------------------------
+    def _on_message(self, message: Any) -> None:
+        if isinstance(message, Outputs):
+            streams = self._streams
+            for key, out in zip(message.keys, message.outputs):
+                entry = streams.get(key)
+                if entry is None:  # dropped: the scheduler's last outputs have nowhere to go
+                    continue
+                deliver, done = entry
+                try:
+                    deliver(out)
+                except Exception as exc:  # noqa: BLE001 - the caller's error, raised from stream()
+                    del streams[key]
+                    self._send(Drop(key=key))
+                    done.set_exception(exc)
+                    continue
+                if out.finished:
+                    del streams[key]
+                    done.set_result(None)
+        elif isinstance(message, Stats):
+            self._stats = message.values
+            waiters, self._stats_waiters = self._stats_waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+        elif isinstance(message, Refused):
+            entry = self._streams.pop(message.key, None)
+            if entry is not None:
+                entry[1].set_exception(ValueError(message.message) if message.code == 400
+                                       else RemoteError(message.message, message.code))
+        elif isinstance(message, KvEvent):
+            if self.on_kv_event is not None:
+                self.on_kv_event(message.record)
+        elif isinstance(message, Ready):
+            self.pid = message.pid
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(None)
+        elif isinstance(message, Failed):
+            self._fail(message.error)
+
+    def _send(self, message: Any) -> None:
+        if self._requests is not None and not self._requests.is_closing():
+            self._requests.write(encode(message))
+
+    # ---- the engine's interface -----------------------------------------------------------------------------
+    async def stream(self, request: GenerateRequest, deliver: Callable[[GenerateOutput], None]) -> None:
+        """As TorchEngine.stream: each output to `deliver` on this loop as its step's message arrives; returns
+        when the request finished, raises what `deliver` raised or why the engine refused it."""
+        if self.failure:
+            raise RuntimeError(f"engine failed: {self.failure}")
+        key = next(self._keys)
+        done = asyncio.get_running_loop().create_future()
+        self._streams[key] = (deliver, done)
+        self._send(Submit(key=key, request=request))
+        try:
+            await done
+        finally:
+            if self._streams.pop(key, None) is not None:  # the caller went away first
+                self._send(Drop(key=key))
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        outputs: asyncio.Queue[GenerateOutput] = asyncio.Queue()
+        task = asyncio.create_task(self.stream(request, outputs.put_nowait))
+        try:
+            while True:
+                getter = asyncio.ensure_future(outputs.get())
+                await asyncio.wait([getter, task], return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    task.result()  # raises why it ended without a last output
+                    return
+                out = getter.result()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if not task.done():
+                task.cancel()
+
+    def stats(self) -> dict[str, float]:
+        """The figures the engine process last sent (every second, and whenever asked)."""
+        return dict(self._stats)
+
+    async def fresh_stats(self) -> dict[str, float]:
+        if not self.failure:
+            waiter = asyncio.get_running_loop().create_future()
+            self._stats_waiters.append(waiter)
+            self._send(AskStats())
+            try:
+                await asyncio.wait_for(waiter, STATS_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                pass
+        return self.stats()

@@ -1,0 +1,193 @@
+"""A worker's engine in a process of its own: the link's messages, and a disaggregated stack whose decode worker
+runs its engine apart (runtime.engine_process=own) serving, cancelling, refusing and failing as one that does not."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpc.checks.probe import get_text, metric_values, post_json
+from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode, GenerateOutput, GenerateRequest
+from hpc.runtime.worker.engine_core import Keyed, LinkEmitter
+from hpc.runtime.worker.engine_link import FromEngine, Outputs, Receiver, Refused, Submit, ToEngine, encode
+from hpc.runtime.serve.rpc import RemoteError
+from hpc.runtime.worker.engine_process import EngineProcess, engine_in_own_process
+from hpc.spec.recipe import Backend
+from tests.runtime.conftest import stack_fixture
+
+AGG, DECODE, PREFILL = DisaggregationMode.AGGREGATED, DisaggregationMode.DECODE, DisaggregationMode.PREFILL
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("setting,backend,modality,mode,ranks,gpu,want", [
+    ("auto", Backend.TORCH, "text", DECODE, 1, True, True),  # the GPU case the split is for
+    ("auto", Backend.TORCH, "text", AGG, 1, True, True),
+    ("auto", Backend.TORCH, "text", DECODE, 1, False, False),  # CPU: one process, as before
+    ("own", Backend.TORCH, "text", DECODE, 1, False, True),
+    ("own", Backend.TORCH, "text", PREFILL, 1, True, False),  # the KV it lends lives in its engine's memory
+    ("own", Backend.TORCH, "text", DECODE, 2, True, False),  # rank 0's engine is an MPI rank
+    ("own", Backend.TRTLLM, "text", DECODE, 1, True, False),
+    ("own", Backend.TORCH, "multimodal", AGG, 1, True, False),
+    ("worker", Backend.TORCH, "text", DECODE, 1, True, False),
+])
+def test_which_workers_run_their_engine_apart(setting, backend, modality, mode, ranks, gpu, want):
+    assert engine_in_own_process(setting, backend, modality, mode, ranks, gpu) is want
+
+
+@pytest.mark.unit
+def test_a_decode_steps_outputs_leave_as_one_message_and_others_at_once():
+    sent, finished = [], []
+    emitter = LinkEmitter(sent.append, finished.append)
+    with emitter:
+        for key in (3, 5, 7):
+            emitter.send(None, Keyed(key), GenerateOutput(token_ids=[key], finished=key == 5))
+        assert sent == []  # nothing leaves before the step ends
+    emitter.send(None, Keyed(9), GenerateOutput(token_ids=[1]))
+    assert [m.keys for m in sent] == [[3, 5, 7], [9]]
+    assert [o.token_ids for o in sent[0].outputs] == [[3], [5], [7]] and finished == [5]
+
+
+@pytest.mark.unit
+def test_messages_are_read_whole_however_the_bytes_arrive():
+    hostile = "$(rm -rf /) `x` 'q' \"d\"\nnew line"
+    messages = [Submit(key=i, request=GenerateRequest(request_id=hostile * i, token_ids=list(range(i + 1))))
+                for i in range(5)]
+    stream = b"".join(encode(m) for m in messages)
+    for cut in (1, 2, 3, 5, 7, len(stream)):  # pieces that split length headers and bodies
+        got, closed = [], []
+        receiver = Receiver(ToEngine, got.append, lambda: closed.append(True))
+        for start in range(0, len(stream), cut):
+            receiver.data_received(stream[start:start + cut])
+        assert got == messages and receiver.buffer == b""
+        receiver.connection_lost(None)
+        assert closed == [True]
+    mixed = [Outputs(keys=[1], outputs=[GenerateOutput(token_ids=[2])]), Refused(key=1, message=hostile, code=400)]
+    got = []
+    Receiver(FromEngine, got.append, lambda: None).data_received(b"".join(encode(m) for m in mixed))
+    assert got == mixed
+
+
+apart = stack_fixture("tiny-disagg", "--set", "runtime.engine_process=own")
+PROMPT = "The capital of France is"
+
+
+def _state(stack, worker: str) -> dict:
+    return json.loads((stack.run.state / f"{worker}.json").read_text())
+
+
+def _metric(stack, worker: str, name: str) -> float:
+    return metric_values(get_text(_state(stack, worker)["http"] + "/metrics"), name)
+
+
+def _complete(stack, **extra):
+    body = {"model": stack.model, "prompt": PROMPT, "temperature": 0, "max_tokens": 12, "ignore_eos": True, **extra}
+    return post_json(stack.url + "/v1/completions", body)
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
+@pytest.mark.integration
+def test_the_decode_worker_serves_from_an_engine_process_of_its_own(apart, tiny):
+    decode = _state(apart, "decode-0")
+    engine_pid = int(_metric(apart, "decode-0", "hpc_worker_engine_pid"))
+    assert engine_pid == decode["engine_pid"] and engine_pid != decode["pid"]
+    assert "hpc.runtime.worker.engine_core" in _cmdline(engine_pid) and " --role decode " in _cmdline(engine_pid)
+    assert "engine_pid" not in _state(apart, "prefill-0")  # a prefill worker keeps its engine
+    steps = _metric(apart, "decode-0", "hpc_worker_decode_steps")
+    served = _metric(apart, "decode-0", "hpc_worker_requests_streamed_direct")
+    status, body = _complete(apart)
+    assert status == 200 and body["usage"]["completion_tokens"] == 12
+    # the engine process decoded it (its counters reach the worker's /metrics) and took the KV itself
+    assert _metric(apart, "decode-0", "hpc_worker_decode_steps") >= steps + 11
+    assert _metric(apart, "decode-0", "hpc_worker_requests_streamed_direct") == served + 1
+    # GPUs of one node: the KV came with the prefill's answer (CUDA IPC); CPU: as bytes
+    moved = "hpc_worker_kv_taken_from_answer" if torch.cuda.is_available() else "hpc_worker_kv_fetched_bytes"
+    assert _metric(apart, "decode-0", moved) >= 1
+
+    # the same greedy text as an aggregated engine in this process (fp32 on CPU, bf16 on a GPU, as the stack's)
+    from hpc.runtime.engine.torch_engine import TorchEngine
+    from hpc.runtime.engine.types import SamplingParams
+    from hpc.runtime.frontend.tokenizer import TextCodec
+
+    codec = TextCodec(Path(tiny))
+
+    async def direct() -> list[int]:
+        ids = codec.encode(PROMPT)
+        async with TorchEngine(tiny, AGG, {}, device="cuda:0" if torch.cuda.is_available() else "cpu") as engine:
+            tokens = []
+            async for out in engine.generate(GenerateRequest(request_id="d", token_ids=ids, sampling=SamplingParams(
+                    max_tokens=12, ignore_eos=True))):
+                tokens += out.token_ids
+            return tokens
+
+    assert body["choices"][0]["text"] == codec.decode(asyncio.run(direct()))
+
+
+@pytest.mark.integration
+def test_refusals_cross_back_as_the_engine_raised_them(apart):
+    """A second engine process on the stack's manifest, driven directly: the request's fault is a ValueError
+    (a 400 to the client), the prefill worker's answer keeps its code."""
+    prefill = _state(apart, "prefill-0")["address"]
+
+    async def drive() -> tuple[int, int]:
+        async with EngineProcess(str(apart.run.path / "manifest.json"), "decode", 0, "cpu", 120) as engine:
+            with pytest.raises(ValueError, match="empty prompt"):
+                await engine.stream(GenerateRequest(request_id="e", token_ids=[]), lambda out: None)
+            params = DisaggregatedParams(request_handle="no such handle", prefill_address=prefill,
+                                         first_token_id=5, prompt_length=3)
+            with pytest.raises(RemoteError, match="no KV cache waiting") as refused:
+                await engine.stream(GenerateRequest(request_id="k", token_ids=[1, 2, 3],
+                                                    disaggregated_params=params), lambda out: None)
+            assert refused.value.code == 404
+            stats = await engine.fresh_stats()
+            assert stats["engine_pid"] == engine.pid != os.getpid() and stats["running"] == 0
+            return engine.pid, int(stats["requests"])
+
+    pid, requests = asyncio.run(drive())
+    assert requests == 0  # neither reached the scheduler
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # stopped with the `async with`
+
+
+@pytest.mark.integration
+def test_a_client_that_goes_away_frees_its_slot_in_the_engine_process(apart):
+    req = urllib.request.Request(apart.url + "/v1/completions", data=json.dumps(
+        {"model": apart.model, "prompt": PROMPT, "temperature": 0, "max_tokens": 250, "ignore_eos": True,
+         "stream": True}).encode(), headers={"content-type": "application/json"})
+    generated = _metric(apart, "decode-0", "hpc_worker_generated_tokens")
+    resp = urllib.request.urlopen(req, timeout=30)
+    resp.readline()
+    deadline = time.monotonic() + 10
+    while _metric(apart, "decode-0", "hpc_worker_running") != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the first token is the prefill worker's: decoding starts a little later
+    assert _metric(apart, "decode-0", "hpc_worker_running") == 1
+    resp.close()  # the client goes away mid-stream: the worker drops it, the engine process frees the slot
+    deadline = time.monotonic() + 10
+    while _metric(apart, "decode-0", "hpc_worker_running") != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metric(apart, "decode-0", "hpc_worker_running") == 0
+    assert _metric(apart, "decode-0", "hpc_worker_generated_tokens") - generated < 249  # stopped, not finished
+    assert _complete(apart)[0] == 200  # and serving goes on
+
+
+@pytest.mark.integration
+def test_a_dead_engine_process_fails_its_worker(apart):
+    engine_pid = _state(apart, "decode-0")["engine_pid"]
+    os.kill(engine_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while _state(apart, "decode-0")["phase"] not in ("failed", "restarting") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _state(apart, "decode-0")["phase"] in ("failed", "restarting")
+    log = (apart.run.logs / "decode-0.log").read_text()
+    assert "engine failed: the engine process exited (code -9)" in log
