@@ -73,6 +73,16 @@ def group_cpu_seconds(leader: int) -> float:
     return total
 
 
+def frontend_latency(url: str) -> dict[str, float]:
+    """The frontend's TTFT and request-duration sums (seconds) and request count so far (all its processes)."""
+    from hpc.checks.probe import get_text, metric_values
+
+    text = get_text(f"{url.removesuffix('/v1')}/metrics")
+    return {"ttft": metric_values(text, "hpc_frontend_time_to_first_token_seconds_sum"),
+            "e2e": metric_values(text, "hpc_frontend_request_duration_seconds_sum"),
+            "count": metric_values(text, "hpc_frontend_request_duration_seconds_count")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--recipe", default="tiny-disagg")
@@ -108,13 +118,19 @@ def main() -> None:
             for i, lv in enumerate(levels):
                 if lv is levels[-1]:
                     cpu0, wall0 = {n: group_cpu_seconds(p) for n, p in leaders.items()}, time.perf_counter()
+                    cpu0["client"] = time.process_time()  # this process: the load generator
+                    seen0 = frontend_latency(url)
                 began = time.time()  # wall clock: to line up with a GPU clock log (nvidia-smi -lms)
                 # prompts of their own at each level and sweep: the second sweep must not find the first's in
                 # the prefix cache (it did, with one seed for all, and was faster for it)
                 results[lv.concurrency] = {**await run_level(url, model, lv, True, 0, seed=sweep * len(levels) + i),
                                            "began_at": began}
             wall = time.perf_counter() - wall0
-            busy.append({n: (group_cpu_seconds(p) - cpu0[n]) / wall for n, p in leaders.items()})
+            seen = frontend_latency(url)
+            frontend_seen.append({k: (seen[k] - seen0[k]) / max(seen["count"] - seen0["count"], 1) * 1e3
+                                  for k in ("ttft", "e2e")})
+            busy.append({**{n: (group_cpu_seconds(p) - cpu0[n]) / wall for n, p in leaders.items()},
+                         "client": (time.process_time() - cpu0["client"]) / wall})
             out.append(results)
             after = {name: counters(u, SWEEP_COUNTERS) for name, u in urls.items()}
             spent.append({name: {k: after[name][k] - before[name][k] for k in SWEEP_COUNTERS} for name in urls})
@@ -140,6 +156,7 @@ def main() -> None:
     if args.profile and not _profile.available():
         raise SystemExit("--profile needs py-spy on PATH (pip install py-spy)")
     profiles: dict[str, list[str]] = {}
+    frontend_seen: list[dict[str, float]] = []
     with contextlib.redirect_stdout(io.StringIO()):
         stack = local_stack(args.recipe, *overrides, *args.overrides)
         run, url = stack.__enter__()
@@ -161,12 +178,12 @@ def main() -> None:
         print(f"{name}: {int(stats.get('requests', 0))} prefills, {int(stats.get('kv_ipc_shared', 0))} KV handoffs "
               f"shared over CUDA IPC (the rest as bytes)")
     print(f"{'c':>4} {'requests':>9} {'peak':>5} {'first tok/s':>12} {'second tok/s':>13} {'first/second':>13} "
-          f"{'p99 e2e s (1st)':>16}")
+          f"{'p99 e2e s (1st)':>16} {'p50 TTFT / e2e ms (1st)':>24}")
     for lv in levels:
         a, b = first[lv.concurrency], second[lv.concurrency]
         print(f"{lv.concurrency:>4} {lv.requests:>9} {a['peak_inflight']:>5} {a['output_tokens_per_s']:>12.1f} "
               f"{b['output_tokens_per_s']:>13.1f} {a['output_tokens_per_s'] / b['output_tokens_per_s']:>13.0%} "
-              f"{a['e2e_s']['p99']:>16.3f}")
+              f"{a['e2e_s']['p99']:>16.3f} {a['ttft_s']['p50'] * 1e3:>13.1f} / {a['e2e_s']['p50'] * 1e3:>8.1f}")
     def requests_ms(level: dict) -> str:
         return ", ".join(f"{r['ttft_s'] * 1e3:.1f} / {r['e2e_s'] * 1e3:.1f}" for r in level["first_requests"]
                          if r["ttft_s"] is not None)
@@ -188,6 +205,8 @@ def main() -> None:
 
     print("inside each engine per request, first / second sweep: " + "; ".join(
         f"{name} {per_request(spent[0][name])} / {per_request(spent[1][name])}" for name in urls))
+    print(f"the frontend's own mean TTFT / e2e at c={levels[-1].concurrency} (from a request's arrival there), first "
+          f"/ second sweep: " + " / ".join(f"{f['ttft']:.1f} / {f['e2e']:.1f} ms" for f in frontend_seen))
     print(f"cores busy at c={levels[-1].concurrency}, first / second sweep: "
           + ", ".join(f"{n} {busy[0][n]:.2f} / {busy[1][n]:.2f}" for n in busy[0]))
     lo, hi = levels[0].concurrency, levels[-1].concurrency

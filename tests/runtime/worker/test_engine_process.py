@@ -161,6 +161,7 @@ def test_refusals_cross_back_as_the_engine_raised_them(apart):
 
 
 @pytest.mark.integration
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU decodes the 250 tokens before the client can leave")
 def test_a_client_that_goes_away_frees_its_slot_in_the_engine_process(apart):
     req = urllib.request.Request(apart.url + "/v1/completions", data=json.dumps(
         {"model": apart.model, "prompt": PROMPT, "temperature": 0, "max_tokens": 250, "ignore_eos": True,
