@@ -114,6 +114,9 @@ def main() -> None:
     parser.add_argument("--client-in-process", action="store_true",
                         help="the stack's load generator in this process, beside the engine (before 2026-11-25); "
                              "by default it has a process of its own, as hpc bench does")
+    parser.add_argument("--client-processes", default="auto", metavar="N|auto",
+                        help="the stack's load generator: processes per level (default auto, as hpc bench's: one "
+                             "per 16 users); 1 keeps one process of its own, as before 2026-11-26")
     parser.add_argument("--engine-args", default="{}", help="JSON merged into the engine args of both paths")
     parser.add_argument("--output-spread", type=int, default=0,
                         help="each request's output length uniform in output-tokens +- this (0: all equal)")
@@ -139,7 +142,7 @@ def main() -> None:
                         sweep[lv.concurrency].append(await engine_level(engine, lv, rng))
                 return device_label(engine), direct, via, 0
             from _stack import local_stack
-            from client_capacity import go, result, start_client
+            from hpc.bench.clients import processes_for, run_apart
             from hpc.bench.loadgen import run_level
             from hpc.spec.catalog import load_recipe
 
@@ -162,9 +165,12 @@ def main() -> None:
                             res = await run_level(url, "hpc/tiny", lv, True, WARMUP, seed=seed)
                             via[lv.concurrency].append(res["output_tokens_per_s"])
                             continue
-                        client = await asyncio.to_thread(start_client, url, lv, seed)
-                        go(client)
-                        via[lv.concurrency].append((await asyncio.to_thread(result, client))["tok_s"])
+                        # apart from the engine's process, in one client process per 16 users (hpc bench's auto)
+                        processes = processes_for(args.client_processes if args.client_processes == "auto"
+                                                  else int(args.client_processes), lv.concurrency,
+                                                  os.cpu_count() or 1)
+                        res = await run_apart(url, "hpc/tiny", lv, True, WARMUP, seed, processes)
+                        via[lv.concurrency].append(res["output_tokens_per_s"])
             finally:
                 with contextlib.redirect_stdout(io.StringIO()):
                     stack.__exit__(None, None, None)

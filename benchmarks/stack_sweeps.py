@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _profile  # noqa: E402
 from _stack import add_set_option, local_stack  # noqa: E402
 
+from hpc.bench.clients import processes_for  # noqa: E402
 from hpc.bench.loadgen import REQUESTS_PER_USER, Level, run_level  # noqa: E402
 from hpc.launch.local import local_pids  # noqa: E402
 from hpc.spec.catalog import load_recipe  # noqa: E402
@@ -96,9 +97,16 @@ def main() -> None:
     parser.add_argument("--profile", metavar="DIR", help="after the sweeps, profile each component with py-spy "
                         "through a longer run at the highest concurrency (which functions hold each one's GIL)")
     parser.add_argument("--profile-seconds", type=int, default=3, help="how long each py-spy samples")
+    parser.add_argument("--client-processes", default="auto", metavar="N|auto",
+                        help="the load generator's processes per level, as hpc bench's (default auto)")
     add_set_option(parser)
     args = parser.parse_args()
     recipe, _ = load_recipe(args.recipe)
+
+    def clients(level: Level) -> int:
+        return processes_for(args.client_processes if args.client_processes == "auto" else int(args.client_processes),
+                             level.concurrency, os.cpu_count() or 1)
+
     # requests per level as `hpc bench` sends them by default: the recipe's number, at least 4 per user
     levels = [Level(c, args.input_tokens, args.output_tokens,
                     max(recipe.benchmark.requests_per_level, args.requests_per_user * c))
@@ -123,14 +131,16 @@ def main() -> None:
                 began = time.time()  # wall clock: to line up with a GPU clock log (nvidia-smi -lms)
                 # prompts of their own at each level and sweep: the second sweep must not find the first's in
                 # the prefix cache (it did, with one seed for all, and was faster for it)
-                results[lv.concurrency] = {**await run_level(url, model, lv, True, 0, seed=sweep * len(levels) + i),
+                results[lv.concurrency] = {**await run_level(url, model, lv, True, 0, seed=sweep * len(levels) + i,
+                                                             processes=clients(lv)),
                                            "began_at": began}
             wall = time.perf_counter() - wall0
             seen = frontend_latency(url)
             frontend_seen.append({k: (seen[k] - seen0[k]) / max(seen["count"] - seen0["count"], 1) * 1e3
                                   for k in ("ttft", "e2e")})
+            client_cpu = time.process_time() - cpu0["client"] + results[levels[-1].concurrency].get("client_cpu_s", 0)
             busy.append({**{n: (group_cpu_seconds(p) - cpu0[n]) / wall for n, p in leaders.items()},
-                         "client": (time.process_time() - cpu0["client"]) / wall})
+                         "client": client_cpu / wall})
             out.append(results)
             after = {name: counters(u, SWEEP_COUNTERS) for name, u in urls.items()}
             spent.append({name: {k: after[name][k] - before[name][k] for k in SWEEP_COUNTERS} for name in urls})
@@ -144,7 +154,7 @@ def main() -> None:
                                                                top.output_tokens,
                                                                top.requests * 8 * -(-args.profile_seconds // 3)),
                                                          True, 0,
-                                                         seed=2 * len(levels)))
+                                                         seed=2 * len(levels), processes=clients(top)))
         await asyncio.sleep(0.5)  # at full concurrency before sampling starts
         spies = _profile.record(leaders, args.profile_seconds, Path(args.profile))
         await load
@@ -177,6 +187,8 @@ def main() -> None:
     for name, stats in handoff.items():
         print(f"{name}: {int(stats.get('requests', 0))} prefills, {int(stats.get('kv_ipc_shared', 0))} KV handoffs "
               f"shared over CUDA IPC (the rest as bytes)")
+    spread = [f"c={lv.concurrency}: {first[lv.concurrency].get('client_processes', 1)}" for lv in levels]
+    print("client processes per level: " + ", ".join(spread))
     print(f"{'c':>4} {'requests':>9} {'peak':>5} {'first tok/s':>12} {'second tok/s':>13} {'first/second':>13} "
           f"{'p99 e2e s (1st)':>16} {'p50 TTFT / e2e ms (1st)':>24}")
     for lv in levels:

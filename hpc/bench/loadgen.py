@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from hpc.bench.httpclient import Pool
 
@@ -134,11 +135,29 @@ async def one_request(pool: Pool, model: str, level: Level, streaming: bool, rng
 
 
 async def run_level(url: str, model: str, level: Level, streaming: bool, warmup: int,
-                    progress: Callable[[int, int], None] = lambda done, total: None, seed: int = 0) -> dict[str, Any]:
+                    progress: Callable[[int, int], None] = lambda done, total: None, seed: int | str = 0,
+                    processes: int = 1) -> dict[str, Any]:
+    """One level's figures. `processes` > 1: its users spread over that many client processes (hpc.bench.clients),
+    so that one process parsing every streamed event is not what the level measures."""
+    if processes > 1 and not level.rate:
+        from hpc.bench.clients import run_apart
+
+        return await run_apart(url, model, level, streaming, warmup, seed, processes, progress)
+    samples, t0, t1, peak = await collect(url, model, level, streaming, warmup, progress, seed)
+    return summarize(level, samples, t1 - t0, peak_inflight=None if level.rate else peak)
+
+
+async def collect(url: str, model: str, level: Level, streaming: bool, warmup: int,
+                  progress: Callable[[int, int], None] = lambda done, total: None, seed: int | str = 0,
+                  ready: Callable[[], Awaitable[None]] | None = None) -> tuple[list[Sample], float, float, int]:
+    """(samples, start, end, peak in flight) of one level from this process; `ready` is awaited after the warm-up
+    requests, before the clock starts (client processes start together)."""
     pool = Pool(url)
     rng = random.Random(seed)
     for _ in range(warmup):
         await one_request(pool, model, level, streaming, rng)
+    if ready is not None:
+        await ready()
     samples: list[Sample] = []
     queue = list(range(level.requests))
     inflight = {"now": 0, "peak": 0}
@@ -165,9 +184,9 @@ async def run_level(url: str, model: str, level: Level, streaming: bool, warmup:
             progress(len(samples), level.requests)
     else:
         await asyncio.gather(*[user() for _ in range(level.concurrency)])
-    wall = time.perf_counter() - t0
+    t1 = time.perf_counter()
     pool.close()
-    return summarize(level, samples, wall, peak_inflight=None if level.rate else inflight["peak"])
+    return samples, t0, t1, inflight["peak"]
 
 
 def summarize(level: Level, samples: list[Sample], wall: float, peak_inflight: int | None = None) -> dict[str, Any]:
@@ -215,16 +234,21 @@ def bar(label: str) -> Callable[[int, int], None]:
 
 
 def run_sweep(url: str, model: str, levels: list[Level], streaming: bool, warmup: int,
-              show_progress: bool = True, seed: int = 0) -> list[dict[str, Any]]:
+              show_progress: bool = True, seed: int = 0, processes: int | str = 1) -> list[dict[str, Any]]:
     """Each level in turn on the same warm engines; level i's prompts come from seed + i, so no level sends the
     prompts an earlier one sent (a prefix cache would find them all: one seed for every level made each level
-    begin with the previous level's prompts)."""
+    begin with the previous level's prompts). `processes`: client processes per level, or auto
+    (hpc.bench.clients.processes_for)."""
+    from hpc.bench.clients import processes_for
+
     async def sweep() -> list[dict[str, Any]]:
         out = []
         for i, lv in enumerate(levels):
+            spread = processes_for(processes, lv.concurrency, os.cpu_count() or 1)
             label = f"c={lv.concurrency} in={lv.input_tokens} out={lv.output_tokens}"
             out.append(await run_level(url, model, lv, streaming, warmup,
-                                       bar(label) if show_progress else (lambda d, t: None), seed=seed + i))
+                                       bar(label) if show_progress else (lambda d, t: None), seed=seed + i,
+                                       processes=spread))
         return out
 
     return asyncio.run(sweep())

@@ -32,6 +32,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-spread", type=int, default=0, metavar="N",
                    help="each request's output length uniform in output-tokens +- N (default 0: all equal, so a "
                         "closed loop's requests end and return together, in waves)")
+    p.add_argument("--client-processes", default="auto", metavar="N|auto",
+                   help="processes the load generator spreads each level's users over (default auto: one per 16 "
+                        "users, at most half the cores; one process parsing every streamed event saturates its "
+                        "core at tens of thousands of tokens/s, and the level would measure the client)")
     p.add_argument("--rate", type=float, help="open loop: requests/s (Poisson) instead of a closed loop")
     p.add_argument("--warmup", type=int, help="warm-up requests per level")
     p.add_argument("--seed", type=int, default=0,
@@ -109,11 +113,15 @@ def bench(args: argparse.Namespace) -> int:
     if args.output_spread < 0:
         raise UserError(f"--output-spread {args.output_spread} is negative", field="--output-spread",
                         hint="pass 0 (equal lengths) or a number of tokens")
+    if args.client_processes != "auto" and not (args.client_processes.isdigit() and int(args.client_processes) > 0):
+        raise UserError(f"--client-processes {args.client_processes!r} is not a number of processes",
+                        field="--client-processes", hint="pass a whole number >= 1, or auto")
     levels = [Level(c, i, o, args.requests or max(base, REQUESTS_PER_USER * c), args.rate, args.ttft_target,
                     args.itl_target, args.priority, output_spread=args.output_spread)
               for i, o in zip(ins, outs) for c in concurrency]
     results = {"target": url, "model": model, "streaming": streaming, "started": stamp, "seed": args.seed,
-               "levels": run_sweep(url, model, levels, streaming, warmup, seed=args.seed)}
+               "levels": run_sweep(url, model, levels, streaming, warmup, seed=args.seed,
+                                   processes=args.client_processes)}
     results["valid"] = all(lv["valid"] for lv in results["levels"])
     out = args.out or ((run.path / "bench" / stamp) if run else Path("bench") / stamp)
     paths = report.write(results, out)

@@ -187,3 +187,45 @@ def test_each_level_sends_prompts_of_its_own_and_a_seed_repeats_them(tmp_path):
                  "--input-tokens", "8", "--output-tokens", "4", "--requests", "4", "--warmup", "0", "--seed", "7",
                  "--out", str(tmp_path / "o")]) == 0
     assert json.loads((tmp_path / "o" / "results.json").read_text())["seed"] == 7
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("concurrency,requests,processes,users,shares", [
+    (64, 256, 4, [16] * 4, [64] * 4),
+    (5, 21, 2, [3, 2], [13, 8]),  # uneven: what division leaves goes to the first
+    (2, 8, 6, [1, 1], [4, 4]),  # never more processes than users
+])
+def test_a_level_splits_over_client_processes(concurrency, requests, processes, users, shares):
+    from hpc.bench.clients import shares as split
+
+    parts = split(Level(concurrency, 8, 4, requests), processes)
+    assert [p.concurrency for p in parts] == users and [p.requests for p in parts] == shares
+    assert {(p.input_tokens, p.output_tokens) for p in parts} == {(8, 4)}
+
+
+@pytest.mark.unit
+def test_auto_gives_a_client_process_per_16_users_within_half_the_cores():
+    from hpc.bench.clients import processes_for
+
+    assert [processes_for("auto", c, 32) for c in (1, 16, 17, 64, 512)] == [1, 1, 2, 4, 16]
+    assert processes_for("auto", 64, 2) == 1 and processes_for(3, 64, 2) == 3 and processes_for(8, 2, 32) == 2
+
+
+@pytest.mark.unit
+def test_users_in_client_processes_send_every_request_once_with_prompts_of_their_own(tmp_path):
+    srv = FakeServer("good")
+    (lv,) = run_sweep(f"http://127.0.0.1:{srv.port}", "m", [Level(6, 8, 5, 30)], True, 1, False, processes=3)
+    assert lv["valid"] and lv["client_processes"] == 3 and lv["completed"] == 30
+    assert lv["output_tokens_total"] == 150 and lv["peak_inflight"] == 6 and lv["client_cpu_s"] > 0
+    assert srv.count == 30 + 3 and len(set(srv.prompts)) == 33  # one warm-up each; no process repeats another
+    assert 0 < lv["ttft_s"]["p50"] <= lv["e2e_s"]["p50"] and lv["duration_s"] > 0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("value", ["0", "-2", "two", "$(reboot)"])
+def test_a_bad_client_processes_is_refused_by_name(value, tmp_path, capsys):
+    code = main(["bench", "--url", "http://127.0.0.1:9", "--model", "m", "--client-processes", value,
+                 "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--client-processes" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()

@@ -1,0 +1,105 @@
+"""A level's users spread over several client processes: one Python process parsing every streamed event saturates
+its core at tens of thousands of events a second, and the level would measure the client (on two H200 at c=64 a
+request took 20 ms longer end to end as the client saw it than as the frontend did; docs/performance.md).
+AIPerf runs its load in worker processes for the same reason.
+
+Each client process (`python -m hpc.bench.clients`, one JSON line of work on stdin) warms up, says it is ready,
+waits for the word to go so that all start together, runs its share of the users and requests and writes its
+samples back as one JSON line. The level's figures are computed once over every process's samples; its wall time
+runs from the first process's start to the last one's end (perf_counter is the machine's monotonic clock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from dataclasses import asdict, replace
+from typing import Any, Callable
+
+from hpc.bench.loadgen import Level, Sample, collect, summarize
+
+USERS_PER_PROCESS = 16  # `auto`: one client process per this many users
+
+
+def processes_for(setting: int | str, concurrency: int, cores: int) -> int:
+    """How many client processes a level of `concurrency` users gets: a number as given (never more than the
+    users), or `auto`: one per USERS_PER_PROCESS users, at most half of this machine's cores (the stack under
+    test may share them)."""
+    if setting == "auto":
+        return max(1, min(-(-concurrency // USERS_PER_PROCESS), cores // 2))
+    return max(1, min(int(setting), concurrency))
+
+
+def shares(level: Level, processes: int) -> list[Level]:
+    """The level split over `processes`: users and requests as evenly as they go, each share at least one user."""
+    n = max(1, min(processes, level.concurrency))
+    users = [level.concurrency // n + (i < level.concurrency % n) for i in range(n)]
+    requests = [level.requests * u // level.concurrency for u in users]
+    for i in range(level.requests - sum(requests)):  # what integer division left over
+        requests[i % n] += 1
+    return [replace(level, concurrency=u, requests=r) for u, r in zip(users, requests)]
+
+
+async def run_apart(url: str, model: str, level: Level, streaming: bool, warmup: int, seed: int | str,
+                    processes: int, progress: Callable[[int, int], None] = lambda done, total: None,
+                    ) -> dict[str, Any]:
+    """The level's figures with its users in `processes` client processes (even one: apart from this process)."""
+    parts = shares(level, processes)
+    clients = [await asyncio.create_subprocess_exec(sys.executable, "-m", "hpc.bench.clients",
+                                                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+               for _ in parts]
+    try:
+        for i, (client, part) in enumerate(zip(clients, parts)):
+            work = {"url": url, "model": model, "level": asdict(part), "streaming": streaming,
+                    "warmup": -(-warmup // len(parts)), "seed": f"{seed}/{i}"}  # prompts of its own per process
+            client.stdin.write(json.dumps(work).encode() + b"\n")
+            await client.stdin.drain()
+        for client in clients:
+            if (await client.stdout.readline()).strip() != b"ready":
+                raise RuntimeError("a client process of the load generator failed before the level (its stderr "
+                                   "says why)")
+        for client in clients:  # all warmed up: they start together
+            client.stdin.write(b"go\n")
+            await client.stdin.drain()
+        outputs = await asyncio.gather(*(client.communicate() for client in clients))
+    finally:
+        for client in clients:
+            if client.returncode is None:
+                client.kill()
+                await client.wait()
+    results = []
+    for client, (out, _) in zip(clients, outputs):
+        if client.returncode != 0 or not out.strip():
+            raise RuntimeError(f"a client process of the load generator exited with {client.returncode}")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    samples = [Sample(**s) for r in results for s in r["samples"]]
+    progress(len(samples), level.requests)
+    wall = max(r["end"] for r in results) - min(r["start"] for r in results)
+    # each process's own peak, summed: they run side by side, each with its users all in flight
+    return {**summarize(level, samples, wall, peak_inflight=sum(r["peak"] for r in results)),
+            "client_processes": len(parts), "client_cpu_s": sum(r["cpu_s"] for r in results)}
+
+
+async def _client(work: dict[str, Any]) -> dict[str, Any]:
+    import time
+
+    async def ready() -> None:
+        print("ready", flush=True)
+        await asyncio.to_thread(sys.stdin.readline)
+
+    cpu0 = time.process_time()
+    samples, start, end, peak = await collect(work["url"], work["model"], Level(**work["level"]), work["streaming"],
+                                              work["warmup"], seed=work["seed"], ready=ready)
+    return {"samples": [asdict(s) for s in samples], "start": start, "end": end, "peak": peak,
+            "cpu_s": time.process_time() - cpu0}
+
+
+def main() -> int:
+    work = json.loads(sys.stdin.readline())
+    print(json.dumps(asyncio.run(_client(work))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
