@@ -2,9 +2,10 @@
 
     python benchmarks/client_capacity.py [--recipe tiny-agg] [--concurrency 64] [--clients 1,2,4]
 
-hpc bench's client is one Python process parsing every streamed event; at tens of thousands of events a second
-it may saturate its core before the stack does. If more client processes get more tokens/s from the same
-stack, the single-client figure measured the client. Each client reports its own CPU time: near 100 % of the
+One Python process parsing every streamed event saturates its core at tens of thousands of events a second,
+possibly before the stack does; if more client processes get more tokens/s from the same stack, the
+single-client figure measured the client (why `hpc bench` spreads its users over processes by default since
+2026-11-26, hpc/bench/clients.py). Each client reports its own CPU time: near 100 % of the
 wall time means it was busy all along.
 """
 

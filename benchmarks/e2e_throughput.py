@@ -47,7 +47,7 @@ async def engine_level(engine: TorchEngine, level: Level, rng: random.Random) ->
     """Tokens/s of one closed-loop level straight on the engine. Its outputs are taken as a worker takes them
     (`TorchEngine.stream`: a callback per decode step's batch; `generate`'s queue and generator resumption per
     token kept this process's event loop holding 85 % of the GIL samples at c=64 on an H200, the engine's thread
-    14 %), and every request is made before the clock starts (the stack's client makes its own in a process of
+    14 %), and every request is made before the clock starts (the stack's client makes its own in processes of
     its own)."""
     def request() -> GenerateRequest:
         return GenerateRequest(request_id="x", token_ids=prompt_ids(level.input_tokens, rng),

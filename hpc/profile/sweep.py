@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import zlib
 from pathlib import Path
@@ -40,6 +41,7 @@ def save(out: Path, results: dict[str, Any]) -> None:
 
 def measure(point: Point, req: ProfileRequest, url: str, model: str) -> dict[str, Any]:
     """One point through the frontend (the pool picked by priority): its TTFT or ITL and throughput."""
+    from hpc.bench.clients import processes_for
     from hpc.bench.loadgen import Level, run_level
 
     level = Level(point.concurrency, point.isl, point.osl, requests_at(point, req), priority=point.priority,
@@ -47,8 +49,11 @@ def measure(point: Point, req: ProfileRequest, url: str, model: str) -> dict[str
     warmup = 1 if point.phase == "prefill" else min(point.concurrency, 4)
     # prompts of this point's own: with one seed for all, a prefill point's prompts began with the tokens of the
     # shorter points' before it, which the worker's prefix cache held, and its TTFT came out too low
+    # the users over client processes as hpc bench spreads them (one per 16): one process parsing every event
+    # would cap the throughput a point measures
     res = asyncio.run(run_level(url, model, level, streaming=True, warmup=warmup,
-                                seed=zlib.crc32(repr(tuple(point)).encode())))
+                                seed=zlib.crc32(repr(tuple(point)).encode()),
+                                processes=processes_for("auto", point.concurrency, os.cpu_count() or 1)))
     ms = lambda s: None if s is None else s * 1000  # noqa: E731
     return {"phase": point.phase, "tp": point.tp, "pool": point.pool, "isl": point.isl, "osl": point.osl,
             "concurrency": point.concurrency, "requests": level.requests, "ttft_ms": ms(res["ttft_s"]["p50"]),

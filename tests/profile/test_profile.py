@@ -207,8 +207,9 @@ def test_each_prefill_point_sends_prompts_no_earlier_point_began_with(monkeypatc
 
     seeds = []
 
-    async def fake_level(url, model, level, streaming, warmup, seed=0):
+    async def fake_level(url, model, level, streaming, warmup, seed=0, processes=1):
         seeds.append(seed)
+        assert processes == 1  # one user per point here: one client process
         percentile = {"p50": 0.01}
         return {"ttft_s": percentile, "tpot_s": percentile, "output_tokens_per_s": 1.0, "valid": True,
                 "invalid_reasons": []}

@@ -72,6 +72,11 @@ class EngineProcess:
         self._outputs: asyncio.Transport | None = None
         self._exited: asyncio.Task | None = None
 
+    @property
+    def returncode(self) -> int | None:
+        """The engine process's exit code once it has exited (None while it runs or before it started)."""
+        return None if self._proc is None else self._proc.poll()
+
     # ---- lifecycle ------------------------------------------------------------------------------------------
     async def __aenter__(self) -> "EngineProcess":
         loop = asyncio.get_running_loop()
@@ -85,6 +90,7 @@ class EngineProcess:
         self._ready = loop.create_future()
         self._outputs = await receive(outputs, FromEngine, self._on_message, self._on_closed)
         self._requests, _ = await loop.create_unix_connection(asyncio.Protocol, sock=requests)
+        # a thread of the default executor waits for the exit all along: the earliest news of a crash
         self._exited = asyncio.create_task(asyncio.to_thread(self._proc.wait))
         self._exited.add_done_callback(self._on_exit)
         try:

@@ -144,6 +144,9 @@ def test_refusals_cross_back_as_the_engine_raised_them(apart):
         async with EngineProcess(str(apart.run.path / "manifest.json"), "decode", 0, "cpu", 120) as engine:
             with pytest.raises(ValueError, match="empty prompt"):
                 await engine.stream(GenerateRequest(request_id="e", token_ids=[]), lambda out: None)
+            with pytest.raises(ValueError, match="empty prompt"):  # generate() raises what stream() does
+                async for _ in engine.generate(GenerateRequest(request_id="g", token_ids=[])):
+                    pass
             params = DisaggregatedParams(request_handle="no such handle", prefill_address=prefill,
                                          first_token_id=5, prompt_length=3)
             with pytest.raises(RemoteError, match="no KV cache waiting") as refused:
@@ -192,3 +195,18 @@ def test_a_dead_engine_process_fails_its_worker(apart):
     assert _state(apart, "decode-0")["phase"] in ("failed", "restarting")
     log = (apart.run.logs / "decode-0.log").read_text()
     assert "engine failed: the engine process exited (code -9)" in log
+
+
+@pytest.mark.integration
+def test_an_engine_process_that_cannot_start_says_so_and_leaves_nothing(tmp_path):
+    missing = tmp_path / "no such dir $(x)" / "manifest.json"
+
+    async def start() -> EngineProcess:
+        engine = EngineProcess(str(missing), "decode", 0, "cpu", 60)
+        with pytest.raises(RuntimeError, match=r"the engine process exited \(code 1\) before it was ready"):
+            async with engine:
+                pass
+        return engine
+
+    engine = asyncio.run(start())
+    assert engine.returncode == 1 and engine.failure  # reaped, and the worker would see why
