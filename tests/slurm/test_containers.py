@@ -37,7 +37,7 @@ def _profile(tmp_path: Path, image: str) -> str:
 
 
 def test_tiny_disagg_runs_every_component_in_a_container(slurm_env, model_cache, capsys):
-    # the decode worker's engine in a process of its own, as on a GPU node (runtime.engine_process auto there)
+    # each worker's engine in a process of its own, as on a GPU node (runtime.engine_process auto there)
     code = main(["launch", "--cluster", "dev-containers", "--recipe", "tiny-disagg",
                  "--set", f"model.path={model_cache / 'tiny'}", "--set", frontend_port(),
                  "--set", "runtime.engine_process=own"])
@@ -52,8 +52,8 @@ def test_tiny_disagg_runs_every_component_in_a_container(slurm_env, model_cache,
             # The image's Debian interpreter, not this machine's: the component ran inside the container.
             assert states[name]["python"].startswith("/usr/bin/python3 3.11."), (name, states[name]["python"])
         assert {states[n]["node"] for n in ("prefill-0", "decode-0")} == {"node2", "node3"}  # spread recipe
-        decode = states["decode-0"]
-        assert decode.get("engine_pid") not in (None, decode["pid"]) and "engine_pid" not in states["prefill-0"]
+        for worker in ("prefill-0", "decode-0"):
+            assert states[worker].get("engine_pid") not in (None, states[worker]["pid"]), states[worker]
         preflight = (run.logs / "preflight.log").read_text()
         assert preflight.count(": ok (Python 3.11") == 3  # one per node, before anything started
         url = json.loads((run.path / "endpoints" / "frontend.json").read_text())["url"]

@@ -20,13 +20,15 @@ import socket
 import sys
 from typing import Any, Callable
 
+import msgspec
+
 from hpc.manifest import Manifest
 from hpc.runtime.engine.outputs import Emitter
 from hpc.runtime.engine.types import DisaggregationMode, GenerateOutput
 from hpc.runtime.serve.rpc import RemoteError
 from hpc.runtime.worker.engine_link import (
-    AskStats, BlockingSender, Drop, Failed, KvEvent, Outputs, Ready, Refused, Stats, Stop, Submit, ToEngine,
-    receive,
+    AskKv, AskStats, BlockingSender, Drop, Failed, KvAnswer, KvEvent, Outputs, Ready, Refused, ReleaseHeld, Stats,
+    Stop, Submit, ToEngine, receive,
 )
 
 log = logging.getLogger("hpc.engine")
@@ -45,11 +47,14 @@ class Keyed:
 class LinkEmitter(Emitter):
     """The engine's emitter with the worker at the other end of a socket instead of on an event loop: inside a
     decode step the rows' outputs gather and leave as one message when the step ends, written by the scheduler
-    thread itself (no hop through this process's event loop); outside one each leaves at once."""
+    thread itself (no hop through this process's event loop); outside one each leaves at once.
+    `via_loop` (a prefill engine's): the outputs pass this process's event loop first, where a prefill's answer
+    gets its KV shared over CUDA IPC once the copy that made it has completed, as in a worker's own process."""
 
-    def __init__(self, send: Callable[[Outputs], None], finished: Callable[[int], None]) -> None:
+    def __init__(self, send: Callable[[Outputs], None], finished: Callable[[int], None],
+                 via_loop: tuple[asyncio.AbstractEventLoop, Callable[[Outputs], None]] | None = None) -> None:
         super().__init__()
-        self._send, self._finished = send, finished
+        self._send, self._finished, self._via_loop = send, finished, via_loop
         self._keys: list[int] = []
         self._outputs: list[GenerateOutput] = []
         self._batching = False
@@ -61,7 +66,14 @@ class LinkEmitter(Emitter):
             self._keys.append(outputs.key)
             self._outputs.append(out)
         else:
-            self._send(Outputs(keys=[outputs.key], outputs=[out]))
+            self._leave(Outputs(keys=[outputs.key], outputs=[out]))
+
+    def _leave(self, message: Outputs) -> None:
+        if self._via_loop is None:
+            self._send(message)
+        else:
+            loop, on_loop = self._via_loop
+            loop.call_soon_threadsafe(on_loop, message)
 
     def __enter__(self) -> "LinkEmitter":
         self._batching = True
@@ -71,31 +83,44 @@ class LinkEmitter(Emitter):
         self._batching = False
         if self._keys:
             keys, outs, self._keys, self._outputs = self._keys, self._outputs, [], []
-            self._send(Outputs(keys=keys, outputs=outs))
+            self._leave(Outputs(keys=keys, outputs=outs))
 
 
 class Core:
-    """The requests this engine holds for its worker, by key."""
+    """The requests this engine holds for its worker, by key; a prefill engine's KV answers."""
 
-    def __init__(self, engine: Any, sender: BlockingSender, counters: dict[str, float]) -> None:
-        self.engine, self.sender, self.counters = engine, sender, counters
+    def __init__(self, engine: Any, sender: BlockingSender, handoff: Any) -> None:
+        self.engine, self.sender, self.handoff = engine, sender, handoff
         self.seqs: dict[int, Any] = {}  # key -> Seq (None while its KV is fetched)
         self.tasks: set[asyncio.Task] = set()
         self.stopped = asyncio.Event()
-        engine.emitter = LinkEmitter(sender.send, self._finished)
+        prefill = engine.mode is DisaggregationMode.PREFILL
+        engine.emitter = LinkEmitter(sender.send, self._finished,
+                                     (asyncio.get_running_loop(), self._answered) if prefill else None)
+
+    def _answered(self, message: Outputs) -> None:  # on the loop: a prefill engine's outputs
+        self.sender.send(msgspec.structs.replace(message, outputs=[self.handoff.attach_shared(out)
+                                                                   for out in message.outputs]))
 
     def _finished(self, key: int) -> None:  # on the scheduler thread
         self.seqs.pop(key, None)
 
     def stats(self) -> dict[str, float]:
-        return {**self.engine.stats(), **self.counters, "engine_pid": os.getpid()}
+        return {**self.engine.stats(), **self.handoff.counters, "engine_pid": os.getpid()}
+
+    def _start(self, work: Any) -> None:
+        task = asyncio.create_task(work)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     def on_message(self, message: Any) -> None:
         if isinstance(message, Submit):
             self.seqs[message.key] = None
-            task = asyncio.create_task(self._submit(message))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+            self._start(self._submit(message))
+        elif isinstance(message, AskKv):
+            self._start(self._answer_kv(message))
+        elif isinstance(message, ReleaseHeld):
+            self.handoff.release(message.handle)
         elif isinstance(message, Drop):
             seq = self.seqs.pop(message.key, None)
             if seq is not None:
@@ -122,6 +147,15 @@ class Core:
         else:  # dropped while its KV was fetched (or already finished: then this changes nothing)
             seq.cancelled = True
 
+    async def _answer_kv(self, message: AskKv) -> None:
+        try:
+            meta, data = await self.handoff.answer(message.call)
+        except Exception as exc:  # noqa: BLE001 - the decode worker is told why, with the code it would get
+            code = exc.code if isinstance(exc, RemoteError) else 500
+            self.sender.send(KvAnswer(ask=message.ask, error=str(exc), code=code))
+            return
+        self.sender.send(KvAnswer(ask=message.ask, meta=meta, data=bytes(data)))
+
     async def report(self) -> None:
         """Stats every second; the engine's failure as soon as it is seen."""
         while not self.stopped.is_set():
@@ -145,12 +179,12 @@ async def run(manifest: Manifest, role: str, index: int, device: str, requests_f
     peers = Peers(token=rpc_token(manifest))  # to the prefill workers whose KV this decode worker takes
     handoff = KvHandoff(setting=manifest.recipe.runtime.kv_transport, device=device, host=host, engine=None,
                         peers=peers, counters={})
-    if DisaggregationMode(role) is DisaggregationMode.DECODE:
+    if DisaggregationMode(role) in (DisaggregationMode.PREFILL, DisaggregationMode.DECODE):
         handoff.nixl = open_nixl(manifest.recipe.runtime.kv_transport, device.startswith("cuda"), plan.name)
     engine = build_engine(manifest, role, self_address=f"{host}:{plan.ports['rpc']}", fetch_kv=handoff.fetch,
                           device=device, group=plan.group)
     handoff.engine = engine
-    core = Core(engine, sender, handoff.counters)
+    core = Core(engine, sender, handoff)
     engine.on_kv_event = lambda record: sender.send(KvEvent(record=record))  # on this loop (TorchEngine._kv_event)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, core.stopped.set)
@@ -172,7 +206,7 @@ async def run(manifest: Manifest, role: str, index: int, device: str, requests_f
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpc.runtime.worker.engine_core")
     parser.add_argument("manifest")
-    parser.add_argument("--role", required=True, choices=["agg", "decode"])
+    parser.add_argument("--role", required=True, choices=["agg", "prefill", "decode"])
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--device", required=True)
     parser.add_argument("--requests-fd", type=int, required=True)

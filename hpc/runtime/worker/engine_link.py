@@ -1,7 +1,8 @@
 """The link between a worker and its engine in a process of its own (engine_process.py, engine_core.py).
 
-Two socket pairs, each one way: requests, cancellations and stats questions go worker -> engine, a decode step's
-outputs (all of its rows in one message), refusals, stats and KV events come back. A message is a 4-byte length
+Two socket pairs, each one way: requests, cancellations, stats questions and a prefill worker's KV fetches and
+releases go worker -> engine; a decode step's outputs (all of its rows in one message), refusals, KV answers,
+stats and KV events come back. A message is a 4-byte length
 and a msgpack body, typed by msgspec as the RPC's frames are (wire.py), so neither side sees an untyped dict.
 """
 
@@ -16,7 +17,8 @@ from typing import Any, Callable, Union
 import msgspec
 from msgspec import Struct
 
-from hpc.runtime.engine.types import GenerateOutput, GenerateRequest
+from hpc.runtime.engine.types import GenerateOutput, GenerateRequest, KvMeta
+from hpc.runtime.serve.wire import FetchKv
 
 LENGTH = struct.Struct(">I")
 
@@ -39,6 +41,19 @@ class Drop(_Link, tag="drop"):
 
 class AskStats(_Link, tag="ask_stats"):
     pass
+
+
+class AskKv(_Link, tag="ask_kv"):
+    """A decode worker's FetchKv, passed on by a prefill worker to its engine process (which holds the KV)."""
+
+    ask: int
+    call: FetchKv
+
+
+class ReleaseHeld(_Link, tag="release_held"):
+    """A decode worker's ReleaseKv, passed on: the KV lent under `handle` may be freed."""
+
+    handle: str
 
 
 class Stop(_Link, tag="stop"):
@@ -65,6 +80,16 @@ class Refused(_Link, tag="refused"):
     code: int
 
 
+class KvAnswer(_Link, tag="kv_answer"):
+    """The answer to AskKv `ask`: where the KV lies (CUDA IPC, NIXL) or its bytes; or why not (`code`)."""
+
+    ask: int
+    meta: KvMeta | None = None
+    data: bytes = b""
+    error: str = ""
+    code: int = 0
+
+
 class Stats(_Link, tag="stats"):
     values: dict[str, float]
 
@@ -77,8 +102,8 @@ class Failed(_Link, tag="failed"):
     error: str
 
 
-ToEngine = Union[Submit, Drop, AskStats, Stop]
-FromEngine = Union[Ready, Outputs, Refused, Stats, KvEvent, Failed]
+ToEngine = Union[Submit, Drop, AskStats, AskKv, ReleaseHeld, Stop]
+FromEngine = Union[Ready, Outputs, Refused, KvAnswer, Stats, KvEvent, Failed]
 _encoder = msgspec.msgpack.Encoder()
 
 

@@ -6,9 +6,11 @@ scheduler thread (staging each step, reading its tokens, admitting requests) and
 its own; what crosses between them is one message per decode step (every row's output) and one per request.
 vLLM V1 splits its EngineCore from the API server process the same way.
 
-`runtime.engine_process` chooses (engine_in_own_process): own, worker, or auto — own for aggregated and decode
-workers of one rank on a GPU. A prefill worker keeps its engine (the KV it lends is read from the engine's memory
-by the RPC answers), and so does a worker of several ranks (rank 0's engine is an MPI rank).
+`runtime.engine_process` chooses (engine_in_own_process): own, worker, or auto — own for aggregated, prefill and
+decode workers of one rank on a GPU. A prefill worker's engine process holds the KV it hands over: it shares it
+with the answers (CUDA IPC) itself, and the worker passes decode workers' fetches and releases on to it
+(EngineHandoff). A worker of several ranks keeps its engine (rank 0's engine is an MPI rank), and so does an
+encode worker.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import subprocess
 import sys
 from typing import Any, AsyncIterator, Callable
 
-from hpc.runtime.engine.types import DisaggregationMode, GenerateOutput, GenerateRequest
+from hpc.runtime.engine.types import DisaggregationMode, GenerateOutput, GenerateRequest, KvMeta
 from hpc.runtime.serve.rpc import RemoteError
+from hpc.runtime.serve.wire import FetchKv
 from hpc.runtime.worker.engine_link import (
-    AskStats, Drop, Failed, FromEngine, KvEvent, Outputs, Ready, Refused, Stats, Stop, Submit, encode, receive,
+    AskKv, AskStats, Drop, Failed, FromEngine, KvAnswer, KvEvent, Outputs, Ready, Refused, ReleaseHeld, Stats, Stop,
+    Submit, encode, receive,
 )
 from hpc.spec.recipe import Backend
 
@@ -38,7 +42,7 @@ def engine_in_own_process(setting: str, backend: Backend, modality: str, mode: D
                           on_gpu: bool) -> bool:
     if setting == "worker" or backend is not Backend.TORCH or modality != "text" or ranks > 1:
         return False
-    if mode not in (DisaggregationMode.AGGREGATED, DisaggregationMode.DECODE):
+    if mode is DisaggregationMode.ENCODE:
         return False
     return setting == "own" or on_gpu
 
@@ -66,6 +70,7 @@ class EngineProcess:
         self._streams: dict[int, tuple[Callable[[GenerateOutput], None], asyncio.Future]] = {}
         self._stats: dict[str, float] = {}
         self._stats_waiters: list[asyncio.Future] = []
+        self._kv_asks: dict[int, asyncio.Future] = {}
         self._ready: asyncio.Future | None = None
         self._proc: subprocess.Popen | None = None
         self._requests: asyncio.Transport | None = None
@@ -132,7 +137,9 @@ class EngineProcess:
         if self.failure is None:
             self.failure = error
         streams, self._streams = self._streams, {}
-        for _, done in streams.values():
+        waiting = [done for _, done in streams.values()] + list(self._kv_asks.values())
+        self._kv_asks = {}
+        for done in waiting:
             if not done.done():
                 done.set_exception(RuntimeError(f"engine failed: {self.failure}"))
 
@@ -166,6 +173,13 @@ class EngineProcess:
             if entry is not None:
                 entry[1].set_exception(ValueError(message.message) if message.code == 400
                                        else RemoteError(message.message, message.code))
+        elif isinstance(message, KvAnswer):
+            asked = self._kv_asks.pop(message.ask, None)
+            if asked is not None and not asked.done():
+                if message.error:
+                    asked.set_exception(RemoteError(message.error, message.code))
+                else:
+                    asked.set_result((message.meta, message.data))
         elif isinstance(message, KvEvent):
             if self.on_kv_event is not None:
                 self.on_kv_event(message.record)
@@ -215,6 +229,22 @@ class EngineProcess:
             if not task.done():
                 task.cancel()
 
+    async def fetch_kv(self, call: FetchKv) -> tuple[KvMeta, bytes]:
+        """A decode worker's fetch of KV this (prefill) engine holds, answered by the engine process."""
+        if self.failure:
+            raise RuntimeError(f"engine failed: {self.failure}")
+        ask = next(self._keys)
+        answer = asyncio.get_running_loop().create_future()
+        self._kv_asks[ask] = answer
+        self._send(AskKv(ask=ask, call=call))
+        try:
+            return await answer
+        finally:
+            self._kv_asks.pop(ask, None)
+
+    def release_kv(self, handle: str) -> None:
+        self._send(ReleaseHeld(handle=handle))
+
     def stats(self) -> dict[str, float]:
         """The figures the engine process last sent (every second, and whenever asked)."""
         return dict(self._stats)
@@ -229,3 +259,27 @@ class EngineProcess:
             except asyncio.TimeoutError:
                 pass
         return self.stats()
+
+
+class EngineHandoff:
+    """A worker's KV handoff when its engine runs apart: the engine process fetches (decode), shares with the
+    answers (prefill) and counts by itself; a decode worker's fetches and releases of a prefill's KV go on to it."""
+
+    def __init__(self, engine: EngineProcess) -> None:
+        self.engine = engine
+        self.counters: dict[str, float] = {}  # the engine process's counters come with its stats
+
+    def attach_shared(self, out: Any) -> Any:
+        return out  # the engine process attached it already, where it could
+
+    async def answer(self, call: FetchKv) -> tuple[KvMeta, bytes]:
+        return await self.engine.fetch_kv(call)
+
+    def release(self, handle: str) -> None:
+        self.engine.release_kv(handle)
+
+    async def settle(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

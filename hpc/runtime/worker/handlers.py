@@ -175,11 +175,7 @@ class PrefillHandler(HandlerBase):
         return {**super().ops(), FetchKv: self.fetch_kv, ReleaseKv: self.release_kv}
 
     def _answer(self, out):
-        params = out.disaggregated_params
-        if params is None or params.kv is not None or params.trtllm is not None or self.deps.kv is None:
-            return out
-        meta = self.deps.kv.shared_now(params.request_handle)
-        return out if meta is None else replace(out, disaggregated_params=replace(params, kv=meta))
+        return out if self.deps.kv is None else self.deps.kv.attach_shared(out)
 
     async def fetch_kv(self, call: FetchKv, payload: bytes) -> AsyncIterator[Frame]:
         yield await self.deps.kv.answer(call)

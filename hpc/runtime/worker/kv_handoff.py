@@ -17,7 +17,7 @@ import time
 from typing import Any, Literal
 
 from hpc.runtime.serve.rpc import RemoteError
-from hpc.runtime.serve.wire import FetchKv, KvMeta, KvVia, ReleaseKv
+from hpc.runtime.serve.wire import FetchKv, KvMeta, KvVia, ReleaseKv, replace
 
 log = logging.getLogger("hpc.worker")
 TransportSetting = Literal["auto", "bytes", "nixl"]
@@ -146,6 +146,15 @@ class KvHandoff:
             log.warning("releasing a handed-off KV failed: %s", task.exception())
 
     # ---- prefill: share with the answer, answer a fetch, release what was lent ----------------------------------
+    def attach_shared(self, out: Any) -> Any:
+        """A prefill's last output with its KV shared over CUDA IPC in the answer where it can be (shared_now),
+        so that a decode worker on this node copies it without a FetchKv round trip."""
+        params = out.disaggregated_params
+        if params is None or params.kv is not None or params.trtllm is not None:
+            return out
+        meta = self.shared_now(params.request_handle)
+        return out if meta is None else replace(out, disaggregated_params=replace(params, kv=meta))
+
     def shared_now(self, handle: str) -> Any:
         """The KV under `handle` shared over CUDA IPC (KvMeta), to go with the prefill's answer — or None: not on a
         GPU, a transport other than auto chosen, or its copy not complete yet (never waited for here: the decode

@@ -29,7 +29,7 @@ from hpc.runtime.services.node import (Reporter, freeze_startup_objects, node_ad
                                        rpc_token, wait_endpoint)
 from hpc.runtime.serve.rpc import RpcServer
 from hpc.runtime.worker.handlers import HandlerDeps, Peers, make_handler
-from hpc.runtime.worker.engine_process import EngineProcess, engine_in_own_process, engine_stats
+from hpc.runtime.worker.engine_process import EngineHandoff, EngineProcess, engine_in_own_process, engine_stats
 from hpc.runtime.worker.kv_handoff import KvHandoff, open_nixl
 
 log = logging.getLogger("hpc.worker")
@@ -66,14 +66,16 @@ async def serve(manifest: Manifest, role: str, index: int, manifest_file: str) -
     rpc_address = f"{host}:{plan.ports['rpc']}"
     peers = Peers(token=rpc_token(manifest))
 
-    handoff = KvHandoff(setting=manifest.recipe.runtime.kv_transport, device=device, host=host, engine=None,
-                        peers=peers, counters={})
     recipe = manifest.recipe
+    handoff: KvHandoff | EngineHandoff
     if engine_in_own_process(recipe.runtime.engine_process, recipe.backend, recipe.modality, DisaggregationMode(role),
                              world, device.startswith("cuda")):
-        # the engine's own process fetches its KV itself; this one serves RPC and HTTP (engine_process.py)
+        # the engine's own process fetches, shares and lends its KV itself; this one serves RPC and HTTP
         engine = EngineProcess(manifest_file, role, index, device, recipe.runtime.readiness_timeout_s)
+        handoff = EngineHandoff(engine)
     else:
+        handoff = KvHandoff(setting=recipe.runtime.kv_transport, device=device, host=host, engine=None, peers=peers,
+                            counters={})
         if rank == 0 and DisaggregationMode(role) in (DisaggregationMode.PREFILL, DisaggregationMode.DECODE) \
                 and recipe.backend is Backend.TORCH:
             handoff.nixl = open_nixl(recipe.runtime.kv_transport, device.startswith("cuda"), name)
@@ -86,7 +88,7 @@ async def serve(manifest: Manifest, role: str, index: int, manifest_file: str) -
         await asyncio.to_thread(engine.follow if hasattr(engine, "generate_video") else partial(follow, engine))
         reporter.phase("stopped")
         return 0
-    handoff.engine = engine
+    handoff.engine = engine  # the prefill side answers from it
     async with engine:
         reporter.phase("weights_loaded", **({"engine_pid": engine.pid} if isinstance(engine, EngineProcess) else {}))
         try:
@@ -116,7 +118,7 @@ def planned_device(plan: WorkerPlan, rank: int, whole_node: bool = False) -> str
 
 
 async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers: Peers, host: str,
-                        reporter: Reporter, handoff: KvHandoff) -> int:
+                        reporter: Reporter, handoff: KvHandoff | EngineHandoff) -> int:
     plan = manifest.plan.worker(role, index)
     recipe = manifest.recipe
     mode = DisaggregationMode(role)

@@ -1,5 +1,6 @@
-"""A worker's engine in a process of its own: the link's messages, and a disaggregated stack whose decode worker
-runs its engine apart (runtime.engine_process=own) serving, cancelling, refusing and failing as one that does not."""
+"""A worker's engine in a process of its own: the link's messages, and a disaggregated stack whose prefill and decode
+workers run their engines apart (runtime.engine_process=own) serving, handing KV over, cancelling, refusing and
+failing as ones that do not."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from hpc.spec.recipe import Backend
 from tests.runtime.conftest import stack_fixture
 
 AGG, DECODE, PREFILL = DisaggregationMode.AGGREGATED, DisaggregationMode.DECODE, DisaggregationMode.PREFILL
+ENCODE = DisaggregationMode.ENCODE
 
 
 @pytest.mark.unit
@@ -32,7 +34,9 @@ AGG, DECODE, PREFILL = DisaggregationMode.AGGREGATED, DisaggregationMode.DECODE,
     ("auto", Backend.TORCH, "text", AGG, 1, True, True),
     ("auto", Backend.TORCH, "text", DECODE, 1, False, False),  # CPU: one process, as before
     ("own", Backend.TORCH, "text", DECODE, 1, False, True),
-    ("own", Backend.TORCH, "text", PREFILL, 1, True, False),  # the KV it lends lives in its engine's memory
+    ("own", Backend.TORCH, "text", PREFILL, 1, False, True),  # its engine process lends the KV itself
+    ("auto", Backend.TORCH, "text", PREFILL, 1, True, True),
+    ("own", Backend.TORCH, "text", ENCODE, 1, True, False),
     ("own", Backend.TORCH, "text", DECODE, 2, True, False),  # rank 0's engine is an MPI rank
     ("own", Backend.TRTLLM, "text", DECODE, 1, True, False),
     ("own", Backend.TORCH, "multimodal", AGG, 1, True, False),
@@ -103,7 +107,9 @@ def test_the_decode_worker_serves_from_an_engine_process_of_its_own(apart, tiny)
     engine_pid = int(_metric(apart, "decode-0", "hpc_worker_engine_pid"))
     assert engine_pid == decode["engine_pid"] and engine_pid != decode["pid"]
     assert "hpc.runtime.worker.engine_core" in _cmdline(engine_pid) and " --role decode " in _cmdline(engine_pid)
-    assert "engine_pid" not in _state(apart, "prefill-0")  # a prefill worker keeps its engine
+    prefill = _state(apart, "prefill-0")  # the prefill worker's engine too: it holds the KV it hands over
+    assert prefill["engine_pid"] not in (prefill["pid"], engine_pid)
+    assert "hpc.runtime.worker.engine_core" in _cmdline(prefill["engine_pid"])
     steps = _metric(apart, "decode-0", "hpc_worker_decode_steps")
     served = _metric(apart, "decode-0", "hpc_worker_requests_streamed_direct")
     status, body = _complete(apart)
@@ -113,7 +119,8 @@ def test_the_decode_worker_serves_from_an_engine_process_of_its_own(apart, tiny)
     assert _metric(apart, "decode-0", "hpc_worker_requests_streamed_direct") == served + 1
     # GPUs of one node: the KV came with the prefill's answer (CUDA IPC); CPU: as bytes
     moved = "hpc_worker_kv_taken_from_answer" if torch.cuda.is_available() else "hpc_worker_kv_fetched_bytes"
-    assert _metric(apart, "decode-0", moved) >= 1
+    assert _metric(apart, "decode-0", moved) >= 1  # (bytes: asked of the prefill worker, answered by its engine's)
+    assert _metric(apart, "prefill-0", "hpc_worker_handoffs_waiting") == 0  # taken or released, none left behind
 
     # the same greedy text as an aggregated engine in this process (fp32 on CPU, bf16 on a GPU, as the stack's)
     from hpc.runtime.engine.torch_engine import TorchEngine
