@@ -49,6 +49,10 @@ def table(results: dict[str, Any]) -> str:
                      f"{lv['requests_per_s']:>8.2f} {fmt(f['ttft_p50_ms']):>9} {fmt(f['itl_p50_ms']):>8} "
                      f"{fmt(f['tpot_p50_ms']):>9} {fmt(f['e2e_p50_ms']):>8} {fmt(f['e2e_p99_ms']):>8}  "
                      f"{'yes' if lv['valid'] else 'NO: ' + '; '.join(lv['invalid_reasons'])}")
+    spread = [f"c={lv['concurrency']}: {lv['client_processes']}" for lv in results["levels"]
+              if lv.get("client_processes", 1) > 1]
+    if spread:
+        lines.append("client processes (the load generator's users spread over them): " + ", ".join(spread))
     return "\n".join(lines)
 
 

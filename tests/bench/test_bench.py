@@ -219,6 +219,9 @@ def test_users_in_client_processes_send_every_request_once_with_prompts_of_their
     assert lv["output_tokens_total"] == 150 and lv["peak_inflight"] == 6 and lv["client_cpu_s"] > 0
     assert srv.count == 30 + 3 and len(set(srv.prompts)) == 33  # one warm-up each; no process repeats another
     assert 0 < lv["ttft_s"]["p50"] <= lv["e2e_s"]["p50"] and lv["duration_s"] > 0
+    from hpc.bench.report import table
+
+    assert table({"levels": [lv]}).endswith("spread over them): c=6: 3")  # the table says how it was loaded
 
 
 @pytest.mark.unit

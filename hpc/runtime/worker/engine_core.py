@@ -1,8 +1,9 @@
 """`python -m hpc.runtime.worker.engine_core`: a worker's torch engine in a process of its own.
 
 The worker (engine_process.EngineProcess) starts it with the manifest, its role and index, the device and the
-two ends of its link (engine_link.py). Here: the engine in `async with`, the KV fetches of a decode worker (the
-CUDA IPC copy is queued where the engine's stream can wait for it), and the link. The scheduler thread sends
+two ends of its link (engine_link.py). Here: the engine in `async with`, its side of the KV handoff (a decode
+engine's fetches, the CUDA IPC copy queued where the engine's stream can wait for it; a prefill engine's KV shared
+with its answers, lent and released), and the link. The scheduler thread sends
 each decode step's outputs itself, one message for all of its rows; this process's event loop only admits
 requests. Its GIL is the engine's alone: the worker's RPC and output path run in the worker's process (vLLM V1
 splits its EngineCore from the API server for the same reason).
@@ -176,7 +177,7 @@ async def run(manifest: Manifest, role: str, index: int, device: str, requests_f
     plan = manifest.plan.worker(role, index)
     host = node_address(manifest)
     sender = BlockingSender(socket.socket(fileno=outputs_fd))
-    peers = Peers(token=rpc_token(manifest))  # to the prefill workers whose KV this decode worker takes
+    peers = Peers(token=rpc_token(manifest))  # a decode engine's: to the prefill workers whose KV it takes
     handoff = KvHandoff(setting=manifest.recipe.runtime.kv_transport, device=device, host=host, engine=None,
                         peers=peers, counters={})
     if DisaggregationMode(role) in (DisaggregationMode.PREFILL, DisaggregationMode.DECODE):
