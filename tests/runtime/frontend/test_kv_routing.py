@@ -96,18 +96,27 @@ def test_a_router_temperature_spreads_near_ties_and_still_prefers_the_cache():
     assert {router.pick("agg", set(), PROMPT + [99])[0] for _ in range(20)} == {"agg/1"}
 
 
-kv_stack = __import__("tests.runtime.conftest", fromlist=["stack_fixture"]).stack_fixture(
-    "tiny-agg", "--set", "roles.agg.count=2", "--set", "frontend.router=kv_aware")
+_stack_fixture = __import__("tests.runtime.conftest", fromlist=["stack_fixture"]).stack_fixture
+kv_stack = _stack_fixture("tiny-agg", "--set", "roles.agg.count=2", "--set", "frontend.router=kv_aware")
+# the same with each worker's engine in a process of its own (the default on GPUs): its KV events cross the
+# engine link before they reach NATS
+kv_stack_apart = _stack_fixture("tiny-agg", "--set", "roles.agg.count=2", "--set", "frontend.router=kv_aware",
+                                "--set", "runtime.engine_process=own")
 
 
 @pytest.mark.integration
-def test_a_shared_prefix_follows_its_worker_through_the_real_event_plane(kv_stack, capsys):
+@pytest.mark.parametrize("stack", ["kv_stack", "kv_stack_apart"])
+def test_a_shared_prefix_follows_its_worker_through_the_real_event_plane(stack, request, capsys):
     """Two workers, kv_aware: after the first request its prefix's blocks reach the frontend over NATS, and every
     later request with that prefix goes to the same worker and reuses them; hpc status shows it."""
     import time
 
     from hpc.checks.probe import get_json, post_json
     from hpc.cli.main import main
+
+    kv_stack = request.getfixturevalue(stack)
+    states = kv_stack.run.component_states()
+    assert all(("engine_pid" in states[f"agg-{i}"]) == (stack == "kv_stack_apart") for i in range(2))
 
     prefix = list(range(100, 400))  # 300 tokens: 9 full blocks of 32
     seen = []
