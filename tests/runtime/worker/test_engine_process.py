@@ -142,6 +142,22 @@ def test_the_decode_worker_serves_from_an_engine_process_of_its_own(apart, tiny)
 
 
 @pytest.mark.integration
+def test_logprobs_and_the_prompts_scores_cross_the_links(apart):
+    """Prompt logprobs from the prefill's engine process, the tokens' own from both: every field of an output
+    crosses the link (msgspec), not only the tokens."""
+    code, resp = post_json(apart.url + "/v1/completions", {"model": apart.model, "prompt": "one two three four",
+                                                           "max_tokens": 4, "temperature": 0, "logprobs": 2,
+                                                           "echo": True, "ignore_eos": True})
+    assert code == 200, resp
+    lp, n = resp["choices"][0]["logprobs"], resp["usage"]["prompt_tokens"]
+    assert len(lp["token_logprobs"]) == n + 4 and lp["token_logprobs"][0] is None
+    assert all(isinstance(x, float) and x <= 0 for x in lp["token_logprobs"][1:])
+    assert all(len(top) == 2 for top in lp["top_logprobs"][n:])  # the two best at each generated token
+    plain = _complete(apart, prompt="one two three four", max_tokens=4)[1]["choices"][0]["text"]
+    assert resp["choices"][0]["text"].endswith(plain)  # echo: the prompt, then the same greedy tokens
+
+
+@pytest.mark.integration
 def test_refusals_cross_back_as_the_engine_raised_them(apart):
     """A second engine process on the stack's manifest, driven directly: the request's fault is a ValueError
     (a 400 to the client), the prefill worker's answer keeps its code."""
