@@ -105,6 +105,10 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
     if recipe.model.canned_completion and recipe.backend is not Backend.TORCH:
         errors.append(UserError("a test knob of the torch engine only", file=rfile,
                                 field="model.canned_completion", hint="remove it, or use backend: torch"))
+    if recipe.runtime.engine_process == "own" and (recipe.backend is not Backend.TORCH or recipe.modality != "text"):
+        errors.append(UserError(
+            f"a process of its own is for the torch engine serving text (this recipe: {recipe.backend.value}, "
+            f"{recipe.modality})", file=rfile, field="runtime.engine_process", hint="remove it, or set auto or worker"))
     errors += _check_video(cluster, recipe, rfile)
     if recipe.roles.encode is not None and not recipe.model.multimodal:
         errors.append(UserError("an encode role needs a multimodal model", file=rfile, field="roles.encode",

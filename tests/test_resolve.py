@@ -324,3 +324,18 @@ def test_the_kv_transport_is_one_the_engine_has(recipe, kv_transport, expect, ca
     err = capsys.readouterr().err
     assert expect in err and "Traceback" not in err, err
     assert main(["validate", "-r", "tiny-disagg", "--set", "runtime.kv_transport=nixl"]) == 0
+
+
+@pytest.mark.parametrize("recipe,engine_process,expect", [
+    (["-r", "tiny-disagg"], "apart", "runtime.engine_process"),  # not one of auto / own / worker
+    (["-r", "deepseek-r1-disagg", "-c", "eos"], "own", "runtime.engine_process: a process of its own is for the "
+                                                       "torch engine serving text (this recipe: trtllm, text)"),
+    (["-r", "tiny-video"], "own", "(this recipe: torch, video_diffusion)"),
+])
+def test_an_engine_process_of_its_own_is_the_torch_text_engines(recipe, engine_process, expect, capsys):
+    from hpc.cli.main import main
+
+    assert main(["validate", *recipe, "--set", f"runtime.engine_process={engine_process}"]) == 2
+    err = capsys.readouterr().err
+    assert expect in err and "Traceback" not in err and err.count("\n") == 1, err
+    assert main(["validate", "-r", "tiny-disagg", "--set", "runtime.engine_process=own"]) == 0

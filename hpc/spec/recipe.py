@@ -271,9 +271,10 @@ class RuntimeSpec(StrictModel):
                             "NIXL between GPUs of different nodes when installed, else bytes over the RPC "
                             "connection; nixl: always NIXL (host or GPU memory, any two nodes); bytes: always bytes")
     engine_process: Literal["auto", "own", "worker"] = Field(
-        "auto", description="where the torch engine of an aggregated or decode worker of one rank runs. own: a "
-                            "process of its own beside the worker's RPC and HTTP servers, so the scheduler and the "
-                            "output path do not share one GIL; worker: in the worker's process; auto: own on a GPU")
+        "auto", description="where the torch engine of an aggregated, prefill or decode worker of one rank runs "
+                            "(text only). own: a process of its own beside the worker's RPC and HTTP servers, so the "
+                            "scheduler and the output path do not share one GIL; worker: in the worker's process; "
+                            "auto: own on a GPU")
 
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"  # it names the Slurm job and the run directory
@@ -319,9 +320,6 @@ class Recipe(StrictModel):
             raise ValueError(f"diffusion: only for modality video_diffusion (this recipe is {self.modality})")
         if self.modality == "multimodal" and not self.model.multimodal:
             raise ValueError("modality multimodal needs model.multimodal: true")
-        if self.runtime.engine_process == "own" and (self.backend is not Backend.TORCH or self.modality != "text"):
-            raise ValueError(f"runtime.engine_process: own is for the torch backend serving text (this recipe: "
-                             f"{self.backend.value}, {self.modality}); use auto or worker")
         seen: set[str] = {r.value for r in RoleName}
         for name, spec in roles.items():
             for pool in spec.pools or []:
