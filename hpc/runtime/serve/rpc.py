@@ -148,8 +148,7 @@ class RpcServer:
         self.server: asyncio.base_events.Server | None = None
         self.inflight = 0
         self._tasks: set[asyncio.Task] = set()
-        self._connections: set[asyncio.Task] = set()
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._connections: dict[asyncio.Task, asyncio.StreamWriter] = {}  # each open connection's task, writer
 
     async def start(self, host: str, port: int) -> None:
         self.server = await asyncio.start_server(self._serve, host, port, reuse_address=True)
@@ -165,8 +164,8 @@ class RpcServer:
             task.cancel()
         # Connections end by their reads seeing the close, not by asyncio.run cancelling their tasks at exit
         # (which Python 3.11's stream callback logs as an error with a traceback).
-        connections = [task for task in self._connections if not task.done()]
-        for writer in self._writers:
+        connections = dict(self._connections)
+        for writer in connections.values():
             writer.close()
         if connections:
             await asyncio.wait(connections, timeout=1)
@@ -183,8 +182,7 @@ class RpcServer:
         streams: dict[int, asyncio.Task] = {}
         out = _Coalescer(writer)
         this = asyncio.current_task()
-        self._connections.add(this)
-        self._writers.add(writer)
+        self._connections[this] = writer
         try:
             if self.token is not None and not await self._hello(reader):
                 self.refused += 1
@@ -219,8 +217,7 @@ class RpcServer:
             for task in streams.values():  # the client went away: cancel its engine requests
                 task.cancel()
             writer.close()
-            self._connections.discard(this)
-            self._writers.discard(writer)
+            del self._connections[this]
 
     async def _run(self, call: Call, payload: bytes, out: "_Coalescer",
                    streams: dict[int, asyncio.Task]) -> None:

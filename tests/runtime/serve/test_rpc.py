@@ -104,3 +104,22 @@ def test_a_handler_writes_frames_from_callbacks_through_its_sink_in_order_then_t
 
     got, answer = asyncio.run(main())
     assert got == [1, 2, 3, 4] and answer.values == {"sink_seen": 1.0}
+
+
+def test_closing_the_server_ends_open_connections_by_their_reads_not_by_cancelling_them():
+    """A connection's task cancelled at interpreter exit made Python 3.11's stream callback log a traceback."""
+    from hpc.runtime.serve.rpc import RpcServer
+
+    async def main() -> None:
+        server = RpcServer({})
+        await server.start("127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        await asyncio.sleep(0.05)
+        serving = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        assert len(serving) == 1  # the connection's own task, waiting for a frame
+        await server.close()
+        assert serving[0].done() and not serving[0].cancelled()
+        assert await asyncio.wait_for(reader.read(), 2) == b""  # the server closed its end
+        writer.close()
+
+    asyncio.run(main())
