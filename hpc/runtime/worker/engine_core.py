@@ -24,7 +24,6 @@ from typing import Any, Callable
 import msgspec
 
 from hpc.manifest import Manifest
-from hpc.runtime.engine.outputs import Emitter
 from hpc.runtime.engine.types import DisaggregationMode, GenerateOutput
 from hpc.runtime.serve.rpc import RemoteError
 from hpc.runtime.worker.engine_link import (
@@ -45,8 +44,8 @@ class Keyed:
         self.key = key
 
 
-class LinkEmitter(Emitter):
-    """The engine's emitter with the worker at the other end of a socket instead of on an event loop: inside a
+class LinkEmitter:
+    """In place of the engine's Emitter (outputs.py), the worker at the other end of a socket, not on a loop: inside a
     decode step the rows' outputs gather and leave as one message when the step ends, written by the scheduler
     thread itself (no hop through this process's event loop); outside one each leaves at once.
     `via_loop` (a prefill engine's): the outputs pass this process's event loop first, where a prefill's answer
@@ -54,7 +53,6 @@ class LinkEmitter(Emitter):
 
     def __init__(self, send: Callable[[Outputs], None], finished: Callable[[int], None],
                  via_loop: tuple[asyncio.AbstractEventLoop, Callable[[Outputs], None]] | None = None) -> None:
-        super().__init__()
         self._send, self._finished, self._via_loop = send, finished, via_loop
         self._keys: list[int] = []
         self._outputs: list[GenerateOutput] = []
@@ -98,6 +96,11 @@ class Core:
         prefill = engine.mode is DisaggregationMode.PREFILL
         engine.emitter = LinkEmitter(sender.send, self._finished,
                                      (asyncio.get_running_loop(), self._answered) if prefill else None)
+        self.handlers: dict[type, Callable[[Any], None]] = {  # what the worker asks, by message type
+            Submit: self._submitted, Drop: self._dropped, AskKv: lambda message: self._start(self._answer_kv(message)),
+            ReleaseHeld: lambda message: handoff.release(message.handle),
+            AskStats: lambda message: sender.send(Stats(values=self.stats())),
+            Stop: lambda message: self.stopped.set()}
 
     def _answered(self, message: Outputs) -> None:  # on the loop: a prefill engine's outputs
         self.sender.send(msgspec.structs.replace(message, outputs=[self.handoff.attach_shared(out)
@@ -115,21 +118,16 @@ class Core:
         task.add_done_callback(self.tasks.discard)
 
     def on_message(self, message: Any) -> None:
-        if isinstance(message, Submit):
-            self.seqs[message.key] = None
-            self._start(self._submit(message))
-        elif isinstance(message, AskKv):
-            self._start(self._answer_kv(message))
-        elif isinstance(message, ReleaseHeld):
-            self.handoff.release(message.handle)
-        elif isinstance(message, Drop):
-            seq = self.seqs.pop(message.key, None)
-            if seq is not None:
-                seq.cancelled = True  # the scheduler frees its slot at the next step
-        elif isinstance(message, AskStats):
-            self.sender.send(Stats(values=self.stats()))
-        elif isinstance(message, Stop):
-            self.stopped.set()
+        self.handlers[type(message)](message)
+
+    def _submitted(self, message: Submit) -> None:
+        self.seqs[message.key] = None
+        self._start(self._submit(message))
+
+    def _dropped(self, message: Drop) -> None:
+        seq = self.seqs.pop(message.key, None)
+        if seq is not None:
+            seq.cancelled = True  # the scheduler frees its slot at the next step
 
     async def _submit(self, message: Submit) -> None:
         try:

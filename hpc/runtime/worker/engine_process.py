@@ -76,6 +76,9 @@ class EngineProcess:
         self._requests: asyncio.Transport | None = None
         self._outputs: asyncio.Transport | None = None
         self._exited: asyncio.Task | None = None
+        self._handlers: dict[type, Callable[[Any], None]] = {  # what the engine process says, by message type
+            Outputs: self._delivered, Stats: self._stats_arrived, Refused: self._refused, KvAnswer: self._kv_answered,
+            KvEvent: self._kv_event, Ready: self._is_ready, Failed: lambda message: self._fail(message.error)}
 
     @property
     def returncode(self) -> int | None:
@@ -111,8 +114,8 @@ class EngineProcess:
     async def _stop(self) -> None:
         if self._proc is None:
             return
-        if self._proc.poll() is None and self._requests is not None and not self._requests.is_closing():
-            self._requests.write(encode(Stop()))
+        if self._proc.poll() is None:
+            self._send(Stop())
         try:
             await asyncio.wait_for(asyncio.shield(self._exited), STOP_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -145,50 +148,56 @@ class EngineProcess:
 
     # ---- from the engine ------------------------------------------------------------------------------------
     def _on_message(self, message: Any) -> None:
-        if isinstance(message, Outputs):
-            streams = self._streams
-            for key, out in zip(message.keys, message.outputs):
-                entry = streams.get(key)
-                if entry is None:  # dropped: the scheduler's last outputs have nowhere to go
-                    continue
-                deliver, done = entry
-                try:
-                    deliver(out)
-                except Exception as exc:  # noqa: BLE001 - the caller's error, raised from stream()
-                    del streams[key]
-                    self._send(Drop(key=key))
-                    done.set_exception(exc)
-                    continue
-                if out.finished:
-                    del streams[key]
-                    done.set_result(None)
-        elif isinstance(message, Stats):
-            self._stats = message.values
-            waiters, self._stats_waiters = self._stats_waiters, []
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.set_result(None)
-        elif isinstance(message, Refused):
-            entry = self._streams.pop(message.key, None)
-            if entry is not None:
-                entry[1].set_exception(ValueError(message.message) if message.code == 400
-                                       else RemoteError(message.message, message.code))
-        elif isinstance(message, KvAnswer):
-            asked = self._kv_asks.pop(message.ask, None)
-            if asked is not None and not asked.done():
-                if message.error:
-                    asked.set_exception(RemoteError(message.error, message.code))
-                else:
-                    asked.set_result((message.meta, message.data))
-        elif isinstance(message, KvEvent):
-            if self.on_kv_event is not None:
-                self.on_kv_event(message.record)
-        elif isinstance(message, Ready):
-            self.pid = message.pid
-            if self._ready is not None and not self._ready.done():
-                self._ready.set_result(None)
-        elif isinstance(message, Failed):
-            self._fail(message.error)
+        self._handlers[type(message)](message)
+
+    def _delivered(self, message: Outputs) -> None:
+        streams = self._streams
+        for key, out in zip(message.keys, message.outputs):
+            entry = streams.get(key)
+            if entry is None:  # dropped: the scheduler's last outputs have nowhere to go
+                continue
+            deliver, done = entry
+            try:
+                deliver(out)
+            except Exception as exc:  # noqa: BLE001 - the caller's error, raised from stream()
+                del streams[key]
+                self._send(Drop(key=key))
+                done.set_exception(exc)
+                continue
+            if out.finished:
+                del streams[key]
+                done.set_result(None)
+
+    def _stats_arrived(self, message: Stats) -> None:
+        self._stats = message.values
+        waiters, self._stats_waiters = self._stats_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _refused(self, message: Refused) -> None:
+        entry = self._streams.pop(message.key, None)
+        if entry is not None:
+            entry[1].set_exception(ValueError(message.message) if message.code == 400
+                                   else RemoteError(message.message, message.code))
+
+    def _kv_answered(self, message: KvAnswer) -> None:
+        asked = self._kv_asks.pop(message.ask, None)
+        if asked is None or asked.done():
+            return
+        if message.error:
+            asked.set_exception(RemoteError(message.error, message.code))
+        else:
+            asked.set_result((message.meta, message.data))
+
+    def _kv_event(self, message: KvEvent) -> None:
+        if self.on_kv_event is not None:
+            self.on_kv_event(message.record)
+
+    def _is_ready(self, message: Ready) -> None:
+        self.pid = message.pid
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_result(None)
 
     def _send(self, message: Any) -> None:
         if self._requests is not None and not self._requests.is_closing():
