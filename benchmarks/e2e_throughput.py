@@ -166,9 +166,7 @@ def main() -> None:
                             via[lv.concurrency].append(res["output_tokens_per_s"])
                             continue
                         # apart from the engine's process, in one client process per 16 users (hpc bench's auto)
-                        processes = processes_for(args.client_processes if args.client_processes == "auto"
-                                                  else int(args.client_processes), lv.concurrency,
-                                                  os.cpu_count() or 1)
+                        processes = processes_for(args.client_processes, lv.concurrency, os.cpu_count() or 1)
                         res = await run_apart(url, "hpc/tiny", lv, True, WARMUP, seed, processes)
                         via[lv.concurrency].append(res["output_tokens_per_s"])
             finally:

@@ -78,7 +78,7 @@ def frontend_latency(url: str) -> dict[str, float]:
     """The frontend's TTFT and request-duration sums (seconds) and request count so far (all its processes)."""
     from hpc.checks.probe import get_text, metric_values
 
-    text = get_text(f"{url.removesuffix('/v1')}/metrics")
+    text = get_text(f"{url}/metrics")
     return {"ttft": metric_values(text, "hpc_frontend_time_to_first_token_seconds_sum"),
             "e2e": metric_values(text, "hpc_frontend_request_duration_seconds_sum"),
             "count": metric_values(text, "hpc_frontend_request_duration_seconds_count")}
@@ -104,8 +104,7 @@ def main() -> None:
     recipe, _ = load_recipe(args.recipe)
 
     def clients(level: Level) -> int:
-        return processes_for(args.client_processes if args.client_processes == "auto" else int(args.client_processes),
-                             level.concurrency, os.cpu_count() or 1)
+        return processes_for(args.client_processes, level.concurrency, os.cpu_count() or 1)
 
     # requests per level as `hpc bench` sends them by default: the recipe's number, at least 4 per user
     levels = [Level(c, args.input_tokens, args.output_tokens,

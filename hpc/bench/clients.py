@@ -23,9 +23,9 @@ USERS_PER_PROCESS = 16  # `auto`: one client process per this many users
 
 
 def processes_for(setting: int | str, concurrency: int, cores: int) -> int:
-    """How many client processes a level of `concurrency` users gets: a number as given (never more than the
-    users), or `auto`: one per USERS_PER_PROCESS users, at most half of this machine's cores (the stack under
-    test may share them)."""
+    """How many client processes a level of `concurrency` users gets: a number as given (an int or its digits, as
+    a command line has it; never more than the users), or `auto`: one per USERS_PER_PROCESS users, at most half of
+    this machine's cores (the stack under test may share them)."""
     if setting == "auto":
         return max(1, min(-(-concurrency // USERS_PER_PROCESS), cores // 2))
     return max(1, min(int(setting), concurrency))

@@ -209,6 +209,7 @@ def test_auto_gives_a_client_process_per_16_users_within_half_the_cores():
 
     assert [processes_for("auto", c, 32) for c in (1, 16, 17, 64, 512)] == [1, 1, 2, 4, 16]
     assert processes_for("auto", 64, 2) == 1 and processes_for(3, 64, 2) == 3 and processes_for(8, 2, 32) == 2
+    assert processes_for("3", 64, 2) == 3  # as --client-processes gives it
 
 
 @pytest.mark.unit
