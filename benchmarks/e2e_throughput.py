@@ -33,6 +33,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from _gpu_clocks import ClockLog  # noqa: E402
 from _stack import add_set_option  # noqa: E402
 from hpc.bench.loadgen import REQUESTS_PER_USER, Level, prompt_ids  # noqa: E402
 from hpc.engine_args.precedence import TORCH_ENGINE_DEFAULTS, deep_update  # noqa: E402
@@ -139,7 +140,9 @@ def main() -> None:
             if args.engine_only:  # direct: the first sweep; via: the later ones
                 for sweep in [direct] + [via] * (args.sweeps - 1):
                     for lv in levels:
+                        began = time.time()
                         sweep[lv.concurrency].append(await engine_level(engine, lv, rng))
+                        spans.setdefault(f"c={lv.concurrency}", []).append((began, time.time()))
                 return device_label(engine), direct, via, 0
             from _stack import local_stack
             from hpc.bench.clients import processes_for, run_apart
@@ -174,7 +177,9 @@ def main() -> None:
                     stack.__exit__(None, None, None)
             return device_label(engine), direct, via, frontends
 
-    label, direct, via, frontends = asyncio.run(run())
+    spans: dict[str, list[tuple[float, float]]] = {}  # each level's wall-time span, per sweep (--engine-only)
+    with ClockLog() as clocks:
+        label, direct, via, frontends = asyncio.run(run())
     lv0 = levels[0]
     out = f"{lv0.output_tokens} +- {args.output_spread}" if args.output_spread else str(lv0.output_tokens)
     print(f"tokens/s, {args.model} torch model on {label}, {lv0.input_tokens} in / {out} out, "
@@ -188,6 +193,7 @@ def main() -> None:
             first, (second, *later) = direct[lv.concurrency][0], via[lv.concurrency]
             print(f"{lv.concurrency:>4} {lv.requests:>9} {first:>12.1f} {second:>13.1f} {first / second:>13.0%}"
                   f"{''.join(f' {x:.1f}' for x in later)}")
+        print(clocks.report(spans))
         return
     print(f"{'c':>4} {'requests':>9} {'engine directly':>16} {'through frontend':>17} {'kept':>6}  each round's kept")
     for lv in levels:

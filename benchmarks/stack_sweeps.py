@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(__file__))
 
 import _profile  # noqa: E402
+from _gpu_clocks import ClockLog  # noqa: E402
 from _stack import add_set_option, local_stack  # noqa: E402
 
 from hpc.bench.clients import processes_for  # noqa: E402
@@ -132,7 +133,7 @@ def main() -> None:
                 # the prefix cache (it did, with one seed for all, and was faster for it)
                 results[lv.concurrency] = {**await run_level(url, model, lv, True, 0, seed=sweep * len(levels) + i,
                                                              processes=clients(lv)),
-                                           "began_at": began}
+                                           "began_at": began, "ended_at": time.time()}
             wall = time.perf_counter() - wall0
             seen = frontend_latency(url)
             frontend_seen.append({k: (seen[k] - seen0[k]) / max(seen["count"] - seen0["count"], 1) * 1e3
@@ -175,7 +176,8 @@ def main() -> None:
         placed = workers(Path(run.path))
         urls = {name: state["http"] for name, state in placed.items() if state.get("http")}
         leaders = {name: pids[0] for name, pids in local_pids(run).items() if pids and name not in ("etcd", "nats")}
-        (first, second), spent, busy = asyncio.run(sweeps(url, model, urls, leaders))
+        with ClockLog() as clocks:
+            (first, second), spent, busy = asyncio.run(sweeps(url, model, urls, leaders))
         handoff = {name: counters(state["http"]) for name, state in placed.items()
                    if state.get("http") and name.startswith("prefill")}
     finally:
@@ -220,6 +222,8 @@ def main() -> None:
           f"/ second sweep: " + " / ".join(f"{f['ttft']:.1f} / {f['e2e']:.1f} ms" for f in frontend_seen))
     print(f"cores busy at c={levels[-1].concurrency}, first / second sweep: "
           + ", ".join(f"{n} {busy[0][n]:.2f} / {busy[1][n]:.2f}" for n in busy[0]))
+    print(clocks.report({f"c={lv.concurrency}": [(s[lv.concurrency]["began_at"], s[lv.concurrency]["ended_at"])
+                                                 for s in (first, second)] for lv in levels}))
     lo, hi = levels[0].concurrency, levels[-1].concurrency
     scale = [s[hi]["output_tokens_per_s"] / s[lo]["output_tokens_per_s"] for s in (first, second)]
     print(f"c={hi} / c={lo}: first sweep {scale[0]:.1f}x, second {scale[1]:.1f}x")

