@@ -63,17 +63,18 @@ class _Driver:
 
     @classmethod
     def lib(cls):
-        with cls._lock:
-            if cls._lib is None:
-                cls._lib = cls._declared(ctypes.CDLL("libcuda.so.1"))
-        return cls._lib
+        return cls._loaded("_lib", ctypes.CDLL)
 
     @classmethod
     def quick(cls):
+        return cls._loaded("_quick", ctypes.PyDLL)
+
+    @classmethod
+    def _loaded(cls, handle: str, loader: type):
         with cls._lock:
-            if cls._quick is None:
-                cls._quick = cls._declared(ctypes.PyDLL("libcuda.so.1"))
-        return cls._quick
+            if getattr(cls, handle) is None:
+                setattr(cls, handle, cls._declared(loader("libcuda.so.1")))
+        return getattr(cls, handle)
 
     _contexts: dict[int, ctypes.c_void_p] = {}
 
