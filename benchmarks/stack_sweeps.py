@@ -50,8 +50,7 @@ SWEEP_COUNTERS = ("kv_ask_seconds_total", "kv_move_seconds_total", "kv_ipc_opene
                   "cuda_malloc_segments", "admit_seconds_total", "decode_seconds_total", "idle_seconds_total",
                   "prefill_steps", "decode_steps", "decode_steps_graphed", "decode_steps_overlapped",
                   "decode_rows_joined_in_flight", "requests", "queue_seconds_total",
-                  "first_tokens", "first_token_seconds_total", "kv_shared_with_answer", "kv_taken_from_answer",
-                  "kv_ipc_copy_bursts")
+                  "first_tokens", "first_token_seconds_total", "kv_shared_with_answer", "kv_taken_from_answer")
 
 
 def counters(metrics_url: str, names: tuple[str, ...] = WORKER_COUNTERS) -> dict[str, float]:

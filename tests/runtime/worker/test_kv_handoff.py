@@ -372,49 +372,6 @@ def test_a_kv_shared_with_the_prefills_answer_is_copied_without_asking_and_relea
 
 
 @pytest.mark.unit
-def test_kvs_arriving_together_are_copied_in_one_burst_and_each_released_after_it(monkeypatch):
-    import asyncio
-
-    from hpc.runtime.engine import kv as kvmod
-    from hpc.runtime.serve.wire import CudaIpc, DisaggregatedParams
-    from hpc.runtime.worker.kv_handoff import KvHandoff
-
-    copy = _CopyEvent(pending=3)
-    bursts: list[list[int]] = []
-
-    def copy_shared(metas, device, opened):
-        bursts.append([m.shape[0] for m in metas])
-        return [torch.full((1,), float(m.shape[0])) for m in metas], copy
-
-    monkeypatch.setattr(kvmod, "copy_shared", copy_shared)
-    prefill = _PrefillPeer(copy)
-    handoff = KvHandoff(setting="auto", device="cuda:1", host="10.0.0.1", engine=None, peers=prefill, counters={})
-
-    def params(i: int) -> DisaggregatedParams:
-        ipc = CudaIpc(device=0, handle=bytes([i]) * 64, allocation_bytes=64, offset_bytes=0, size_bytes=64)
-        return DisaggregatedParams(request_handle=f"h-{i}", prefill_address="10.0.0.1:7000", first_token_id=5,
-                                   prompt_length=2, kv=KvMeta(shape=[i], dtype="torch.bfloat16", ipc=ipc))
-
-    async def main():
-        together = [asyncio.create_task(handoff.fetch(params(i))) for i in (1, 2, 3)]  # one frame's Submits
-        gone = asyncio.create_task(handoff.fetch(params(4)))
-        await asyncio.sleep(0)  # each has asked for its copy; the burst is queued after this turn
-        gone.cancel()  # its request went away: its copy is queued all the same, and released after it
-        kvs = await asyncio.gather(*together)
-        later = await handoff.fetch(params(5))
-        with pytest.raises(asyncio.CancelledError):
-            await gone
-        await handoff.settle()
-        return kvs, later
-
-    kvs, later = asyncio.run(main())
-    assert bursts == [[1, 2, 3, 4], [5]] and handoff.counters["kv_ipc_copy_bursts"] == 2
-    assert [float(kv[0]) for kv in kvs] == [1.0, 2.0, 3.0] and float(later[0]) == 5.0  # each its own KV
-    assert prefill.calls == ["ReleaseKv"] * 5 and not prefill.released_while_copying
-    assert sorted(prefill.released) == [f"h-{i}" for i in range(1, 6)]
-
-
-@pytest.mark.unit
 @pytest.mark.parametrize("setting,device,polls,shared", [
     ("auto", "cuda:0", 0, True),  # the copies were complete when the answer left (read with the first tokens)
     ("auto", "cuda:0", 2, False),  # not yet: never waited for here, the decode worker asks as before
