@@ -53,7 +53,7 @@ def test_shared_kvs_arrive_whole_and_a_reused_allocation_is_not_opened_again():
             meta = _meta(child)
             assert meta.ipc is not None and meta.shape == [2, 2, 8, 1536, 128] and meta.dtype == "torch.bfloat16"
             metas.append(meta)
-            (kv,), copied = kvpack.copy_shared([meta], "cuda:0", opened)
+            kv, copied = kvpack.copy_shared(meta, "cuda:0", opened)
             copied.synchronize()  # before the child frees it (the worker releases after this event)
             got.append(kv)
             if i < 3:
@@ -72,37 +72,6 @@ def test_shared_kvs_arrive_whole_and_a_reused_allocation_is_not_opened_again():
     assert opened.opened == len(set(handles)) < len(handles)  # each allocation opened once, not each handoff
 
 
-# Three KVs of different lengths held at once, as a burst of prefills' answers arrives at a decode worker.
-BURST_CHILD = """
-import sys, msgspec, torch
-from hpc.runtime.engine import kv
-held = [(torch.arange(2 * 2 * 8 * n * 64, device="cuda") % 251 + i).to(torch.bfloat16).reshape(2, 2, 8, n, 64)
-        for i, n in enumerate((100, 37, 512))]
-torch.cuda.synchronize()
-for t in held:
-    print("META", msgspec.msgpack.encode(kv.share(t)).hex(), flush=True)
-sys.stdin.read()
-"""
-
-
-def test_a_burst_of_kvs_is_copied_at_once_each_whole():
-    child = subprocess.Popen([sys.executable, "-c", BURST_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
-    opened = OpenAllocations()
-    try:
-        metas = [_meta(child) for _ in range(3)]
-        kvs, copied = kvpack.copy_shared(metas, "cuda:0", opened)
-        copied.synchronize()
-        got = [kv.cpu() for kv in kvs]
-    finally:
-        child.stdin.close()
-        child.wait(30)
-        opened.close()
-    for i, (n, kv) in enumerate(zip((100, 37, 512), got)):
-        want = (torch.arange(2 * 2 * 8 * n * 64) % 251 + i).to(torch.bfloat16).reshape(2, 2, 8, n, 64)
-        assert torch.equal(kv, want)
-
-
 def test_the_bytes_path_agrees():
     want = torch.randn(2, 2, 3, 7, 4).to(torch.bfloat16)
     meta, data = kvpack.pack(want.cuda())
@@ -119,7 +88,7 @@ def test_a_handoff_does_not_wait_for_the_steps_the_engine_launched():
         meta = _meta(child)
         engine_stream = torch.cuda.current_stream()
         torch.cuda._sleep(3_000_000_000)  # about a second and a half of queued work on the engine's stream
-        (kv,), copied = kvpack.copy_shared([meta], "cuda:0", opened)
+        kv, copied = kvpack.copy_shared(meta, "cuda:0", opened)
         copied.synchronize()
         busy_after_copy = not engine_stream.query()
         kvpack.arrived(kv)

@@ -38,50 +38,36 @@ class _Handle(ctypes.Structure):
 
 
 class _Driver:
-    """The few libcuda calls used here (the driver is on every GPU node; nothing to install), through two handles:
-    `lib()` lets go of the GIL during a call (ctypes.CDLL: opening or closing an allocation may take a while),
-    `quick()` keeps it (ctypes.PyDLL) for the calls of a microsecond made at every handoff — letting go of the GIL
-    there handed it to the engine's thread, busy with Python, and each such call then waited for it back."""
+    """The few libcuda calls used here (the driver is on every GPU node; nothing to install)."""
 
     _lib = None
-    _quick = None
     _lock = threading.Lock()
-
-    @staticmethod
-    def _declared(lib):
-        lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
-                                                ctypes.c_uint64]
-        lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_Handle), ctypes.c_uint64]
-        lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), _Handle, ctypes.c_uint]
-        lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
-        lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-        lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
-        lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
-        lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
-        lib.cuMemcpyDtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-        return lib
 
     @classmethod
     def lib(cls):
-        return cls._loaded("_lib", ctypes.CDLL)
-
-    @classmethod
-    def quick(cls):
-        return cls._loaded("_quick", ctypes.PyDLL)
-
-    @classmethod
-    def _loaded(cls, handle: str, loader: type):
         with cls._lock:
-            if getattr(cls, handle) is None:
-                setattr(cls, handle, cls._declared(loader("libcuda.so.1")))
-        return getattr(cls, handle)
+            if cls._lib is None:
+                lib = ctypes.CDLL("libcuda.so.1")
+                lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64),
+                                                        ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+                lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_Handle), ctypes.c_uint64]
+                lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), _Handle, ctypes.c_uint]
+                lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
+                lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+                lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+                lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+                lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+                lib.cuMemcpyDtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t,
+                                                     ctypes.c_void_p]
+                cls._lib = lib
+        return cls._lib
 
     _contexts: dict[int, ctypes.c_void_p] = {}
 
     @classmethod
     def use(cls, device: torch.device):
         """Make `device`'s primary context (torch's) current on this thread: a worker thread that never made a
-        runtime call has none, and the driver calls below need one. Returns the library (the GIL let go)."""
+        runtime call has none, and the driver calls below need one. Returns the library."""
         lib = cls.lib()
         index = device.index or 0
         with cls._lock:
@@ -91,7 +77,7 @@ class _Driver:
                 cls.check(lib.cuDeviceGet(ctypes.byref(ordinal), index), "cuDeviceGet")
                 cls.check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), ordinal), "cuDevicePrimaryCtxRetain")
                 cls._contexts[index] = ctx
-        cls.check(cls.quick().cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        cls.check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
         return lib
 
     @classmethod
@@ -106,8 +92,7 @@ def export(t: torch.Tensor) -> CudaIpc:
     """Where `t` (contiguous, on a GPU, complete) lies: its allocation's IPC handle and the offset into it."""
     if not (t.is_cuda and t.is_contiguous()):
         raise ValueError("CUDA IPC shares a contiguous tensor on a GPU")
-    _Driver.use(t.device)
-    lib = _Driver.quick()  # at every prefill's answer, on the prefill engine's loop
+    lib = _Driver.use(t.device)
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
     _Driver.check(lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), t.data_ptr()),
                   "cuMemGetAddressRange")
@@ -130,17 +115,15 @@ class OpenAllocations:
         # once per allocation, and what a first sweep after a launch pays more than the second
         self.open_seconds = 0.0
 
-    def copy_into(self, ipc: CudaIpc, dst: torch.Tensor, stream: int | None = None) -> None:
-        """Queue the copy of the shared bytes into `dst` (contiguous, as many bytes, on a GPU of this node) on
-        `stream` (a CUstream; default: its device's current one). The driver copies by address (one address space,
-        peer access enabled at open), so the source may lie on another GPU — no tensor over foreign memory, whose
-        device torch would guess."""
+    def copy_into(self, ipc: CudaIpc, dst: torch.Tensor) -> None:
+        """Queue the copy of the shared bytes into `dst` (contiguous, as many bytes, on a GPU of this node) on its
+        device's current stream. The driver copies by address (one address space, peer access enabled at open),
+        so the source may lie on another GPU — no tensor over foreign memory, whose device torch would guess."""
         if not (dst.is_cuda and dst.is_contiguous()) or dst.numel() * dst.element_size() != ipc.size_bytes:
             raise ValueError(f"the copy needs a contiguous GPU tensor of {ipc.size_bytes} bytes")
         source = self.pointer(ipc, dst.device)
-        if stream is None:
-            stream = torch.cuda.current_stream(dst.device).cuda_stream
-        _Driver.check(_Driver.quick().cuMemcpyDtoDAsync_v2(dst.data_ptr(), source, ipc.size_bytes, stream),
+        stream = torch.cuda.current_stream(dst.device).cuda_stream
+        _Driver.check(_Driver.lib().cuMemcpyDtoDAsync_v2(dst.data_ptr(), source, ipc.size_bytes, stream),
                       "cuMemcpyDtoDAsync")
 
     def pointer(self, ipc: CudaIpc, device: torch.device) -> int:

@@ -69,28 +69,24 @@ def handoff_buffer(shape: list[int], dtype: torch.dtype, device: torch.device | 
         return torch.empty(shape, dtype=dtype, device=device)
 
 
-def copy_shared(metas: list[KvMeta], device: str, opened: OpenAllocations) -> tuple[list[torch.Tensor],
-                                                                                   torch.cuda.Event]:
-    """Other processes' KVs copied onto `device` (peer to peer across GPUs): each copy is queued on the device's
-    handoff stream (copy_stream) into a handoff_buffer, and the one event returned completes with them all — only
-    then may the owners free their memory. Nothing here waits: a reader on another stream waits for the handoff
-    stream (`arrived`, from TorchEngine._import: wait_stream, then record_stream so that the block is not reused
-    before it has read).
-    Waiting on the host cost a thread hop and GIL hand-offs, 7 ms a handoff on average under load; the driver
-    calls here keep the GIL (cuda_ipc's quick handle). The decode worker queues each copy as its request arrives:
-    gathering a turn's arrivals into one call cost a later turn of its event loop, and the copies took 1.05 ms
-    each at c=64 instead of 0.21 (two H200, session 15). `opened` keeps the owners' allocations open."""
-    if any(meta.ipc is None for meta in metas):
+def copy_shared(meta: KvMeta, device: str, opened: OpenAllocations) -> tuple[torch.Tensor, torch.cuda.Event]:
+    """The other process's KV copied onto `device` (peer to peer across GPUs): the copy is queued on the device's
+    handoff stream (copy_stream) into a handoff_buffer, and the event returned completes with it — only then may
+    the owner free its memory. Nothing here waits: a reader on another stream waits for the handoff stream
+    (`arrived`, from TorchEngine._import: wait_stream, then record_stream so that the block is not reused before
+    it has read).
+    Waiting on the host cost a thread hop and GIL hand-offs, 7 ms a handoff on average under load.
+    `opened` keeps the owner's allocations open for the next handoffs."""
+    if meta.ipc is None:
         raise ValueError("this KV description carries bytes, not a CUDA IPC location")
     target = torch.device(device)
     stream = copy_stream(target)
+    kv = handoff_buffer(meta.shape, dtype_of(meta), target)
     with torch.cuda.device(target), torch.cuda.stream(stream):
-        kvs = [torch.empty(meta.shape, dtype=dtype_of(meta), device=target) for meta in metas]  # handoff buffers
-        for meta, kv in zip(metas, kvs):
-            opened.copy_into(meta.ipc, kv, stream.cuda_stream)
+        opened.copy_into(meta.ipc, kv)
         copied = torch.cuda.Event()
         copied.record(stream)
-    return kvs, copied
+    return kv, copied
 
 
 def arrived(kv: torch.Tensor) -> None:

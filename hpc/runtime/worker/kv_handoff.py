@@ -87,7 +87,7 @@ class KvHandoff:
     # ---- decode: fetch the KV a prefill worker holds ----------------------------------------------------------------
     async def fetch(self, params: Any):
         """The prefill's KV for `params` (DisaggregatedParams), on this worker's device or the host."""
-        from hpc.runtime.engine.kv import dtype_of, unpack
+        from hpc.runtime.engine.kv import copy_shared, dtype_of, unpack
 
         address = params.prefill_address
         prefill = self.peers.client(address)
@@ -115,12 +115,19 @@ class KvHandoff:
                 kv = await asyncio.to_thread(self.nixl.read, address, meta, self.device, dtype_of(meta))
                 self._count("kv_fetched_nixl")
             else:
-                # Queued here, at once, on the event loop's thread: no thread hop, no host wait (the engine's
-                # stream waits for it on the GPU) and no later turn of the loop, each of which costs GIL hand-offs
-                # with a busy engine thread (copies gathered for the next turn took 1.05 ms each at c=64, 0.21
-                # queued at once).
-                kv, copied = self._copy(meta)
+                if self._opened is None:
+                    from hpc.runtime.engine.cuda_ipc import OpenAllocations
+
+                    self._opened = OpenAllocations()
+                # Queued here, on the event loop's thread: no thread hop and no host wait (the engine's stream
+                # waits for it on the GPU), both of which cost GIL hand-offs with a busy engine thread. Tried and
+                # dropped (two H200, c=64): a turn's arrivals gathered into one call at the loop's next turn (1.05 ms
+                # a copy instead of 0.21-0.25: that turn costs a GIL round trip), driver calls that keep the GIL
+                # (ctypes.PyDLL: no measurable change).
+                kv, copied = copy_shared(meta, self.device, self._opened)
                 self._count("kv_fetched_cuda_ipc")
+                self.counters["kv_ipc_opened"] = self._opened.opened
+                self.counters["kv_ipc_open_seconds_total"] = self._opened.open_seconds
             self._add("kv_move_seconds_total", time.perf_counter() - answered)  # open/read, copy (queued)
         finally:
             # Once the copy is complete (or failed) the prefill may free it; decoding need not wait for its answer.
@@ -128,19 +135,6 @@ class KvHandoff:
             self._releases.add(release)
             release.add_done_callback(self._released)
         return kv
-
-    def _copy(self, meta: KvMeta) -> tuple[Any, Any]:
-        """The CUDA IPC copy queued: (KV, the event it completes with)."""
-        from hpc.runtime.engine.kv import copy_shared
-
-        if self._opened is None:
-            from hpc.runtime.engine.cuda_ipc import OpenAllocations
-
-            self._opened = OpenAllocations()
-        (kv,), copied = copy_shared([meta], self.device, self._opened)
-        self.counters["kv_ipc_opened"] = self._opened.opened
-        self.counters["kv_ipc_open_seconds_total"] = self._opened.open_seconds
-        return kv, copied
 
     @staticmethod
     async def _release(prefill: Any, handle: str, copied: Any = None) -> None:

@@ -203,7 +203,6 @@ class _PrefillPeer:
     def __init__(self, copy: "_CopyEvent") -> None:
         self.copy = copy
         self.calls: list[str] = []
-        self.released: list[str] = []
         self.released_while_copying = False
 
     def client(self, address: str) -> "_PrefillPeer":
@@ -216,9 +215,8 @@ class _PrefillPeer:
         if isinstance(body, FetchKv):
             ipc = CudaIpc(device=0, handle=b"\0" * 64, allocation_bytes=64, offset_bytes=0, size_bytes=64)
             return KvMeta(shape=[2, 2, 2, 2, 2], dtype="torch.bfloat16", ipc=ipc), b""
-        assert isinstance(body, ReleaseKv)
-        self.released.append(body.handle)
-        self.released_while_copying |= self.copy.pending >= 0
+        assert isinstance(body, ReleaseKv) and body.handle == "h-1"
+        self.released_while_copying = self.copy.pending >= 0
         return None, b""
 
 
@@ -243,7 +241,7 @@ def test_a_cuda_ipc_fetch_returns_at_once_and_releases_the_prefills_kv_only_afte
 
     copy = _CopyEvent(pending=3)
     landed = torch.zeros(2, 2, 2, 2, 2)
-    monkeypatch.setattr(kvmod, "copy_shared", lambda metas, device, opened: ([landed] * len(metas), copy))
+    monkeypatch.setattr(kvmod, "copy_shared", lambda meta, device, opened: (landed, copy))
     prefill = _PrefillPeer(copy)
     handoff = KvHandoff(setting="auto", device="cuda:1", host="10.0.0.1", engine=None, peers=prefill, counters={})
 
@@ -256,7 +254,7 @@ def test_a_cuda_ipc_fetch_returns_at_once_and_releases_the_prefills_kv_only_afte
 
     kv, still_copying = asyncio.run(main())
     assert kv is landed and handoff.counters["kv_fetched_cuda_ipc"] == 1 and still_copying
-    assert prefill.calls == ["FetchKv", "ReleaseKv"] and prefill.released == ["h-1"]
+    assert prefill.calls == ["FetchKv", "ReleaseKv"]
     assert not prefill.released_while_copying  # the copy reads the prefill's memory until it completes
 
 
@@ -346,8 +344,7 @@ def test_a_kv_shared_with_the_prefills_answer_is_copied_without_asking_and_relea
 
     copy = _CopyEvent(pending=3)
     landed, seen = torch.zeros(2, 2, 2, 2, 2), []
-    monkeypatch.setattr(kvmod, "copy_shared",
-                        lambda metas, device, opened: seen.extend(metas) or ([landed] * len(metas), copy))
+    monkeypatch.setattr(kvmod, "copy_shared", lambda meta, device, opened: seen.append(meta) or (landed, copy))
     ipc = CudaIpc(device=0, handle=b"\1" * 64, allocation_bytes=64, offset_bytes=0, size_bytes=64)
     shared = KvMeta(shape=[2, 2, 2, 2, 2], dtype="torch.bfloat16", ipc=ipc)
 
