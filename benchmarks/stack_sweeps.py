@@ -50,7 +50,8 @@ SWEEP_COUNTERS = ("kv_ask_seconds_total", "kv_move_seconds_total", "kv_ipc_opene
                   "cuda_malloc_segments", "admit_seconds_total", "decode_seconds_total", "idle_seconds_total",
                   "prefill_steps", "decode_steps", "decode_steps_graphed", "decode_steps_overlapped",
                   "decode_rows_joined_in_flight", "requests", "queue_seconds_total",
-                  "first_tokens", "first_token_seconds_total", "kv_shared_with_answer", "kv_taken_from_answer")
+                  "first_tokens", "first_token_seconds_total", "kv_shared_with_answer", "kv_taken_from_answer",
+                  "link_seconds_total", "task_start_seconds_total", "submit_seconds_total", "inbox_seconds_total")
 
 
 def counters(metrics_url: str, names: tuple[str, ...] = WORKER_COUNTERS) -> dict[str, float]:
@@ -211,10 +212,19 @@ def main() -> None:
                                         for k in SWEEP_COUNTERS if a[k] or b[k]))
 
     def per_request(sweep: dict[str, float]) -> str:
-        """Inside a worker's engine, per request: arrival to a slot, arrival to its first token (prefill)."""
-        queue = sweep["queue_seconds_total"] / max(sweep["requests"], 1) * 1e3
+        """Inside a worker's engine, per request: arrival to a slot, arrival to its first token (prefill); with
+        the engine in a process of its own, before it: the link from the worker to that process's loop, the wait
+        for the request's task there; then the submit (a decode's KV fetch) and the wait in the inbox."""
+        def ms(name: str) -> float:
+            return sweep[name] / max(sweep["requests"], 1) * 1e3
+
         first = sweep["first_token_seconds_total"] / sweep["first_tokens"] * 1e3 if sweep["first_tokens"] else None
-        return f"queue {queue:.2f} ms" + (f", first token {first:.2f} ms" if first is not None else "")
+        parts = [f"{label} {ms(name):.2f}" for label, name in (("link", "link_seconds_total"),
+                                                               ("task start", "task_start_seconds_total"))
+                 if sweep[name]]
+        parts += [f"submit {ms('submit_seconds_total'):.2f}", f"inbox {ms('inbox_seconds_total'):.2f}"]
+        return f"queue {ms('queue_seconds_total'):.2f} ms ({', '.join(parts)})" + (
+            f", first token {first:.2f} ms" if first is not None else "")
 
     print("inside each engine per request, first / second sweep: " + "; ".join(
         f"{name} {per_request(spent[0][name])} / {per_request(spent[1][name])}" for name in urls))

@@ -42,6 +42,10 @@ def test_idle_admit_and_decode_seconds_add_up_to_the_scheduler_time(tiny) -> Non
     # the request's time in the engine is its prefill and its 23 decode steps, each counted once
     assert 0 < admit < decode <= busy_wall
     assert all(f"# TYPE hpc_worker_{name} counter" in prometheus("hpc_worker", served, {}).decode() for name in CLOCK)
+    # a request's queue (arrival to a slot) is its submit (checks; a decode's KV fetch) then its wait in the inbox
+    queue, parts = served["queue_seconds_total"], served["submit_seconds_total"] + served["inbox_seconds_total"]
+    assert served["inbox_seconds_total"] > 0 and served["submit_seconds_total"] > 0
+    assert queue == pytest.approx(parts, rel=1e-6, abs=1e-9)
 
 
 def test_each_engine_value_is_typed_a_counter_unless_it_is_a_level(tiny) -> None:

@@ -37,8 +37,10 @@ class ContextSteps:
                 continue
             seq.slot = self.free_slots.pop()
             self._counters["requests"] += 1
-            # from its arrival at the engine (a decode worker's KV fetch included) to a slot
-            self._counters["queue_seconds_total"] += time.perf_counter() - seq.started
+            # from its arrival at the engine (a decode worker's KV fetch included) to a slot; the part in the inbox
+            now = time.perf_counter()
+            self._counters["queue_seconds_total"] += now - seq.started
+            self._counters["inbox_seconds_total"] += now - seq.queued
             try:
                 seq.gen = make_generator(seq.request.sampling)
                 if seq.request.sampling.guide is not None:

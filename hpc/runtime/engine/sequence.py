@@ -26,6 +26,7 @@ class Seq:
     imported_kv: torch.Tensor | None = None
     media: torch.Tensor | None = None
     started: float = field(default_factory=time.perf_counter)
+    queued: float = 0.0  # when it went into the scheduler's inbox (its KV, if handed over, fetched)
     counts: dict[int, int] = field(default_factory=dict)  # generated token -> times (for the penalties)
     guide: Any = None  # (automaton, state) while the request's output is constrained (sampling.guide)
     cached: int = 0  # prompt tokens taken from the prefix cache

@@ -118,7 +118,8 @@ class TorchEngine(ContextSteps, DecodeSteps):
                           "prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "prefill_steps": 0,
                           "decode_steps": 0, "idle_seconds_total": 0.0, "admit_seconds_total": 0.0,
                           "decode_seconds_total": 0.0, "queue_seconds_total": 0.0, "first_tokens": 0,
-                          "first_token_seconds_total": 0.0}
+                          "first_token_seconds_total": 0.0, "submit_seconds_total": 0.0,
+                          "inbox_seconds_total": 0.0}
         self.on_kv_event: Callable[[dict[str, Any]], None] | None = None  # per-block stored/removed records
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self.prefix: PrefixCache | None = None
@@ -338,6 +339,8 @@ class TorchEngine(ContextSteps, DecodeSteps):
             seq.media = torch.frombuffer(bytearray(request.media.data),
                                          dtype=torch.float32).reshape(request.media.shape)
         self._counters["waiting"] += 1
+        seq.queued = time.perf_counter()
+        self._counters["submit_seconds_total"] += seq.queued - seq.started  # checks, the KV fetched
         self._inbox.put(seq)
         return seq
 

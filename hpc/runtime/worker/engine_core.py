@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from typing import Any, Callable
 
 import msgspec
@@ -92,6 +93,8 @@ class Core:
         self.engine, self.sender, self.handoff = engine, sender, handoff
         self.seqs: dict[int, Any] = {}  # key -> Seq (None while its KV is fetched)
         self.tasks: set[asyncio.Task] = set()
+        # where a request's time goes in this process before the engine has it (seconds, summed over requests)
+        self.timing = {"link_seconds_total": 0.0, "task_start_seconds_total": 0.0}
         self.stopped = asyncio.Event()
         prefill = engine.mode is DisaggregationMode.PREFILL
         engine.emitter = LinkEmitter(sender.send, self._finished,
@@ -110,7 +113,7 @@ class Core:
         self.seqs.pop(key, None)
 
     def stats(self) -> dict[str, float]:
-        return {**self.engine.stats(), **self.handoff.counters, "engine_pid": os.getpid()}
+        return {**self.engine.stats(), **self.handoff.counters, **self.timing, "engine_pid": os.getpid()}
 
     def _start(self, work: Any) -> None:
         task = asyncio.create_task(work)
@@ -122,14 +125,18 @@ class Core:
 
     def _submitted(self, message: Submit) -> None:
         self.seqs[message.key] = None
-        self._start(self._submit(message))
+        received = time.perf_counter()
+        if message.sent:  # the worker's send to this loop's read, and this read to the request's task
+            self.timing["link_seconds_total"] += received - message.sent
+        self._start(self._submit(message, received))
 
     def _dropped(self, message: Drop) -> None:
         seq = self.seqs.pop(message.key, None)
         if seq is not None:
             seq.cancelled = True  # the scheduler frees its slot at the next step
 
-    async def _submit(self, message: Submit) -> None:
+    async def _submit(self, message: Submit, received: float) -> None:
+        self.timing["task_start_seconds_total"] += time.perf_counter() - received
         try:
             seq = await self.engine.submit(message.request, Keyed(message.key))
         except ValueError as exc:

@@ -31,6 +31,7 @@ class _Link(Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
 class Submit(_Link, tag="submit"):
     key: int
     request: GenerateRequest
+    sent: float = 0.0  # the worker's time.perf_counter() as it sent this (CLOCK_MONOTONIC: one clock per host)
 
 
 class Drop(_Link, tag="drop"):

@@ -21,6 +21,7 @@ import logging
 import socket
 import subprocess
 import sys
+import time
 from typing import Any, AsyncIterator, Callable
 
 from hpc.runtime.engine.types import DisaggregationMode, GenerateOutput, GenerateRequest, KvMeta
@@ -212,7 +213,7 @@ class EngineProcess:
         key = next(self._keys)
         done = asyncio.get_running_loop().create_future()
         self._streams[key] = (deliver, done)
-        self._send(Submit(key=key, request=request))
+        self._send(Submit(key=key, request=request, sent=time.perf_counter()))
         try:
             await done
         finally:

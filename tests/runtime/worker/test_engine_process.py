@@ -117,6 +117,9 @@ def test_the_decode_worker_serves_from_an_engine_process_of_its_own(apart, tiny)
     # the engine process decoded it (its counters reach the worker's /metrics) and took the KV itself
     assert _metric(apart, "decode-0", "hpc_worker_decode_steps") >= steps + 11
     assert _metric(apart, "decode-0", "hpc_worker_requests_streamed_direct") == served + 1
+    # the time before the engine had it, measured in its process: the link from the worker, the wait for its task
+    assert 0 < _metric(apart, "decode-0", "hpc_worker_link_seconds_total") < 5
+    assert 0 < _metric(apart, "decode-0", "hpc_worker_task_start_seconds_total") < 5
     # GPUs of one node: the KV came with the prefill's answer (CUDA IPC); CPU: as bytes
     moved = "hpc_worker_kv_taken_from_answer" if torch.cuda.is_available() else "hpc_worker_kv_fetched_bytes"
     assert _metric(apart, "decode-0", moved) >= 1  # (bytes: asked of the prefill worker, answered by its engine's)
