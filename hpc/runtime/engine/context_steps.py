@@ -30,6 +30,7 @@ class ContextSteps:
         """A slot for each; KV handed over from a prefill worker goes in as it is, prompts wait for their prefill."""
         for seq in seqs:
             if seq.cancelled:
+                self._drop_pending(seq)
                 continue
             if not self.free_slots:
                 self._inbox.put(seq)  # retry next iteration, after a decode step frees slots

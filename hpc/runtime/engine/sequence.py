@@ -23,7 +23,7 @@ class Seq:
     generated: int = 0
     gen: Any = None
     cancelled: bool = False
-    imported_kv: torch.Tensor | None = None
+    imported_kv: Any = None  # a decode's KV from its prefill: a tensor, or kv.PendingCopy (CUDA IPC)
     media: torch.Tensor | None = None
     started: float = field(default_factory=time.perf_counter)
     queued: float = 0.0  # when it went into the scheduler's inbox (its KV, if handed over, fetched)

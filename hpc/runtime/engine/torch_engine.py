@@ -477,6 +477,8 @@ class TorchEngine(ContextSteps, DecodeSteps):
         return seq.slot >= 0
 
     def _import(self, seq: Seq) -> None:
+        if isinstance(seq.imported_kv, kvpack.PendingCopy):  # shared over CUDA IPC: copied now, on this thread
+            seq.imported_kv = seq.imported_kv.take()
         kvpack.arrived(seq.imported_kv)  # its copy may still run on the handoff stream (kv.copy_shared)
         kv = seq.imported_kv.to(self.device, self.dtype)  # [layers, 2, all kv heads, T, d]
         scatter_kv(self.tp, self.cache, seq.slot, kv)
@@ -542,6 +544,14 @@ class TorchEngine(ContextSteps, DecodeSteps):
         """The last output: the tokens still held (the last one among them), why it ended."""
         seq.send_held(finished=True, finish_reason=reason, error=error, disaggregated_params=params)
         self._release(seq)
+        self._drop_pending(seq)
+
+    @staticmethod
+    def _drop_pending(seq: Seq) -> None:
+        """A handed-over KV never copied (its request ended first): its owner may free it now."""
+        if isinstance(seq.imported_kv, kvpack.PendingCopy):
+            seq.imported_kv.drop()
+            seq.imported_kv = None
 
     def _release(self, seq: Seq) -> None:
         if seq.slot >= 0:

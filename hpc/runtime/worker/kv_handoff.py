@@ -2,7 +2,8 @@
 prefill side's answer. Three ways, chosen per fetch (runtime.kv_transport):
 
 - cuda_ipc: same node, both on GPUs — the decode side copies device to device from the prefill's allocation,
-  which it keeps open (cuda_ipc.py; 0.84-0.96 ms the whole fetch of a 262 MB KV on an H100).
+  which it keeps open (cuda_ipc.py; 0.84-0.96 ms the whole fetch of a 262 MB KV on an H100), when its engine
+  admits the request (kv.PendingCopy).
 - nixl: a NIXL READ from wherever the KV lies (across nodes GPU to GPU; host memory on CPU-only machines).
 - bytes: the KV's bytes in the RPC answer — any two machines, the CPU-only default.
 
@@ -87,7 +88,7 @@ class KvHandoff:
     # ---- decode: fetch the KV a prefill worker holds ----------------------------------------------------------------
     async def fetch(self, params: Any):
         """The prefill's KV for `params` (DisaggregatedParams), on this worker's device or the host."""
-        from hpc.runtime.engine.kv import copy_shared, dtype_of, unpack
+        from hpc.runtime.engine.kv import PendingCopy, dtype_of, unpack
 
         address = params.prefill_address
         prefill = self.peers.client(address)
@@ -107,34 +108,41 @@ class KvHandoff:
         if meta.ipc is None and meta.nixl is None:
             self._count("kv_fetched_bytes")
             return unpack(meta, data)
-        copied = None  # CUDA IPC: the event the queued copy completes with
-        try:
-            if meta.nixl is not None:
-                if self.nixl is None:
-                    raise RemoteError("the prefill worker lent its KV over NIXL, which this worker lacks", 502)
-                kv = await asyncio.to_thread(self.nixl.read, address, meta, self.device, dtype_of(meta))
-                self._count("kv_fetched_nixl")
-            else:
-                if self._opened is None:
-                    from hpc.runtime.engine.cuda_ipc import OpenAllocations
+        if meta.ipc is not None:
+            # Copied by the engine as it admits the request (kv.PendingCopy), which then calls back from its
+            # thread: the prefill may free the KV once that copy has completed. Tried and dropped before
+            # (two H200, c=64): the copy queued here on the event loop's thread (0.21-0.29 ms each, GIL hand-offs
+            # with the busy scheduler); a turn's arrivals gathered into one call at the loop's next turn (1.05 ms).
+            if self._opened is None:
+                from hpc.runtime.engine.cuda_ipc import OpenAllocations
 
-                    self._opened = OpenAllocations()
-                # Queued here, on the event loop's thread: no thread hop and no host wait (the engine's stream
-                # waits for it on the GPU), both of which cost GIL hand-offs with a busy engine thread. Tried and
-                # dropped (two H200, c=64): a turn's arrivals gathered into one call at the loop's next turn (1.05 ms
-                # a copy instead of 0.21-0.25: that turn costs a GIL round trip), driver calls that keep the GIL
-                # (ctypes.PyDLL: no measurable change).
-                kv, copied = copy_shared(meta, self.device, self._opened)
-                self._count("kv_fetched_cuda_ipc")
-                self.counters["kv_ipc_opened"] = self._opened.opened
-                self.counters["kv_ipc_open_seconds_total"] = self._opened.open_seconds
-            self._add("kv_move_seconds_total", time.perf_counter() - answered)  # open/read, copy (queued)
+                self._opened = OpenAllocations()
+            loop, handle = asyncio.get_running_loop(), params.request_handle
+            self._count("kv_fetched_cuda_ipc")
+            return PendingCopy(meta, self.device, self._opened,
+                               lambda copied: self._settled(loop, prefill, handle, copied), self.counters)
+        try:
+            if self.nixl is None:
+                raise RemoteError("the prefill worker lent its KV over NIXL, which this worker lacks", 502)
+            kv = await asyncio.to_thread(self.nixl.read, address, meta, self.device, dtype_of(meta))
+            self._count("kv_fetched_nixl")
+            self._add("kv_move_seconds_total", time.perf_counter() - answered)  # the read
         finally:
-            # Once the copy is complete (or failed) the prefill may free it; decoding need not wait for its answer.
-            release = asyncio.create_task(self._release(prefill, params.request_handle, copied))
-            self._releases.add(release)
-            release.add_done_callback(self._released)
+            self._start_release(prefill, params.request_handle, None)  # read (or failed): the prefill may free it
         return kv
+
+    def _settled(self, loop: asyncio.AbstractEventLoop, prefill: Any, handle: str, copied: Any) -> None:
+        """From the engine's thread: its copy of `handle`'s KV was queued (or never will be)."""
+        try:
+            loop.call_soon_threadsafe(self._start_release, prefill, handle, copied)
+        except RuntimeError:  # the loop closed (shutting down): the prefill's TTL frees the KV
+            log.info("no release for KV %s: the worker is stopping", handle)
+
+    def _start_release(self, prefill: Any, handle: str, copied: Any) -> None:
+        """ReleaseKv in the background, decoding need not wait for its answer."""
+        release = asyncio.create_task(self._release(prefill, handle, copied))
+        self._releases.add(release)
+        release.add_done_callback(self._released)
 
     @staticmethod
     async def _release(prefill: Any, handle: str, copied: Any = None) -> None:

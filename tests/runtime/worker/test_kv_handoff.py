@@ -203,6 +203,7 @@ class _PrefillPeer:
     def __init__(self, copy: "_CopyEvent") -> None:
         self.copy = copy
         self.calls: list[str] = []
+        self.released: list[str] = []
         self.released_while_copying = False
 
     def client(self, address: str) -> "_PrefillPeer":
@@ -215,8 +216,9 @@ class _PrefillPeer:
         if isinstance(body, FetchKv):
             ipc = CudaIpc(device=0, handle=b"\0" * 64, allocation_bytes=64, offset_bytes=0, size_bytes=64)
             return KvMeta(shape=[2, 2, 2, 2, 2], dtype="torch.bfloat16", ipc=ipc), b""
-        assert isinstance(body, ReleaseKv) and body.handle == "h-1"
-        self.released_while_copying = self.copy.pending >= 0
+        assert isinstance(body, ReleaseKv)
+        self.released.append(body.handle)
+        self.released_while_copying |= self.copy.pending >= 0
         return None, b""
 
 
@@ -246,16 +248,48 @@ def test_a_cuda_ipc_fetch_returns_at_once_and_releases_the_prefills_kv_only_afte
     handoff = KvHandoff(setting="auto", device="cuda:1", host="10.0.0.1", engine=None, peers=prefill, counters={})
 
     async def main():
-        kv = await handoff.fetch(DisaggregatedParams(request_handle="h-1", prefill_address="10.0.0.1:7000",
-                                                     first_token_id=5, prompt_length=2))
+        pending = await handoff.fetch(DisaggregatedParams(request_handle="h-1", prefill_address="10.0.0.1:7000",
+                                                          first_token_id=5, prompt_length=2))
+        await asyncio.sleep(0.01)
+        before_admission = list(prefill.calls)  # nothing copied yet, so nothing released
+        # the engine's scheduler thread copies it as it admits the request, and calls back to this loop
+        kv = await asyncio.to_thread(pending.take)
         still_copying = copy.pending >= 0  # returned with the copy queued, not waited for
+        await asyncio.sleep(0.01)
         await handoff.settle()
-        return kv, still_copying
+        return before_admission, kv, still_copying
 
-    kv, still_copying = asyncio.run(main())
+    before_admission, kv, still_copying = asyncio.run(main())
+    assert before_admission == ["FetchKv"]
     assert kv is landed and handoff.counters["kv_fetched_cuda_ipc"] == 1 and still_copying
-    assert prefill.calls == ["FetchKv", "ReleaseKv"]
+    assert prefill.calls == ["FetchKv", "ReleaseKv"] and prefill.released == ["h-1"]
     assert not prefill.released_while_copying  # the copy reads the prefill's memory until it completes
+    assert handoff.counters["kv_move_seconds_total"] > 0
+
+
+@pytest.mark.unit
+def test_a_kv_whose_request_ended_before_admission_is_released_without_a_copy(monkeypatch):
+    import asyncio
+
+    from hpc.runtime.engine import kv as kvmod
+    from hpc.runtime.serve.wire import DisaggregatedParams
+    from hpc.runtime.worker.kv_handoff import KvHandoff
+
+    copies = []
+    monkeypatch.setattr(kvmod, "copy_shared", lambda *args: copies.append(args))
+    prefill = _PrefillPeer(_CopyEvent(pending=0))
+    handoff = KvHandoff(setting="auto", device="cuda:1", host="10.0.0.1", engine=None, peers=prefill, counters={})
+
+    async def main():
+        pending = await handoff.fetch(DisaggregatedParams(request_handle="h-1", prefill_address="10.0.0.1:7000",
+                                                          first_token_id=5, prompt_length=2))
+        await asyncio.to_thread(pending.drop)  # cancelled before the scheduler admitted it
+        await asyncio.to_thread(pending.drop)  # settled once, whatever calls it again
+        await asyncio.sleep(0.01)
+        await handoff.settle()
+
+    asyncio.run(main())
+    assert copies == [] and prefill.calls == ["FetchKv", "ReleaseKv"] and prefill.released == ["h-1"]
 
 
 @pytest.mark.unit
@@ -355,7 +389,8 @@ def test_a_kv_shared_with_the_prefills_answer_is_copied_without_asking_and_relea
                                      prompt_length=2, kv=shared)
 
         async def main():
-            kv = await handoff.fetch(params)
+            kv = (await handoff.fetch(params)).take()
+            await asyncio.sleep(0.01)  # the release, called back to this loop
             await handoff.settle()
             return kv
         return asyncio.run(main()), prefill, handoff.counters
