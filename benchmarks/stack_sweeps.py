@@ -51,7 +51,8 @@ SWEEP_COUNTERS = ("kv_ask_seconds_total", "kv_move_seconds_total", "kv_ipc_opene
                   "prefill_steps", "decode_steps", "decode_steps_graphed", "decode_steps_overlapped",
                   "decode_rows_joined_in_flight", "requests", "queue_seconds_total",
                   "first_tokens", "first_token_seconds_total", "kv_shared_with_answer", "kv_taken_from_answer",
-                  "link_seconds_total", "task_start_seconds_total", "submit_seconds_total", "inbox_seconds_total")
+                  "link_seconds_total", "task_start_seconds_total", "submit_seconds_total", "inbox_seconds_total",
+                  "kv_ipc_copy_batches")
 
 
 def counters(metrics_url: str, names: tuple[str, ...] = WORKER_COUNTERS) -> dict[str, float]:

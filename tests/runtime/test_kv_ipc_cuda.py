@@ -53,7 +53,7 @@ def test_shared_kvs_arrive_whole_and_a_reused_allocation_is_not_opened_again():
             meta = _meta(child)
             assert meta.ipc is not None and meta.shape == [2, 2, 8, 1536, 128] and meta.dtype == "torch.bfloat16"
             metas.append(meta)
-            kv, copied = kvpack.copy_shared(meta, "cuda:0", opened)
+            (kv,), copied = kvpack.copy_shared([meta], "cuda:0", opened)
             copied.synchronize()  # before the child frees it (the worker releases after this event)
             got.append(kv)
             if i < 3:
@@ -88,7 +88,7 @@ def test_a_handoff_does_not_wait_for_the_steps_the_engine_launched():
         meta = _meta(child)
         engine_stream = torch.cuda.current_stream()
         torch.cuda._sleep(3_000_000_000)  # about a second and a half of queued work on the engine's stream
-        kv, copied = kvpack.copy_shared(meta, "cuda:0", opened)
+        (kv,), copied = kvpack.copy_shared([meta], "cuda:0", opened)
         copied.synchronize()
         busy_after_copy = not engine_stream.query()
         kvpack.arrived(kv)

@@ -1,6 +1,7 @@
-"""A decode engine takes a KV shared over CUDA IPC when it admits the request (kv.PendingCopy), on its scheduler
-thread; a request that ends before admission gives the KV back uncopied. Here on CPU, the copy stood in for by a
-PendingCopy whose take() hands over the KV a prefill engine in this process made."""
+"""A decode engine takes the KVs shared over CUDA IPC when it admits their requests (kv.PendingCopy), all of an
+admission's at once, on its scheduler thread; a request that ends before admission gives its KV back uncopied.
+Here on CPU: the copy (kv.copy_shared) stood in for by one that hands over the KV a prefill engine in this process
+made, and records which thread asked and for how many."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 from hpc.runtime.engine import kv as kvpack
 from hpc.runtime.engine.sequence import Seq
 from hpc.runtime.engine.torch_engine import TorchEngine
-from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
+from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, GenerateRequest,
+                                      SamplingParams)
 
 pytestmark = pytest.mark.unit
 
@@ -20,17 +22,29 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 ARGS = {"max_seq_len": 64, "max_batch_size": 4}
 
 
-class HandedOver(kvpack.PendingCopy):
-    """What the decode worker's KvHandoff.fetch returns for a CUDA IPC KV, with the copy replaced by the tensor."""
+class Copies:
+    """kv.copy_shared's stand-in: each call's thread and KV count; the KVs are the metas themselves (tensors)."""
 
-    def __init__(self, kv) -> None:
-        self.kv, self.settled_with, self.taken_on = kv, [], None
-        super().__init__(meta=None, device="cpu", opened=None, settled=self.settled_with.append, counters={})
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self.fail = fail
 
-    def take(self):
-        self.taken_on = threading.current_thread().name
-        self._settle("the copy's event")
-        return self.kv
+    def __call__(self, metas, device, opened):
+        self.calls.append((threading.current_thread().name, len(metas)))
+        if self.fail:
+            raise RuntimeError("cuIpcOpenMemHandle failed: invalid handle")
+        return list(metas), "the copies' event"
+
+
+def _pending(kv, settled: list) -> kvpack.PendingCopy:
+    return kvpack.PendingCopy(kv, "cuda:1", OPENED, settled.append, {})
+
+
+class _Opened:
+    opened, open_seconds = 1, 0.0
+
+
+OPENED = _Opened()
 
 
 def _request(max_tokens: int, params=None) -> GenerateRequest:
@@ -38,8 +52,9 @@ def _request(max_tokens: int, params=None) -> GenerateRequest:
                            sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
 
 
-def test_the_decode_engine_copies_a_shared_kv_on_its_scheduler_thread_as_it_admits_the_request(tiny):
-    pending: list[HandedOver] = []
+def test_the_decode_engine_copies_shared_kvs_on_its_scheduler_thread_as_it_admits_them(tiny, monkeypatch):
+    copies, settled = Copies(), []
+    monkeypatch.setattr(kvpack, "copy_shared", copies)
 
     async def main():
         async with TorchEngine(tiny, DisaggregationMode.AGGREGATED, ARGS) as agg:
@@ -50,8 +65,7 @@ def test_the_decode_engine_copies_a_shared_kv_on_its_scheduler_thread_as_it_admi
         kv = kvpack.unpack(meta, data)
 
         async def fetch(params):
-            pending.append(HandedOver(kv))
-            return pending[-1]
+            return _pending(kv, settled)
 
         async with TorchEngine(tiny, DisaggregationMode.DECODE, ARGS, fetch_kv=fetch) as decode:
             rest = [t async for out in decode.generate(_request(8, first.disaggregated_params))
@@ -60,21 +74,57 @@ def test_the_decode_engine_copies_a_shared_kv_on_its_scheduler_thread_as_it_admi
 
     whole, disaggregated = asyncio.run(main())
     assert disaggregated == whole and len(whole) == 8  # the KV went in whole
-    assert pending[0].taken_on == "torch-engine"  # copied by the scheduler, not on the event loop
-    assert pending[0].settled_with == ["the copy's event"]  # the owner told once, with what the copy ends with
+    assert copies.calls == [("torch-engine", 1)]  # copied by the scheduler, not on the event loop
+    assert settled == ["the copies' event"]  # the owner told once, with what the copy completes with
 
 
-def test_a_request_that_ends_before_admission_gives_its_kv_back_uncopied(tiny):
+def test_an_admissions_arrivals_are_copied_in_one_go_and_a_failed_copy_ends_them(tiny, monkeypatch):
+    async def admit(copies: Copies, kvs: list):
+        monkeypatch.setattr(kvpack, "copy_shared", copies)
+        settled: list = []
+        async with TorchEngine(tiny, DisaggregationMode.DECODE, ARGS) as decode:
+            # what the scheduler thread would do with three arrivals, the engine's own thread kept out of it
+            decode._running = False
+            decode._inbox.put(None)
+            await asyncio.to_thread(decode._thread.join, 5)
+            ended: list = []
+            seqs = [Seq(request=_request(8, DisaggregatedParams(request_handle=f"h-{i}", prefill_address="n1:7000",
+                                                                first_token_id=5, prompt_length=kv.shape[3])),
+                        emit=ended.append, imported_kv=_pending(kv, settled)) for i, kv in enumerate(kvs)]
+            running: list = []
+            decode._admit(seqs, running)
+            return seqs, running, settled, ended, len(decode.free_slots)
+
+    import torch
+
+    kvs = [torch.zeros(2, 2, 2, n, 32) for n in (8, 9, 10)]  # the tiny model's [layers, 2, kv heads, T, d]
+    copies = Copies()
+    seqs, running, settled, ended, free = asyncio.run(admit(copies, kvs))
+    assert copies.calls == [("MainThread", 3)]  # one copy call for the three
+    assert [s.imported_kv for s in seqs] == [None] * 3 and running == seqs  # imported, decoding
+    assert settled == ["the copies' event"] * 3 and free == ARGS["max_batch_size"] - 3
+
+    copies = Copies(fail=True)
+    seqs, running, settled, ended, free = asyncio.run(admit(copies, kvs))
+    assert copies.calls == [("MainThread", 3)] and running == [] and free == ARGS["max_batch_size"]
+    assert settled == [None] * 3  # nothing copied: the owners may free them at once
+    assert [out.finish_reason for out in ended] == ["error"] * 3 and "invalid handle" in ended[0].error
+
+
+def test_a_request_that_ends_before_admission_gives_its_kv_back_uncopied(tiny, monkeypatch):
+    copies = Copies()
+    monkeypatch.setattr(kvpack, "copy_shared", copies)
+
     async def main():
         async with TorchEngine(tiny, DisaggregationMode.DECODE, ARGS) as decode:
-            gone, failed = HandedOver(None), HandedOver(None)
-            seq = Seq(request=_request(8), emit=lambda out: None, imported_kv=gone)
+            gone, failed = [], []
+            seq = Seq(request=_request(8), emit=lambda out: None, imported_kv=_pending(None, gone))
             seq.cancelled = True
             decode._admit([seq], [])  # the scheduler skips it: cancelled while it waited in the inbox
-            other = Seq(request=_request(8), emit=lambda out: None, imported_kv=failed)
+            other = Seq(request=_request(8), emit=lambda out: None, imported_kv=_pending(None, failed))
             decode._finish(other, "error", error="engine failed")  # ended without a slot
             return gone, failed, seq, other
 
     gone, failed, seq, other = asyncio.run(main())
-    assert gone.taken_on is None and gone.settled_with == [None] and seq.imported_kv is None
-    assert failed.taken_on is None and failed.settled_with == [None] and other.imported_kv is None
+    assert copies.calls == [] and gone == [None] and failed == [None]
+    assert seq.imported_kv is None and other.imported_kv is None

@@ -14,6 +14,7 @@ import uuid
 import torch
 
 from hpc.engine_args.scheduling import max_num_tokens
+from hpc.runtime.engine import kv as kvpack
 from hpc.runtime.engine.guided import Automaton
 from hpc.runtime.engine.sampling import make_generator, on_device, prompt_logprobs
 from hpc.runtime.engine.sequence import Seq, context_work, prefill_groups, remaining, wanted_prompt_logprobs
@@ -27,7 +28,9 @@ ON_DEVICE = object()  # a prompt's first token, picked and left on the device (o
 
 class ContextSteps:
     def _admit(self, seqs: list[Seq], running: list[Seq]) -> None:
-        """A slot for each; KV handed over from a prefill worker goes in as it is, prompts wait for their prefill."""
+        """A slot for each; KV handed over from a prefill worker goes in as it is (the ones shared over CUDA IPC
+        copied together first), prompts wait for their prefill."""
+        admitted = []
         for seq in seqs:
             if seq.cancelled:
                 self._drop_pending(seq)
@@ -42,6 +45,8 @@ class ContextSteps:
             now = time.perf_counter()
             self._counters["queue_seconds_total"] += now - seq.started
             self._counters["inbox_seconds_total"] += now - seq.queued
+            admitted.append(seq)
+        for seq in self._copy_shared_kvs(admitted):
             try:
                 seq.gen = make_generator(seq.request.sampling)
                 if seq.request.sampling.guide is not None:
@@ -57,6 +62,22 @@ class ContextSteps:
                 self._finish(seq, "error", error=str(exc))
                 continue
             self._prefilling.append(seq)
+
+    def _copy_shared_kvs(self, seqs: list[Seq]) -> list[Seq]:
+        """The KVs shared over CUDA IPC among these arrivals copied in one go (kv.take_all); the sequences whose
+        admission goes on (all, unless the copy failed: those end with its error)."""
+        pending = [seq for seq in seqs if isinstance(seq.imported_kv, kvpack.PendingCopy)]
+        if not pending:
+            return seqs
+        try:
+            for seq, kv in zip(pending, kvpack.take_all([seq.imported_kv for seq in pending])):
+                seq.imported_kv = kv
+        except Exception as exc:
+            log.exception("copying handed-over KV failed")
+            for seq in pending:
+                self._finish(seq, "error", error=f"copying its KV failed: {exc}")
+            return [seq for seq in seqs if seq.slot >= 0]
+        return seqs
 
     def _start_prompt(self, seq: Seq) -> None:
         """The prompt's leading blocks from the prefix cache, if it holds them: its prefill starts after them. Image

@@ -70,24 +70,26 @@ def handoff_buffer(shape: list[int], dtype: torch.dtype, device: torch.device | 
         return torch.empty(shape, dtype=dtype, device=device)
 
 
-def copy_shared(meta: KvMeta, device: str, opened: OpenAllocations) -> tuple[torch.Tensor, torch.cuda.Event]:
-    """The other process's KV copied onto `device` (peer to peer across GPUs): the copy is queued on the device's
-    handoff stream (copy_stream) into a handoff_buffer, and the event returned completes with it — only then may
-    the owner free its memory. Nothing here waits: a reader on another stream waits for the handoff stream
-    (`arrived`, from TorchEngine._import: wait_stream, then record_stream so that the block is not reused before
-    it has read).
+def copy_shared(metas: list[KvMeta], device: str, opened: OpenAllocations) -> tuple[list[torch.Tensor],
+                                                                                   torch.cuda.Event]:
+    """Other processes' KVs copied onto `device` (peer to peer across GPUs), the arrivals one admission takes in
+    at once: each copy is queued on the device's handoff stream (copy_stream) into a handoff_buffer, and the one
+    event returned completes with them all — only then may the owners free their memory. Nothing here waits: a
+    reader on another stream waits for the handoff stream (`arrived`, from TorchEngine._import: wait_stream, then
+    record_stream so that the block is not reused before it has read).
     Waiting on the host cost a thread hop and GIL hand-offs, 7 ms a handoff on average under load.
-    `opened` keeps the owner's allocations open for the next handoffs."""
-    if meta.ipc is None:
+    `opened` keeps the owners' allocations open for the next handoffs."""
+    if any(meta.ipc is None for meta in metas):
         raise ValueError("this KV description carries bytes, not a CUDA IPC location")
     target = torch.device(device)
     stream = copy_stream(target)
-    kv = handoff_buffer(meta.shape, dtype_of(meta), target)
     with torch.cuda.device(target), torch.cuda.stream(stream):
-        opened.copy_into(meta.ipc, kv)
+        kvs = [torch.empty(meta.shape, dtype=dtype_of(meta), device=target) for meta in metas]  # handoff buffers
+        for meta, kv in zip(metas, kvs):
+            opened.copy_into(meta.ipc, kv)
         copied = torch.cuda.Event()
         copied.record(stream)
-    return kv, copied
+    return kvs, copied
 
 
 class PendingCopy:
@@ -103,19 +105,6 @@ class PendingCopy:
         self.meta, self.device, self.opened, self.counters = meta, device, opened, counters
         self._settled: Callable[[torch.cuda.Event | None], None] | None = settled
 
-    def take(self) -> torch.Tensor:
-        began = time.perf_counter()
-        copied = None
-        try:
-            kv, copied = copy_shared(self.meta, self.device, self.opened)
-        finally:
-            self._settle(copied)
-        self.counters["kv_ipc_opened"] = self.opened.opened
-        self.counters["kv_ipc_open_seconds_total"] = self.opened.open_seconds
-        self.counters["kv_move_seconds_total"] = self.counters.get("kv_move_seconds_total", 0) + \
-            time.perf_counter() - began  # open, copy (queued)
-        return kv
-
     def drop(self) -> None:
         """Its request ended before it was admitted: nothing was copied, the owner may free it now."""
         self._settle(None)
@@ -124,6 +113,29 @@ class PendingCopy:
         settled, self._settled = self._settled, None
         if settled is not None:
             settled(copied)
+
+
+def take_all(pending: list[PendingCopy]) -> list[torch.Tensor]:
+    """The copies of an admission's arrivals (all from one worker's handoff: one device, one set of open
+    allocations) queued together: one stream switch and one event for all, on the scheduler's thread, which stops
+    every decoding row while it admits (one at a time: 0.16 ms a copy, a burst of 20 arrivals 3 ms at c=64)."""
+    if not pending:
+        return []
+    first = pending[0]
+    if any(p.device != first.device or p.opened is not first.opened for p in pending):
+        raise ValueError("KVs copied together come from one handoff")
+    began, copied = time.perf_counter(), None
+    try:
+        kvs, copied = copy_shared([p.meta for p in pending], first.device, first.opened)
+    finally:
+        for p in pending:
+            p._settle(copied)
+    counters = first.counters
+    counters["kv_ipc_opened"] = first.opened.opened
+    counters["kv_ipc_open_seconds_total"] = first.opened.open_seconds
+    counters["kv_move_seconds_total"] = counters.get("kv_move_seconds_total", 0) + time.perf_counter() - began
+    counters["kv_ipc_copy_batches"] = counters.get("kv_ipc_copy_batches", 0) + 1
+    return kvs
 
 
 def arrived(kv: torch.Tensor) -> None:

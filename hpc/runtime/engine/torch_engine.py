@@ -477,8 +477,6 @@ class TorchEngine(ContextSteps, DecodeSteps):
         return seq.slot >= 0
 
     def _import(self, seq: Seq) -> None:
-        if isinstance(seq.imported_kv, kvpack.PendingCopy):  # shared over CUDA IPC: copied now, on this thread
-            seq.imported_kv = seq.imported_kv.take()
         kvpack.arrived(seq.imported_kv)  # its copy may still run on the handoff stream (kv.copy_shared)
         kv = seq.imported_kv.to(self.device, self.dtype)  # [layers, 2, all kv heads, T, d]
         scatter_kv(self.tp, self.cache, seq.slot, kv)

@@ -243,7 +243,7 @@ def test_a_cuda_ipc_fetch_returns_at_once_and_releases_the_prefills_kv_only_afte
 
     copy = _CopyEvent(pending=3)
     landed = torch.zeros(2, 2, 2, 2, 2)
-    monkeypatch.setattr(kvmod, "copy_shared", lambda meta, device, opened: (landed, copy))
+    monkeypatch.setattr(kvmod, "copy_shared", lambda metas, device, opened: ([landed] * len(metas), copy))
     prefill = _PrefillPeer(copy)
     handoff = KvHandoff(setting="auto", device="cuda:1", host="10.0.0.1", engine=None, peers=prefill, counters={})
 
@@ -253,7 +253,7 @@ def test_a_cuda_ipc_fetch_returns_at_once_and_releases_the_prefills_kv_only_afte
         await asyncio.sleep(0.01)
         before_admission = list(prefill.calls)  # nothing copied yet, so nothing released
         # the engine's scheduler thread copies it as it admits the request, and calls back to this loop
-        kv = await asyncio.to_thread(pending.take)
+        (kv,) = await asyncio.to_thread(kvmod.take_all, [pending])
         still_copying = copy.pending >= 0  # returned with the copy queued, not waited for
         await asyncio.sleep(0.01)
         await handoff.settle()
@@ -378,7 +378,8 @@ def test_a_kv_shared_with_the_prefills_answer_is_copied_without_asking_and_relea
 
     copy = _CopyEvent(pending=3)
     landed, seen = torch.zeros(2, 2, 2, 2, 2), []
-    monkeypatch.setattr(kvmod, "copy_shared", lambda meta, device, opened: seen.append(meta) or (landed, copy))
+    monkeypatch.setattr(kvmod, "copy_shared",
+                        lambda metas, device, opened: seen.extend(metas) or ([landed] * len(metas), copy))
     ipc = CudaIpc(device=0, handle=b"\1" * 64, allocation_bytes=64, offset_bytes=0, size_bytes=64)
     shared = KvMeta(shape=[2, 2, 2, 2, 2], dtype="torch.bfloat16", ipc=ipc)
 
@@ -389,7 +390,7 @@ def test_a_kv_shared_with_the_prefills_answer_is_copied_without_asking_and_relea
                                      prompt_length=2, kv=shared)
 
         async def main():
-            kv = (await handoff.fetch(params)).take()
+            (kv,) = kvmod.take_all([await handoff.fetch(params)])
             await asyncio.sleep(0.01)  # the release, called back to this loop
             await handoff.settle()
             return kv
