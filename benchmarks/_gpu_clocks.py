@@ -54,7 +54,7 @@ class ClockLog:
         return {index: sum(v) / len(v) for index, v in sorted(by_gpu.items())}
 
     def report(self, spans: dict[str, list[tuple[float, float]]]) -> str:
-        """One line per GPU: its mean SM clock in each named span, one figure per repeat (first / second sweep)."""
+        """One line per GPU: its mean SM clock in each named span, one figure per repeat (each sweep)."""
         if not self.samples:
             return "GPU SM clocks: not sampled (no nvidia-smi)"
         lines = []
@@ -63,6 +63,6 @@ class ClockLog:
             for name, repeats in spans.items():
                 means = [self.mean(a, b).get(index) for a, b in repeats]
                 cells.append(f"{name} " + " / ".join("-" if m is None else f"{m:.0f}" for m in means))
-            lines.append(f"GPU {index} SM clock, mean MHz (max {self.max_mhz[index]:.0f}), first / second sweep: "
+            lines.append(f"GPU {index} SM clock, mean MHz (max {self.max_mhz[index]:.0f}) in each sweep: "
                          + ", ".join(cells))
         return "\n".join(lines)

@@ -50,8 +50,8 @@ def test_each_gpu_clock_is_averaged_over_its_span(fake_smi):
     early, late = log.mean(began, low_until), log.mean(log.samples[10][0], time.time())
     assert early == {0: 345.0, 1: 1980.0} and late == {0: 1980.0, 1: 1980.0}
     report = log.report({"c=1": [(began, low_until), (log.samples[10][0], time.time())]})
-    assert report.splitlines() == ["GPU 0 SM clock, mean MHz (max 1980), first / second sweep: c=1 345 / 1980",
-                                   "GPU 1 SM clock, mean MHz (max 1980), first / second sweep: c=1 1980 / 1980"]
+    assert report.splitlines() == ["GPU 0 SM clock, mean MHz (max 1980) in each sweep: c=1 345 / 1980",
+                                   "GPU 1 SM clock, mean MHz (max 1980) in each sweep: c=1 1980 / 1980"]
 
 
 def test_without_nvidia_smi_the_report_says_so(monkeypatch, tmp_path):
