@@ -94,14 +94,12 @@ class Detokenizer:
         from tokenizers.decoders import DecodeStream
 
         self.codec = codec
-        self.ids: list[int] = []
         self.text = ""
         self._stream = DecodeStream(skip_special_tokens=codec.skip_special_tokens)
         # markers kept (keep_special_tokens) still leave out the end of the text, as TextCodec.decode does
         self._dropped = codec.eos_token_id if not codec.skip_special_tokens else None
 
     def add(self, new_ids: list[int]) -> str:
-        self.ids.extend(new_ids)
         tok, step, delta = self.codec.tok, self._stream.step, ""
         for token in new_ids:
             if token != self._dropped:
