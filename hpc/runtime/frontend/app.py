@@ -16,7 +16,7 @@ from hpc.runtime.frontend.parsers import AnswerParser, json_answer_guide, tool_c
 from hpc.runtime.frontend.group import FrontendGroup, health_status
 from hpc.runtime.frontend.pools import PoolRouter
 from hpc.runtime.frontend.router import NoInstance, NotStarted, Router
-from hpc.runtime.frontend.tokenizer import Detokenizer, TextCodec
+from hpc.runtime.frontend.tokenizer import Detokenizer, StopStrings, TextCodec
 from hpc.runtime.serve.http import Request, Response, json_dumps, json_loads, json_response
 from hpc.runtime.serve.metrics import LatencyHistograms, prometheus, prometheus_family
 from hpc.runtime.serve.rpc import PeerGone, RemoteError
@@ -339,10 +339,8 @@ class Frontend:
     async def _events(self, body: Any, gen: GenerateRequest) -> AsyncIterator[Piece]:
         """Text deltas with their finish reason, the tokens so far and the logprobs of the tokens they carry,
         honouring stop strings (text that may start one is held back until it cannot)."""
-        detok = Detokenizer(self.codec)
-        stops = body.stop_strings
+        detok, text = Detokenizer(self.codec), StopStrings(body.stop_strings)
         tokens = 0
-        emitted = 0
         pending: list[TokenLogprob] = []
         cached = 0
         prompt: list[TokenLogprob] | None = None
@@ -351,25 +349,11 @@ class Frontend:
             cached = max(cached, out.cached_tokens)
             prompt = out.prompt_logprobs or prompt
             pending += out.logprobs or []
-            detok.add(out.token_ids)
             reason = out.finish_reason if out.finished else None
-            text = detok.text
-            if stops:
-                hits = [text.find(s, max(0, emitted - max(map(len, stops)))) for s in stops]
-                hits = [h for h in hits if h >= 0]
-                if hits:
-                    yield Piece(text[emitted:min(hits)], "stop", tokens, pending, cached, prompt)
-                    return
-                safe = len(text) - max(len(s) - 1 for s in stops)
-                if reason is None and safe > emitted:
-                    yield Piece(text[emitted:safe], None, tokens, pending, cached, prompt)
-                    emitted, pending = safe, []
-                elif reason is not None:
-                    yield Piece(text[emitted:], _reason(reason), tokens, pending, cached, prompt)
-                    return
-                continue
-            delta = text[emitted:]
-            emitted = len(text)
+            delta, stopped = text.feed(detok.add(out.token_ids), final=reason is not None)
+            if stopped:
+                yield Piece(delta, "stop", tokens, pending, cached, prompt)
+                return
             if delta or reason:
                 yield Piece(delta, _reason(reason) if reason else None, tokens, pending, cached, prompt)
                 pending = []

@@ -94,17 +94,39 @@ class Detokenizer:
         from tokenizers.decoders import DecodeStream
 
         self.codec = codec
-        self.text = ""
         self._stream = DecodeStream(skip_special_tokens=codec.skip_special_tokens)
         # markers kept (keep_special_tokens) still leave out the end of the text, as TextCodec.decode does
         self._dropped = codec.eos_token_id if not codec.skip_special_tokens else None
 
     def add(self, new_ids: list[int]) -> str:
+        """The text these tokens complete (possibly none yet)."""
         tok, step, delta = self.codec.tok, self._stream.step, ""
         for token in new_ids:
             if token != self._dropped:
                 piece = step(tok, token)
                 if piece:
                     delta += piece
-        self.text += delta
         return delta
+
+
+class StopStrings:
+    """A stream's text as it may be sent: up to the first stop string, and what may be the start of one held back
+    until it cannot be. Only the text not sent yet is kept and searched (a stop string that began in text already
+    sent would have been whole, and found, before it was sent), so a long answer costs each delta, not the whole
+    text again at every token."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.keep = max(map(len, stops)) - 1 if stops else 0  # the longest start of a stop string a tail can be
+        self.held = ""
+
+    def feed(self, delta: str, final: bool) -> tuple[str, bool]:
+        """(the text to send now, whether a stop string ended the stream there)."""
+        held = self.held + delta
+        hits = [i for i in (held.find(stop) for stop in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return held[:min(hits)], True
+        cut = len(held) if final else max(0, len(held) - self.keep)
+        self.held = held[cut:]
+        return held[:cut], False

