@@ -122,6 +122,8 @@ class StopStrings:
 
     def feed(self, delta: str, final: bool) -> tuple[str, bool]:
         """(the text to send now, whether a stop string ended the stream there)."""
+        if not self.stops:  # nothing to look for: all of it, at once
+            return delta, False
         held = self.held + delta
         hits = [i for i in (held.find(stop) for stop in self.stops) if i >= 0]
         if hits:
