@@ -42,6 +42,9 @@ from hpc.runtime.engine.torch_engine import TorchEngine  # noqa: E402
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams  # noqa: E402
 
 WARMUP = 2
+# what the engine-only sweeps print per level and sweep: where a sweep slower than another spent its time
+SCHEDULER_CLOCK = ("decode_seconds_total", "admit_seconds_total", "idle_seconds_total", "decode_steps",
+                   "generated_tokens")
 
 
 async def engine_level(engine: TorchEngine, level: Level, rng: random.Random) -> float:
@@ -140,9 +143,12 @@ def main() -> None:
             if args.engine_only:  # direct: the first sweep; via: the later ones
                 for sweep in [direct] + [via] * (args.sweeps - 1):
                     for lv in levels:
-                        began = time.time()
+                        began, before = time.time(), engine.stats()
                         sweep[lv.concurrency].append(await engine_level(engine, lv, rng))
                         spans.setdefault(f"c={lv.concurrency}", []).append((began, time.time()))
+                        after = engine.stats()
+                        spent.setdefault(lv.concurrency, []).append(
+                            {k: after.get(k, 0) - before.get(k, 0) for k in SCHEDULER_CLOCK})
                 return device_label(engine), direct, via, 0
             from _stack import local_stack
             from hpc.bench.clients import processes_for, run_apart
@@ -178,6 +184,7 @@ def main() -> None:
             return device_label(engine), direct, via, frontends
 
     spans: dict[str, list[tuple[float, float]]] = {}  # each level's wall-time span, per sweep (--engine-only)
+    spent: dict[int, list[dict[str, float]]] = {}  # the scheduler's clock over each level, per sweep
     with ClockLog() as clocks:
         label, direct, via, frontends = asyncio.run(run())
     lv0 = levels[0]
@@ -194,6 +201,13 @@ def main() -> None:
             print(f"{lv.concurrency:>4} {lv.requests:>9} {first:>12.1f} {second:>13.1f} {first / second:>13.0%}"
                   f"{''.join(f' {x:.1f}' for x in later)}")
         print(clocks.report(spans))
+        print("the scheduler per decode step, ms (decode / admit / idle), and tokens a step, in each sweep:")
+        for lv in levels:
+            print(f"  c={lv.concurrency}: " + "; ".join(
+                f"{s['decode_seconds_total'] / max(s['decode_steps'], 1) * 1e3:.3f} / "
+                f"{s['admit_seconds_total'] / max(s['decode_steps'], 1) * 1e3:.3f} / "
+                f"{s['idle_seconds_total'] / max(s['decode_steps'], 1) * 1e3:.3f}, "
+                f"{s['generated_tokens'] / max(s['decode_steps'], 1):.1f} tokens" for s in spent[lv.concurrency]))
         return
     print(f"{'c':>4} {'requests':>9} {'engine directly':>16} {'through frontend':>17} {'kept':>6}  each round's kept")
     for lv in levels:
