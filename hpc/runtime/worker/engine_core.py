@@ -139,13 +139,9 @@ class Core:
         self.timing["task_start_seconds_total"] += time.perf_counter() - received
         try:
             seq = await self.engine.submit(message.request, Keyed(message.key))
-        except ValueError as exc:
-            self.seqs.pop(message.key, None)
-            self.sender.send(Refused(key=message.key, message=str(exc), code=400))
-            return
         except Exception as exc:  # noqa: BLE001 - whatever stops a request is the worker's to answer
-            self.seqs.pop(message.key, None)
-            code = exc.code if isinstance(exc, RemoteError) else 500
+            self.seqs.pop(message.key, None)  # with the code the RPC server gives it: a ValueError is the request's
+            code = 400 if isinstance(exc, ValueError) else exc.code if isinstance(exc, RemoteError) else 500
             self.sender.send(Refused(key=message.key, message=str(exc), code=code))
             return
         if message.key in self.seqs:
