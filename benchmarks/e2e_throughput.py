@@ -185,7 +185,8 @@ def main() -> None:
 
     spans: dict[str, list[tuple[float, float]]] = {}  # each level's wall-time span, per sweep (--engine-only)
     spent: dict[int, list[dict[str, float]]] = {}  # the scheduler's clock over each level, per sweep
-    with ClockLog() as clocks:
+    # the GPU clocks are reported for the engine-only sweeps alone: nothing samples them otherwise
+    with ClockLog() if args.engine_only else contextlib.nullcontext() as clocks:
         label, direct, via, frontends = asyncio.run(run())
     lv0 = levels[0]
     out = f"{lv0.output_tokens} +- {args.output_spread}" if args.output_spread else str(lv0.output_tokens)
