@@ -83,6 +83,9 @@ def summary(path: Path, mode: str, top: int = 12) -> list[str]:
     return lines
 
 
+PARKED = ("Popen._try_wait (", "_worker (thread.py", "Thread.run (threading.py")  # leaves of idle helpers
+
+
 def _per_thread(path: Path, top: int) -> list[str]:
     """Each busy thread's samples by the line it was on (a wait shows as the call that waits)."""
     threads: dict[str, Counter] = {}
@@ -91,7 +94,11 @@ def _per_thread(path: Path, top: int) -> list[str]:
         leaf = f"{function} ({where.rsplit('/', 1)[-1]}" if where else function
         threads.setdefault(thread, Counter())[leaf] += n
     lines = []
-    for name, where in sorted(threads.items(), key=lambda kv: -sum(kv[1].values()))[:4]:
+    # a thread parked all the time (a supervisor waiting on its child, a pool's idle worker) says nothing and
+    # pushed the engine's scheduler thread out of the list
+    busy = [(name, where) for name, where in threads.items()
+            if sum(n for leaf, n in where.items() if leaf.startswith(PARKED)) < 0.98 * sum(where.values())]
+    for name, where in sorted(busy, key=lambda kv: -sum(kv[1].values()))[:6]:
         total = sum(where.values())
         lines.append(f"  wall, {name} ({total} samples): "
                      + "; ".join(f"{w} {n / total:.0%}" for w, n in where.most_common(top)))

@@ -34,6 +34,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _gpu_clocks import ClockLog  # noqa: E402
+from _scheduler_clock import per_step, spent as clock_spent  # noqa: E402
 from _stack import add_set_option  # noqa: E402
 from hpc.bench.loadgen import REQUESTS_PER_USER, Level, prompt_ids  # noqa: E402
 from hpc.engine_args.precedence import TORCH_ENGINE_DEFAULTS, deep_update  # noqa: E402
@@ -42,9 +43,6 @@ from hpc.runtime.engine.torch_engine import TorchEngine  # noqa: E402
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams  # noqa: E402
 
 WARMUP = 2
-# what the engine-only sweeps print per level and sweep: where a sweep slower than another spent its time
-SCHEDULER_CLOCK = ("decode_seconds_total", "admit_seconds_total", "idle_seconds_total", "decode_steps",
-                   "generated_tokens")
 
 
 async def engine_level(engine: TorchEngine, level: Level, rng: random.Random) -> float:
@@ -147,8 +145,7 @@ def main() -> None:
                         sweep[lv.concurrency].append(await engine_level(engine, lv, rng))
                         spans.setdefault(f"c={lv.concurrency}", []).append((began, time.time()))
                         after = engine.stats()
-                        spent.setdefault(lv.concurrency, []).append(
-                            {k: after.get(k, 0) - before.get(k, 0) for k in SCHEDULER_CLOCK})
+                        spent.setdefault(lv.concurrency, []).append(clock_spent(before, after))
                 return device_label(engine), direct, via, 0
             from _stack import local_stack
             from hpc.bench.clients import processes_for, run_apart
@@ -204,11 +201,7 @@ def main() -> None:
         print(clocks.report(spans))
         print("the scheduler per decode step, ms (decode / admit / idle), and tokens a step, in each sweep:")
         for lv in levels:
-            print(f"  c={lv.concurrency}: " + "; ".join(
-                f"{s['decode_seconds_total'] / max(s['decode_steps'], 1) * 1e3:.3f} / "
-                f"{s['admit_seconds_total'] / max(s['decode_steps'], 1) * 1e3:.3f} / "
-                f"{s['idle_seconds_total'] / max(s['decode_steps'], 1) * 1e3:.3f}, "
-                f"{s['generated_tokens'] / max(s['decode_steps'], 1):.1f} tokens" for s in spent[lv.concurrency]))
+            print(f"  c={lv.concurrency}: " + "; ".join(per_step(s) for s in spent[lv.concurrency]))
         return
     print(f"{'c':>4} {'requests':>9} {'engine directly':>16} {'through frontend':>17} {'kept':>6}  each round's kept")
     for lv in levels:

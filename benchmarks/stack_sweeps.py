@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import _profile  # noqa: E402
 from _gpu_clocks import ClockLog  # noqa: E402
+from _scheduler_clock import SCHEDULER_CLOCK, per_step, spent as clock_spent  # noqa: E402
 from _stack import add_set_option, local_stack  # noqa: E402
 
 from hpc.bench.clients import processes_for  # noqa: E402
@@ -130,12 +131,15 @@ def main() -> None:
                     cpu0, wall0 = {n: group_cpu_seconds(p) for n, p in leaders.items()}, time.perf_counter()
                     cpu0["client"] = time.process_time()  # this process: the load generator
                     seen0 = frontend_latency(url)
+                clock0 = {name: counters(u, SCHEDULER_CLOCK) for name, u in urls.items()}
                 began = time.time()  # wall clock: to line up with a GPU clock log (nvidia-smi -lms)
                 # prompts of their own at each level and sweep: the second sweep must not find the first's in
                 # the prefix cache (it did, with one seed for all, and was faster for it)
                 results[lv.concurrency] = {**await run_level(url, model, lv, True, 0, seed=sweep * len(levels) + i,
                                                              processes=clients(lv)),
                                            "began_at": began, "ended_at": time.time()}
+                level_clocks.setdefault(lv.concurrency, []).append(
+                    {name: clock_spent(clock0[name], counters(u, SCHEDULER_CLOCK)) for name, u in urls.items()})
             wall = time.perf_counter() - wall0
             seen = frontend_latency(url)
             frontend_seen.append({k: (seen[k] - seen0[k]) / max(seen["count"] - seen0["count"], 1) * 1e3
@@ -168,6 +172,7 @@ def main() -> None:
     if args.profile and not _profile.available():
         raise SystemExit("--profile needs py-spy on PATH (pip install py-spy)")
     profiles: dict[str, list[str]] = {}
+    level_clocks: dict[int, list[dict[str, dict[str, float]]]] = {}  # per level, per sweep, per worker
     frontend_seen: list[dict[str, float]] = []
     with contextlib.redirect_stdout(io.StringIO()):
         stack = local_stack(args.recipe, *overrides, *args.overrides)
@@ -229,6 +234,12 @@ def main() -> None:
 
     print("inside each engine per request, first / second sweep: " + "; ".join(
         f"{name} {per_request(spent[0][name])} / {per_request(spent[1][name])}" for name in urls))
+    print("each engine's scheduler per step, first; second sweep: a decode step's ms (decode / admit / idle) and "
+          "tokens, or a prefill worker's per prefill step (admit / idle) and prompts")
+    for name in urls:
+        print(f"  {name}: " + " | ".join(f"c={lv.concurrency} " + "; ".join(per_step(sweep[name])
+                                                                         for sweep in level_clocks[lv.concurrency])
+                                      for lv in levels))
     print(f"the frontend's own mean TTFT / e2e at c={levels[-1].concurrency} (from a request's arrival there), first "
           f"/ second sweep: " + " / ".join(f"{f['ttft']:.1f} / {f['e2e']:.1f} ms" for f in frontend_seen))
     print(f"cores busy at c={levels[-1].concurrency}, first / second sweep: "
@@ -243,7 +254,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"recipe": args.recipe, "workers": placed, "handoff": handoff,
                                                "first": first, "second": second, "per_sweep": spent,
-                                               "cores_busy_at_highest": busy},
+                                               "cores_busy_at_highest": busy, "scheduler_per_level": level_clocks},
                                               indent=1, default=str))
 
 

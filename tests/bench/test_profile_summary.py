@@ -46,3 +46,12 @@ def test_wall_samples_show_where_each_thread_was_by_line(tmp_path):
     engine = next(line for line in lines if "torch-engine" in line)
     assert "(40 samples)" in engine and "sample_rows (sampling.py:63) 75%" in engine
     assert "TorchEngine._schedule (torch_engine.py:419) 25%" in engine
+
+
+def test_wall_samples_leave_out_threads_parked_on_one_line(tmp_path):
+    """The supervisor waits on its child all the time: six busier threads would push the engine's out."""
+    path = tmp_path / "decode-0.wall.txt"
+    path.write_text(RAW)
+    lines = _profile.summary(path, "wall")
+    assert not any("Popen._try_wait" in line for line in lines)
+    assert sum("wall, " in line for line in lines) == 2  # the engine's thread and the worker's loop

@@ -1,0 +1,32 @@
+"""The torch engine's scheduler clock (its counters in the worker's /metrics, or TorchEngine.stats()) per decode
+step: where a level or sweep slower than another spent its time, the engine alone or a worker in the stack."""
+
+from __future__ import annotations
+
+# seconds idle, admitting (prefills included) and decoding; steps; tokens the engine generated
+SCHEDULER_CLOCK = ("decode_seconds_total", "admit_seconds_total", "idle_seconds_total", "decode_steps",
+                   "generated_tokens", "prefill_steps", "first_tokens")
+
+
+def spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after.get(k, 0) - before.get(k, 0) for k in SCHEDULER_CLOCK}
+
+
+def per_step(clock: dict[str, float]) -> str:
+    """A decode step's figures, or a prefill worker's per prefill step (it never decodes)."""
+    return per_decode_step(clock) if clock["decode_steps"] else per_prefill_step(clock)
+
+
+def per_prefill_step(clock: dict[str, float]) -> str:
+    """'admit / idle' ms per prefill step (a prefill worker's admission is its prefill), and prompts a step."""
+    steps = max(clock["prefill_steps"], 1)
+    return (f"{clock['admit_seconds_total'] / steps * 1e3:.3f} / {clock['idle_seconds_total'] / steps * 1e3:.3f}, "
+            f"{clock['first_tokens'] / steps:.1f} prompts")
+
+
+def per_decode_step(clock: dict[str, float]) -> str:
+    """'decode / admit / idle' ms per decode step, and tokens a step (a step's rows, plus the first tokens that
+    prefills picked meanwhile)."""
+    steps = max(clock["decode_steps"], 1)
+    return (f"{clock['decode_seconds_total'] / steps * 1e3:.3f} / {clock['admit_seconds_total'] / steps * 1e3:.3f} / "
+            f"{clock['idle_seconds_total'] / steps * 1e3:.3f}, {clock['generated_tokens'] / steps:.1f} tokens")
