@@ -105,3 +105,38 @@ def test_a_graph_that_picks_gives_its_logits_argmax_at_temperature_zero() -> Non
     graphs.run([5, 6, 7], [6, 6, 6], [0, 1, 2])  # both staging buffers have held four rows now
     assert all(torch.equal(layer[:, 3], before) for layer, before in zip(cache, slot_3))
     assert graphs.replays == 25
+
+
+def test_rows_going_on_take_the_last_picks_inside_the_graph_by_their_index() -> None:
+    """run_picking's `sources`: a row's token is the pick of its row in the last replay that picked (still on the
+    device), or the host's where its source is -1 — the logits of an eager step given those tokens."""
+    from hpc.runtime.engine.sampling import pick_in_graph
+
+    model = _model()
+    gen = torch.Generator().manual_seed(3)
+    cache = model.new_cache(SLOTS + 1, 32, torch.float32, DEVICE)
+    for layer in cache:
+        layer.copy_(torch.randn(layer.shape, generator=gen))
+    eager_cache = [layer.clone() for layer in cache]
+    step = lambda t, p, s: model.forward_step(model.embed(t), p, s, cache)  # noqa: E731
+    graphs = DecodeGraphs(step, GraphSizes((1, 4), padding=True), scratch_slot=SLOTS, device=DEVICE,
+                          pick=pick_in_graph)
+    graphs.capture(RecordedGraph())
+    _, picked = graphs.run_picking([5, 6, 7], [4, 9, 2], [0, 1, 2], temperatures=[0.0] * 3)
+    first = picked.tolist()
+    model.forward_step(model.embed(torch.tensor([[5], [6], [7]], device=DEVICE)),
+                       torch.tensor([[4], [9], [2]], device=DEVICE), torch.tensor([0, 1, 2], device=DEVICE),
+                       eager_cache)
+    # rows 2 and 0 go on from their picks (the host's tokens for them are stale: 0), a new row 3 joins with 11
+    logits, _ = graphs.run_picking([0, 0, 11], [3, 5, 1], [2, 0, 3], temperatures=[0.0] * 3, sources=[2, 0, -1])
+    want = model.forward_step(model.embed(torch.tensor([[first[2]], [first[0]], [11]], device=DEVICE)),
+                              torch.tensor([[3], [5], [1]], device=DEVICE), torch.tensor([2, 0, 3], device=DEVICE),
+                              eager_cache)
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+    # without sources the host's tokens count again
+    logits, _ = graphs.run_picking([0, 0, 11], [4, 6, 2], [2, 0, 3], temperatures=[0.0] * 3)
+    want = model.forward_step(model.embed(torch.tensor([[0], [0], [11]], device=DEVICE)),
+                              torch.tensor([[4], [6], [2]], device=DEVICE), torch.tensor([2, 0, 3], device=DEVICE),
+                              eager_cache)
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+    assert graphs.covers(3) and graphs.covers(4) and not graphs.covers(5)

@@ -56,6 +56,9 @@ def test_decode_steps_replay_from_cuda_graphs_with_the_eager_steps_tokens(tmp_pa
     assert stats["decode_steps"] >= 11 and stats["decode_steps_graphed"] == stats["decode_steps"]
     # the overlapped steps' greedy tokens were picked inside the graphs (and equal the eager argmax, below)
     assert stats["decode_steps_picked_in_graph"] == stats["decode_steps_overlapped"] > 0
+    # and once no row joined with its first token on the device, the rows going on took their tokens from the
+    # step before inside the graph (DecodeGraphs.picks), with the eager tokens all the same
+    assert stats["decode_steps_carried_in_graph"] >= 6, stats
     eager, plain = _run(model_dir, {"cuda_graph_config": None})
     assert plain.graphs is None and plain.stats()["decode_steps"] >= 11 and "decode_steps_graphed" not in plain.stats()
     # the same kernels with the same inputs: rows are independent, so padding changes nothing

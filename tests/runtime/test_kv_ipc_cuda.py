@@ -101,3 +101,30 @@ def test_a_handoff_does_not_wait_for_the_steps_the_engine_launched():
     base = (torch.arange(2 * 2 * 8 * 1600 * 128, dtype=torch.float32) % 251).reshape(2, 2, 8, 1600, 128)[..., 1:1537, :]
     assert torch.equal(kv.cpu(), base.to(torch.bfloat16))
     assert float(total) == float(base.to(torch.bfloat16).float().sum())
+
+
+def test_a_shared_kv_goes_straight_into_a_cache_slot_and_nowhere_else():
+    """kv.copy_shared_into: one 3D copy per KV from another process's memory into one slot of a cache of more
+    tokens a slot (its rows of another pitch), on the current stream; the other slots and the slot's tail keep
+    what they had."""
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    opened = OpenAllocations()
+    try:
+        meta = _meta(child)  # [2, 2, 8, 1536, 128] bf16
+        assert kvpack.fits_slot(meta, torch.empty(2, 2, 3, 8, 2048, 128, dtype=torch.bfloat16))
+        whole = torch.full((2, 2, 3, 8, 2048, 128), -1.0, dtype=torch.bfloat16, device="cuda")
+        copied = kvpack.copy_shared_into([meta], whole, [1], opened)
+        copied.synchronize()
+        (kv,), _ = kvpack.copy_shared([meta], "cuda:0", opened)
+        torch.cuda.synchronize()
+        with pytest.raises(ValueError, match="does not fit slot 3"):
+            kvpack.copy_shared_into([meta], whole, [3], opened)
+    finally:
+        child.stdin.close()
+        child.wait(30)
+        opened.close()
+    base = (torch.arange(2 * 2 * 8 * 1600 * 128, dtype=torch.float32) % 251).reshape(2, 2, 8, 1600, 128)[..., 1:1537, :]
+    got = whole.cpu()
+    assert torch.equal(got[:, :, 1, :, :1536], base.to(torch.bfloat16))
+    assert torch.equal(kv.cpu(), got[:, :, 1, :, :1536])  # what the buffered path copies
+    assert bool((got[:, :, 1, :, 1536:] == -1).all()) and bool((got[:, :, [0, 2]] == -1).all())

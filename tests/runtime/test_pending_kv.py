@@ -128,3 +128,64 @@ def test_a_request_that_ends_before_admission_gives_its_kv_back_uncopied(tiny, m
     gone, failed, seq, other = asyncio.run(main())
     assert copies.calls == [] and gone == [None] and failed == [None]
     assert seq.imported_kv is None and other.imported_kv is None
+
+
+class SlotCopies:
+    """kv.copy_shared_into's stand-in: the KV behind each meta (by its fake handle) written into its slot, as the
+    driver's 3D copy does on a GPU; each call's thread and slots."""
+
+    def __init__(self, kvs: dict[bytes, "object"]) -> None:
+        self.kvs, self.calls = kvs, []
+
+    def __call__(self, metas, whole, slots, opened):
+        self.calls.append((threading.current_thread().name, list(slots)))
+        for meta, slot in zip(metas, slots):
+            kv = self.kvs[meta.ipc.handle]
+            whole[:, :, slot, :, :kv.shape[3]] = kv
+        return "the copies' event"
+
+
+def _shared_meta(kv, handle: bytes):
+    from hpc.runtime.serve.wire import CudaIpc, KvMeta
+
+    size = kv.numel() * kv.element_size()
+    return KvMeta(shape=list(kv.shape), dtype=str(kv.dtype),
+                  ipc=CudaIpc(device=0, handle=handle, allocation_bytes=size, offset_bytes=0, size_bytes=size))
+
+
+def test_a_kv_that_fits_the_cache_goes_straight_into_its_slot(tiny, monkeypatch):
+    """One rank, the cache's dtype and heads: no buffer, no scatter (kv.take_all into the slots); the greedy text
+    is the aggregated engine's. A KV in another dtype goes through a buffer and the scatter, as before."""
+    buffered = Copies()
+    monkeypatch.setattr(kvpack, "copy_shared", buffered)
+
+    async def main():
+        async with TorchEngine(tiny, DisaggregationMode.AGGREGATED, ARGS) as agg:
+            whole = [t async for out in agg.generate(_request(8)) for t in out.token_ids]
+        async with TorchEngine(tiny, DisaggregationMode.PREFILL, ARGS) as prefill:
+            first = [out async for out in prefill.generate(_request(1))][-1]
+            meta, data = prefill.take_handoff(first.disaggregated_params.request_handle)
+        kv = kvpack.unpack(meta, data)
+        slotted = SlotCopies({b"h" * 64: kv})
+        monkeypatch.setattr(kvpack, "copy_shared_into", slotted)
+        settled, counters = [], {}
+
+        async def fetch(params):
+            return kvpack.PendingCopy(_shared_meta(kv, b"h" * 64), "cuda:1", OPENED, settled.append, counters)
+
+        async with TorchEngine(tiny, DisaggregationMode.DECODE, ARGS, fetch_kv=fetch) as decode:
+            rest = [t async for out in decode.generate(_request(8, first.disaggregated_params))
+                    for t in out.token_ids]
+            fits = kvpack.fits_slot(_shared_meta(kv, b"h" * 64), decode.cache.whole)
+            other_dtype = kvpack.fits_slot(_shared_meta(kv.to(torch.bfloat16), b"h" * 64), decode.cache.whole)
+            longer = kvpack.fits_slot(_shared_meta(torch.zeros(*kv.shape[:3], ARGS["max_seq_len"] + 1, kv.shape[4]),
+                                                   b"h" * 64), decode.cache.whole)
+        return whole, first.token_ids + rest, slotted, settled, counters, (fits, other_dtype, longer)
+
+    import torch
+
+    whole, disaggregated, slotted, settled, counters, fits = asyncio.run(main())
+    assert disaggregated == whole and len(whole) == 8  # the KV went in whole, straight into the slot
+    assert [thread for thread, _ in slotted.calls] == ["torch-engine"] and buffered.calls == []
+    assert settled == ["the copies' event"] and counters["kv_ipc_copied_into_slots"] == 1
+    assert fits == (True, False, False)

@@ -69,8 +69,14 @@ class ContextSteps:
         pending = [seq for seq in seqs if isinstance(seq.imported_kv, kvpack.PendingCopy)]
         if not pending:
             return seqs
+        shared, whole = [seq.imported_kv for seq in pending], self.cache.whole
+        # straight into the slots when one rank holds every head in the KV's dtype; else each through a buffer
+        # that _import scatters (a TP decode engine broadcasts it to its ranks)
+        into_slots = self.world.size == 1 and all(kvpack.fits_slot(kv.meta, whole) for kv in shared)
         try:
-            for seq, kv in zip(pending, kvpack.take_all([seq.imported_kv for seq in pending])):
+            taken = kvpack.take_all(shared, whole, [seq.slot for seq in pending]) if into_slots \
+                else kvpack.take_all(shared)
+            for seq, kv in zip(pending, taken):
                 seq.imported_kv = kv
         except Exception as exc:
             log.exception("copying handed-over KV failed")

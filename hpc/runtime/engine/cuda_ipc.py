@@ -37,6 +37,24 @@ class _Handle(ctypes.Structure):
         return cls.from_buffer_copy(data)
 
 
+_MEMORYTYPE_DEVICE = 2  # CU_MEMORYTYPE_DEVICE
+
+
+class _Memcpy3D(ctypes.Structure):
+    """CUDA_MEMCPY3D (cuda.h), for cuMemcpy3DAsync_v2: a run of rows of one pitch, in slices of another, on both
+    sides — a KV's [layers x 2, heads, tokens x head_dim] into one slot of the cache's [layers x 2, slots x heads,
+    max_len x head_dim] in one call."""
+    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcZ", ctypes.c_size_t),
+                ("srcLOD", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int), ("srcHost", ctypes.c_void_p),
+                ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p), ("reserved0", ctypes.c_void_p),
+                ("srcPitch", ctypes.c_size_t), ("srcHeight", ctypes.c_size_t),
+                ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstZ", ctypes.c_size_t),
+                ("dstLOD", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int), ("dstHost", ctypes.c_void_p),
+                ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p), ("reserved1", ctypes.c_void_p),
+                ("dstPitch", ctypes.c_size_t), ("dstHeight", ctypes.c_size_t),
+                ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t), ("Depth", ctypes.c_size_t)]
+
+
 class _Driver:
     """The few libcuda calls used here (the driver is on every GPU node; nothing to install)."""
 
@@ -59,6 +77,7 @@ class _Driver:
                 lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
                 lib.cuMemcpyDtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t,
                                                      ctypes.c_void_p]
+                lib.cuMemcpy3DAsync_v2.argtypes = [ctypes.POINTER(_Memcpy3D), ctypes.c_void_p]
                 cls._lib = lib
         return cls._lib
 
@@ -125,6 +144,27 @@ class OpenAllocations:
         stream = torch.cuda.current_stream(dst.device).cuda_stream
         _Driver.check(_Driver.lib().cuMemcpyDtoDAsync_v2(dst.data_ptr(), source, ipc.size_bytes, stream),
                       "cuMemcpyDtoDAsync")
+
+    def copy_into_slot(self, ipc: CudaIpc, shape: list[int], whole: torch.Tensor, slot: int) -> None:
+        """Queue the copy of a shared KV of `shape` [layers, 2, kv_heads, tokens, head_dim] (contiguous, the cache's
+        dtype) straight into `slot` of a KV cache `whole` [layers, 2, slots, kv_heads, max_len, head_dim] on the
+        current stream: one driver call for every layer and head, no buffer between (kv.copy_shared_into)."""
+        layers, pair, heads, tokens, head_dim = shape
+        slots, max_len = whole.shape[2], whole.shape[4]
+        size = whole.element_size()
+        if not (whole.is_cuda and whole.is_contiguous()) or [layers, pair, heads, head_dim] != [
+                whole.shape[0], whole.shape[1], whole.shape[3], whole.shape[5]] or not 0 < tokens <= max_len \
+                or not 0 <= slot < slots or layers * pair * heads * tokens * head_dim * size != ipc.size_bytes:
+            raise ValueError(f"a KV of shape {shape} ({ipc.size_bytes} bytes) does not fit slot {slot} of a cache "
+                             f"of shape {list(whole.shape)} ({whole.dtype})")
+        source = self.pointer(ipc, whole.device)
+        row = max_len * head_dim * size  # one head's tokens in the cache
+        copy = _Memcpy3D(srcMemoryType=_MEMORYTYPE_DEVICE, srcDevice=source, srcPitch=tokens * head_dim * size,
+                         srcHeight=heads, dstMemoryType=_MEMORYTYPE_DEVICE,
+                         dstDevice=whole.data_ptr() + slot * heads * row, dstPitch=row, dstHeight=slots * heads,
+                         WidthInBytes=tokens * head_dim * size, Height=heads, Depth=layers * pair)
+        stream = torch.cuda.current_stream(whole.device).cuda_stream
+        _Driver.check(_Driver.lib().cuMemcpy3DAsync_v2(ctypes.byref(copy), stream), "cuMemcpy3DAsync")
 
     def pointer(self, ipc: CudaIpc, device: torch.device) -> int:
         """Where the shared bytes are in this process, opening their allocation unless it is open already."""

@@ -31,6 +31,7 @@ Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 Capture = Callable[[Callable[[], Outputs]], tuple[Callable[[], None], Outputs]]
 # temperatures ride in the long input buffer as fixed point: one staged copy a step for all of a step's inputs
 TEMPERATURE_SCALE = 1 << 24
+INPUT_ROWS = 5  # a row's token, position, cache slot, temperature and source (DecodeGraphs.inputs)
 
 
 def cuda_capture(device: torch.device) -> Capture:
@@ -78,16 +79,22 @@ class DecodeGraphs:
         self.sizes = sizes
         self.scratch_slot = scratch_slot
         largest = sizes.batch_sizes[-1]
-        # rows 0-3: token, position, cache slot and temperature (x TEMPERATURE_SCALE) of each row of the step
-        self.inputs = torch.zeros(4, largest, dtype=torch.long, device=device)
+        # rows 0-4: token, position, cache slot, temperature (x TEMPERATURE_SCALE) and source of each row of the
+        # step — a row's index in the step before when its token is that step's pick (`picks`), else -1
+        self.inputs = torch.zeros(INPUT_ROWS, largest, dtype=torch.long, device=device)
         self.inputs[2].fill_(scratch_slot)
+        self.inputs[4].fill_(-1)
+        # the picks of the last replay that picked, on the device: an overlapped step's rows that go on take their
+        # tokens from here inside the graph, so the host stages no gather of them (run_picking's `sources`)
+        self.picks = torch.zeros(largest, dtype=torch.long, device=device)
         # the host side of each step's inputs, pinned, two in turn: a copy from pageable memory would first wait
         # for the steps already queued (an overlapped step's is queued behind the one running; overlap.py), and a
         # buffer is written again only after the step that read it has been read back
         pinned = device.type == "cuda"
-        self._staging = [torch.zeros(4, largest, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self._staging = [torch.zeros(INPUT_ROWS, largest, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         for staged in self._staging:
             staged[2].fill_(scratch_slot)
+            staged[4].fill_(-1)
         self._host = [staged.numpy() for staged in self._staging]  # the same memory
         self._turn = 0
         self._token_views: dict[int, torch.Tensor] = {}
@@ -101,14 +108,23 @@ class DecodeGraphs:
                  "on" if self.sizes.padding else "off")
 
     def _step_of(self, size: int) -> Callable[[], Outputs]:
-        tokens, positions, slots, temperatures = (self.inputs[i, :size] for i in range(4))
+        tokens, positions, slots, temperatures, sources = (self.inputs[i, :size] for i in range(INPUT_ROWS))
+        picks = self.picks
 
         def step() -> Outputs:
-            logits = self.step(tokens[:, None], positions[:, None], slots)
+            carried = torch.where(sources >= 0, picks[sources.clamp(min=0)], tokens)
+            logits = self.step(carried[:, None], positions[:, None], slots)
             if self.pick is None:
                 return logits
-            return logits, self.pick(logits, temperatures.float() / TEMPERATURE_SCALE)
+            picked = self.pick(logits, temperatures.float() / TEMPERATURE_SCALE)
+            picks[:size].copy_(picked)
+            return logits, picked
         return step
+
+    def covers(self, rows: int) -> bool:
+        """Is there a graph for a step of `rows` (padded or not)?"""
+        size = self.sizes.size_for(rows)
+        return size is not None and size in self._graphs
 
     def run(self, tokens: list[int], positions: list[int], slots: list[int],
             device_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -121,12 +137,16 @@ class DecodeGraphs:
         return None if replayed is None else replayed[0]
 
     def run_picking(self, tokens: list[int], positions: list[int], slots: list[int],
-                    temperatures: list[float] | None,
-                    device_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                    temperatures: list[float] | None, device_tokens: torch.Tensor | None = None,
+                    sources: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """run(), and with `temperatures` (one a row) each row's next token [rows] picked inside the graph at its
         temperature (0: greedy): a step's tokens without the sampling kernels launched from the host one by one
         (seven launches, each a release and re-take of the GIL that the worker's event loop contends for). The
-        picks are None without temperatures or a `pick`; the whole is None when no graph fits."""
+        picks are None without temperatures or a `pick`; the whole is None when no graph fits.
+        `sources` (one a row): a row's index in the last replay that picked, whose pick is its token (that step's
+        tokens never come to the host first), or -1 for the token in `tokens` — an overlapped step's kept rows
+        without the gather, index staging and copy the host launched for them, a seventh of a decode engine's
+        scheduler time at c=64 on an H200."""
         rows = len(positions)
         size = self.sizes.size_for(rows)
         if size is None or size not in self._graphs:
@@ -140,9 +160,11 @@ class DecodeGraphs:
         host[1, :rows] = positions
         host[2, :rows] = slots
         host[3, :rows] = [round(t * TEMPERATURE_SCALE) for t in temperatures] if temperatures is not None else 0
+        host[4, :rows] = sources if sources is not None else -1
         if size > rows:  # padded rows: token 0 at position 0 in the spare slot, whatever an earlier step left
             host[[0, 1, 3], rows:size] = 0
             host[2, rows:size] = self.scratch_slot
+            host[4, rows:size] = -1
         self.inputs.copy_(staged, non_blocking=True)  # the whole buffer: one contiguous copy
         if device_tokens is not None:
             self._tokens_of(rows).copy_(device_tokens)

@@ -25,6 +25,10 @@ class DecodeSteps:
             if joined and self._inflight is not None:
                 self._counters["decode_rows_joined_in_flight"] = \
                     self._counters.get("decode_rows_joined_in_flight", 0) + len(joined)
+            if self._carries_in_graph(kept, joined):
+                rows = [self._inflight.rows[i] for i in kept] + joined
+                self._launch_overlapped(rows, None, sources=kept + [-1] * len(joined))
+                return
             rows, tokens = next_inputs(self._inflight, kept, joined, self._first,
                                        lambda ids: on_device(ids, self.device))
             self._launch_overlapped(rows, tokens)
@@ -39,17 +43,29 @@ class DecodeSteps:
             for s, (token, logprob) in zip(running, picked):
                 self._emit_token(s, token, logprob)
 
-    def _decode_launch(self, running: list[Seq], device_tokens: torch.Tensor | None,
-                       pick: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One decode step's logits, each row's token from its last one (or `device_tokens`, on the device); with
-        `pick`, each row's next token too when the step's graph could pick them (else None)."""
+    def _carries_in_graph(self, kept: list[int], joined: list[Seq]) -> bool:
+        """May the next step's graph take its kept rows' tokens from the step in flight by index (DecodeGraphs.picks)?
+        That step picked inside the graphs' last replay, no joined row's first token waits on the device
+        (FirstTokens), and a graph covers the rows. A decode worker's steps are all like this: its rows join with
+        their first token from the host."""
+        step = self._inflight
+        return step is not None and step.replay is not None and step.replay == self.graphs.replays \
+            and not any(id(seq) in self._first.rows for seq in joined) and self.graphs.covers(len(kept) + len(joined))
+
+    def _decode_launch(self, running: list[Seq], device_tokens: torch.Tensor | None, pick: bool = False,
+                       sources: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step's logits, each row's token from its last one (or `device_tokens`, on the device, or with
+        `sources` the graphs' last picks for the rows that have one there); with `pick`, each row's next token too
+        when the step's graph could pick them (else None)."""
         positions, slots = [s.length for s in running], [s.slot for s in running]
         tokens = [s.last_token for s in running]
         replayed = None
         if self.graphs is not None:
             temperatures = graph_temperatures([s.request.sampling for s in running], self.cfg.vocab_size) \
                 if pick else None
-            replayed = self.graphs.run_picking(tokens, positions, slots, temperatures, device_tokens)
+            replayed = self.graphs.run_picking(tokens, positions, slots, temperatures, device_tokens, sources)
+        if replayed is None and sources is not None:
+            raise RuntimeError(f"no decode graph for {len(running)} rows whose tokens are the last step's picks")
         if replayed is None:  # no graph for this batch: eagerly, its inputs staged as the graphs' are (pinned)
             token_tensor = device_tokens if device_tokens is not None else on_device(tokens, self.device)
             replayed = self._decode_logits(token_tensor[:, None], on_device(positions, self.device)[:, None],
@@ -58,16 +74,23 @@ class DecodeSteps:
             s.length += 1
         return replayed
 
-    def _launch_overlapped(self, running: list[Seq], device_tokens: torch.Tensor | None) -> None:
+    def _launch_overlapped(self, running: list[Seq], device_tokens: torch.Tensor | None,
+                           sources: list[int] | None = None) -> None:
         """Launch a step whose tokens stay on the device, then emit the previous step's (overlap.py)."""
         self._counters["decode_steps"] += 1
         self._counters["decode_steps_overlapped"] = self._counters.get("decode_steps_overlapped", 0) + 1
-        logits, tokens = self._decode_launch(running, device_tokens, pick=True)
+        logits, tokens = self._decode_launch(running, device_tokens, pick=True, sources=sources)
+        replay = None
         if tokens is None:
             tokens = self.picker.pick_on_device(running, logits, self.sampler)
         else:
             self._counters["decode_steps_picked_in_graph"] = self._counters.get("decode_steps_picked_in_graph", 0) + 1
-        previous, self._inflight = self._inflight, InflightStep(list(running), tokens, *self._host_copies.start(tokens))
+            replay = self.graphs.replays
+        if sources is not None:
+            self._counters["decode_steps_carried_in_graph"] = \
+                self._counters.get("decode_steps_carried_in_graph", 0) + 1
+        previous, self._inflight = self._inflight, InflightStep(list(running), tokens, *self._host_copies.start(tokens),
+                                                                replay=replay)
         if previous is not None:
             self._emit_inflight(previous)
         self._emit_first_tokens()

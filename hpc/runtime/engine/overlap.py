@@ -38,6 +38,7 @@ class InflightStep:
     tokens: torch.Tensor  # [rows] on the device: what the step picked, the input of the next
     host: torch.Tensor  # their copy on the host, complete once `done` is
     done: Any = None  # a CUDA event after the copy (None on the CPU: the copy is done)
+    replay: int | None = None  # picked inside the decode graphs' replay of this number (DecodeGraphs.picks)
 
     def read(self) -> list[int]:
         finish(self.done)  # this step only, not the one launched after it

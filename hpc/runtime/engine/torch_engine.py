@@ -477,10 +477,14 @@ class TorchEngine(ContextSteps, DecodeSteps):
         return seq.slot >= 0
 
     def _import(self, seq: Seq) -> None:
-        kvpack.arrived(seq.imported_kv)  # its copy may still run on the handoff stream (kv.copy_shared)
-        kv = seq.imported_kv.to(self.device, self.dtype)  # [layers, 2, all kv heads, T, d]
-        scatter_kv(self.tp, self.cache, seq.slot, kv)
-        seq.length = length = kv.shape[3]
+        if isinstance(seq.imported_kv, kvpack.InSlot):  # copied into its slot as it was admitted (kv.take_all)
+            length = seq.imported_kv.length
+        else:
+            kvpack.arrived(seq.imported_kv)  # its copy may still run on the handoff stream (kv.copy_shared)
+            kv = seq.imported_kv.to(self.device, self.dtype)  # [layers, 2, all kv heads, T, d]
+            scatter_kv(self.tp, self.cache, seq.slot, kv)
+            length = kv.shape[3]
+        seq.length = length
         params = seq.request.disaggregated_params
         seq.last_token = params.first_token_id
         seq.generated = 1  # the prefill worker produced the first token
