@@ -43,13 +43,18 @@ def _graphs(model, cache, sizes: GraphSizes) -> DecodeGraphs:
     return DecodeGraphs(step, sizes, scratch_slot=SLOTS, device=DEVICE)
 
 
-def test_padded_steps_give_the_eager_logits_and_touch_only_the_spare_slot() -> None:
-    model = _model()
-    gen = torch.Generator().manual_seed(1)
+def _random_caches(model, gen: torch.Generator) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A cache of random values and its copy: one for the eager steps, one for the graphs."""
     eager_cache = model.new_cache(SLOTS + 1, 32, torch.float32, DEVICE)
     for layer in eager_cache:
         layer.copy_(torch.randn(layer.shape, generator=gen))
-    graph_cache = [layer.clone() for layer in eager_cache]
+    return eager_cache, [layer.clone() for layer in eager_cache]
+
+
+def test_padded_steps_give_the_eager_logits_and_touch_only_the_spare_slot() -> None:
+    model = _model()
+    gen = torch.Generator().manual_seed(1)
+    eager_cache, graph_cache = _random_caches(model, gen)
     graphs = _graphs(model, graph_cache, GraphSizes((1, 4), padding=True))
     capture = RecordedGraph()
     graphs.capture(capture)
@@ -114,10 +119,7 @@ def test_rows_going_on_take_the_last_picks_inside_the_graph_by_their_index() -> 
 
     model = _model()
     gen = torch.Generator().manual_seed(3)
-    cache = model.new_cache(SLOTS + 1, 32, torch.float32, DEVICE)
-    for layer in cache:
-        layer.copy_(torch.randn(layer.shape, generator=gen))
-    eager_cache = [layer.clone() for layer in cache]
+    eager_cache, cache = _random_caches(model, gen)
     step = lambda t, p, s: model.forward_step(model.embed(t), p, s, cache)  # noqa: E731
     graphs = DecodeGraphs(step, GraphSizes((1, 4), padding=True), scratch_slot=SLOTS, device=DEVICE,
                           pick=pick_in_graph)

@@ -52,17 +52,22 @@ def _request(max_tokens: int, params=None) -> GenerateRequest:
                            sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
 
 
+async def _aggregated_and_prefilled(tiny):
+    """The aggregated engine's greedy answer, a prefill engine's answer (its first token) and the KV it made."""
+    async with TorchEngine(tiny, DisaggregationMode.AGGREGATED, ARGS) as agg:
+        whole = [t async for out in agg.generate(_request(8)) for t in out.token_ids]
+    async with TorchEngine(tiny, DisaggregationMode.PREFILL, ARGS) as prefill:
+        first = [out async for out in prefill.generate(_request(1))][-1]
+        meta, data = prefill.take_handoff(first.disaggregated_params.request_handle)
+    return whole, first, kvpack.unpack(meta, data)
+
+
 def test_the_decode_engine_copies_shared_kvs_on_its_scheduler_thread_as_it_admits_them(tiny, monkeypatch):
     copies, settled = Copies(), []
     monkeypatch.setattr(kvpack, "copy_shared", copies)
 
     async def main():
-        async with TorchEngine(tiny, DisaggregationMode.AGGREGATED, ARGS) as agg:
-            whole = [t async for out in agg.generate(_request(8)) for t in out.token_ids]
-        async with TorchEngine(tiny, DisaggregationMode.PREFILL, ARGS) as prefill:
-            first = [out async for out in prefill.generate(_request(1))][-1]
-            meta, data = prefill.take_handoff(first.disaggregated_params.request_handle)
-        kv = kvpack.unpack(meta, data)
+        whole, first, kv = await _aggregated_and_prefilled(tiny)
 
         async def fetch(params):
             return _pending(kv, settled)
@@ -160,12 +165,7 @@ def test_a_kv_that_fits_the_cache_goes_straight_into_its_slot(tiny, monkeypatch)
     monkeypatch.setattr(kvpack, "copy_shared", buffered)
 
     async def main():
-        async with TorchEngine(tiny, DisaggregationMode.AGGREGATED, ARGS) as agg:
-            whole = [t async for out in agg.generate(_request(8)) for t in out.token_ids]
-        async with TorchEngine(tiny, DisaggregationMode.PREFILL, ARGS) as prefill:
-            first = [out async for out in prefill.generate(_request(1))][-1]
-            meta, data = prefill.take_handoff(first.disaggregated_params.request_handle)
-        kv = kvpack.unpack(meta, data)
+        whole, first, kv = await _aggregated_and_prefilled(tiny)
         slotted = SlotCopies({b"h" * 64: kv})
         monkeypatch.setattr(kvpack, "copy_shared_into", slotted)
         settled, counters = [], {}
