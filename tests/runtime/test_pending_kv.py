@@ -177,7 +177,7 @@ def test_a_kv_that_fits_the_cache_goes_straight_into_its_slot(tiny, monkeypatch)
             rest = [t async for out in decode.generate(_request(8, first.disaggregated_params))
                     for t in out.token_ids]
             fits = kvpack.fits_slot(_shared_meta(kv, b"h" * 64), decode.cache.whole)
-            other_dtype = kvpack.fits_slot(_shared_meta(kv.to(torch.bfloat16), b"h" * 64), decode.cache.whole)
+            other_dtype = kvpack.fits_slot(_shared_meta(kv.to(torch.float16), b"h" * 64), decode.cache.whole)
             longer = kvpack.fits_slot(_shared_meta(torch.zeros(*kv.shape[:3], ARGS["max_seq_len"] + 1, kv.shape[4]),
                                                    b"h" * 64), decode.cache.whole)
         return whole, first.token_ids + rest, slotted, settled, counters, (fits, other_dtype, longer)
