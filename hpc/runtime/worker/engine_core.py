@@ -49,12 +49,14 @@ class LinkEmitter:
     """In place of the engine's Emitter (outputs.py), the worker at the other end of a socket, not on a loop: inside a
     decode step the rows' outputs gather and leave as one message when the step ends, written by the scheduler
     thread itself (no hop through this process's event loop); outside one each leaves at once.
-    `via_loop` (a prefill engine's): the outputs pass this process's event loop first, where a prefill's answer
-    gets its KV shared over CUDA IPC once the copy that made it has completed, as in a worker's own process."""
+    `prepare` (a prefill engine's): each output as it leaves — a prefill's answer gets its KV shared over CUDA IPC
+    there (KvHandoff.attach_shared: the copies that made it are complete once the step's first tokens were read).
+    On this process's event loop, as before, the answers waited for a loop that took the GIL from the scheduler
+    thread at every turn."""
 
     def __init__(self, send: Callable[[Outputs], None], finished: Callable[[int], None],
-                 via_loop: tuple[asyncio.AbstractEventLoop, Callable[[Outputs], None]] | None = None) -> None:
-        self._send, self._finished, self._via_loop = send, finished, via_loop
+                 prepare: Callable[[GenerateOutput], GenerateOutput] | None = None) -> None:
+        self._send, self._finished, self._prepare = send, finished, prepare
         self._keys: list[int] = []
         self._outputs: list[GenerateOutput] = []
         self._batching = False
@@ -69,11 +71,9 @@ class LinkEmitter:
             self._leave(Outputs(keys=[outputs.key], outputs=[out]))
 
     def _leave(self, message: Outputs) -> None:
-        if self._via_loop is None:
-            self._send(message)
-        else:
-            loop, on_loop = self._via_loop
-            loop.call_soon_threadsafe(on_loop, message)
+        if self._prepare is not None:
+            message = msgspec.structs.replace(message, outputs=[self._prepare(out) for out in message.outputs])
+        self._send(message)
 
     def __enter__(self) -> "LinkEmitter":
         self._batching = True
@@ -97,17 +97,12 @@ class Core:
         self.timing = {"link_seconds_total": 0.0, "task_start_seconds_total": 0.0}
         self.stopped = asyncio.Event()
         prefill = engine.mode is DisaggregationMode.PREFILL
-        engine.emitter = LinkEmitter(sender.send, self._finished,
-                                     (asyncio.get_running_loop(), self._answered) if prefill else None)
+        engine.emitter = LinkEmitter(sender.send, self._finished, handoff.attach_shared if prefill else None)
         self.handlers: dict[type, Callable[[Any], None]] = {  # what the worker asks, by message type
             Submit: self._submitted, Drop: self._dropped, AskKv: lambda message: self._start(self._answer_kv(message)),
             ReleaseHeld: lambda message: handoff.release(message.handle),
             AskStats: lambda message: sender.send(Stats(values=self.stats())),
             Stop: lambda message: self.stopped.set()}
-
-    def _answered(self, message: Outputs) -> None:  # on the loop: a prefill engine's outputs
-        self.sender.send(msgspec.structs.replace(message, outputs=[self.handoff.attach_shared(out)
-                                                                   for out in message.outputs]))
 
     def _finished(self, key: int) -> None:  # on the scheduler thread
         self.seqs.pop(key, None)
