@@ -121,6 +121,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
                           "first_token_seconds_total": 0.0, "submit_seconds_total": 0.0,
                           "inbox_seconds_total": 0.0}
         self.on_kv_event: Callable[[dict[str, Any]], None] | None = None  # per-block stored/removed records
+        self.kv_events_any_thread = False  # on_kv_event may be called from the scheduler thread itself
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self.prefix: PrefixCache | None = None
         self.graphs: DecodeGraphs | None = None
@@ -224,9 +225,12 @@ class TorchEngine(ContextSteps, DecodeSteps):
         return PrefixCache(block, max(1, capacity), self.cache, on_event=self._kv_event)
 
     def _kv_event(self, record: dict[str, Any]) -> None:
-        """From the scheduler thread to whoever listens (the worker's NATS publisher), on their event loop."""
+        """From the scheduler thread to whoever listens (the worker's NATS publisher), on their event loop — or
+        at once where the listener takes records from any thread (an engine process's link)."""
         listener, loop = self.on_kv_event, self._event_loop
-        if listener is not None and loop is not None:
+        if listener is not None and self.kv_events_any_thread:
+            listener(record)
+        elif listener is not None and loop is not None:
             loop.call_soon_threadsafe(listener, record)
 
     WARMUP_PROMPT = 16

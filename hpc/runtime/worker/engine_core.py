@@ -182,7 +182,10 @@ async def run(manifest: Manifest, role: str, index: int, device: str, requests_f
                           device=device, group=plan.group)
     handoff.engine = engine
     core = Core(engine, sender, handoff)
-    engine.on_kv_event = lambda record: sender.send(KvEvent(record=record))  # on this loop (TorchEngine._kv_event)
+    # sent by the scheduler thread itself (BlockingSender takes any thread): through this process's loop each
+    # record's hop took the GIL from the scheduler at every turn
+    engine.on_kv_event = lambda record: sender.send(KvEvent(record=record))
+    engine.kv_events_any_thread = True
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, core.stopped.set)
     try:
