@@ -92,6 +92,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
                                     self._token_budget())
         self._deferred: list[Seq] = []  # arrivals the batch wait holds back
         self._prefilling: list[Seq] = []  # admitted, their prompts not all in the KV cache yet
+        self._unstored: list[tuple[list[int], int]] = []  # prompts prefilled, not in the prefix cache yet
         # TensorRT-LLM's chunked prefill (hpc.engine_args.scheduling)
         self.chunking, self.chunk_unit = chunking_policy(self.args), tokens_per_block(self.args)
         if self.chunking is not None and self._token_budget() < self.chunk_unit:
