@@ -90,6 +90,15 @@ def direct_engine_args(input_tokens: int, output_tokens: int, spread: int, batch
                                                "max_batch_size": batch, **extra})
 
 
+def stack_max_seq_len(recipe_name: str) -> int:
+    """The max_seq_len the recipe's workers get (hpc.engine_args.precedence.recipe_defaults: its limits)."""
+    from hpc.spec.catalog import load_recipe
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        recipe, _ = load_recipe(recipe_name)
+    return recipe.limits.max_input_tokens + recipe.limits.max_output_tokens
+
+
 def device_label(engine: TorchEngine) -> str:
     import torch
 
@@ -126,8 +135,13 @@ def main() -> None:
     levels = [Level(c, args.input_tokens, args.output_tokens, max(args.requests, args.requests_per_user * c),
                     output_spread=args.output_spread) for c in (int(x) for x in args.concurrency.split(","))]
     model_dir = ensure_model(f"~/.cache/hpc/models/{args.model}", args.model)
+    extra = json.loads(args.engine_args)
+    if not args.engine_only and "max_seq_len" not in extra:
+        # the stack's workers' own (the recipe's limits): the decode attention's launch covers the whole cache
+        # length, so a direct engine of a shorter cache stepped faster than any worker could (192 against 768)
+        extra["max_seq_len"] = stack_max_seq_len(args.recipe)
     engine_args = direct_engine_args(args.input_tokens, args.output_tokens, args.output_spread,
-                                     max(lv.concurrency for lv in levels), json.loads(args.engine_args))
+                                     max(lv.concurrency for lv in levels), extra)
 
     async def run() -> tuple[str, dict[int, list[float]], dict[int, list[float]], int]:
         """(device, engine tok/s per level, stack tok/s per level, the stack's frontend processes)."""
@@ -189,7 +203,8 @@ def main() -> None:
     out = f"{lv0.output_tokens} +- {args.output_spread}" if args.output_spread else str(lv0.output_tokens)
     print(f"tokens/s, {args.model} torch model on {label}, {lv0.input_tokens} in / {out} out, "
           f"{'' if args.engine_only else f'stack {args.recipe} ({frontends} frontend processes), '}"
-          f"{f'{args.sweeps} sweeps' if args.engine_only else f'{args.rounds} alternating rounds, medians'}"
+          f"{f'{args.sweeps} sweeps' if args.engine_only else f'{args.rounds} alternating rounds, medians'}, "
+          f"max_seq_len {engine_args['max_seq_len']}"
           f"{', engine args ' + args.engine_args if args.engine_args != '{}' else ''}")
     if args.engine_only:
         print(f"{'c':>4} {'requests':>9} {'first sweep':>12} {'second sweep':>13} {'first/second':>13}"
