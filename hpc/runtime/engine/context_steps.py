@@ -64,8 +64,8 @@ class ContextSteps:
             self._prefilling.append(seq)
 
     def _copy_shared_kvs(self, seqs: list[Seq]) -> list[Seq]:
-        """The KVs shared over CUDA IPC among these arrivals copied in one go (kv.take_all); the sequences whose
-        admission goes on (all, unless the copy failed: those end with its error)."""
+        """The KVs shared over CUDA IPC among these arrivals copied in one go (kv.take_all), into their slots where
+        they fit; the sequences whose admission goes on (all, unless the copy failed: those end with its error)."""
         pending = [seq for seq in seqs if isinstance(seq.imported_kv, kvpack.PendingCopy)]
         if not pending:
             return seqs
