@@ -142,3 +142,37 @@ def test_rows_going_on_take_the_last_picks_inside_the_graph_by_their_index() -> 
                               eager_cache)
     torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
     assert graphs.covers(3) and graphs.covers(4) and not graphs.covers(5)
+
+
+def test_graphs_that_make_their_own_copies_give_the_same_steps() -> None:
+    """copies_in_graph (HPC_DECODE_GRAPH_COPIES=1): a graph per size and staging buffer copies its inputs in and its
+    picks out itself; the steps equal the eager ones, tokens handed in on the device go in by index, and the host
+    copy of the picks holds them."""
+    from hpc.runtime.engine.sampling import pick_in_graph
+
+    model = _model()
+    gen = torch.Generator().manual_seed(4)
+    eager_cache, cache = _random_caches(model, gen)
+    step = lambda t, p, s: model.forward_step(model.embed(t), p, s, cache)  # noqa: E731
+    graphs = DecodeGraphs(step, GraphSizes((1, 4), padding=True), scratch_slot=SLOTS, device=DEVICE,
+                          pick=pick_in_graph, copies_in_graph=True)
+    capture = RecordedGraph()
+    graphs.capture(capture)
+    assert capture.captured == [4, 4, 1, 1]  # each size once per staging buffer
+
+    def eager(tokens, positions, slots):
+        return model.forward_step(model.embed(torch.tensor(tokens, device=DEVICE)[:, None]),
+                                  torch.tensor(positions, device=DEVICE)[:, None],
+                                  torch.tensor(slots, device=DEVICE), eager_cache)
+
+    logits, picked = graphs.run_picking([5, 6, 7], [4, 9, 2], [0, 1, 2], temperatures=[0.0] * 3)
+    torch.testing.assert_close(logits, eager([5, 6, 7], [4, 9, 2], [0, 1, 2]), rtol=1e-5, atol=1e-5)
+    host, done = graphs.last_host_copy
+    assert host.tolist() == picked.tolist() == logits.argmax(-1).tolist() and done is None  # no event on CPU
+    first = picked.tolist()
+    logits, _ = graphs.run_picking([0, 0, 11], [3, 5, 1], [2, 0, 3], temperatures=[0.0] * 3, sources=[2, 0, -1])
+    torch.testing.assert_close(logits, eager([first[2], first[0], 11], [3, 5, 1], [2, 0, 3]), rtol=1e-5, atol=1e-5)
+    given = torch.tensor([17, 23], device=DEVICE)  # an overlapped step's inputs gathered on the device
+    logits, picked = graphs.run_picking([0, 0], [6, 2], [0, 3], temperatures=[0.0] * 2, device_tokens=given)
+    torch.testing.assert_close(logits, eager([17, 23], [6, 2], [0, 3]), rtol=1e-5, atol=1e-5)
+    assert graphs.last_host_copy[0].tolist() == picked.tolist() and graphs.replays == 3

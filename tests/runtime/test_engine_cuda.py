@@ -74,6 +74,19 @@ def test_decode_steps_replay_from_cuda_graphs_with_the_eager_steps_tokens(tmp_pa
     assert graphs is None and ("graphs", 4) not in warmed  # a prefill worker never decodes: nothing captured
 
 
+def test_decode_graphs_that_make_their_own_copies_give_the_eager_tokens(tmp_path, monkeypatch) -> None:
+    """HPC_DECODE_GRAPH_COPIES=1 (an experiment until measured): each step's input and output copies are captured
+    in its graph; the overlapped, graphed steps give the eager steps' tokens."""
+    model_dir = build_tiny(tmp_path / "tiny", hidden=256, layers=4)
+    eager, _ = _run(model_dir, {"cuda_graph_config": None})
+    monkeypatch.setenv("HPC_DECODE_GRAPH_COPIES", "1")
+    graphed, engine = _run(model_dir, {"cuda_graph_config": {"enable_padding": True, "batch_sizes": [1, 2, 4]}})
+    stats = engine.stats()
+    assert engine.graphs.copies_in_graph and stats["decode_steps_graphed"] == stats["decode_steps"] >= 11
+    assert stats["decode_steps_carried_in_graph"] >= 6, stats
+    assert graphed == eager
+
+
 def test_prefills_replay_from_cuda_graphs_with_the_eager_prefills_tokens(tmp_path) -> None:
     model_dir = build_tiny(tmp_path / "tiny", hidden=256, layers=4)
     # fp32: the packed graph's masked attention and the eager causal one round alike, so greedy tokens must agree

@@ -71,11 +71,14 @@ def cuda_capture(device: torch.device) -> Capture:
 
 class DecodeGraphs:
     def __init__(self, step: Step, sizes: GraphSizes, scratch_slot: int, device: torch.device,
-                 pick: Pick | None = None) -> None:
+                 pick: Pick | None = None, copies_in_graph: bool = False) -> None:
         """`pick`: each row's token from the step's logits at its temperature, captured with the step
-        (run_picking)."""
+        (run_picking). `copies_in_graph`: the staged inputs' copy to the device and the picks' copy to the host
+        are captured in the graphs too (one graph per size and staging buffer), so a step is one replay; an
+        experiment until measured on a GPU (HPC_DECODE_GRAPH_COPIES=1)."""
         self.step = step
         self.pick = pick
+        self.copies_in_graph = copies_in_graph
         self.sizes = sizes
         self.scratch_slot = scratch_slot
         largest = sizes.batch_sizes[-1]
@@ -96,35 +99,46 @@ class DecodeGraphs:
             staged[2].fill_(scratch_slot)
             staged[4].fill_(-1)
         self._host = [staged.numpy() for staged in self._staging]  # the same memory
+        # with copies_in_graph: each staging buffer's step writes its picks here, and an event after its replay
+        self._host_picks = [torch.zeros(largest, dtype=torch.long, pin_memory=pinned) for _ in range(2)] \
+            if copies_in_graph else []
+        self._copied = [torch.cuda.Event() for _ in range(2)] if copies_in_graph and pinned else []
+        self.last_host_copy: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self._turn = 0
         self._token_views: dict[int, torch.Tensor] = {}
-        self._graphs: dict[int, tuple[Callable[[], None], Outputs]] = {}
+        # by (batch size, staging buffer), the buffer None unless the copies are captured
+        self._graphs: dict[tuple[int, int | None], tuple[Callable[[], None], Outputs]] = {}
         self.replays = 0
 
     def capture(self, capture: Capture) -> None:
         for size in sorted(self.sizes.batch_sizes, reverse=True):
-            self._graphs[size] = capture(self._step_of(size))
-        log.info("decode CUDA graphs for batch sizes %s (padding %s)", list(self.sizes.batch_sizes),
-                 "on" if self.sizes.padding else "off")
+            for turn in (0, 1) if self.copies_in_graph else (None,):
+                self._graphs[(size, turn)] = capture(self._step_of(size, turn))
+        log.info("decode CUDA graphs for batch sizes %s (padding %s%s)", list(self.sizes.batch_sizes),
+                 "on" if self.sizes.padding else "off", ", copies captured" if self.copies_in_graph else "")
 
-    def _step_of(self, size: int) -> Callable[[], Outputs]:
+    def _step_of(self, size: int, turn: int | None) -> Callable[[], Outputs]:
         tokens, positions, slots, temperatures, sources = (self.inputs[i, :size] for i in range(INPUT_ROWS))
         picks = self.picks
 
         def step() -> Outputs:
+            if turn is not None:  # read from the pinned buffer at each replay, not at capture
+                self.inputs.copy_(self._staging[turn], non_blocking=True)
             carried = torch.where(sources >= 0, picks[sources.clamp(min=0)], tokens)
             logits = self.step(carried[:, None], positions[:, None], slots)
             if self.pick is None:
                 return logits
             picked = self.pick(logits, temperatures.float() / TEMPERATURE_SCALE)
             picks[:size].copy_(picked)
+            if turn is not None:
+                self._host_picks[turn][:size].copy_(picked, non_blocking=True)
             return logits, picked
         return step
 
     def covers(self, rows: int) -> bool:
         """Is there a graph for a step of `rows` (padded or not)?"""
         size = self.sizes.size_for(rows)
-        return size is not None and size in self._graphs
+        return size is not None and (size, 0 if self.copies_in_graph else None) in self._graphs
 
     def run(self, tokens: list[int], positions: list[int], slots: list[int],
             device_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -148,11 +162,15 @@ class DecodeGraphs:
         without the gather, index staging and copy the host launched for them, a seventh of a decode engine's
         scheduler time at c=64 on an H200."""
         rows = len(positions)
-        size = self.sizes.size_for(rows)
-        if size is None or size not in self._graphs:
+        if not self.covers(rows):
             return None
-        staged, host = self._staging[self._turn], self._host[self._turn]
+        size = self.sizes.size_for(rows)
+        turn = self._turn
+        staged, host = self._staging[turn], self._host[turn]
         self._turn ^= 1
+        if device_tokens is not None and self.copies_in_graph:  # the graph copies its inputs itself: these go
+            self.picks[:rows].copy_(device_tokens)                # in as the picks each row takes by index
+            device_tokens, sources = None, list(range(rows))
         # filled through numpy: no torch call, so no release and re-take of the GIL (each torch call is one, and
         # the worker's event loop takes the GIL in between)
         if device_tokens is None:
@@ -165,11 +183,20 @@ class DecodeGraphs:
             host[[0, 1, 3], rows:size] = 0
             host[2, rows:size] = self.scratch_slot
             host[4, rows:size] = -1
-        self.inputs.copy_(staged, non_blocking=True)  # the whole buffer: one contiguous copy
-        if device_tokens is not None:
-            self._tokens_of(rows).copy_(device_tokens)
-        replay, out = self._graphs[size]
-        replay()
+        if self.copies_in_graph:
+            replay, out = self._graphs[(size, turn)]
+            replay()
+            done = None
+            if self._copied:
+                done = self._copied[turn]
+                done.record()
+            self.last_host_copy = (self._host_picks[turn][:rows], done)  # this step's picks, once `done`
+        else:
+            self.inputs.copy_(staged, non_blocking=True)  # the whole buffer: one contiguous copy
+            if device_tokens is not None:
+                self._tokens_of(rows).copy_(device_tokens)
+            replay, out = self._graphs[(size, None)]
+            replay()
         self.replays += 1
         if self.pick is None:
             return out[:rows], None

@@ -89,8 +89,10 @@ class DecodeSteps:
         if sources is not None:
             self._counters["decode_steps_carried_in_graph"] = \
                 self._counters.get("decode_steps_carried_in_graph", 0) + 1
-        previous, self._inflight = self._inflight, InflightStep(list(running), tokens, *self._host_copies.start(tokens),
-                                                                replay=replay)
+        # the picks' copy to the host: made by the graph itself when it copies (DecodeGraphs.copies_in_graph)
+        host_copy = self.graphs.last_host_copy if replay is not None and self.graphs.copies_in_graph \
+            else self._host_copies.start(tokens)
+        previous, self._inflight = self._inflight, InflightStep(list(running), tokens, *host_copy, replay=replay)
         if previous is not None:
             self._emit_inflight(previous)
         self._emit_first_tokens()

@@ -196,8 +196,10 @@ class TorchEngine(ContextSteps, DecodeSteps):
                      own.stop - 1)
         self.max_len = min(self.max_len, self.cfg.max_position_embeddings)
         sizes = decode_graph_sizes(self.args, self.max_batch) if self._graphable() else None
-        self.graphs = DecodeGraphs(self._decode_logits, sizes, self.max_batch, self.device,
-                                   pick=pick_in_graph) if sizes else None
+        # an experiment until measured on a GPU: the decode graphs make their own copies (DecodeGraphs)
+        copies = os.environ.get("HPC_DECODE_GRAPH_COPIES") == "1"
+        self.graphs = DecodeGraphs(self._decode_logits, sizes, self.max_batch, self.device, pick=pick_in_graph,
+                                   copies_in_graph=copies) if sizes else None
         counts = prefill_graph_tokens(self.args, self._token_budget()) if self._graphable(prefill=True) else None
         self.prefill_graphs = PrefillGraphs(self._packed_logits, counts, self.max_batch, self.max_batch,
                                             self.max_len, self.device) if counts else None
