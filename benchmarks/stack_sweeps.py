@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import _cpu_topology  # noqa: E402
 import _profile  # noqa: E402
 from _gpu_clocks import ClockLog  # noqa: E402
 from _scheduler_clock import SCHEDULER_CLOCK, per_step, spent as clock_spent  # noqa: E402
@@ -68,13 +69,12 @@ def group_cpu_seconds(leader: int) -> float:
     """CPU seconds (user + system) of every live process in `leader`'s process group (a local component and
     what it started: the frontend's other processes), from /proc."""
     total, tick = 0.0, os.sysconf("SC_CLK_TCK")
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for pid in _cpu_topology.group(leader):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == leader:  # field 5 of stat: the process group
-            total += (int(fields[11]) + int(fields[12])) / tick  # fields 14 and 15: utime, stime
+        total += (int(fields[11]) + int(fields[12])) / tick  # fields 14 and 15: utime, stime
     return total
 
 
@@ -103,6 +103,9 @@ def main() -> None:
     parser.add_argument("--profile-seconds", type=int, default=3, help="how long each py-spy samples")
     parser.add_argument("--client-processes", default="auto", metavar="N|auto",
                         help="the load generator's processes per level, as hpc bench's (default auto)")
+    parser.add_argument("--pin-engines", action="store_true",
+                        help="an experiment: each engine process on a physical core of its own, the rest of the "
+                             "stack and the load generator on the other cores")
     add_set_option(parser)
     args = parser.parse_args()
     recipe, _ = load_recipe(args.recipe)
@@ -183,6 +186,11 @@ def main() -> None:
         placed = workers(Path(run.path))
         urls = {name: state["http"] for name, state in placed.items() if state.get("http")}
         leaders = {name: pids[0] for name, pids in local_pids(run).items() if pids and name not in ("etcd", "nats")}
+        topology = _cpu_topology.describe(_cpu_topology.cores())  # before any pinning narrows what we see
+        try:
+            pinned = _cpu_topology.pin_engines(leaders) if args.pin_engines else []
+        except ValueError as exc:
+            raise SystemExit(f"--pin-engines: {exc}") from None
         with ClockLog() as clocks:
             (first, second), spent, busy = asyncio.run(sweeps(url, model, urls, leaders))
         handoff = {name: counters(state["http"]) for name, state in placed.items()
@@ -191,7 +199,9 @@ def main() -> None:
         with contextlib.redirect_stdout(io.StringIO()):
             stack.__exit__(None, None, None)
     print(f"{args.recipe}: " + ", ".join(f"{name} on {state['device']}" for name, state in placed.items())
-          + f"; {frontends} frontend processes")
+          + f"; {frontends} frontend processes; {topology}")
+    for line in pinned:
+        print(f"pinned: {line}")
     for name, stats in handoff.items():
         print(f"{name}: {int(stats.get('requests', 0))} prefills, {int(stats.get('kv_ipc_shared', 0))} KV handoffs "
               f"shared over CUDA IPC (the rest as bytes)")

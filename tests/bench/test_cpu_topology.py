@@ -1,0 +1,61 @@
+"""benchmarks/_cpu_topology.py: the machine's physical cores from sysfs, a core of its own for each engine process,
+and which processes are the stack's engines, read from stand-in /sys and /proc trees."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import _cpu_topology  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+
+def _sysfs(root: Path, siblings: dict[int, str]) -> Path:
+    for cpu, listed in siblings.items():
+        topology = root / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "thread_siblings_list").write_text(listed + "\n")
+    return root
+
+
+def test_hardware_threads_group_into_their_physical_cores(tmp_path):
+    root = _sysfs(tmp_path, {0: "0,4", 1: "1,5", 2: "2-3", 3: "2-3", 4: "0,4", 5: "1,5"})
+    found = _cpu_topology.cores(root, allowed={0, 1, 2, 3, 4, 5})
+    assert found == [(0, 4), (1, 5), (2, 3)]
+    assert _cpu_topology.describe(found) == "6 CPUs on 3 physical cores (2 threads a core)"
+    # a CPU this process may not use is left out of its core
+    assert _cpu_topology.cores(root, allowed={0, 1, 2, 4}) == [(0, 4), (1,), (2,)]
+
+
+def test_each_engine_gets_a_whole_core_and_the_rest_the_others():
+    found = [(0, 4), (1, 5), (2, 6), (3, 7)]
+    own, rest = _cpu_topology.split(found, 2)
+    assert own == [{2, 6}, {3, 7}] and rest == {0, 1, 4, 5}
+    with pytest.raises(ValueError, match="too few"):
+        _cpu_topology.split(found, 3)  # one core left for the frontends, workers and clients: refused
+
+
+def test_the_engine_processes_of_a_process_group_are_found_by_their_module(tmp_path):
+    def process(pid: int, group: int, cmdline: str) -> None:
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (python3 (x)) S 1 {group} {group} 0 -1\n")
+        (tmp_path / str(pid) / "cmdline").write_bytes(cmdline.replace(" ", "\0").encode())
+
+    process(10, 10, "python -m hpc.runtime.worker m.json --role decode")
+    process(11, 10, "python -m hpc.runtime.worker m.json --role decode --no-supervise")
+    process(12, 10, "python -m hpc.runtime.worker.engine_core m.json --role decode --index 0")
+    process(20, 20, "python -m hpc.runtime.worker.engine_core m.json --role prefill --index 0")
+    assert sorted(_cpu_topology.group(10, tmp_path)) == [10, 11, 12]
+    assert _cpu_topology.engine_pids(10, tmp_path) == [12] and _cpu_topology.engine_pids(20, tmp_path) == [20]
+
+
+def test_pinning_moves_every_thread_of_a_process():
+    allowed = os.sched_getaffinity(0)
+    assert _cpu_topology.pin_process(os.getpid(), allowed) >= 1
+    assert os.sched_getaffinity(0) == allowed
