@@ -189,3 +189,13 @@ def test_a_kv_that_fits_the_cache_goes_straight_into_its_slot(tiny, monkeypatch)
     assert [thread for thread, _ in slotted.calls] == ["torch-engine"] and buffered.calls == []
     assert settled == ["the copies' event"] and counters["kv_ipc_copied_into_slots"] == 1
     assert fits == (True, False, False)
+
+
+def test_copies_into_the_cache_need_a_slot_each():
+    import torch
+
+    settled: list = []
+    pending = [_pending(torch.zeros(2, 2, 2, 4, 32), settled) for _ in range(2)]
+    with pytest.raises(ValueError, match="a slot each"):
+        kvpack.take_all(pending, torch.zeros(2, 2, 3, 2, 8, 32), [0])
+    assert settled == []  # nothing queued: the engine's admission ends them, which gives each back once

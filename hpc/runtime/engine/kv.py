@@ -159,13 +159,15 @@ def take_all(pending: list[PendingCopy], cache: torch.Tensor | None = None,
     first = pending[0]
     if any(p.device != first.device or p.opened is not first.opened for p in pending):
         raise ValueError("KVs copied together come from one handoff")
+    if cache is not None and (slots is None or len(slots) != len(pending)):
+        raise ValueError("KVs copied into the cache need a slot each")
     began, copied = time.perf_counter(), None
     metas = [p.meta for p in pending]
     try:
         if cache is None:
             kvs, copied = copy_shared(metas, first.device, first.opened)
         else:
-            copied = copy_shared_into(metas, cache, slots or [], first.opened)
+            copied = copy_shared_into(metas, cache, slots, first.opened)
             kvs = [InSlot(meta.shape[3]) for meta in metas]
     finally:
         for p in pending:
