@@ -1,10 +1,12 @@
-"""Which CPUs the local stack's processes run on: the machine's cores and hardware threads, and an experiment that
-gives each engine process a physical core of its own (`stack_sweeps.py --pin-engines`).
+"""Which CPUs the local stack's processes run on: the machine's cores and hardware threads, how contended they
+were (stolen time, each engine's scheduler thread's share of a core and its context switches), and an experiment
+that gives each engine's scheduler thread a physical core of its own (`stack_sweeps.py --pin-engines`).
 
 Why: at c=64 the decode engine's scheduler thread is busy all the time, and its step took 0.32-0.34 ms in two runs
 and 0.58 ms in a third with the same code on one machine (two H200, a VM of 32 vCPUs running some ten busy
 processes). A thread that shares a physical core with another busy one runs markedly slower; this shows the
-topology and lets one run keep the engines' cores to themselves.
+topology and lets one run keep the schedulers' cores to themselves. (The two-H200 VMs show 32 CPUs on 32 cores,
+one thread a core; what the host shares beneath shows as stolen time.)
 """
 
 from __future__ import annotations
@@ -92,16 +94,75 @@ def pin_process(pid: int, cpus: set[int], proc: Path = Path("/proc")) -> int:
 
 
 def pin_engines(leaders: dict[str, int]) -> list[str]:
-    """Each engine process of the stack on a physical core of its own, every other process of the stack and this
-    one (and the client processes it starts later) on the other cores. Lines saying what went where."""
+    """Each engine's scheduler thread on a physical core of its own; every other thread of the stack (the engines'
+    other threads too) and this process (and the client processes it starts later) on the other cores. Lines
+    saying what went where. (Pinning an engine's every thread to one core put its event loop and CUDA's threads
+    on its scheduler's core.)"""
     found = cores()
     engines = [(name, pid) for name, leader in sorted(leaders.items()) for pid in engine_pids(leader)]
     own, rest = split(found, len(engines))
-    lines = [f"{name}'s engine process {pid}: CPUs {sorted(cpus)} ({pin_process(pid, cpus)} threads)"
-             for (name, pid), cpus in zip(engines, own)]
-    pinned = {pid for _, pid in engines}
-    everyone_else = [p for leader in leaders.values() for p in group(leader) if p not in pinned]
-    for pid in everyone_else + [os.getpid()]:
+    stack = [p for leader in leaders.values() for p in group(leader)]
+    for pid in stack + [os.getpid()]:
         pin_process(pid, rest)
-    lines.append(f"{len(everyone_else)} other processes of the stack and this one: the other {len(rest)} CPUs")
+    lines = []
+    for (name, pid), cpus in zip(engines, own):
+        tid = scheduler_thread(pid)
+        os.sched_setaffinity(tid, cpus)
+        lines.append(f"{name}'s engine process {pid}: its scheduler thread {tid} on CPUs {sorted(cpus)}")
+    lines.append(f"{len(stack)} processes of the stack (the engines' other threads) and this one: the other "
+                 f"{len(rest)} CPUs")
     return lines
+
+
+def scheduler_thread(pid: int, proc: Path = Path("/proc")) -> int:
+    """An engine process's scheduler thread: its busiest thread but the main one (which loaded the model; the
+    scheduler's warm-up steps make it the busiest of the others)."""
+    others = {tid: seconds for tid, (seconds, _, _) in threads(pid, proc).items() if tid != pid}
+    if not others:
+        raise ValueError(f"engine process {pid} has no thread but its main one")
+    return max(others, key=others.__getitem__)
+
+
+STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def machine_ticks(proc: Path = Path("/proc")) -> dict[str, int]:
+    """The machine's CPU time so far by kind, in clock ticks (/proc/stat's first line). `steal` is time this VM's
+    vCPUs were ready to run while the host ran something else."""
+    values = (proc / "stat").read_text().split("\n", 1)[0].split()[1:1 + len(STAT_FIELDS)]
+    return dict(zip(STAT_FIELDS, map(int, values)))
+
+
+def threads(pid: int, proc: Path = Path("/proc")) -> dict[int, tuple[float, int, int]]:
+    """Each thread of `pid`: (CPU seconds, voluntary, involuntary context switches) so far. An involuntary switch
+    is the kernel taking the CPU from a thread that could have gone on running."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for task in (proc / str(pid) / "task").glob("[0-9]*"):
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            status = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines() if ":" in line)
+            out[int(task.name)] = ((int(fields[11]) + int(fields[12])) / tick,
+                                   int(status["voluntary_ctxt_switches"]), int(status["nonvoluntary_ctxt_switches"]))
+        except (OSError, IndexError, KeyError, ValueError):
+            continue
+    return out
+
+
+def contention(machine0: dict[str, int], machine1: dict[str, int], threads0: dict[str, dict[int, tuple]],
+               threads1: dict[str, dict[int, tuple]], seconds: float) -> str:
+    """One line: the machine's busy and stolen share of its CPU time between two readings, and each named
+    process's busiest thread (an engine's scheduler thread): its share of a core and its context switches a
+    second, voluntary / involuntary."""
+    spent = {k: machine1[k] - machine0[k] for k in STAT_FIELDS}
+    total = max(sum(spent.values()), 1)
+    running = sum(spent[k] for k in ("user", "nice", "system", "irq", "softirq"))
+    parts = [f"machine busy {running / total:.0%}, stolen {spent['steal'] / total:.1%}"]
+    for name, after in threads1.items():
+        before = threads0.get(name, {})
+        deltas = {tid: tuple(a - b for a, b in zip(now, before.get(tid, (0.0, 0, 0)))) for tid, now in after.items()}
+        if not deltas:
+            continue
+        cpu, voluntary, involuntary = max(deltas.values())
+        parts.append(f"{name} busiest thread {cpu / seconds:.0%} of a core, {voluntary / seconds:.0f} / "
+                     f"{involuntary / seconds:.0f} switches/s")
+    return "; ".join(parts)

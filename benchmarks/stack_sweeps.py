@@ -54,7 +54,8 @@ SWEEP_COUNTERS = ("kv_ask_seconds_total", "kv_move_seconds_total", "kv_ipc_opene
                   "decode_rows_joined_in_flight", "requests", "queue_seconds_total",
                   "first_tokens", "first_token_seconds_total", "kv_shared_with_answer", "kv_taken_from_answer",
                   "link_seconds_total", "task_start_seconds_total", "submit_seconds_total", "inbox_seconds_total",
-                  "kv_ipc_copy_batches")
+                  "kv_ipc_copy_batches", "engine_gc_full_collections_total", "engine_gc_seconds_total",
+                  "worker_gc_full_collections_total", "worker_gc_seconds_total")
 
 
 def counters(metrics_url: str, names: tuple[str, ...] = WORKER_COUNTERS) -> dict[str, float]:
@@ -85,7 +86,9 @@ def frontend_latency(url: str) -> dict[str, float]:
     text = get_text(f"{url}/metrics")
     return {"ttft": metric_values(text, "hpc_frontend_time_to_first_token_seconds_sum"),
             "e2e": metric_values(text, "hpc_frontend_request_duration_seconds_sum"),
-            "count": metric_values(text, "hpc_frontend_request_duration_seconds_count")}
+            "count": metric_values(text, "hpc_frontend_request_duration_seconds_count"),
+            "gc": metric_values(text, "hpc_frontend_gc_seconds_total"),
+            "gc_full": metric_values(text, "hpc_frontend_gc_full_collections_total")}
 
 
 def main() -> None:
@@ -104,8 +107,8 @@ def main() -> None:
     parser.add_argument("--client-processes", default="auto", metavar="N|auto",
                         help="the load generator's processes per level, as hpc bench's (default auto)")
     parser.add_argument("--pin-engines", action="store_true",
-                        help="an experiment: each engine process on a physical core of its own, the rest of the "
-                             "stack and the load generator on the other cores")
+                        help="an experiment: each engine's scheduler thread on a physical core of its own, "
+                             "everything else of the stack and the load generator on the other cores")
     add_set_option(parser)
     args = parser.parse_args()
     recipe, _ = load_recipe(args.recipe)
@@ -133,6 +136,7 @@ def main() -> None:
                 if lv is levels[-1]:
                     cpu0, wall0 = {n: group_cpu_seconds(p) for n, p in leaders.items()}, time.perf_counter()
                     cpu0["client"] = time.process_time()  # this process: the load generator
+                    machine0, threads0 = _cpu_topology.machine_ticks(), engine_threads(leaders)
                     seen0 = frontend_latency(url)
                 clock0 = {name: counters(u, SCHEDULER_CLOCK) for name, u in urls.items()}
                 began = time.time()  # wall clock: to line up with a GPU clock log (nvidia-smi -lms)
@@ -144,9 +148,13 @@ def main() -> None:
                 level_clocks.setdefault(lv.concurrency, []).append(
                     {name: clock_spent(clock0[name], counters(u, SCHEDULER_CLOCK)) for name, u in urls.items()})
             wall = time.perf_counter() - wall0
+            contended.append(_cpu_topology.contention(machine0, _cpu_topology.machine_ticks(), threads0,
+                                                      engine_threads(leaders), wall))
             seen = frontend_latency(url)
-            frontend_seen.append({k: (seen[k] - seen0[k]) / max(seen["count"] - seen0["count"], 1) * 1e3
-                                  for k in ("ttft", "e2e")})
+            frontend_seen.append({**{k: (seen[k] - seen0[k]) / max(seen["count"] - seen0["count"], 1) * 1e3
+                                     for k in ("ttft", "e2e")},
+                                  "gc_ms": (seen["gc"] - seen0["gc"]) * 1e3,
+                                  "gc_full": seen["gc_full"] - seen0["gc_full"]})
             client_cpu = time.process_time() - cpu0["client"] + results[levels[-1].concurrency].get("client_cpu_s", 0)
             busy.append({**{n: (group_cpu_seconds(p) - cpu0[n]) / wall for n, p in leaders.items()},
                          "client": client_cpu / wall})
@@ -177,6 +185,12 @@ def main() -> None:
     profiles: dict[str, list[str]] = {}
     level_clocks: dict[int, list[dict[str, dict[str, float]]]] = {}  # per level, per sweep, per worker
     frontend_seen: list[dict[str, float]] = []
+    contended: list[str] = []  # the machine's and each engine's scheduler thread's CPU at the highest level
+
+    def engine_threads(leaders: dict[str, int]) -> dict[str, dict[int, tuple]]:
+        """Each worker's engine process's threads (the worker's own where its engine runs in it)."""
+        return {name: _cpu_topology.threads((_cpu_topology.engine_pids(leader) or [leader])[0])
+                for name, leader in leaders.items() if name.startswith(("agg", "prefill", "decode"))}
     with contextlib.redirect_stdout(io.StringIO()):
         stack = local_stack(args.recipe, *overrides, *args.overrides)
         run, url = stack.__enter__()
@@ -251,9 +265,12 @@ def main() -> None:
                                                                          for sweep in level_clocks[lv.concurrency])
                                       for lv in levels))
     print(f"the frontend's own mean TTFT / e2e at c={levels[-1].concurrency} (from a request's arrival there), first "
-          f"/ second sweep: " + " / ".join(f"{f['ttft']:.1f} / {f['e2e']:.1f} ms" for f in frontend_seen))
+          f"/ second sweep: " + " / ".join(f"{f['ttft']:.1f} / {f['e2e']:.1f} ms" for f in frontend_seen)
+          + "; its processes' garbage collections: " + " / ".join(f"{f['gc_ms']:.1f} ms ({f['gc_full']:.0f} full)"
+                                                                  for f in frontend_seen))
     print(f"cores busy at c={levels[-1].concurrency}, first / second sweep: "
           + ", ".join(f"{n} {busy[0][n]:.2f} / {busy[1][n]:.2f}" for n in busy[0]))
+    print(f"CPU at c={levels[-1].concurrency}, first | second sweep: " + " | ".join(contended))
     print(clocks.report({f"c={lv.concurrency}": [(s[lv.concurrency]["began_at"], s[lv.concurrency]["ended_at"])
                                                  for s in (first, second)] for lv in levels}))
     lo, hi = levels[0].concurrency, levels[-1].concurrency

@@ -59,3 +59,42 @@ def test_pinning_moves_every_thread_of_a_process():
     allowed = os.sched_getaffinity(0)
     assert _cpu_topology.pin_process(os.getpid(), allowed) >= 1
     assert os.sched_getaffinity(0) == allowed
+
+
+def _proc_with_a_thread(root: Path, pid: int, tid: int, utime: int, stime: int, voluntary: int,
+                        involuntary: int) -> None:
+    task = root / str(pid) / "task" / str(tid)
+    task.mkdir(parents=True, exist_ok=True)
+    (task / "stat").write_text(f"{tid} (pt (main)) R 1 {pid} {pid} 0 -1 0 0 0 0 0 {utime} {stime} 0 0\n")
+    (task / "status").write_text(f"Name:\tpython\nvoluntary_ctxt_switches:\t{voluntary}\n"
+                                 f"nonvoluntary_ctxt_switches:\t{involuntary}\n")
+
+
+def test_contention_names_stolen_time_and_the_busiest_threads_switches(tmp_path):
+    tick = os.sysconf("SC_CLK_TCK")
+    (tmp_path / "stat").write_text("cpu  100 0 50 800 10 0 0 40 0 0\ncpu0 1 2 3\n")
+    machine0 = _cpu_topology.machine_ticks(tmp_path)
+    assert machine0 == {"user": 100, "nice": 0, "system": 50, "idle": 800, "iowait": 10, "irq": 0, "softirq": 0,
+                        "steal": 40}
+    _proc_with_a_thread(tmp_path, 7, 7, 0, 0, 0, 0)
+    _proc_with_a_thread(tmp_path, 7, 9, tick, 0, 10, 1)
+    before = {"decode-0": _cpu_topology.threads(7, tmp_path)}
+    assert before["decode-0"][9] == (1.0, 10, 1)
+    (tmp_path / "stat").write_text("cpu  400 0 100 1350 10 0 0 140 0 0\n")
+    _proc_with_a_thread(tmp_path, 7, 7, tick // 2, 0, 50, 0)  # the idle loop: half a core
+    _proc_with_a_thread(tmp_path, 7, 9, 3 * tick, tick, 4010, 301)  # the scheduler: three more seconds
+    after = {"decode-0": _cpu_topology.threads(7, tmp_path)}
+    line = _cpu_topology.contention(machine0, _cpu_topology.machine_ticks(tmp_path), before, after, 4.0)
+    # 1,000 ticks spent: 300 + 50 user / system, 550 idle, 100 stolen; the busiest thread is 9, not 7
+    assert line == "machine busy 35%, stolen 10.0%; decode-0 busiest thread 75% of a core, 1000 / 75 switches/s"
+
+
+def test_an_engines_scheduler_thread_is_its_busiest_but_the_main_one(tmp_path):
+    tick = os.sysconf("SC_CLK_TCK")
+    _proc_with_a_thread(tmp_path, 7, 7, 90 * tick, 0, 0, 0)  # the main thread: imports, the model's load
+    _proc_with_a_thread(tmp_path, 7, 8, tick, 0, 0, 0)  # the event loop
+    _proc_with_a_thread(tmp_path, 7, 9, 3 * tick, 2 * tick, 0, 0)  # the scheduler's warm-up steps
+    assert _cpu_topology.scheduler_thread(7, tmp_path) == 9
+    _proc_with_a_thread(tmp_path, 5, 5, tick, 0, 0, 0)
+    with pytest.raises(ValueError, match="no thread but its main one"):
+        _cpu_topology.scheduler_thread(5, tmp_path)

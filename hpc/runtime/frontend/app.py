@@ -20,6 +20,7 @@ from hpc.runtime.frontend.tokenizer import Detokenizer, StopStrings, TextCodec
 from hpc.runtime.serve.http import Request, Response, json_dumps, json_loads, json_response
 from hpc.runtime.serve.metrics import LatencyHistograms, prometheus, prometheus_family
 from hpc.runtime.serve.rpc import PeerGone, RemoteError
+from hpc.runtime.services.node import GcClock
 from hpc.runtime.serve.wire import Guide, GuidePiece, replace
 
 
@@ -51,6 +52,7 @@ class Frontend:
             ("GET", "/metrics"): self.metrics,
         }
         self.group: FrontendGroup | None = None  # several processes on the port: /health, /metrics for all
+        self.gc_clock: GcClock | None = None  # a served frontend's process (watch_gc)
         self.videos = None
         if self.recipe.modality == "video_diffusion":  # seed 004: the videos API
             from hpc.runtime.frontend.videos import VideoService
@@ -147,6 +149,8 @@ class Frontend:
     def metrics_text(self) -> bytes:
         """This process's counters and latency histograms (a group merges those of all its processes)."""
         values = dict(self.counters)
+        if self.gc_clock is not None:
+            values.update(self.gc_clock.stats(""))
         if self.videos is not None:
             values.update(self.videos.counters)
         for role in self.expected:

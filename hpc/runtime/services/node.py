@@ -115,3 +115,40 @@ def freeze_startup_objects() -> None:
     frozen objects are never collected."""
     gc.collect()
     gc.freeze()
+
+
+class GcClock:
+    """This process's garbage collections and the seconds they stopped it for, by generation (gc.callbacks): a
+    collection holds the GIL throughout, so an engine's scheduler thread waits out every one of them."""
+
+    def __init__(self) -> None:
+        self.collections = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        generation = info["generation"]
+        self.collections[generation] += 1
+        self.seconds[generation] += time.perf_counter() - self._started
+
+    def stats(self, prefix: str) -> dict[str, float]:
+        """Counters for /metrics: collections of the oldest generation (a walk over every tracked object not frozen)
+        and the seconds all collections took."""
+        return {f"{prefix}gc_full_collections_total": self.collections[2],
+                f"{prefix}gc_seconds_total": sum(self.seconds),
+                f"{prefix}gc_full_seconds_total": self.seconds[2]}
+
+
+_gc_clock: GcClock | None = None
+
+
+def watch_gc() -> GcClock:
+    """This process's GcClock, on its collector from the first call on (one a process: the collector is)."""
+    global _gc_clock
+    if _gc_clock is None:
+        _gc_clock = GcClock()
+        gc.callbacks.append(_gc_clock)
+    return _gc_clock

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -89,8 +90,8 @@ class LinkEmitter:
 class Core:
     """The requests this engine holds for its worker, by key; a prefill engine's KV answers."""
 
-    def __init__(self, engine: Any, sender: BlockingSender, handoff: Any) -> None:
-        self.engine, self.sender, self.handoff = engine, sender, handoff
+    def __init__(self, engine: Any, sender: BlockingSender, handoff: Any, gc_clock: Any) -> None:
+        self.engine, self.sender, self.handoff, self.gc_clock = engine, sender, handoff, gc_clock
         self.seqs: dict[int, Any] = {}  # key -> Seq (None while its KV is fetched)
         self.tasks: set[asyncio.Task] = set()
         # where a request's time goes in this process before the engine has it (seconds, summed over requests)
@@ -108,7 +109,8 @@ class Core:
         self.seqs.pop(key, None)
 
     def stats(self) -> dict[str, float]:
-        return {**self.engine.stats(), **self.handoff.counters, **self.timing, "engine_pid": os.getpid()}
+        return {**self.engine.stats(), **self.handoff.counters, **self.timing, **self.gc_clock.stats("engine_"),
+                "engine_pid": os.getpid(), "engine_gc_frozen_objects": gc.get_freeze_count()}
 
     def _start(self, work: Any) -> None:
         task = asyncio.create_task(work)
@@ -166,7 +168,7 @@ class Core:
 
 async def run(manifest: Manifest, role: str, index: int, device: str, requests_fd: int, outputs_fd: int) -> int:
     from hpc.runtime.engine.factory import build_engine
-    from hpc.runtime.services.node import node_address, rpc_token
+    from hpc.runtime.services.node import freeze_startup_objects, node_address, rpc_token, watch_gc
     from hpc.runtime.worker.handlers import Peers
     from hpc.runtime.worker.kv_handoff import KvHandoff, open_nixl
 
@@ -181,7 +183,7 @@ async def run(manifest: Manifest, role: str, index: int, device: str, requests_f
     engine = build_engine(manifest, role, self_address=f"{host}:{plan.ports['rpc']}", fetch_kv=handoff.fetch,
                           device=device, group=plan.group)
     handoff.engine = engine
-    core = Core(engine, sender, handoff)
+    core = Core(engine, sender, handoff, watch_gc())
     # sent by the scheduler thread itself (BlockingSender takes any thread): through this process's loop each
     # record's hop took the GIL from the scheduler at every turn
     engine.on_kv_event = lambda record: sender.send(KvEvent(record=record))
@@ -192,6 +194,9 @@ async def run(manifest: Manifest, role: str, index: int, device: str, requests_f
         async with engine:
             requests = await receive(socket.socket(fileno=requests_fd), ToEngine, core.on_message,
                                      core.stopped.set)  # the worker gone: stop
+            # the model, torch's modules and the engine out of the collector's view: a full collection walked
+            # them all while the scheduler thread waited for the GIL (the worker and frontends did this already)
+            freeze_startup_objects()
             sender.send(Ready(pid=os.getpid()))
             await core.report()
             await core.stopped.wait()

@@ -26,7 +26,7 @@ from hpc.runtime.engine.types import DisaggregationMode
 from hpc.runtime.serve.http import HttpServer, Request, Response, json_response
 from hpc.runtime.serve.metrics import prometheus
 from hpc.runtime.services.node import (Reporter, freeze_startup_objects, node_address, publish_endpoint,
-                                       rpc_token, wait_endpoint)
+                                       rpc_token, wait_endpoint, watch_gc)
 from hpc.runtime.serve.rpc import RpcServer
 from hpc.runtime.worker.handlers import HandlerDeps, Peers, make_handler
 from hpc.runtime.worker.engine_process import EngineHandoff, EngineProcess, engine_in_own_process, engine_stats
@@ -122,6 +122,7 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
     plan = manifest.plan.worker(role, index)
     recipe = manifest.recipe
     mode = DisaggregationMode(role)
+    gc_clock = watch_gc()
     events = None
     if recipe.infra.nats and recipe.runtime.publish_kv_events:
         from hpc.runtime.services.events import EventPublisher
@@ -178,7 +179,7 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
         if req.path == "/metrics":
             # gc_frozen_objects: what start-up left out of the collector's view (freeze_startup_objects)
             stats = {**await engine_stats(engine), **deps.counters, "inflight": rpc.inflight,
-                     "gc_frozen_objects": gc.get_freeze_count()}
+                     "gc_frozen_objects": gc.get_freeze_count(), **gc_clock.stats("worker_")}
             return Response(body=prometheus("hpc_worker", stats, labels), content_type="text/plain; version=0.0.4")
         return json_response({"error": {"message": "not found", "code": 404}}, 404)
 

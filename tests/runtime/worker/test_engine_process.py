@@ -107,6 +107,10 @@ def test_the_decode_worker_serves_from_an_engine_process_of_its_own(apart, tiny)
     engine_pid = int(_metric(apart, "decode-0", "hpc_worker_engine_pid"))
     assert engine_pid == decode["engine_pid"] and engine_pid != decode["pid"]
     assert "hpc.runtime.worker.engine_core" in _cmdline(engine_pid) and " --role decode " in _cmdline(engine_pid)
+    # start-up's objects (the model, torch's modules) out of the engine process's collector's view, as the
+    # worker's and the frontend's; its collections are counted: one full, the one before the freeze
+    assert _metric(apart, "decode-0", "hpc_worker_engine_gc_frozen_objects") > 10_000
+    assert _metric(apart, "decode-0", "hpc_worker_engine_gc_full_collections_total") == 1
     prefill = _state(apart, "prefill-0")  # the prefill worker's engine too: it holds the KV it hands over
     assert prefill["engine_pid"] not in (prefill["pid"], engine_pid)
     assert "hpc.runtime.worker.engine_core" in _cmdline(prefill["engine_pid"])
