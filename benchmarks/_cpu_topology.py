@@ -152,7 +152,8 @@ def contention(machine0: dict[str, int], machine1: dict[str, int], threads0: dic
                threads1: dict[str, dict[int, tuple]], seconds: float) -> str:
     """One line: the machine's busy and stolen share of its CPU time between two readings, and each named
     process's busiest thread (an engine's scheduler thread): its share of a core and its context switches a
-    second, voluntary / involuntary."""
+    second, voluntary / involuntary; then the next busiest's share (its event loop, which takes the GIL from the
+    scheduler whenever it runs)."""
     spent = {k: machine1[k] - machine0[k] for k in STAT_FIELDS}
     total = max(sum(spent.values()), 1)
     running = sum(spent[k] for k in ("user", "nice", "system", "irq", "softirq"))
@@ -162,7 +163,9 @@ def contention(machine0: dict[str, int], machine1: dict[str, int], threads0: dic
         deltas = {tid: tuple(a - b for a, b in zip(now, before.get(tid, (0.0, 0, 0)))) for tid, now in after.items()}
         if not deltas:
             continue
-        cpu, voluntary, involuntary = max(deltas.values())
+        ranked = sorted(deltas.values(), reverse=True)
+        cpu, voluntary, involuntary = ranked[0]
         parts.append(f"{name} busiest thread {cpu / seconds:.0%} of a core, {voluntary / seconds:.0f} / "
-                     f"{involuntary / seconds:.0f} switches/s")
+                     f"{involuntary / seconds:.0f} switches/s" + (f", next {ranked[1][0] / seconds:.0%}"
+                                                                    if len(ranked) > 1 else ""))
     return "; ".join(parts)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from typing import Any, Literal
 
@@ -78,6 +79,8 @@ class KvHandoff:
         self.engine, self.peers, self.counters, self.nixl = engine, peers, counters, nixl
         self._releases: set[asyncio.Task] = set()  # sent, not yet answered (held so they are not collected)
         self._opened = None  # prefill workers' GPU allocations this decode worker has open (CUDA IPC)
+        self._settle_lock = threading.Lock()
+        self._settling: list[tuple[Any, str, Any]] = []  # settled on the engine's thread, not yet released
 
     def _count(self, key: str) -> None:
         self._add(key, 1)
@@ -132,15 +135,39 @@ class KvHandoff:
         return kv
 
     def _settled(self, loop: asyncio.AbstractEventLoop, prefill: Any, handle: str, copied: Any) -> None:
-        """From the engine's thread: its copy of `handle`'s KV was queued (or never will be)."""
+        """From the engine's thread: its copy of `handle`'s KV was queued (or never will be). Those that settle
+        before the loop gets to them share one wake-up of it (an admission's copies settle together, with one
+        event): each wake-up takes the GIL from the scheduler thread that settles them."""
+        with self._settle_lock:
+            self._settling.append((prefill, handle, copied))
+            if len(self._settling) > 1:
+                return  # a wake-up is on its way for these
         try:
-            loop.call_soon_threadsafe(self._start_release, prefill, handle, copied)
+            loop.call_soon_threadsafe(self._release_settled)
         except RuntimeError:  # the loop closed (shutting down): the prefill's TTL frees the KV
             log.info("no release for KV %s: the worker is stopping", handle)
 
+    def _release_settled(self) -> None:
+        """On the loop: the KVs settled since its last wake-up released, once the copy of each has completed (one
+        wait for each distinct event)."""
+        with self._settle_lock:
+            settled, self._settling = self._settling, []
+        by_copy: dict[int, tuple[Any, list[tuple[Any, str]]]] = {}
+        for prefill, handle, copied in settled:
+            by_copy.setdefault(id(copied), (copied, []))[1].append((prefill, handle))
+        for copied, released in by_copy.values():
+            self._track(asyncio.create_task(self._release_all(released, copied)))
+
+    @staticmethod
+    async def _release_all(released: list[tuple[Any, str]], copied: Any) -> None:
+        await completed(copied)
+        await asyncio.gather(*(prefill.call(ReleaseKv(handle=handle)) for prefill, handle in released))
+
     def _start_release(self, prefill: Any, handle: str, copied: Any) -> None:
         """ReleaseKv in the background, decoding need not wait for its answer."""
-        release = asyncio.create_task(self._release(prefill, handle, copied))
+        self._track(asyncio.create_task(self._release(prefill, handle, copied)))
+
+    def _track(self, release: asyncio.Task) -> None:
         self._releases.add(release)
         release.add_done_callback(self._released)
 
@@ -210,6 +237,7 @@ class KvHandoff:
 
     async def settle(self) -> None:
         """Wait for the releases still on their way (before the connections close)."""
+        self._release_settled()  # settled, their wake-up not yet run
         if self._releases:
             await asyncio.wait(list(self._releases), timeout=5)
 

@@ -268,6 +268,45 @@ def test_a_cuda_ipc_fetch_returns_at_once_and_releases_the_prefills_kv_only_afte
 
 
 @pytest.mark.unit
+def test_the_kvs_an_admission_settles_together_cost_the_event_loop_one_wake_up(monkeypatch):
+    """Each wake-up of a decode engine's loop takes the GIL from its scheduler thread: an admission's KVs (one
+    copy event) and a dropped one, settled on the scheduler's thread before the loop runs, are released in one
+    wake-up, each once, none before its copy completed; the event is waited for once."""
+    import asyncio
+
+    from hpc.runtime.worker.kv_handoff import KvHandoff
+
+    copy = _CopyEvent(pending=2)
+    prefill, other = _PrefillPeer(copy), _PrefillPeer(copy)  # another prefill worker's KVs: never copied
+    handoff = KvHandoff(setting="auto", device="cuda:1", host="10.0.0.1", engine=None, peers=prefill, counters={})
+    polls = []
+    monkeypatch.setattr(copy, "query", lambda query=copy.query: polls.append(1) or query())
+
+    async def main():
+        loop, wakeups = asyncio.get_running_loop(), []
+
+        class CountingLoop:
+            def call_soon_threadsafe(self, callback, *args):
+                wakeups.append(callback)
+                return loop.call_soon_threadsafe(callback, *args)
+
+        # the scheduler thread's admission, all settled before the loop runs again (called here, where the loop
+        # cannot run in between: on another thread it may, and then wakes up twice)
+        for handle in ("h-1", "h-2", "h-3"):
+            handoff._settled(CountingLoop(), prefill, handle, copy)
+        handoff._settled(CountingLoop(), other, "h-4", None)  # dropped: never copied
+        await asyncio.sleep(0.02)
+        await asyncio.to_thread(handoff._settled, CountingLoop(), other, "h-5", None)  # a later admission
+        await handoff.settle()
+        return wakeups
+
+    wakeups = asyncio.run(main())
+    assert len(wakeups) == 2 and sorted(prefill.released) == ["h-1", "h-2", "h-3"]
+    assert other.released == ["h-4", "h-5"] and other.released_while_copying  # not waited for: nothing to wait
+    assert not prefill.released_while_copying and len(polls) == 3  # one wait: polled until it completed
+
+
+@pytest.mark.unit
 def test_a_kv_whose_request_ended_before_admission_is_released_without_a_copy(monkeypatch):
     import asyncio
 
