@@ -86,7 +86,8 @@ def test_contention_names_stolen_time_and_the_busiest_threads_switches(tmp_path)
     after = {"decode-0": _cpu_topology.threads(7, tmp_path)}
     line = _cpu_topology.contention(machine0, _cpu_topology.machine_ticks(tmp_path), before, after, 4.0)
     # 1,000 ticks spent: 300 + 50 user / system, 550 idle, 100 stolen; the busiest thread is 9, not 7
-    assert line == "machine busy 35%, stolen 10.0%; decode-0 busiest thread 75% of a core, 1000 / 75 switches/s, next 12%"
+    assert line == ("machine busy 35%, stolen 10.0%; decode-0 busiest thread 75% of a core, 1000 / 75 switches/s, "
+                    "next 12%")
 
 
 def test_an_engines_scheduler_thread_is_its_busiest_but_the_main_one(tmp_path):
