@@ -46,13 +46,24 @@ def describe(found: list[tuple[int, ...]]) -> str:
     return f"{threads} CPUs on {len(found)} physical cores ({'/'.join(map(str, per_core))} threads a core)"
 
 
-def split(found: list[tuple[int, ...]], engines: int) -> tuple[list[set[int]], set[int]]:
-    """A whole physical core for each of `engines` engine processes (the last cores), the rest for everything
-    else; ValueError when fewer than two cores would be left to the rest."""
+def split(found: list[tuple[int, ...]], engines: int,
+          chosen: list[int] | None = None) -> tuple[list[set[int]], set[int]]:
+    """A whole physical core for each of `engines` engine processes (the last cores, or those of the `chosen`
+    CPUs, one an engine), the rest for everything else; ValueError when fewer than two cores would be left to
+    the rest, or the chosen CPUs are not one an engine, each on a core of its own."""
     if len(found) - engines < 2:
         raise ValueError(f"{len(found)} physical cores: too few to give {engines} engine(s) one each")
-    own = [set(core) for core in found[len(found) - engines:]]
-    rest = {cpu for core in found[:len(found) - engines] for cpu in core}
+    if chosen is None:
+        own = [set(core) for core in found[len(found) - engines:]]
+    else:
+        core_of = {cpu: core for core in found for cpu in core}
+        if len(chosen) != engines or any(cpu not in core_of for cpu in chosen) \
+                or len({core_of[cpu] for cpu in chosen}) != engines:
+            raise ValueError(f"CPUs {chosen}: give each of the {engines} engine(s) a CPU of a core of its own "
+                             f"among {sorted(core_of)}")
+        own = [set(core_of[cpu]) for cpu in chosen]
+    taken = set().union(*own)
+    rest = {cpu for core in found for cpu in core if cpu not in taken}
     return own, rest
 
 
@@ -93,14 +104,14 @@ def pin_process(pid: int, cpus: set[int], proc: Path = Path("/proc")) -> int:
     return moved
 
 
-def pin_engines(leaders: dict[str, int]) -> list[str]:
+def pin_engines(leaders: dict[str, int], chosen: list[int] | None = None) -> list[str]:
     """Each engine's scheduler thread on a physical core of its own; every other thread of the stack (the engines'
     other threads too) and this process (and the client processes it starts later) on the other cores. Lines
     saying what went where. (Pinning an engine's every thread to one core put its event loop and CUDA's threads
     on its scheduler's core.)"""
     found = cores()
     engines = [(name, pid) for name, leader in sorted(leaders.items()) for pid in engine_pids(leader)]
-    own, rest = split(found, len(engines))
+    own, rest = split(found, len(engines), chosen)
     stack = [p for leader in leaders.values() for p in group(leader)]
     for pid in stack + [os.getpid()]:
         pin_process(pid, rest)
@@ -117,7 +128,7 @@ def pin_engines(leaders: dict[str, int]) -> list[str]:
 def scheduler_thread(pid: int, proc: Path = Path("/proc")) -> int:
     """An engine process's scheduler thread: its busiest thread but the main one (which loaded the model; the
     scheduler's warm-up steps make it the busiest of the others)."""
-    others = {tid: seconds for tid, (seconds, _, _) in threads(pid, proc).items() if tid != pid}
+    others = {tid: reading[0] for tid, reading in threads(pid, proc).items() if tid != pid}
     if not others:
         raise ValueError(f"engine process {pid} has no thread but its main one")
     return max(others, key=others.__getitem__)
@@ -133,39 +144,49 @@ def machine_ticks(proc: Path = Path("/proc")) -> dict[str, int]:
     return dict(zip(STAT_FIELDS, map(int, values)))
 
 
-def threads(pid: int, proc: Path = Path("/proc")) -> dict[int, tuple[float, int, int]]:
-    """Each thread of `pid`: (CPU seconds, voluntary, involuntary context switches) so far. An involuntary switch
-    is the kernel taking the CPU from a thread that could have gone on running."""
+def threads(pid: int, proc: Path = Path("/proc")) -> dict[int, tuple[float, int, int, int]]:
+    """Each thread of `pid`: (CPU seconds, voluntary, involuntary context switches) so far, and the CPU it last ran
+    on. An involuntary switch is the kernel taking the CPU from a thread that could have gone on running."""
     tick, out = os.sysconf("SC_CLK_TCK"), {}
     for task in (proc / str(pid) / "task").glob("[0-9]*"):
         try:
             fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
             status = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines() if ":" in line)
-            out[int(task.name)] = ((int(fields[11]) + int(fields[12])) / tick,
-                                   int(status["voluntary_ctxt_switches"]), int(status["nonvoluntary_ctxt_switches"]))
+            out[int(task.name)] = ((int(fields[11]) + int(fields[12])) / tick,  # stat fields 14, 15: utime, stime
+                                   int(status["voluntary_ctxt_switches"]), int(status["nonvoluntary_ctxt_switches"]),
+                                   int(fields[36]))  # field 39: the CPU it last ran on
         except (OSError, IndexError, KeyError, ValueError):
             continue
     return out
 
 
+def numa_node(cpu: int, root: Path = CPU_ROOT) -> int | None:
+    """The NUMA node a CPU belongs to (its nodeN entry in sysfs), or None where the machine shows none."""
+    found = sorted((root / f"cpu{cpu}").glob("node[0-9]*"))
+    return int(found[0].name.removeprefix("node")) if found else None
+
+
 def contention(machine0: dict[str, int], machine1: dict[str, int], threads0: dict[str, dict[int, tuple]],
-               threads1: dict[str, dict[int, tuple]], seconds: float) -> str:
+               threads1: dict[str, dict[int, tuple]], seconds: float, root: Path = CPU_ROOT) -> str:
     """One line: the machine's busy and stolen share of its CPU time between two readings, and each named
-    process's busiest thread (an engine's scheduler thread): its share of a core and its context switches a
-    second, voluntary / involuntary; then the next busiest's share (its event loop, which takes the GIL from the
-    scheduler whenever it runs)."""
+    process's busiest thread (an engine's scheduler thread): its share of a core, its context switches a second
+    (voluntary / involuntary) and the CPU it ran on last (and its NUMA node); then the next busiest's share (its
+    event loop, which takes the GIL from the scheduler whenever it runs)."""
     spent = {k: machine1[k] - machine0[k] for k in STAT_FIELDS}
     total = max(sum(spent.values()), 1)
     running = sum(spent[k] for k in ("user", "nice", "system", "irq", "softirq"))
     parts = [f"machine busy {running / total:.0%}, stolen {spent['steal'] / total:.1%}"]
     for name, after in threads1.items():
         before = threads0.get(name, {})
-        deltas = {tid: tuple(a - b for a, b in zip(now, before.get(tid, (0.0, 0, 0)))) for tid, now in after.items()}
+        deltas = {tid: tuple(a - b for a, b in zip(now[:3], before.get(tid, (0.0, 0, 0)))) + (now[3],)
+                  for tid, now in after.items()}
         if not deltas:
             continue
         ranked = sorted(deltas.values(), reverse=True)
-        cpu, voluntary, involuntary = ranked[0]
-        parts.append(f"{name} busiest thread {cpu / seconds:.0%} of a core, {voluntary / seconds:.0f} / "
-                     f"{involuntary / seconds:.0f} switches/s" + (f", next {ranked[1][0] / seconds:.0%}"
-                                                                    if len(ranked) > 1 else ""))
+        cpu, voluntary, involuntary, ran_on = ranked[0]
+        node = numa_node(ran_on, root)
+        parts.append(f"{name} busiest thread {cpu / seconds:.0%} of a core on CPU {ran_on}"
+                     + (f" (node {node})" if node is not None else "")
+                     + f", {voluntary / seconds:.0f} / {involuntary / seconds:.0f} switches/s"
+                     + (f", next {ranked[1][0] / seconds:.0%}" if len(ranked) > 1 else ""))
     return "; ".join(parts)

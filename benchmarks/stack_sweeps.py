@@ -106,9 +106,11 @@ def main() -> None:
     parser.add_argument("--profile-seconds", type=int, default=3, help="how long each py-spy samples")
     parser.add_argument("--client-processes", default="auto", metavar="N|auto",
                         help="the load generator's processes per level, as hpc bench's (default auto)")
-    parser.add_argument("--pin-engines", action="store_true",
-                        help="an experiment: each engine's scheduler thread on a physical core of its own, "
-                             "everything else of the stack and the load generator on the other cores")
+    parser.add_argument("--pin-engines", nargs="?", const="last", metavar="CPUS",
+                        help="an experiment: each engine's scheduler thread on a physical core of its own (the "
+                             "last cores, or the given CPUs, one an engine in the workers' name order: "
+                             "decode-0,prefill-0), everything else of the stack and the load generator on the "
+                             "other cores")
     add_set_option(parser)
     args = parser.parse_args()
     recipe, _ = load_recipe(args.recipe)
@@ -202,7 +204,8 @@ def main() -> None:
         leaders = {name: pids[0] for name, pids in local_pids(run).items() if pids and name not in ("etcd", "nats")}
         topology = _cpu_topology.describe(_cpu_topology.cores())  # before any pinning narrows what we see
         try:
-            pinned = _cpu_topology.pin_engines(leaders) if args.pin_engines else []
+            chosen = None if args.pin_engines in (None, "last") else [int(c) for c in args.pin_engines.split(",")]
+            pinned = _cpu_topology.pin_engines(leaders, chosen) if args.pin_engines else []
         except ValueError as exc:
             raise SystemExit(f"--pin-engines: {exc}") from None
         with ClockLog() as clocks:

@@ -39,6 +39,12 @@ def test_each_engine_gets_a_whole_core_and_the_rest_the_others():
     assert own == [{2, 6}, {3, 7}] and rest == {0, 1, 4, 5}
     with pytest.raises(ValueError, match="too few"):
         _cpu_topology.split(found, 3)  # one core left for the frontends, workers and clients: refused
+    # chosen CPUs: their whole cores, in the engines' order
+    own, rest = _cpu_topology.split(found, 2, chosen=[5, 0])
+    assert own == [{1, 5}, {0, 4}] and rest == {2, 3, 6, 7}
+    for wrong in ([5], [5, 1], [5, 9]):  # too few, one core twice, a CPU the machine lacks
+        with pytest.raises(ValueError, match="a CPU of a core of its own"):
+            _cpu_topology.split(found, 2, chosen=wrong)
 
 
 def test_the_engine_processes_of_a_process_group_are_found_by_their_module(tmp_path):
@@ -62,10 +68,11 @@ def test_pinning_moves_every_thread_of_a_process():
 
 
 def _proc_with_a_thread(root: Path, pid: int, tid: int, utime: int, stime: int, voluntary: int,
-                        involuntary: int) -> None:
+                        involuntary: int, cpu: int = 0) -> None:
     task = root / str(pid) / "task" / str(tid)
     task.mkdir(parents=True, exist_ok=True)
-    (task / "stat").write_text(f"{tid} (pt (main)) R 1 {pid} {pid} 0 -1 0 0 0 0 0 {utime} {stime} 0 0\n")
+    rest = " ".join(["0"] * 21) + f" {cpu} 0 0 0 0 0"  # fields 18-38, then 39: the CPU it last ran on
+    (task / "stat").write_text(f"{tid} (pt (main)) R 1 {pid} {pid} 0 -1 0 0 0 0 0 {utime} {stime} 0 0 {rest}\n")
     (task / "status").write_text(f"Name:\tpython\nvoluntary_ctxt_switches:\t{voluntary}\n"
                                  f"nonvoluntary_ctxt_switches:\t{involuntary}\n")
 
@@ -79,15 +86,17 @@ def test_contention_names_stolen_time_and_the_busiest_threads_switches(tmp_path)
     _proc_with_a_thread(tmp_path, 7, 7, 0, 0, 0, 0)
     _proc_with_a_thread(tmp_path, 7, 9, tick, 0, 10, 1)
     before = {"decode-0": _cpu_topology.threads(7, tmp_path)}
-    assert before["decode-0"][9] == (1.0, 10, 1)
+    assert before["decode-0"][9] == (1.0, 10, 1, 0)
     (tmp_path / "stat").write_text("cpu  400 0 100 1350 10 0 0 140 0 0\n")
     _proc_with_a_thread(tmp_path, 7, 7, tick // 2, 0, 50, 0)  # the idle loop: half a core
-    _proc_with_a_thread(tmp_path, 7, 9, 3 * tick, tick, 4010, 301)  # the scheduler: three more seconds
+    _proc_with_a_thread(tmp_path, 7, 9, 3 * tick, tick, 4010, 301, cpu=5)  # the scheduler: 3 more seconds
     after = {"decode-0": _cpu_topology.threads(7, tmp_path)}
-    line = _cpu_topology.contention(machine0, _cpu_topology.machine_ticks(tmp_path), before, after, 4.0)
+    sysfs = tmp_path / "sys"
+    (sysfs / "cpu5" / "node1").mkdir(parents=True)
+    line = _cpu_topology.contention(machine0, _cpu_topology.machine_ticks(tmp_path), before, after, 4.0, sysfs)
     # 1,000 ticks spent: 300 + 50 user / system, 550 idle, 100 stolen; the busiest thread is 9, not 7
-    assert line == ("machine busy 35%, stolen 10.0%; decode-0 busiest thread 75% of a core, 1000 / 75 switches/s, "
-                    "next 12%")
+    assert line == ("machine busy 35%, stolen 10.0%; decode-0 busiest thread 75% of a core on CPU 5 (node 1), "
+                    "1000 / 75 switches/s, next 12%")
 
 
 def test_an_engines_scheduler_thread_is_its_busiest_but_the_main_one(tmp_path):
