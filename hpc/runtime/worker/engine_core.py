@@ -29,12 +29,13 @@ from hpc.manifest import Manifest
 from hpc.runtime.engine.types import DisaggregationMode, GenerateOutput
 from hpc.runtime.serve.rpc import RemoteError
 from hpc.runtime.worker.engine_link import (
-    AskKv, AskStats, BlockingSender, Drop, Failed, KvAnswer, KvEvent, Outputs, Ready, Refused, ReleaseHeld, Stats,
-    Stop, Submit, ToEngine, receive,
+    AskKv, AskStats, BlockingSender, Drop, Failed, KvAnswer, KvEvent, Outputs, Ready, Refused, ReleaseHeld,
+    ReleaseKvs, Stats, Stop, Submit, ToEngine, receive,
 )
 
 log = logging.getLogger("hpc.engine")
 STATS_EVERY_S = 1.0  # the worker's load reports and /health read the last pushed figures
+FLUSH_BUSY_S, FLUSH_IDLE_S = 0.01, 0.25  # KV releases the scheduler thread left waiting for their copies
 
 
 class Keyed:
@@ -166,6 +167,14 @@ class Core:
                 await asyncio.wait_for(self.stopped.wait(), STATS_EVERY_S)
 
 
+async def flush_releases(handoff: Any, stopped: asyncio.Event) -> None:
+    """The last settled KVs' releases, once their copies completed, when no admission on the scheduler thread
+    comes to send them (it sends the others as it settles more): often while any wait, seldom otherwise."""
+    while not stopped.is_set():
+        await asyncio.sleep(FLUSH_BUSY_S if handoff.settling else FLUSH_IDLE_S)
+        handoff.flush_settled()
+
+
 async def run(manifest: Manifest, role: str, index: int, device: str, requests_fd: int, outputs_fd: int) -> int:
     from hpc.runtime.engine.factory import build_engine
     from hpc.runtime.services.node import freeze_startup_objects, node_address, rpc_token, watch_gc
@@ -188,6 +197,9 @@ async def run(manifest: Manifest, role: str, index: int, device: str, requests_f
     # record's hop took the GIL from the scheduler at every turn
     engine.on_kv_event = lambda record: sender.send(KvEvent(record=record))
     engine.kv_events_any_thread = True
+    # a decode engine's completed KV copies go to the worker, which releases them: not through this process's loop
+    handoff.forward_releases = lambda addresses, handles: sender.send(ReleaseKvs(addresses=addresses,
+                                                                                handles=handles))
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, core.stopped.set)
     try:
@@ -198,9 +210,11 @@ async def run(manifest: Manifest, role: str, index: int, device: str, requests_f
             # them all while the scheduler thread waited for the GIL (the worker and frontends did this already)
             freeze_startup_objects()
             sender.send(Ready(pid=os.getpid()))
+            flushing = asyncio.create_task(flush_releases(handoff, core.stopped))
             await core.report()
             await core.stopped.wait()
             requests.close()
+            await flushing
             await handoff.settle()
     finally:
         handoff.close()

@@ -2,7 +2,7 @@
 
 Two socket pairs, each one way: requests, cancellations, stats questions and a prefill worker's KV fetches and
 releases go worker -> engine; a decode step's outputs (all of its rows in one message), refusals, KV answers,
-stats and KV events come back. A message is a 4-byte length
+stats, KV events and a decode engine's completed KV copies come back. A message is a 4-byte length
 and a msgpack body, typed by msgspec as the RPC's frames are (wire.py), so neither side sees an untyped dict.
 """
 
@@ -103,8 +103,17 @@ class Failed(_Link, tag="failed"):
     error: str
 
 
+class ReleaseKvs(_Link, tag="release_kvs"):
+    """The engine's copies of these prefills' KVs (CUDA IPC) completed: its worker tells each prefill worker
+    (ReleaseKv), so that the engine process's event loop, and the GIL it would take from the scheduler thread,
+    is not woken for them. `addresses[i]` is the RPC address of the prefill worker holding `handles[i]`."""
+
+    addresses: list[str]
+    handles: list[str]
+
+
 ToEngine = Union[Submit, Drop, AskStats, AskKv, ReleaseHeld, Stop]
-FromEngine = Union[Ready, Outputs, Refused, KvAnswer, Stats, KvEvent, Failed]
+FromEngine = Union[Ready, Outputs, Refused, KvAnswer, Stats, KvEvent, Failed, ReleaseKvs]
 _encoder = msgspec.msgpack.Encoder()
 
 

@@ -26,11 +26,12 @@ from typing import Any, AsyncIterator, Callable
 
 from hpc.runtime.engine.types import DisaggregationMode, GenerateOutput, GenerateRequest, KvMeta
 from hpc.runtime.serve.rpc import RemoteError
-from hpc.runtime.serve.wire import FetchKv
+from hpc.runtime.serve.wire import FetchKv, ReleaseKv
 from hpc.runtime.worker.engine_link import (
-    AskKv, AskStats, Drop, Failed, FromEngine, KvAnswer, KvEvent, Outputs, Ready, Refused, ReleaseHeld, Stats, Stop,
-    Submit, encode, receive,
+    AskKv, AskStats, Drop, Failed, FromEngine, KvAnswer, KvEvent, Outputs, Ready, Refused, ReleaseHeld, ReleaseKvs,
+    Stats, Stop, Submit, encode, receive,
 )
+from hpc.runtime.worker.kv_handoff import Releases
 from hpc.spec.recipe import Backend
 
 log = logging.getLogger("hpc.worker")
@@ -63,6 +64,7 @@ class EngineProcess:
         self.device = device
         self.failure: str | None = None
         self.on_kv_event: Callable[[dict[str, Any]], None] | None = None
+        self.on_release_kvs: Callable[[ReleaseKvs], None] = lambda message: None  # EngineHandoff's
         self.pid: int | None = None
         self._cmd = [sys.executable, "-m", "hpc.runtime.worker.engine_core", manifest_file, "--role", role,
                      "--index", str(index), "--device", device]
@@ -79,7 +81,8 @@ class EngineProcess:
         self._exited: asyncio.Task | None = None
         self._handlers: dict[type, Callable[[Any], None]] = {  # what the engine process says, by message type
             Outputs: self._delivered, Stats: self._stats_arrived, Refused: self._refused, KvAnswer: self._kv_answered,
-            KvEvent: self._kv_event, Ready: self._is_ready, Failed: lambda message: self._fail(message.error)}
+            KvEvent: self._kv_event, Ready: self._is_ready, Failed: lambda message: self._fail(message.error),
+            ReleaseKvs: lambda message: self.on_release_kvs(message)}
 
     @property
     def returncode(self) -> int | None:
@@ -275,9 +278,17 @@ class EngineHandoff:
     """A worker's KV handoff when its engine runs apart: the engine process fetches (decode), shares with the
     answers (prefill) and counts by itself; a decode worker's fetches and releases of a prefill's KV go on to it."""
 
-    def __init__(self, engine: EngineProcess) -> None:
-        self.engine = engine
+    def __init__(self, engine: EngineProcess, peers: Any) -> None:
+        self.engine, self.peers = engine, peers
         self.counters: dict[str, float] = {}  # the engine process's counters come with its stats
+        self.releases = Releases()
+        engine.on_release_kvs = self.release_copied
+
+    def release_copied(self, message: ReleaseKvs) -> None:
+        """A decode engine's copies of these KVs completed: each prefill worker may free its own (ReleaseKv, in
+        the background)."""
+        for address, handle in zip(message.addresses, message.handles):
+            self.releases.start(self.peers.client(address).call(ReleaseKv(handle=handle)))
 
     def attach_shared(self, out: Any) -> Any:
         return out  # the engine process attached it already, where it could
@@ -289,7 +300,7 @@ class EngineHandoff:
         self.engine.release_kv(handle)
 
     async def settle(self) -> None:
-        pass
+        await self.releases.settle()
 
     def close(self) -> None:
         pass

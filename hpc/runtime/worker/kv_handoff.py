@@ -16,7 +16,7 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Any, Literal
+from typing import Any, Callable, Coroutine, Literal
 
 from hpc.runtime.serve.rpc import RemoteError
 from hpc.runtime.serve.wire import FetchKv, KvMeta, KvVia, ReleaseKv, replace
@@ -70,6 +70,28 @@ async def completed(event: Any) -> None:
         await asyncio.sleep(EVENT_POLL_S)
 
 
+class Releases:
+    """ReleaseKv calls on their way in the background: held so they are not collected, a failure logged (the
+    prefill's TTL frees its KV then), waited for before the connections close."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task] = set()
+
+    def start(self, release: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(release)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("releasing a handed-off KV failed: %s", task.exception())
+
+    async def settle(self) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=5)
+
+
 class KvHandoff:
     """Both ends of the handoff for one worker process."""
 
@@ -77,10 +99,12 @@ class KvHandoff:
                  counters: dict[str, float], nixl: Any = None) -> None:
         self.setting, self.device, self.host = setting, device, host
         self.engine, self.peers, self.counters, self.nixl = engine, peers, counters, nixl
-        self._releases: set[asyncio.Task] = set()  # sent, not yet answered (held so they are not collected)
+        self.releases = Releases()
+        # an engine process's: the released KVs to its worker, (prefill addresses, handles), from any thread
+        self.forward_releases: Callable[[list[str], list[str]], None] | None = None
         self._opened = None  # prefill workers' GPU allocations this decode worker has open (CUDA IPC)
         self._settle_lock = threading.Lock()
-        self._settling: list[tuple[Any, str, Any]] = []  # settled on the engine's thread, not yet released
+        self._settling: list[tuple[Any, str, str, Any]] = []  # settled on the engine's thread, not yet released
 
     def _count(self, key: str) -> None:
         self._add(key, 1)
@@ -123,7 +147,8 @@ class KvHandoff:
             loop, handle = asyncio.get_running_loop(), params.request_handle
             self._count("kv_fetched_cuda_ipc")
             return PendingCopy(meta, self.device, self._opened,
-                               lambda copied: self._settled(loop, prefill, handle, copied), self.counters)
+                               lambda copied: self._settled(loop, prefill, address, handle, copied),
+                               self.counters)
         try:
             if self.nixl is None:
                 raise RemoteError("the prefill worker lent its KV over NIXL, which this worker lacks", 502)
@@ -134,18 +159,38 @@ class KvHandoff:
             self._start_release(prefill, params.request_handle, None)  # read (or failed): the prefill may free it
         return kv
 
-    def _settled(self, loop: asyncio.AbstractEventLoop, prefill: Any, handle: str, copied: Any) -> None:
-        """From the engine's thread: its copy of `handle`'s KV was queued (or never will be). Those that settle
-        before the loop gets to them share one wake-up of it (an admission's copies settle together, with one
-        event): each wake-up takes the GIL from the scheduler thread that settles them."""
+    def _settled(self, loop: asyncio.AbstractEventLoop, prefill: Any, address: str, handle: str, copied: Any) -> None:
+        """From the engine's thread: its copy of `handle`'s KV was queued (or never will be). With
+        `forward_releases` (an engine process's), those whose copy completed go to its worker from this thread
+        (flush_settled), and the event loop is not woken. Otherwise those that settle before the loop gets to them
+        share one wake-up of it (an admission's copies settle together, with one event). Each wake-up took the GIL
+        from the scheduler thread that settles them."""
         with self._settle_lock:
-            self._settling.append((prefill, handle, copied))
-            if len(self._settling) > 1:
-                return  # a wake-up is on its way for these
+            self._settling.append((prefill, address, handle, copied))
+            wake = self.forward_releases is None and len(self._settling) == 1  # else one is on its way
+        if self.forward_releases is not None:
+            self.flush_settled()
+            return
+        if not wake:
+            return
         try:
             loop.call_soon_threadsafe(self._release_settled)
         except RuntimeError:  # the loop closed (shutting down): the prefill's TTL frees the KV
             log.info("no release for KV %s: the worker is stopping", handle)
+
+    @property
+    def settling(self) -> int:
+        return len(self._settling)
+
+    def flush_settled(self) -> None:
+        """Pass the settled KVs whose copy completed to `forward_releases` (any thread: the scheduler's as it
+        settles more, the engine process's timer for the last ones)."""
+        with self._settle_lock:
+            done = [entry for entry in self._settling if entry[3] is None or entry[3].query()]
+            if done:
+                self._settling = [entry for entry in self._settling if not any(entry is d for d in done)]
+        if done:
+            self.forward_releases([address for _, address, _, _ in done], [handle for _, _, handle, _ in done])
 
     def _release_settled(self) -> None:
         """On the loop: the KVs settled since its last wake-up released, once the copy of each has completed (one
@@ -153,35 +198,21 @@ class KvHandoff:
         with self._settle_lock:
             settled, self._settling = self._settling, []
         by_copy: dict[int, tuple[Any, list[tuple[Any, str]]]] = {}
-        for prefill, handle, copied in settled:
+        for prefill, _, handle, copied in settled:
             by_copy.setdefault(id(copied), (copied, []))[1].append((prefill, handle))
         for copied, released in by_copy.values():
-            self._track(asyncio.create_task(self._release_all(released, copied)))
+            self.releases.start(self._release_all(released, copied))
 
     @staticmethod
     async def _release_all(released: list[tuple[Any, str]], copied: Any) -> None:
+        """ReleaseKv for each once `copied` (a CUDA event, or None: done) has completed: until then the copy reads
+        the prefills' memory."""
         await completed(copied)
         await asyncio.gather(*(prefill.call(ReleaseKv(handle=handle)) for prefill, handle in released))
 
     def _start_release(self, prefill: Any, handle: str, copied: Any) -> None:
         """ReleaseKv in the background, decoding need not wait for its answer."""
-        self._track(asyncio.create_task(self._release(prefill, handle, copied)))
-
-    def _track(self, release: asyncio.Task) -> None:
-        self._releases.add(release)
-        release.add_done_callback(self._released)
-
-    @staticmethod
-    async def _release(prefill: Any, handle: str, copied: Any = None) -> None:
-        """ReleaseKv once `copied` (a CUDA event, or None: done) has completed: until then the copy reads the
-        prefill's memory."""
-        await completed(copied)
-        await prefill.call(ReleaseKv(handle=handle))
-
-    def _released(self, task: asyncio.Task) -> None:
-        self._releases.discard(task)
-        if not task.cancelled() and task.exception() is not None:  # the prefill's TTL frees it instead
-            log.warning("releasing a handed-off KV failed: %s", task.exception())
+        self.releases.start(self._release_all([(prefill, handle)], copied))
 
     # ---- prefill: share with the answer, answer a fetch, release what was lent ----------------------------------
     def attach_shared(self, out: Any) -> Any:
@@ -237,9 +268,11 @@ class KvHandoff:
 
     async def settle(self) -> None:
         """Wait for the releases still on their way (before the connections close)."""
-        self._release_settled()  # settled, their wake-up not yet run
-        if self._releases:
-            await asyncio.wait(list(self._releases), timeout=5)
+        if self.forward_releases is not None:
+            self.flush_settled()  # those not complete yet: the prefill's TTL frees them
+        else:
+            self._release_settled()  # settled, their wake-up not yet run
+        await self.releases.settle()
 
     def close(self) -> None:
         if self.nixl is not None:

@@ -72,7 +72,7 @@ async def serve(manifest: Manifest, role: str, index: int, manifest_file: str) -
                              world, device.startswith("cuda")):
         # the engine's own process fetches, shares and lends its KV itself; this one serves RPC and HTTP
         engine = EngineProcess(manifest_file, role, index, device, recipe.runtime.readiness_timeout_s)
-        handoff = EngineHandoff(engine)
+        handoff = EngineHandoff(engine, peers)
     else:
         handoff = KvHandoff(setting=recipe.runtime.kv_transport, device=device, host=host, engine=None, peers=peers,
                             counters={})

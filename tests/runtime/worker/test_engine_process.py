@@ -22,6 +22,7 @@ from hpc.runtime.worker.engine_link import FromEngine, Outputs, Receiver, Refuse
 from hpc.runtime.serve.rpc import RemoteError
 from hpc.runtime.worker.engine_process import EngineProcess, engine_in_own_process
 from hpc.spec.recipe import Backend
+from hpc.waiting import wait_until
 from tests.runtime.conftest import stack_fixture
 
 AGG, DECODE, PREFILL = DisaggregationMode.AGGREGATED, DisaggregationMode.DECODE, DisaggregationMode.PREFILL
@@ -57,6 +58,44 @@ def test_a_decode_steps_outputs_leave_as_one_message_and_others_at_once():
     emitter.send(None, Keyed(9), GenerateOutput(token_ids=[1]))
     assert [m.keys for m in sent] == [[3, 5, 7], [9]]
     assert [o.token_ids for o in sent[0].outputs] == [[3], [5], [7]] and finished == [5]
+
+
+@pytest.mark.unit
+def test_a_decode_engines_completed_copies_are_released_by_its_worker():
+    """ReleaseKvs from the engine process (its scheduler thread's, through the link) becomes one ReleaseKv for
+    each prefill worker's KV, sent by the worker (EngineHandoff), and waited for as the worker stops."""
+    from hpc.runtime.serve.wire import ReleaseKv
+    from hpc.runtime.worker.engine_link import ReleaseKvs
+    from hpc.runtime.worker.engine_process import EngineHandoff
+
+    calls = []
+
+    class Prefill:
+        def __init__(self, address: str) -> None:
+            self.address = address
+
+        async def call(self, body):
+            await asyncio.sleep(0.01)
+            calls.append((self.address, body))
+
+    class Peers:
+        def client(self, address: str) -> Prefill:
+            return Prefill(address)
+
+    engine = EngineProcess("m.json", "decode", 0, "cuda:1", 5.0)
+    handoff = EngineHandoff(engine, Peers())
+    message = ReleaseKvs(addresses=["10.0.0.1:7000", "10.0.0.2:7000"], handles=["h-1", "h-$(x)`y`"])
+    got = []
+    Receiver(FromEngine, got.append, lambda: None).data_received(encode(message))
+    assert got == [message]
+
+    async def main():
+        engine._on_message(got[0])  # as the link delivers it
+        assert calls == []  # in the background
+        await handoff.settle()
+
+    asyncio.run(main())
+    assert calls == [("10.0.0.1:7000", ReleaseKv(handle="h-1")), ("10.0.0.2:7000", ReleaseKv(handle="h-$(x)`y`"))]
 
 
 @pytest.mark.unit
@@ -127,7 +166,9 @@ def test_the_decode_worker_serves_from_an_engine_process_of_its_own(apart, tiny)
     # GPUs of one node: the KV came with the prefill's answer (CUDA IPC); CPU: as bytes
     moved = "hpc_worker_kv_taken_from_answer" if torch.cuda.is_available() else "hpc_worker_kv_fetched_bytes"
     assert _metric(apart, "decode-0", moved) >= 1  # (bytes: asked of the prefill worker, answered by its engine's)
-    assert _metric(apart, "prefill-0", "hpc_worker_handoffs_waiting") == 0  # taken or released, none left behind
+    # taken or released, none left behind (a GPU's release follows its copy, asynchronously: waited for)
+    wait_until(lambda: True if _metric(apart, "prefill-0", "hpc_worker_handoffs_waiting") == 0 else None, 5,
+               "the prefill worker's KV released")
 
     # the same greedy text as an aggregated engine in this process (fp32 on CPU, bf16 on a GPU, as the stack's)
     from hpc.runtime.engine.torch_engine import TorchEngine

@@ -293,10 +293,10 @@ def test_the_kvs_an_admission_settles_together_cost_the_event_loop_one_wake_up(m
         # the scheduler thread's admission, all settled before the loop runs again (called here, where the loop
         # cannot run in between: on another thread it may, and then wakes up twice)
         for handle in ("h-1", "h-2", "h-3"):
-            handoff._settled(CountingLoop(), prefill, handle, copy)
-        handoff._settled(CountingLoop(), other, "h-4", None)  # dropped: never copied
+            handoff._settled(CountingLoop(), prefill, "10.0.0.1:7000", handle, copy)
+        handoff._settled(CountingLoop(), other, "10.0.0.2:7000", "h-4", None)  # dropped: never copied
         await asyncio.sleep(0.02)
-        await asyncio.to_thread(handoff._settled, CountingLoop(), other, "h-5", None)  # a later admission
+        await asyncio.to_thread(handoff._settled, CountingLoop(), other, "10.0.0.2:7000", "h-5", None)  # later
         await handoff.settle()
         return wakeups
 
@@ -304,6 +304,49 @@ def test_the_kvs_an_admission_settles_together_cost_the_event_loop_one_wake_up(m
     assert len(wakeups) == 2 and sorted(prefill.released) == ["h-1", "h-2", "h-3"]
     assert other.released == ["h-4", "h-5"] and other.released_while_copying  # not waited for: nothing to wait
     assert not prefill.released_while_copying and len(polls) == 3  # one wait: polled until it completed
+
+
+@pytest.mark.unit
+def test_an_engine_process_passes_completed_copies_to_its_worker_without_waking_its_loop():
+    """forward_releases (an engine process's): the scheduler thread, as it settles KVs, sends those whose copy
+    completed to the worker (ReleaseKvs), none before; the loop is never woken for them and sends no ReleaseKv
+    itself; the last ones go with flush_settled (the process's timer) once complete."""
+    import threading
+
+    from hpc.runtime.worker.kv_handoff import KvHandoff
+
+    first, second = _CopyEvent(pending=1), _CopyEvent(pending=5)
+    prefill = _PrefillPeer(first)
+    handoff = KvHandoff(setting="auto", device="cuda:1", host="10.0.0.1", engine=None, peers=prefill, counters={})
+    sent, senders = [], set()
+
+    def forward(addresses, handles):
+        sent.append(list(zip(addresses, handles)))
+        senders.add(threading.get_ident())
+
+    handoff.forward_releases = forward
+
+    class NoLoop:
+        def call_soon_threadsafe(self, *args):
+            raise AssertionError("the event loop was woken")
+
+    def scheduler():
+        handoff._settled(NoLoop(), prefill, "10.0.0.1:7000", "h-1", first)  # copy queued: not complete yet
+        handoff._settled(NoLoop(), prefill, "10.0.0.2:7000", "h-2", None)  # dropped: nothing to wait for
+        handoff._settled(NoLoop(), prefill, "10.0.0.1:7000", "h-3", second)  # the next admission's
+
+    worker = threading.Thread(target=scheduler)
+    worker.start()
+    worker.join()
+    # nothing as h-1 settles (its copy not complete); with h-2, both (h-1's copy complete when polled again);
+    # h-3's copy not yet
+    assert sent == [[("10.0.0.1:7000", "h-1"), ("10.0.0.2:7000", "h-2")]] and senders == {worker.ident}
+    assert handoff.settling == 1
+    handoff.flush_settled()
+    assert len(sent) == 1  # still copying
+    second.pending = 0
+    handoff.flush_settled()
+    assert sent[-1] == [("10.0.0.1:7000", "h-3")] and handoff.settling == 0 and prefill.calls == []
 
 
 @pytest.mark.unit
