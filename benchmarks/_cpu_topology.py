@@ -104,7 +104,8 @@ def pin_process(pid: int, cpus: set[int], proc: Path = Path("/proc")) -> int:
     return moved
 
 
-def pin_engines(leaders: dict[str, int], chosen: list[int] | None = None) -> list[str]:
+def pin_engines(leaders: dict[str, int], chosen: list[int] | None = None,
+                schedulers: dict[str, int] | None = None) -> list[str]:
     """Each engine's scheduler thread on a physical core of its own; every other thread of the stack (the engines'
     other threads too) and this process (and the client processes it starts later) on the other cores. Lines
     saying what went where. (Pinning an engine's every thread to one core put its event loop and CUDA's threads
@@ -117,7 +118,7 @@ def pin_engines(leaders: dict[str, int], chosen: list[int] | None = None) -> lis
         pin_process(pid, rest)
     lines = []
     for (name, pid), cpus in zip(engines, own):
-        tid = scheduler_thread(pid)
+        tid = (schedulers or {}).get(name) or scheduler_thread(pid)  # the engine's word, else a guess
         os.sched_setaffinity(tid, cpus)
         lines.append(f"{name}'s engine process {pid}: its scheduler thread {tid} on CPUs {sorted(cpus)}")
     lines.append(f"{len(stack)} processes of the stack (the engines' other threads) and this one: the other "
@@ -167,11 +168,12 @@ def numa_node(cpu: int, root: Path = CPU_ROOT) -> int | None:
 
 
 def contention(machine0: dict[str, int], machine1: dict[str, int], threads0: dict[str, dict[int, tuple]],
-               threads1: dict[str, dict[int, tuple]], seconds: float, root: Path = CPU_ROOT) -> str:
+               threads1: dict[str, dict[int, tuple]], seconds: float, root: Path = CPU_ROOT,
+               schedulers: dict[str, int] | None = None) -> str:
     """One line: the machine's busy and stolen share of its CPU time between two readings, and each named
-    process's busiest thread (an engine's scheduler thread): its share of a core, its context switches a second
-    (voluntary / involuntary) and the CPU it ran on last (and its NUMA node); then the next busiest's share (its
-    event loop, which takes the GIL from the scheduler whenever it runs)."""
+    process's scheduler thread (its OS id in `schedulers`; else its busiest thread): its share of a core, its
+    context switches a second (voluntary / involuntary) and the CPU it ran on last (and its NUMA node); then the
+    busiest other thread's share (the event loop, which takes the GIL from the scheduler whenever it runs)."""
     spent = {k: machine1[k] - machine0[k] for k in STAT_FIELDS}
     total = max(sum(spent.values()), 1)
     running = sum(spent[k] for k in ("user", "nice", "system", "irq", "softirq"))
@@ -182,11 +184,14 @@ def contention(machine0: dict[str, int], machine1: dict[str, int], threads0: dic
                   for tid, now in after.items()}
         if not deltas:
             continue
-        ranked = sorted(deltas.values(), reverse=True)
-        cpu, voluntary, involuntary, ran_on = ranked[0]
+        tid = (schedulers or {}).get(name)
+        if tid not in deltas:
+            tid = max(deltas, key=deltas.__getitem__)
+        cpu, voluntary, involuntary, ran_on = deltas.pop(tid)
         node = numa_node(ran_on, root)
-        parts.append(f"{name} busiest thread {cpu / seconds:.0%} of a core on CPU {ran_on}"
+        label = "scheduler thread" if (schedulers or {}).get(name) == tid else "busiest thread"
+        parts.append(f"{name} {label} {cpu / seconds:.0%} of a core on CPU {ran_on}"
                      + (f" (node {node})" if node is not None else "")
                      + f", {voluntary / seconds:.0f} / {involuntary / seconds:.0f} switches/s"
-                     + (f", next {ranked[1][0] / seconds:.0%}" if len(ranked) > 1 else ""))
+                     + (f", next {max(deltas.values())[0] / seconds:.0%}" if deltas else ""))
     return "; ".join(parts)

@@ -151,7 +151,7 @@ def main() -> None:
                     {name: clock_spent(clock0[name], counters(u, SCHEDULER_CLOCK)) for name, u in urls.items()})
             wall = time.perf_counter() - wall0
             contended.append(_cpu_topology.contention(machine0, _cpu_topology.machine_ticks(), threads0,
-                                                      engine_threads(leaders), wall))
+                                                      engine_threads(leaders), wall, schedulers=schedulers))
             seen = frontend_latency(url)
             frontend_seen.append({**{k: (seen[k] - seen0[k]) / max(seen["count"] - seen0["count"], 1) * 1e3
                                      for k in ("ttft", "e2e")},
@@ -203,9 +203,12 @@ def main() -> None:
         urls = {name: state["http"] for name, state in placed.items() if state.get("http")}
         leaders = {name: pids[0] for name, pids in local_pids(run).items() if pids and name not in ("etcd", "nats")}
         topology = _cpu_topology.describe(_cpu_topology.cores())  # before any pinning narrows what we see
+        # each engine's scheduler thread (OS id), as the engine says (absent from an engine without one)
+        schedulers = {name: int(tid) for name, u in urls.items()
+                      if (tid := counters(u, ("scheduler_thread_id",))["scheduler_thread_id"])}
         try:
             chosen = None if args.pin_engines in (None, "last") else [int(c) for c in args.pin_engines.split(",")]
-            pinned = _cpu_topology.pin_engines(leaders, chosen) if args.pin_engines else []
+            pinned = _cpu_topology.pin_engines(leaders, chosen, schedulers) if args.pin_engines else []
         except ValueError as exc:
             raise SystemExit(f"--pin-engines: {exc}") from None
         with ClockLog() as clocks:

@@ -97,6 +97,10 @@ def test_contention_names_stolen_time_and_the_busiest_threads_switches(tmp_path)
     # 1,000 ticks spent: 300 + 50 user / system, 550 idle, 100 stolen; the busiest thread is 9, not 7
     assert line == ("machine busy 35%, stolen 10.0%; decode-0 busiest thread 75% of a core on CPU 5 (node 1), "
                     "1000 / 75 switches/s, next 12%")
+    # the engine named its scheduler thread: that one, however busy the others
+    named = _cpu_topology.contention(machine0, _cpu_topology.machine_ticks(tmp_path), before, after, 4.0, sysfs,
+                                     schedulers={"decode-0": 7})
+    assert named.endswith("decode-0 scheduler thread 12% of a core on CPU 0, 12 / 0 switches/s, next 75%")
 
 
 def test_an_engines_scheduler_thread_is_its_busiest_but_the_main_one(tmp_path):

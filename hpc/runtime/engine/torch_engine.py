@@ -409,6 +409,8 @@ class TorchEngine(ContextSteps, DecodeSteps):
     def _loop(self) -> None:
         """The scheduler; if it ever dies, the engine says so (health, every request) instead of hanging."""
         running: list[Seq] = []
+        # which thread of the process steps the engine (its OS id): where benchmarks look for the scheduler's CPU
+        self._counters["scheduler_thread_id"] = threading.get_native_id()
         try:
             with self.on_device():
                 if self.device.type == "cuda":
