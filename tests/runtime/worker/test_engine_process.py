@@ -147,9 +147,11 @@ def test_the_decode_worker_serves_from_an_engine_process_of_its_own(apart, tiny)
     assert engine_pid == decode["engine_pid"] and engine_pid != decode["pid"]
     assert "hpc.runtime.worker.engine_core" in _cmdline(engine_pid) and " --role decode " in _cmdline(engine_pid)
     # start-up's objects (the model, torch's modules) out of the engine process's collector's view, as the
-    # worker's and the frontend's; its collections are counted: one full, the one before the freeze
+    # worker's and the frontend's; its collections are counted: start-up's full ones (the one before the freeze;
+    # on a GPU, also those before each graph capture), none while it serves
     assert _metric(apart, "decode-0", "hpc_worker_engine_gc_frozen_objects") > 10_000
-    assert _metric(apart, "decode-0", "hpc_worker_engine_gc_full_collections_total") == 1
+    full_collections = _metric(apart, "decode-0", "hpc_worker_engine_gc_full_collections_total")
+    assert full_collections >= 1
     prefill = _state(apart, "prefill-0")  # the prefill worker's engine too: it holds the KV it hands over
     assert prefill["engine_pid"] not in (prefill["pid"], engine_pid)
     assert "hpc.runtime.worker.engine_core" in _cmdline(prefill["engine_pid"])
@@ -157,6 +159,7 @@ def test_the_decode_worker_serves_from_an_engine_process_of_its_own(apart, tiny)
     served = _metric(apart, "decode-0", "hpc_worker_requests_streamed_direct")
     status, body = _complete(apart)
     assert status == 200 and body["usage"]["completion_tokens"] == 12
+    assert _metric(apart, "decode-0", "hpc_worker_engine_gc_full_collections_total") == full_collections
     # the engine process decoded it (its counters reach the worker's /metrics) and took the KV itself
     assert _metric(apart, "decode-0", "hpc_worker_decode_steps") >= steps + 11
     assert _metric(apart, "decode-0", "hpc_worker_requests_streamed_direct") == served + 1
