@@ -100,6 +100,9 @@ def main() -> None:
     parser.add_argument("--requests-per-user", type=int, default=REQUESTS_PER_USER,
                         help="requests per level, per unit of concurrency, at least (hpc bench's floor: "
                              f"{REQUESTS_PER_USER}); more makes each level longer and its figure less noisy")
+    parser.add_argument("--min-requests", type=int, default=0,
+                        help="requests per level at least, whatever the concurrency: with 32 a user the c=1 level "
+                             "is 32 requests, a third of a second on a GPU, and its figure moves by a quarter")
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--profile", metavar="DIR", help="after the sweeps, profile each component with py-spy "
                         "through a longer run at the highest concurrency (which functions hold each one's GIL)")
@@ -120,7 +123,7 @@ def main() -> None:
 
     # requests per level as `hpc bench` sends them by default: the recipe's number, at least 4 per user
     levels = [Level(c, args.input_tokens, args.output_tokens,
-                    max(recipe.benchmark.requests_per_level, args.requests_per_user * c))
+                    max(recipe.benchmark.requests_per_level, args.requests_per_user * c, args.min_requests))
               for c in (int(x) for x in args.concurrency.split(","))]
     batch = max(lv.concurrency for lv in levels)
     roles = [name for name in ("agg", "prefill", "decode") if getattr(recipe.roles, name) is not None]
