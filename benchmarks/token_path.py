@@ -1,6 +1,6 @@
 """CPU time per token of a worker's output path, without a model or a GPU (runs anywhere).
 
-    python benchmarks/token_path.py [--rows 64] [--steps 2000] [--rounds 3]
+    python benchmarks/token_path.py [--rows 64] [--steps 2000] [--rounds 3] [--link]
 
 The real code from a decode step's tokens to the bytes on the worker's connection: `TorchEngine._emit_token` for
 each row of a step inside the Emitter's batch (the scheduler thread's part), then on the event loop the Emitter's
@@ -37,6 +37,22 @@ def drain(sock: socket.socket, received: list[int]) -> None:
         received.append(len(chunk))
 
 
+def admitted(engine: TorchEngine, rows: int) -> list:
+    """The submitted requests out of the engine's inbox, each in a slot as the scheduler would place it."""
+    seqs = [engine._inbox.get_nowait() for _ in range(rows)]
+    for slot, seq in enumerate(seqs):
+        seq.slot, seq.length = slot, len(seq.request.token_ids)
+    return seqs
+
+
+def emit_step(engine: TorchEngine, seqs: list, step: int) -> None:
+    """One decode step's tokens sent, as the scheduler sends them: every row inside the emitter's batch."""
+    token = 100 + step % 4000
+    with engine.emitter:
+        for seq in seqs:
+            engine._emit_token(seq, token)
+
+
 async def one_round(rows: int, steps: int) -> tuple[float, float, float]:
     """(scheduler-thread µs per token, event-loop µs per token, bytes on the connection per token)."""
     engine = TorchEngine(Path("."), DisaggregationMode.AGGREGATED,
@@ -67,9 +83,7 @@ async def one_round(rows: int, steps: int) -> tuple[float, float, float]:
         if failed is not None:
             failed.result()  # raises what ended it before it reached the engine
         await asyncio.sleep(0)
-    seqs = [engine._inbox.get_nowait() for _ in range(rows)]
-    for slot, seq in enumerate(seqs):
-        seq.slot, seq.length = slot, len(seq.request.token_ids)
+    seqs = admitted(engine, rows)
     delivered = asyncio.Event()
     loop = asyncio.get_running_loop()
     engine_cpu = []
@@ -77,10 +91,7 @@ async def one_round(rows: int, steps: int) -> tuple[float, float, float]:
     def scheduler() -> None:
         began = time.thread_time()
         for step in range(steps):
-            token = 100 + step % 4000
-            with engine.emitter:
-                for seq in seqs:
-                    engine._emit_token(seq, token)
+            emit_step(engine, seqs, step)
             # one step at a time, as a decode step's tokens are read only after the step ran
             engine_cpu.append(time.thread_time() - began)
             done = threading.Event()
@@ -108,20 +119,63 @@ async def one_round(rows: int, steps: int) -> tuple[float, float, float]:
     return sum(engine_cpu) / tokens * 1e6, loop_cpu / tokens * 1e6, sum(received) / tokens
 
 
+async def one_link_round(rows: int, steps: int) -> tuple[float, float, float]:
+    """An engine in a process of its own (engine_core.py): its scheduler thread's `_emit_token` for each row into
+    the LinkEmitter, the step's one Outputs message encoded and written to the worker's socket by that thread.
+    Nothing of it runs on an event loop (the worker's side runs in the worker's process, with its own GIL)."""
+    from hpc.runtime.worker.engine_core import Keyed, LinkEmitter
+    from hpc.runtime.worker.engine_link import BlockingSender
+
+    engine = TorchEngine(Path("."), DisaggregationMode.DECODE,
+                         {"max_seq_len": steps + 128, "max_batch_size": rows}, device="cpu")
+    engine.cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, eos_token_id=2)
+    ours, theirs = socket.socketpair()
+    received: list[int] = []
+    drainer = threading.Thread(target=drain, args=(theirs, received), daemon=True)
+    drainer.start()
+    engine.emitter = LinkEmitter(BlockingSender(ours).send, lambda key: None)
+    for key in range(rows):
+        await engine.submit(GenerateRequest(request_id=f"r{key}", token_ids=list(range(10, 74)),
+                                            sampling=SamplingParams(max_tokens=steps + 8, ignore_eos=True)),
+                            Keyed(key))
+    seqs = admitted(engine, rows)
+
+    def scheduler() -> float:
+        began = time.thread_time()
+        for step in range(steps):
+            emit_step(engine, seqs, step)
+        return time.thread_time() - began
+
+    cpu = await asyncio.to_thread(scheduler)
+    ours.close()
+    drainer.join(timeout=10)
+    theirs.close()
+    tokens = rows * steps
+    if sum(received) < tokens:
+        raise SystemExit(f"only {sum(received)} bytes reached the socket for {tokens} tokens: the path did not run")
+    return cpu / tokens * 1e6, 0.0, sum(received) / tokens
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--link", action="store_true",
+                        help="the engine in a process of its own (the default on a GPU): its scheduler thread's "
+                             "part, up to the bytes on the link to its worker")
     args = parser.parse_args()
-    results = [asyncio.run(one_round(args.rows, args.steps)) for _ in range(args.rounds)]
+    one = one_link_round if args.link else one_round
+    results = [asyncio.run(one(args.rows, args.steps)) for _ in range(args.rounds)]
     engine = [r[0] for r in results]
     loop = [r[1] for r in results]
     # a shared machine only ever slows a round down: the best round is the estimate
     print(f"output path, {args.rows} rows x {args.steps} steps, best of {args.rounds} rounds (CPU µs per token):")
     print(f"  scheduler thread (emit)          {min(engine):6.2f}   rounds " + " / ".join(f"{v:.2f}" for v in engine))
-    print(f"  event loop (deliver, frames)     {min(loop):6.2f}   rounds " + " / ".join(f"{v:.2f}" for v in loop))
-    print(f"  both (one GIL)                   {min(e + lp for e, lp in zip(engine, loop)):6.2f}")
+    if not args.link:
+        print(f"  event loop (deliver, frames)     {min(loop):6.2f}   rounds " + " / ".join(f"{v:.2f}" for v in loop))
+        print(f"  both (one GIL)                   {min(e + lp for e, lp in zip(engine, loop)):6.2f}")
     print(f"  bytes on the connection per token: {results[0][2]:.1f}")
 
 

@@ -47,6 +47,7 @@ from hpc.runtime.engine.sampling import pick_in_graph, prepare_pinned_copies, pr
 
 log = logging.getLogger(__name__)
 HANDOFF_TTL_S = 120.0
+INTAKE_WAIT_S = 0.05  # an idle scheduler's wait for its own requests (intake): also how soon it sees close()
 
 
 # the LLM API's `dtype` (TensorRT-LLM llmapi/llm_args.py): "auto" is bf16 on a GPU, fp32 on the CPU
@@ -123,6 +124,10 @@ class TorchEngine(ContextSteps, DecodeSteps):
                           "inbox_seconds_total": 0.0}
         self.on_kv_event: Callable[[dict[str, Any]], None] | None = None  # per-block stored/removed records
         self.kv_events_any_thread = False  # on_kv_event may be called from the scheduler thread itself
+        # an engine process's (engine_core): called by the scheduler at every turn with how long it may wait for a
+        # request; it reads the process's requests and submits them (submit_now) on the scheduler's own thread
+        self.intake: Callable[[float], None] | None = None
+        self._wake_intake: Callable[[], None] | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self.prefix: PrefixCache | None = None
         self.graphs: DecodeGraphs | None = None
@@ -143,6 +148,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
     async def __aexit__(self, *exc: Any) -> None:
         self._running = False
         self._inbox.put(None)
+        self._woken()
         if self._thread:
             await asyncio.to_thread(self._thread.join, 10)
 
@@ -335,13 +341,41 @@ class TorchEngine(ContextSteps, DecodeSteps):
         `self.emitter` (generate and stream; an engine process's link sends them to its worker instead)."""
         loop = asyncio.get_running_loop()
         seq = Seq(request=request, emit=lambda out: self.emitter.send(loop, outputs, out))
-        if self.failure:
-            raise RuntimeError(f"engine failed: {self.failure}")
-        self._validate(request)
-        if request.disaggregated_params is not None and self.mode is DisaggregationMode.DECODE:
+        self._check(request)
+        if self.imports_kv(request):
             if self.fetch_kv is None:
                 raise RuntimeError("decode engine has no KV fetcher")
             seq.imported_kv = await self.fetch_kv(request.disaggregated_params)
+        return self._enqueue(seq)
+
+    def submit_now(self, request: GenerateRequest, outputs, imported_kv: Any = None) -> Seq:
+        """submit() with nothing to await, from any thread: a decode's KV already in hand (`imported_kv`). An
+        engine process's scheduler thread reads its own requests and submits them this way (engine_core)."""
+        seq = Seq(request=request, emit=lambda out: self.emitter.send(None, outputs, out))
+        self._check(request)
+        seq.imported_kv = imported_kv
+        return self._enqueue(seq)
+
+    def set_intake(self, intake: Callable[[float], None], wake: Callable[[], None]) -> None:
+        """`wake` ends the intake's wait: what another thread puts in the inbox is not left waiting for it."""
+        self.intake, self._wake_intake = intake, wake
+        self._inbox.put(None)  # a scheduler waiting on the inbox wakes, and waits on the intake from then on
+
+    def _woken(self) -> None:
+        if self._wake_intake is not None and threading.current_thread() is not self._thread:
+            self._wake_intake()
+
+    def imports_kv(self, request: GenerateRequest) -> bool:
+        """A decode engine's request whose KV a prefill worker holds."""
+        return request.disaggregated_params is not None and self.mode is DisaggregationMode.DECODE
+
+    def _check(self, request: GenerateRequest) -> None:
+        if self.failure:
+            raise RuntimeError(f"engine failed: {self.failure}")
+        self._validate(request)
+
+    def _enqueue(self, seq: Seq) -> Seq:
+        request = seq.request
         if request.media is not None:
             seq.media = torch.frombuffer(bytearray(request.media.data),
                                          dtype=torch.float32).reshape(request.media.shape)
@@ -349,6 +383,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
         seq.queued = time.perf_counter()
         self._counters["submit_seconds_total"] += seq.queued - seq.started  # checks, the KV fetched
         self._inbox.put(seq)
+        self._woken()
         return seq
 
     def _validate(self, request: GenerateRequest) -> None:
@@ -438,7 +473,12 @@ class TorchEngine(ContextSteps, DecodeSteps):
             t0 = time.perf_counter()
             try:
                 block = not running and not self._deferred and not self._prefilling
-                item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+                intake = self.intake
+                if intake is not None:  # no event loop's wake-up, and no GIL hand-off, between a request and us
+                    intake(INTAKE_WAIT_S if block else 0.0)
+                    item = self._inbox.get_nowait()
+                else:
+                    item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
             except queue.Empty:
                 item = None
                 self.handoffs.expire()

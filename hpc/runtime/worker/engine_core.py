@@ -29,7 +29,7 @@ from hpc.manifest import Manifest
 from hpc.runtime.engine.types import DisaggregationMode, GenerateOutput
 from hpc.runtime.serve.rpc import RemoteError
 from hpc.runtime.worker.engine_link import (
-    AskKv, AskStats, BlockingSender, Drop, Failed, KvAnswer, KvEvent, Outputs, Ready, Refused, ReleaseHeld,
+    AskKv, AskStats, BlockingSender, Drop, Failed, KvAnswer, KvEvent, Outputs, Poller, Ready, Refused, ReleaseHeld,
     ReleaseKvs, Stats, Stop, Submit, ToEngine, receive,
 )
 
@@ -128,19 +128,75 @@ class Core:
             self.timing["link_seconds_total"] += received - message.sent
         self._start(self._submit(message, received))
 
-    def _dropped(self, message: Drop) -> None:
+    def _dropped(self, message: Drop) -> bool:
         seq = self.seqs.pop(message.key, None)
         if seq is not None:
             seq.cancelled = True  # the scheduler frees its slot at the next step
+        return True
+
+    # ---- on the scheduler thread: the requests it reads itself -------------------------------------------------
+    def start_intake(self, poller: Poller, loop: asyncio.AbstractEventLoop) -> None:
+        """From now on the engine's scheduler thread reads the worker's messages between its steps (engine.intake):
+        a request reaches it without waking this process's event loop, which took the GIL from the scheduler at
+        every wake-up."""
+        self.poller, self.loop = poller, loop
+        self.now: dict[type, Callable[[Any], bool]] = {Submit: self._submit_now, Drop: self._dropped}
+        if self.handoff.nixl is None:  # a NIXL agent's withdrawal stays on the loop's thread
+            self.now[ReleaseHeld] = lambda message: self.handoff.release(message.handle) or True
+        self.engine.set_intake(self.intake, poller.wake)
+
+    def intake(self, wait: float) -> None:
+        """A Submit that needs nothing awaited (its KV shared with the prefill's answer, or none), a Drop and a
+        ReleaseHeld are handled here; the rest (a KV to ask for, a prefill's KV asked of it, stats, Stop) on the
+        event loop, as before."""
+        closed = self.poller.closed
+        for message in self.poller.poll(wait):
+            handle = self.now.get(type(message))
+            if handle is None or not handle(message):
+                self._to_loop(self.on_message, message)
+        if self.poller.closed and not closed:
+            self._to_loop(self.stopped.set)  # the worker gone: stop
+
+    def _to_loop(self, callback: Callable[..., None], *args: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: this process is stopping
+            self.loop.call_soon_threadsafe(callback, *args)
+
+    def _submit_now(self, message: Submit) -> bool:
+        kv = None
+        if self.engine.imports_kv(message.request):
+            kv = self.handoff.fetch_now(message.request.disaggregated_params, self.loop)
+            if kv is None:
+                return False  # to be asked of the prefill worker: on the loop
+        received = time.perf_counter()
+        self.seqs[message.key] = None
+        if message.sent:
+            self.timing["link_seconds_total"] += received - message.sent
+        try:
+            seq = self.engine.submit_now(message.request, Keyed(message.key), kv)
+        except Exception as exc:  # noqa: BLE001 - as _submit: the worker answers it
+            if kv is not None:
+                kv.drop()  # never copied: the prefill may free it
+            self._refuse(message.key, exc)
+            return True
+        if message.key in self.seqs:
+            self.seqs[message.key] = seq
+        else:  # dropped meanwhile
+            seq.cancelled = True
+        return True
+
+    def _refuse(self, key: int, exc: Exception) -> None:
+        """A request that never reached the scheduler, with the code the RPC server gives it: a ValueError is the
+        request's fault."""
+        self.seqs.pop(key, None)
+        code = 400 if isinstance(exc, ValueError) else exc.code if isinstance(exc, RemoteError) else 500
+        self.sender.send(Refused(key=key, message=str(exc), code=code))
 
     async def _submit(self, message: Submit, received: float) -> None:
         self.timing["task_start_seconds_total"] += time.perf_counter() - received
         try:
             seq = await self.engine.submit(message.request, Keyed(message.key))
         except Exception as exc:  # noqa: BLE001 - whatever stops a request is the worker's to answer
-            self.seqs.pop(message.key, None)  # with the code the RPC server gives it: a ValueError is the request's
-            code = 400 if isinstance(exc, ValueError) else exc.code if isinstance(exc, RemoteError) else 500
-            self.sender.send(Refused(key=message.key, message=str(exc), code=code))
+            self._refuse(message.key, exc)
             return
         if message.key in self.seqs:
             self.seqs[message.key] = seq
@@ -204,8 +260,13 @@ async def run(manifest: Manifest, role: str, index: int, device: str, requests_f
     loop.add_signal_handler(signal.SIGTERM, core.stopped.set)
     try:
         async with engine:
-            requests = await receive(socket.socket(fileno=requests_fd), ToEngine, core.on_message,
-                                     core.stopped.set)  # the worker gone: stop
+            requests_sock = socket.socket(fileno=requests_fd)
+            if hasattr(engine, "set_intake"):
+                core.start_intake(Poller(requests_sock, ToEngine), loop)
+                requests = None
+            else:
+                requests = await receive(requests_sock, ToEngine, core.on_message,
+                                         core.stopped.set)  # the worker gone: stop
             # the model, torch's modules and the engine out of the collector's view: a full collection walked
             # them all while the scheduler thread waited for the GIL (the worker and frontends did this already)
             freeze_startup_objects()
@@ -213,7 +274,8 @@ async def run(manifest: Manifest, role: str, index: int, device: str, requests_f
             flushing = asyncio.create_task(flush_releases(handoff, core.stopped))
             await core.report()
             await core.stopped.wait()
-            requests.close()
+            if requests is not None:
+                requests.close()
             await flushing
             await handoff.settle()
     finally:

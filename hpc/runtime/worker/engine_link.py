@@ -9,6 +9,8 @@ and a msgpack body, typed by msgspec as the RPC's frames are (wire.py), so neith
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import select
 import socket
 import struct
 import threading
@@ -122,20 +124,14 @@ def encode(message: _Link) -> bytes:
     return LENGTH.pack(len(body)) + body
 
 
-class Receiver(asyncio.Protocol):
-    """Reads length-prefixed messages on an event loop and hands each, decoded, to `on_message`; `on_closed` when
-    the other end is gone (its process exited or closed the link)."""
+class Frames:
+    """Length-prefixed messages out of a byte stream, however its bytes arrive."""
 
-    def __init__(self, kind: Any, on_message: Callable[[Any], None], on_closed: Callable[[], None]) -> None:
+    def __init__(self, kind: Any) -> None:
         self.decoder = msgspec.msgpack.Decoder(kind)
-        self.on_message, self.on_closed = on_message, on_closed
         self.buffer = bytearray()
-        self.transport: asyncio.Transport | None = None
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
+    def feed(self, data: bytes) -> list[Any]:
         self.buffer += data
         messages, pos, view = [], 0, memoryview(self.buffer)
         try:
@@ -148,11 +144,74 @@ class Receiver(asyncio.Protocol):
         finally:
             view.release()  # the buffer cannot shrink while a view of it lives
         del self.buffer[:pos]
-        for message in messages:
+        return messages
+
+
+class Receiver(asyncio.Protocol):
+    """Reads length-prefixed messages on an event loop and hands each, decoded, to `on_message`; `on_closed` when
+    the other end is gone (its process exited or closed the link)."""
+
+    def __init__(self, kind: Any, on_message: Callable[[Any], None], on_closed: Callable[[], None]) -> None:
+        self.frames = Frames(kind)
+        self.on_message, self.on_closed = on_message, on_closed
+        self.transport: asyncio.Transport | None = None
+
+    @property
+    def buffer(self) -> bytearray:
+        return self.frames.buffer
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        for message in self.frames.feed(data):
             self.on_message(message)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.on_closed()
+
+
+class Poller:
+    """Reads length-prefixed messages from a socket without an event loop: an engine process's scheduler thread
+    polls its requests between steps (engine_core.Core.intake)."""
+
+    def __init__(self, sock: socket.socket, kind: Any) -> None:
+        sock.setblocking(False)
+        self.sock, self.frames = sock, Frames(kind)
+        self.closed = False
+        self._woken, self._wake = socket.socketpair()  # wake() ends a wait from another thread
+        self._woken.setblocking(False)
+        self._wake.setblocking(False)
+
+    def wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # full: a wake-up is already on its way
+            self._wake.send(b"\0")
+
+    def poll(self, wait: float) -> list[Any]:
+        """The messages that arrived, waiting up to `wait` seconds for the first or a wake(); `closed` once the
+        other end is gone."""
+        if wait > 0:
+            ready = select.select([self._woken] if self.closed else [self.sock, self._woken], [], [], wait)[0]
+            if self._woken in ready:
+                with contextlib.suppress(BlockingIOError):
+                    while self._woken.recv(4096):
+                        pass
+            if self.sock not in ready:
+                return []
+        if self.closed:
+            return []
+        messages = []
+        while True:
+            try:
+                data = self.sock.recv(1 << 20)
+            except (BlockingIOError, InterruptedError):
+                return messages
+            except OSError:
+                data = b""
+            if not data:
+                self.closed = True
+                return messages
+            messages += self.frames.feed(data)
 
 
 async def receive(sock: socket.socket, kind: Any, on_message: Callable[[Any], None],

@@ -104,7 +104,7 @@ class KvHandoff:
         self.forward_releases: Callable[[list[str], list[str]], None] | None = None
         self._opened = None  # prefill workers' GPU allocations this decode worker has open (CUDA IPC)
         self._settle_lock = threading.Lock()
-        self._settling: list[tuple[Any, str, str, Any]] = []  # settled on the engine's thread, not yet released
+        self._settling: list[tuple[str, str, Any]] = []  # (address, handle, copy event) settled, not released
 
     def _count(self, key: str) -> None:
         self._add(key, 1)
@@ -115,19 +115,17 @@ class KvHandoff:
     # ---- decode: fetch the KV a prefill worker holds ----------------------------------------------------------------
     async def fetch(self, params: Any):
         """The prefill's KV for `params` (DisaggregatedParams), on this worker's device or the host."""
-        from hpc.runtime.engine.kv import PendingCopy, dtype_of, unpack
+        from hpc.runtime.engine.kv import dtype_of, unpack
 
+        taken = self.fetch_now(params, asyncio.get_running_loop())
+        if taken is not None:
+            return taken
         address = params.prefill_address
         prefill = self.peers.client(address)
-        same_node = address.rpartition(":")[0] == self.host
-        via = choose_via(self.setting, self.device.startswith("cuda"), same_node, self.nixl is not None)
+        via = self._via(address)
         known = self.nixl.known_agent(address) if self.nixl is not None else ""
         asked = time.perf_counter()
-        if via == "cuda_ipc" and params.kv is not None and params.kv.ipc is not None:
-            meta, data = params.kv, b""  # shared with the prefill's answer: nothing to ask
-            self._count("kv_taken_from_answer")
-        else:
-            meta, data = await prefill.call(FetchKv(handle=params.request_handle, via=via, nixl_agent=known))
+        meta, data = await prefill.call(FetchKv(handle=params.request_handle, via=via, nixl_agent=known))
         answered = time.perf_counter()
         self._add("kv_ask_seconds_total", answered - asked)  # the round trip, bytes included on that path
         if not isinstance(meta, KvMeta):
@@ -136,19 +134,7 @@ class KvHandoff:
             self._count("kv_fetched_bytes")
             return unpack(meta, data)
         if meta.ipc is not None:
-            # Copied by the engine as it admits the request (kv.PendingCopy), which then calls back from its
-            # thread: the prefill may free the KV once that copy has completed. Tried and dropped before
-            # (two H200, c=64): the copy queued here on the event loop's thread (0.21-0.29 ms each, GIL hand-offs
-            # with the busy scheduler); a turn's arrivals gathered into one call at the loop's next turn (1.05 ms).
-            if self._opened is None:
-                from hpc.runtime.engine.cuda_ipc import OpenAllocations
-
-                self._opened = OpenAllocations()
-            loop, handle = asyncio.get_running_loop(), params.request_handle
-            self._count("kv_fetched_cuda_ipc")
-            return PendingCopy(meta, self.device, self._opened,
-                               lambda copied: self._settled(loop, prefill, address, handle, copied),
-                               self.counters)
+            return self._pending_copy(meta, address, params.request_handle, asyncio.get_running_loop())
         try:
             if self.nixl is None:
                 raise RemoteError("the prefill worker lent its KV over NIXL, which this worker lacks", 502)
@@ -159,14 +145,42 @@ class KvHandoff:
             self._start_release(prefill, params.request_handle, None)  # read (or failed): the prefill may free it
         return kv
 
-    def _settled(self, loop: asyncio.AbstractEventLoop, prefill: Any, address: str, handle: str, copied: Any) -> None:
+    def fetch_now(self, params: Any, loop: asyncio.AbstractEventLoop) -> Any:
+        """fetch() where nothing need be asked, from any thread: a KV shared over CUDA IPC with the prefill's
+        answer, on this node's GPUs (kv.PendingCopy); None where the KV must be fetched. `loop`: where releases
+        go when no forward_releases takes them."""
+        if self._via(params.prefill_address) != "cuda_ipc" or params.kv is None or params.kv.ipc is None:
+            return None
+        self._count("kv_taken_from_answer")
+        return self._pending_copy(params.kv, params.prefill_address, params.request_handle, loop)
+
+    def _via(self, address: str) -> KvVia:
+        same_node = address.rpartition(":")[0] == self.host
+        return choose_via(self.setting, self.device.startswith("cuda"), same_node, self.nixl is not None)
+
+    def _pending_copy(self, meta: KvMeta, address: str, handle: str, loop: asyncio.AbstractEventLoop) -> Any:
+        """Copied by the engine as it admits the request (kv.PendingCopy), which then calls back from its thread:
+        the prefill may free the KV once that copy has completed. Tried and dropped before (two H200, c=64): the
+        copy queued on the event loop's thread (0.21-0.29 ms each, GIL hand-offs with the busy scheduler); a turn's
+        arrivals gathered into one call at the loop's next turn (1.05 ms)."""
+        from hpc.runtime.engine.kv import PendingCopy
+
+        if self._opened is None:
+            from hpc.runtime.engine.cuda_ipc import OpenAllocations
+
+            self._opened = OpenAllocations()
+        self._count("kv_fetched_cuda_ipc")
+        return PendingCopy(meta, self.device, self._opened,
+                           lambda copied: self._settled(loop, address, handle, copied), self.counters)
+
+    def _settled(self, loop: asyncio.AbstractEventLoop, address: str, handle: str, copied: Any) -> None:
         """From the engine's thread: its copy of `handle`'s KV was queued (or never will be). With
         `forward_releases` (an engine process's), those whose copy completed go to its worker from this thread
         (flush_settled), and the event loop is not woken. Otherwise those that settle before the loop gets to them
         share one wake-up of it (an admission's copies settle together, with one event). Each wake-up took the GIL
         from the scheduler thread that settles them."""
         with self._settle_lock:
-            self._settling.append((prefill, address, handle, copied))
+            self._settling.append((address, handle, copied))
             wake = self.forward_releases is None and len(self._settling) == 1  # else one is on its way
         if self.forward_releases is not None:
             self.flush_settled()
@@ -186,11 +200,11 @@ class KvHandoff:
         """Pass the settled KVs whose copy completed to `forward_releases` (any thread: the scheduler's as it
         settles more, the engine process's timer for the last ones)."""
         with self._settle_lock:
-            done = [entry for entry in self._settling if entry[3] is None or entry[3].query()]
+            done = [entry for entry in self._settling if entry[2] is None or entry[2].query()]
             if done:
                 self._settling = [entry for entry in self._settling if not any(entry is d for d in done)]
         if done:
-            self.forward_releases([address for _, address, _, _ in done], [handle for _, _, handle, _ in done])
+            self.forward_releases([address for address, _, _ in done], [handle for _, handle, _ in done])
 
     def _release_settled(self) -> None:
         """On the loop: the KVs settled since its last wake-up released, once the copy of each has completed (one
@@ -198,8 +212,8 @@ class KvHandoff:
         with self._settle_lock:
             settled, self._settling = self._settling, []
         by_copy: dict[int, tuple[Any, list[tuple[Any, str]]]] = {}
-        for prefill, _, handle, copied in settled:
-            by_copy.setdefault(id(copied), (copied, []))[1].append((prefill, handle))
+        for address, handle, copied in settled:  # the clients made here, on the loop they belong to
+            by_copy.setdefault(id(copied), (copied, []))[1].append((self.peers.client(address), handle))
         for copied, released in by_copy.values():
             self.releases.start(self._release_all(released, copied))
 

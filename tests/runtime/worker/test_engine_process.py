@@ -12,6 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -96,6 +97,138 @@ def test_a_decode_engines_completed_copies_are_released_by_its_worker():
 
     asyncio.run(main())
     assert calls == [("10.0.0.1:7000", ReleaseKv(handle="h-1")), ("10.0.0.2:7000", ReleaseKv(handle="h-$(x)`y`"))]
+
+
+class _IntakeEngine:
+    """What Core's intake uses of a TorchEngine: submit_now records the thread it ran on; a bad prompt refused."""
+
+    def __init__(self) -> None:
+        self.submitted: list[tuple[int, object, int]] = []
+        self.intake = None
+
+    def set_intake(self, intake, wake) -> None:
+        self.intake = intake
+
+    @staticmethod
+    def imports_kv(request) -> bool:
+        return request.disaggregated_params is not None
+
+    def submit_now(self, request, outputs, imported_kv=None):
+        import threading
+
+        if not request.token_ids:
+            raise ValueError("empty prompt")
+        self.submitted.append((outputs.key, imported_kv, threading.get_ident()))
+        return type("Seq", (), {"cancelled": False})()
+
+
+class _IntakeHandoff:
+    """A KV shared with the answer (params.kv set) is in hand at once; any other must be asked for."""
+
+    nixl = None
+
+    def __init__(self) -> None:
+        self.released: list[str] = []
+        self.dropped = 0
+
+    def fetch_now(self, params, loop):
+        if params.kv is None:
+            return None
+        handoff = self
+
+        class Pending:
+            def drop(self):
+                handoff.dropped += 1
+        return Pending()
+
+    def release(self, handle: str) -> None:
+        self.released.append(handle)
+
+
+@pytest.mark.unit
+def test_the_scheduler_thread_takes_its_own_requests_and_leaves_the_rest_to_the_loop():
+    """An engine process's intake: on the scheduler's thread, a request whose KV came with the prefill's answer
+    (or that needs none), a Drop and a ReleaseHeld; on the event loop, a request whose KV must be asked for and
+    stats; a refusal answered at once (its KV let go); the worker gone: the process stops."""
+    import socket
+    import threading
+
+    from hpc.runtime.serve.wire import CudaIpc, KvMeta
+    from hpc.runtime.worker.engine_core import Core
+    from hpc.runtime.worker.engine_link import AskStats, Drop, Poller, ReleaseHeld, Stats
+
+    shared = KvMeta(shape=[1], dtype="torch.bfloat16",
+                    ipc=CudaIpc(device=0, handle=b"\1" * 64, allocation_bytes=64, offset_bytes=0, size_bytes=64))
+
+    def params(kv):
+        return DisaggregatedParams(request_handle="h", prefill_address="10.0.0.1:7000", first_token_id=5,
+                                   prompt_length=3, kv=kv)
+
+    worker, ours = socket.socketpair()
+    sent = []
+
+    class Sender:
+        def send(self, message):
+            sent.append(message)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        engine, handoff = _IntakeEngine(), _IntakeHandoff()
+        core = Core.__new__(Core)  # its state without the engine process's start-up
+        core.engine, core.sender, core.handoff, core.seqs = engine, Sender(), handoff, {}
+        core.timing = {"link_seconds_total": 0.0, "task_start_seconds_total": 0.0}
+        core.stopped, core.tasks = asyncio.Event(), set()
+        on_loop = []
+        core.handlers = {Submit: on_loop.append, AskStats: lambda m: core.sender.send(Stats(values={"x": 1.0}))}
+        core.start_intake(Poller(ours, ToEngine), loop)
+        assert engine.intake == core.intake
+        request = GenerateRequest(request_id="r", token_ids=[1, 2, 3])
+        for message in (Submit(key=1, request=msgspec.structs.replace(request, disaggregated_params=params(shared))),
+                        Submit(key=2, request=request),  # an aggregated / prefill request: no KV
+                        Submit(key=3, request=msgspec.structs.replace(request, disaggregated_params=params(None))),
+                        Submit(key=4, request=msgspec.structs.replace(request, token_ids=[],
+                                                                      disaggregated_params=params(shared))),
+                        Drop(key=2), ReleaseHeld(handle="held-1"), AskStats()):
+            worker.sendall(encode(message))
+        scheduler = threading.Thread(target=engine.intake, args=(1.0,))
+        scheduler.start()
+        scheduler.join()
+        await asyncio.sleep(0.01)  # what went to the loop
+        worker.close()
+        await asyncio.to_thread(engine.intake, 1.0)
+        await asyncio.wait_for(core.stopped.wait(), 5)
+        return engine, handoff, on_loop, scheduler.ident, core.seqs
+
+    engine, handoff, on_loop, scheduler, seqs = asyncio.run(main())
+    assert [(key, kv is not None, thread == scheduler) for key, kv, thread in engine.submitted] == [
+        (1, True, True), (2, False, True)]
+    assert [m.key for m in on_loop] == [3]  # its KV to be asked for
+    assert [(type(m).__name__, getattr(m, "key", None)) for m in sent] == [("Refused", 4), ("Stats", None)]
+    assert sent[0].code == 400 and handoff.dropped == 1  # the refused request's KV let go
+    assert handoff.released == ["held-1"] and list(seqs) == [1]  # 2 dropped, 4 refused
+
+
+@pytest.mark.unit
+def test_an_idle_intake_wait_ends_at_a_message_or_a_wake_up():
+    """The scheduler waits on its requests' socket when idle: a request put in its inbox by another thread (one
+    whose KV the loop fetched) wakes it at once, not at the wait's end; so does a message."""
+    import socket
+    import threading
+
+    from hpc.runtime.worker.engine_link import Poller
+
+    worker, ours = socket.socketpair()
+    poller = Poller(ours, ToEngine)
+    threading.Timer(0.05, poller.wake).start()
+    began = time.monotonic()
+    assert poller.poll(5.0) == [] and time.monotonic() - began < 2
+    threading.Timer(0.05, lambda: worker.sendall(encode(Submit(key=7, request=GenerateRequest(
+        request_id="r", token_ids=[1]))))).start()
+    began = time.monotonic()
+    assert [m.key for m in poller.poll(5.0)] == [7] and time.monotonic() - began < 2
+    assert poller.poll(0.0) == [] and not poller.closed
+    worker.close()
+    assert poller.poll(5.0) == [] and poller.closed
 
 
 @pytest.mark.unit

@@ -222,6 +222,16 @@ class _PrefillPeer:
         return None, b""
 
 
+class _Peers:
+    """Prefill workers' RPC clients by address, as Peers.client gives them."""
+
+    def __init__(self, by_address: dict[str, "_PrefillPeer"]) -> None:
+        self.by_address = by_address
+
+    def client(self, address: str) -> "_PrefillPeer":
+        return self.by_address[address]
+
+
 class _CopyEvent:
     """A CUDA event's query(): the queued copy completes after `pending` more polls."""
 
@@ -278,7 +288,8 @@ def test_the_kvs_an_admission_settles_together_cost_the_event_loop_one_wake_up(m
 
     copy = _CopyEvent(pending=2)
     prefill, other = _PrefillPeer(copy), _PrefillPeer(copy)  # another prefill worker's KVs: never copied
-    handoff = KvHandoff(setting="auto", device="cuda:1", host="10.0.0.1", engine=None, peers=prefill, counters={})
+    peers = _Peers({"10.0.0.1:7000": prefill, "10.0.0.2:7000": other})
+    handoff = KvHandoff(setting="auto", device="cuda:1", host="10.0.0.1", engine=None, peers=peers, counters={})
     polls = []
     monkeypatch.setattr(copy, "query", lambda query=copy.query: polls.append(1) or query())
 
@@ -293,10 +304,10 @@ def test_the_kvs_an_admission_settles_together_cost_the_event_loop_one_wake_up(m
         # the scheduler thread's admission, all settled before the loop runs again (called here, where the loop
         # cannot run in between: on another thread it may, and then wakes up twice)
         for handle in ("h-1", "h-2", "h-3"):
-            handoff._settled(CountingLoop(), prefill, "10.0.0.1:7000", handle, copy)
-        handoff._settled(CountingLoop(), other, "10.0.0.2:7000", "h-4", None)  # dropped: never copied
+            handoff._settled(CountingLoop(), "10.0.0.1:7000", handle, copy)
+        handoff._settled(CountingLoop(), "10.0.0.2:7000", "h-4", None)  # dropped: never copied
         await asyncio.sleep(0.02)
-        await asyncio.to_thread(handoff._settled, CountingLoop(), other, "10.0.0.2:7000", "h-5", None)  # later
+        await asyncio.to_thread(handoff._settled, CountingLoop(), "10.0.0.2:7000", "h-5", None)  # a later one
         await handoff.settle()
         return wakeups
 
@@ -331,9 +342,9 @@ def test_an_engine_process_passes_completed_copies_to_its_worker_without_waking_
             raise AssertionError("the event loop was woken")
 
     def scheduler():
-        handoff._settled(NoLoop(), prefill, "10.0.0.1:7000", "h-1", first)  # copy queued: not complete yet
-        handoff._settled(NoLoop(), prefill, "10.0.0.2:7000", "h-2", None)  # dropped: nothing to wait for
-        handoff._settled(NoLoop(), prefill, "10.0.0.1:7000", "h-3", second)  # the next admission's
+        handoff._settled(NoLoop(), "10.0.0.1:7000", "h-1", first)  # copy queued: not complete yet
+        handoff._settled(NoLoop(), "10.0.0.2:7000", "h-2", None)  # dropped: nothing to wait for
+        handoff._settled(NoLoop(), "10.0.0.1:7000", "h-3", second)  # the next admission's
 
     worker = threading.Thread(target=scheduler)
     worker.start()
