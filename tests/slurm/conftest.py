@@ -53,7 +53,8 @@ def dev_cluster_file(tmp_path: Path, **changes) -> str:
 
 def frontend_port() -> str:
     """A frontend port for one test's job: never the recipes' 8000, which a job left over from an earlier
-    (failed) run may still hold on node1; outside every profile's job port range."""
+    (failed) run may still hold on node1; outside every profile's job port range; below the kernel's ephemeral
+    ports (32768-60999), where a connection's own end (to etcd, NATS, a worker) may hold it already."""
     import random
 
-    return f"frontend.port={random.randint(30000, 39999)}"
+    return f"frontend.port={random.randint(22000, 32000)}"
