@@ -53,7 +53,8 @@ def test_each_engine_value_is_typed_a_counter_unless_it_is_a_level(tiny) -> None
     # but for these levels; a new value must be put on one side (metrics.COUNTERS or here).
     from hpc.runtime.serve.metrics import metric_kind
 
-    levels = {"running", "waiting", "kv_usage", "handoffs_waiting", "prefix_blocks_held"}
+    levels = {"running", "waiting", "kv_usage", "handoffs_waiting", "prefix_blocks_held",
+              "scheduler_thread_id"}  # an identity, not a count
 
     async def main():
         async with TorchEngine(tiny, DisaggregationMode.AGGREGATED, {"max_seq_len": 128}) as engine:
