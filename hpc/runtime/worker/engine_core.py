@@ -3,10 +3,11 @@
 The worker (engine_process.EngineProcess) starts it with the manifest, its role and index, the device and the
 two ends of its link (engine_link.py). Here: the engine in `async with`, its side of the KV handoff (a decode
 engine's fetches, the CUDA IPC copy queued where the engine's stream can wait for it; a prefill engine's KV shared
-with its answers, lent and released), and the link. The scheduler thread sends
-each decode step's outputs itself, one message for all of its rows; this process's event loop only admits
-requests. Its GIL is the engine's alone: the worker's RPC and output path run in the worker's process (vLLM V1
-splits its EngineCore from the API server for the same reason).
+with its answers, lent and released), and the link. The scheduler thread reads its requests between steps and
+sends each decode step's outputs itself (one message for all of its rows), its KV events and a decode's completed
+KV copies; this process's event loop is left what must be awaited (a KV asked of a prefill worker, a prefill's KV
+asked of it) and the stats. Its GIL is the engine's alone: the worker's RPC and output path run in the worker's
+process (vLLM V1 splits its EngineCore from the API server for the same reason), and the loop seldom wakes.
 """
 
 from __future__ import annotations
