@@ -5,7 +5,7 @@ from __future__ import annotations
 
 # seconds idle, admitting (prefills included) and decoding; steps; tokens the engine generated
 SCHEDULER_CLOCK = ("decode_seconds_total", "admit_seconds_total", "idle_seconds_total", "decode_steps",
-                   "generated_tokens", "prefill_steps", "first_tokens")
+                   "generated_tokens", "prefill_steps", "first_tokens", "idle_running_seconds_total")
 
 
 def spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -25,8 +25,10 @@ def per_prefill_step(clock: dict[str, float]) -> str:
 
 
 def per_decode_step(clock: dict[str, float]) -> str:
-    """'decode / admit / idle' ms per decode step, and tokens a step (a step's rows, plus the first tokens that
-    prefills picked meanwhile)."""
+    """'decode / admit / idle (of which with rows running)' ms per decode step, and tokens a step (a step's rows,
+    plus the first tokens that prefills picked meanwhile). Idle with no rows is a level's ramp and tail, or the
+    closed loop's gaps; with rows, the scheduler's look at its inbox."""
     steps = max(clock["decode_steps"], 1)
     return (f"{clock['decode_seconds_total'] / steps * 1e3:.3f} / {clock['admit_seconds_total'] / steps * 1e3:.3f} / "
-            f"{clock['idle_seconds_total'] / steps * 1e3:.3f}, {clock['generated_tokens'] / steps:.1f} tokens")
+            f"{clock['idle_seconds_total'] / steps * 1e3:.3f} ({clock['idle_running_seconds_total'] / steps * 1e3:.3f}"
+            f" running), {clock['generated_tokens'] / steps:.1f} tokens")

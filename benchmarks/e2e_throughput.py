@@ -214,7 +214,8 @@ def main() -> None:
             print(f"{lv.concurrency:>4} {lv.requests:>9} {first:>12.1f} {second:>13.1f} {first / second:>13.0%}"
                   f"{''.join(f' {x:.1f}' for x in later)}")
         print(clocks.report(spans))
-        print("the scheduler per decode step, ms (decode / admit / idle), and tokens a step, in each sweep:")
+        print("the scheduler per decode step, ms (decode / admit / idle, and of idle its polls with rows running), "
+              "and tokens a step, in each sweep:")
         for lv in levels:
             print(f"  c={lv.concurrency}: " + "; ".join(per_step(s) for s in spent[lv.concurrency]))
         return

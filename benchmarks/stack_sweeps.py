@@ -267,7 +267,8 @@ def main() -> None:
 
     print("inside each engine per request, first / second sweep: " + "; ".join(
         f"{name} {per_request(spent[0][name])} / {per_request(spent[1][name])}" for name in urls))
-    print("each engine's scheduler per step, first; second sweep: a decode step's ms (decode / admit / idle) and "
+    print("each engine's scheduler per step, first; second sweep: a decode step's ms (decode / admit / idle, and "
+          "of idle its polls with rows running) and "
           "tokens, or a prefill worker's per prefill step (admit / idle) and prompts")
     for name in urls:
         print(f"  {name}: " + " | ".join(f"c={lv.concurrency} " + "; ".join(per_step(sweep[name])

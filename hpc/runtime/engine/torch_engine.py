@@ -119,6 +119,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
         self._counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "running": 0, "waiting": 0,
                           "prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "prefill_steps": 0,
                           "decode_steps": 0, "idle_seconds_total": 0.0, "admit_seconds_total": 0.0,
+                          "idle_running_seconds_total": 0.0,  # of idle: the polls while rows were running
                           "decode_seconds_total": 0.0, "queue_seconds_total": 0.0, "first_tokens": 0,
                           "first_token_seconds_total": 0.0, "submit_seconds_total": 0.0,
                           "inbox_seconds_total": 0.0}
@@ -484,6 +485,8 @@ class TorchEngine(ContextSteps, DecodeSteps):
                 self.handoffs.expire()
             t1 = time.perf_counter()
             clock["idle_seconds_total"] += t1 - t0
+            if not block:  # no wait for work: what a busy scheduler's look at its inbox cost
+                clock["idle_running_seconds_total"] += t1 - t0
             arrivals, self._deferred = self._deferred, []
             if item is not None:
                 arrivals.append(item)
