@@ -26,12 +26,12 @@ from typing import Any, AsyncIterator, Callable
 
 from hpc.runtime.engine.types import DisaggregationMode, GenerateOutput, GenerateRequest, KvMeta
 from hpc.runtime.serve.rpc import RemoteError
-from hpc.runtime.serve.wire import FetchKv, ReleaseKv
+from hpc.runtime.serve.wire import FetchKv
 from hpc.runtime.worker.engine_link import (
     AskKv, AskStats, Drop, Failed, FromEngine, KvAnswer, KvEvent, Outputs, Ready, Refused, ReleaseHeld, ReleaseKvs,
     Stats, Stop, Submit, encode, receive,
 )
-from hpc.runtime.worker.kv_handoff import Releases
+from hpc.runtime.worker.kv_handoff import Releases, release_all
 from hpc.spec.recipe import Backend
 
 log = logging.getLogger("hpc.worker")
@@ -287,8 +287,8 @@ class EngineHandoff:
     def release_copied(self, message: ReleaseKvs) -> None:
         """A decode engine's copies of these KVs completed: each prefill worker may free its own (ReleaseKv, in
         the background)."""
-        for address, handle in zip(message.addresses, message.handles):
-            self.releases.start(self.peers.client(address).call(ReleaseKv(handle=handle)))
+        self.releases.start(release_all([(self.peers.client(address), handle)
+                                         for address, handle in zip(message.addresses, message.handles)]))
 
     def attach_shared(self, out: Any) -> Any:
         return out  # the engine process attached it already, where it could

@@ -70,6 +70,13 @@ async def completed(event: Any) -> None:
         await asyncio.sleep(EVENT_POLL_S)
 
 
+async def release_all(released: list[tuple[Any, str]], copied: Any = None) -> None:
+    """ReleaseKv to each (prefill worker's client, handle) once `copied` (a CUDA event, or None: done) has
+    completed: until then the copy reads the prefills' memory."""
+    await completed(copied)
+    await asyncio.gather(*(prefill.call(ReleaseKv(handle=handle)) for prefill, handle in released))
+
+
 class Releases:
     """ReleaseKv calls on their way in the background: held so they are not collected, a failure logged (the
     prefill's TTL frees its KV then), waited for before the connections close."""
@@ -181,11 +188,11 @@ class KvHandoff:
         from the scheduler thread that settles them."""
         with self._settle_lock:
             self._settling.append((address, handle, copied))
-            wake = self.forward_releases is None and len(self._settling) == 1  # else one is on its way
+            first = len(self._settling) == 1  # else the loop's wake-up for the others is on its way
         if self.forward_releases is not None:
             self.flush_settled()
             return
-        if not wake:
+        if not first:
             return
         try:
             loop.call_soon_threadsafe(self._release_settled)
@@ -199,10 +206,12 @@ class KvHandoff:
     def flush_settled(self) -> None:
         """Pass the settled KVs whose copy completed to `forward_releases` (any thread: the scheduler's as it
         settles more, the engine process's timer for the last ones)."""
+        done: list[tuple[str, str, Any]] = []
         with self._settle_lock:
-            done = [entry for entry in self._settling if entry[2] is None or entry[2].query()]
-            if done:
-                self._settling = [entry for entry in self._settling if not any(entry is d for d in done)]
+            waiting = []
+            for entry in self._settling:  # each copy's event asked once
+                (done if entry[2] is None or entry[2].query() else waiting).append(entry)
+            self._settling = waiting
         if done:
             self.forward_releases([address for address, _, _ in done], [handle for _, handle, _ in done])
 
@@ -215,18 +224,11 @@ class KvHandoff:
         for address, handle, copied in settled:  # the clients made here, on the loop they belong to
             by_copy.setdefault(id(copied), (copied, []))[1].append((self.peers.client(address), handle))
         for copied, released in by_copy.values():
-            self.releases.start(self._release_all(released, copied))
-
-    @staticmethod
-    async def _release_all(released: list[tuple[Any, str]], copied: Any) -> None:
-        """ReleaseKv for each once `copied` (a CUDA event, or None: done) has completed: until then the copy reads
-        the prefills' memory."""
-        await completed(copied)
-        await asyncio.gather(*(prefill.call(ReleaseKv(handle=handle)) for prefill, handle in released))
+            self.releases.start(release_all(released, copied))
 
     def _start_release(self, prefill: Any, handle: str, copied: Any) -> None:
         """ReleaseKv in the background, decoding need not wait for its answer."""
-        self.releases.start(self._release_all([(prefill, handle)], copied))
+        self.releases.start(release_all([(prefill, handle)], copied))
 
     # ---- prefill: share with the answer, answer a fetch, release what was lent ----------------------------------
     def attach_shared(self, out: Any) -> Any:
