@@ -44,6 +44,11 @@ def _frame(text: str) -> str:
     return f"{name} ({where.rsplit('/', 1)[-1].split(':', 1)[0]})" if where else name
 
 
+def _code(frames: list[str]) -> list[str]:
+    """A stack's functions, root first, without its process and thread names and bootstrap frames."""
+    return [f for f in map(_frame, frames) if not f.startswith(("thread ", "process ")) and not f.endswith(_BOOTSTRAP)]
+
+
 def _samples(path: Path):
     """(thread name, frames root first, sample count) per line of py-spy's raw output."""
     for line in path.read_text().splitlines():
@@ -66,8 +71,7 @@ def summary(path: Path, mode: str, top: int = 12) -> list[str]:
         return _per_thread(path, top)
     threads, self_time, inclusive, total = Counter(), Counter(), Counter(), 0
     for thread, frames, n in _samples(path):
-        code = [f for f in map(_frame, frames)
-                if not f.startswith(("thread ", "process ")) and not f.endswith(_BOOTSTRAP)]
+        code = _code(frames)
         total += n
         threads[thread] += n
         if code:
@@ -89,10 +93,14 @@ PARKED = ("Popen._try_wait (", "_worker (thread.py", "Thread.run (threading.py")
 def _per_thread(path: Path, top: int) -> list[str]:
     """Each busy thread's samples by the line it was on (a wait shows as the call that waits)."""
     threads: dict[str, Counter] = {}
+    inclusive: dict[str, Counter] = {}  # per thread, the functions anywhere on its stack: where a step's time goes
     for thread, frames, n in _samples(path):
         function, _, where = frames[-1].partition(" (")  # 'function (path/module.py:123)': the line matters
         leaf = f"{function} ({where.rsplit('/', 1)[-1]}" if where else function
         threads.setdefault(thread, Counter())[leaf] += n
+        counts = inclusive.setdefault(thread, Counter())
+        for f in set(_code(frames)):
+            counts[f] += n
     lines = []
     # a thread parked all the time (a supervisor waiting on its child, a pool's idle worker) says nothing and
     # pushed the engine's scheduler thread out of the list
@@ -102,4 +110,6 @@ def _per_thread(path: Path, top: int) -> list[str]:
         total = sum(where.values())
         lines.append(f"  wall, {name} ({total} samples): "
                      + "; ".join(f"{w} {n / total:.0%}" for w, n in where.most_common(top)))
+        lines.append("    inclusive: " + "; ".join(f"{f} {n / total:.0%}"
+                                                   for f, n in inclusive[name].most_common(2 * top)))
     return lines

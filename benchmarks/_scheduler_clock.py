@@ -5,7 +5,8 @@ from __future__ import annotations
 
 # seconds idle, admitting (prefills included) and decoding; steps; tokens the engine generated
 SCHEDULER_CLOCK = ("decode_seconds_total", "admit_seconds_total", "idle_seconds_total", "decode_steps",
-                   "generated_tokens", "prefill_steps", "first_tokens", "idle_running_seconds_total")
+                   "generated_tokens", "prefill_steps", "first_tokens", "idle_running_seconds_total",
+                   "idle_waits_total")
 
 
 def spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -29,6 +30,9 @@ def per_decode_step(clock: dict[str, float]) -> str:
     plus the first tokens that prefills picked meanwhile). Idle with no rows is a level's ramp and tail, or the
     closed loop's gaps; with rows, the scheduler's look at its inbox."""
     steps = max(clock["decode_steps"], 1)
+    waited = clock["idle_seconds_total"] - clock["idle_running_seconds_total"]
+    waits = (f", {clock['idle_waits_total']:.0f} waits for work of {waited / clock['idle_waits_total'] * 1e3:.2f} ms"
+             if clock.get("idle_waits_total") else "")
     return (f"{clock['decode_seconds_total'] / steps * 1e3:.3f} / {clock['admit_seconds_total'] / steps * 1e3:.3f} / "
             f"{clock['idle_seconds_total'] / steps * 1e3:.3f} ({clock['idle_running_seconds_total'] / steps * 1e3:.3f}"
-            f" running), {clock['generated_tokens'] / steps:.1f} tokens")
+            f" running), {clock['generated_tokens'] / steps:.1f} tokens{waits}")

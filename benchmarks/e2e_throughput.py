@@ -33,6 +33,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from _direct import DirectPair, pair_devices  # noqa: E402
 from _gpu_clocks import ClockLog  # noqa: E402
 from _scheduler_clock import per_step, spent as clock_spent  # noqa: E402
 from _stack import add_set_option  # noqa: E402
@@ -99,9 +100,30 @@ def stack_max_seq_len(recipe_name: str) -> int:
     return recipe.limits.max_input_tokens + recipe.limits.max_output_tokens
 
 
-def device_label(engine: TorchEngine) -> str:
+def recipe_is_disaggregated(recipe_name: str) -> bool:
+    from hpc.spec.catalog import load_recipe
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        recipe, _ = load_recipe(recipe_name)
+    return recipe.disaggregated
+
+
+def direct_engine(model_dir: Any, engine_args: dict[str, Any], pair: bool) -> Any:
+    """The direct path, opened with `async with`: one aggregated engine, or a prefill and a decode engine placed
+    as the local launch places the stack's workers."""
+    if not pair:
+        return TorchEngine(model_dir, DisaggregationMode.AGGREGATED, engine_args)
     import torch
 
+    return DirectPair(model_dir, engine_args, pair_devices(torch.cuda.device_count()))
+
+
+def device_label(engine: Any) -> str:
+    import torch
+
+    if isinstance(engine, DirectPair):  # prefill and decode engines, on their devices
+        where = f"{engine.prefill.device} + {engine.decode.device}" if engine.prefill.device.type == "cuda" else ""
+        return f"{device_label(engine.decode)}, prefill and decode engines{' on ' + where if where else ''}"
     if engine.device.type == "cuda":
         return f"{torch.cuda.get_device_name(engine.device)} ({engine.dtype})".replace("torch.", "")
     return f"CPU, {os.cpu_count()} cores ({engine.dtype})".replace("torch.", "")
@@ -131,6 +153,10 @@ def main() -> None:
     parser.add_argument("--engine-args", default="{}", help="JSON merged into the engine args of both paths")
     parser.add_argument("--output-spread", type=int, default=0,
                         help="each request's output length uniform in output-tokens +- this (0: all equal)")
+    parser.add_argument("--direct", choices=("auto", "agg", "disagg"), default="auto",
+                        help="the direct path: one aggregated engine, or a prefill and a decode engine in this "
+                             "process on the devices the stack's workers get (_direct.DirectPair); auto: the "
+                             "recipe's shape")
     args = parser.parse_args()
     levels = [Level(c, args.input_tokens, args.output_tokens, max(args.requests, args.requests_per_user * c),
                     output_spread=args.output_spread) for c in (int(x) for x in args.concurrency.split(","))]
@@ -142,13 +168,15 @@ def main() -> None:
         extra["max_seq_len"] = stack_max_seq_len(args.recipe)
     engine_args = direct_engine_args(args.input_tokens, args.output_tokens, args.output_spread,
                                      max(lv.concurrency for lv in levels), extra)
+    pair = args.direct == "disagg" or (args.direct == "auto" and not args.engine_only
+                                       and recipe_is_disaggregated(args.recipe))
 
     async def run() -> tuple[str, dict[int, list[float]], dict[int, list[float]], int]:
         """(device, engine tok/s per level, stack tok/s per level, the stack's frontend processes)."""
         direct: dict[int, list[float]] = {lv.concurrency: [] for lv in levels}
         via: dict[int, list[float]] = {lv.concurrency: [] for lv in levels}
         t0 = time.perf_counter()
-        async with TorchEngine(model_dir, DisaggregationMode.AGGREGATED, engine_args) as engine:
+        async with direct_engine(model_dir, engine_args, pair) as engine:
             print(f"engine loaded and warmed up in {time.perf_counter() - t0:.1f} s "
                   f"(warm-up {engine.warmup_s:.2f} s)", file=sys.stderr)
             rng = random.Random(0)
@@ -219,6 +247,8 @@ def main() -> None:
         for lv in levels:
             print(f"  c={lv.concurrency}: " + "; ".join(per_step(s) for s in spent[lv.concurrency]))
         return
+    print("the direct path: " + ("a prefill and a decode engine (the KV handed over as a tensor)" if pair
+                                 else "one aggregated engine"))
     print(f"{'c':>4} {'requests':>9} {'engine directly':>16} {'through frontend':>17} {'kept':>6}  each round's kept")
     for lv in levels:
         d, v = statistics.median(direct[lv.concurrency]), statistics.median(via[lv.concurrency])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -97,6 +98,9 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--input-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--output-spread", type=int, default=0,
+                        help="each request's output tokens drawn from --output-tokens +- this: no closed-loop waves "
+                             "(hpc bench's default is 0, equal requests)")
     parser.add_argument("--requests-per-user", type=int, default=REQUESTS_PER_USER,
                         help="requests per level, per unit of concurrency, at least (hpc bench's floor: "
                              f"{REQUESTS_PER_USER}); more makes each level longer and its figure less noisy")
@@ -123,7 +127,8 @@ def main() -> None:
 
     # requests per level as `hpc bench` sends them by default: the recipe's number, at least 4 per user
     levels = [Level(c, args.input_tokens, args.output_tokens,
-                    max(recipe.benchmark.requests_per_level, args.requests_per_user * c, args.min_requests))
+                    max(recipe.benchmark.requests_per_level, args.requests_per_user * c, args.min_requests),
+                    output_spread=args.output_spread)
               for c in (int(x) for x in args.concurrency.split(","))]
     batch = max(lv.concurrency for lv in levels)
     roles = [name for name in ("agg", "prefill", "decode") if getattr(recipe.roles, name) is not None]
@@ -172,11 +177,9 @@ def main() -> None:
 
     async def profiled_level(url: str, model: str, leaders: dict[str, int]) -> None:
         top = levels[-1]
-        load = asyncio.create_task(run_level(url, model, Level(top.concurrency, top.input_tokens,
-                                                               top.output_tokens,
-                                                               top.requests * 8 * -(-args.profile_seconds // 3)),
-                                                         True, 0,
-                                                         seed=2 * len(levels), processes=clients(top)))
+        longer = dataclasses.replace(top, requests=top.requests * 8 * -(-args.profile_seconds // 3))
+        load = asyncio.create_task(run_level(url, model, longer, True, 0, seed=2 * len(levels),
+                                             processes=clients(top)))
         await asyncio.sleep(0.5)  # at full concurrency before sampling starts
         spies = _profile.record(leaders, args.profile_seconds, Path(args.profile))
         await load

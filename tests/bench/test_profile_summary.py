@@ -46,6 +46,9 @@ def test_wall_samples_show_where_each_thread_was_by_line(tmp_path):
     engine = next(line for line in lines if "torch-engine" in line)
     assert "(40 samples)" in engine and "sample_rows (sampling.py:63) 75%" in engine
     assert "TorchEngine._schedule (torch_engine.py:419) 25%" in engine
+    inclusive = lines[lines.index(engine) + 1]  # the thread's functions wherever on its stack: a step's parts
+    assert inclusive.startswith("    inclusive: ") and "TorchEngine._schedule (torch_engine.py) 100%" in inclusive
+    assert "sample_rows (sampling.py) 75%" in inclusive and "threading.py" not in inclusive
 
 
 def test_wall_samples_leave_out_threads_parked_on_one_line(tmp_path):

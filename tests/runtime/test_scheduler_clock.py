@@ -37,6 +37,8 @@ def test_idle_admit_and_decode_seconds_add_up_to_the_scheduler_time(tiny) -> Non
     assert idle["idle_seconds_total"] - start["idle_seconds_total"] >= 0.5
     assert idle["decode_seconds_total"] == start["decode_seconds_total"]  # nothing ran
     assert idle["idle_running_seconds_total"] == start["idle_running_seconds_total"]  # a wait, with no rows
+    # one wait for work, going on (its timeouts are not new waits): few long waits are a loop's waves or ramps
+    assert idle["idle_waits_total"] == start["idle_waits_total"] >= 1
     decode = served["decode_seconds_total"] - idle["decode_seconds_total"]
     admit = served["admit_seconds_total"] - idle["admit_seconds_total"]
     assert served["decode_steps"] - idle["decode_steps"] == 23 and served["prefill_steps"] == 1
@@ -45,6 +47,8 @@ def test_idle_admit_and_decode_seconds_add_up_to_the_scheduler_time(tiny) -> Non
     # between the decode steps the scheduler only looked at its inbox: counted apart from the waits for work
     polls = served["idle_running_seconds_total"] - idle["idle_running_seconds_total"]
     assert 0 < polls <= served["idle_seconds_total"] - idle["idle_seconds_total"] and polls < decode
+    # the wait the request ended was counted before it; then one, after it: none between its 23 steps
+    assert served["idle_waits_total"] - idle["idle_waits_total"] == 1
     assert all(f"# TYPE hpc_worker_{name} counter" in prometheus("hpc_worker", served, {}).decode() for name in CLOCK)
     # a request's queue (arrival to a slot) is its submit (checks; a decode's KV fetch) then its wait in the inbox
     queue, parts = served["queue_seconds_total"], served["submit_seconds_total"] + served["inbox_seconds_total"]

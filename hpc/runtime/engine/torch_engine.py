@@ -120,6 +120,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
                           "prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "prefill_steps": 0,
                           "decode_steps": 0, "idle_seconds_total": 0.0, "admit_seconds_total": 0.0,
                           "idle_running_seconds_total": 0.0,  # of idle: the polls while rows were running
+                          "idle_waits_total": 0,  # the waits for work (no rows): a closed loop's waves or gaps
                           "decode_seconds_total": 0.0, "queue_seconds_total": 0.0, "first_tokens": 0,
                           "first_token_seconds_total": 0.0, "submit_seconds_total": 0.0,
                           "inbox_seconds_total": 0.0}
@@ -470,10 +471,13 @@ class TorchEngine(ContextSteps, DecodeSteps):
 
     def _schedule(self, running: list[Seq]) -> None:
         clock = self._counters  # seconds spent idle, admitting (prefill) and decoding: /metrics, per worker
+        waited = False  # the last iteration waited for work: a wait that times out goes on, not a new one
         while self._running:
             t0 = time.perf_counter()
             try:
                 block = not running and not self._deferred and not self._prefilling
+                if block and not waited:
+                    clock["idle_waits_total"] += 1
                 intake = self.intake
                 if intake is not None:  # no event loop's wake-up, and no GIL hand-off, between a request and us
                     intake(INTAKE_WAIT_S if block else 0.0)
@@ -487,6 +491,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
             clock["idle_seconds_total"] += t1 - t0
             if not block:  # no wait for work: what a busy scheduler's look at its inbox cost
                 clock["idle_running_seconds_total"] += t1 - t0
+            waited = block and item is None
             arrivals, self._deferred = self._deferred, []
             if item is not None:
                 arrivals.append(item)

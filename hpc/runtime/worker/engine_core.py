@@ -97,7 +97,8 @@ class Core:
         self.seqs: dict[int, Any] = {}  # key -> Seq (None while its KV is fetched)
         self.tasks: set[asyncio.Task] = set()
         # where a request's time goes in this process before the engine has it (seconds, summed over requests)
-        self.timing = {"link_seconds_total": 0.0, "task_start_seconds_total": 0.0}
+        self.timing = {"link_seconds_total": 0.0, "task_start_seconds_total": 0.0,
+                       "requests_taken_by_scheduler_total": 0}  # submitted on its thread, never on the loop
         self.stopped = asyncio.Event()
         prefill = engine.mode is DisaggregationMode.PREFILL
         engine.emitter = LinkEmitter(sender.send, self._finished, handoff.attach_shared if prefill else None)
@@ -170,6 +171,7 @@ class Core:
                 return False  # to be asked of the prefill worker: on the loop
         received = time.perf_counter()
         self.seqs[message.key] = None
+        self.timing["requests_taken_by_scheduler_total"] += 1
         if message.sent:
             self.timing["link_seconds_total"] += received - message.sent
         try:

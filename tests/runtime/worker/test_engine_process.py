@@ -176,7 +176,8 @@ def test_the_scheduler_thread_takes_its_own_requests_and_leaves_the_rest_to_the_
         engine, handoff = _IntakeEngine(), _IntakeHandoff()
         core = Core.__new__(Core)  # its state without the engine process's start-up
         core.engine, core.sender, core.handoff, core.seqs = engine, Sender(), handoff, {}
-        core.timing = {"link_seconds_total": 0.0, "task_start_seconds_total": 0.0}
+        core.timing = {"link_seconds_total": 0.0, "task_start_seconds_total": 0.0,
+                       "requests_taken_by_scheduler_total": 0}
         core.stopped, core.tasks = asyncio.Event(), set()
         on_loop = []
         core.handlers = {Submit: on_loop.append, AskStats: lambda m: core.sender.send(Stats(values={"x": 1.0}))}
@@ -197,11 +198,13 @@ def test_the_scheduler_thread_takes_its_own_requests_and_leaves_the_rest_to_the_
         worker.close()
         await asyncio.to_thread(engine.intake, 1.0)
         await asyncio.wait_for(core.stopped.wait(), 5)
-        return engine, handoff, on_loop, scheduler.ident, core.seqs
+        return engine, handoff, on_loop, scheduler.ident, core
 
-    engine, handoff, on_loop, scheduler, seqs = asyncio.run(main())
+    engine, handoff, on_loop, scheduler, core = asyncio.run(main())
+    seqs = core.seqs
     assert [(key, kv is not None, thread == scheduler) for key, kv, thread in engine.submitted] == [
         (1, True, True), (2, False, True)]
+    assert core.timing["requests_taken_by_scheduler_total"] == 3  # 1, 2 and the refused 4 (on /metrics)
     assert [m.key for m in on_loop] == [3]  # its KV to be asked for
     assert [(type(m).__name__, getattr(m, "key", None)) for m in sent] == [("Refused", 4), ("Stats", None)]
     assert sent[0].code == 400 and handoff.dropped == 1  # the refused request's KV let go
@@ -296,9 +299,16 @@ def test_the_decode_worker_serves_from_an_engine_process_of_its_own(apart, tiny)
     # the engine process decoded it (its counters reach the worker's /metrics) and took the KV itself
     assert _metric(apart, "decode-0", "hpc_worker_decode_steps") >= steps + 11
     assert _metric(apart, "decode-0", "hpc_worker_requests_streamed_direct") == served + 1
-    # the time before the engine had it, measured in its process: the link from the worker, the wait for its task
+    # the time before the engine had it, measured in its process: the link from the worker; on a GPU its KV came
+    # with the prefill's answer, so the scheduler's thread took it (no event loop task); on CPU the loop fetched
+    # the KV's bytes (a task, whose wait to start is timed)
     assert 0 < _metric(apart, "decode-0", "hpc_worker_link_seconds_total") < 5
-    assert 0 < _metric(apart, "decode-0", "hpc_worker_task_start_seconds_total") < 5
+    on_scheduler = _metric(apart, "decode-0", "hpc_worker_requests_taken_by_scheduler_total")
+    task_start = _metric(apart, "decode-0", "hpc_worker_task_start_seconds_total")
+    if torch.cuda.is_available():
+        assert on_scheduler >= 1 and task_start == 0, (on_scheduler, task_start)
+    else:
+        assert on_scheduler == 0 and 0 < task_start < 5, (on_scheduler, task_start)
     # GPUs of one node: the KV came with the prefill's answer (CUDA IPC); CPU: as bytes
     moved = "hpc_worker_kv_taken_from_answer" if torch.cuda.is_available() else "hpc_worker_kv_fetched_bytes"
     assert _metric(apart, "decode-0", moved) >= 1  # (bytes: asked of the prefill worker, answered by its engine's)
