@@ -42,13 +42,15 @@ def test_idle_admit_and_decode_seconds_add_up_to_the_scheduler_time(tiny) -> Non
     decode = served["decode_seconds_total"] - idle["decode_seconds_total"]
     admit = served["admit_seconds_total"] - idle["admit_seconds_total"]
     assert served["decode_steps"] - idle["decode_steps"] == 23 and served["prefill_steps"] == 1
-    # the request's time in the engine is its prefill and its 23 decode steps, each counted once
-    assert 0 < admit < decode <= busy_wall
+    # the request's time in the engine is its prefill and its 23 decode steps, each counted once (on a GPU the
+    # prefill may take longer than the 23 graphed steps: no order between them)
+    assert 0 < admit and 0 < decode and admit + decode <= busy_wall
     # between the decode steps the scheduler only looked at its inbox: counted apart from the waits for work
     polls = served["idle_running_seconds_total"] - idle["idle_running_seconds_total"]
     assert 0 < polls <= served["idle_seconds_total"] - idle["idle_seconds_total"] and polls < decode
-    # the wait the request ended was counted before it; then one, after it: none between its 23 steps
-    assert served["idle_waits_total"] - idle["idle_waits_total"] == 1
+    # the wait the request ended was counted before it; then the one after it, if it began before stats() ran:
+    # none between its 23 steps
+    assert served["idle_waits_total"] - idle["idle_waits_total"] in (0, 1)
     assert all(f"# TYPE hpc_worker_{name} counter" in prometheus("hpc_worker", served, {}).decode() for name in CLOCK)
     # a request's queue (arrival to a slot) is its submit (checks; a decode's KV fetch) then its wait in the inbox
     queue, parts = served["queue_seconds_total"], served["submit_seconds_total"] + served["inbox_seconds_total"]
