@@ -104,13 +104,33 @@ def pin_process(pid: int, cpus: set[int], proc: Path = Path("/proc")) -> int:
     return moved
 
 
+def merge_siblings(found: list[tuple[int, ...]], pairs: list[tuple[int, int]]) -> list[tuple[int, ...]]:
+    """`found`'s cores, those that share a physical core on the host (pairs that slow each other down,
+    cpu_siblings.py) merged into one: a VM's topology shows one thread a core whatever the host does."""
+    core_of = {cpu: i for i, core in enumerate(found) for cpu in core}
+    parent = list(range(len(found)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    for a, b in pairs:
+        if a in core_of and b in core_of:
+            parent[root(core_of[a])] = root(core_of[b])
+    merged: dict[int, list[int]] = {}
+    for i, core in enumerate(found):
+        merged.setdefault(root(i), []).extend(core)
+    return [tuple(sorted(cpus)) for _, cpus in sorted(merged.items(), key=lambda kv: min(kv[1]))]
+
+
 def pin_engines(leaders: dict[str, int], chosen: list[int] | None = None,
-                schedulers: dict[str, int] | None = None) -> list[str]:
-    """Each engine's scheduler thread on a physical core of its own; every other thread of the stack (the engines'
-    other threads too) and this process (and the client processes it starts later) on the other cores. Lines
-    saying what went where. (Pinning an engine's every thread to one core put its event loop and CUDA's threads
-    on its scheduler's core.)"""
-    found = cores()
+                schedulers: dict[str, int] | None = None, found: list[tuple[int, ...]] | None = None) -> list[str]:
+    """Each engine's scheduler thread on a physical core of its own (of `found`, by default the kernel's view);
+    every other thread of the stack (the engines' other threads too) and this process (and the client processes
+    it starts later) on the other cores. Lines saying what went where. (Pinning an engine's every thread to one
+    core put its event loop and CUDA's threads on its scheduler's core.)"""
+    found = cores() if found is None else found
     engines = [(name, pid) for name, leader in sorted(leaders.items()) for pid in engine_pids(leader)]
     own, rest = split(found, len(engines), chosen)
     stack = [p for leader in leaders.values() for p in group(leader)]

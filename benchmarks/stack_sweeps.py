@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(__file__))
 
 import _cpu_topology  # noqa: E402
+import cpu_siblings  # noqa: E402
 import _profile  # noqa: E402
 from _gpu_clocks import ClockLog  # noqa: E402
 from _scheduler_clock import SCHEDULER_CLOCK, per_step, spent as clock_spent  # noqa: E402
@@ -118,6 +119,10 @@ def main() -> None:
                              "last cores, or the given CPUs, one an engine in the workers' name order: "
                              "decode-0,prefill-0), everything else of the stack and the load generator on the "
                              "other cores")
+    parser.add_argument("--hidden-siblings", action="store_true",
+                        help="before the launch, time which CPUs slow each other down (cpu_siblings.py: a VM shows "
+                             "one thread a core whatever the host does); --pin-engines then keeps an engine's "
+                             "hidden sibling idle")
     add_set_option(parser)
     args = parser.parse_args()
     recipe, _ = load_recipe(args.recipe)
@@ -199,6 +204,11 @@ def main() -> None:
         """Each worker's engine process's threads (the worker's own where its engine runs in it)."""
         return {name: _cpu_topology.threads((_cpu_topology.engine_pids(leader) or [leader])[0])
                 for name, leader in leaders.items() if name.startswith(("agg", "prefill", "decode"))}
+    found = _cpu_topology.cores()
+    sibling_lines: list[str] = []
+    if args.hidden_siblings:  # before anything of ours runs: the probe needs idle CPUs
+        sibling_lines, pairs = cpu_siblings.probe(sorted(os.sched_getaffinity(0)))
+        found = _cpu_topology.merge_siblings(found, pairs)
     with contextlib.redirect_stdout(io.StringIO()):
         stack = local_stack(args.recipe, *overrides, *args.overrides)
         run, url = stack.__enter__()
@@ -214,7 +224,7 @@ def main() -> None:
                       if (tid := counters(u, ("scheduler_thread_id",))["scheduler_thread_id"])}
         try:
             chosen = None if args.pin_engines in (None, "last") else [int(c) for c in args.pin_engines.split(",")]
-            pinned = _cpu_topology.pin_engines(leaders, chosen, schedulers) if args.pin_engines else []
+            pinned = _cpu_topology.pin_engines(leaders, chosen, schedulers, found) if args.pin_engines else []
         except ValueError as exc:
             raise SystemExit(f"--pin-engines: {exc}") from None
         with ClockLog() as clocks:
@@ -226,6 +236,8 @@ def main() -> None:
             stack.__exit__(None, None, None)
     print(f"{args.recipe}: " + ", ".join(f"{name} on {state['device']}" for name, state in placed.items())
           + f"; {frontends} frontend processes; {topology}")
+    for line in sibling_lines:
+        print(f"hidden siblings: {line}")
     for line in pinned:
         print(f"pinned: {line}")
     for name, stats in handoff.items():

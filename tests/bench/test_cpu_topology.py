@@ -112,3 +112,13 @@ def test_an_engines_scheduler_thread_is_its_busiest_but_the_main_one(tmp_path):
     _proc_with_a_thread(tmp_path, 5, 5, tick, 0, 0, 0)
     with pytest.raises(ValueError, match="no thread but its main one"):
         _cpu_topology.scheduler_thread(5, tmp_path)
+
+
+def test_cores_a_vm_shows_apart_merge_when_they_slow_each_other():
+    found = [(0,), (1,), (2,), (3,), (4,), (5,)]
+    merged = _cpu_topology.merge_siblings(found, [(1, 4), (5, 2), (7, 0)])  # 7: not among the CPUs
+    assert merged == [(0,), (1, 4), (2, 5), (3,)]
+    # an engine's core is then both hardware threads: its sibling is kept off the rest of the stack
+    own, rest = _cpu_topology.split(merged, 1, chosen=[4])
+    assert own == [{1, 4}] and rest == {0, 2, 3, 5}
+    assert _cpu_topology.merge_siblings(found, []) == found
