@@ -44,8 +44,10 @@ def calibrate(ms: float) -> int:
 
 
 def slowdowns(cpus: list[int], iterations: int, repeat: int,
-              timed: Callable[[int], float] | None = None) -> dict[tuple[int, int], float]:
-    """{(i, j): the loop's time on CPU i with CPU j busy / its time on CPU i alone} (the fastest of `repeat`)."""
+              timed: Callable[[int], float] | None = None) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
+    """{(i, j): the loop's time on CPU i with CPU j busy / its time on CPU i alone} (the fastest of `repeat`), and
+    {i: CPU i's time alone at the end / at the start}: a CPU whose speed moved on its own while the pairs were
+    timed (the host's other load) makes its pairs' ratios say nothing about the pair."""
     def on(cpu: int) -> float:
         os.sched_setaffinity(0, {cpu})
         return min(loop_seconds(iterations) for _ in range(repeat))
@@ -62,11 +64,14 @@ def slowdowns(cpus: list[int], iterations: int, repeat: int,
             for i in cpus:
                 if i != j:
                     ratios[(i, j)] = timed(i) / alone[i]
-        return ratios
     finally:
         spinner.send_signal(signal.SIGKILL)
         spinner.wait()
+    try:
+        drift = {i: timed(i) / alone[i] for i in cpus}
+    finally:
         os.sched_setaffinity(0, allowed)
+    return ratios, drift
 
 
 def siblings(ratios: dict[tuple[int, int], float], threshold: float) -> list[tuple[int, int, float, float]]:
@@ -79,7 +84,8 @@ def siblings(ratios: dict[tuple[int, int], float], threshold: float) -> list[tup
     return found
 
 
-def report(cpus: list[int], ratios: dict[tuple[int, int], float], threshold: float) -> list[str]:
+def report(cpus: list[int], ratios: dict[tuple[int, int], float], threshold: float,
+           drift: dict[int, float] | None = None) -> list[str]:
     lines = []
     worst = {i: max(((r, j) for (a, j), r in ratios.items() if a == i), default=(1.0, -1)) for i in cpus}
     typical = sorted(r for r in ratios.values())[len(ratios) // 2] if ratios else 1.0
@@ -88,6 +94,10 @@ def report(cpus: list[int], ratios: dict[tuple[int, int], float], threshold: flo
     pairs = siblings(ratios, threshold)
     lines.append(f"hidden siblings (both ways >= {threshold:.2f}x): " + (", ".join(
         f"{i}+{j} ({a:.2f}x/{b:.2f}x)" for i, j, a, b in pairs) if pairs else "none"))
+    if drift:
+        moved = sorted(drift.items(), key=lambda kv: -abs(kv[1] - 1))
+        lines.append("each CPU alone, at the end / at the start: " + ", ".join(
+            f"{i} {r:.2f}x" for i, r in moved[:8]) + f" (median {sorted(drift.values())[len(drift) // 2]:.2f}x)")
     return lines
 
 
@@ -101,8 +111,8 @@ def probe(cpus: list[int], ms: float = 4.0, repeat: int = 3,
     finally:
         os.sched_setaffinity(0, allowed)
     t0 = time.perf_counter()
-    ratios = slowdowns(cpus, iterations, repeat)
-    lines = report(cpus, ratios, threshold) + [f"({time.perf_counter() - t0:.1f} s)"]
+    ratios, drift = slowdowns(cpus, iterations, repeat)
+    lines = report(cpus, ratios, threshold, drift) + [f"({time.perf_counter() - t0:.1f} s)"]
     return lines, [(i, j) for i, j, _, _ in siblings(ratios, threshold)]
 
 

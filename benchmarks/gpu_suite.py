@@ -110,9 +110,16 @@ def steps(mpiexec: str, scratch: str, gpus: int, profiles: str) -> list[tuple[st
         # its figure by 10-30 %
         ("stack_vs_engine_agg", [py, "benchmarks/e2e_throughput.py", "--recipe", "tiny-agg", "--concurrency",
                                  "1,8,32,64", "--rounds", "3", "--requests-per-user", "16"], None, 150),
+        # the direct path: the stack's own prefill and decode engines in one process (e2e_throughput --direct auto)
         ("stack_vs_engine_disagg", [py, "benchmarks/e2e_throughput.py", "--recipe", "tiny-disagg",
                                     "--concurrency", "1,8,32,64", "--rounds", "3", "--requests-per-user", "16"],
          None, 150),
+        # ... and against one aggregated engine (what disaggregation's own hop costs at this model's size)
+        ("stack_vs_engine_disagg_vs_agg", [py, "benchmarks/e2e_throughput.py", "--recipe", "tiny-disagg",
+                                           "--concurrency", "1,8,32,64", "--rounds", "3", "--requests-per-user", "16",
+                                           "--direct", "agg"], None, 150),
+        # which of the VM's CPUs slow each other down (the host's placement of its vCPUs; sessions 16-18)
+        ("cpu_siblings", [py, "benchmarks/cpu_siblings.py"], None, 60),
         # the same with each worker's engine in the worker's process (on a GPU it has one of its own by default)
         ("stack_vs_engine_agg_in_worker", [py, "benchmarks/e2e_throughput.py", "--recipe", "tiny-agg",
                                            "--concurrency", "1,8,32,64", "--rounds", "3", "--requests-per-user", "16",

@@ -21,6 +21,9 @@ def test_pairs_slowed_both_ways_are_siblings_and_one_way_is_not():
     assert "0<-1 1.60x" in lines[1] and "2<-0 1.30x" in lines[1]
     assert lines[2].endswith("0+1 (1.60x/1.50x)")
     assert cpu_siblings.report([0, 1, 2], {k: 1.0 for k in ratios}, 1.2)[2].endswith("none")
+    # a CPU whose speed moved on its own while the pairs were timed is named first
+    drifted = cpu_siblings.report([0, 1, 2], ratios, 1.2, {0: 1.0, 1: 1.9, 2: 0.98})[3]
+    assert drifted.startswith("each CPU alone, at the end / at the start: 1 1.90x") and "(median 1.00x)" in drifted
 
 
 def test_every_ordered_pair_is_timed_against_the_cpu_alone(monkeypatch):
@@ -30,11 +33,22 @@ def test_every_ordered_pair_is_timed_against_the_cpu_alone(monkeypatch):
     spinner_on = {"cpu": None}
     sibling = {1: 3, 3: 1}
 
+    class Spinner:  # the spinning process, killed at the end
+        pid = 99
+
+        def send_signal(self, sig):
+            spinner_on["cpu"] = None
+
+        def wait(self):
+            return -9
+    monkeypatch.setattr(cpu_siblings.subprocess, "Popen", lambda *args, **kwargs: Spinner())
+
     def timed(cpu):
         return 2.0 if sibling.get(cpu) == spinner_on["cpu"] else 1.0
 
-    ratios = cpu_siblings.slowdowns([0, 1, 2, 3], 100, 1, timed)
+    ratios, drift = cpu_siblings.slowdowns([0, 1, 2, 3], 100, 1, timed)
     assert len(ratios) == 12 and (1, 1) not in ratios
+    assert drift == {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}  # timed alone again once the spinner is gone
     assert {k for k, r in ratios.items() if r > 1} == {(1, 3), (3, 1)}
     assert cpu_siblings.siblings(ratios, 1.2) == [(1, 3, 2.0, 2.0)]
 

@@ -87,10 +87,37 @@ def test_a_full_pool_evicts_the_least_recently_used_block_and_says_so(tiny):
     answers = asyncio.run(run())
     kinds = [(e["data"]["type"], len(e["data"].get("blocks") or e["data"].get("block_hashes"))) for e in events]
     # SYSTEM's 2 blocks; the 40 fives' block evicts SYSTEM's first; SYSTEM again finds nothing (a prefix is
-    # reachable only from its first block) and makes room for both of its blocks by evicting the other two
-    assert kinds == [("stored", 2), ("removed", 1), ("stored", 1), ("removed", 1), ("removed", 1), ("stored", 2)]
+    # reachable only from its first block) and makes room for both of its blocks by evicting the other two: one
+    # record for both, as TensorRT-LLM merges evictions in a row
+    assert kinds == [("stored", 2), ("removed", 1), ("stored", 1), ("removed", 2), ("stored", 2)]
+    # least recently used first: SYSTEM's second block, then the fives'
+    assert events[3]["data"]["block_hashes"] == [events[0]["data"]["blocks"][1]["block_hash"],
+                                                 events[2]["data"]["blocks"][0]["block_hash"]]
     assert answers[2][1] == 0 and answers[2][0] == answers[0][0]
-    assert [e["event_id"] for e in events] == list(range(1, 7))
+    assert [e["event_id"] for e in events] == list(range(1, 6))
+
+
+def test_a_prefill_steps_records_leave_together_where_the_listener_takes_several(tiny):
+    """An engine process's link takes a step's records as one message (on_kv_events): the same records, in the
+    same order, as one by one."""
+    batches, one_by_one = [], []
+
+    async def run(batched: bool):
+        async with TorchEngine(tiny, DisaggregationMode.AGG, _args(max_tokens=2 * BLOCK), device="cpu") as engine:
+            if batched:
+                engine.on_kv_events = batches.append
+            else:
+                engine.on_kv_event = one_by_one.append
+            await _answers(engine, [SYSTEM, [5] * 40, SYSTEM])
+            await asyncio.sleep(0)
+
+    asyncio.run(run(True))
+    asyncio.run(run(False))
+    # a batch a prefill step: SYSTEM's blocks; the fives' eviction and block; SYSTEM's two evictions and blocks
+    assert [[r["data"]["type"] for r in batch] for batch in batches] == [
+        ["stored"], ["removed", "stored"], ["removed", "stored"]]
+    assert [r["data"] for batch in batches for r in batch] == [r["data"] for r in one_by_one]
+    assert [r["event_id"] for batch in batches for r in batch] == list(range(1, 6))
 
 
 def test_stored_blocks_hold_their_kv_even_from_a_prompt_longer_than_the_pool():

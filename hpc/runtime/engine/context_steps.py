@@ -10,12 +10,14 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from typing import Any, Callable
 
 import torch
 
-from hpc.engine_args.scheduling import max_num_tokens
+from hpc.engine_args.scheduling import max_num_tokens, tokens_per_block
 from hpc.runtime.engine import kv as kvpack
 from hpc.runtime.engine.guided import Automaton
+from hpc.runtime.engine.prefix_cache import PrefixCache
 from hpc.runtime.engine.sampling import make_generator, on_device, prompt_logprobs
 from hpc.runtime.engine.sequence import Seq, context_work, prefill_groups, remaining, wanted_prompt_logprobs
 from hpc.runtime.engine.tp import gather_kv
@@ -24,6 +26,11 @@ from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode, To
 log = logging.getLogger(__name__)
 Picked = tuple[int, TokenLogprob | None]
 ON_DEVICE = object()  # a prompt's first token, picked and left on the device (overlap.FirstTokens)
+
+
+def _each(listener: Callable[[Any], None], items: list[Any]) -> None:
+    for item in items:
+        listener(item)
 
 
 class ContextSteps:
@@ -134,8 +141,49 @@ class ContextSteps:
         slot before anything later can write it (a freed slot's next prompt is prefilled in a later iteration;
         decode steps write past the prompt)."""
         prompts, self._unstored = self._unstored, []
-        if self.prefix is not None and prompts:
+        if self.prefix is None or not prompts:
+            return
+        # the step's records leave together: one message over an engine process's link, one loop wake-up
+        self._kv_batch = []
+        try:
             self.prefix.store_all(prompts)
+        finally:
+            records, self._kv_batch = self._kv_batch, None
+            if records:
+                self._kv_events_out(records)
+
+    def _prefix_cache(self) -> PrefixCache | None:
+        """Prefix reuse as TensorRT-LLM's kv_cache_config sets it: on unless enable_block_reuse is false, blocks
+        of tokens_per_block (32), a pool of max_tokens (8 x max_seq_len). Prefill and aggregated workers of one
+        rank only: a decode worker takes its KV from prefill, and the ranks of a parallel worker would all have
+        to copy the same blocks."""
+        kv = self.args.get("kv_cache_config") or {}
+        if kv.get("enable_block_reuse") is False or self.world.size > 1 or self.mode not in (
+                DisaggregationMode.AGGREGATED, DisaggregationMode.PREFILL):
+            return None
+        block = tokens_per_block(self.args)
+        capacity = int(kv.get("max_tokens") or 8 * self.max_len) // block
+        return PrefixCache(block, max(1, capacity), self.cache, on_event=self._kv_event)
+
+    def _kv_event(self, record: dict[str, Any]) -> None:
+        if self._kv_batch is not None:  # a prefill step's: they leave together (ContextSteps._store_prompts)
+            self._kv_batch.append(record)
+        else:
+            self._kv_events_out([record])
+
+    def _kv_events_out(self, records: list[dict[str, Any]]) -> None:
+        """From the scheduler thread to whoever listens: all at once where the listener takes several
+        (on_kv_events: an engine process's link, one message); else each to on_kv_event (the worker's NATS
+        publisher), on its event loop in one wake-up, or at once where it takes records from any thread."""
+        if self.on_kv_events is not None:
+            self.on_kv_events(records)
+            return
+        listener, loop = self.on_kv_event, self._event_loop
+        if listener is not None and self.kv_events_any_thread:
+            for record in records:
+                listener(record)
+        elif listener is not None and loop is not None:
+            loop.call_soon_threadsafe(_each, listener, records)
 
     def _token_budget(self) -> int:
         """Tokens one step may process (max_num_tokens)."""

@@ -50,6 +50,7 @@ class PrefixCache:
         self.free = list(range(capacity))
         self.on_event = on_event
         self.event_id = 0
+        self._removed: list[int] = []  # evicted hashes not reported yet: one "removed" record for a run of them
         self.hits = self.lookups = 0  # blocks found / blocks looked for
 
     def match(self, tokens: list[int]) -> list[int]:
@@ -96,6 +97,7 @@ class PrefixCache:
                     run.append((h, parent, tokens[i * b:(i + 1) * b]))
                 parent = h
             self._stored(run)
+        self._report_removed()
         self._copy_in(taken)
 
     def _copy_in(self, taken: dict[int, tuple[int, int]]) -> None:
@@ -112,6 +114,7 @@ class PrefixCache:
 
     def _stored(self, run: list[tuple[int, int | None, list[int]]]) -> None:
         if run:  # as TensorRT-LLM sends them: the parent of the first block, then the blocks in order
+            self._report_removed()  # the evictions that made room come first
             self._emit({"type": "stored", "parent_hash": run[0][1], "blocks": [
                 {"type": "stored_block", "block_hash": h, "lora_id": None, "cache_level": 0, "priority": 35,
                  "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in toks]}
@@ -120,9 +123,18 @@ class PrefixCache:
     def _take(self) -> int:
         if not self.free:
             gone, row = self.index.popitem(last=False)
-            self._emit({"type": "removed", "block_hashes": [gone]})
+            self._removed.append(gone)
             return row
         return self.free.pop()
+
+    def _report_removed(self) -> None:
+        """Evictions in a row as one record, as TensorRT-LLM's KVCacheEventManager::enqueueRemovedEvent adds a
+        removed block to the last queued event when that is a removed one
+        (cpp/tensorrt_llm/batch_manager/kvCacheEventManager.cpp): with a full pool every prompt stored evicts a
+        block per block, and a record each made three messages a prompt where two do."""
+        if self._removed:
+            gone, self._removed = self._removed, []
+            self._emit({"type": "removed", "block_hashes": gone})
 
     def _emit(self, data: dict[str, Any]) -> None:
         self.event_id += 1

@@ -32,9 +32,9 @@ from hpc.runtime.engine.decode_graphs import DecodeGraphs, cuda_capture
 from hpc.runtime.engine.llama import (LlamaConfig, LlamaForCausalLM, Pipeline, TensorParallel, VisionEncoder,
                                       random_state, shard_state_dict, stage_state_dict)
 from hpc.runtime.engine.moe import ExpertParallel, expert_state_dict
-from hpc.runtime.engine.prefix_cache import PrefixCache
 from hpc.runtime.engine.outputs import Direct, Emitter
 from hpc.runtime.engine.picking import TokenPicker
+from hpc.runtime.engine.prefix_cache import PrefixCache
 from hpc.runtime.engine.prefill_graphs import PrefillGraphs
 from hpc.runtime.engine.context_steps import ContextSteps
 from hpc.runtime.engine.decode_steps import DecodeSteps
@@ -126,6 +126,8 @@ class TorchEngine(ContextSteps, DecodeSteps):
                           "inbox_seconds_total": 0.0}
         self.on_kv_event: Callable[[dict[str, Any]], None] | None = None  # per-block stored/removed records
         self.kv_events_any_thread = False  # on_kv_event may be called from the scheduler thread itself
+        self.on_kv_events: Callable[[list[dict[str, Any]]], None] | None = None  # several at once, from any thread
+        self._kv_batch: list[dict[str, Any]] | None = None  # while a step's records gather for on_kv_events
         # an engine process's (engine_core): called by the scheduler at every turn with how long it may wait for a
         # request; it reads the process's requests and submits them (submit_now) on the scheduler's own thread
         self.intake: Callable[[float], None] | None = None
@@ -221,28 +223,6 @@ class TorchEngine(ContextSteps, DecodeSteps):
         # not torch.seed(): it reseeds every GPU's default generator, other engines' in this process too
         self.sampler.manual_seed(random.getrandbits(63))
         self.warm_up()
-
-    def _prefix_cache(self) -> PrefixCache | None:
-        """Prefix reuse as TensorRT-LLM's kv_cache_config sets it: on unless enable_block_reuse is false, blocks
-        of tokens_per_block (32), a pool of max_tokens (8 x max_seq_len). Prefill and aggregated workers of one
-        rank only: a decode worker takes its KV from prefill, and the ranks of a parallel worker would all have
-        to copy the same blocks."""
-        kv = self.args.get("kv_cache_config") or {}
-        if kv.get("enable_block_reuse") is False or self.world.size > 1 or self.mode not in (
-                DisaggregationMode.AGGREGATED, DisaggregationMode.PREFILL):
-            return None
-        block = tokens_per_block(self.args)
-        capacity = int(kv.get("max_tokens") or 8 * self.max_len) // block
-        return PrefixCache(block, max(1, capacity), self.cache, on_event=self._kv_event)
-
-    def _kv_event(self, record: dict[str, Any]) -> None:
-        """From the scheduler thread to whoever listens (the worker's NATS publisher), on their event loop — or
-        at once where the listener takes records from any thread (an engine process's link)."""
-        listener, loop = self.on_kv_event, self._event_loop
-        if listener is not None and self.kv_events_any_thread:
-            listener(record)
-        elif listener is not None and loop is not None:
-            loop.call_soon_threadsafe(listener, record)
 
     WARMUP_PROMPT = 16
 

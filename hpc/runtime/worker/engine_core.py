@@ -30,7 +30,7 @@ from hpc.manifest import Manifest
 from hpc.runtime.engine.types import DisaggregationMode, GenerateOutput
 from hpc.runtime.serve.rpc import RemoteError
 from hpc.runtime.worker.engine_link import (
-    AskKv, AskStats, BlockingSender, Drop, Failed, KvAnswer, KvEvent, Outputs, Poller, Ready, Refused, ReleaseHeld,
+    AskKv, AskStats, BlockingSender, Drop, Failed, KvAnswer, KvEvents, Outputs, Poller, Ready, Refused, ReleaseHeld,
     ReleaseKvs, Stats, Stop, Submit, ToEngine, receive,
 )
 
@@ -254,7 +254,8 @@ async def run(manifest: Manifest, role: str, index: int, device: str, requests_f
     core = Core(engine, sender, handoff, watch_gc())
     # sent by the scheduler thread itself (BlockingSender takes any thread): through this process's loop each
     # record's hop took the GIL from the scheduler at every turn
-    engine.on_kv_event = lambda record: sender.send(KvEvent(record=record))
+    engine.on_kv_event = lambda record: sender.send(KvEvents(records=[record]))
+    engine.on_kv_events = lambda records: sender.send(KvEvents(records=records))  # a prefill step's, together
     engine.kv_events_any_thread = True
     # a decode engine's completed KV copies go to the worker, which releases them: not through this process's loop
     handoff.forward_releases = lambda addresses, handles: sender.send(ReleaseKvs(addresses=addresses,

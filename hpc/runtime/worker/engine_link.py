@@ -97,8 +97,10 @@ class Stats(_Link, tag="stats"):
     values: dict[str, float]
 
 
-class KvEvent(_Link, tag="kv_event"):
-    record: dict[str, Any]
+class KvEvents(_Link, tag="kv_events"):
+    """A prefill step's prefix-cache records (stored / removed blocks), in order: one message a step, not one a
+    record (with a full pool, three a prompt)."""
+    records: list[dict[str, Any]]
 
 
 class Failed(_Link, tag="failed"):
@@ -115,7 +117,7 @@ class ReleaseKvs(_Link, tag="release_kvs"):
 
 
 ToEngine = Union[Submit, Drop, AskStats, AskKv, ReleaseHeld, Stop]
-FromEngine = Union[Ready, Outputs, Refused, KvAnswer, Stats, KvEvent, Failed, ReleaseKvs]
+FromEngine = Union[Ready, Outputs, Refused, KvAnswer, Stats, KvEvents, Failed, ReleaseKvs]
 _encoder = msgspec.msgpack.Encoder()
 
 

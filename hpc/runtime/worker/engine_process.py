@@ -28,7 +28,7 @@ from hpc.runtime.engine.types import DisaggregationMode, GenerateOutput, Generat
 from hpc.runtime.serve.rpc import RemoteError
 from hpc.runtime.serve.wire import FetchKv
 from hpc.runtime.worker.engine_link import (
-    AskKv, AskStats, Drop, Failed, FromEngine, KvAnswer, KvEvent, Outputs, Ready, Refused, ReleaseHeld, ReleaseKvs,
+    AskKv, AskStats, Drop, Failed, FromEngine, KvAnswer, KvEvents, Outputs, Ready, Refused, ReleaseHeld, ReleaseKvs,
     Stats, Stop, Submit, encode, receive,
 )
 from hpc.runtime.worker.kv_handoff import Releases, release_all
@@ -81,7 +81,7 @@ class EngineProcess:
         self._exited: asyncio.Task | None = None
         self._handlers: dict[type, Callable[[Any], None]] = {  # what the engine process says, by message type
             Outputs: self._delivered, Stats: self._stats_arrived, Refused: self._refused, KvAnswer: self._kv_answered,
-            KvEvent: self._kv_event, Ready: self._is_ready, Failed: lambda message: self._fail(message.error),
+            KvEvents: self._kv_events, Ready: self._is_ready, Failed: lambda message: self._fail(message.error),
             ReleaseKvs: lambda message: self.on_release_kvs(message)}
 
     @property
@@ -194,9 +194,10 @@ class EngineProcess:
         else:
             asked.set_result((message.meta, message.data))
 
-    def _kv_event(self, message: KvEvent) -> None:
+    def _kv_events(self, message: KvEvents) -> None:
         if self.on_kv_event is not None:
-            self.on_kv_event(message.record)
+            for record in message.records:
+                self.on_kv_event(record)
 
     def _is_ready(self, message: Ready) -> None:
         self.pid = message.pid

@@ -19,7 +19,8 @@ import torch
 from hpc.checks.probe import get_text, metric_values, post_json
 from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode, GenerateOutput, GenerateRequest
 from hpc.runtime.worker.engine_core import Keyed, LinkEmitter
-from hpc.runtime.worker.engine_link import FromEngine, Outputs, Receiver, Refused, Submit, ToEngine, encode
+from hpc.runtime.worker.engine_link import (FromEngine, KvEvents, Outputs, Receiver, Refused, Submit, ToEngine,
+                                           encode)
 from hpc.runtime.serve.rpc import RemoteError
 from hpc.runtime.worker.engine_process import EngineProcess, engine_in_own_process
 from hpc.spec.recipe import Backend
@@ -248,10 +249,19 @@ def test_messages_are_read_whole_however_the_bytes_arrive():
         assert got == messages and receiver.buffer == b""
         receiver.connection_lost(None)
         assert closed == [True]
-    mixed = [Outputs(keys=[1], outputs=[GenerateOutput(token_ids=[2])]), Refused(key=1, message=hostile, code=400)]
+    records = [{"event_id": 1, "data": {"type": "removed", "block_hashes": [7, 8]}, "window_size": 32},
+               {"event_id": 2, "data": {"type": "stored", "parent_hash": None, "blocks": []}, "window_size": 32}]
+    mixed = [Outputs(keys=[1], outputs=[GenerateOutput(token_ids=[2])]), Refused(key=1, message=hostile, code=400),
+             KvEvents(records=records)]
     got = []
     Receiver(FromEngine, got.append, lambda: None).data_received(b"".join(encode(m) for m in mixed))
     assert got == mixed
+    # the worker's side: a step's records, one message, go on to its publisher one by one, in order
+    published = []
+    worker_side = EngineProcess.__new__(EngineProcess)
+    worker_side.on_kv_event = published.append
+    worker_side._kv_events(got[-1])
+    assert published == records
 
 
 apart = stack_fixture("tiny-disagg", "--set", "runtime.engine_process=own")
