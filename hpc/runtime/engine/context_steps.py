@@ -172,17 +172,14 @@ class ContextSteps:
             self._kv_events_out([record])
 
     def _kv_events_out(self, records: list[dict[str, Any]]) -> None:
-        """From the scheduler thread to whoever listens: all at once where the listener takes several
-        (on_kv_events: an engine process's link, one message); else each to on_kv_event (the worker's NATS
-        publisher), on its event loop in one wake-up, or at once where it takes records from any thread."""
+        """From the scheduler thread to whoever listens: all at once to on_kv_events, on this thread (an engine
+        process's link: one message); else each to on_kv_event (the worker's NATS publisher), on its event loop,
+        in one wake-up."""
         if self.on_kv_events is not None:
             self.on_kv_events(records)
             return
         listener, loop = self.on_kv_event, self._event_loop
-        if listener is not None and self.kv_events_any_thread:
-            for record in records:
-                listener(record)
-        elif listener is not None and loop is not None:
+        if listener is not None and loop is not None:
             loop.call_soon_threadsafe(_each, listener, records)
 
     def _token_budget(self) -> int:

@@ -124,9 +124,9 @@ class TorchEngine(ContextSteps, DecodeSteps):
                           "decode_seconds_total": 0.0, "queue_seconds_total": 0.0, "first_tokens": 0,
                           "first_token_seconds_total": 0.0, "submit_seconds_total": 0.0,
                           "inbox_seconds_total": 0.0}
-        self.on_kv_event: Callable[[dict[str, Any]], None] | None = None  # per-block stored/removed records
-        self.kv_events_any_thread = False  # on_kv_event may be called from the scheduler thread itself
-        self.on_kv_events: Callable[[list[dict[str, Any]]], None] | None = None  # several at once, from any thread
+        self.on_kv_event: Callable[[dict[str, Any]], None] | None = None  # per-block stored/removed records, on
+        # the loop that opened the engine; or on_kv_events: a step's records at once, on the scheduler's thread
+        self.on_kv_events: Callable[[list[dict[str, Any]]], None] | None = None
         self._kv_batch: list[dict[str, Any]] | None = None  # while a step's records gather for on_kv_events
         # an engine process's (engine_core): called by the scheduler at every turn with how long it may wait for a
         # request; it reads the process's requests and submits them (submit_now) on the scheduler's own thread

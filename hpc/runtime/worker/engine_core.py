@@ -252,11 +252,9 @@ async def run(manifest: Manifest, role: str, index: int, device: str, requests_f
                           device=device, group=plan.group)
     handoff.engine = engine
     core = Core(engine, sender, handoff, watch_gc())
-    # sent by the scheduler thread itself (BlockingSender takes any thread): through this process's loop each
-    # record's hop took the GIL from the scheduler at every turn
-    engine.on_kv_event = lambda record: sender.send(KvEvents(records=[record]))
-    engine.on_kv_events = lambda records: sender.send(KvEvents(records=records))  # a prefill step's, together
-    engine.kv_events_any_thread = True
+    # a prefill step's prefix-cache records, one message, sent by the scheduler thread itself (BlockingSender takes
+    # any thread): through this process's loop each record's hop took the GIL from the scheduler at every turn
+    engine.on_kv_events = lambda records: sender.send(KvEvents(records=records))
     # a decode engine's completed KV copies go to the worker, which releases them: not through this process's loop
     handoff.forward_releases = lambda addresses, handles: sender.send(ReleaseKvs(addresses=addresses,
                                                                                 handles=handles))
