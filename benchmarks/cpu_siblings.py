@@ -7,8 +7,10 @@ sessions 16-18): a hidden sibling would explain it.
     python benchmarks/cpu_siblings.py [--cpus 0-31] [--ms 4] [--repeat 3]
 
 For every ordered pair (i, j): a spinning process on CPU j, a timed loop on CPU i; the loop's time over its time
-with every other CPU idle. Prints each CPU's slowest partner and ratio, and the pairs slowed by --threshold or
-more both ways (hidden siblings). Runs on any Linux machine with two CPUs or more; nothing else may be busy.
+with every other CPU idle. Prints each CPU's slowest partner and ratio, the pairs slowed by --threshold or more
+both ways (hidden siblings), and each CPU's time alone at the end over its time alone at the start (a CPU whose
+speed moved on its own). Runs on any Linux machine with two CPUs or more; nothing else may be busy. About 12 ms
+a pair: 32 CPUs take 10-20 s, 128 CPUs three minutes (--cpus takes a subset).
 """
 
 from __future__ import annotations
