@@ -5,6 +5,11 @@
     python benchmarks/e2e_throughput.py --engine-only --engine-args '{"cuda_graph_config": null}'  # eager decode
     python benchmarks/e2e_throughput.py --engine-only --engine-args '{"torch_compile_config": null}'  # eager prefill
     python benchmarks/e2e_throughput.py --concurrency 64 --output-spread 32   # lengths 32-96: no waves
+    python benchmarks/e2e_throughput.py --recipe tiny-disagg --direct agg     # against one aggregated engine
+
+A disaggregated recipe's direct path is, by default, its own prefill and decode engines driven in this process
+on the devices the stack's workers get (_direct.DirectPair): what the stack itself costs; `--direct agg` compares
+it with one aggregated engine instead, which also saves disaggregation's own hop.
 
 Both paths are warm alike: the direct engine is opened once and kept (as the stack's worker is), and every level
 of either path starts with the same warm-up requests. The direct engine's outputs are taken as a worker takes them
