@@ -160,7 +160,7 @@ def test_a_steps_prompts_are_stored_together_as_one_by_one(monkeypatch):
     monkeypatch.setattr(PrefixCache, "_copy_in", lambda self, taken: copies.append(len(taken)) or copy_in(self, taken))
     for together in (False, True):
         seen = []
-        pool = PrefixCache(block, capacity=16, cache=KvCache(whole.clone()), on_event=seen.append)
+        pool = PrefixCache(block, capacity=16, cache=KvCache(whole.clone()), on_events=seen.extend)
         if together:
             pool.store_all(prompts)
         else:

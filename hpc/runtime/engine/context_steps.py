@@ -141,16 +141,8 @@ class ContextSteps:
         slot before anything later can write it (a freed slot's next prompt is prefilled in a later iteration;
         decode steps write past the prompt)."""
         prompts, self._unstored = self._unstored, []
-        if self.prefix is None or not prompts:
-            return
-        # the step's records leave together: one message over an engine process's link, one loop wake-up
-        self._kv_batch = []
-        try:
-            self.prefix.store_all(prompts)
-        finally:
-            records, self._kv_batch = self._kv_batch, None
-            if records:
-                self._kv_events_out(records)
+        if self.prefix is not None and prompts:
+            self.prefix.store_all(prompts)  # its records leave together (_kv_events_out)
 
     def _prefix_cache(self) -> PrefixCache | None:
         """Prefix reuse as TensorRT-LLM's kv_cache_config sets it: on unless enable_block_reuse is false, blocks
@@ -163,18 +155,12 @@ class ContextSteps:
             return None
         block = tokens_per_block(self.args)
         capacity = int(kv.get("max_tokens") or 8 * self.max_len) // block
-        return PrefixCache(block, max(1, capacity), self.cache, on_event=self._kv_event)
-
-    def _kv_event(self, record: dict[str, Any]) -> None:
-        if self._kv_batch is not None:  # a prefill step's: they leave together (ContextSteps._store_prompts)
-            self._kv_batch.append(record)
-        else:
-            self._kv_events_out([record])
+        return PrefixCache(block, max(1, capacity), self.cache, on_events=self._kv_events_out)
 
     def _kv_events_out(self, records: list[dict[str, Any]]) -> None:
-        """From the scheduler thread to whoever listens: all at once to on_kv_events, on this thread (an engine
-        process's link: one message); else each to on_kv_event (the worker's NATS publisher), on its event loop,
-        in one wake-up."""
+        """A prefill step's records, from the scheduler thread to whoever listens: all at once to on_kv_events, on
+        this thread (an engine process's link: one message); else each to on_kv_event (the worker's NATS
+        publisher), on its event loop, in one wake-up."""
         if self.on_kv_events is not None:
             self.on_kv_events(records)
             return

@@ -40,16 +40,18 @@ def block_hashes(tokens: list[int], block: int) -> list[int]:
 
 class PrefixCache:
     def __init__(self, block: int, capacity: int, cache: KvCache,
-                 on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_events: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
         """`cache`: the engine's KV cache, [layers, 2, slots, kv_heads, max_len, head_dim] (blocks copy from and
-        into a slot, every layer in one kernel); `capacity`: blocks the pool holds."""
+        into a slot, every layer in one kernel); `capacity`: blocks the pool holds; `on_events`: the records of
+        each store_all, in order, in one call (a prefill step's leave an engine process as one message)."""
         self.block, self.capacity, self.cache = block, capacity, cache.whole
         layers, two, _, heads, _, dim = self.cache.shape
         self.pool = self.cache.new_zeros((capacity, layers, two, heads, block, dim))
         self.index: OrderedDict[int, int] = OrderedDict()  # block hash -> pool row, least recently used first
         self.free = list(range(capacity))
-        self.on_event = on_event
+        self.on_events = on_events
         self.event_id = 0
+        self._records: list[dict[str, Any]] = []  # this store_all's, not handed over yet
         self._removed: list[int] = []  # evicted hashes not reported yet: one "removed" record for a run of them
         self.hits = self.lookups = 0  # blocks found / blocks looked for
 
@@ -98,6 +100,9 @@ class PrefixCache:
                 parent = h
             self._stored(run)
         self._report_removed()
+        records, self._records = self._records, []
+        if records and self.on_events is not None:
+            self.on_events(records)
         self._copy_in(taken)
 
     def _copy_in(self, taken: dict[int, tuple[int, int]]) -> None:
@@ -138,5 +143,4 @@ class PrefixCache:
 
     def _emit(self, data: dict[str, Any]) -> None:
         self.event_id += 1
-        if self.on_event is not None:
-            self.on_event({"event_id": self.event_id, "data": data, "window_size": self.block})
+        self._records.append({"event_id": self.event_id, "data": data, "window_size": self.block})

@@ -127,7 +127,6 @@ class TorchEngine(ContextSteps, DecodeSteps):
         self.on_kv_event: Callable[[dict[str, Any]], None] | None = None  # per-block stored/removed records, on
         # the loop that opened the engine; or on_kv_events: a step's records at once, on the scheduler's thread
         self.on_kv_events: Callable[[list[dict[str, Any]]], None] | None = None
-        self._kv_batch: list[dict[str, Any]] | None = None  # while a step's records gather for on_kv_events
         # an engine process's (engine_core): called by the scheduler at every turn with how long it may wait for a
         # request; it reads the process's requests and submits them (submit_now) on the scheduler's own thread
         self.intake: Callable[[float], None] | None = None

@@ -181,11 +181,16 @@ class Core:
                 kv.drop()  # never copied: the prefill may free it
             self._refuse(message.key, exc)
             return True
-        if message.key in self.seqs:
-            self.seqs[message.key] = seq
-        else:  # dropped meanwhile
-            seq.cancelled = True
+        self._hold(message.key, seq)
         return True
+
+    def _hold(self, key: int, seq: Any) -> None:
+        """The submitted request's Seq under its key, unless a Drop came meanwhile (while its KV was fetched; or it
+        finished already: then this changes nothing)."""
+        if key in self.seqs:
+            self.seqs[key] = seq
+        else:
+            seq.cancelled = True
 
     def _refuse(self, key: int, exc: Exception) -> None:
         """A request that never reached the scheduler, with the code the RPC server gives it: a ValueError is the
@@ -201,10 +206,7 @@ class Core:
         except Exception as exc:  # noqa: BLE001 - whatever stops a request is the worker's to answer
             self._refuse(message.key, exc)
             return
-        if message.key in self.seqs:
-            self.seqs[message.key] = seq
-        else:  # dropped while its KV was fetched (or already finished: then this changes nothing)
-            seq.cancelled = True
+        self._hold(message.key, seq)
 
     async def _answer_kv(self, message: AskKv) -> None:
         try:
