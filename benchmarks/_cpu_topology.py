@@ -25,12 +25,12 @@ def cores(root: Path = CPU_ROOT, allowed: set[int] | None = None) -> list[tuple[
     seen: dict[tuple[int, ...], None] = {}
     for cpu in sorted(allowed):
         siblings = root / f"cpu{cpu}" / "topology" / "thread_siblings_list"
-        threads = _cpu_list(siblings.read_text()) if siblings.is_file() else [cpu]
+        threads = cpu_list(siblings.read_text()) if siblings.is_file() else [cpu]
         seen[tuple(t for t in threads if t in allowed)] = None
     return list(seen)
 
 
-def _cpu_list(text: str) -> list[int]:
+def cpu_list(text: str) -> list[int]:
     """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11] (the kernel's cpulist format)."""
     out: list[int] = []
     for part in text.strip().split(","):
@@ -204,12 +204,11 @@ def contention(machine0: dict[str, int], machine1: dict[str, int], threads0: dic
                   for tid, now in after.items()}
         if not deltas:
             continue
-        tid = (schedulers or {}).get(name)
-        if tid not in deltas:
-            tid = max(deltas, key=deltas.__getitem__)
+        named = (schedulers or {}).get(name)
+        tid = named if named in deltas else max(deltas, key=deltas.__getitem__)
         cpu, voluntary, involuntary, ran_on = deltas.pop(tid)
         node = numa_node(ran_on, root)
-        label = "scheduler thread" if (schedulers or {}).get(name) == tid else "busiest thread"
+        label = "scheduler thread" if tid == named else "busiest thread"
         parts.append(f"{name} {label} {cpu / seconds:.0%} of a core on CPU {ran_on}"
                      + (f" (node {node})" if node is not None else "")
                      + f", {voluntary / seconds:.0f} / {involuntary / seconds:.0f} switches/s"

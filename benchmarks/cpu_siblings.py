@@ -23,6 +23,10 @@ import sys
 import time
 from typing import Callable
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _cpu_topology import cpu_list  # noqa: E402
+
 SPIN = "while True: pass"
 
 
@@ -118,14 +122,6 @@ def probe(cpus: list[int], ms: float = 4.0, repeat: int = 3,
     return lines, [(i, j) for i, j, _, _ in siblings(ratios, threshold)]
 
 
-def _cpu_list(text: str) -> list[int]:
-    out: list[int] = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cpus", help="the CPUs to test (default: every CPU this process may use)")
@@ -133,7 +129,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="loops per measurement (the fastest counts)")
     parser.add_argument("--threshold", type=float, default=1.2, help="the slowdown that marks a sibling")
     args = parser.parse_args()
-    cpus = _cpu_list(args.cpus) if args.cpus else sorted(os.sched_getaffinity(0))
+    cpus = cpu_list(args.cpus) if args.cpus else sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         raise SystemExit("cpu_siblings: needs two CPUs or more")
     lines, _ = probe(cpus, args.ms, args.repeat, args.threshold)

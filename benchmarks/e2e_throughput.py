@@ -96,21 +96,18 @@ def direct_engine_args(input_tokens: int, output_tokens: int, spread: int, batch
                                                "max_batch_size": batch, **extra})
 
 
-def stack_max_seq_len(recipe_name: str) -> int:
+def quiet_recipe(recipe_name: str) -> Any:
+    """The recipe, loaded without the loader's printed notes (they would interleave with the table)."""
+    from hpc.spec.catalog import load_recipe
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        recipe, _ = load_recipe(recipe_name)
+    return recipe
+
+
+def stack_max_seq_len(recipe: Any) -> int:
     """The max_seq_len the recipe's workers get (hpc.engine_args.precedence.recipe_defaults: its limits)."""
-    from hpc.spec.catalog import load_recipe
-
-    with contextlib.redirect_stdout(io.StringIO()):
-        recipe, _ = load_recipe(recipe_name)
     return recipe.limits.max_input_tokens + recipe.limits.max_output_tokens
-
-
-def recipe_is_disaggregated(recipe_name: str) -> bool:
-    from hpc.spec.catalog import load_recipe
-
-    with contextlib.redirect_stdout(io.StringIO()):
-        recipe, _ = load_recipe(recipe_name)
-    return recipe.disaggregated
 
 
 def direct_engine(model_dir: Any, engine_args: dict[str, Any], pair: bool) -> Any:
@@ -166,15 +163,15 @@ def main() -> None:
     levels = [Level(c, args.input_tokens, args.output_tokens, max(args.requests, args.requests_per_user * c),
                     output_spread=args.output_spread) for c in (int(x) for x in args.concurrency.split(","))]
     model_dir = ensure_model(f"~/.cache/hpc/models/{args.model}", args.model)
+    recipe = quiet_recipe(args.recipe)
     extra = json.loads(args.engine_args)
     if not args.engine_only and "max_seq_len" not in extra:
         # the stack's workers' own (the recipe's limits): the decode attention's launch covers the whole cache
         # length, so a direct engine of a shorter cache stepped faster than any worker could (192 against 768)
-        extra["max_seq_len"] = stack_max_seq_len(args.recipe)
+        extra["max_seq_len"] = stack_max_seq_len(recipe)
     engine_args = direct_engine_args(args.input_tokens, args.output_tokens, args.output_spread,
                                      max(lv.concurrency for lv in levels), extra)
-    pair = args.direct == "disagg" or (args.direct == "auto" and not args.engine_only
-                                       and recipe_is_disaggregated(args.recipe))
+    pair = args.direct == "disagg" or (args.direct == "auto" and not args.engine_only and recipe.disaggregated)
 
     async def run() -> tuple[str, dict[int, list[float]], dict[int, list[float]], int]:
         """(device, engine tok/s per level, stack tok/s per level, the stack's frontend processes)."""
@@ -197,10 +194,8 @@ def main() -> None:
             from _stack import local_stack
             from hpc.bench.clients import processes_for, run_apart
             from hpc.bench.loadgen import run_level
-            from hpc.spec.catalog import load_recipe
 
             with contextlib.redirect_stdout(io.StringIO()):
-                recipe, _ = load_recipe(args.recipe)
                 override = json.dumps({k: v for k, v in engine_args.items() if k != "max_seq_len"})
                 roles = [role for role in ("agg", "prefill", "decode") if getattr(recipe.roles, role) is not None]
                 stack = local_stack(args.recipe, *(f"roles.{role}.override_engine_args={override}" for role in roles),
