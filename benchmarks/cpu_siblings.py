@@ -129,9 +129,15 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="loops per measurement (the fastest counts)")
     parser.add_argument("--threshold", type=float, default=1.2, help="the slowdown that marks a sibling")
     args = parser.parse_args()
-    cpus = cpu_list(args.cpus) if args.cpus else sorted(os.sched_getaffinity(0))
+    allowed = os.sched_getaffinity(0)
+    try:
+        cpus = cpu_list(args.cpus) if args.cpus else sorted(allowed)
+    except ValueError:
+        parser.error(f"--cpus {args.cpus!r}: give CPU numbers and ranges, e.g. 0-7,16")
+    if set(cpus) - allowed:
+        parser.error(f"--cpus: {sorted(set(cpus) - allowed)} not among this process's CPUs {sorted(allowed)}")
     if len(cpus) < 2:
-        raise SystemExit("cpu_siblings: needs two CPUs or more")
+        parser.error("needs two CPUs or more (--cpus)")
     lines, _ = probe(cpus, args.ms, args.repeat, args.threshold)
     print(*lines, sep="\n")
 

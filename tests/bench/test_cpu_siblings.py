@@ -17,6 +17,8 @@ pytestmark = pytest.mark.unit
 def test_pairs_slowed_both_ways_are_siblings_and_one_way_is_not():
     ratios = {(0, 1): 1.6, (1, 0): 1.5, (0, 2): 1.0, (2, 0): 1.3, (1, 2): 1.0, (2, 1): 1.05}
     assert cpu_siblings.siblings(ratios, 1.2) == [(0, 1, 1.6, 1.5)]  # 2 slowed by 0, not 0 by 2: no sibling
+    one_way = {**ratios, (1, 3): 1.4, (3, 1): 1.0}  # the lower-numbered CPU slowed, the other not: no sibling
+    assert cpu_siblings.siblings(one_way, 1.2) == [(0, 1, 1.6, 1.5)]
     lines = cpu_siblings.report([0, 1, 2], ratios, 1.2)
     assert "0<-1 1.60x" in lines[1] and "2<-0 1.30x" in lines[1]
     assert lines[2].endswith("0+1 (1.60x/1.50x)")
