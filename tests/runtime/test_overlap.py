@@ -189,3 +189,35 @@ def test_a_completed_event_is_not_waited_for_so_the_gil_is_kept():
     assert step.read() == [3, 4] and step.done.waits == 0
     step.done = _Event(False)
     assert step.read() == [3, 4] and step.done.waits == 1
+
+
+def test_plain_decode_tokens_leave_bare_with_the_outputs_step_by_step_gives(tiny):
+    """An overlapped step's tokens that end nothing leave as bare tokens (Emitter.send_tokens), not through
+    _emit_token: every output equal, field for field, to the step-by-step path's (which never sends them bare),
+    the ends (a stop token, the count, the cache's length) still sent whole with their reasons."""
+    reference, _ = asyncio.run(_answers(tiny, {"disable_overlap_scheduler": True},
+                                        [SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)] * 4))
+    requests = [SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, stop_token_ids=[reference[0][0][5]]),
+                SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),
+                SamplingParams(max_tokens=MAX_LEN - 12 - 1, temperature=0, ignore_eos=True),
+                SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=1)]  # never bare
+
+    async def outputs(args: dict) -> tuple[list[list], dict]:
+        engine_args = {"max_seq_len": MAX_LEN, "max_batch_size": 8, **args}
+        async with TorchEngine(tiny, DisaggregationMode.AGGREGATED, engine_args) as engine:
+            async def one(ids, sampling):
+                return [out async for out in engine.generate(GenerateRequest(request_id="r", token_ids=ids,
+                                                                             sampling=sampling))]
+            # the request with logprobs alone, after the others: it would keep their batch step-wise
+            first = await asyncio.gather(*(one(ids, p) for ids, p in zip(PROMPTS[:3], requests[:3])))
+            return [*first, await one(PROMPTS[3], requests[3])], engine.stats()
+
+    overlapped, stats = asyncio.run(outputs({}))
+    stepwise, plain = asyncio.run(outputs({"disable_overlap_scheduler": True}))
+    assert overlapped == stepwise  # GenerateOutput structs: every field
+    assert [out.finish_reason for out in (o[-1] for o in overlapped)] == ["stop", "length", "length", "length"]
+    assert [len(o) for o in overlapped] == [6, 7, MAX_LEN - 12 - 1, 5]
+    # the rows' middle tokens left bare: all but each request's first (it carries the prompt's figures) and last
+    assert stats["decode_tokens_bare_total"] == (6 - 2) + (7 - 2) + (MAX_LEN - 12 - 1 - 2), stats
+    assert plain.get("decode_tokens_bare_total", 0) == 0
+    assert all(out.prompt_tokens == len(ids) for o, ids in zip(overlapped, PROMPTS) for out in o)

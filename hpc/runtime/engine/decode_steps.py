@@ -103,10 +103,34 @@ class DecodeSteps:
             self._send_read(step, lambda seq, token: self._first_token(seq, token, None))
 
     def _emit_inflight(self, step: InflightStep | None = None) -> None:
-        """Read a step's tokens (the one in flight by default) and send them."""
+        """Read a step's tokens (the one in flight by default) and send them. A row's token that neither ends it nor
+        needs more than itself sent (Seq.plain, an output streamed already) leaves as a bare token: the emitter
+        gets the step's all at once (Emitter.send_tokens; an engine process sends them as two lists of ints), the
+        scheduler thread's cost of an output per row per step (_emit_token) spared."""
         if step is None:
             step, self._inflight = self._inflight, None
-        self._send_read(step, self._emit_token)
+        eos, max_len = self.cfg.eos_token_id, self.max_len
+        bare: list[Seq] = []
+        tokens: list[int] = []
+        with self.emitter:
+            for seq, token in zip(step.rows, step.read()):
+                if seq.slot < 0:  # ended meanwhile (a stop token read after this step was launched, a cancel)
+                    continue
+                p = seq.request.sampling
+                # _emit_token's tests of the end, negated: not a stop, not the last by count or by cache length
+                if seq.plain and seq.streamed and (token != eos or p.ignore_eos) and token not in p.stop_token_ids \
+                        and seq.generated + 1 < p.max_tokens and seq.length + 1 < max_len:
+                    seq.generated += 1
+                    seq.last_token = token
+                    bare.append(seq)
+                    tokens.append(token)
+                else:
+                    self._emit_token(seq, token)
+            if bare:
+                counters = self._counters
+                counters["generated_tokens"] += len(bare)
+                counters["decode_tokens_bare_total"] = counters.get("decode_tokens_bare_total", 0) + len(bare)
+                self.emitter.send_tokens(bare, tokens)
 
     def _send_read(self, step: InflightStep, send) -> None:
         """Read tokens picked on the device and `send` each; rows that ended meanwhile (a stop token read after

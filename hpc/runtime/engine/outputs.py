@@ -35,6 +35,11 @@ class Emitter:
         else:
             self.batch.setdefault(loop, []).append((outputs, out))
 
+    def send_tokens(self, seqs: list, tokens: list[int]) -> None:
+        """A decode step's bare tokens (DecodeSteps._emit_inflight): each its row's output, as send_held makes it."""
+        for seq, token in zip(seqs, tokens):
+            seq.emit(seq.bare(token))
+
     def __enter__(self) -> "Emitter":
         self.batch = {}
         return self

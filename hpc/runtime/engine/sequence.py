@@ -35,6 +35,11 @@ class Seq:
     held: list[int] = field(default_factory=list)  # tokens not sent yet (stream_interval)
     held_lp: list[TokenLogprob] = field(default_factory=list)
     handoff: str = ""  # on a prefill worker: the handle its KV waits under for the decode worker
+    outputs: Any = None  # where its outputs go (a queue, a callback, an engine process's key): the emitter's
+    # a decode step's token may leave as a bare token (Emitter.send_tokens): every token streamed, nothing needing the
+    # host's tokens (penalties, guides, logprobs); set by the engine on submit
+    plain: bool = False
+    streamed: bool = False  # an output left already (it carried what a bare token leaves out: cached tokens)
 
     def hold(self, token: int, logprob: TokenLogprob | None) -> None:
         self.held.append(token)
@@ -47,10 +52,15 @@ class Seq:
         tokens, logprobs = self.held, self.held_lp or None
         self.held, self.held_lp = [], []
         prompt_lp, self.prompt_lp = self.prompt_lp, None
+        self.streamed = True
         out = GenerateOutput(token_ids=tokens, prompt_tokens=len(self.request.token_ids), logprobs=logprobs,
                              cached_tokens=self.cached, prompt_logprobs=prompt_lp)
         # not `**final` in the call above: even empty, it takes msgspec's slow path (0.8 µs a token instead of 0.15)
         self.emit(replace(out, **final) if final else out)
+
+    def bare(self, token: int) -> GenerateOutput:
+        """A plain decode token's output, as send_held makes it (Emitter.send_tokens)."""
+        return GenerateOutput(token_ids=[token], prompt_tokens=len(self.request.token_ids), cached_tokens=self.cached)
 
 
 class BatchWait:

@@ -109,6 +109,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
         self.cfg: LlamaConfig | None = None
         self.model: LlamaForCausalLM | None = None
         self.vision: VisionEncoder | None = None
+        self.picker: TokenPicker | None = None
         self._inbox: queue.Queue = queue.Queue()
         self.handoffs = kvpack.HeldKv(HANDOFF_TTL_S)  # prefill: KV waiting for its decode worker
         self._thread: threading.Thread | None = None
@@ -321,7 +322,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
         """Check the request, fetch its KV (decode), hand it to the scheduler; its outputs go to `outputs` through
         `self.emitter` (generate and stream; an engine process's link sends them to its worker instead)."""
         loop = asyncio.get_running_loop()
-        seq = Seq(request=request, emit=lambda out: self.emitter.send(loop, outputs, out))
+        seq = self._seq(request, loop, outputs)
         self._check(request)
         if self.imports_kv(request):
             if self.fetch_kv is None:
@@ -332,10 +333,15 @@ class TorchEngine(ContextSteps, DecodeSteps):
     def submit_now(self, request: GenerateRequest, outputs, imported_kv: Any = None) -> Seq:
         """submit() with nothing to await, from any thread: a decode's KV already in hand (`imported_kv`). An
         engine process's scheduler thread reads its own requests and submits them this way (engine_core)."""
-        seq = Seq(request=request, emit=lambda out: self.emitter.send(None, outputs, out))
+        seq = self._seq(request, None, outputs)
         self._check(request)
         seq.imported_kv = imported_kv
         return self._enqueue(seq)
+
+    def _seq(self, request: GenerateRequest, loop: Any, outputs: Any) -> Seq:
+        seq = Seq(request=request, emit=lambda out: self.emitter.send(loop, outputs, out), outputs=outputs)
+        seq.plain = self.stream_interval == 1 and self.picker is not None and self.picker.batchable(request.sampling)
+        return seq
 
     def set_intake(self, intake: Callable[[float], None], wake: Callable[[], None]) -> None:
         """`wake` ends the intake's wait: what another thread puts in the inbox is not left waiting for it."""

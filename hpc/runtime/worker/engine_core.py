@@ -62,6 +62,8 @@ class LinkEmitter:
         self._send, self._finished, self._prepare = send, finished, prepare
         self._keys: list[int] = []
         self._outputs: list[GenerateOutput] = []
+        self._token_keys: list[int] = []
+        self._tokens: list[int] = []
         self._batching = False
 
     def send(self, loop: Any, outputs: Keyed, out: GenerateOutput) -> None:
@@ -78,15 +80,21 @@ class LinkEmitter:
             message = msgspec.structs.replace(message, outputs=[self._prepare(out) for out in message.outputs])
         self._send(message)
 
+    def send_tokens(self, seqs: list, tokens: list[int]) -> None:
+        """Only inside a step (DecodeSteps._emit_inflight): they leave with its message."""
+        self._token_keys += [seq.outputs.key for seq in seqs]
+        self._tokens += tokens
+
     def __enter__(self) -> "LinkEmitter":
         self._batching = True
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._batching = False
-        if self._keys:
-            keys, outs, self._keys, self._outputs = self._keys, self._outputs, [], []
-            self._leave(Outputs(keys=keys, outputs=outs))
+        if self._keys or self._token_keys:
+            message = Outputs(keys=self._keys, outputs=self._outputs, token_keys=self._token_keys, tokens=self._tokens)
+            self._keys, self._outputs, self._token_keys, self._tokens = [], [], [], []
+            self._leave(message)
 
 
 class Core:

@@ -69,10 +69,14 @@ class Ready(_Link, tag="ready"):
 
 
 class Outputs(_Link, tag="outputs"):
-    """One decode step's outputs (or one output outside a step), in the order the engine sent them."""
+    """One decode step's outputs (or one output outside a step), in the order the engine sent them; its rows'
+    bare tokens (Emitter.send_tokens) apart, a key and a token each: the worker makes their outputs (what an
+    earlier output of the request carried, and the token)."""
 
     keys: list[int]
     outputs: list[GenerateOutput]
+    token_keys: list[int] = []
+    tokens: list[int] = []
 
 
 class Refused(_Link, tag="refused"):

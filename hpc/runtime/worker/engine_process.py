@@ -40,6 +40,15 @@ STOP_TIMEOUT_S = 15.0
 CLOSED_GRACE_S = 1.0
 
 
+class _Stream:
+    """A request the engine process holds: where its outputs go, and what its bare tokens' outputs repeat."""
+
+    __slots__ = ("deliver", "done", "prompt_tokens", "cached")
+
+    def __init__(self, deliver: Callable[[GenerateOutput], None], done: asyncio.Future, prompt_tokens: int) -> None:
+        self.deliver, self.done, self.prompt_tokens, self.cached = deliver, done, prompt_tokens, 0
+
+
 def engine_in_own_process(setting: str, backend: Backend, modality: str, mode: DisaggregationMode, ranks: int,
                           on_gpu: bool) -> bool:
     if setting == "worker" or backend is not Backend.TORCH or modality != "text" or ranks > 1:
@@ -70,7 +79,7 @@ class EngineProcess:
                      "--index", str(index), "--device", device]
         self._ready_timeout_s = ready_timeout_s
         self._keys = itertools.count()
-        self._streams: dict[int, tuple[Callable[[GenerateOutput], None], asyncio.Future]] = {}
+        self._streams: dict[int, _Stream] = {}
         self._stats: dict[str, float] = {}
         self._stats_waiters: list[asyncio.Future] = []
         self._kv_asks: dict[int, asyncio.Future] = {}
@@ -144,7 +153,7 @@ class EngineProcess:
         if self.failure is None:
             self.failure = error
         streams, self._streams = self._streams, {}
-        waiting = [done for _, done in streams.values()] + list(self._kv_asks.values())
+        waiting = [stream.done for stream in streams.values()] + list(self._kv_asks.values())
         self._kv_asks = {}
         for done in waiting:
             if not done.done():
@@ -157,20 +166,28 @@ class EngineProcess:
     def _delivered(self, message: Outputs) -> None:
         streams = self._streams
         for key, out in zip(message.keys, message.outputs):
-            entry = streams.get(key)
-            if entry is None:  # dropped: the scheduler's last outputs have nowhere to go
+            stream = streams.get(key)
+            if stream is None:  # dropped: the scheduler's last outputs have nowhere to go
                 continue
-            deliver, done = entry
-            try:
-                deliver(out)
-            except Exception as exc:  # noqa: BLE001 - the caller's error, raised from stream()
+            stream.cached = out.cached_tokens
+            if self._deliver(key, stream, out) and out.finished:
                 del streams[key]
-                self._send(Drop(key=key))
-                done.set_exception(exc)
-                continue
-            if out.finished:
-                del streams[key]
-                done.set_result(None)
+                stream.done.set_result(None)
+        for key, token in zip(message.token_keys, message.tokens):  # bare tokens: never a request's first or last
+            stream = streams.get(key)
+            if stream is not None:
+                self._deliver(key, stream, GenerateOutput(token_ids=[token], prompt_tokens=stream.prompt_tokens,
+                                                          cached_tokens=stream.cached))
+
+    def _deliver(self, key: int, stream: "_Stream", out: GenerateOutput) -> bool:
+        try:
+            stream.deliver(out)
+        except Exception as exc:  # noqa: BLE001 - the caller's error, raised from stream()
+            del self._streams[key]
+            self._send(Drop(key=key))
+            stream.done.set_exception(exc)
+            return False
+        return True
 
     def _stats_arrived(self, message: Stats) -> None:
         self._stats = message.values
@@ -180,9 +197,9 @@ class EngineProcess:
                 waiter.set_result(None)
 
     def _refused(self, message: Refused) -> None:
-        entry = self._streams.pop(message.key, None)
-        if entry is not None:
-            entry[1].set_exception(ValueError(message.message) if message.code == 400
+        stream = self._streams.pop(message.key, None)
+        if stream is not None:
+            stream.done.set_exception(ValueError(message.message) if message.code == 400
                                    else RemoteError(message.message, message.code))
 
     def _kv_answered(self, message: KvAnswer) -> None:
@@ -216,7 +233,7 @@ class EngineProcess:
             raise RuntimeError(f"engine failed: {self.failure}")
         key = next(self._keys)
         done = asyncio.get_running_loop().create_future()
-        self._streams[key] = (deliver, done)
+        self._streams[key] = _Stream(deliver, done, len(request.token_ids))
         self._send(Submit(key=key, request=request, sent=time.perf_counter()))
         try:
             await done

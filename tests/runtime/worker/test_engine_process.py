@@ -63,6 +63,50 @@ def test_a_decode_steps_outputs_leave_as_one_message_and_others_at_once():
 
 
 @pytest.mark.unit
+def test_a_steps_bare_tokens_cross_as_ints_and_become_the_outputs_the_engine_would_send():
+    """A step's bare tokens (Emitter.send_tokens) leave as two lists of ints beside its whole outputs; the worker
+    makes each one's output from what its request's earlier output carried (cached tokens) and its prompt."""
+    from hpc.runtime.engine.sequence import Seq
+    from hpc.runtime.worker.engine_process import _Stream
+
+    sent = []
+    emitter = LinkEmitter(sent.append, lambda key: None)
+    seqs = {key: Seq(request=GenerateRequest(request_id=str(key), token_ids=[1] * (key + 3)), emit=lambda out: None,
+                     outputs=Keyed(key)) for key in (3, 5, 7)}
+    with emitter:
+        emitter.send(None, Keyed(7), GenerateOutput(token_ids=[70], prompt_tokens=10, finished=True))
+        emitter.send_tokens([seqs[3], seqs[5]], [31, 51])
+        assert sent == []  # bare tokens leave with their step's message, never alone
+    assert len(sent) == 1 and (sent[0].keys, sent[0].token_keys, sent[0].tokens) == ([7], [3, 5], [31, 51])
+    assert emitter._token_keys == [] and emitter._tokens == []  # the next step starts empty
+
+    async def worker_side() -> tuple[dict, dict]:
+        process = EngineProcess.__new__(EngineProcess)
+        process._requests = None  # nothing to send a Drop on
+        got: dict[int, list] = {3: [], 5: []}
+        loop = asyncio.get_running_loop()
+
+        def refuse(out):
+            raise ValueError("the caller's own error")
+
+        process._streams = {3: _Stream(got[3].append, loop.create_future(), 6),
+                            5: _Stream(got[5].append, loop.create_future(), 8),
+                            9: _Stream(refuse, loop.create_future(), 2)}
+        first = GenerateOutput(token_ids=[30], prompt_tokens=6, cached_tokens=4)
+        process._delivered(Outputs(keys=[3, 5], outputs=[first, GenerateOutput(token_ids=[50], prompt_tokens=8)]))
+        process._delivered(Outputs(keys=[], outputs=[], token_keys=[3, 5, 9, 11], tokens=[31, 51, 91, 111]))
+        failed = process._streams.get(9)
+        return got, {"left": sorted(process._streams), "failed": failed}
+
+    got, rest = asyncio.run(worker_side())
+    assert got[3] == [GenerateOutput(token_ids=[30], prompt_tokens=6, cached_tokens=4),
+                      GenerateOutput(token_ids=[31], prompt_tokens=6, cached_tokens=4)]
+    assert got[5][-1] == GenerateOutput(token_ids=[51], prompt_tokens=8, cached_tokens=0)
+    # a deliver that raised drops its request (the engine is told), key 11 unknown: skipped
+    assert rest == {"left": [3, 5], "failed": None}
+
+
+@pytest.mark.unit
 def test_a_decode_engines_completed_copies_are_released_by_its_worker():
     """ReleaseKvs from the engine process (its scheduler thread's, through the link) becomes one ReleaseKv for
     each prefill worker's KV, sent by the worker (EngineHandoff), and waited for as the worker stops."""
@@ -251,7 +295,8 @@ def test_messages_are_read_whole_however_the_bytes_arrive():
         assert closed == [True]
     records = [{"event_id": 1, "data": {"type": "removed", "block_hashes": [7, 8]}, "window_size": 32},
                {"event_id": 2, "data": {"type": "stored", "parent_hash": None, "blocks": []}, "window_size": 32}]
-    mixed = [Outputs(keys=[1], outputs=[GenerateOutput(token_ids=[2])]), Refused(key=1, message=hostile, code=400),
+    mixed = [Outputs(keys=[1], outputs=[GenerateOutput(token_ids=[2])], token_keys=[4, 6], tokens=[9, 10]),
+             Refused(key=1, message=hostile, code=400),
              KvEvents(records=records)]
     got = []
     Receiver(FromEngine, got.append, lambda: None).data_received(b"".join(encode(m) for m in mixed))
@@ -303,12 +348,15 @@ def test_the_decode_worker_serves_from_an_engine_process_of_its_own(apart, tiny)
     assert "hpc.runtime.worker.engine_core" in _cmdline(prefill["engine_pid"])
     steps = _metric(apart, "decode-0", "hpc_worker_decode_steps")
     served = _metric(apart, "decode-0", "hpc_worker_requests_streamed_direct")
+    bare = _metric(apart, "decode-0", "hpc_worker_decode_tokens_bare_total")
     status, body = _complete(apart)
     assert status == 200 and body["usage"]["completion_tokens"] == 12
     assert _metric(apart, "decode-0", "hpc_worker_engine_gc_full_collections_total") == full_collections
     # the engine process decoded it (its counters reach the worker's /metrics) and took the KV itself
     assert _metric(apart, "decode-0", "hpc_worker_decode_steps") >= steps + 11
     assert _metric(apart, "decode-0", "hpc_worker_requests_streamed_direct") == served + 1
+    # its middle tokens crossed the link bare (the decode engine's first and the last whole): 12 - 1 prefilled - 2
+    assert _metric(apart, "decode-0", "hpc_worker_decode_tokens_bare_total") >= bare + 9
     # the time before the engine had it, measured in its process: the link from the worker; on a GPU its KV came
     # with the prefill's answer, so the scheduler's thread took it (no event loop task); on CPU the loop fetched
     # the KV's bytes (a task, whose wait to start is timed)
