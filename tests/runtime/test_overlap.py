@@ -221,3 +221,29 @@ def test_plain_decode_tokens_leave_bare_with_the_outputs_step_by_step_gives(tiny
     assert stats["decode_tokens_bare_total"] == (6 - 2) + (7 - 2) + (MAX_LEN - 12 - 1 - 2), stats
     assert plain.get("decode_tokens_bare_total", 0) == 0
     assert all(out.prompt_tokens == len(ids) for o, ids in zip(overlapped, PROMPTS) for out in o)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_steps_copy_to_the_host_is_complete_when_its_event_says_so_with_events_reused():
+    # HostCopies records one event per buffer again and again: each step's (host, event) still tells when that
+    # step's copy is complete, the copies queued behind the device's work without the host waiting
+    import time
+
+    import torch
+
+    from hpc.runtime.engine.overlap import HostCopies, InflightStep
+
+    copies = HostCopies(8, torch.device("cuda"))
+    steps = []
+    for i in range(6):
+        if i == 2:
+            torch.cuda._sleep(1_000_000_000)  # about half a second of queued work before the third step's copy
+        tokens = torch.full((4,), i, device="cuda")
+        t0 = time.perf_counter()
+        steps.append(InflightStep([], tokens, *copies.start(tokens)))
+        assert time.perf_counter() - t0 < 0.1  # no wait for the device
+        if len(steps) >= 2:  # as the scheduler: a step is read before its buffer comes round again
+            assert steps[-2].read() == [i - 1] * 4
+    assert steps[-1].read() == [5] * 4
+    assert len({id(step.done) for step in steps}) == 2 and len(copies.events) == 2  # two events, reused

@@ -206,7 +206,7 @@ class ContextSteps:
         steps, rows the device can pick for, and a next step for each (not its last token, room in the cache)."""
         if not self.overlap or want is not None or self.mode is DisaggregationMode.PREFILL or self._first.full():
             return False
-        return all(self.picker.batchable(s.request.sampling) and s.request.sampling.max_tokens > 1
+        return all(s.batchable and s.request.sampling.max_tokens > 1
                    and s.length + 2 < self.max_len for s in seqs)
 
     def _prefill(self, group: list[tuple[Seq, int]]) -> list[Picked | object | None]:

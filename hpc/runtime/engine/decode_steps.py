@@ -13,9 +13,8 @@ from hpc.runtime.engine.sequence import Seq
 
 class DecodeSteps:
     def _decode_step(self, running: list[Seq]) -> None:
-        batchable = self.picker.batchable
         if self._inflight is not None or self._first.steps:  # tokens not read yet: a step's, prefills' first ones
-            carried = carry_over(self._inflight, running, self.max_len, batchable)
+            carried = carry_over(self._inflight, running, self.max_len)
             if carried is None or not (carried[0] or carried[1]):
                 self._emit_first_tokens()  # a row needs its token on the host, or none goes on: read them first
                 if self._inflight is not None:
@@ -33,7 +32,7 @@ class DecodeSteps:
                                        lambda ids: on_device(ids, self.device))
             self._launch_overlapped(rows, tokens)
             return
-        if self.overlap and startable(running, self.max_len, batchable):
+        if self.overlap and startable(running, self.max_len):
             self._launch_overlapped(running, None)
             return
         self._counters["decode_steps"] += 1

@@ -54,6 +54,9 @@ class HostCopies:
     def __init__(self, rows: int, device: torch.device, buffers: int = 2) -> None:
         self.rows, self.device, self.count = rows, device, buffers
         self.buffers: list[torch.Tensor] = []
+        # an event per buffer, recorded again as its buffer is: a step's copy was read before its buffer comes round
+        # again (as the buffer's values must be), and a new event a step cost a creation and a destruction
+        self.events: list[torch.cuda.Event] = []
         self.turn = 0
 
     def start(self, tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -61,16 +64,16 @@ class HostCopies:
             return tokens, None
         if not self.buffers:
             self.buffers = [torch.empty(self.rows, dtype=torch.long, pin_memory=True) for _ in range(self.count)]
-        host = self.buffers[self.turn][:tokens.shape[0]]
-        self.turn = (self.turn + 1) % self.count
+            self.events = [torch.cuda.Event() for _ in range(self.count)]
+        turn, self.turn = self.turn, (self.turn + 1) % self.count
+        host = self.buffers[turn][:tokens.shape[0]]
         host.copy_(tokens, non_blocking=True)
-        done = torch.cuda.Event()
+        done = self.events[turn]
         done.record()
         return host, done
 
 
-def carry_over(step: InflightStep | None, running: list["Seq"], max_len: int,
-               batchable) -> tuple[list[int], list["Seq"]] | None:
+def carry_over(step: InflightStep | None, running: list["Seq"], max_len: int) -> tuple[list[int], list["Seq"]] | None:
     """The next step's rows while `step` is in flight, as TensorRT-LLM's overlap scheduler forms them: the rows
     of `step` that go on past its token (their indices in it: their input is its device tokens), then the rows
     that joined since (handed over or prefilled here: their token on the host, or still on the device where the
@@ -81,15 +84,14 @@ def carry_over(step: InflightStep | None, running: list["Seq"], max_len: int,
     kept: list[int] = []
     joined: list["Seq"] = []
     for seq in running:
-        p = seq.request.sampling
-        if not batchable(p):
+        if not seq.batchable:
             return None
         i = index.get(id(seq))
         if i is None:
             if seq.length + 1 >= max_len:
                 return None
             joined.append(seq)
-        elif seq.generated + 1 < p.max_tokens and seq.length + 2 < max_len:
+        elif seq.generated + 1 < seq.request.sampling.max_tokens and seq.length + 2 < max_len:
             kept.append(i)
     return kept, joined
 
@@ -151,7 +153,7 @@ class FirstTokens:
         return steps
 
 
-def startable(running: list["Seq"], max_len: int, batchable) -> bool:
+def startable(running: list["Seq"], max_len: int) -> bool:
     """May a chain start with this step? Its rows batchable and none at the cache's end (a row whose next token is
     its last by count just sits out the step after, carry_over)."""
-    return all(batchable(seq.request.sampling) and seq.length + 2 < max_len for seq in running)
+    return all(seq.batchable and seq.length + 2 < max_len for seq in running)

@@ -36,8 +36,10 @@ class Seq:
     held_lp: list[TokenLogprob] = field(default_factory=list)
     handoff: str = ""  # on a prefill worker: the handle its KV waits under for the decode worker
     outputs: Any = None  # where its outputs go (a queue, a callback, an engine process's key): the emitter's
-    # a decode step's token may leave as a bare token (Emitter.send_tokens): every token streamed, nothing needing the
-    # host's tokens (penalties, guides, logprobs); set by the engine on submit
+    # set by the engine on submit: its tokens need not come to the host before its next step (no penalties, guides,
+    # seeds, logprobs: TokenPicker.batchable); and with every token streamed, a decode step's token may leave bare
+    # (Emitter.send_tokens)
+    batchable: bool = False
     plain: bool = False
     streamed: bool = False  # an output left already (it carried what a bare token leaves out: cached tokens)
 

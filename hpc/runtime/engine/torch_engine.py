@@ -340,7 +340,8 @@ class TorchEngine(ContextSteps, DecodeSteps):
 
     def _seq(self, request: GenerateRequest, loop: Any, outputs: Any) -> Seq:
         seq = Seq(request=request, emit=lambda out: self.emitter.send(loop, outputs, out), outputs=outputs)
-        seq.plain = self.stream_interval == 1 and self.picker is not None and self.picker.batchable(request.sampling)
+        seq.batchable = self.picker is not None and self.picker.batchable(request.sampling)
+        seq.plain = seq.batchable and self.stream_interval == 1
         return seq
 
     def set_intake(self, intake: Callable[[float], None], wake: Callable[[], None]) -> None:
