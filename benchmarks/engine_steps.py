@@ -74,12 +74,13 @@ def main() -> None:
             timers.wrap(engine, "_context_step", "prefill (incl. below)")
             timers.wrap(engine, "_decode_step", "decode step (incl. below)")
             timers.wrap(engine.picker, "pick_rows", "  pick tokens (waits for the GPU)")
-            for graphs, label in ((engine.graphs, "  decode graph launch"),
-                                  (engine.prefill_graphs, "  prefill graph launch")):
+            for graphs, method, label in ((engine.graphs, "run_picking", "  decode graph launch"),
+                                          (engine.prefill_graphs, "run", "  prefill graph launch")):
                 if graphs is not None:
-                    timers.wrap(graphs, "run", label)
+                    timers.wrap(graphs, method, label)
+            timers.wrap(engine._host_copies, "start", "  decode tokens' copy to the host")
             timers.wrap(engine, "_padded_prefill", "  eager prefill")
-            timers.wrap(engine, "_emit_token", "  emit tokens")
+            timers.wrap(engine, "_emit_inflight", "  emit a step's tokens")
             rng = random.Random(0)
             await engine_level(engine, level, rng)  # warm: the level's shapes and the loop's caches
             before = engine.stats()
