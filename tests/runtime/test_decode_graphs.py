@@ -145,7 +145,7 @@ def test_rows_going_on_take_the_last_picks_inside_the_graph_by_their_index() -> 
 
 
 def test_graphs_that_make_their_own_copies_give_the_same_steps() -> None:
-    """copies_in_graph (HPC_DECODE_GRAPH_COPIES=1): a graph per size and staging buffer copies its inputs in and its
+    """copies_in_graph (the engine's default): a graph per size and staging buffer copies its inputs in and its
     picks out itself; the steps equal the eager ones, tokens handed in on the device go in by index, and the host
     copy of the picks holds them."""
     from hpc.runtime.engine.sampling import pick_in_graph

@@ -75,16 +75,22 @@ def test_decode_steps_replay_from_cuda_graphs_with_the_eager_steps_tokens(tmp_pa
 
 
 def test_decode_graphs_that_make_their_own_copies_give_the_eager_tokens(tmp_path, monkeypatch) -> None:
-    """HPC_DECODE_GRAPH_COPIES=1 (an experiment until measured): each step's input and output copies are captured
-    in its graph; the overlapped, graphed steps give the eager steps' tokens."""
+    """By default each step's input and output copies are captured in its graph (HPC_DECODE_GRAPH_COPIES=0: the
+    host launches them); either way the overlapped, graphed steps give the eager steps' tokens."""
     model_dir = build_tiny(tmp_path / "tiny", hidden=256, layers=4)
     eager, _ = _run(model_dir, {"cuda_graph_config": None})
-    monkeypatch.setenv("HPC_DECODE_GRAPH_COPIES", "1")
-    graphed, engine = _run(model_dir, {"cuda_graph_config": {"enable_padding": True, "batch_sizes": [1, 2, 4]}})
-    stats = engine.stats()
-    assert engine.graphs.copies_in_graph and stats["decode_steps_graphed"] == stats["decode_steps"] >= 11
-    assert stats["decode_steps_carried_in_graph"] >= 6, stats
-    assert graphed == eager
+    graphs = {"cuda_graph_config": {"enable_padding": True, "batch_sizes": [1, 2, 4]}}
+    for setting, in_graph in (("", True), ("0", False)):
+        if setting:
+            monkeypatch.setenv("HPC_DECODE_GRAPH_COPIES", setting)
+        else:
+            monkeypatch.delenv("HPC_DECODE_GRAPH_COPIES", raising=False)
+        graphed, engine = _run(model_dir, graphs)
+        stats = engine.stats()
+        assert engine.graphs.copies_in_graph is in_graph
+        assert stats["decode_steps_graphed"] == stats["decode_steps"] >= 11
+        assert stats["decode_steps_carried_in_graph"] >= 6, stats
+        assert graphed == eager
 
 
 def test_prefills_replay_from_cuda_graphs_with_the_eager_prefills_tokens(tmp_path) -> None:

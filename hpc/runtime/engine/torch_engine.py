@@ -206,8 +206,9 @@ class TorchEngine(ContextSteps, DecodeSteps):
                      own.stop - 1)
         self.max_len = min(self.max_len, self.cfg.max_position_embeddings)
         sizes = decode_graph_sizes(self.args, self.max_batch) if self._graphable() else None
-        # an experiment until measured on a GPU: the decode graphs make their own copies (DecodeGraphs)
-        copies = os.environ.get("HPC_DECODE_GRAPH_COPIES") == "1"
+        # the decode graphs make their own copies (DecodeGraphs): a c=64 step's host time 456 -> 384 us on an H200
+        # (docs/performance.md, session 19); HPC_DECODE_GRAPH_COPIES=0 has the host launch them, for comparisons
+        copies = os.environ.get("HPC_DECODE_GRAPH_COPIES", "1") != "0"
         self.graphs = DecodeGraphs(self._decode_logits, sizes, self.max_batch, self.device, pick=pick_in_graph,
                                    copies_in_graph=copies) if sizes else None
         counts = prefill_graph_tokens(self.args, self._token_budget()) if self._graphable(prefill=True) else None
