@@ -120,6 +120,9 @@ def steps(mpiexec: str, scratch: str, gpus: int, profiles: str) -> list[tuple[st
                                            "--direct", "agg"], None, 150),
         # which of the VM's CPUs slow each other down (the host's placement of its vCPUs; sessions 16-18)
         ("cpu_siblings", [py, "benchmarks/cpu_siblings.py"], None, 60),
+        # the engine's scheduler at c=64 by phase; a decode step's tokens to the host, events made or reused
+        ("engine_steps", [py, "benchmarks/engine_steps.py", "--concurrency", "64"], None, 90),
+        ("decode_host_copy", [py, "benchmarks/decode_host_copy.py"], None, 60),
         # the same with each worker's engine in the worker's process (on a GPU it has one of its own by default)
         ("stack_vs_engine_agg_in_worker", [py, "benchmarks/e2e_throughput.py", "--recipe", "tiny-agg",
                                            "--concurrency", "1,8,32,64", "--rounds", "3", "--requests-per-user", "16",
