@@ -48,14 +48,17 @@ async def send(url: str, model: str, prompts: list[list[int]], concurrency: int)
     async def one(prompt: list[int]) -> None:
         body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
                            "stream": True}).encode()
-        conn, t0, first = pool.take(), time.perf_counter(), None
-        async for status, piece in conn.chunks("POST", "/v1/completions", body):
-            if status != 200:
-                raise SystemExit(f"HTTP {status}: {piece[:200]!r}")
-            if first is None and b'"text"' in piece:
-                first = time.perf_counter() - t0
+        conn, t0, first, body_seen = pool.take(), time.perf_counter(), [], []
+
+        def on_piece(piece: bytes) -> None:
+            body_seen.append(piece)
+            if not first and b'"text"' in piece:
+                first.append(time.perf_counter() - t0)
+        status = await conn.stream("POST", "/v1/completions", body, on_piece)
+        if status != 200:
+            raise SystemExit(f"HTTP {status}: {b''.join(body_seen)[:200]!r}")
         pool.give(conn, True)
-        ttfts.append(first if first is not None else time.perf_counter() - t0)
+        ttfts.append(first[0] if first else time.perf_counter() - t0)
 
     async def user() -> None:
         while queue:

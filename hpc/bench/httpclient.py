@@ -1,67 +1,154 @@
-"""A small keep-alive HTTP/1.1 client on asyncio streams: cheap enough to load a server from the same box."""
+"""A small keep-alive HTTP/1.1 client on an asyncio Protocol: cheap enough to load a server from the same box.
+
+A response's bytes are parsed in the loop's callback as they arrive (its head, then its body, chunked or by
+length) and handed to the caller's `on_piece` there: no coroutine is resumed per read. With a stream reader, each
+streamed token cost three awaits and a generator's resumption in the load generator (client_tokens.py)."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import Callable
 from urllib.parse import urlsplit
+
+
+class _Response:
+    """One response being read: `on_piece` gets the body's data as it arrives (all the chunks one read brought, as
+    one piece); `done` gets the status once the body ended, or the exception that stopped it."""
+
+    def __init__(self, on_piece: Callable[[bytes], None], done: asyncio.Future) -> None:
+        self.on_piece, self.done = on_piece, done
+        self.buffer = b""
+        self.status = 0
+        self.in_head = True
+        self.chunked = False
+        self.remaining = 0  # a body by length: bytes still to come
+        self.close_after = False
+
+    def feed(self, data: bytes) -> None:
+        buf = self.buffer + data if self.buffer else data
+        if self.in_head:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                self.buffer = buf
+                return
+            self._head(buf[:end].decode("latin-1"))
+            buf = buf[end + 4:]
+        if self.chunked:
+            self._chunks(buf)
+            return
+        body, self.buffer = buf[:self.remaining], b""
+        self.remaining -= len(body)
+        if body:
+            self.on_piece(body)
+        if self.remaining == 0:
+            self.done.set_result(self.status)
+
+    def _head(self, text: str) -> None:
+        lines = text.split("\r\n")
+        self.status = int(lines[0].split(" ", 2)[1])
+        headers = {}
+        for line in lines[1:]:
+            key, _, value = line.partition(":")
+            headers[key.strip().lower()] = value.strip()
+        self.in_head = False
+        self.chunked = headers.get("transfer-encoding", "").lower() == "chunked"
+        self.remaining = int(headers.get("content-length", "0"))
+        self.close_after = headers.get("connection", "").lower() == "close"
+
+    def _chunks(self, buf: bytes) -> None:
+        pieces, pos, ended = [], 0, False
+        while True:
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:
+                break
+            size = int(buf[pos:eol].split(b";", 1)[0], 16)
+            if size == 0:  # the last chunk, then trailers (none, here) and an empty line
+                end = buf.find(b"\r\n\r\n", eol)
+                if end >= 0:
+                    pos, ended = end + 4, True
+                break
+            end = eol + 2 + size
+            if len(buf) < end + 2:
+                break
+            pieces.append(buf[eol + 2:end])
+            pos = end + 2
+        self.buffer = buf[pos:]
+        if pieces:
+            self.on_piece(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+        if ended:
+            self.done.set_result(self.status)
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.response: _Response | None = None
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        response = self.response
+        if response is None or response.done.done():
+            return  # nothing asked: a server's stray bytes
+        try:
+            response.feed(data)
+        except Exception as exc:  # noqa: BLE001 - the caller's on_piece or a malformed response: the caller's error
+            if not response.done.done():
+                response.done.set_exception(exc)
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        response = self.response
+        if response is not None and not response.done.done():
+            response.done.set_exception(exc or ConnectionError("the server closed the connection mid-response"))
 
 
 class Connection:
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
+        self.protocol: _Protocol | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.protocol is not None and not self.protocol.lost
 
     async def open(self) -> None:
-        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        _, self.protocol = await asyncio.get_running_loop().create_connection(_Protocol, self.host, self.port)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        self.reader = self.writer = None
+        if self.protocol is not None and self.protocol.transport is not None:
+            self.protocol.transport.close()
+        self.protocol = None
 
-    async def _send(self, method: str, path: str, body: bytes) -> None:
-        if self.writer is None:
+    async def stream(self, method: str, path: str, body: bytes, on_piece: Callable[[bytes], None]) -> int:
+        """Send a request; the response's body goes to `on_piece` as it arrives (in the loop's callback); returns
+        its status once the body ended. A failure on the way (the connection lost, `on_piece` raising, a
+        cancel) leaves the connection closed."""
+        if not self.usable:
             await self.open()
+        protocol = self.protocol
+        done = asyncio.get_running_loop().create_future()
+        protocol.response = response = _Response(on_piece, done)
         head = (f"{method} {path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: application/json\r\n"
                 f"content-length: {len(body)}\r\n\r\n").encode()
-        self.writer.write(head + body)
-
-    async def _head(self) -> tuple[int, dict[str, str]]:
-        raw = await self.reader.readuntil(b"\r\n\r\n")
-        lines = raw.decode("latin-1").split("\r\n")
-        status = int(lines[0].split(" ", 2)[1])
-        headers = {}
-        for line in lines[1:]:
-            if ":" in line:
-                k, _, v = line.partition(":")
-                headers[k.strip().lower()] = v.strip()
-        return status, headers
-
-    async def chunks(self, method: str, path: str, body: bytes) -> AsyncIterator[tuple[int, bytes]]:
-        """(status, piece) as the body arrives; chunked bodies piece by piece."""
-        await self._send(method, path, body)
-        status, headers = await self._head()
-        if headers.get("transfer-encoding") == "chunked":
-            while True:
-                size = int((await self.reader.readline()).strip() or b"0", 16)
-                if size == 0:
-                    await self.reader.readline()
-                    break
-                data = await self.reader.readexactly(size)
-                await self.reader.readexactly(2)
-                yield status, data
-        else:
-            yield status, await self.reader.readexactly(int(headers.get("content-length", "0")))
-        if headers.get("connection", "").lower() == "close":
+        protocol.transport.write(head + body)
+        try:
+            status = await done
+        except BaseException:
             self.close()
+            raise
+        finally:
+            protocol.response = None
+        if response.close_after:
+            self.close()
+        return status
 
     async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
-        parts = []
-        status = 0
-        async for status, piece in self.chunks(method, path, body):
-            parts.append(piece)
+        parts: list[bytes] = []
+        status = await self.stream(method, path, body, parts.append)
         return status, b"".join(parts)
 
 
@@ -77,7 +164,7 @@ class Pool:
         return self.idle.pop() if self.idle else Connection(self.host, self.port)
 
     def give(self, conn: Connection, ok: bool) -> None:
-        if ok and conn.writer is not None:
+        if ok and conn.usable:
             self.idle.append(conn)
         else:
             conn.close()

@@ -76,6 +76,40 @@ def prompt_ids(n: int, rng: random.Random) -> list[int]:
     return [rng.randrange(100, 3000) for _ in range(n)]
 
 
+class _Events:
+    """A streamed response's SSE events into its sample, parsed as the bytes arrive (in the connection's callback):
+    the first token's time, the gaps between token events, the usage's count, an error event."""
+
+    def __init__(self, sample: Sample, t0: float) -> None:
+        self.sample, self.t0 = sample, t0
+        self.buffer = b""
+        self.last: float | None = None
+
+    def feed(self, piece: bytes) -> None:
+        buffer = self.buffer + piece if self.buffer else piece
+        if b"\n\n" not in buffer:
+            self.buffer = buffer
+            return
+        *events, self.buffer = buffer.split(b"\n\n")
+        now = time.perf_counter()
+        sample = self.sample
+        for event in events:
+            if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                continue
+            data = json.loads(event[6:])
+            if "error" in data:
+                sample.error = data["error"].get("message", "error event")
+                continue
+            if data.get("usage"):
+                sample.tokens = int(data["usage"]["completion_tokens"])
+            if data.get("choices") and data["choices"][0].get("text"):
+                if sample.ttft is None:
+                    sample.ttft = now - self.t0
+                elif self.last is not None:
+                    sample.itls.append(now - self.last)
+                self.last = now
+
+
 async def one_request(pool: Pool, model: str, level: Level, streaming: bool, rng: random.Random) -> Sample:
     prompt = prompt_ids(level.input_tokens, random.Random(level.input_tokens) if level.same_prompt else rng)
     body = {"model": model, "prompt": prompt, "max_tokens": level.max_tokens(rng),
@@ -85,7 +119,6 @@ async def one_request(pool: Pool, model: str, level: Level, streaming: bool, rng
     conn = pool.take()
     t0 = time.perf_counter()
     sample = Sample(ok=False)
-    last = None
     try:
         if not streaming:
             status, raw = await conn.request("POST", "/v1/completions", json.dumps(body).encode())
@@ -97,37 +130,18 @@ async def one_request(pool: Pool, model: str, level: Level, streaming: bool, rng
                 sample.ok = True
                 sample.ttft = time.perf_counter() - t0
         else:
-            buffer = b""
-            status = 0
-            async for status, piece in conn.chunks("POST", "/v1/completions", json.dumps(body).encode()):
-                buffer += piece
-                while b"\n\n" in buffer:
-                    event, buffer = buffer.split(b"\n\n", 1)
-                    if not event.startswith(b"data: ") or event == b"data: [DONE]":
-                        continue
-                    data = json.loads(event[6:])
-                    if "error" in data:
-                        sample.error = data["error"].get("message", "error event")
-                        continue
-                    if data.get("usage"):
-                        sample.tokens = int(data["usage"]["completion_tokens"])
-                    if data.get("choices") and data["choices"][0].get("text"):
-                        now = time.perf_counter()
-                        if sample.ttft is None:
-                            sample.ttft = now - t0
-                        elif last is not None:
-                            sample.itls.append(now - last)
-                        last = now
-            if sample.ttft is not None and last is not None:
-                sample.decode_s = last - t0 - sample.ttft
+            events = _Events(sample, t0)
+            status = await conn.stream("POST", "/v1/completions", json.dumps(body).encode(), events.feed)
+            if sample.ttft is not None and events.last is not None:
+                sample.decode_s = events.last - t0 - sample.ttft
             if status != 200 and not sample.error:
                 try:
-                    sample.error = json.loads(buffer)["error"]["message"]
+                    sample.error = json.loads(events.buffer)["error"]["message"]
                 except (ValueError, KeyError):
                     sample.error = f"HTTP {status}"
             sample.ok = status == 200 and not sample.error
         pool.give(conn, True)
-    except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+    except (OSError, ValueError) as exc:
         sample.error = f"{type(exc).__name__}: {exc}"
         pool.give(conn, False)
     sample.e2e = time.perf_counter() - t0

@@ -19,7 +19,7 @@ async def _one(pool: Pool, body: dict[str, Any]) -> dict[str, Any]:
         status, raw = await conn.request("POST", "/v1/videos", json.dumps(body).encode())
         pool.give(conn, True)
         data = json.loads(raw)
-    except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+    except (OSError, ValueError) as exc:
         pool.give(conn, False)
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "e2e": time.perf_counter() - t0}
     ok = status == 200 and data.get("status") == "completed"
