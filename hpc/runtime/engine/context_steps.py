@@ -20,7 +20,7 @@ from hpc.runtime.engine.guided import Automaton
 from hpc.runtime.engine.prefix_cache import PrefixCache
 from hpc.runtime.engine.sampling import make_generator, on_device, prompt_logprobs
 from hpc.runtime.engine.sequence import Seq, context_work, prefill_groups, remaining, wanted_prompt_logprobs
-from hpc.runtime.engine.tp import gather_kv
+from hpc.runtime.engine.tp import gather_kv, scatter_kv
 from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,26 @@ class ContextSteps:
             seq.cached = seq.length = len(blocks) * self.prefix.block
         self._counters["prompt_tokens_cached"] += seq.cached
         self._counters["prompt_tokens_computed"] += len(ids) - seq.cached
+
+    def _import(self, seq: Seq) -> None:
+        if isinstance(seq.imported_kv, kvpack.InSlot):  # copied into its slot as it was admitted (kv.take_all)
+            length = seq.imported_kv.length
+        else:
+            kvpack.arrived(seq.imported_kv)  # its copy may still run on the handoff stream (kv.copy_shared)
+            kv = seq.imported_kv.to(self.device, self.dtype)  # [layers, 2, all kv heads, T, d]
+            scatter_kv(self.tp, self.cache, seq.slot, kv)
+            length = kv.shape[3]
+        seq.length = length
+        params = seq.request.disaggregated_params
+        seq.last_token = params.first_token_id
+        seq.generated = 1  # the prefill worker produced the first token
+        seq.counts = {params.first_token_id: 1}
+        if seq.guide is not None:  # the prefill worker's guided first token, replayed
+            automaton, state = seq.guide
+            seq.guide = (automaton, automaton.feed(state, self.picker.token_texts()[params.first_token_id] or "")
+                         or state)
+        seq.imported_kv = None
+        self._counters["prompt_tokens"] += length
 
     def _context_step(self, running: list[Seq]) -> None:
         """This iteration's prompt tokens (whole prompts and chunks), prefilled together where their padded width

@@ -77,7 +77,7 @@ def copy_shared(metas: list[KvMeta], device: str, opened: OpenAllocations) -> tu
     at once: each copy is queued on the device's handoff stream (copy_stream) into a buffer from that stream's
     pool (as handoff_buffer's, under one stream switch for all), and the one event returned completes with them
     all — only then may the owners free their memory. Nothing here waits: a reader on another stream waits for
-    the handoff stream (`arrived`, from TorchEngine._import: wait_stream, then record_stream so that the block is
+    the handoff stream (`arrived`, from ContextSteps._import: wait_stream, then record_stream so that the block is
     not reused before it has read).
     Waiting on the host cost a thread hop and GIL hand-offs, 7 ms a handoff on average under load.
     `opened` keeps the owners' allocations open for the next handoffs."""

@@ -40,7 +40,6 @@ from hpc.runtime.engine.context_steps import ContextSteps
 from hpc.runtime.engine.decode_steps import DecodeSteps
 from hpc.runtime.engine.overlap import FirstTokens, HostCopies, InflightStep
 from hpc.runtime.engine.sequence import BatchWait, Seq, chunkable
-from hpc.runtime.engine.tp import scatter_kv
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
                                       GenerateRequest, KvMeta, SamplingParams, TokenLogprob)
 from hpc.runtime.engine.sampling import pick_in_graph, prepare_pinned_copies, prompt_logprobs, sample_rows
@@ -519,26 +518,6 @@ class TorchEngine(ContextSteps, DecodeSteps):
             self._release(seq)
             return False
         return seq.slot >= 0
-
-    def _import(self, seq: Seq) -> None:
-        if isinstance(seq.imported_kv, kvpack.InSlot):  # copied into its slot as it was admitted (kv.take_all)
-            length = seq.imported_kv.length
-        else:
-            kvpack.arrived(seq.imported_kv)  # its copy may still run on the handoff stream (kv.copy_shared)
-            kv = seq.imported_kv.to(self.device, self.dtype)  # [layers, 2, all kv heads, T, d]
-            scatter_kv(self.tp, self.cache, seq.slot, kv)
-            length = kv.shape[3]
-        seq.length = length
-        params = seq.request.disaggregated_params
-        seq.last_token = params.first_token_id
-        seq.generated = 1  # the prefill worker produced the first token
-        seq.counts = {params.first_token_id: 1}
-        if seq.guide is not None:  # the prefill worker's guided first token, replayed
-            automaton, state = seq.guide
-            seq.guide = (automaton, automaton.feed(state, self.picker.token_texts()[params.first_token_id] or "")
-                         or state)
-        seq.imported_kv = None
-        self._counters["prompt_tokens"] += length
 
     def _graphable(self, prefill: bool = False) -> bool:
         """Steps worth capturing: one rank (collectives stay eager), no expert routing (data-dependent token
