@@ -35,9 +35,10 @@ def log_tail(manifest: Manifest, component: str, lines: int = 15) -> str:
 
 
 def _failed_component(manifest: Manifest) -> str | None:
+    """A component that failed for good: a worker its failure policy restarts (`restarting`) is waited for."""
     for path in (Path(manifest.run_dir) / "state").glob("*.json"):
         data = read_json(path) or {}
-        if data.get("phase") == "failed":
+        if data.get("phase") == "failed" and not data.get("restarting"):
             return path.stem
     return None
 

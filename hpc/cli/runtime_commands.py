@@ -134,7 +134,8 @@ def collect_status(run: RunDir) -> dict[str, Any]:
         components.append({"component": f"{w.name} ({w.pool})" if w.pool else w.name,
                            "node": st.get("node", f"n{w.nodes[0]}"),
                            "gpus": w.gpu_text() + (f" (visible {visible})" if visible else ""),
-                           "phase": st.get("phase", "not started"),
+                           # a failure its role's policy restarts: the job goes on, the worker comes back
+                           "phase": st.get("phase", "not started") + (" (restarting)" if st.get("restarting") else ""),
                            "health": f"{_health((st.get('http') or '') + '/health' if st.get('http') else None)}, "
                                      f"{routed}", "restarts": st.get("restarts", 0)})
     roles = {}

@@ -34,6 +34,28 @@ def test_failed_component_is_reported_at_once(run):
     assert "decode-0 failed" in str(err.value) and "CUDA out of memory" in str(err.value)
 
 
+def test_a_worker_its_policy_restarts_is_waited_for_and_one_failed_for_good_is_not(run):
+    """A rank that failed while the job came up, its role's policy about to start it again (`restarting`), is
+    not the job's failure: readiness waits for the new start (and here runs out of time on the stage before)."""
+    write_json(run.state / "decode-0.rank1.json", {"phase": "failed", "error": "killed", "restarting": True})
+    with pytest.raises(NotReady) as err:
+        wait_ready(run.manifest(), timeout=0.5, progress=lambda s: None)
+    assert "stuck waiting for etcd healthy" in str(err.value) and "decode-0" not in str(err.value)
+    write_json(run.state / "decode-0.rank1.json", {"phase": "failed", "error": "killed", "restarting": False})
+    with pytest.raises(NotReady, match="decode-0.rank1 failed"):
+        wait_ready(run.manifest(), timeout=30, progress=lambda s: None)
+
+
+def test_a_failed_workers_state_says_whether_its_policy_starts_it_again(tmp_path):
+    from hpc.runtime.worker.entry import restarts_left
+
+    manifest = rundir.create(resolve("local", "tiny-disagg", overrides=[
+        "roles.decode.failure.on_failure=restart", "roles.decode.failure.max_restarts=2"]),
+        render_sbatch, root=tmp_path).manifest()
+    assert [restarts_left(manifest, "decode", 0, attempt) for attempt in range(4)] == [True, True, False, False]
+    assert not restarts_left(manifest, "prefill", 0, 0)  # the recipe's default policy for prefill: fail
+
+
 def test_abort_reason_stops_the_wait(run):
     with pytest.raises(NotReady, match="job 7 ended FAILED"):
         wait_ready(run.manifest(), timeout=30, progress=lambda s: None, abort=lambda: "job 7 ended FAILED")

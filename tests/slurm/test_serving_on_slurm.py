@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from hpc.cli.main import main
-from hpc.rundir import RunDir, list_runs
+from hpc.rundir import RunDir, list_runs, read_json
+from hpc.waiting import wait_until
 from hpc.checks.probe import get_json, get_text, metric_values, post_json, post_sse
 from hpc.runtime.engine.kv_nixl import nixl_available
 from tests.slurm.conftest import DEV, dev_cluster_file, frontend_port
@@ -216,6 +217,37 @@ def test_a_tp2_worker_restarts_as_a_unit(slurm_env, tmp_path):
         time.sleep(0.2)
     assert _complete(url, "hpc/tiny", "after the restart", 8)
     assert "restarting all its ranks (1 of 2)" in (run.logs / "job.out").read_text()
+    _cancel_and_check_clean(run)
+
+
+def test_a_rank_killed_while_the_job_comes_up_is_restarted_not_the_jobs_failure(slurm_env, tmp_path):
+    """The job's own readiness wait sees a rank fail before the worker registered: its role's policy (restart)
+    starts both ranks again, so readiness waits for them (the failed rank's state says `restarting`) instead of
+    ending the job, which then serves."""
+    one_gpu_nodes = dev_cluster_file(tmp_path, gpus_per_node=1)
+    run = _launch("-c", one_gpu_nodes, "-r", "tiny-agg", "--no-wait", "--no-smoke", "--set",
+                  "roles.agg.tensor_parallel_size=2", "--set", "roles.agg.failure.on_failure=restart",
+                  "--set", "roles.agg.failure.max_restarts=2")
+    try:
+        rank1 = run.state / "agg-0.rank1.json"
+        # with its weights loaded, as rank 0 warms up (and before it registers): rank 0's next collective fails, so
+        # it reports itself failed while the job's readiness still waits for the worker
+        wait_until(lambda: True if "weights_loaded" in (read_json(rank1) or {}).get("phases", {}) else None, 120,
+                   "rank 1 loaded")
+        first = read_json(rank1)["pid"]
+        os.kill(first, signal.SIGKILL)
+
+        def ready() -> bool | None:
+            out = (run.logs / "job.out").read_text() if (run.logs / "job.out").exists() else ""
+            assert "not ready" not in out, out[-3000:]
+            return True if (read_json(run.state / "ready.json") or {}).get("ready") else None
+        wait_until(ready, 200, "the job ready after its worker's restart")
+        assert read_json(rank1)["pid"] != first
+        assert "restarting all its ranks (1 of 2)" in (run.logs / "job.out").read_text()
+        assert _complete(_url(run), "hpc/tiny", "after the restart", 8)
+    except BaseException:
+        main(["cancel", run.run_info()["job_id"], "--grace", "1"])  # nothing left to hold the next test's ports
+        raise
     _cancel_and_check_clean(run)
 
 

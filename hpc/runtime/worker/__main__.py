@@ -14,8 +14,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--role", required=True, choices=["agg", "prefill", "decode", "encode"])
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--no-supervise", action="store_true", help="run the engine in this process")
+    parser.add_argument("--attempt", type=int, default=0,
+                        help="starts of this worker before this one (the job script's or the supervisor's restarts)")
     args = parser.parse_args(argv)
-    return main_entry(args.manifest, args.role, args.index, supervise=not args.no_supervise)
+    return main_entry(args.manifest, args.role, args.index, supervise=not args.no_supervise, attempt=args.attempt)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from hpc.spec.recipe import OnFailure
 log = logging.getLogger("hpc.worker")
 
 
-def main_entry(manifest_path: str, role: str, index: int, supervise: bool) -> int:
+def main_entry(manifest_path: str, role: str, index: int, supervise: bool, attempt: int = 0) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}-{index} %(levelname)s %(message)s")
     manifest = Manifest.load(manifest_path)
     plan = manifest.plan.worker(role, index)
@@ -35,11 +35,20 @@ def main_entry(manifest_path: str, role: str, index: int, supervise: bool) -> in
     from hpc.runtime.worker.serve import serve  # the heavy part: engine, torch
 
     try:
-        return asyncio.run(serve(manifest, role, index, manifest_path))
+        return asyncio.run(serve(manifest, role, index, manifest_path, attempt))
     except Exception as exc:  # report it where readiness and status look, then fail the step
         rank = _rank_suffix(plan.tasks)
-        Reporter(manifest, f"{role}-{index}{rank}").phase("failed", error=f"{type(exc).__name__}: {exc}")
+        # `restarting`: the role's policy starts it again (the job script's loop for a worker of several ranks,
+        # the supervisor for one), so readiness waits for the new start instead of failing the job
+        Reporter(manifest, f"{role}-{index}{rank}").phase("failed", error=f"{type(exc).__name__}: {exc}",
+                                                         restarting=restarts_left(manifest, role, index, attempt))
         raise
+
+
+def restarts_left(manifest: Manifest, role: str, index: int, attempt: int) -> bool:
+    """Will the role's failure policy start this worker again after its `attempt`-th restart fails?"""
+    policy = manifest.recipe.roles.spec(manifest.plan.worker(role, index).group).failure
+    return policy.on_failure is OnFailure.RESTART and attempt < policy.max_restarts
 
 
 def _rank_suffix(tasks: int) -> str:
@@ -69,12 +78,12 @@ def supervise_worker(manifest: Manifest, manifest_path: str, role: str, index: i
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # drain requests reach the engine process directly
     reporter = Reporter(manifest, f"{role}-{index}")
     while True:
-        child = subprocess.Popen(cmd)
+        child = subprocess.Popen([*cmd, "--attempt", str(restarts)])
         code = child.wait()
         if stopping or code == 0:
             return 0
         reporter.data["history"].append({"ts": time.time(), "exit_code": code})
-        if policy.on_failure is OnFailure.RESTART and restarts < policy.max_restarts:
+        if restarts_left(manifest, role, index, restarts):
             restarts += 1
             reporter.data["restarts"] = restarts
             reporter.phase("restarting", exit_code=code)

@@ -30,13 +30,14 @@ from hpc.runtime.services.node import (Reporter, freeze_startup_objects, node_ad
 from hpc.runtime.serve.rpc import RpcServer
 from hpc.runtime.worker.handlers import HandlerDeps, Peers, make_handler
 from hpc.runtime.worker.engine_process import EngineHandoff, EngineProcess, engine_in_own_process, engine_stats
+from hpc.runtime.worker.entry import restarts_left
 from hpc.runtime.worker.kv_handoff import KvHandoff, open_nixl
 
 log = logging.getLogger("hpc.worker")
 DRAIN_TIMEOUT_S = 30.0
 
 
-async def serve(manifest: Manifest, role: str, index: int, manifest_file: str) -> int:
+async def serve(manifest: Manifest, role: str, index: int, manifest_file: str, attempt: int = 0) -> int:
     from hpc.runtime.engine.tp import broadcast_stop, follow, init_group, world_rank
 
     plan = manifest.plan.worker(role, index)
@@ -92,7 +93,8 @@ async def serve(manifest: Manifest, role: str, index: int, manifest_file: str) -
     async with engine:
         reporter.phase("weights_loaded", **({"engine_pid": engine.pid} if isinstance(engine, EngineProcess) else {}))
         try:
-            code = await _serve_engine(manifest, role, index, engine, peers, host, reporter, handoff)
+            code = await _serve_engine(manifest, role, index, engine, peers, host, reporter, handoff,
+                                       restarting=restarts_left(manifest, role, index, attempt))
         finally:
             handoff.close()
         if tp is not None and not hasattr(engine, "generate_video"):  # the video engine stops its ranks itself
@@ -118,7 +120,8 @@ def planned_device(plan: WorkerPlan, rank: int, whole_node: bool = False) -> str
 
 
 async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers: Peers, host: str,
-                        reporter: Reporter, handoff: KvHandoff | EngineHandoff) -> int:
+                        reporter: Reporter, handoff: KvHandoff | EngineHandoff, restarting: bool = False) -> int:
+    """Serve until stopped or the engine fails; `restarting`: the role's policy starts this worker again if so."""
     plan = manifest.plan.worker(role, index)
     recipe = manifest.recipe
     mode = DisaggregationMode(role)
@@ -231,7 +234,7 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
         # A dead engine must not look alive: leave routing, report, and exit non-zero so the role's failure
         # policy (restart / continue / fail the job) applies.
         log.error("engine failed: %s", engine.failure)
-        reporter.phase("failed", error=f"engine failed: {engine.failure}")
+        reporter.phase("failed", error=f"engine failed: {engine.failure}", restarting=restarting)
         await discovery.deregister()
         await close_all()
         return 1
