@@ -108,17 +108,13 @@ class DecodeSteps:
         scheduler thread's cost of an output per row per step (_emit_token) spared."""
         if step is None:
             step, self._inflight = self._inflight, None
-        eos, max_len = self.cfg.eos_token_id, self.max_len
         bare: list[Seq] = []
         tokens: list[int] = []
         with self.emitter:
             for seq, token in zip(step.rows, step.read()):
                 if seq.slot < 0:  # ended meanwhile (a stop token read after this step was launched, a cancel)
                     continue
-                p = seq.request.sampling
-                # _emit_token's tests of the end, negated: not a stop, not the last by count or by cache length
-                if seq.plain and seq.streamed and (token != eos or p.ignore_eos) and token not in p.stop_token_ids \
-                        and seq.generated + 1 < p.max_tokens and seq.length + 1 < max_len:
+                if seq.plain and seq.streamed and self._end_of(seq, token, seq.generated + 1) is None:
                     seq.generated += 1
                     seq.last_token = token
                     bare.append(seq)

@@ -551,18 +551,26 @@ class TorchEngine(ContextSteps, DecodeSteps):
         seq.last_token = token
         seq.counts[token] = seq.counts.get(token, 0) + 1
         self._counters["generated_tokens"] += 1
-        p = seq.request.sampling
         seq.hold(token, logprob)
-        if (token == self.cfg.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids or \
-                (seq.guide is not None and seq.guide[0].complete(seq.guide[1])):  # the guide is complete
-            self._finish(seq, "stop")
-            return False
-        if seq.generated >= p.max_tokens or seq.length + 1 >= self.max_len:
-            self._finish(seq, "length")
+        reason = self._end_of(seq, token, seq.generated)
+        if reason is not None:
+            self._finish(seq, reason)
             return False
         if seq.generated == 1 or seq.generated % self.stream_interval == 0:  # TensorRT-LLM's rule (_handle_responses)
             seq.send_held()
         return True
+
+    def _end_of(self, seq: Seq, token: int, generated: int) -> str | None:
+        """Why `token` ends the sequence when it is its `generated`-th: "stop" (EOS, a stop token, a complete
+        guide), "length" (max_tokens, the cache's last position), or None (_emit_token, and a decode step's bare
+        tokens: DecodeSteps._emit_inflight)."""
+        p = seq.request.sampling
+        if (token == self.cfg.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids or \
+                (seq.guide is not None and seq.guide[0].complete(seq.guide[1])):  # the guide is complete
+            return "stop"
+        if generated >= p.max_tokens or seq.length + 1 >= self.max_len:
+            return "length"
+        return None
 
     def _finish(self, seq: Seq, reason: str, params: DisaggregatedParams | None = None,
                 error: str | None = None) -> None:

@@ -34,14 +34,15 @@ def main_entry(manifest_path: str, role: str, index: int, supervise: bool, attem
 
     from hpc.runtime.worker.serve import serve  # the heavy part: engine, torch
 
+    # the role's policy starts it again if it fails (the job script's loop for a worker of several ranks, the
+    # supervisor for one): its failed state says so, and readiness waits for the new start instead of failing the job
+    restarting = restarts_left(manifest, role, index, attempt)
     try:
-        return asyncio.run(serve(manifest, role, index, manifest_path, attempt))
+        return asyncio.run(serve(manifest, role, index, manifest_path, restarting))
     except Exception as exc:  # report it where readiness and status look, then fail the step
         rank = _rank_suffix(plan.tasks)
-        # `restarting`: the role's policy starts it again (the job script's loop for a worker of several ranks,
-        # the supervisor for one), so readiness waits for the new start instead of failing the job
         Reporter(manifest, f"{role}-{index}{rank}").phase("failed", error=f"{type(exc).__name__}: {exc}",
-                                                         restarting=restarts_left(manifest, role, index, attempt))
+                                                         restarting=restarting)
         raise
 
 

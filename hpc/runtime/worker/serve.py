@@ -30,14 +30,14 @@ from hpc.runtime.services.node import (Reporter, freeze_startup_objects, node_ad
 from hpc.runtime.serve.rpc import RpcServer
 from hpc.runtime.worker.handlers import HandlerDeps, Peers, make_handler
 from hpc.runtime.worker.engine_process import EngineHandoff, EngineProcess, engine_in_own_process, engine_stats
-from hpc.runtime.worker.entry import restarts_left
 from hpc.runtime.worker.kv_handoff import KvHandoff, open_nixl
 
 log = logging.getLogger("hpc.worker")
 DRAIN_TIMEOUT_S = 30.0
 
 
-async def serve(manifest: Manifest, role: str, index: int, manifest_file: str, attempt: int = 0) -> int:
+async def serve(manifest: Manifest, role: str, index: int, manifest_file: str, restarting: bool = False) -> int:
+    """`restarting`: the role's failure policy starts this worker again if it fails (entry.restarts_left)."""
     from hpc.runtime.engine.tp import broadcast_stop, follow, init_group, world_rank
 
     plan = manifest.plan.worker(role, index)
@@ -93,8 +93,7 @@ async def serve(manifest: Manifest, role: str, index: int, manifest_file: str, a
     async with engine:
         reporter.phase("weights_loaded", **({"engine_pid": engine.pid} if isinstance(engine, EngineProcess) else {}))
         try:
-            code = await _serve_engine(manifest, role, index, engine, peers, host, reporter, handoff,
-                                       restarting=restarts_left(manifest, role, index, attempt))
+            code = await _serve_engine(manifest, role, index, engine, peers, host, reporter, handoff, restarting)
         finally:
             handoff.close()
         if tp is not None and not hasattr(engine, "generate_video"):  # the video engine stops its ranks itself
