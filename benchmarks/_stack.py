@@ -16,6 +16,27 @@ from hpc.launch.local import stop_local
 from hpc.rundir import RunDir, list_runs
 
 
+def workers(run_path: Path) -> dict[str, dict]:
+    """Each worker rank's state (device, metrics URL) as it reported it."""
+    out = {}
+    for path in sorted((run_path / "state").glob("*.json")):
+        state = json.loads(path.read_text())
+        if "device" in state:
+            out[path.stem] = state
+    return out
+
+
+WORKER_COUNTERS = ("requests", "kv_ipc_shared", "prompt_tokens", "prompt_tokens_computed", "prompt_tokens_cached")
+
+
+def counters(metrics_url: str, names: tuple[str, ...] = WORKER_COUNTERS) -> dict[str, float]:
+    """A worker's counters that the benchmarks report, from its /metrics."""
+    from hpc.checks.probe import get_text, metric_values
+
+    text = get_text(f"{metrics_url}/metrics")
+    return {name: metric_values(text, f"hpc_worker_{name}") for name in names}
+
+
 def add_set_option(parser) -> None:
     """--set PATH=VALUE for the stack's recipe (hpc launch's), e.g. frontend.processes=1."""
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",

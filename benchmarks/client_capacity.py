@@ -80,7 +80,7 @@ STEP_COUNTERS = ("decode_steps", "prefill_steps", "generated_tokens", "idle_seco
 
 def engine_counters(run) -> dict[str, dict[str, float]]:
     """Each registered worker's engine counters, from its /metrics."""
-    from stack_sweeps import counters, workers
+    from _stack import counters, workers
 
     return {name: counters(state["http"], STEP_COUNTERS) for name, state in workers(Path(run.path)).items()
             if state.get("http")}

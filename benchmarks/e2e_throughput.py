@@ -34,14 +34,15 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _direct import DirectPair, pair_devices  # noqa: E402
 from _gpu_clocks import ClockLog  # noqa: E402
-from _scheduler_clock import per_step, spent as clock_spent  # noqa: E402
-from _stack import add_set_option  # noqa: E402
+from _scheduler_clock import SCHEDULER_CLOCK, per_step, spent as clock_spent  # noqa: E402
+from _stack import add_set_option, counters, workers  # noqa: E402
 from hpc.bench.loadgen import REQUESTS_PER_USER, Level, prompt_ids  # noqa: E402
 from hpc.engine_args.precedence import TORCH_ENGINE_DEFAULTS, deep_update  # noqa: E402
 from hpc.runtime.engine.tiny import ensure_model  # noqa: E402
@@ -203,24 +204,40 @@ def main() -> None:
                 stack_run, url = stack.__enter__()
             frontends = stack_run.manifest().plan.service("frontend").processes
             try:
+                placed = {name: state["http"] for name, state in workers(Path(stack_run.path)).items()
+                          if state.get("http")}
                 for round_ in range(args.rounds):
                     for i, lv in enumerate(levels):
+                        before = engine.stats()
                         direct[lv.concurrency].append(await engine_level(engine, lv, rng))
+                        add_clock(lv.concurrency, "directly", clock_spent(before, engine.stats()))
+                        before = {name: counters(u, SCHEDULER_CLOCK) for name, u in placed.items()}
                         # prompts of its own each round and level, as the engine's (rng goes on): a round that
                         # repeated the last round's would find them in the workers' prefix cache
                         seed = round_ * len(levels) + i
                         if args.client_in_process:
                             res = await run_level(url, "hpc/tiny", lv, True, WARMUP, seed=seed)
-                            via[lv.concurrency].append(res["output_tokens_per_s"])
-                            continue
-                        # apart from the engine's process, in one client process per 16 users (hpc bench's auto)
-                        processes = processes_for(args.client_processes, lv.concurrency, os.cpu_count() or 1)
-                        res = await run_apart(url, "hpc/tiny", lv, True, WARMUP, seed, processes)
+                        else:  # apart from the engine's process, one client process per 16 users (hpc bench's auto)
+                            processes = processes_for(args.client_processes, lv.concurrency, os.cpu_count() or 1)
+                            res = await run_apart(url, "hpc/tiny", lv, True, WARMUP, seed, processes)
                         via[lv.concurrency].append(res["output_tokens_per_s"])
+                        for name, u in placed.items():
+                            add_clock(lv.concurrency, name, clock_spent(before[name], counters(u, SCHEDULER_CLOCK)))
+                        seen.setdefault(lv.concurrency, []).append((res["ttft_s"]["p50"], res["e2e_s"]["p50"]))
             finally:
                 with contextlib.redirect_stdout(io.StringIO()):
                     stack.__exit__(None, None, None)
             return device_label(engine), direct, via, frontends
+
+    # the stack's levels: each engine's scheduler clock summed over the rounds, keyed by level then engine (the
+    # direct path's as "directly"), and the client's p50 TTFT and e2e seconds each round
+    clocks_by_level: dict[int, dict[str, dict[str, float]]] = {}
+    seen: dict[int, list[tuple[float, float]]] = {}
+
+    def add_clock(level: int, name: str, clock: dict[str, float]) -> None:
+        summed = clocks_by_level.setdefault(level, {}).setdefault(name, dict.fromkeys(clock, 0.0))
+        for k, v in clock.items():
+            summed[k] += v
 
     spans: dict[str, list[tuple[float, float]]] = {}  # each level's wall-time span, per sweep (--engine-only)
     spent: dict[int, list[dict[str, float]]] = {}  # the scheduler's clock over each level, per sweep
@@ -254,6 +271,16 @@ def main() -> None:
         d, v = statistics.median(direct[lv.concurrency]), statistics.median(via[lv.concurrency])
         rounds = " ".join(f"{b / a:.0%}" for a, b in zip(direct[lv.concurrency], via[lv.concurrency]))
         print(f"{lv.concurrency:>4} {lv.requests:>9} {d:>16.1f} {v:>17.1f} {v / d:>6.0%}  {rounds}")
+    print("where each path's time went, all rounds: a request's ms (directly: concurrency x output tokens / tokens/s;"
+          " through the frontend: the client's p50 TTFT / e2e), then each engine's scheduler per decode step, ms"
+          " (decode / admit / idle, and of idle its polls with rows running), and tokens a step")
+    for lv in levels:
+        d = statistics.median(direct[lv.concurrency])
+        ttft, e2e = (statistics.median(x) * 1e3 for x in zip(*seen[lv.concurrency]))
+        print(f"  c={lv.concurrency}: request {lv.concurrency * lv.output_tokens / d * 1e3:.2f} directly, "
+              f"{ttft:.2f} / {e2e:.2f} through the frontend")
+        for name, clock in clocks_by_level[lv.concurrency].items():
+            print(f"    {name}: {per_step(clock)}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _stack import local_stack  # noqa: E402
-from stack_sweeps import counters, workers  # noqa: E402
+from _stack import counters, workers  # noqa: E402
 
 from hpc.bench.httpclient import Pool  # noqa: E402
 

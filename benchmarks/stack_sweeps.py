@@ -30,7 +30,7 @@ import cpu_siblings  # noqa: E402
 import _profile  # noqa: E402
 from _gpu_clocks import ClockLog  # noqa: E402
 from _scheduler_clock import SCHEDULER_CLOCK, per_step, spent as clock_spent  # noqa: E402
-from _stack import add_set_option, local_stack  # noqa: E402
+from _stack import add_set_option, counters, local_stack, workers  # noqa: E402
 
 from hpc.bench.clients import processes_for  # noqa: E402
 from hpc.bench.loadgen import REQUESTS_PER_USER, Level, run_level  # noqa: E402
@@ -38,17 +38,6 @@ from hpc.launch.local import local_pids  # noqa: E402
 from hpc.spec.catalog import load_recipe  # noqa: E402
 
 
-def workers(run_path: Path) -> dict[str, dict]:
-    """Each worker rank's state (device, metrics URL) as it reported it."""
-    out = {}
-    for path in sorted((run_path / "state").glob("*.json")):
-        state = json.loads(path.read_text())
-        if "device" in state:
-            out[path.stem] = state
-    return out
-
-
-WORKER_COUNTERS = ("requests", "kv_ipc_shared", "prompt_tokens", "prompt_tokens_computed", "prompt_tokens_cached")
 # where each sweep's time went in each worker: what the first sweep pays more than the second shows here
 SWEEP_COUNTERS = ("kv_ask_seconds_total", "kv_move_seconds_total", "kv_ipc_opened", "kv_ipc_open_seconds_total",
                   "cuda_malloc_segments", "admit_seconds_total", "decode_seconds_total", "idle_seconds_total",
@@ -58,14 +47,6 @@ SWEEP_COUNTERS = ("kv_ask_seconds_total", "kv_move_seconds_total", "kv_ipc_opene
                   "link_seconds_total", "task_start_seconds_total", "submit_seconds_total", "inbox_seconds_total",
                   "kv_ipc_copy_batches", "engine_gc_full_collections_total", "engine_gc_seconds_total",
                   "worker_gc_full_collections_total", "worker_gc_seconds_total")
-
-
-def counters(metrics_url: str, names: tuple[str, ...] = WORKER_COUNTERS) -> dict[str, float]:
-    """A worker's counters that the benchmarks report, from its /metrics."""
-    from hpc.checks.probe import get_text, metric_values
-
-    text = get_text(f"{metrics_url}/metrics")
-    return {name: metric_values(text, f"hpc_worker_{name}") for name in names}
 
 
 def group_cpu_seconds(leader: int) -> float:
