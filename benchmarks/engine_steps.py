@@ -80,6 +80,11 @@ def main() -> None:
                     timers.wrap(graphs, method, label)
             timers.wrap(engine._host_copies, "start", "  decode tokens' copy to the host")
             timers.wrap(engine, "_padded_prefill", "  eager prefill")
+            timers.wrap(engine.picker, "pick_on_device", "  first tokens picked on the device")
+            timers.wrap(engine, "_store_prompts", "  prompts into the prefix cache")
+            if engine.prefix is not None:
+                timers.wrap(engine.prefix, "_stored", "    their KV event records")
+                timers.wrap(engine.prefix, "_copy_in", "    their KV's copy into the pool")
             timers.wrap(engine, "_emit_inflight", "  emit a step's tokens")
             rng = random.Random(0)
             await engine_level(engine, level, rng)  # warm: the level's shapes and the loop's caches
