@@ -19,16 +19,19 @@ def available() -> bool:
 MODES = {"gil": ["--gil"], "wall": ["--idle"]}
 
 
-def record(pids: dict[str, int], seconds: int, out_dir: Path) -> list[tuple[str, str, Path, subprocess.Popen]]:
+def record(pids: dict[str, int], seconds: int, out_dir: Path,
+           native: bool = False) -> list[tuple[str, str, Path, subprocess.Popen]]:
     """py-spy on each process (and its children: the frontend's other processes) for `seconds`, in each of
-    MODES, without pausing the process (--nonblocking)."""
+    MODES, without pausing the process (--nonblocking); or `native`: C frames too, which py-spy reads only from
+    a paused process."""
     out_dir.mkdir(parents=True, exist_ok=True)
     running = []
     for name, pid in pids.items():
         for mode, flags in MODES.items():
             path = out_dir / f"{name}.{mode}.txt"
             argv = ["py-spy", "record", "--pid", str(pid), "--duration", str(seconds), "--rate", "200", "--format",
-                    "raw", "--threads", "--nonblocking", "--subprocesses", "-o", str(path), *flags]
+                    "raw", "--threads", "--native" if native else "--nonblocking", "--subprocesses", "-o", str(path),
+                    *flags]
             running.append((name, mode, path, subprocess.Popen(argv, stdout=subprocess.DEVNULL,
                                                                stderr=subprocess.PIPE)))
     return running
@@ -41,12 +44,13 @@ _BOOTSTRAP = ("(threading.py)", "(<frozen runpy>)", "(runners.py)", "(__main__.p
 def _frame(text: str) -> str:
     """'function (path/to/module.py:123)' -> 'function (module.py)': lines merged, one entry per function."""
     name, _, where = text.partition(" (")
-    return f"{name} ({where.rsplit('/', 1)[-1].split(':', 1)[0]})" if where else name
+    return f"{name} ({where.rsplit('/', 1)[-1].split(':', 1)[0].rstrip(')')})" if where else name
 
 
 def _code(frames: list[str]) -> list[str]:
     """A stack's functions, root first, without its process and thread names and bootstrap frames."""
-    return [f for f in map(_frame, frames) if not f.startswith(("thread ", "process ")) and not f.endswith(_BOOTSTRAP)]
+    return [f for f in map(_frame, frames)  # unnamed C frames (--native: '0x7f12... (libc.so.6)') say nothing
+            if not f.startswith(("thread ", "process ", "0x")) and not f.endswith(_BOOTSTRAP)]
 
 
 def _samples(path: Path):
@@ -90,13 +94,26 @@ def summary(path: Path, mode: str, top: int = 12) -> list[str]:
 PARKED = ("Popen._try_wait (", "_worker (thread.py", "Thread.run (threading.py")  # leaves of idle helpers
 
 
+def _leaf(frames: list[str]) -> str:
+    """Where a sample's thread was: 'function (module.py:123)' (the line matters); with C frames (--native), the
+    last Python frame and the last named C frame under it ('take_gil', 'cudaGraphLaunch'), unnamed ones skipped."""
+    def short(frame: str) -> str:
+        function, _, where = frame.partition(" (")
+        return f"{function} ({where.rsplit('/', 1)[-1]}" if where else function
+
+    named = [f for f in frames if not f.startswith("0x")]
+    python = [f for f in named if ".py:" in f]
+    if not python or named[-1] is python[-1]:
+        return short(named[-1] if named else frames[-1])
+    return f"{short(python[-1])} > {short(named[-1])}"
+
+
 def _per_thread(path: Path, top: int) -> list[str]:
     """Each busy thread's samples by the line it was on (a wait shows as the call that waits)."""
     threads: dict[str, Counter] = {}
     inclusive: dict[str, Counter] = {}  # per thread, the functions anywhere on its stack: where a step's time goes
     for thread, frames, n in _samples(path):
-        function, _, where = frames[-1].partition(" (")  # 'function (path/module.py:123)': the line matters
-        leaf = f"{function} ({where.rsplit('/', 1)[-1]}" if where else function
+        leaf = _leaf(frames)
         threads.setdefault(thread, Counter())[leaf] += n
         counts = inclusive.setdefault(thread, Counter())
         for f in set(_code(frames)):

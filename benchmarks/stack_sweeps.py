@@ -93,6 +93,9 @@ def main() -> None:
     parser.add_argument("--profile", metavar="DIR", help="after the sweeps, profile each component with py-spy "
                         "through a longer run at the highest concurrency (which functions hold each one's GIL)")
     parser.add_argument("--profile-seconds", type=int, default=3, help="how long each py-spy samples")
+    parser.add_argument("--profile-native", action="store_true",
+                        help="with --profile: C frames too (a wait for the GIL, a CUDA call), each sample pausing "
+                             "the process")
     parser.add_argument("--client-processes", default="auto", metavar="N|auto",
                         help="the load generator's processes per level, as hpc bench's (default auto)")
     parser.add_argument("--pin-engines", nargs="?", const="last", metavar="CPUS",
@@ -167,7 +170,7 @@ def main() -> None:
         load = asyncio.create_task(run_level(url, model, longer, True, 0, seed=2 * len(levels),
                                              processes=clients(top)))
         await asyncio.sleep(0.5)  # at full concurrency before sampling starts
-        spies = _profile.record(leaders, args.profile_seconds, Path(args.profile))
+        spies = _profile.record(leaders, args.profile_seconds, Path(args.profile), native=args.profile_native)
         await load
         for name, mode, path, spy in spies:
             _, err = await asyncio.to_thread(spy.communicate)

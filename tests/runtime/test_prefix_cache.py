@@ -113,11 +113,11 @@ def test_a_prefill_steps_records_leave_together_where_the_listener_takes_several
 
     asyncio.run(run(True))
     asyncio.run(run(False))
-    # a batch a prefill step: SYSTEM's blocks; the fives' eviction and block; SYSTEM's two evictions and blocks
-    assert [[r["data"]["type"] for r in batch] for batch in batches] == [
-        ["stored"], ["removed", "stored"], ["removed", "stored"]]
-    assert [r["data"] for batch in batches for r in batch] == [r["data"] for r in one_by_one]
-    assert [r["event_id"] for batch in batches for r in batch] == list(range(1, 6))
+    # a batch a prefill step, as the scheduler thread notes them (KvRecord): SYSTEM's blocks; the fives' eviction
+    # and block; SYSTEM's two evictions and blocks
+    assert [[r.tokens is None for r in batch] for batch in batches] == [[False], [True, False], [True, False]]
+    assert [r.trtllm() for batch in batches for r in batch] == one_by_one  # made in TensorRT-LLM's form on the loop
+    assert [r.event_id for batch in batches for r in batch] == list(range(1, 6))
 
 
 def test_stored_blocks_hold_their_kv_even_from_a_prompt_longer_than_the_pool():
@@ -171,6 +171,11 @@ def test_a_steps_prompts_are_stored_together_as_one_by_one(monkeypatch):
     (one, both), (a, b) = pools, records
     assert one.index == both.index and a == b and torch.equal(one.pool, both.pool)
     assert copies == [3, 1, 7, 11]  # one by one: 3, 1 (its shared blocks held), 7; together: 11 in one copy
+    # the second prompt's record: its one new block, the third, after the shared second (a run past block 0)
+    second = prefix_cache.block_hashes(prompts[1][0], block)
+    assert [(r.hashes, r.parent, r.tokens) for r in b][1] == ([second[2]], second[1], [9] * 4)
+    assert b[1].trtllm()["data"]["blocks"][0]["tokens"][0] == {"type": "unique_token", "token_id": 9,
+                                                               "token_extra_id": 0}
     for row, (slot, i) in ((both.index[h], (3, k)) for k, h in enumerate(prefix_cache.block_hashes(prompts[2][0],
                                                                                                    block))):
         assert torch.equal(both.pool[row], whole[:, :, slot, :, i * block:(i + 1) * block])

@@ -10,13 +10,13 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any, Callable
 
 import torch
 
 from hpc.engine_args.scheduling import max_num_tokens, tokens_per_block
 from hpc.runtime.engine import kv as kvpack
 from hpc.runtime.engine.guided import Automaton
+from hpc.runtime.engine.kv_records import KvRecord, publish_each
 from hpc.runtime.engine.prefix_cache import PrefixCache
 from hpc.runtime.engine.sampling import make_generator, on_device, prompt_logprobs
 from hpc.runtime.engine.sequence import Seq, context_work, prefill_groups, remaining, wanted_prompt_logprobs
@@ -26,11 +26,6 @@ from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode, To
 log = logging.getLogger(__name__)
 Picked = tuple[int, TokenLogprob | None]
 ON_DEVICE = object()  # a prompt's first token, picked and left on the device (overlap.FirstTokens)
-
-
-def _each(listener: Callable[[Any], None], items: list[Any]) -> None:
-    for item in items:
-        listener(item)
 
 
 class ContextSteps:
@@ -177,16 +172,16 @@ class ContextSteps:
         capacity = int(kv.get("max_tokens") or 8 * self.max_len) // block
         return PrefixCache(block, max(1, capacity), self.cache, on_events=self._kv_events_out)
 
-    def _kv_events_out(self, records: list[dict[str, Any]]) -> None:
+    def _kv_events_out(self, records: list[KvRecord]) -> None:
         """A prefill step's records, from the scheduler thread to whoever listens: all at once to on_kv_events, on
-        this thread (an engine process's link: one message); else each to on_kv_event (the worker's NATS
-        publisher), on its event loop, in one wake-up."""
+        this thread (an engine process's link: one message, as they are); else each to on_kv_event (the worker's
+        NATS publisher) in TensorRT-LLM's form, made on its event loop, in one wake-up."""
         if self.on_kv_events is not None:
             self.on_kv_events(records)
             return
         listener, loop = self.on_kv_event, self._event_loop
         if listener is not None and loop is not None:
-            loop.call_soon_threadsafe(_each, listener, records)
+            loop.call_soon_threadsafe(publish_each, listener, records)
 
     def _token_budget(self) -> int:
         """Tokens one step may process (max_num_tokens)."""

@@ -3,11 +3,9 @@
 A prompt is cut into blocks of `tokens_per_block` (kv_cache_config); block i's hash covers its tokens and block
 i-1's hash, so a hash names a whole prefix. Prefill looks up the longest run of the prompt's leading blocks in
 the pool, copies them into the request's cache slot and computes only the rest; afterwards the prompt's new
-full blocks are copied into the pool (least recently used blocks make room). Every change is reported as
-TensorRT-LLM's get_kv_cache_events_async reports it (tensorrt_llm/_utils.py KVCacheEventSerializer: records
-{"event_id", "data": {"type": "stored", "parent_hash", "blocks": [{"type": "stored_block", "block_hash",
-"tokens": [{"type": "unique_token", "token_id", "token_extra_id"}], "lora_id", "cache_level", "priority"}]}
-or {"type": "removed", "block_hashes"}, "window_size"}), so one publisher and one router serve both engines.
+full blocks are copied into the pool (least recently used blocks make room). Every change is reported as a
+KvRecord (kv_records.py), which its publisher turns into what TensorRT-LLM's get_kv_cache_events_async reports,
+so one publisher and one router serve both engines.
 """
 
 from __future__ import annotations
@@ -15,8 +13,9 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Callable
 
+from hpc.runtime.engine.kv_records import KvRecord
 from hpc.runtime.engine.llama import KvCache
 from hpc.runtime.engine.sampling import on_device
 
@@ -40,7 +39,7 @@ def block_hashes(tokens: list[int], block: int) -> list[int]:
 
 class PrefixCache:
     def __init__(self, block: int, capacity: int, cache: KvCache,
-                 on_events: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
+                 on_events: Callable[[list[KvRecord]], None] | None = None) -> None:
         """`cache`: the engine's KV cache, [layers, 2, slots, kv_heads, max_len, head_dim] (blocks copy from and
         into a slot, every layer in one kernel); `capacity`: blocks the pool holds; `on_events`: the records of
         each store_all, in order, in one call (a prefill step's leave an engine process as one message)."""
@@ -51,7 +50,7 @@ class PrefixCache:
         self.free = list(range(capacity))
         self.on_events = on_events
         self.event_id = 0
-        self._records: list[dict[str, Any]] = []  # this store_all's, not handed over yet
+        self._records: list[KvRecord] = []  # this store_all's, not handed over yet
         self._removed: list[int] = []  # evicted hashes not reported yet: one "removed" record for a run of them
         self.hits = self.lookups = 0  # blocks found / blocks looked for
 
@@ -86,19 +85,22 @@ class PrefixCache:
         b = self.block
         taken: dict[int, tuple[int, int]] = {}  # pool row -> (slot, block of its prompt) copied there
         for tokens, slot in prompts:
-            parent, run = None, []
+            # a run: new blocks in a row, from block `first`, the one before it `before`
+            parent, run, first, before = None, [], 0, None
             for i, h in enumerate(block_hashes(tokens, b)):
                 if h in self.index:  # held, or taken by an earlier prompt of this call: copied with it
                     self.index.move_to_end(h)
-                    self._stored(run)  # a record is one chain: a block already held ends it
+                    self._stored(run, before, tokens, first)  # a record is one chain: a block already held ends it
                     run = []
                 else:
+                    if not run:
+                        first, before = i, parent
                     row = self._take()
                     taken[row] = (slot, i)  # a row taken twice (the pool full) keeps the later block
                     self.index[h] = row
-                    run.append((h, parent, tokens[i * b:(i + 1) * b]))
+                    run.append(h)
                 parent = h
-            self._stored(run)
+            self._stored(run, before, tokens, first)
         self._report_removed()
         records, self._records = self._records, []
         if records and self.on_events is not None:
@@ -117,13 +119,14 @@ class PrefixCache:
         by_block = self.cache[:, :, :, :, :usable].unflatten(4, (usable // b, b))
         self.pool[rows] = by_block[:, :, slots, :, blocks]  # the indexed dims lead: [n, layers, 2, heads, b, dim]
 
-    def _stored(self, run: list[tuple[int, int | None, list[int]]]) -> None:
-        if run:  # as TensorRT-LLM sends them: the parent of the first block, then the blocks in order
+    def _stored(self, run: list[int], parent: int | None, tokens: list[int], first: int) -> None:
+        """A run of new blocks (hashes) of `tokens`, from block `first`: as TensorRT-LLM sends them, the parent of
+        the first block, then the blocks in order."""
+        if run:
             self._report_removed()  # the evictions that made room come first
-            self._emit({"type": "stored", "parent_hash": run[0][1], "blocks": [
-                {"type": "stored_block", "block_hash": h, "lora_id": None, "cache_level": 0, "priority": 35,
-                 "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in toks]}
-                for h, _, toks in run]})
+            self.event_id += 1
+            b = self.block
+            self._records.append(KvRecord(self.event_id, b, run, parent, tokens[first * b:(first + len(run)) * b]))
 
     def _take(self) -> int:
         if not self.free:
@@ -139,8 +142,5 @@ class PrefixCache:
         block per block, and a record each made three messages a prompt where two do."""
         if self._removed:
             gone, self._removed = self._removed, []
-            self._emit({"type": "removed", "block_hashes": gone})
-
-    def _emit(self, data: dict[str, Any]) -> None:
-        self.event_id += 1
-        self._records.append({"event_id": self.event_id, "data": data, "window_size": self.block})
+            self.event_id += 1
+            self._records.append(KvRecord(self.event_id, self.block, gone))

@@ -35,6 +35,7 @@ from hpc.runtime.engine.moe import ExpertParallel, expert_state_dict
 from hpc.runtime.engine.outputs import Direct, Emitter
 from hpc.runtime.engine.picking import TokenPicker
 from hpc.runtime.engine.prefix_cache import PrefixCache
+from hpc.runtime.engine.kv_records import KvRecord
 from hpc.runtime.engine.prefill_graphs import PrefillGraphs
 from hpc.runtime.engine.context_steps import ContextSteps
 from hpc.runtime.engine.decode_steps import DecodeSteps
@@ -124,9 +125,9 @@ class TorchEngine(ContextSteps, DecodeSteps):
                           "decode_seconds_total": 0.0, "queue_seconds_total": 0.0, "first_tokens": 0,
                           "first_token_seconds_total": 0.0, "submit_seconds_total": 0.0,
                           "inbox_seconds_total": 0.0}
-        self.on_kv_event: Callable[[dict[str, Any]], None] | None = None  # per-block stored/removed records, on
-        # the loop that opened the engine; or on_kv_events: a step's records at once, on the scheduler's thread
-        self.on_kv_events: Callable[[list[dict[str, Any]]], None] | None = None
+        self.on_kv_event: Callable[[dict[str, Any]], None] | None = None  # TensorRT-LLM's stored/removed records,
+        # on the loop that opened the engine; or on_kv_events: a step's KvRecords at once, on the scheduler's thread
+        self.on_kv_events: Callable[[list[KvRecord]], None] | None = None
         # an engine process's (engine_core): called by the scheduler at every turn with how long it may wait for a
         # request; it reads the process's requests and submits them (submit_now) on the scheduler's own thread
         self.intake: Callable[[float], None] | None = None

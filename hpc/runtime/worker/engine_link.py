@@ -19,6 +19,7 @@ from typing import Any, Callable, Union
 import msgspec
 from msgspec import Struct
 
+from hpc.runtime.engine.kv_records import KvRecord
 from hpc.runtime.engine.types import GenerateOutput, GenerateRequest, KvMeta
 from hpc.runtime.serve.wire import FetchKv
 
@@ -103,8 +104,8 @@ class Stats(_Link, tag="stats"):
 
 class KvEvents(_Link, tag="kv_events"):
     """A prefill step's prefix-cache records (stored / removed blocks), in order: one message a step, not one a
-    record (with a full pool, three a prompt)."""
-    records: list[dict[str, Any]]
+    record (with a full pool, three a prompt); the worker publishes each in TensorRT-LLM's form."""
+    records: list[KvRecord]
 
 
 class Failed(_Link, tag="failed"):

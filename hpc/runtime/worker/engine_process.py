@@ -24,6 +24,7 @@ import sys
 import time
 from typing import Any, AsyncIterator, Callable
 
+from hpc.runtime.engine.kv_records import publish_each
 from hpc.runtime.engine.types import DisaggregationMode, GenerateOutput, GenerateRequest, KvMeta
 from hpc.runtime.serve.rpc import RemoteError
 from hpc.runtime.serve.wire import FetchKv
@@ -212,9 +213,8 @@ class EngineProcess:
             asked.set_result((message.meta, message.data))
 
     def _kv_events(self, message: KvEvents) -> None:
-        if self.on_kv_event is not None:
-            for record in message.records:
-                self.on_kv_event(record)
+        if self.on_kv_event is not None:  # TensorRT-LLM's form made here, off the engine's scheduler thread
+            publish_each(self.on_kv_event, message.records)
 
     def _is_ready(self, message: Ready) -> None:
         self.pid = message.pid

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from hpc.checks.probe import get_text, metric_values, post_json
+from hpc.runtime.engine.kv_records import KvRecord
 from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode, GenerateOutput, GenerateRequest
 from hpc.runtime.worker.engine_core import Keyed, LinkEmitter
 from hpc.runtime.worker.engine_link import (FromEngine, KvEvents, Outputs, Receiver, Refused, Submit, ToEngine,
@@ -293,8 +294,7 @@ def test_messages_are_read_whole_however_the_bytes_arrive():
         assert got == messages and receiver.buffer == b""
         receiver.connection_lost(None)
         assert closed == [True]
-    records = [{"event_id": 1, "data": {"type": "removed", "block_hashes": [7, 8]}, "window_size": 32},
-               {"event_id": 2, "data": {"type": "stored", "parent_hash": None, "blocks": []}, "window_size": 32}]
+    records = [KvRecord(1, 2, [7, 8]), KvRecord(2, 2, [5, 6], parent=4, tokens=[1, 2, 3, 4])]
     mixed = [Outputs(keys=[1], outputs=[GenerateOutput(token_ids=[2])], token_keys=[4, 6], tokens=[9, 10]),
              Refused(key=1, message=hostile, code=400),
              KvEvents(records=records)]
@@ -306,7 +306,12 @@ def test_messages_are_read_whole_however_the_bytes_arrive():
     worker_side = EngineProcess.__new__(EngineProcess)
     worker_side.on_kv_event = published.append
     worker_side._kv_events(got[-1])
-    assert published == records
+    assert published == [  # in TensorRT-LLM's form (tensorrt_llm/_utils.py KVCacheEventSerializer)
+        {"event_id": 1, "data": {"type": "removed", "block_hashes": [7, 8]}, "window_size": 2},
+        {"event_id": 2, "data": {"type": "stored", "parent_hash": 4, "blocks": [
+            {"type": "stored_block", "block_hash": h, "lora_id": None, "cache_level": 0, "priority": 35,
+             "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in pair]}
+            for h, pair in ((5, (1, 2)), (6, (3, 4)))]}, "window_size": 2}]
 
 
 apart = stack_fixture("tiny-disagg", "--set", "runtime.engine_process=own")
