@@ -1,6 +1,7 @@
 """The host's cost of each part of a graphed prefill step, with the device idle before each call (so a figure is the
 launch cost alone, not a wait for work queued earlier): the inputs staged and copied, the graph's replay, the
-first tokens picked on the device, the prompts' blocks copied into the prefix cache's pool and the whole store.
+first tokens picked on the device, the prompts' blocks copied into the prefix cache's pool (as the engine does,
+from a captured graph on a GPU, and eagerly) and the whole store.
 
     python benchmarks/prefill_parts.py [--prompts 1,4,8] [--input-tokens 64] [--repeats 200]
 
@@ -24,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_throughput import device_label, direct_engine_args  # noqa: E402
 
 from hpc.bench.loadgen import prompt_ids  # noqa: E402
+from hpc.runtime.engine.sampling import on_device  # noqa: E402
 from hpc.runtime.engine.sequence import Seq  # noqa: E402
 from hpc.runtime.engine.tiny import ensure_model  # noqa: E402
 from hpc.runtime.engine.torch_engine import TorchEngine  # noqa: E402
@@ -40,36 +42,6 @@ def timed(sync: Callable[[], None], call: Callable[[], object], repeats: int) ->
         times.append(time.perf_counter() - t0)
     sync()
     return statistics.median(times) * 1e6
-
-
-def copy_in_graph(prefix, taken: dict[int, tuple[int, int]]) -> Callable[[], None]:
-    """A prototype: the pool copy captured in a CUDA graph, its indices staged by one pinned copy each call."""
-    import torch
-
-    from hpc.runtime.engine.sampling import pinned_copy
-
-    b = prefix.block
-    indices = torch.tensor([list(taken), [s for s, _ in taken.values()], [i for _, i in taken.values()]],
-                           device=prefix.pool.device)
-    usable = prefix.cache.shape[4] // b * b
-    by_block = prefix.cache[:, :, :, :, :usable].unflatten(4, (usable // b, b))
-
-    def copy() -> None:
-        prefix.pool[indices[0]] = by_block[:, :, indices[1], :, indices[2]]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        copy()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        copy()
-    host = indices.cpu()
-
-    def run() -> None:
-        pinned_copy(torch.tensor(host.tolist()), indices.device, into=indices)
-        graph.replay()
-    return run
 
 
 def main() -> None:
@@ -95,7 +67,7 @@ def main() -> None:
                   f"{args.model} on {device_label(engine)}, {args.input_tokens}-token prompts, temperature "
                   f"{args.temperature}, prefill graphs {'on' if engine.prefill_graphs is not None else 'off'}")
             print(f"{'prompts':>8} {'replay (staged)':>16} {'replay alone':>14} {'pick':>8} {'pool copy':>10} "
-                  f"{'copy in graph':>14} {'store (all)':>12}")
+                  f"{'(eagerly)':>12} {'store (all)':>12}")
             for n in counts:
                 seqs = []
                 for slot in range(n):
@@ -119,13 +91,15 @@ def main() -> None:
                     prefix.store_all([(prompt_ids(args.input_tokens, rng), slot) for slot in slots])
                 fresh = timed(sync, store, args.repeats) - timed(sync, lambda: [prompt_ids(args.input_tokens, rng)
                                                                                  for _ in slots], args.repeats)
-                alone = graphed_copy = float("nan")
+                alone = float("nan")
                 if graphs is not None:
                     total = sum(map(len, rows))
                     count = next(c for c in graphs.token_counts if c >= total)
                     alone = timed(sync, graphs._graphs[count][0], args.repeats)
-                    graphed_copy = timed(sync, copy_in_graph(prefix, taken), args.repeats)
-                print(f"{n:>8} {replay:>16.0f} {alone:>14.0f} {pick:>8.0f} {pool:>10.0f} {graphed_copy:>14.0f} "
+                rows_slots_blocks = [list(taken), [s for s, _ in taken.values()], [i for _, i in taken.values()]]
+                eager = timed(sync, lambda: prefix._copy(*on_device(rows_slots_blocks, prefix.pool.device)),
+                              args.repeats)
+                print(f"{n:>8} {replay:>16.0f} {alone:>14.0f} {pick:>8.0f} {pool:>10.0f} {eager:>12.0f} "
                       f"{fresh:>12.0f}")
 
     asyncio.run(run())

@@ -68,6 +68,8 @@ def test_a_shared_prefix_is_reused_and_answers_do_not_change(tiny, device):
     assert [t for t, _ in reused] == [t for t, _ in plain]  # reuse changes nothing in the answers
     assert [c for _, c in reused] == [0, 64, 32, 0]  # a whole prompt never matches: its last token is computed
     assert stats["prompt_tokens_computed"] == sum(map(len, prompts)) - 96
+    # the first prompt's two blocks, the only new ones, went into the pool by a captured copy on the GPU
+    assert stats["prefix_copies_graphed"] == (1 if device == "cuda" else 0)
     assert plain_stats["prompt_tokens_computed"] == sum(map(len, prompts)) and "prefix_blocks_hit" not in plain_stats
     stored = [e["data"] for e in events if e["data"]["type"] == "stored"]
     assert len(stored) == 1 and stored[0]["parent_hash"] is None  # only the first prompt's two blocks were new
@@ -179,3 +181,35 @@ def test_a_steps_prompts_are_stored_together_as_one_by_one(monkeypatch):
     for row, (slot, i) in ((both.index[h], (3, k)) for k, h in enumerate(prefix_cache.block_hashes(prompts[2][0],
                                                                                                    block))):
         assert torch.equal(both.pool[row], whole[:, :, slot, :, i * block:(i + 1) * block])
+
+
+def test_graphed_pool_copies_store_what_the_eager_copy_does_their_padding_only_in_the_spare_row():
+    """capture_copies: a store of n blocks replays the graph of the next power of two (the padding copies slot 0's
+    first block into the spare row), and one past the largest graph copies eagerly; the pool's blocks are the
+    eager copy's either way. On a GPU the engine captures them (test_a_shared_prefix_is_reused...)."""
+    from hpc.runtime.engine.llama import KvCache
+    from hpc.runtime.engine.prefix_cache import PrefixCache
+    from tests.fakes.graphs import RecordedGraph
+
+    block = 4
+    whole = torch.randn(2, 2, 4, 2, 30, 8)  # [layers, 2, slots, kv heads, max_len 30 (7 blocks and 2), dim]
+    graphed = PrefixCache(block, capacity=32, cache=KvCache(whole.clone()))
+    eager = PrefixCache(block, capacity=32, cache=KvCache(whole.clone()))
+    capture = RecordedGraph()
+    graphed.capture_copies(capture, max_blocks=5)  # graphs of 4, 2 and 1 blocks: 8 would pass max_blocks
+    assert capture.captured == [4, 2, 1]
+    replayed = []
+    graphed._copies = {n: (lambda n=n, replay=replay: replayed.append(n) or replay())
+                       for n, replay in graphed._copies.items()}
+    steps = [[(list(range(100, 104)), 1)],                                     # 1 block: the graph of 1
+             [(list(range(200, 212)), 2)],                                     # 3: the graph of 4, one padded
+             [(list(range(300, 308)), 0), (list(range(400, 412)), 3)],         # 5: past the largest, eagerly
+             [(list(range(500, 508)), 3)]]                                     # 2: the graph of 2
+    for step in steps:
+        graphed.store_all(step)
+        eager.store_all(step)
+    assert replayed == [1, 4, 2] and graphed.copies_graphed == 3 and eager.copies_graphed == 0
+    assert graphed.index == eager.index and len(graphed.index) == 11
+    assert torch.equal(graphed.pool[:32], eager.pool[:32])  # every block's row, and the free ones untouched
+    assert torch.equal(graphed.pool[32], whole[:, :, 0, :, :block])  # the padding: slot 0's first block
+    assert not eager.pool[32].any()

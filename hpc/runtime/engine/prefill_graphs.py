@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from hpc.runtime.engine.decode_graphs import Capture
-from hpc.runtime.engine.sampling import pinned_copy
+from hpc.runtime.engine.sampling import stage_into
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +78,8 @@ class PrefillGraphs:
         staged[_PROMPT, :total] = np.repeat(np.arange(len(prompts)), lengths)
         staged[_PROMPT, total:] = -1  # padding: a prompt of its own
         staged[_LAST, :len(prompts)] = ends - 1
-        staged = torch.from_numpy(staged)
-        # one host-to-device copy, from pinned memory on a GPU: from pageable memory it would first wait for the
-        # decode step in flight (a chunk or prompt admitted between overlapped steps)
-        if self.inputs.is_cuda:
-            pinned_copy(staged, self.inputs.device, into=self.inputs[:, :count])
-        else:
-            self.inputs[:, :count].copy_(staged)
+        stage_into(torch.from_numpy(staged), self.inputs[:, :count])  # one copy: a chunk or prompt admitted
+        # between overlapped steps does not wait for the decode step in flight
         replay, logits = self._graphs[count]
         replay()
         self.replays += 1

@@ -15,9 +15,14 @@ import struct
 from collections import OrderedDict
 from typing import Callable
 
+import torch
+
+from hpc.runtime.engine.decode_graphs import Capture
 from hpc.runtime.engine.kv_records import KvRecord
 from hpc.runtime.engine.llama import KvCache
-from hpc.runtime.engine.sampling import on_device
+from hpc.runtime.engine.sampling import on_device, stage_into
+
+COPY_GRAPH_BYTES = 64 << 20  # the most a captured pool copy gathers (the 8B shape: 16 blocks of 32 tokens)
 
 
 def chain_hash(parent: int | None, tokens: list[int]) -> int:
@@ -44,8 +49,14 @@ class PrefixCache:
         into a slot, every layer in one kernel); `capacity`: blocks the pool holds; `on_events`: the records of
         each store_all, in order, in one call (a prefill step's leave an engine process as one message)."""
         self.block, self.capacity, self.cache = block, capacity, cache.whole
-        layers, two, _, heads, _, dim = self.cache.shape
-        self.pool = self.cache.new_zeros((capacity, layers, two, heads, block, dim))
+        layers, two, _, heads, max_len, dim = self.cache.shape
+        # row `capacity` is no block's: a graphed copy's padding writes there
+        self.pool = self.cache.new_zeros((capacity + 1, layers, two, heads, block, dim))
+        usable = max_len // block * block  # a slot's whole blocks: [layers, 2, slots, heads, blocks, block, dim]
+        self._by_block = self.cache[:, :, :, :, :usable].unflatten(4, (usable // block, block))
+        self._copies: dict[int, Callable[[], None]] = {}  # captured pool copies, by the blocks each takes
+        self._copy_index: torch.Tensor | None = None  # their static input: pool rows, slots, blocks
+        self.copies_graphed = 0
         self.index: OrderedDict[int, int] = OrderedDict()  # block hash -> pool row, least recently used first
         self.free = list(range(capacity))
         self.on_events = on_events
@@ -107,17 +118,42 @@ class PrefixCache:
             self.on_events(records)
         self._copy_in(taken)
 
+    def capture_copies(self, capture: Capture, max_blocks: int) -> None:
+        """The pool copy of up to 1, 2, 4, ... blocks as graphs, up to `max_blocks` (what one prefill step stores)
+        and COPY_GRAPH_BYTES of gathered blocks (the graphs' pool keeps them): a copy is then one staged index copy
+        and one replay, its padding written to the spare row. Eagerly, the indexing took ~90 µs of the scheduler
+        thread each prefill step on an H200, against ~35 (benchmarks/prefill_parts.py)."""
+        block_bytes = self.pool[0].numel() * self.pool.element_size()
+        limit = min(max_blocks, COPY_GRAPH_BYTES // block_bytes)
+        sizes = [1 << i for i in range(limit.bit_length())]
+        if not sizes:
+            return
+        self._copy_index = torch.zeros(3, sizes[-1], dtype=torch.long, device=self.pool.device)
+        self._copy_index[0].fill_(self.capacity)  # the capture's own eager run writes the spare row too
+        for size in reversed(sizes):  # largest first: the smaller ones reuse its memory
+            rows, slots, blocks = self._copy_index[:, :size]
+            self._copies[size] = capture(lambda r=rows, s=slots, k=blocks: self._copy(r, s, k))[0]
+
+    def _copy(self, rows: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        self.pool[rows] = self._by_block[:, :, slots, :, blocks]  # the indexed dims lead: [n, layers, 2, heads, b, d]
+        return rows
+
     def _copy_in(self, taken: dict[int, tuple[int, int]]) -> None:
         """Each taken pool row gets its (slot, block)'s KV: one indexed copy for every block, prompt and layer (a
-        4,096-token prompt of the 8B shape: one copy instead of 4,096 kernel launches)."""
+        4,096-token prompt of the 8B shape: one copy instead of 4,096 kernel launches); replayed from a graph
+        where one holds that many."""
         if not taken:
             return
-        b = self.block
-        rows, slots, blocks = on_device([list(taken), [s for s, _ in taken.values()],
-                                         [i for _, i in taken.values()]], self.pool.device)
-        usable = self.cache.shape[4] // b * b  # whole blocks of a slot: [layers, 2, slots, heads, blocks, b, dim]
-        by_block = self.cache[:, :, :, :, :usable].unflatten(4, (usable // b, b))
-        self.pool[rows] = by_block[:, :, slots, :, blocks]  # the indexed dims lead: [n, layers, 2, heads, b, dim]
+        rows, where = list(taken), list(taken.values())
+        size = next((n for n in sorted(self._copies) if n >= len(rows)), None)
+        if size is not None:
+            pad = size - len(rows)
+            stage_into(torch.tensor([rows + [self.capacity] * pad, [s for s, _ in where] + [0] * pad,
+                                     [i for _, i in where] + [0] * pad]), self._copy_index[:, :size])
+            self._copies[size]()
+            self.copies_graphed += 1
+            return
+        self._copy(*on_device([rows, [s for s, _ in where], [i for _, i in where]], self.pool.device))
 
     def _stored(self, run: list[int], parent: int | None, tokens: list[int], first: int) -> None:
         """A run of new blocks (hashes) of `tokens`, from block `first`: as TensorRT-LLM sends them, the parent of

@@ -94,6 +94,15 @@ def pinned_copy(host: torch.Tensor, device: torch.device, into: torch.Tensor | N
     return prepare_pinned_copies().copy(host, device, into)
 
 
+def stage_into(host: torch.Tensor, into: torch.Tensor) -> None:
+    """A static input buffer of a graph (`into`, on any device) filled from a host tensor of its shape: through
+    pinned memory on a GPU (from pageable memory the copy would first wait for the step in flight)."""
+    if into.is_cuda:
+        pinned_copy(host, into.device, into=into)
+    else:
+        into.copy_(host)
+
+
 def prepare_pinned_copies() -> _PinnedRing:
     """This thread's ring, made now if it is not yet (16 MB of pinned memory: a scheduler thread makes it as it
     starts, not in its first request)."""

@@ -263,6 +263,9 @@ class TorchEngine(ContextSteps, DecodeSteps):
         if self.prefill_graphs is not None:  # a pool of its own: its logits are read while decode graphs run
             self.prefill_graphs.capture(cuda_capture(self.device))
             self.warmed.append(("prefill graphs", len(self.prefill_graphs.token_counts)))
+        if self.prefix is not None and self.device.type == "cuda":  # what one prefill step may store
+            most = max(self._token_budget(), self.prefill_graphs.token_counts[-1] if self.prefill_graphs else 0)
+            self.prefix.capture_copies(cuda_capture(self.device), most // self.prefix.block)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.warmup_s = time.perf_counter() - t0
@@ -419,14 +422,17 @@ class TorchEngine(ContextSteps, DecodeSteps):
         if self.model is not None:
             kv_usage = 1.0 - len(self.free_slots) / self.max_batch
         prefix = {"prefix_blocks_hit": self.prefix.hits, "prefix_blocks_looked_up": self.prefix.lookups,
-                  "prefix_blocks_held": len(self.prefix.index)} if self.prefix is not None else {}
+                  "prefix_blocks_held": len(self.prefix.index), "prefix_copies_graphed": self.prefix.copies_graphed
+                  } if self.prefix is not None else {}
         graphed = {"decode_steps_graphed": self.graphs.replays} if self.graphs is not None else {}
         if self.prefill_graphs is not None:
             graphed["prefill_steps_graphed"] = self.prefill_graphs.replays
         if self.device.type == "cuda" and torch.cuda.is_initialized():
             # segments the caching allocator took from cudaMalloc (milliseconds each), so far: a first sweep that
-            # grows the allocator shows here
-            graphed["cuda_malloc_segments"] = torch.cuda.memory_stats(self.device).get("segment.all.allocated", 0)
+            # grows the allocator shows here. Not memory_stats(): it flattens a few hundred figures in Python, with
+            # the GIL the scheduler thread waits for (an engine process reports its stats every second)
+            graphed["cuda_malloc_segments"] = torch.cuda.memory_stats_as_nested_dict(self.device)["segment"]["all"][
+                "allocated"]
         return {**self._counters, **prefix, **graphed, "kv_usage": kv_usage, "handoffs_waiting": len(self.handoffs)}
 
     # ---- scheduler thread ------------------------------------------------------------------------
