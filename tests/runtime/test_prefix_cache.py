@@ -196,7 +196,8 @@ def test_graphed_pool_copies_store_what_the_eager_copy_does_their_padding_only_i
     graphed = PrefixCache(block, capacity=32, cache=KvCache(whole.clone()))
     eager = PrefixCache(block, capacity=32, cache=KvCache(whole.clone()))
     capture = RecordedGraph()
-    graphed.capture_copies(capture, max_blocks=5)  # graphs of 4, 2 and 1 blocks: 8 would pass max_blocks
+    with torch.inference_mode():  # as the engine's warm-up captures them; its scheduler stores outside it
+        graphed.capture_copies(capture, max_blocks=5)  # graphs of 4, 2 and 1 blocks: 8 would pass max_blocks
     assert capture.captured == [4, 2, 1]
     replayed = []
     graphed._copies = {n: (lambda n=n, replay=replay: replayed.append(n) or replay())

@@ -55,7 +55,11 @@ class PrefixCache:
         usable = max_len // block * block  # a slot's whole blocks: [layers, 2, slots, heads, blocks, block, dim]
         self._by_block = self.cache[:, :, :, :, :usable].unflatten(4, (usable // block, block))
         self._copies: dict[int, Callable[[], None]] = {}  # captured pool copies, by the blocks each takes
-        self._copy_index: torch.Tensor | None = None  # their static input: pool rows, slots, blocks
+        # their static input (pool rows, slots, blocks), as wide as COPY_GRAPH_BYTES allows, made here and not in
+        # capture_copies (the engine's warm-up runs in inference mode, whose tensors the scheduler could not fill)
+        graphable = min(capacity, COPY_GRAPH_BYTES // (self.pool[0].numel() * self.pool.element_size()))
+        self._copy_index = torch.zeros(3, 1 << graphable.bit_length() >> 1, dtype=torch.long, device=self.pool.device)
+        self._copy_index[0].fill_(capacity)  # a capture's own eager run writes the spare row too
         self.copies_graphed = 0
         self.index: OrderedDict[int, int] = OrderedDict()  # block hash -> pool row, least recently used first
         self.free = list(range(capacity))
@@ -123,13 +127,8 @@ class PrefixCache:
         and COPY_GRAPH_BYTES of gathered blocks (the graphs' pool keeps them): a copy is then one staged index copy
         and one replay, its padding written to the spare row. Eagerly, the indexing took ~90 µs of the scheduler
         thread each prefill step on an H200, against ~35 (benchmarks/prefill_parts.py)."""
-        block_bytes = self.pool[0].numel() * self.pool.element_size()
-        limit = min(max_blocks, COPY_GRAPH_BYTES // block_bytes)
+        limit = min(max_blocks, self._copy_index.shape[1])
         sizes = [1 << i for i in range(limit.bit_length())]
-        if not sizes:
-            return
-        self._copy_index = torch.zeros(3, sizes[-1], dtype=torch.long, device=self.pool.device)
-        self._copy_index[0].fill_(self.capacity)  # the capture's own eager run writes the spare row too
         for size in reversed(sizes):  # largest first: the smaller ones reuse its memory
             rows, slots, blocks = self._copy_index[:, :size]
             self._copies[size] = capture(lambda r=rows, s=slots, k=blocks: self._copy(r, s, k))[0]
