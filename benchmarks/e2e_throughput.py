@@ -52,17 +52,19 @@ from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, Sampli
 WARMUP = 2
 
 
+def level_request(level: Level, rng: random.Random) -> GenerateRequest:
+    """One of a level's requests straight to an engine: the stack's client's prompt and output lengths."""
+    return GenerateRequest(request_id="x", token_ids=prompt_ids(level.input_tokens, rng),
+                           sampling=SamplingParams(max_tokens=level.max_tokens(rng), ignore_eos=True,
+                                                   temperature=1.0))
+
+
 async def engine_level(engine: TorchEngine, level: Level, rng: random.Random) -> float:
     """Tokens/s of one closed-loop level straight on the engine. Its outputs are taken as a worker takes them
     (`TorchEngine.stream`: a callback per decode step's batch; `generate`'s queue and generator resumption per
     token kept this process's event loop holding 85 % of the GIL samples at c=64 on an H200, the engine's thread
     14 %), and every request is made before the clock starts (the stack's client makes its own in processes of
     its own)."""
-    def request() -> GenerateRequest:
-        return GenerateRequest(request_id="x", token_ids=prompt_ids(level.input_tokens, rng),
-                               sampling=SamplingParams(max_tokens=level.max_tokens(rng), ignore_eos=True,
-                                                       temperature=1.0))
-
     async def one(req: GenerateRequest) -> int:
         produced = 0
 
@@ -74,8 +76,8 @@ async def engine_level(engine: TorchEngine, level: Level, rng: random.Random) ->
         return produced
 
     for _ in range(WARMUP):
-        await one(request())
-    queue = [request() for _ in range(level.requests)]
+        await one(level_request(level, rng))
+    queue = [level_request(level, rng) for _ in range(level.requests)]
     tokens = 0
 
     async def user() -> None:

@@ -22,7 +22,7 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from client_capacity import engine_line  # noqa: E402
-from e2e_throughput import device_label, direct_engine_args, engine_level  # noqa: E402
+from e2e_throughput import device_label, direct_engine_args, engine_level, level_request  # noqa: E402
 
 from hpc.bench.loadgen import Level  # noqa: E402
 from hpc.runtime.engine.tiny import ensure_model  # noqa: E402
@@ -51,6 +51,25 @@ class Timers:
         setattr(owner, name, timed)
 
 
+async def prefill_level(engine: TorchEngine, level: Level, rng: random.Random) -> float:
+    """Prompts/s of a closed loop of `level.concurrency` users on a prefill engine, each answer's KV released as
+    it comes (a decode engine would take it)."""
+    from hpc.runtime.serve.wire import replace
+
+    requests = [replace(level_request(level, rng), streaming=False) for _ in range(level.requests)]
+    total = len(requests)
+
+    async def user() -> None:
+        while requests:
+            answers: list = []
+            await engine.stream(requests.pop(), answers.append)
+            engine.release_handoff(answers[-1].disaggregated_params.request_handle)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[user() for _ in range(level.concurrency)])
+    return total / (time.perf_counter() - t0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="tiny")
@@ -59,6 +78,9 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--output-spread", type=int, default=32)
     parser.add_argument("--engine-args", default="{}")
+    parser.add_argument("--role", choices=("agg", "prefill"), default="agg",
+                        help="prefill: a prefill worker's engine, each prompt answered with its KV kept for a "
+                             "decode engine (released at once here); its figure is prompts/s")
     args = parser.parse_args()
     level = Level(args.concurrency, args.input_tokens, args.output_tokens, 4 * args.concurrency,
                   output_spread=args.output_spread)
@@ -67,8 +89,9 @@ def main() -> None:
     timers = Timers()
 
     async def run() -> tuple[str, float, float, dict]:
-        async with TorchEngine(ensure_model(f"~/.cache/hpc/models/{args.model}", args.model),
-                               DisaggregationMode.AGGREGATED, engine_args) as engine:
+        mode = DisaggregationMode.PREFILL if args.role == "prefill" else DisaggregationMode.AGGREGATED
+        async with TorchEngine(ensure_model(f"~/.cache/hpc/models/{args.model}", args.model), mode,
+                               engine_args) as engine:
             # the outer calls first: inner timers are then part of their callers' time
             timers.wrap(engine, "_admit", "admit (slots, prefix cache)")
             timers.wrap(engine, "_context_step", "prefill (incl. below)")
@@ -86,12 +109,15 @@ def main() -> None:
                 timers.wrap(engine.prefix, "_stored", "    their KV event records")
                 timers.wrap(engine.prefix, "_copy_in", "    their KV's copy into the pool")
             timers.wrap(engine, "_emit_inflight", "  emit a step's tokens")
+            timers.wrap(engine, "_keep_for_handoff", "  KV kept for the decode engine")
+            timers.wrap(engine, "_hand_over", "  answers (first token, KV handle)")
             rng = random.Random(0)
-            await engine_level(engine, level, rng)  # warm: the level's shapes and the loop's caches
+            run_level = prefill_level if args.role == "prefill" else engine_level
+            await run_level(engine, level, rng)  # warm: the level's shapes and the loop's caches
             before = engine.stats()
             timers.on = True
             t0 = time.perf_counter()
-            tok_s = await engine_level(engine, level, rng)
+            tok_s = await run_level(engine, level, rng)
             wall = time.perf_counter() - t0
             timers.on = False
             after = engine.stats()
@@ -102,7 +128,8 @@ def main() -> None:
 
     label, tok_s, wall, steps = asyncio.run(run())
     print(f"scheduler time, {args.model} on {label}, c={args.concurrency}, {args.input_tokens} in / "
-          f"{args.output_tokens} +- {args.output_spread} out, {level.requests} requests: {tok_s:.0f} tok/s, "
+          f"{args.output_tokens} +- {args.output_spread} out, {level.requests} requests: {tok_s:.0f} "
+          f"{'prompts' if args.role == 'prefill' else 'tok'}/s, "
           f"{wall * 1e3:.0f} ms; steps {steps}")
     print(f"{'phase':<36} {'ms':>8} {'share':>6} {'calls':>6} {'us/call':>8}")
     for label_, seconds in timers.seconds.items():

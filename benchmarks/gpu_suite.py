@@ -123,6 +123,10 @@ def steps(mpiexec: str, scratch: str, gpus: int, profiles: str) -> list[tuple[st
         # the engine's scheduler at c=64 by phase; a decode step's tokens to the host, events made or reused
         ("engine_steps", [py, "benchmarks/engine_steps.py", "--concurrency", "64"], None, 90),
         ("decode_host_copy", [py, "benchmarks/decode_host_copy.py"], None, 60),
+        # a prefill step's host cost by part, the device idle (session 20); a prefill worker's engine by phase
+        ("prefill_parts", [py, "benchmarks/prefill_parts.py", "--prompts", "1,4,8,16"], None, 90),
+        ("engine_steps_prefill", [py, "benchmarks/engine_steps.py", "--role", "prefill", "--concurrency", "16"],
+         None, 90),
         # the same with each worker's engine in the worker's process (on a GPU it has one of its own by default)
         ("stack_vs_engine_agg_in_worker", [py, "benchmarks/e2e_throughput.py", "--recipe", "tiny-agg",
                                            "--concurrency", "1,8,32,64", "--rounds", "3", "--requests-per-user", "16",
