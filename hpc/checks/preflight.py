@@ -19,8 +19,7 @@ EXIT_FAILED = 3
 def required_modules(manifest: dict) -> list[tuple[str, str]]:
     """(module, why) for this job, in the order a missing one is reported."""
     need = [("hpc", "every component"), ("pydantic", "the manifest"), ("yaml", "engine configs"),
-            ("aetcd", "etcd discovery"), ("nats", "the event plane"), ("prometheus_client", "the frontend's metrics"),
-            ("httptools", "the HTTP servers"),
+            ("aetcd", "etcd discovery"), ("nats", "the event plane"), ("httptools", "the HTTP servers"),
             ("msgspec", "the worker wire protocol")]
     backend = manifest["recipe"]["backend"]
     if backend == "torch":

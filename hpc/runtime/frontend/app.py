@@ -348,21 +348,27 @@ class Frontend:
         pending: list[TokenLogprob] = []
         cached = 0
         prompt: list[TokenLogprob] | None = None
-        async for out in self.latency.track(self._outputs(gen, body.route_hints)):
-            tokens += len(out.token_ids)
-            cached = max(cached, out.cached_tokens)
-            prompt = out.prompt_logprobs or prompt
-            pending += out.logprobs or []
-            reason = out.finish_reason if out.finished else None
-            delta, stopped = text.feed(detok.add(out.token_ids), final=reason is not None)
-            if stopped:
-                yield Piece(delta, "stop", tokens, pending, cached, prompt)
-                return
-            if delta or reason:
-                yield Piece(delta, _reason(reason) if reason else None, tokens, pending, cached, prompt)
-                pending = []
-            if reason:
-                return
+        clock = self.latency.start()
+        try:
+            async for out in self._outputs(gen, body.route_hints):
+                if out.token_ids:
+                    clock.tokens(len(out.token_ids))
+                tokens += len(out.token_ids)
+                cached = max(cached, out.cached_tokens)
+                prompt = out.prompt_logprobs or prompt
+                pending += out.logprobs or []
+                reason = out.finish_reason if out.finished else None
+                delta, stopped = text.feed(detok.add(out.token_ids), final=reason is not None)
+                if stopped:
+                    yield Piece(delta, "stop", tokens, pending, cached, prompt)
+                    return
+                if delta or reason:
+                    yield Piece(delta, _reason(reason) if reason else None, tokens, pending, cached, prompt)
+                    pending = []
+                if reason:
+                    return
+        finally:
+            clock.end()
 
     def _usage(self, prompt: int, completion: int, cached: int) -> dict[str, Any]:
         usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
