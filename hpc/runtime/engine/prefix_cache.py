@@ -125,8 +125,8 @@ class PrefixCache:
     def capture_copies(self, capture: Capture, max_blocks: int) -> None:
         """The pool copy of up to 1, 2, 4, ... blocks as graphs, up to `max_blocks` (what one prefill step stores)
         and COPY_GRAPH_BYTES of gathered blocks (the graphs' pool keeps them): a copy is then one staged index copy
-        and one replay, its padding written to the spare row. Eagerly, the indexing took ~90 µs of the scheduler
-        thread each prefill step on an H200, against ~35 (benchmarks/prefill_parts.py)."""
+        and one replay, its padding written to the spare row. Eagerly, the indexing took 85-150 µs of the scheduler
+        thread a prefill step on an H200; replayed, 35-100 (benchmarks/prefill_parts.py, the device idle)."""
         limit = min(max_blocks, self._copy_index.shape[1])
         sizes = [1 << i for i in range(limit.bit_length())]
         for size in reversed(sizes):  # largest first: the smaller ones reuse its memory
