@@ -20,6 +20,10 @@ the engine warms up before it says ready, so the first sweep should be as fast a
 4 x concurrency requests (at least --requests; --requests-per-user 16 makes levels four times as long, and their
 figures less noisy).
 Both paths sample at temperature 1: what hpc bench's requests get from the frontend (OpenAI's default).
+Under the table, where each path's time went at each level (session 20): a request's time on the engine alone and
+the client's p50 TTFT / e2e through the stack, then the scheduler clock of the direct engine and of every engine of
+the stack (from their /metrics): decode / admit / idle a step, tokens a step, prompts a prefill step, and a prompt's
+wait for its first token (and, in an engine process, in its link before that).
 """
 
 from __future__ import annotations
