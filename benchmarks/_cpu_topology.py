@@ -130,20 +130,30 @@ def pin_engines(leaders: dict[str, int], chosen: list[int] | None = None,
     every other thread of the stack (the engines' other threads too) and this process (and the client processes
     it starts later) on the other cores. Lines saying what went where. (Pinning an engine's every thread to one
     core put its event loop and CUDA's threads on its scheduler's core.)"""
-    found = cores() if found is None else found
     engines = [(name, pid) for name, leader in sorted(leaders.items()) for pid in engine_pids(leader)]
-    own, rest = split(found, len(engines), chosen)
+    # each engine's scheduler thread: as the engine names it, else a guess
+    tids = [(schedulers or {}).get(name) or scheduler_thread(pid) for name, pid in engines]
     stack = [p for leader in leaders.values() for p in group(leader)]
-    for pid in stack + [os.getpid()]:
-        pin_process(pid, rest)
-    lines = []
-    for (name, pid), cpus in zip(engines, own):
-        tid = (schedulers or {}).get(name) or scheduler_thread(pid)  # the engine's word, else a guess
-        os.sched_setaffinity(tid, cpus)
-        lines.append(f"{name}'s engine process {pid}: its scheduler thread {tid} on CPUs {sorted(cpus)}")
+    pinned, rest = pin_threads([[tid] for tid in tids], stack, chosen, found)
+    lines = [f"{name}'s engine process {pid}: its scheduler thread {tid} on CPUs {sorted(cpus)}"
+             for (name, pid), tid, cpus in zip(engines, tids, pinned)]
     lines.append(f"{len(stack)} processes of the stack (the engines' other threads) and this one: the other "
                  f"{len(rest)} CPUs")
     return lines
+
+
+def pin_threads(groups: list[list[int]], pids: list[int], chosen: list[int] | None = None,
+                found: list[tuple[int, ...]] | None = None) -> tuple[list[set[int]], set[int]]:
+    """Each group of threads on a physical core of its own (split: the last cores, or the `chosen` CPUs' cores),
+    every thread of `pids` and of this process on the other cores, before the groups are placed; (the groups'
+    CPUs, the others)."""
+    own, rest = split(cores() if found is None else found, len(groups), chosen)
+    for pid in pids + [os.getpid()]:
+        pin_process(pid, rest)
+    for tids, cpus in zip(groups, own):
+        for tid in tids:
+            os.sched_setaffinity(tid, cpus)
+    return own, rest
 
 
 def scheduler_thread(pid: int, proc: Path = Path("/proc")) -> int:

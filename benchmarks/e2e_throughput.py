@@ -127,6 +127,36 @@ def direct_engine(model_dir: Any, engine_args: dict[str, Any], pair: bool) -> An
     return DirectPair(model_dir, engine_args, pair_devices(torch.cuda.device_count()))
 
 
+def pin_schedulers(engine: Any, stack_run: Any, setting: str) -> list[str]:
+    """--pin-schedulers: the scheduler threads of the direct path's decode (or only) engine and of the stack's
+    decode or aggregated engines on one physical core, the prefill engines' on another (the two paths alternate:
+    each level runs on the same CPUs either way), every other thread of this process and of the stack elsewhere."""
+    import _cpu_topology
+
+    from hpc.launch.local import local_pids
+
+    direct = {"prefill": engine.prefill, "decode": engine.decode} if isinstance(engine, DirectPair) \
+        else {"decode": engine}
+    groups: dict[str, list[int]] = {}
+    for role, one in direct.items():
+        groups.setdefault(role, []).append(int(one.stats()["scheduler_thread_id"]))
+    for name, state in workers(Path(stack_run.path)).items():
+        if state.get("http"):
+            role = "prefill" if name.startswith("prefill") else "decode"
+            groups.setdefault(role, []).append(int(counters(state["http"], ("scheduler_thread_id",))[
+                "scheduler_thread_id"]))
+    roles = sorted(groups, key=lambda role: role != "decode")  # the decode engines' core first
+    stack = [pid for pids in local_pids(stack_run).values() for leader in pids[:1]
+             for pid in _cpu_topology.group(leader)]
+    chosen = None if setting == "last" else [int(cpu) for cpu in setting.split(",")]
+    try:
+        pinned, rest = _cpu_topology.pin_threads([groups[role] for role in roles], stack, chosen)
+    except ValueError as exc:
+        raise SystemExit(f"--pin-schedulers: {exc}") from None
+    return [f"{role} engines' scheduler threads {groups[role]} on CPUs {sorted(cpus)}"
+            for role, cpus in zip(roles, pinned)] + [f"everything else on the other {len(rest)} CPUs"]
+
+
 def device_label(engine: Any) -> str:
     import torch
 
@@ -152,6 +182,10 @@ def main() -> None:
     parser.add_argument("--sweeps", type=int, default=2, help="with --engine-only: sweeps back to back")
     parser.add_argument("--model", default="tiny", help="the generated model to serve (tiny)")
     parser.add_argument("--recipe", default="tiny-agg", help="the stack to compare with (tiny-agg, tiny-disagg)")
+    parser.add_argument("--pin-schedulers", nargs="?", const="last", metavar="CPUS",
+                        help="against the VM's uneven vCPUs: the direct path's engine and the stack's take turns "
+                             "on one physical core (the last, or the given CPU's), their schedulers' threads "
+                             "alone there; a prefill engine's on a second; everything else on the other cores")
     add_set_option(parser)
     parser.add_argument("--client-in-process", action="store_true",
                         help="the stack's load generator in this process, beside the engine (before 2026-11-25); "
@@ -209,6 +243,9 @@ def main() -> None:
                                     *args.overrides)
                 stack_run, url = stack.__enter__()
             frontends = stack_run.manifest().plan.service("frontend").processes
+            if args.pin_schedulers:
+                for line in pin_schedulers(engine, stack_run, args.pin_schedulers):
+                    print(line, file=sys.stderr)
             try:
                 placed = {name: state["http"] for name, state in workers(Path(stack_run.path)).items()
                           if state.get("http")}

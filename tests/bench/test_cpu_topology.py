@@ -122,3 +122,16 @@ def test_cores_a_vm_shows_apart_merge_when_they_slow_each_other():
     own, rest = _cpu_topology.split(merged, 1, chosen=[4])
     assert own == [{1, 4}] and rest == {0, 2, 3, 5}
     assert _cpu_topology.merge_siblings(found, []) == found
+
+
+def test_pinned_groups_share_a_core_each_and_everything_else_moves_off_first(monkeypatch):
+    """pin_threads: the other processes (and this one) go to the other cores before the groups' threads are
+    placed, so that a group's thread of this process ends on its core, not back on the rest."""
+    calls = []
+    monkeypatch.setattr(_cpu_topology, "pin_process", lambda pid, cpus: calls.append(("process", pid, cpus)) or 1)
+    monkeypatch.setattr(_cpu_topology.os, "sched_setaffinity", lambda tid, cpus: calls.append(("thread", tid, cpus)))
+    found = [(0, 4), (1, 5), (2, 6), (3, 7)]
+    own, rest = _cpu_topology.pin_threads([[101, 201], [102]], [50, 60], chosen=None, found=found)
+    assert own == [{2, 6}, {3, 7}] and rest == {0, 1, 4, 5}
+    assert calls == [("process", 50, rest), ("process", 60, rest), ("process", os.getpid(), rest),
+                     ("thread", 101, {2, 6}), ("thread", 201, {2, 6}), ("thread", 102, {3, 7})]
