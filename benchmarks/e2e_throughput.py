@@ -243,10 +243,10 @@ def main() -> None:
                                     *args.overrides)
                 stack_run, url = stack.__enter__()
             frontends = stack_run.manifest().plan.service("frontend").processes
-            if args.pin_schedulers:
-                for line in pin_schedulers(engine, stack_run, args.pin_schedulers):
-                    print(line, file=sys.stderr)
             try:
+                if args.pin_schedulers:  # the stack stopped below whatever this raises
+                    for line in pin_schedulers(engine, stack_run, args.pin_schedulers):
+                        print(line, file=sys.stderr)
                 placed = {name: state["http"] for name, state in workers(Path(stack_run.path)).items()
                           if state.get("http")}
                 for round_ in range(args.rounds):
