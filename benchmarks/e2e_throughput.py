@@ -146,14 +146,15 @@ def pin_schedulers(engine: Any, stack_run: Any, setting: str) -> list[str]:
             groups.setdefault(role, []).append(int(counters(state["http"], ("scheduler_thread_id",))[
                 "scheduler_thread_id"]))
     roles = sorted(groups, key=lambda role: role != "decode")  # the decode engines' core first
-    stack = [pid for pids in local_pids(stack_run).values() for leader in pids[:1]
+    stack = [pid for leaders in local_pids(stack_run).values() for leader in leaders
              for pid in _cpu_topology.group(leader)]
     chosen = None if setting == "last" else [int(cpu) for cpu in setting.split(",")]
     try:
         pinned, rest = _cpu_topology.pin_threads([groups[role] for role in roles], stack, chosen)
     except ValueError as exc:
         raise SystemExit(f"--pin-schedulers: {exc}") from None
-    return [f"{role} engines' scheduler threads {groups[role]} on CPUs {sorted(cpus)}"
+    shown = {"decode": "decode" if "prefill" in groups else "aggregated", "prefill": "prefill"}
+    return [f"the {shown[role]} engines' scheduler threads {groups[role]} on CPUs {sorted(cpus)}"
             for role, cpus in zip(roles, pinned)] + [f"everything else on the other {len(rest)} CPUs"]
 
 
