@@ -281,6 +281,36 @@ def test_an_idle_intake_wait_ends_at_a_message_or_a_wake_up():
 
 
 @pytest.mark.unit
+def test_the_scheduler_reads_messages_whole_split_anywhere_or_larger_than_its_read():
+    """Poller: a message cut inside its length and its body arrives whole once its last byte does; one larger than
+    a read (1 MB) too, and the bytes after it start the next."""
+    import socket
+    import threading
+
+    from hpc.runtime.worker.engine_link import Poller
+
+    worker, ours = socket.socketpair()
+    poller = Poller(ours, ToEngine)
+    small = encode(Submit(key=1, request=GenerateRequest(request_id="a", token_ids=[1, 2])))
+    worker.sendall(small[:2])  # inside the length
+    assert poller.poll(0.0) == []
+    worker.sendall(small[2:7])  # inside the body
+    assert poller.poll(0.0) == []
+    worker.sendall(small[7:])
+    assert [m.key for m in poller.poll(0.0)] == [1]
+    big = Submit(key=2, request=GenerateRequest(request_id="b", token_ids=list(range(100_000, 500_000))))
+    sender = threading.Thread(target=worker.sendall, args=(encode(big) + small,))  # > 1 MB: several reads
+    sender.start()
+    got = []
+    for _ in range(200):  # a few reads; a lost byte would leave it waiting: bounded
+        if len(got) >= 2:
+            break
+        got += poller.poll(0.05)
+    sender.join(5)
+    assert [m.key for m in got] == [2, 1] and got[0] == big and not poller.closed
+
+
+@pytest.mark.unit
 def test_messages_are_read_whole_however_the_bytes_arrive():
     hostile = "$(rm -rf /) `x` 'q' \"d\"\nnew line"
     messages = [Submit(key=i, request=GenerateRequest(request_id=hostile * i, token_ids=list(range(i + 1))))
