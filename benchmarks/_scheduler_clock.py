@@ -33,14 +33,15 @@ def per_decode_step(clock: dict[str, float]) -> str:
     waited = clock["idle_seconds_total"] - clock["idle_running_seconds_total"]
     waits = (f", {clock['idle_waits_total']:.0f} waits for work of {waited / clock['idle_waits_total'] * 1e3:.2f} ms"
              if clock.get("idle_waits_total") else "")
-    firsts = clock.get("first_tokens") or 0
-    # a prompt's wait for its first token, from its arrival at the engine (and before it, in an engine process's
-    # link from its worker), and how many prompts a prefill step took: what keeps a closed loop's users out of
-    # the decode batch
-    prompts = (f"; {firsts / clock['prefill_steps']:.1f} prompts a prefill step, first token "
-               f"{clock.get('first_token_seconds_total', 0) / firsts * 1e3:.2f} ms"
-               + (f" (+ link {clock['link_seconds_total'] / firsts * 1e3:.2f})" if clock.get("link_seconds_total")
-                  else "") if firsts and clock.get("prefill_steps") else "")
+    # how many prompts a prefill step took, and a prompt's wait for its first token from its arrival at the
+    # engine (and before it, in an engine process's link from its worker): what keeps a closed loop's users out
+    # of the decode batch
+    prompts, firsts = "", clock.get("first_tokens") or 0
+    if firsts and clock.get("prefill_steps"):
+        prompts = (f"; {firsts / clock['prefill_steps']:.1f} prompts a prefill step, first token "
+                   f"{clock.get('first_token_seconds_total', 0) / firsts * 1e3:.2f} ms")
+        if clock.get("link_seconds_total"):
+            prompts += f" (+ link {clock['link_seconds_total'] / firsts * 1e3:.2f})"
     return (f"{clock['decode_seconds_total'] / steps * 1e3:.3f} / {clock['admit_seconds_total'] / steps * 1e3:.3f} / "
             f"{clock['idle_seconds_total'] / steps * 1e3:.3f} ({clock['idle_running_seconds_total'] / steps * 1e3:.3f}"
             f" running), {clock['generated_tokens'] / steps:.1f} tokens{waits}{prompts}")

@@ -135,7 +135,7 @@ class PrefixCache:
 
     def _copy(self, rows: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         self.pool[rows] = self._by_block[:, :, slots, :, blocks]  # the indexed dims lead: [n, layers, 2, heads, b, d]
-        return rows
+        return rows  # a capture keeps its step's output tensor (decode_graphs.Capture); the pool is what it writes
 
     def _copy_in(self, taken: dict[int, tuple[int, int]]) -> None:
         """Each taken pool row gets its (slot, block)'s KV: one indexed copy for every block, prompt and layer (a
@@ -143,16 +143,16 @@ class PrefixCache:
         where one holds that many."""
         if not taken:
             return
-        rows, where = list(taken), list(taken.values())
+        rows, slots, blocks = list(taken), [s for s, _ in taken.values()], [i for _, i in taken.values()]
         size = next((n for n in sorted(self._copies) if n >= len(rows)), None)
-        if size is not None:
-            pad = size - len(rows)
-            stage_into(torch.tensor([rows + [self.capacity] * pad, [s for s, _ in where] + [0] * pad,
-                                     [i for _, i in where] + [0] * pad]), self._copy_index[:, :size])
-            self._copies[size]()
-            self.copies_graphed += 1
+        if size is None:
+            self._copy(*on_device([rows, slots, blocks], self.pool.device))
             return
-        self._copy(*on_device([rows, [s for s, _ in where], [i for _, i in where]], self.pool.device))
+        pad = size - len(rows)  # into the spare row, from slot 0's first block
+        stage_into(torch.tensor([rows + [self.capacity] * pad, slots + [0] * pad, blocks + [0] * pad]),
+                   self._copy_index[:, :size])
+        self._copies[size]()
+        self.copies_graphed += 1
 
     def _stored(self, run: list[int], parent: int | None, tokens: list[int], first: int) -> None:
         """A run of new blocks (hashes) of `tokens`, from block `first`: as TensorRT-LLM sends them, the parent of

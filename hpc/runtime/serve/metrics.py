@@ -22,8 +22,18 @@ def metric_kind(name: str) -> str:
     return "counter" if name.endswith("_total") or name in COUNTERS or name.startswith("kv_fetched_") else "gauge"
 
 
+def _escape(value: str) -> str:
+    """A label value in the exposition format: backslash, double quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _label_set(labels: dict[str, str]) -> str:
+    """'{k="v",...}': labels sorted by name (as prometheus-client writes them), values escaped."""
+    return "{" + ",".join(f'{k}="{_escape(str(v))}"' for k, v in sorted(labels.items())) + "}"
+
+
 def prometheus(prefix: str, values: dict[str, float], labels: dict[str, str]) -> bytes:
-    label = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    label = _label_set(labels)
     lines = []
     for name, value in sorted(values.items()):
         if not isinstance(value, (int, float)):
@@ -31,7 +41,7 @@ def prometheus(prefix: str, values: dict[str, float], labels: dict[str, str]) ->
         metric = f"{prefix}_{name}"
         kind = metric_kind(name)
         lines.append(f"# TYPE {metric} {kind}")
-        lines.append(f"{metric}{{{label}}} {value}")
+        lines.append(f"{metric}{label} {value}")
     return ("\n".join(lines) + "\n").encode()
 
 
@@ -42,18 +52,13 @@ def prometheus_family(metric: str, samples: list[tuple[dict[str, str], float]]) 
     kind = "counter" if metric.endswith("_total") else "gauge"
     lines = [f"# TYPE {metric} {kind}"]
     for labels, value in samples:
-        lines.append(metric + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "} " + str(value))
+        lines.append(f"{metric}{_label_set(labels)} {value}")
     return ("\n".join(lines) + "\n").encode()
 
 
 # Seconds; dense where interactive serving lives (ms ITLs, sub-second TTFTs), sparse up to minutes.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5,
                    5.0, 10.0, 30.0, 60.0, 120.0, float("inf"))
-
-
-def _escape(value: str) -> str:
-    """A label value in the exposition format: backslash, double quote and newline escaped."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 class Histogram:
@@ -73,16 +78,14 @@ class Histogram:
 
     def exposition(self, labels: dict[str, str]) -> list[str]:
         """Its lines as prometheus-client writes them: cumulative buckets, then count and sum; labels sorted."""
-        def braces(extra: dict[str, str]) -> str:
-            return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in sorted({**labels, **extra}.items())) + "}"
         lines = [f"# HELP {self.name} {self.doc}", f"# TYPE {self.name} histogram"]
         total = 0
         for bound, count in zip(LATENCY_BUCKETS, self.counts):
             total += count
             le = "+Inf" if bound == float("inf") else repr(bound)
-            lines.append(f"{self.name}_bucket{braces({'le': le})} {float(total)!r}")
-        return lines + [f"{self.name}_count{braces({})} {float(total)!r}",
-                        f"{self.name}_sum{braces({})} {self.sum!r}"]
+            lines.append(f"{self.name}_bucket{_label_set({**labels, 'le': le})} {float(total)!r}")
+        return lines + [f"{self.name}_count{_label_set(labels)} {float(total)!r}",
+                        f"{self.name}_sum{_label_set(labels)} {self.sum!r}"]
 
 
 class RequestClock:
