@@ -148,11 +148,12 @@ def pin_schedulers(engine: Any, stack_run: Any, setting: str) -> list[str]:
     roles = sorted(groups, key=lambda role: role != "decode")  # the decode engines' core first
     stack = [pid for leaders in local_pids(stack_run).values() for leader in leaders
              for pid in _cpu_topology.group(leader)]
-    chosen = None if setting == "last" else [int(cpu) for cpu in setting.split(",")]
     try:
+        chosen = None if setting == "last" else [int(cpu) for cpu in setting.split(",")]
         pinned, rest = _cpu_topology.pin_threads([groups[role] for role in roles], stack, chosen)
-    except ValueError as exc:
-        raise SystemExit(f"--pin-schedulers: {exc}") from None
+    except ValueError as exc:  # a bad list or too few cores: the caller's input, one line and exit 2
+        print(f"e2e_throughput.py: --pin-schedulers {setting}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     shown = {"decode": "decode" if "prefill" in groups else "aggregated", "prefill": "prefill"}
     return [f"the {shown[role]} engines' scheduler threads {groups[role]} on CPUs {sorted(cpus)}"
             for role, cpus in zip(roles, pinned)] + [f"everything else on the other {len(rest)} CPUs"]

@@ -209,8 +209,9 @@ def main() -> None:
         try:
             chosen = None if args.pin_engines in (None, "last") else [int(c) for c in args.pin_engines.split(",")]
             pinned = _cpu_topology.pin_engines(leaders, chosen, schedulers, found) if args.pin_engines else []
-        except ValueError as exc:
-            raise SystemExit(f"--pin-engines: {exc}") from None
+        except ValueError as exc:  # a bad list or too few cores: the caller's input, one line and exit 2
+            print(f"stack_sweeps.py: --pin-engines {args.pin_engines}: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
         with ClockLog() as clocks:
             (first, second), spent, busy = asyncio.run(sweeps(url, model, urls, leaders))
         handoff = {name: counters(state["http"]) for name, state in placed.items()
