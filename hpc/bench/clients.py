@@ -5,8 +5,10 @@ AIPerf runs its load in worker processes for the same reason.
 
 Each client process (`python -m hpc.bench.clients`, one JSON line of work on stdin) warms up, says it is ready,
 waits for the word to go so that all start together, runs its share of the users and requests and writes its
-samples back as one JSON line. The level's figures are computed once over every process's samples; its wall time
-runs from the first process's start to the last one's end (perf_counter is the machine's monotonic clock).
+samples as JSON to the file the work names (not to its stdout: a level's samples are hundreds of kB, and on the
+GPU machines a client's stdout arrived cut at 192 kB after its uvloop run, exit status 0). The level's figures
+are computed once over every process's samples; its wall time runs from the first process's start to the last
+one's end (perf_counter is the machine's monotonic clock).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import tempfile
+from pathlib import Path
 from dataclasses import asdict, replace
 from typing import Any, Callable
 
@@ -46,13 +50,20 @@ async def run_apart(url: str, model: str, level: Level, streaming: bool, warmup:
                     ) -> dict[str, Any]:
     """The level's figures with its users in `processes` client processes (even one: apart from this process)."""
     parts = shares(level, processes)
+    with tempfile.TemporaryDirectory(prefix="hpc-bench-") as folder:
+        return await _run_parts(url, model, level, streaming, warmup, seed, parts, Path(folder), progress)
+
+
+async def _run_parts(url: str, model: str, level: Level, streaming: bool, warmup: int, seed: int | str,
+                     parts: list[Level], folder: Path, progress: Callable[[int, int], None]) -> dict[str, Any]:
     clients = [await asyncio.create_subprocess_exec(sys.executable, "-m", "hpc.bench.clients",
                                                     stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
                for _ in parts]
     try:
         for i, (client, part) in enumerate(zip(clients, parts)):
             work = {"url": url, "model": model, "level": asdict(part), "streaming": streaming,
-                    "warmup": -(-warmup // len(parts)), "seed": f"{seed}/{i}"}  # prompts of its own per process
+                    "warmup": -(-warmup // len(parts)), "seed": f"{seed}/{i}",  # prompts of its own per process
+                    "out": str(folder / f"client-{i}.json")}
             client.stdin.write(json.dumps(work).encode() + b"\n")
             await client.stdin.drain()
         for client in clients:
@@ -62,17 +73,18 @@ async def run_apart(url: str, model: str, level: Level, streaming: bool, warmup:
         for client in clients:  # all warmed up: they start together
             client.stdin.write(b"go\n")
             await client.stdin.drain()
-        outputs = await asyncio.gather(*(client.communicate() for client in clients))
+        await asyncio.gather(*(client.communicate() for client in clients))
     finally:
         for client in clients:
             if client.returncode is None:
                 client.kill()
                 await client.wait()
     results = []
-    for client, (out, _) in zip(clients, outputs):
-        if client.returncode != 0 or not out.strip():
+    for i, client in enumerate(clients):
+        out = folder / f"client-{i}.json"
+        if client.returncode != 0 or not out.exists():
             raise RuntimeError(f"a client process of the load generator exited with {client.returncode}")
-        results.append(json.loads(out.strip().splitlines()[-1]))
+        results.append(json.loads(out.read_text()))
     samples = [Sample(**s) for r in results for s in r["samples"]]
     progress(len(samples), level.requests)
     wall = max(r["end"] for r in results) - min(r["start"] for r in results)
@@ -108,7 +120,9 @@ def run_client(coro: Any) -> Any:
 
 def main() -> int:
     work = json.loads(sys.stdin.readline())
-    print(json.dumps(run_client(_client(work))), flush=True)
+    result = json.dumps(run_client(_client(work)))
+    Path(work["out"] + ".part").write_text(result)
+    Path(work["out"] + ".part").rename(work["out"])  # whole or absent: a client that died leaves no file
     return 0
 
 

@@ -81,14 +81,17 @@ def test_the_token_budget_splits_the_waiting_prompts(tiny):
 
 def test_a_prefill_worker_hands_over_each_prompt_of_a_step_with_its_own_kv(tiny):
     """Prompts prefilled in one step of a prefill worker are handed over together (one event for their copies
-    on a GPU): each under its own handle, with the KV and first token it has when prefilled alone."""
-    prompts = [[5, 6, 7], SHARED + [9, 10, 11], [3] * 19]
+    on a GPU): each under its own handle, with the KV and first token it has when prefilled alone. Prompts of one
+    length are kept by one gather, each its own contiguous part of one buffer."""
+    prompts = [[5, 6, 7], SHARED + [9, 10, 11], [3] * 19, [4] * 19, [6] * 19]
     args = {"max_seq_len": 256, "max_batch_size": 8}
 
     async def first_and_kv(engine, ids):
         req = GenerateRequest(request_id="p", token_ids=ids, sampling=SamplingParams(max_tokens=1, temperature=0))
         params = [out async for out in engine.generate(req)][-1].disaggregated_params
-        return params.request_handle, params.first_token_id, engine.handoffs.lend(params.request_handle).clone()
+        kept = engine.handoffs.lend(params.request_handle)
+        assert kept.is_contiguous()
+        return params.request_handle, params.first_token_id, kept.clone(), kept.untyped_storage().data_ptr()
 
     async def together():
         engine = TorchEngine(tiny, DisaggregationMode.PREFILL, args)
@@ -105,6 +108,8 @@ def test_a_prefill_worker_hands_over_each_prompt_of_a_step_with_its_own_kv(tiny)
             return [await first_and_kv(engine, ids) for ids in prompts]
 
     (handed, stats), single = asyncio.run(together()), asyncio.run(alone())
-    assert stats["prefill_steps"] == 1 and len({handle for handle, _, _ in handed}) == 3
-    for (_, token, kv), (_, token_alone, kv_alone) in zip(handed, single):
+    assert stats["prefill_steps"] == 1 and len({handle for handle, *_ in handed}) == 5
+    for (_, token, kv, _), (_, token_alone, kv_alone, _) in zip(handed, single):
         assert token == token_alone and kv.shape == kv_alone.shape and (kv - kv_alone).abs().max() < 1e-4
+    buffers = [buffer for *_, buffer in handed]
+    assert len(set(buffers[2:])) == 1 and len(set(buffers)) == 3  # the 19-token prompts' KVs: one buffer

@@ -247,3 +247,25 @@ def test_a_steps_copy_to_the_host_is_complete_when_its_event_says_so_with_events
             assert steps[-2].read() == [i - 1] * 4
     assert steps[-1].read() == [5] * 4
     assert len({id(step.done) for step in steps}) == 2 and len(copies.events) == 2  # two events, reused
+
+
+def test_a_first_token_left_on_the_device_goes_out_before_its_prompt_is_stored_in_the_prefix_cache(tiny):
+    """The prompt's blocks go into the prefix cache at the iteration's end, after the decode step whose launch sends
+    its first token: the hashes, the pool copy and the KV event records are not on the time to first token."""
+    order: list[str] = []
+
+    async def run() -> dict:
+        engine_args = {"max_seq_len": MAX_LEN, "max_batch_size": 8}
+        async with TorchEngine(tiny, DisaggregationMode.AGGREGATED, engine_args) as engine:
+            store, first = engine._store_prompts, engine._first_token
+            engine._store_prompts = lambda: (order.append(f"store {len(engine._unstored)}"), store())[1]
+            engine._first_token = lambda seq, *rest: (order.append("first token"), first(seq, *rest))[1]
+            sampling = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+            async for _ in engine.generate(GenerateRequest(request_id="r", token_ids=[7] * 40, sampling=sampling)):
+                pass
+            return {**engine.stats(), "blocks held": len(engine.prefix.match([7] * 40))}
+
+    stats = asyncio.run(run())
+    assert stats["first_tokens_left_on_device"] == 1, stats  # the path where the decode step's launch sends it
+    assert order == ["first token", "store 1"], order
+    assert stats["blocks held"] == 1  # stored all the same: 40 tokens, one whole block of 32

@@ -4,14 +4,30 @@ A part of TorchEngine, apart for size; it uses the engine's picker, graphs, samp
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from hpc.runtime.engine.overlap import InflightStep, carry_over, next_inputs, startable
 from hpc.runtime.engine.sampling import graph_temperatures, on_device
 from hpc.runtime.engine.sequence import Seq
 
+log = logging.getLogger(__name__)
+
 
 class DecodeSteps:
+    def _decode_or_fail(self, running: list[Seq]) -> None:
+        """A decode step; one that raises ends its batch with the error, and the engine serves on."""
+        try:
+            self._decode_step(running)
+        except Exception as exc:
+            log.exception("decode step failed")
+            self._inflight = None
+            self._first.take()
+            for s in running:
+                self._finish(s, "error", error=str(exc))
+            running.clear()
+
     def _decode_step(self, running: list[Seq]) -> None:
         if self._inflight is not None or self._first.steps:  # tokens not read yet: a step's, prefills' first ones
             carried = carry_over(self._inflight, running, self.max_len)

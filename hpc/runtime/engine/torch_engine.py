@@ -508,16 +508,12 @@ class TorchEngine(ContextSteps, DecodeSteps):
             running[:] = [s for s in running if self._still_running(s)]
             if running:
                 t2 = time.perf_counter()
-                try:
-                    self._decode_step(running)
-                    clock["decode_seconds_total"] += time.perf_counter() - t2
-                except Exception as exc:  # keep serving others; fail the batch clearly
-                    log.exception("decode step failed")
-                    self._inflight = None
-                    self._first.take()
-                    for s in running:
-                        self._finish(s, "error", error=str(exc))
-                    running.clear()
+                self._decode_or_fail(running)
+                clock["decode_seconds_total"] += time.perf_counter() - t2
+            if self._unstored:
+                t3 = time.perf_counter()
+                self._store_prompts()
+                clock["admit_seconds_total"] += time.perf_counter() - t3
             self._counters["running"] = len(running)
 
     def _still_running(self, seq: Seq) -> bool:
