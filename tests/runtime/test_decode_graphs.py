@@ -182,3 +182,39 @@ def test_graphs_that_make_their_own_copies_give_the_same_steps() -> None:
     if done is not None:
         done.synchronize()
     assert host.tolist() == picked.tolist() and graphs.replays == 3
+
+
+def test_each_size_keeps_the_graphs_of_its_faster_path() -> None:
+    """Past MAX_BATCH rows a step may take the GEMVs or the batched matmuls (fused_decode.PATHS): each is captured
+    and replayed, and the faster one's graphs are kept, for every staging buffer; a size with one path is captured
+    once per buffer. The kept graphs step as the eager path does."""
+    from hpc.runtime.engine.sampling import pick_in_graph
+
+    model = _model()
+    fused = model.fused_decode
+    gen = torch.Generator().manual_seed(6)
+    eager_cache, cache = _random_caches(model, gen)
+    step = lambda t, p, s: model.forward_step(model.embed(t), p, s, cache)  # noqa: E731
+    graphs = DecodeGraphs(step, GraphSizes((1, 5, 6), padding=True), scratch_slot=SLOTS, device=DEVICE,
+                          pick=pick_in_graph, copies_in_graph=True)
+    recorded, captured = RecordedGraph(), []
+
+    def capture(fn):
+        replay, out = recorded(fn)
+        replay.taken = (out[0].shape[0], fused.forced)  # the path the capture ran the step on
+        captured.append(replay.taken)
+        return replay, out
+
+    seconds = {(6, "gemv"): 2.0, (6, "batched"): 1.0, (5, "gemv"): 1.0, (5, "batched"): 3.0}
+    graphs.capture(capture, fused, timer=lambda replay: seconds[replay.taken])
+    assert graphs.paths == {6: "batched", 5: "gemv"}
+    assert captured == [(6, "gemv"), (6, "batched"), (6, "batched"), (5, "gemv"), (5, "batched"), (5, "gemv"),
+                        (1, None), (1, None)]
+    assert [graphs._graphs[(size, turn)][0].taken for size in (6, 5) for turn in (0, 1)] == \
+        [(6, "batched")] * 2 + [(5, "gemv")] * 2
+    assert fused.forced is None  # the choice is the graphs': eager steps past MAX_BATCH stay batched
+    logits, _ = graphs.run_picking([5, 6, 7, 8, 9], [4, 9, 2, 3, 1], [0, 1, 2, 3, 4], temperatures=[0.0] * 5)
+    want = model.forward_step(model.embed(torch.tensor([5, 6, 7, 8, 9], device=DEVICE)[:, None]),
+                              torch.tensor([4, 9, 2, 3, 1], device=DEVICE)[:, None],
+                              torch.tensor([0, 1, 2, 3, 4], device=DEVICE), eager_cache)
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)

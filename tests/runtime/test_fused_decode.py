@@ -39,8 +39,14 @@ def _device() -> torch.device:
 
 
 @pytest.mark.parametrize("chunk", [4, 64], ids=["many-chunks", "one-chunk"])
-@pytest.mark.parametrize("slots", [[0], [2, 0, 3], [5, 0, 3, 1, 6, 2]], ids=["1-row", "3-rows", "6-rows-batched"])
-def test_decode_steps_match_the_reference(slots: list[int], chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("slots,forced", [([0], None), ([2, 0, 3], None), ([5, 0, 3, 1, 6, 2], None),
+                                          ([5, 0, 3, 1, 6, 2], "gemv")],
+                         ids=["1-row", "3-rows", "6-rows-batched", "6-rows-gemv"])
+def test_decode_steps_match_the_reference(slots: list[int], forced: str | None, chunk: int,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Either path past MAX_BATCH rows (a graph is captured on the faster: DecodeGraphs.capture)."""
+    import contextlib
+
     from hpc.runtime.engine import decode_kernels, fused_decode
 
     monkeypatch.setattr(decode_kernels, "ATTN_CHUNK", chunk)  # positions 0..13 span up to 4 chunks of 4
@@ -62,17 +68,19 @@ def test_decode_steps_match_the_reference(slots: list[int], chunk: int, monkeypa
             model.forward_step(model.embed(ids), torch.arange(length, device=device)[None], slot_ids[row:row + 1],
                                cache)
     positions = torch.tensor([[n] for n in lengths], device=device)
-    for _ in range(4):
-        ids = torch.randint(2, CFG.vocab_size, (len(slots), 1), generator=gen).to(device)
-        want = reference.forward_step(reference.embed(ids), positions, slot_ids, caches[0])
-        got = fused.forward_step(fused.embed(ids), positions, slot_ids, caches[1])
-        assert fused.fused_decode.supports(fused.embed(ids))
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        for ref_layer, fused_layer in zip(*caches):  # the new K/V landed in the right slot and position
-            torch.testing.assert_close(fused_layer, ref_layer, rtol=1e-5, atol=1e-5)
-        positions += 1
-    # past MAX_BATCH rows: cuBLAS matmuls around the same Triton attention; up to it: the fused GEMVs
-    assert len(batched_calls) == (4 if len(slots) > fused_decode.MAX_BATCH else 0)
+    with fused.fused_decode.path(forced) if forced else contextlib.nullcontext():
+        for _ in range(4):
+            ids = torch.randint(2, CFG.vocab_size, (len(slots), 1), generator=gen).to(device)
+            want = reference.forward_step(reference.embed(ids), positions, slot_ids, caches[0])
+            got = fused.forward_step(fused.embed(ids), positions, slot_ids, caches[1])
+            assert fused.fused_decode.supports(fused.embed(ids))
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            for ref_layer, fused_layer in zip(*caches):  # the new K/V landed in the right slot and position
+                torch.testing.assert_close(fused_layer, ref_layer, rtol=1e-5, atol=1e-5)
+            positions += 1
+    # past MAX_BATCH rows: cuBLAS matmuls around the same Triton attention (unless the GEMVs are forced); up to
+    # it: the fused GEMVs
+    assert len(batched_calls) == (4 if len(slots) > fused_decode.MAX_BATCH and forced != "gemv" else 0)
     # each head's last chunk merged them and set its arrival count back, ready for the next step
     assert fused.fused_decode.counts.count_nonzero() == 0
 

@@ -14,9 +14,10 @@ cache and reads positions from device memory).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
-from typing import Callable
+from typing import Callable, ContextManager, Protocol
 
 import torch
 
@@ -32,6 +33,28 @@ Capture = Callable[[Callable[[], Outputs]], tuple[Callable[[], None], Outputs]]
 # temperatures ride in the long input buffer as fixed point: one staged copy a step for all of a step's inputs
 TEMPERATURE_SCALE = 1 << 24
 INPUT_ROWS = 5  # a row's token, position, cache slot, temperature and source (DecodeGraphs.inputs)
+
+
+class StepPaths(Protocol):
+    """The ways a decode step of some rows may run (fused_decode.FusedDecoder): paths_for(rows) names them, and a
+    step run inside path(name) takes that one."""
+
+    def paths_for(self, rows: int) -> tuple[str, ...]: ...
+
+    def path(self, name: str) -> ContextManager[None]: ...
+
+
+def replay_seconds(replay: Callable[[], None], times: int = 20) -> float:
+    """The device's time for one replay, from `times` queued back to back (a replay's launch is microseconds:
+    the device, not the host, sets their pace)."""
+    replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(times):
+        replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / times
 
 
 def cuda_capture(device: torch.device) -> Capture:
@@ -109,13 +132,31 @@ class DecodeGraphs:
         # by (batch size, staging buffer), the buffer None unless the copies are captured
         self._graphs: dict[tuple[int, int | None], tuple[Callable[[], None], Outputs]] = {}
         self.replays = 0
+        self.paths: dict[int, str] = {}  # the path each size's graphs took, where there was a choice
 
-    def capture(self, capture: Capture) -> None:
+    def capture(self, capture: Capture, paths: StepPaths | None = None,
+                timer: Callable[[Callable[[], None]], float] = replay_seconds) -> None:
+        """A graph per batch size (and staging buffer). Where `paths` offers a size more than one way to step, each
+        is captured and replayed (`timer`: seconds a replay) and the faster one's graphs are kept."""
         for size in sorted(self.sizes.batch_sizes, reverse=True):
-            for turn in (0, 1) if self.copies_in_graph else (None,):
-                self._graphs[(size, turn)] = capture(self._step_of(size, turn))
-        log.info("decode CUDA graphs for batch sizes %s (padding %s%s)", list(self.sizes.batch_sizes),
-                 "on" if self.sizes.padding else "off", ", copies captured" if self.copies_in_graph else "")
+            turns = (0, 1) if self.copies_in_graph else (None,)
+            options = paths.paths_for(size) if paths is not None else ()
+            if len(options) > 1:
+                timed = {}
+                for name in options:
+                    with paths.path(name):
+                        graph = capture(self._step_of(size, turns[0]))
+                    timed[name] = (timer(graph[0]), graph)
+                self.paths[size] = min(timed, key=lambda name: timed[name][0])
+                self._graphs[(size, turns[0])] = timed[self.paths[size]][1]
+                del timed, graph  # the slower one's graph: its memory goes back to the pool
+            with paths.path(self.paths[size]) if size in self.paths else contextlib.nullcontext():
+                for turn in turns:
+                    if (size, turn) not in self._graphs:
+                        self._graphs[(size, turn)] = capture(self._step_of(size, turn))
+        log.info("decode CUDA graphs for batch sizes %s (padding %s%s)%s", list(self.sizes.batch_sizes),
+                 "on" if self.sizes.padding else "off", ", copies captured" if self.copies_in_graph else "",
+                 f", each size's faster path: {self.paths}" if self.paths else "")
 
     def _step_of(self, size: int, turn: int | None) -> Callable[[], Outputs]:
         tokens, positions, slots, temperatures, sources = (self.inputs[i, :size] for i in range(INPUT_ROWS))

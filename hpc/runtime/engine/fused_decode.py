@@ -2,8 +2,9 @@
 
 With tensor parallelism each row-parallel matmul adds an all-reduce and a residual-add launch.
 
-Every one-token step takes this path. Up to `MAX_BATCH` rows the matmuls are the fused GEMVs; past it they are
-cuBLAS matmuls (one read of each weight for all rows), but attention stays the Triton decode kernel: one
+Every one-token step takes this path. Up to `MAX_BATCH` rows the matmuls are the fused GEMVs; past it either those
+or cuBLAS matmuls (one read of each weight for all rows), whichever a batch size's CUDA graph replays faster
+(DecodeGraphs.capture; eager steps take cuBLAS), but attention stays the Triton decode kernel: one
 attention path for every batch size, whose launch covers the whole cache and reads positions from device
 memory, so no step's shape is new to it (torch's SDPA builds a cuDNN plan for each new (batch, KV length),
 33 ms median on first use, and the KV length changed every step) and every step can be captured in a CUDA
@@ -13,6 +14,9 @@ kernels are tested against.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
 ATTENTION_COUNTS = 1 << 16  # (row, head) pairs whose attention chunks merge themselves: 256 KB
@@ -20,6 +24,10 @@ ATTENTION_COUNTS = 1 << 16  # (row, head) pairs whose attention chunks merge the
 # which the all-reduce lets launch at once, takes the SMs too (TP=2, 8B shape, batch 1: 375.3 tok/s against 369.6)
 EARLY_BEFORE_PEER_REDUCE = False
 MAX_BATCH = 4  # past this a batched matmul (one read of each weight for all rows) is faster: 3.2k vs 4.4k tok/s at 8
+# rows for the 8B shape; for a small model the GEMVs stay faster (their weights stay in L2 for every row, while the
+# batched path is four times the launches: the tiny model's graphed step on an H200, 8 rows, 188 µs against 76 at
+# 4 rows). A step's graph is captured on whichever of PATHS its own replays show faster (DecodeGraphs.capture).
+PATHS = ("gemv", "batched")
 
 
 def available(cfg, device: torch.device) -> bool:
@@ -43,6 +51,7 @@ class FusedDecoder:
         # the attention chunks' arrival counts: the model's own, as its steps run one after another on one stream
         self.counts = torch.zeros(ATTENTION_COUNTS, dtype=torch.int32, device=model.lm_head.weight.device)
         self.peer = None  # the all-reduce over peer memory, where the TP ranks share a node (peer_reduce)
+        self.forced: str | None = None  # the path every step takes while set (path())
         if model.tp.size > 1 and model.lm_head.weight.is_cuda:
             from hpc.runtime.engine.peer_reduce import PeerReduce
 
@@ -52,10 +61,28 @@ class FusedDecoder:
     def supports(self, embeds: torch.Tensor) -> bool:
         return embeds.shape[1] == 1
 
+    def paths_for(self, rows: int) -> tuple[str, ...]:
+        """The paths a step of `rows` may take: either past MAX_BATCH, else the GEMVs'; the batched one alone with
+        experts (the GEMV chain has no router) or TP over peer memory (its buffers hold MAX_BATCH rows)."""
+        if self.model.cfg.moe or self.peer is not None and rows > MAX_BATCH:
+            return ("batched",)
+        return PATHS if rows > MAX_BATCH else ("gemv",)
+
+    @contextlib.contextmanager
+    def path(self, name: str) -> Iterator[None]:
+        """Every step takes path `name` (one of PATHS) inside: a graph captured there keeps it."""
+        self.forced = name
+        try:
+            yield
+        finally:
+            self.forced = None
+
     def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  cache: list[torch.Tensor]) -> torch.Tensor:
         """embeds [B, 1, H] at positions [B, 1] in cache slots [B] -> fp32 logits [B, V]."""
-        if embeds.shape[0] > MAX_BATCH or self.model.cfg.moe:  # the GEMV chain has no router
+        rows = embeds.shape[0]
+        chosen = self.forced if self.forced in self.paths_for(rows) else self.paths_for(rows)[-1]
+        if chosen == "batched":
             return self.batched(embeds, positions, slots, cache)
         gemv, model = self.kernels.gemv, self.model
         cos, sin = model.rope(embeds.device)

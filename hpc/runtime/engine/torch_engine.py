@@ -258,7 +258,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
         self._warm_sampling()
         self.warmed.append(("sampling", 2))
         if self.graphs is not None:
-            self.graphs.capture(cuda_capture(self.device))
+            self.graphs.capture(cuda_capture(self.device), self.model.fused_decode)
             self.warmed.append(("graphs", len(self.graphs.sizes.batch_sizes)))
         if self.prefill_graphs is not None:  # a pool of its own: its logits are read while decode graphs run
             self.prefill_graphs.capture(cuda_capture(self.device))
