@@ -47,7 +47,7 @@ async def measure(model: str, sizes: list[int]) -> tuple[str, dict[int, str], li
                              "Triton and one rank)")
         fused, graphs = engine.model.fused_decode, engine.graphs
         capture = cuda_capture(engine.device)
-        rows = []
+        rows, alive = [], []
         with engine.on_device(), torch.inference_mode():
             for size in sizes:
                 timed = {}
@@ -55,7 +55,9 @@ async def measure(model: str, sizes: list[int]) -> tuple[str, dict[int, str], li
                     with fused.path(name):  # a graph of its own, beside the engine's (which stay as captured)
                         replay, _ = capture(graphs._step_of(size, 0 if graphs.copies_in_graph else None))
                     timed[name] = replay_seconds(replay, times=100)
-                    del replay
+                    # kept to the end: the last graph of a pool gone, the allocator frees the pool, and the next
+                    # capture into it fails an internal assert (torch 2.11, CUDACachingAllocator.cpp:2799)
+                    alive.append(replay)
                 rows.append((size, timed))
         return device_label(engine), dict(graphs.paths), rows
 
