@@ -49,26 +49,23 @@ def echo_loop(sock: socket.socket) -> None:
     except ImportError:
         pass
 
-    class Echo(asyncio.Protocol):
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            self.transport = transport
-
-        def data_received(self, data: bytes) -> None:
-            if data == b"q":
-                done.set_result(None)
-            else:
-                self.transport.write(data)  # type: ignore[attr-defined]
-
     async def main() -> None:
-        global done
         done = asyncio.get_running_loop().create_future()
+
+        class Echo(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                self.transport = transport
+
+            def data_received(self, data: bytes) -> None:
+                if data == b"q":
+                    done.set_result(None)
+                else:
+                    self.transport.write(data)  # type: ignore[attr-defined]
+
         await asyncio.get_running_loop().create_unix_connection(Echo, sock=sock)
         await done
 
     asyncio.run(main())
-
-
-done: asyncio.Future
 
 
 def trips(sock: socket.socket, count: int) -> list[float]:

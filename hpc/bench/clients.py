@@ -17,8 +17,8 @@ import asyncio
 import json
 import sys
 import tempfile
-from pathlib import Path
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any, Callable
 
 from hpc.bench.loadgen import Level, Sample, collect, summarize
