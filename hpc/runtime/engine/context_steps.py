@@ -20,7 +20,7 @@ from hpc.runtime.engine.kv_records import KvRecord, publish_each
 from hpc.runtime.engine.prefix_cache import PrefixCache
 from hpc.runtime.engine.sampling import make_generator, on_device, prompt_logprobs
 from hpc.runtime.engine.sequence import Seq, context_work, prefill_groups, remaining, wanted_prompt_logprobs
-from hpc.runtime.engine.tp import gather_kv, scatter_kv
+from hpc.runtime.engine.tp import gather_kvs, scatter_kv
 from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -199,18 +199,9 @@ class ContextSteps:
             seq.handoff = uuid.uuid4().hex
             by_length.setdefault(seq.length, []).append(seq)
         for length, alike in by_length.items():
-            kvs += zip([seq.handoff for seq in alike], self._gathered_kvs([seq.slot for seq in alike], length))
+            kept = gather_kvs(self.tp, self.cache, [seq.slot for seq in alike], length)
+            kvs += zip([seq.handoff for seq in alike], kept)
         self.handoffs.put_all(kvs)  # before any answer: a decode worker may ask for its KV at once
-
-    def _gathered_kvs(self, slots: list[int], length: int) -> list[torch.Tensor]:
-        """Each slot's KV of `length` tokens, every rank's heads (tp.gather_kv). One rank takes them all in one
-        gather, each its own contiguous part of one buffer, instead of an allocation and a copy kernel apiece
-        (20-30 µs of the scheduler's time each, and a step's prompts are mostly of one length); the buffer lives
-        until the last of them is released."""
-        if self.tp.size > 1 or len(slots) == 1:
-            return [gather_kv(self.tp, self.cache, slot, length) for slot in slots]
-        per_slot = self.cache.whole[:, :, :, :, :length].movedim(2, 0)  # [slots, layers, 2, kv heads, T, d]
-        return list(per_slot[on_device(slots, self.cache.whole.device)].unbind(0))
 
     def _hand_over(self, done: list[tuple[Seq, int, TokenLogprob | None]]) -> None:
         """Answer each prompt a prefill worker prefilled with its first token and where its KV waits."""
