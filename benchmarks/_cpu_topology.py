@@ -142,6 +142,12 @@ def pin_engines(leaders: dict[str, int], chosen: list[int] | None = None,
     return lines
 
 
+def chosen_cpus(setting: str | None) -> list[int] | None:
+    """A --pin-* option's CPUs: None for the default (no value, or `last`: the last cores), else the listed CPU
+    numbers; ValueError for anything else."""
+    return None if setting in (None, "last") else [int(cpu) for cpu in setting.split(",")]
+
+
 def pin_threads(groups: list[list[int]], pids: list[int], chosen: list[int] | None = None,
                 found: list[tuple[int, ...]] | None = None) -> tuple[list[set[int]], set[int]]:
     """Each group of threads on a physical core of its own (split: the last cores, or the `chosen` CPUs' cores),

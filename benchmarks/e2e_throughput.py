@@ -149,8 +149,8 @@ def pin_schedulers(engine: Any, stack_run: Any, setting: str) -> list[str]:
     stack = [pid for leaders in local_pids(stack_run).values() for leader in leaders
              for pid in _cpu_topology.group(leader)]
     try:
-        chosen = None if setting == "last" else [int(cpu) for cpu in setting.split(",")]
-        pinned, rest = _cpu_topology.pin_threads([groups[role] for role in roles], stack, chosen)
+        pinned, rest = _cpu_topology.pin_threads([groups[role] for role in roles], stack,
+                                                 _cpu_topology.chosen_cpus(setting))
     except ValueError as exc:  # a bad list or too few cores: the caller's input, one line and exit 2
         print(f"e2e_throughput.py: --pin-schedulers {setting}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

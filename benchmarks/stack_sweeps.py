@@ -207,7 +207,7 @@ def main() -> None:
         schedulers = {name: int(tid) for name, u in urls.items()
                       if (tid := counters(u, ("scheduler_thread_id",))["scheduler_thread_id"])}
         try:
-            chosen = None if args.pin_engines in (None, "last") else [int(c) for c in args.pin_engines.split(",")]
+            chosen = _cpu_topology.chosen_cpus(args.pin_engines)
             pinned = _cpu_topology.pin_engines(leaders, chosen, schedulers, found) if args.pin_engines else []
         except ValueError as exc:  # a bad list or too few cores: the caller's input, one line and exit 2
             print(f"stack_sweeps.py: --pin-engines {args.pin_engines}: {exc}", file=sys.stderr)

@@ -135,3 +135,11 @@ def test_pinned_groups_share_a_core_each_and_everything_else_moves_off_first(mon
     assert own == [{2, 6}, {3, 7}] and rest == {0, 1, 4, 5}
     assert calls == [("process", 50, rest), ("process", 60, rest), ("process", os.getpid(), rest),
                      ("thread", 101, {2, 6}), ("thread", 201, {2, 6}), ("thread", 102, {3, 7})]
+
+
+def test_a_pin_options_cpus_default_to_the_last_cores_else_are_the_listed_numbers():
+    assert _cpu_topology.chosen_cpus(None) is None and _cpu_topology.chosen_cpus("last") is None
+    assert _cpu_topology.chosen_cpus("6,7") == [6, 7]
+    for bad in ("x", "6,", "1;$(id)", "`id`", "6 7\n"):
+        with pytest.raises(ValueError):
+            _cpu_topology.chosen_cpus(bad)
