@@ -208,6 +208,7 @@ def test_each_size_keeps_the_graphs_of_its_faster_path() -> None:
     seconds = {(6, "gemv"): 2.0, (6, "batched"): 1.0, (5, "gemv"): 1.0, (5, "batched"): 3.0}
     graphs.capture(capture, fused, timer=lambda replay: seconds[replay.taken])
     assert graphs.paths == {6: "batched", 5: "gemv"}
+    assert graphs.timings == {6: {"gemv": 2.0, "batched": 1.0}, 5: {"gemv": 1.0, "batched": 3.0}}  # no size 1
     assert captured == [(6, "gemv"), (6, "batched"), (6, "batched"), (5, "gemv"), (5, "batched"), (5, "gemv"),
                         (1, None), (1, None)]
     assert [graphs._graphs[(size, turn)][0].taken for size in (6, 5) for turn in (0, 1)] == \

@@ -132,7 +132,7 @@ class DecodeGraphs:
         # by (batch size, staging buffer), the buffer None unless the copies are captured
         self._graphs: dict[tuple[int, int | None], tuple[Callable[[], None], Outputs]] = {}
         self.replays = 0
-        self.paths: dict[int, str] = {}  # the path each size's graphs took, where there was a choice
+        self.timings: dict[int, dict[str, float]] = {}  # where a size had a choice: each path's seconds a replay
 
     def capture(self, capture: Capture, paths: StepPaths | None = None,
                 timer: Callable[[Callable[[], None]], float] = replay_seconds) -> None:
@@ -142,21 +142,29 @@ class DecodeGraphs:
             turns = (0, 1) if self.copies_in_graph else (None,)
             options = paths.paths_for(size) if paths is not None else ()
             if len(options) > 1:
-                timed = {}
+                graphs = {}
                 for name in options:
                     with paths.path(name):
-                        graph = capture(self._step_of(size, turns[0]))
-                    timed[name] = (timer(graph[0]), graph)
-                self.paths[size] = min(timed, key=lambda name: timed[name][0])
-                self._graphs[(size, turns[0])] = timed[self.paths[size]][1]
-                del timed, graph  # the slower one's graph: its memory goes back to the pool
-            with paths.path(self.paths[size]) if size in self.paths else contextlib.nullcontext():
+                        graphs[name] = capture(self._step_of(size, turns[0]))
+                self.timings[size] = {name: timer(graph[0]) for name, graph in graphs.items()}
+                self._graphs[(size, turns[0])] = graphs[self.paths[size]]
+                del graphs  # the slower one's graph: its memory goes back to the pool
+            with paths.path(self.paths[size]) if size in self.timings else contextlib.nullcontext():
                 for turn in turns:
                     if (size, turn) not in self._graphs:
                         self._graphs[(size, turn)] = capture(self._step_of(size, turn))
         log.info("decode CUDA graphs for batch sizes %s (padding %s%s)%s", list(self.sizes.batch_sizes),
                  "on" if self.sizes.padding else "off", ", copies captured" if self.copies_in_graph else "",
                  f", each size's faster path: {self.paths}" if self.paths else "")
+
+    @property
+    def paths(self) -> dict[int, str]:
+        """The path each size's graphs took, where there was a choice: the faster one."""
+        return {size: min(seconds, key=seconds.__getitem__) for size, seconds in self.timings.items()}
+
+    def replay_seconds(self, size: int, times: int = 100) -> float:
+        """The device's time for one replay of the graph kept for `size` rows (benchmarks/decode_graph_paths.py)."""
+        return replay_seconds(self._graphs[(size, 0 if self.copies_in_graph else None)][0], times)
 
     def _step_of(self, size: int, turn: int | None) -> Callable[[], Outputs]:
         tokens, positions, slots, temperatures, sources = (self.inputs[i, :size] for i in range(INPUT_ROWS))
