@@ -268,8 +268,8 @@ def main() -> None:
     print("inside each engine per request, first / second sweep: " + "; ".join(
         f"{name} {per_request(spent[0][name])} / {per_request(spent[1][name])}" for name in urls))
     print("each engine's scheduler per step, first; second sweep: a decode step's ms (decode / admit / idle, and "
-          "of idle its polls with rows running) and "
-          "tokens, or a prefill worker's per prefill step (admit / idle) and prompts")
+          "of idle its polls with rows running) and tokens, or a prefill worker's per prefill step (admit (launch, "
+          "kv, pick, answers, store) / idle) and prompts")
     for name in urls:
         print(f"  {name}: " + " | ".join(f"c={lv.concurrency} " + "; ".join(per_step(sweep[name])
                                                                          for sweep in level_clocks[lv.concurrency])

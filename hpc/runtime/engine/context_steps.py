@@ -26,6 +26,7 @@ from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode, To
 log = logging.getLogger(__name__)
 Picked = tuple[int, TokenLogprob | None]
 ON_DEVICE = object()  # a prompt's first token, picked and left on the device (overlap.FirstTokens)
+STORE_AFTER_PROMPTS = 64  # a busy prefill worker stores its prompts at the latest once this many wait (_store_due)
 
 
 class ContextSteps:
@@ -129,18 +130,21 @@ class ContextSteps:
         work = context_work(self._prefilling, self._token_budget() - len(running), self.chunking, self.chunk_unit)
         budget = self._token_budget() if self.prefill_graphs is None else self.prefill_graphs.token_counts[-1]
         for group in prefill_groups(work, budget, pipeline=self.pipeline.size > 1):
-            stored_before = len(self._unstored)
+            stored_before = set(self._unstored)
             try:
                 picked = self._prefill(group)
             except Exception as exc:
                 log.exception("prefill failed")
-                del self._unstored[stored_before:]  # the failed group's KV is not worth keeping
+                for slot in set(self._unstored) - stored_before:  # the failed group's KV is not worth keeping
+                    del self._unstored[slot]
                 for seq, _ in group:
                     self._finish(seq, "error", error=str(exc))
                 continue
             if self.mode is DisaggregationMode.PREFILL:
+                t0 = time.perf_counter()
                 with self.emitter:  # the group's answers leave together
                     self._hand_over([(seq, *first) for (seq, _), first in zip(group, picked) if first is not None])
+                self._clocked("prefill_answer_seconds_total", t0)
             else:
                 for (seq, _), first in zip(group, picked):
                     if first is ON_DEVICE:  # joins the next decode step; its first token is sent as that launches
@@ -149,16 +153,33 @@ class ContextSteps:
                         running.append(seq)
         self._prefilling = [s for s in self._prefilling if s.slot >= 0 and remaining(s)]
 
+    def _store_due(self, running: list[Seq]) -> bool:
+        """Whether the prompts prefilled so far go into the prefix cache now, at the end of this iteration. An
+        aggregated engine's do, after the decode step whose launch sends their first tokens. A prefill worker's
+        wait until nothing does: no request waiting (the engine's link looked at again), or no free slot (the
+        stored prompts' slots are held until then), or STORE_AFTER_PROMPTS of them; its arrivals then no longer
+        wait behind the hashes, the pool copy and the KV events of the step before theirs."""
+        if self.mode is not DisaggregationMode.PREFILL or running or self._prefilling or self._deferred:
+            return True
+        if len(self._unstored) >= STORE_AFTER_PROMPTS or not self.free_slots:
+            return True
+        if self.intake is not None:
+            self.intake(0.0)  # requests in the link to the worker come into the inbox
+        return self._inbox.empty()
+
     def _store_prompts(self) -> None:
-        """The blocks of this iteration's prefilled prompts into the prefix cache, at its end (TorchEngine._schedule),
-        after their first tokens went out: a prefill worker's answers, an aggregated engine's decode step whose
-        launch sends them, neither waits for the hashes, the pool copy and the KV events (two fifths of a prefill
-        worker's step at c=64 on an H200). Queued on the engine's stream before the next iteration's prefill, the
-        pool copy reads each slot before anything later can write it: a freed slot's next prompt is prefilled in a
-        later iteration, and decode steps write past the prompt's whole blocks."""
-        prompts, self._unstored = self._unstored, []
+        """The blocks of the prefilled prompts into the prefix cache, after their first tokens went out
+        (TorchEngine._schedule, when _store_due): a prefill worker's answers, an aggregated engine's decode step
+        whose launch sends them, neither waits for the hashes, the pool copy and the KV events (two fifths of a
+        prefill worker's step at c=64 on an H200). Queued on the engine's stream before the next prefill over any
+        of their slots (a released one is held until now), the pool copy reads each slot before anything later
+        writes it; decode steps write past the prompt's whole blocks."""
+        prompts = [(tokens, slot) for slot, tokens in self._unstored.items()]
+        self._unstored = {}
         if self.prefix is not None and prompts:
             self.prefix.store_all(prompts)  # its records leave together (_kv_events_out)
+        self.free_slots += self._held_slots
+        self._held_slots = []
 
     def _prefix_cache(self) -> PrefixCache | None:
         """Prefix reuse as TensorRT-LLM's kv_cache_config sets it: on unless enable_block_reuse is false, blocks
@@ -239,10 +260,12 @@ class ContextSteps:
         first = seqs[0]
         want = wanted_prompt_logprobs(first.request)  # such a prompt is prefilled alone
         rows = [seq.request.token_ids[seq.length:seq.length + n] for seq, n in group]
+        t0 = time.perf_counter()
         logits = self.prefill_graphs.run(rows, [seq.slot for seq in seqs]) if self.prefill_graphs is not None \
             and want is None and first.media is None and not any(seq.length for seq in seqs) else None
         if logits is None:
             logits = self._padded_prefill(seqs, rows, last_only=want is None)
+        t0 = self._clocked("prefill_launch_seconds_total", t0)
         self._counters["prefill_steps"] += 1
         if want is not None:  # [1, T, V]: position i's logits score token i + 1
             first.prompt_lp = prompt_logprobs(logits[0, :-1], first.request.token_ids[1:], want)
@@ -255,9 +278,10 @@ class ContextSteps:
                 continue
             done.append(i)
         if self.prefix is not None:  # the prompts' new blocks go into the pool once they are answered
-            self._unstored += [(seqs[i].request.token_ids, seqs[i].slot) for i in done if seqs[i].reuse]
+            self._unstored.update((seqs[i].slot, seqs[i].request.token_ids) for i in done if seqs[i].reuse)
         if self.mode is DisaggregationMode.PREFILL:
             self._keep_for_handoff([seqs[i] for i in done])
+            t0 = self._clocked("prefill_keep_kv_seconds_total", t0)
         picked: list[Picked | object | None] = [None] * len(group)
         if done:
             rows_done = logits if len(done) == len(group) else logits[on_device(done, logits.device)]
@@ -271,7 +295,14 @@ class ContextSteps:
                 return picked
             for i, result in zip(done, self.picker.pick_rows(done_seqs, rows_done, self.sampler)):
                 picked[i] = result
+            self._clocked("prefill_pick_seconds_total", t0)
         return picked
+
+    def _clocked(self, counter: str, since: float) -> float:
+        """Adds the time since `since` to a counter of the scheduler clock's prefill phases; returns now."""
+        now = time.perf_counter()
+        self._counters[counter] = self._counters.get(counter, 0.0) + now - since
+        return now
 
     def _padded_prefill(self, seqs: list[Seq], rows: list[list[int]], last_only: bool) -> torch.Tensor:
         """The eager prefill: rows right-padded to the longest, each from its first token not in the cache."""

@@ -93,7 +93,8 @@ class TorchEngine(ContextSteps, DecodeSteps):
                                     self._token_budget())
         self._deferred: list[Seq] = []  # arrivals the batch wait holds back
         self._prefilling: list[Seq] = []  # admitted, their prompts not all in the KV cache yet
-        self._unstored: list[tuple[list[int], int]] = []  # prompts prefilled, not in the prefix cache yet
+        self._unstored: dict[int, list[int]] = {}  # slot -> its prompt, prefilled, not in the prefix cache yet
+        self._held_slots: list[int] = []  # released, kept from reuse until their prompts are stored
         # TensorRT-LLM's chunked prefill (hpc.engine_args.scheduling)
         self.chunking, self.chunk_unit = chunking_policy(self.args), tokens_per_block(self.args)
         if self.chunking is not None and self._token_budget() < self.chunk_unit:
@@ -124,7 +125,8 @@ class TorchEngine(ContextSteps, DecodeSteps):
                           "idle_waits_total": 0,  # the waits for work (no rows): a closed loop's waves or gaps
                           "decode_seconds_total": 0.0, "queue_seconds_total": 0.0, "first_tokens": 0,
                           "first_token_seconds_total": 0.0, "submit_seconds_total": 0.0,
-                          "inbox_seconds_total": 0.0}
+                          "inbox_seconds_total": 0.0,
+                          "store_seconds_total": 0.0}  # of admit: prompts into the prefix cache
         self.on_kv_event: Callable[[dict[str, Any]], None] | None = None  # TensorRT-LLM's stored/removed records,
         # on the loop that opened the engine; or on_kv_events: a step's KvRecords at once, on the scheduler's thread
         self.on_kv_events: Callable[[list[KvRecord]], None] | None = None
@@ -510,10 +512,12 @@ class TorchEngine(ContextSteps, DecodeSteps):
                 t2 = time.perf_counter()
                 self._decode_or_fail(running)
                 clock["decode_seconds_total"] += time.perf_counter() - t2
-            if self._unstored:
+            if self._unstored and self._store_due(running):
                 t3 = time.perf_counter()
                 self._store_prompts()
-                clock["admit_seconds_total"] += time.perf_counter() - t3
+                stored = time.perf_counter() - t3
+                clock["admit_seconds_total"] += stored
+                clock["store_seconds_total"] += stored
             self._counters["running"] = len(running)
 
     def _still_running(self, seq: Seq) -> bool:
@@ -591,5 +595,6 @@ class TorchEngine(ContextSteps, DecodeSteps):
 
     def _release(self, seq: Seq) -> None:
         if seq.slot >= 0:
-            self.free_slots.append(seq.slot)
+            # a slot whose prompt the prefix cache has yet to copy is not prefilled over before that copy
+            (self._held_slots if seq.slot in self._unstored else self.free_slots).append(seq.slot)
             seq.slot = -1
