@@ -125,6 +125,8 @@ def steps(mpiexec: str, scratch: str, gpus: int, profiles: str) -> list[tuple[st
         ("decode_host_copy", [py, "benchmarks/decode_host_copy.py"], None, 60),
         # one decode-graph replay by batch size on each path (GEMVs, batched matmuls), and which the engine kept
         ("decode_graph_paths", [py, "benchmarks/decode_graph_paths.py"], None, 90),
+        # which kernels a decode graph's device time goes to, as the rows grow (session 22)
+        ("decode_graph_kernels", [py, "benchmarks/decode_graph_kernels.py", "--sizes", "1,8,64"], None, 90),
         # a prefill step's host cost by part, the device idle (session 20); a prefill worker's engine by phase
         ("prefill_parts", [py, "benchmarks/prefill_parts.py", "--prompts", "1,4,8,16"], None, 90),
         ("engine_steps_prefill", [py, "benchmarks/engine_steps.py", "--role", "prefill", "--concurrency", "16"],

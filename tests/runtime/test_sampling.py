@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from hpc.runtime.engine.torch_engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
@@ -46,18 +47,25 @@ def test_batched_sampling_keeps_each_rows_temperature_top_k_and_top_p():
     assert counts[0] == pytest.approx(torch.softmax(torch.tensor([4.0, 3.0]), 0)[0], abs=0.08)
 
 
-def test_picks_in_a_decode_graph_are_greedy_at_zero_and_drawn_at_each_rows_temperature():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_picks_in_a_decode_graph_are_greedy_at_zero_and_drawn_at_each_rows_temperature(device):
     import torch
 
     from hpc.runtime.engine.sampling import graph_temperatures, pick_in_graph
 
     torch.manual_seed(0)  # the graph draws from the default generator
-    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(4000, 1)
-    temperatures = torch.tensor([0.0, 2.0]).repeat_interleave(2000)
-    picked = pick_in_graph(logits, temperatures)
+    # on a GPU one argmax covers both kinds of row: a greedy row's over its logits, a hot row's over its race
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]], device=device).repeat(4000, 1)
+    temperatures = torch.tensor([0.0, 2.0], device=device).repeat_interleave(2000)
+    picked = pick_in_graph(logits, temperatures).cpu()
     assert set(picked[:2000].tolist()) == {0}  # temperature 0: the argmax
     counts = torch.bincount(picked[2000:], minlength=4).float() / 2000
-    torch.testing.assert_close(counts, torch.softmax(logits[0] / 2.0, 0), atol=0.03, rtol=0)
+    torch.testing.assert_close(counts, torch.softmax(logits[0].cpu() / 2.0, 0), atol=0.03, rtol=0)
+    # interleaved rows: each keeps its own kind
+    mixed = torch.tensor([0.0, 2.0], device=device).repeat(2000)
+    picked = pick_in_graph(logits, mixed).cpu()
+    assert set(picked[0::2].tolist()) == {0} and len(set(picked[1::2].tolist())) == 4
     # rows the graph cannot pick for: any top-k below the vocabulary or top-p below 1
     plain = [SamplingParams(temperature=0.7), SamplingParams(temperature=0, top_k=4)]
     assert graph_temperatures(plain, vocab=4) == [0.7, 0]

@@ -164,7 +164,11 @@ class DecodeGraphs:
 
     def replay_seconds(self, size: int, times: int = 100) -> float:
         """The device's time for one replay of the graph kept for `size` rows (benchmarks/decode_graph_paths.py)."""
-        return replay_seconds(self._graphs[(size, 0 if self.copies_in_graph else None)][0], times)
+        return replay_seconds(self.kept(size), times)
+
+    def kept(self, size: int) -> Callable[[], None]:
+        """The replay of the graph kept for `size` rows (the benchmarks time it and trace its kernels)."""
+        return self._graphs[(size, 0 if self.copies_in_graph else None)][0]
 
     def _step_of(self, size: int, turn: int | None) -> Callable[[], Outputs]:
         tokens, positions, slots, temperatures, sources = (self.inputs[i, :size] for i in range(INPUT_ROWS))
