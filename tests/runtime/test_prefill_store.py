@@ -111,3 +111,77 @@ def test_a_slot_whose_prompt_is_not_stored_yet_is_stored_before_anything_is_pref
     assert order == ["prefill first", "store 1", "prefill second", "store 1"], order
     torch.testing.assert_close(first_block, kvs["first"][:, :, :, :BLOCK], rtol=0, atol=0)
     torch.testing.assert_close(second_block, kvs["second"][:, :, :, :BLOCK], rtol=0, atol=0)
+
+
+class _Answers:
+    """A request's outputs as the scheduler thread sends them (an engine process's LinkEmitter sends on that
+    thread too): kept in order, `done` once the last came."""
+
+    def __init__(self) -> None:
+        self.outputs: list = []
+        self.done = threading.Event()
+
+    def put_nowait(self, out) -> None:
+        self.outputs.append(out)
+        if out.finished:
+            self.done.set()
+
+
+class _OnSchedulerThread:
+    """The emitter of an engine process (engine_core.LinkEmitter): each output delivered on the scheduler thread."""
+
+    def send(self, loop, outputs, out) -> None:
+        outputs.put_nowait(out)
+
+    def __enter__(self) -> "_OnSchedulerThread":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def test_a_request_the_store_check_took_from_the_link_is_prefilled_without_waiting_for_the_link_again(tiny):
+    """An engine process's scheduler reads its link itself (intake). When the store check finds a request there,
+    that request is in the inbox, and the next look at the link must not wait for more (INTAKE_WAIT_S, 50 ms or
+    the next message) while it sits there."""
+    looks: list[tuple[float, int]] = []  # each look at the link: its wait, and requests already in the inbox
+    order: list[str] = []
+    link: list[GenerateRequest] = []  # requests that reached the link, not yet read by the scheduler
+    answers = {"first": _Answers(), "second": _Answers()}
+    woken = threading.Event()
+
+    async def run() -> None:
+        args = {"max_seq_len": 128, "max_batch_size": 4, "kv_cache_config": {"tokens_per_block": BLOCK}}
+        async with TorchEngine(tiny, DisaggregationMode.PREFILL, args, device="cpu") as engine:
+            engine.emitter = _OnSchedulerThread()
+            prefill, store = engine._prefill, engine._store_prompts
+
+            def traced_prefill(group):
+                order.append("prefill " + ",".join(seq.request.request_id for seq, _ in group))
+                if group[0][0].request.request_id == "first":
+                    link.append(_request("second", SECOND))  # arrives while the first is prefilled
+                return prefill(group)
+
+            def intake(wait: float) -> None:  # as engine_core.Core.intake: the link's requests into the inbox
+                looks.append((wait, engine._inbox.qsize()))
+                if not link and wait > 0:
+                    woken.wait(wait)
+                    woken.clear()
+                while link:
+                    request = link.pop(0)
+                    engine.submit_now(request, answers[request.request_id])
+
+            engine._prefill = traced_prefill
+            engine._store_prompts = lambda: (order.append(f"store {len(engine._unstored)}"), store())[1]
+            engine.set_intake(intake, woken.set)
+            link.append(_request("first", FIRST))
+            woken.set()
+            for name in ("first", "second"):
+                assert await asyncio.to_thread(answers[name].done.wait, 10), name
+                engine.release_handoff(answers[name].outputs[-1].disaggregated_params.request_handle)
+
+    asyncio.run(run())
+    assert order[:3] == ["prefill first", "prefill second", "store 2"], order
+    assert any(wait == 0 and queued == 0 for wait, queued in looks)  # the store check looked at the link
+    waited_with_work = [(wait, queued) for wait, queued in looks if wait > 0 and queued > 0]
+    assert not waited_with_work, looks

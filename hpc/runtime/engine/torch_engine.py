@@ -470,7 +470,8 @@ class TorchEngine(ContextSteps, DecodeSteps):
         while self._running:
             t0 = time.perf_counter()
             try:
-                block = not running and not self._deferred and not self._prefilling
+                # (a request already in the inbox, taken from the link by _store_due, waits for nothing)
+                block = not running and not self._deferred and not self._prefilling and self._inbox.empty()
                 if block and not waited:
                     clock["idle_waits_total"] += 1
                 intake = self.intake
