@@ -72,10 +72,11 @@ class StreamSink:
     event loop, instead of the handler yielding it (a task wake-up and generator resumptions per frame). The
     frames keep their order with the ones yielded, and the end frame follows them all."""
 
-    __slots__ = ("sid", "out")
+    __slots__ = ("sid", "out", "ended")
 
     def __init__(self, sid: int, out: "_Coalescer") -> None:
         self.sid, self.out = sid, out
+        self.ended = False
 
     def send(self, body: ReplyBody, data: bytes = b"") -> None:
         if data:
@@ -84,7 +85,14 @@ class StreamSink:
             self.out.reply(Reply(self.sid, body))
 
     def end(self, error: str | None = None, code: int = 0) -> None:
-        """The stream's last frame (with the error that ended it, if one did)."""
+        """The stream's last frame (with the error that ended it, if one did); once. A handler may end its stream
+        with its last output, in the same write, before it returns: the caller's stream is then over at once,
+        and it has nothing to cancel if it stops reading there."""
+        if self.ended:
+            if error is not None:
+                log.warning("stream %d already ended; its later error is dropped: %s", self.sid, error)
+            return
+        self.ended = True
         self.out.reply(Reply(self.sid, end=True, error=error, code=code))
 
 
@@ -147,6 +155,7 @@ class RpcServer:
         self.refused = 0
         self.server: asyncio.base_events.Server | None = None
         self.inflight = 0
+        self.cancels = 0  # Cancel frames read: a caller that stopped reading a stream before its end
         self._tasks: set[asyncio.Task] = set()
         self._connections: dict[asyncio.Task, asyncio.StreamWriter] = {}  # each open connection's task, writer
 
@@ -203,6 +212,7 @@ class RpcServer:
                     writer.write(encode_frame(Reply(sid, end=True, error=f"bad request: {exc}", code=400)))
                     continue
                 if isinstance(call.body, Cancel):
+                    self.cancels += 1
                     task = streams.pop(call.id, None)
                     if task:
                         task.cancel()
@@ -248,6 +258,16 @@ class RpcServer:
         finally:
             self.inflight -= 1
             streams.pop(sid, None)
+
+
+def _ended(queue: asyncio.Queue) -> bool:
+    """Has the stream's end (or an error, or the connection's loss) arrived already, unread? Then a caller that
+    stopped reading has nothing to cancel (a handler ends its stream with its last output, in the same frame)."""
+    while not queue.empty():
+        item = queue.get_nowait()
+        if item is None or item is _DEADLINE or item[0].end or item[0].error:
+            return True
+    return False
 
 
 class RpcClient:
@@ -337,7 +357,8 @@ class RpcClient:
             if timer is not None:
                 timer.cancel()
             self._queues.pop(sid, None)
-            if not finished and self.alive and self._writer is not None and not self._writer.is_closing():
+            if not finished and not _ended(queue) and self.alive and self._writer is not None \
+                    and not self._writer.is_closing():
                 self._writer.write(encode_frame(Call(sid, Cancel())))  # caller stopped early
 
     async def call(self, body: CallBody, payload: bytes = b"") -> tuple[ReplyBody | None, bytes]:

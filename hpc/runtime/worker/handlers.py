@@ -110,6 +110,8 @@ class HandlerBase:
                 def deliver(out) -> None:
                     tally(out)
                     sink.send(self._answer(out))
+                    if out.finished:  # the end in the same frame: the caller's stream is over now, not a loop
+                        sink.end()  # pass later (a frontend waits for a prefill's end before the decode)
 
                 await stream(request, deliver)
                 return

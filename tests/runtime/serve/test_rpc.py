@@ -123,3 +123,84 @@ def test_closing_the_server_ends_open_connections_by_their_reads_not_by_cancelli
         writer.close()
 
     asyncio.run(main())
+
+
+class _Engine:
+    """A torch engine's stream() as the worker's handler uses it: each output to `deliver` on the loop; the last
+    one finished, and the call returns a while later (its scheduler's bookkeeping), as the real one may."""
+
+    def __init__(self) -> None:
+        self.returned = asyncio.Event()
+
+    async def stream(self, request, deliver) -> None:
+        from hpc.runtime.serve.wire import GenerateOutput
+
+        for token in (1, 2, 3):
+            deliver(GenerateOutput(token_ids=[token], finished=token == 3, finish_reason="length" if token == 3
+                                   else None))
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.5)
+        self.returned.set()
+
+
+def test_a_workers_stream_ends_with_its_last_output_and_a_caller_stopping_there_cancels_nothing():
+    """The handler ends the stream in the frame of its last output, before the engine's call returns; a caller
+    that stops reading at that output sends no Cancel (it used to: a write, and a read on the worker, a request),
+    one that stops earlier still does."""
+    from hpc.runtime.engine.types import DisaggregationMode
+    from hpc.runtime.serve.rpc import RpcClient, RpcServer
+    from hpc.runtime.serve.wire import GenerateRequest
+    from hpc.runtime.worker.handlers import AggregatedHandler, HandlerDeps, Peers
+
+    async def main():
+        engine = _Engine()
+        deps = HandlerDeps(engine=engine, mode=DisaggregationMode.AGGREGATED, peers=Peers(),
+                           allowed_local_media_path=None, media_allowed_hosts=[], max_file_size_mb=1.0,
+                           image_size=None, has_encode_role=False)
+        server = RpcServer(AggregatedHandler(deps).ops())
+        await server.start("127.0.0.1", 0)
+        client = RpcClient("127.0.0.1", server.port)
+        request = GenerateRequest(request_id="r", token_ids=[9])
+        try:
+            whole = [out.token_ids[0] async for out, _ in client.stream(request)]
+            ended_before_the_engine_returned = not engine.returned.is_set()
+            stopped_at_the_last = client.stream(request)
+            async for out, _ in stopped_at_the_last:
+                if out.finished:
+                    break
+            await stopped_at_the_last.aclose()
+            await asyncio.sleep(0.1)  # a Cancel, had one been sent, is read by now
+            cancels_after_the_last = server.cancels
+            stopped_early = client.stream(request)
+            async for out, _ in stopped_early:
+                break
+            await stopped_early.aclose()
+            await asyncio.sleep(0.1)
+            return whole, ended_before_the_engine_returned, cancels_after_the_last, server.cancels
+        finally:
+            await client.close()
+            await server.close()
+
+    whole, ended_early, cancels_after_the_last, cancels = asyncio.run(main())
+    assert whole == [1, 2, 3] and ended_early
+    assert cancels_after_the_last == 0
+    assert cancels == 1  # the caller that stopped after the first output
+
+
+def test_a_stream_ends_once_and_an_error_after_its_end_is_only_logged(caplog):
+    from hpc.runtime.serve.rpc import StreamSink, _Coalescer
+    from hpc.runtime.serve.wire import HEADER, decode_replies
+
+    async def main() -> list[bytes]:
+        writer = Writer()
+        sink = StreamSink(7, _Coalescer(writer))
+        sink.end()  # with the stream's last output, by its handler
+        sink.end()  # the RPC server's own, once the handler returned
+        sink.end("late failure", 500)
+        await asyncio.sleep(0)
+        return writer.writes
+
+    writes = asyncio.run(main())
+    assert len(writes) == 1
+    assert [(r.id, r.end, r.error) for r in decode_replies(writes[0][HEADER.size:])] == [(7, True, None)]
+    assert "late failure" in caplog.text
