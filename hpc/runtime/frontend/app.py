@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any, AsyncIterator, NamedTuple
 
@@ -303,8 +304,10 @@ class Frontend:
         pools = self.pools
         isl = len(gen.token_ids)
         if not self.recipe.disaggregated:
-            async for out in self.router.generate("agg", gen, deadline, pools.agg(isl, hints) if pools else None):
-                yield out
+            async with contextlib.aclosing(self.router.generate("agg", gen, deadline,
+                                                                pools.agg(isl, hints) if pools else None)) as outs:
+                async for out in outs:
+                    yield out
             return
         prefill_pools = pools.prefill(isl, hints) if pools else None
         first = await self._prefill(gen, deadline, prefill_pools)
@@ -328,9 +331,10 @@ class Frontend:
                                                                     first_token_id=token))
 
         decode_req = replace(gen, disaggregated_params=first.disaggregated_params, image=None, media=None)
-        async for out in self.router.generate("decode", decode_req, deadline,
-                                              pools.decode(isl, hints) if pools else None, prefill_again):
-            yield out
+        async with contextlib.aclosing(self.router.generate("decode", decode_req, deadline, pools.decode(
+                isl, hints) if pools else None, prefill_again)) as outs:
+            async for out in outs:
+                yield out
 
     async def _prefill(self, gen: GenerateRequest, deadline: float, pools: list[str] | None) -> GenerateOutput:
         first: GenerateOutput | None = None
@@ -350,23 +354,24 @@ class Frontend:
         prompt: list[TokenLogprob] | None = None
         clock = self.latency.start()
         try:
-            async for out in self._outputs(gen, body.route_hints):
-                if out.token_ids:
-                    clock.tokens(len(out.token_ids))
-                tokens += len(out.token_ids)
-                cached = max(cached, out.cached_tokens)
-                prompt = out.prompt_logprobs or prompt
-                pending += out.logprobs or []
-                reason = out.finish_reason if out.finished else None
-                delta, stopped = text.feed(detok.add(out.token_ids), final=reason is not None)
-                if stopped:
-                    yield Piece(delta, "stop", tokens, pending, cached, prompt)
-                    return
-                if delta or reason:
-                    yield Piece(delta, _reason(reason) if reason else None, tokens, pending, cached, prompt)
-                    pending = []
-                if reason:
-                    return
+            async with contextlib.aclosing(self._outputs(gen, body.route_hints)) as outputs:
+                async for out in outputs:
+                    if out.token_ids:
+                        clock.tokens(len(out.token_ids))
+                    tokens += len(out.token_ids)
+                    cached = max(cached, out.cached_tokens)
+                    prompt = out.prompt_logprobs or prompt
+                    pending += out.logprobs or []
+                    reason = out.finish_reason if out.finished else None
+                    delta, stopped = text.feed(detok.add(out.token_ids), final=reason is not None)
+                    if stopped:
+                        yield Piece(delta, "stop", tokens, pending, cached, prompt)
+                        return
+                    if delta or reason:
+                        yield Piece(delta, _reason(reason) if reason else None, tokens, pending, cached, prompt)
+                        pending = []
+                    if reason:
+                        return
         finally:
             clock.end()
 

@@ -11,6 +11,7 @@ waits SETTLE_S for others to follow before it leaves routing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
@@ -197,8 +198,9 @@ class Router:
             if pool is not None:
                 self.pool_routed[(role, pool)] = self.pool_routed.get((role, pool), 0) + 1
             try:
-                async for out in self._generate_in(role, request, deadline, pool):
-                    yield out
+                async with contextlib.aclosing(self._generate_in(role, request, deadline, pool)) as outs:
+                    async for out in outs:
+                        yield out
                 return
             except (NoInstance, NotStarted) as exc:
                 if n == len(order) - 1:
@@ -218,9 +220,12 @@ class Router:
             self.inflight_blocks[key] = self.inflight_blocks.get(key, 0) + blocks
             self.served[role] = self.served.get(role, 0) + 1
             try:
-                async for out, _ in client.stream(request, deadline=deadline):
-                    started = True
-                    yield out
+                # closed here when the caller stops at the last output (not by the loop's finalizer, a task per
+                # generator of the chain: ~20 µs a request)
+                async with contextlib.aclosing(client.stream(request, deadline=deadline)) as replies:
+                    async for out, _ in replies:
+                        started = True
+                        yield out
                 return
             except asyncio.TimeoutError:
                 raise  # the request's deadline, not the worker's fault (TimeoutError is an OSError)
