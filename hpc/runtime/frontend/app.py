@@ -352,10 +352,13 @@ class Frontend:
         pending: list[TokenLogprob] = []
         cached = 0
         prompt: list[TokenLogprob] | None = None
+        reason: str | None = None
         clock = self.latency.start()
         try:
             async with contextlib.aclosing(self._outputs(gen, body.route_hints)) as outputs:
                 async for out in outputs:
+                    if reason:  # nothing comes after a request's last output; the loop ends, no generator closed
+                        continue
                     if out.token_ids:
                         clock.tokens(len(out.token_ids))
                     tokens += len(out.token_ids)
@@ -370,8 +373,6 @@ class Frontend:
                     if delta or reason:
                         yield Piece(delta, _reason(reason) if reason else None, tokens, pending, cached, prompt)
                         pending = []
-                    if reason:
-                        return
         finally:
             clock.end()
 

@@ -15,8 +15,8 @@ import logging
 from typing import AsyncIterator, Callable
 
 from hpc.runtime.serve.wire import (
-    BIG_PAYLOAD, HEADER, MAX_FRAME, REPLIES_FRAME, Call, CallBody, Cancel, DecodeError, Hello, Reply, ReplyBody,
-    call_id, decode_call, decode_replies, decode_reply, encode_frame, encode_replies, frame_parts,
+    BIG_PAYLOAD, HEADER, MAX_FRAME, REPLIES_FRAME, Call, CallBody, Cancel, DecodeError, GenerateOutput, Hello, Reply,
+    ReplyBody, call_id, decode_call, decode_replies, decode_reply, encode_frame, encode_replies, frame_parts,
 )
 
 log = logging.getLogger(__name__)
@@ -353,6 +353,12 @@ class RpcClient:
                     finished = True
                     return
                 yield reply.body, data
+                if isinstance(reply.body, GenerateOutput) and reply.body.finished:
+                    # a request's last output: its end frame follows (in the same frame from our workers) and is
+                    # not waited for, so a caller reading on is done at once, and one that stops has nothing to
+                    # close or cancel
+                    finished = True
+                    return
         finally:
             if timer is not None:
                 timer.cancel()

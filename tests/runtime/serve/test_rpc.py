@@ -204,3 +204,32 @@ def test_a_stream_ends_once_and_an_error_after_its_end_is_only_logged(caplog):
     assert len(writes) == 1
     assert [(r.id, r.end, r.error) for r in decode_replies(writes[0][HEADER.size:])] == [(7, True, None)]
     assert "late failure" in caplog.text
+
+
+def test_a_stream_is_over_at_its_last_output_even_when_its_end_frame_comes_late():
+    """A finished output is a request's last: a caller reading on gets the stream's end at once, not when the
+    worker's end frame arrives (a worker other than ours might send it a while later)."""
+    from hpc.runtime.serve.rpc import RpcClient, RpcServer, current_sink
+    from hpc.runtime.serve.wire import GenerateOutput, GenerateRequest
+
+    async def handler(call, payload):
+        current_sink().send(GenerateOutput(token_ids=[1], finished=True, finish_reason="length"))
+        await asyncio.sleep(1.0)  # the end frame, from the server once this returns, a second later
+        return
+        yield
+
+    async def main() -> tuple[list[int], float, int]:
+        server = RpcServer({GenerateRequest: handler})
+        await server.start("127.0.0.1", 0)
+        client = RpcClient("127.0.0.1", server.port)
+        try:
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            got = [out.token_ids[0] async for out, _ in client.stream(GenerateRequest(request_id="r", token_ids=[9]))]
+            return got, loop.time() - t0, server.cancels
+        finally:
+            await client.close()
+            await server.close()
+
+    got, seconds, cancels = asyncio.run(main())
+    assert got == [1] and seconds < 0.5 and cancels == 0
