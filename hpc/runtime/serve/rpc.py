@@ -265,8 +265,8 @@ def _ended(queue: asyncio.Queue) -> bool:
     stopped reading has nothing to cancel (a handler ends its stream with its last output, in the same frame)."""
     while not queue.empty():
         item = queue.get_nowait()
-        if item is None or item is _DEADLINE or item[0].end or item[0].error:
-            return True
+        if item is None or (item is not _DEADLINE and (item[0].end or item[0].error)):
+            return True  # (a passed deadline is no end: the worker still runs the request)
     return False
 
 

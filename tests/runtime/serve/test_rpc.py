@@ -233,3 +233,21 @@ def test_a_stream_is_over_at_its_last_output_even_when_its_end_frame_comes_late(
 
     got, seconds, cancels = asyncio.run(main())
     assert got == [1] and seconds < 0.5 and cancels == 0
+
+
+def test_only_an_end_an_error_or_a_lost_connection_waiting_unread_spares_the_cancel():
+    from hpc.runtime.serve.rpc import _DEADLINE, _ended
+    from hpc.runtime.serve.wire import GenerateOutput, Reply
+
+    def queue_of(*items) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        for item in items:
+            queue.put_nowait(item)
+        return queue
+
+    token = (Reply(1, GenerateOutput(token_ids=[1])), b"")
+    assert _ended(queue_of(token, (Reply(1, end=True), b"")))
+    assert _ended(queue_of((Reply(1, end=True, error="boom", code=500), b"")))
+    assert _ended(queue_of(token, None))  # the connection lost
+    assert not _ended(queue_of(token))
+    assert not _ended(queue_of(_DEADLINE))  # past its deadline the worker still runs it: cancel
