@@ -3,15 +3,15 @@ step: where a level or sweep slower than another spent its time, the engine alon
 
 from __future__ import annotations
 
+# of admit, a prefill step's phases (as per_prefill_step names them): its launch, a prefill worker's KV kept for
+# the decode side, the first tokens picked (the wait for the device), a prefill worker's answers, the prompts' store
+PREFILL_PARTS = (("launch", "prefill_launch"), ("kv", "prefill_keep_kv"), ("pick", "prefill_pick"),
+                 ("answers", "prefill_answer"), ("store", "store"))
 # seconds idle, admitting (prefills included) and decoding; steps; tokens the engine generated
 SCHEDULER_CLOCK = ("decode_seconds_total", "admit_seconds_total", "idle_seconds_total", "decode_steps",
                    "generated_tokens", "prefill_steps", "first_tokens", "idle_running_seconds_total",
-                   "idle_waits_total", "first_token_seconds_total", "link_seconds_total", "store_seconds_total",
-                   # of admit, a prefill step's phases: its launch, a prefill worker's KV kept for the decode side,
-                   # the first tokens picked (the wait for the device), a prefill worker's answers
-                   "prefill_launch_seconds_total", "prefill_keep_kv_seconds_total", "prefill_pick_seconds_total",
-                   "prefill_answer_seconds_total")
-
+                   "idle_waits_total", "first_token_seconds_total", "link_seconds_total",
+                   *(f"{key}_seconds_total" for _, key in PREFILL_PARTS))
 
 def spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: after.get(k, 0) - before.get(k, 0) for k in SCHEDULER_CLOCK}
@@ -29,10 +29,6 @@ def per_prefill_step(clock: dict[str, float]) -> str:
     parts = ", ".join(f"{name} {clock[f'{key}_seconds_total'] / steps * 1e3:.3f}" for name, key in PREFILL_PARTS)
     return (f"{clock['admit_seconds_total'] / steps * 1e3:.3f} ({parts}) / "
             f"{clock['idle_seconds_total'] / steps * 1e3:.3f}, {clock['first_tokens'] / steps:.1f} prompts")
-
-
-PREFILL_PARTS = (("launch", "prefill_launch"), ("kv", "prefill_keep_kv"), ("pick", "prefill_pick"),
-                 ("answers", "prefill_answer"), ("store", "store"))
 
 
 def per_decode_step(clock: dict[str, float]) -> str:
