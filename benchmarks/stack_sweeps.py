@@ -34,6 +34,7 @@ from _stack import add_set_option, counters, local_stack, workers  # noqa: E402
 
 from hpc.bench.clients import processes_for  # noqa: E402
 from hpc.bench.loadgen import REQUESTS_PER_USER, Level, run_level  # noqa: E402
+from hpc.runtime.frontend.app import DISAGG_PHASES  # noqa: E402
 from hpc.launch.local import local_pids  # noqa: E402
 from hpc.spec.catalog import load_recipe  # noqa: E402
 
@@ -71,7 +72,26 @@ def frontend_latency(url: str) -> dict[str, float]:
             "e2e": metric_values(text, "hpc_frontend_request_duration_seconds_sum"),
             "count": metric_values(text, "hpc_frontend_request_duration_seconds_count"),
             "gc": metric_values(text, "hpc_frontend_gc_seconds_total"),
-            "gc_full": metric_values(text, "hpc_frontend_gc_full_collections_total")}
+            "gc_full": metric_values(text, "hpc_frontend_gc_full_collections_total"),
+            "disagg": metric_values(text, "hpc_frontend_disagg_requests_total"),
+            **{phase: metric_values(text, f"hpc_frontend_{phase}") for phase in DISAGG_PHASES}}
+
+
+def request_phases(concurrency: int, seen: list[dict[str, float]], clocks: list[dict[str, dict]]) -> str:
+    """A disaggregated request's mean phases in the frontend, beside its time in each engine (from the engine's
+    inbox to its last output): what the frontend waits for that no engine spends is the path between them."""
+    def in_engine(clock: dict[str, float]) -> str:
+        return f"{clock['finished_request_seconds_total'] / max(clock['finished_requests'], 1) * 1e3:.2f}"
+
+    sweeps = []
+    for f, clock in zip(seen, clocks):
+        engines = ", ".join(f"{name} {in_engine(c)}" for name, c in clock.items() if c.get("finished_requests"))
+        sweeps.append(f"prefill call {f['prefill_call_seconds_total']:.2f}, handover "
+                      f"{f['decode_handover_seconds_total']:.2f}, decode call to its first output "
+                      f"{f['decode_first_output_seconds_total']:.2f} and its last "
+                      f"{f['decode_call_seconds_total']:.2f}; in the engines {engines}")
+    return (f"a disaggregated request at c={concurrency} in the frontend, ms, first | second sweep (each engine: "
+            f"from its inbox to the request's last output there): " + " | ".join(sweeps))
 
 
 def main() -> None:
@@ -153,7 +173,9 @@ def main() -> None:
             frontend_seen.append({**{k: (seen[k] - seen0[k]) / max(seen["count"] - seen0["count"], 1) * 1e3
                                      for k in ("ttft", "e2e")},
                                   "gc_ms": (seen["gc"] - seen0["gc"]) * 1e3,
-                                  "gc_full": seen["gc_full"] - seen0["gc_full"]})
+                                  "gc_full": seen["gc_full"] - seen0["gc_full"],
+                                  **{k: (seen[k] - seen0[k]) / max(seen["disagg"] - seen0["disagg"], 1) * 1e3
+                                     for k in DISAGG_PHASES}})
             client_cpu = time.process_time() - cpu0["client"] + results[levels[-1].concurrency].get("client_cpu_s", 0)
             busy.append({**{n: (group_cpu_seconds(p) - cpu0[n]) / wall for n, p in leaders.items()},
                          "client": client_cpu / wall})
@@ -278,6 +300,8 @@ def main() -> None:
           f"/ second sweep: " + " / ".join(f"{f['ttft']:.1f} / {f['e2e']:.1f} ms" for f in frontend_seen)
           + "; its processes' garbage collections: " + " / ".join(f"{f['gc_ms']:.1f} ms ({f['gc_full']:.0f} full)"
                                                                   for f in frontend_seen))
+    if any(f["prefill_call_seconds_total"] for f in frontend_seen):
+        print(request_phases(levels[-1].concurrency, frontend_seen, level_clocks[levels[-1].concurrency]))
     print(f"cores busy at c={levels[-1].concurrency}, first / second sweep: "
           + ", ".join(f"{n} {busy[0][n]:.2f} / {busy[1][n]:.2f}" for n in busy[0]))
     print(f"CPU at c={levels[-1].concurrency}, first | second sweep: " + " | ".join(contended))

@@ -77,6 +77,28 @@ def test_disaggregated_path_really_ran(disagg):
     assert (after[4] - before[4], after[5] - before[5]) == ((1, 0) if torch.cuda.is_available() else (0, 1))
 
 
+def test_a_disaggregated_requests_phases_are_timed_in_the_frontend_and_each_engine(disagg):
+    def frontend(name):
+        return metric_values(get_text(disagg.url + "/metrics"), f"hpc_frontend_{name}")
+
+    def engine(worker, name):
+        return _worker_metric(disagg, worker, f"hpc_worker_{name}")
+
+    names = ("disagg_requests_total", "prefill_call_seconds_total", "decode_handover_seconds_total",
+             "decode_first_output_seconds_total", "decode_call_seconds_total")
+    engines = [(w, n) for w in ("prefill-0", "decode-0")
+               for n in ("finished_requests", "finished_request_seconds_total")]
+    before = [frontend(n) for n in names] + [engine(*e) for e in engines]
+    assert _complete(disagg)[0] == 200
+    after = [frontend(n) for n in names] + [engine(*e) for e in engines]
+    requests, prefill_call, handover, first_output, decode_call, *in_engines = [a - b for a, b in zip(after, before)]
+    prefill_done, prefill_s, decode_done, decode_s = in_engines
+    assert requests == 1 and prefill_done == 1 and decode_done == 1
+    assert 0 < handover and 0 < first_output < decode_call  # 11 decode tokens after the first output
+    # each engine's part (its inbox to its last output) lies inside the frontend's call to its worker
+    assert 0 < prefill_s < prefill_call and 0 < decode_s < decode_call
+
+
 def _worker_metric(stack, worker: str, name: str) -> float:
     state = json.loads((stack.run.state / f"{worker}.json").read_text())
     return metric_values(get_text(state["http"] + "/metrics"), name)

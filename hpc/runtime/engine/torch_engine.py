@@ -126,7 +126,8 @@ class TorchEngine(ContextSteps, DecodeSteps):
                           "decode_seconds_total": 0.0, "queue_seconds_total": 0.0, "first_tokens": 0,
                           "first_token_seconds_total": 0.0, "submit_seconds_total": 0.0,
                           "inbox_seconds_total": 0.0,
-                          "store_seconds_total": 0.0}  # of admit: prompts into the prefix cache
+                          "store_seconds_total": 0.0,  # of admit: prompts into the prefix cache
+                          "finished_requests": 0, "finished_request_seconds_total": 0.0}
         self.on_kv_event: Callable[[dict[str, Any]], None] | None = None  # TensorRT-LLM's stored/removed records,
         # on the loop that opened the engine; or on_kv_events: a step's KvRecords at once, on the scheduler's thread
         self.on_kv_events: Callable[[list[KvRecord]], None] | None = None
@@ -584,6 +585,8 @@ class TorchEngine(ContextSteps, DecodeSteps):
                 error: str | None = None) -> None:
         """The last output: the tokens still held (the last one among them), why it ended."""
         seq.send_held(finished=True, finish_reason=reason, error=error, disaggregated_params=params)
+        self._counters["finished_requests"] += 1  # and their time here, from the inbox to this last output
+        self._counters["finished_request_seconds_total"] += time.perf_counter() - seq.queued
         self._release(seq)
         self._drop_pending(seq)
 

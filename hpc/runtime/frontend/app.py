@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from pathlib import Path
 from typing import Any, AsyncIterator, NamedTuple
 
@@ -28,6 +29,10 @@ from hpc.runtime.serve.wire import Guide, GuidePiece, replace
 WHOLE_REQUEST_RETRIES = 1  # non-streamed requests whose worker died midway
 
 
+DISAGG_PHASES = ("prefill_call_seconds_total", "decode_handover_seconds_total", "decode_first_output_seconds_total",
+                 "decode_call_seconds_total")
+
+
 class Frontend:
     def __init__(self, manifest: Manifest, router: Router, codec: TextCodec) -> None:
         self.manifest = manifest
@@ -40,6 +45,9 @@ class Frontend:
         self.counters: dict[str, float] = {"requests_total": 0, "errors_total": 0, "inflight": 0, "timeouts_total": 0,
                                            "retried_total": 0, "completion_tokens_total": 0,
                                            "prompt_tokens_total": 0}
+        # a disaggregated request's phases, summed (seconds): the prefill call to its answer, that answer to the
+        # decode call's start (the first token's delivery), the decode call to its first and to its last output
+        self.counters.update(dict.fromkeys(DISAGG_PHASES, 0.0), disagg_requests_total=0)
         self.created = now()
         # Which backend and run produced an answer (OpenAI: changes when the serving configuration changes).
         self.fingerprint = f"hpc-{self.recipe.backend.value}-{manifest.run_id}"[:64]
@@ -310,7 +318,10 @@ class Frontend:
                     yield out
             return
         prefill_pools = pools.prefill(isl, hints) if pools else None
+        phases, began = self.counters, time.perf_counter()
         first = await self._prefill(gen, deadline, prefill_pools)
+        answered = time.perf_counter()
+        phases["prefill_call_seconds_total"] += answered - began
         token = first.disaggregated_params.first_token_id
         stop = (token == self.codec.eos_token_id and not gen.sampling.ignore_eos) or \
             token in gen.sampling.stop_token_ids
@@ -331,9 +342,20 @@ class Frontend:
                                                                     first_token_id=token))
 
         decode_req = replace(gen, disaggregated_params=first.disaggregated_params, image=None, media=None)
+        sent = time.perf_counter()
+        phases["decode_handover_seconds_total"] += sent - answered
+        waiting_first = True
         async with contextlib.aclosing(self.router.generate("decode", decode_req, deadline, pools.decode(
                 isl, hints) if pools else None, prefill_again)) as outs:
             async for out in outs:
+                if waiting_first or out.finished:
+                    got = time.perf_counter() - sent
+                    if waiting_first:
+                        phases["decode_first_output_seconds_total"] += got
+                        waiting_first = False
+                    if out.finished:
+                        phases["decode_call_seconds_total"] += got
+                        phases["disagg_requests_total"] += 1
                 yield out
 
     async def _prefill(self, gen: GenerateRequest, deadline: float, pools: list[str] | None) -> GenerateOutput:
