@@ -81,7 +81,13 @@ def request_phases(concurrency: int, seen: list[dict[str, float]], clocks: list[
     """A disaggregated request's mean phases in the frontend, beside its time in each engine (from the engine's
     inbox to its last output): what the frontend waits for that no engine spends is the path between them."""
     def in_engine(clock: dict[str, float]) -> str:
-        return f"{clock['finished_request_seconds_total'] / max(clock['finished_requests'], 1) * 1e3:.2f}"
+        requests, messages = max(clock["finished_requests"], 1), max(clock.get("outputs_messages_total", 0), 1)
+        if not clock.get("outputs_messages_total"):  # an engine in its worker's process: no link
+            return f"{clock['finished_request_seconds_total'] / requests * 1e3:.2f}"
+        return (f"{clock['finished_request_seconds_total'] / requests * 1e3:.2f} (its link from the worker "
+                f"{clock['link_seconds_total'] / requests * 1e3:.2f}, of which before the scheduler looked "
+                f"{clock.get('link_unread_seconds_total', 0) / requests * 1e3:.2f}; an outputs message back "
+                f"{clock.get('outputs_link_seconds_total', 0) / messages * 1e3:.2f})")
 
     sweeps = []
     for f, clock in zip(seen, clocks):

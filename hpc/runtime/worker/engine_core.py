@@ -73,7 +73,7 @@ class LinkEmitter:
             self._keys.append(outputs.key)
             self._outputs.append(out)
         else:
-            self._leave(Outputs(keys=[outputs.key], outputs=[out]))
+            self._leave(Outputs(keys=[outputs.key], outputs=[out], sent=time.perf_counter()))
 
     def _leave(self, message: Outputs) -> None:
         if self._prepare is not None:
@@ -92,7 +92,8 @@ class LinkEmitter:
     def __exit__(self, *exc: Any) -> None:
         self._batching = False
         if self._keys or self._token_keys:
-            message = Outputs(keys=self._keys, outputs=self._outputs, token_keys=self._token_keys, tokens=self._tokens)
+            message = Outputs(keys=self._keys, outputs=self._outputs, token_keys=self._token_keys, tokens=self._tokens,
+                              sent=time.perf_counter())
             self._keys, self._outputs, self._token_keys, self._tokens = [], [], [], []
             self._leave(message)
 
@@ -105,7 +106,8 @@ class Core:
         self.seqs: dict[int, Any] = {}  # key -> Seq (None while its KV is fetched)
         self.tasks: set[asyncio.Task] = set()
         # where a request's time goes in this process before the engine has it (seconds, summed over requests)
-        self.timing = {"link_seconds_total": 0.0, "task_start_seconds_total": 0.0,
+        # (of the link's time, a request's before the scheduler's look that found it began: its wait for a step's end)
+        self.timing = {"link_seconds_total": 0.0, "link_unread_seconds_total": 0.0, "task_start_seconds_total": 0.0,
                        "requests_taken_by_scheduler_total": 0}  # submitted on its thread, never on the loop
         self.stopped = asyncio.Event()
         prefill = engine.mode is DisaggregationMode.PREFILL
@@ -150,6 +152,7 @@ class Core:
         a request reaches it without waking this process's event loop, which took the GIL from the scheduler at
         every wake-up."""
         self.poller, self.loop = poller, loop
+        self.looked = 0.0  # when the scheduler's latest look at the link began
         self.now: dict[type, Callable[[Any], bool]] = {Submit: self._submit_now, Drop: self._dropped}
         if self.handoff.nixl is None:  # a NIXL agent's withdrawal stays on the loop's thread
             self.now[ReleaseHeld] = lambda message: self.handoff.release(message.handle) or True
@@ -160,6 +163,7 @@ class Core:
         ReleaseHeld are handled here; the rest (a KV to ask for, a prefill's KV asked of it, stats, Stop) on the
         event loop, as before."""
         closed = self.poller.closed
+        self.looked = time.perf_counter()
         for message in self.poller.poll(wait):
             handle = self.now.get(type(message))
             if handle is None or not handle(message):
@@ -182,6 +186,7 @@ class Core:
         self.timing["requests_taken_by_scheduler_total"] += 1
         if message.sent:
             self.timing["link_seconds_total"] += received - message.sent
+            self.timing["link_unread_seconds_total"] += max(0.0, self.looked - message.sent)
         try:
             seq = self.engine.submit_now(message.request, Keyed(message.key), kv)
         except Exception as exc:  # noqa: BLE001 - as _submit: the worker answers it

@@ -78,6 +78,7 @@ class Outputs(_Link, tag="outputs"):
     outputs: list[GenerateOutput]
     token_keys: list[int] = []
     tokens: list[int] = []
+    sent: float = 0.0  # the engine process's time.perf_counter() as it sent this (Submit's clock)
 
 
 class Refused(_Link, tag="refused"):

@@ -82,6 +82,7 @@ class EngineProcess:
         self._keys = itertools.count()
         self._streams: dict[int, _Stream] = {}
         self._stats: dict[str, float] = {}
+        self.timing = {"outputs_link_seconds_total": 0.0, "outputs_messages_total": 0}  # this process's own
         self._stats_waiters: list[asyncio.Future] = []
         self._kv_asks: dict[int, asyncio.Future] = {}
         self._ready: asyncio.Future | None = None
@@ -165,6 +166,9 @@ class EngineProcess:
         self._handlers[type(message)](message)
 
     def _delivered(self, message: Outputs) -> None:
+        if message.sent:  # the engine process's send to this read: a step's outputs on their way back
+            self.timing["outputs_link_seconds_total"] += time.perf_counter() - message.sent
+            self.timing["outputs_messages_total"] += 1
         streams = self._streams
         for key, out in zip(message.keys, message.outputs):
             stream = streams.get(key)
@@ -277,8 +281,8 @@ class EngineProcess:
         self._send(ReleaseHeld(handle=handle))
 
     def stats(self) -> dict[str, float]:
-        """The figures the engine process last sent (every second, and whenever asked)."""
-        return dict(self._stats)
+        """The figures the engine process last sent (every second, and whenever asked), and this side's own."""
+        return {**self._stats, **self.timing}
 
     async def fresh_stats(self) -> dict[str, float]:
         if not self.failure:

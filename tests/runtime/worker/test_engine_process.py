@@ -222,7 +222,7 @@ def test_the_scheduler_thread_takes_its_own_requests_and_leaves_the_rest_to_the_
         engine, handoff = _IntakeEngine(), _IntakeHandoff()
         core = Core.__new__(Core)  # its state without the engine process's start-up
         core.engine, core.sender, core.handoff, core.seqs = engine, Sender(), handoff, {}
-        core.timing = {"link_seconds_total": 0.0, "task_start_seconds_total": 0.0,
+        core.timing = {"link_seconds_total": 0.0, "link_unread_seconds_total": 0.0, "task_start_seconds_total": 0.0,
                        "requests_taken_by_scheduler_total": 0}
         core.stopped, core.tasks = asyncio.Event(), set()
         on_loop = []
@@ -384,6 +384,7 @@ def test_the_decode_worker_serves_from_an_engine_process_of_its_own(apart, tiny)
     steps = _metric(apart, "decode-0", "hpc_worker_decode_steps")
     served = _metric(apart, "decode-0", "hpc_worker_requests_streamed_direct")
     bare = _metric(apart, "decode-0", "hpc_worker_decode_tokens_bare_total")
+    messages = _metric(apart, "decode-0", "hpc_worker_outputs_messages_total")
     status, body = _complete(apart)
     assert status == 200 and body["usage"]["completion_tokens"] == 12
     assert _metric(apart, "decode-0", "hpc_worker_engine_gc_full_collections_total") == full_collections
@@ -395,7 +396,14 @@ def test_the_decode_worker_serves_from_an_engine_process_of_its_own(apart, tiny)
     # the time before the engine had it, measured in its process: the link from the worker; on a GPU its KV came
     # with the prefill's answer, so the scheduler's thread took it (no event loop task); on CPU the loop fetched
     # the KV's bytes (a task, whose wait to start is timed)
-    assert 0 < _metric(apart, "decode-0", "hpc_worker_link_seconds_total") < 5
+    link = _metric(apart, "decode-0", "hpc_worker_link_seconds_total")
+    assert 0 < link < 5
+    # of it, the wait for the scheduler's next look (on CPU the loop took the request: none)
+    assert 0 <= _metric(apart, "decode-0", "hpc_worker_link_unread_seconds_total") <= link
+    # and back: each outputs message timed from the engine process's send to the worker's read, a step's one
+    # message for all its rows (11 decode steps; the first and last outputs of a step leave with its message)
+    assert _metric(apart, "decode-0", "hpc_worker_outputs_messages_total") >= messages + 11
+    assert 0 < _metric(apart, "decode-0", "hpc_worker_outputs_link_seconds_total") < 5
     on_scheduler = _metric(apart, "decode-0", "hpc_worker_requests_taken_by_scheduler_total")
     task_start = _metric(apart, "decode-0", "hpc_worker_task_start_seconds_total")
     if torch.cuda.is_available():
