@@ -159,6 +159,21 @@ def test_gemv_prologues_and_epilogue() -> None:
                                (normed @ weight.T).double(), rtol=1e-4, atol=1e-4)
 
 
+def test_a_gemv_is_tuned_for_its_rows_class_and_each_row_count_computes_the_same() -> None:
+    from hpc.runtime.engine import decode_kernels
+    from hpc.runtime.engine.decode_kernels import gemv, row_class
+
+    assert [row_class(r) for r in (1, 2, 16, 17, 64, 65)] == [1, 16, 16, 64, 64, 64]
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(48, 40, generator=gen).to(_device())
+    x = torch.randn(64, 40, generator=gen).to(_device())
+    for rows in (1, 5, 64):  # the same rows alone or among more give the same result, whatever the tile
+        torch.testing.assert_close(gemv(x[:rows].contiguous(), weight), x[:rows] @ weight.T, rtol=1e-4, atol=1e-4)
+    if torch.cuda.is_available():  # the interpreter has one config and tunes nothing
+        tuned = {key[4] for key in decode_kernels._gemv_kernel.cache if key[:2] == (48, 40)}
+        assert tuned == {1, 16, 64}, decode_kernels._gemv_kernel.cache
+
+
 def test_add_residual_rounds_once() -> None:
     from hpc.runtime.engine.decode_kernels import add_residual
 

@@ -30,10 +30,17 @@ import triton.language as tl
 
 # Block sizes and warps tried the first time each shape runs (before CUDA-graph capture).
 # A BLOCK_K as wide as K lets a program fetch all its weights before it waits on the previous kernel.
+# The wide tiles (32-64 columns of a 128-256 slice) are for many rows of a small model: a program a row and 2-4
+# columns there made 131k programs of a 4,096-token vocabulary at 64 rows, each too little work for its launch.
 _GEMV_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=stages)
                  for n, k, w in ((4, 512, 4), (8, 256, 4), (2, 1024, 4), (4, 1024, 4), (1, 2048, 4), (2, 2048, 4),
-                                 (4, 2048, 8), (8, 1024, 8), (8, 512, 4), (16, 256, 4), (16, 512, 8))
+                                 (4, 2048, 8), (8, 1024, 8), (8, 512, 4), (16, 256, 4), (16, 512, 8),
+                                 (32, 128, 4), (64, 128, 4), (32, 256, 8))
                  for stages in (3, 4)]
+# Rows a GEMV is tuned for, by class: the best tile for one row is not the best for 64 (they took 81 µs of a
+# 64-row step on one machine and 124 on another with the one-row tile). Each class tunes at its first eager
+# call, which a decode graph's capture makes before it captures (DecodeGraphs.capture).
+GEMV_ROW_CLASSES = (1, 16, 64)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if _INTERPRET:  # the CPU interpreter has nothing to time: one config
     _GEMV_CONFIGS = _GEMV_CONFIGS[2:3]  # (8, 256, 4), 3 stages
@@ -77,6 +84,11 @@ def _weight_tile(w_ptr, cols_n, n_mask, k0, K, BLOCK_K: tl.constexpr):
     return tl.load(w_ptr + cols_n[:, None] * K + ks[None, :], mask=n_mask[:, None] & (ks < K)[None, :], other=0.0)
 
 
+def row_class(rows: int) -> int:
+    """The smallest row class that holds `rows` (the largest past them all): what the GEMVs' tuning keys on."""
+    return next((c for c in GEMV_ROW_CLASSES if rows <= c), GEMV_ROW_CLASSES[-1])
+
+
 def _quick_bench(kernel_call, quantiles):
     """Triton's default times each config for 25 + 100 ms: 22 configs for each of a model's five matmul shapes
     made 14 s of every engine's warm-up. A GEMV runs for microseconds, so 20 ms is still thousands of runs."""
@@ -87,10 +99,10 @@ def _quick_bench(kernel_call, quantiles):
 _CACHE_RESULTS = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 
-@triton.autotune(configs=_GEMV_CONFIGS, key=["N", "K", "HAS_NORM", "SILU_MUL"], do_bench=_quick_bench,
+@triton.autotune(configs=_GEMV_CONFIGS, key=["N", "K", "HAS_NORM", "SILU_MUL", "ROW_CLASS"], do_bench=_quick_bench,
                  **_CACHE_RESULTS)
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_ptr, N, K, stride_x, stride_out, eps,
+@triton.jit(do_not_specialize=["ROW_CLASS"])  # a key for the tuning only: one compiled kernel for every class
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_ptr, N, K, stride_x, stride_out, eps, ROW_CLASS,
                  HAS_NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr,
                  EARLY_TRIGGER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # One flat grid, batch row fastest: programs reading the same weight tile run together. (Not a 2-D grid:
@@ -123,7 +135,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_ptr, N, K, stride_x, strid
 
 def tuned_configs() -> dict[str, str]:
     """What autotuning chose, per kernel and key (for benchmark reports)."""
-    return {f"gemv{key[:4]}": str(config) for key, config in _gemv_kernel.cache.items()}
+    return {f"gemv{key[:5]}": str(config) for key, config in _gemv_kernel.cache.items()}
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 1e-5,
@@ -144,7 +156,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm: torch.Tensor | None = N
     grid = lambda meta: (rows * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     pdl = _use_pdl(x.device)
     _gemv_kernel[grid](x, weight, out, residual if residual is not None else out,
-                       norm if norm is not None else weight, n, k, x.stride(0), out.stride(0), eps,
+                       norm if norm is not None else weight, n, k, x.stride(0), out.stride(0), eps, row_class(rows),
                        HAS_NORM=norm is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None,
                        USE_PDL=pdl, launch_pdl=pdl,
                        EARLY_TRIGGER=GEMV_EARLY_TRIGGER if early_trigger is None else early_trigger)
