@@ -11,7 +11,7 @@ PREFILL_PARTS = (("launch", "prefill_launch"), ("kv", "prefill_keep_kv"), ("pick
 SCHEDULER_CLOCK = ("decode_seconds_total", "admit_seconds_total", "idle_seconds_total", "decode_steps",
                    "generated_tokens", "prefill_steps", "first_tokens", "idle_running_seconds_total",
                    "idle_waits_total", "first_token_seconds_total", "link_seconds_total",
-                   "finished_requests", "finished_request_seconds_total", "link_unread_seconds_total",
+                   "finished_requests_total", "finished_request_seconds_total", "link_unread_seconds_total",
                    "outputs_link_seconds_total", "outputs_messages_total",
                    *(f"{key}_seconds_total" for _, key in PREFILL_PARTS))
 

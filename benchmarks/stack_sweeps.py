@@ -81,7 +81,7 @@ def request_phases(concurrency: int, seen: list[dict[str, float]], clocks: list[
     """A disaggregated request's mean phases in the frontend, beside its time in each engine (from the engine's
     inbox to its last output): what the frontend waits for that no engine spends is the path between them."""
     def in_engine(clock: dict[str, float]) -> str:
-        requests, messages = max(clock["finished_requests"], 1), max(clock.get("outputs_messages_total", 0), 1)
+        requests, messages = max(clock["finished_requests_total"], 1), max(clock.get("outputs_messages_total", 0), 1)
         if not clock.get("outputs_messages_total"):  # an engine in its worker's process: no link
             return f"{clock['finished_request_seconds_total'] / requests * 1e3:.2f}"
         return (f"{clock['finished_request_seconds_total'] / requests * 1e3:.2f} (its link from the worker "
@@ -91,7 +91,7 @@ def request_phases(concurrency: int, seen: list[dict[str, float]], clocks: list[
 
     sweeps = []
     for f, clock in zip(seen, clocks):
-        engines = ", ".join(f"{name} {in_engine(c)}" for name, c in clock.items() if c.get("finished_requests"))
+        engines = ", ".join(f"{name} {in_engine(c)}" for name, c in clock.items() if c.get("finished_requests_total"))
         sweeps.append(f"prefill call {f['prefill_call_seconds_total']:.2f}, handover "
                       f"{f['decode_handover_seconds_total']:.2f}, decode call to its first output "
                       f"{f['decode_first_output_seconds_total']:.2f} and its last "

@@ -269,3 +269,21 @@ def test_a_first_token_left_on_the_device_goes_out_before_its_prompt_is_stored_i
     assert stats["first_tokens_left_on_device"] == 1, stats  # the path where the decode step's launch sends it
     assert order == ["first token", "store 1"], order
     assert stats["blocks held"] == 1  # stored all the same: 40 tokens, one whole block of 32
+
+
+def test_a_plain_rows_bare_tokens_stop_where_end_of_says(tiny):
+    """A plain row's bare-token test (Seq.ends_on, made once) is _end_of's: EOS unless ignored, each stop token,
+    nothing else; a row that is not plain (a guide, logprobs) keeps _end_of's whole test."""
+    engine = TorchEngine(tiny, DisaggregationMode.DECODE, {"max_seq_len": MAX_LEN})
+    engine.load()
+    eos = engine.cfg.eos_token_id
+
+    def seq(**sampling):
+        return engine._seq(GenerateRequest(request_id="r", token_ids=[5], sampling=SamplingParams(
+            max_tokens=9, temperature=0, **sampling)), None, None)
+
+    for made in (seq(), seq(ignore_eos=True), seq(stop_token_ids=[7, 8]), seq(ignore_eos=True, stop_token_ids=[9])):
+        assert made.plain and made.max_tokens == 9
+        for token in (eos, 7, 8, 9, 10):
+            assert (token in made.ends_on) == (engine._end_of(made, token, 1) == "stop"), (made.ends_on, token)
+    assert not seq(logprobs=1).plain  # its tokens go through _emit_token, with their logprobs

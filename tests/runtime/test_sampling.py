@@ -52,7 +52,7 @@ def test_batched_sampling_keeps_each_rows_temperature_top_k_and_top_p():
 def test_picks_in_a_decode_graph_are_greedy_at_zero_and_drawn_at_each_rows_temperature(device):
     import torch
 
-    from hpc.runtime.engine.sampling import graph_temperatures, pick_in_graph
+    from hpc.runtime.engine.sampling import graph_temperature, graph_temperatures, pick_in_graph
 
     torch.manual_seed(0)  # the graph draws from the default generator
     # on a GPU one argmax covers both kinds of row: a greedy row's over its logits, a hot row's over its race
@@ -67,10 +67,14 @@ def test_picks_in_a_decode_graph_are_greedy_at_zero_and_drawn_at_each_rows_tempe
     picked = pick_in_graph(logits, mixed).cpu()
     assert set(picked[0::2].tolist()) == {0} and len(set(picked[1::2].tolist())) == 4
     # rows the graph cannot pick for: any top-k below the vocabulary or top-p below 1
-    plain = [SamplingParams(temperature=0.7), SamplingParams(temperature=0, top_k=4)]
-    assert graph_temperatures(plain, vocab=4) == [0.7, 0]
-    assert graph_temperatures([*plain, SamplingParams(temperature=1.0, top_k=3)], vocab=4) is None
-    assert graph_temperatures([*plain, SamplingParams(temperature=1.0, top_p=0.9)], vocab=4) is None
+    class Row:  # a Seq as the engine makes it: its graph temperature set once (graph_temperature)
+        def __init__(self, params: SamplingParams) -> None:
+            self.graph_temperature = graph_temperature(params, vocab=4)
+
+    plain = [Row(SamplingParams(temperature=0.7)), Row(SamplingParams(temperature=0, top_k=4))]
+    assert graph_temperatures(plain) == [0.7, 0]
+    assert graph_temperatures([*plain, Row(SamplingParams(temperature=1.0, top_k=3))]) is None
+    assert graph_temperatures([*plain, Row(SamplingParams(temperature=1.0, top_p=0.9))]) is None
 
 
 def test_a_decode_step_samples_unseeded_rows_in_one_batch(tiny, monkeypatch):

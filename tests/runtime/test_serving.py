@@ -87,7 +87,7 @@ def test_a_disaggregated_requests_phases_are_timed_in_the_frontend_and_each_engi
     names = ("disagg_requests_total", "prefill_call_seconds_total", "decode_handover_seconds_total",
              "decode_first_output_seconds_total", "decode_call_seconds_total")
     engines = [(w, n) for w in ("prefill-0", "decode-0")
-               for n in ("finished_requests", "finished_request_seconds_total")]
+               for n in ("finished_requests_total", "finished_request_seconds_total")]
     before = [frontend(n) for n in names] + [engine(*e) for e in engines]
     assert _complete(disagg)[0] == 200
     after = [frontend(n) for n in names] + [engine(*e) for e in engines]

@@ -76,8 +76,7 @@ class DecodeSteps:
         tokens = [s.last_token for s in running]
         replayed = None
         if self.graphs is not None:
-            temperatures = graph_temperatures([s.request.sampling for s in running], self.cfg.vocab_size) \
-                if pick else None
+            temperatures = graph_temperatures(running) if pick else None
             replayed = self.graphs.run_picking(tokens, positions, slots, temperatures, device_tokens, sources)
         if replayed is None and sources is not None:
             raise RuntimeError(f"no decode graph for {len(running)} rows whose tokens are the last step's picks")
@@ -126,12 +125,16 @@ class DecodeSteps:
             step, self._inflight = self._inflight, None
         bare: list[Seq] = []
         tokens: list[int] = []
+        max_len = self.max_len
         with self.emitter:
             for seq, token in zip(step.rows, step.read()):
                 if seq.slot < 0:  # ended meanwhile (a stop token read after this step was launched, a cancel)
                     continue
-                if seq.plain and seq.streamed and self._end_of(seq, token, seq.generated + 1) is None:
-                    seq.generated += 1
+                generated = seq.generated + 1
+                # _end_of's test of a plain row (no guide), inline: a call a row a step was a tenth of the step
+                if seq.plain and seq.streamed and token not in seq.ends_on and \
+                        generated < seq.max_tokens and seq.length + 1 < max_len:
+                    seq.generated = generated
                     seq.last_token = token
                     bare.append(seq)
                     tokens.append(token)

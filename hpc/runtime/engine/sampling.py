@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+from typing import Any
 
 import torch
 
@@ -140,12 +141,15 @@ def pick_in_graph(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Ten
     return torch.where(temperatures[:, None] > 0, _race(probs, None), logits.float()).argmax(dim=-1)
 
 
-def graph_temperatures(params: list[SamplingParams], vocab: int) -> list[float] | None:
-    """The rows' temperatures when pick_in_graph draws what sample_rows would (no top-k, no top-p), else None."""
-    for p in params:
-        if (p.top_k and p.top_k < vocab) or p.top_p < 1.0:
-            return None
-    return [p.temperature for p in params]
+def graph_temperature(p: SamplingParams, vocab: int) -> float | None:
+    """A row's temperature when pick_in_graph draws what sample_rows would (no top-k, no top-p), else None."""
+    return None if (p.top_k and p.top_k < vocab) or p.top_p < 1.0 else p.temperature
+
+
+def graph_temperatures(seqs: list[Any]) -> list[float] | None:
+    """The rows' temperatures (Seq.graph_temperature) when a decode graph can pick every row's token, else None."""
+    temperatures = [seq.graph_temperature for seq in seqs]
+    return None if None in temperatures else temperatures
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:

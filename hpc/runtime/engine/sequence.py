@@ -41,7 +41,12 @@ class Seq:
     # (Emitter.send_tokens)
     batchable: bool = False
     plain: bool = False
+    ends_on: frozenset[int] = frozenset()  # a plain row's tokens that stop it (EOS unless ignored, stop tokens)
+    graph_temperature: float | None = None  # its temperature where a decode graph's pick can draw it (no top-k/p)
     streamed: bool = False  # an output left already (it carried what a bare token leaves out: cached tokens)
+
+    def __post_init__(self) -> None:
+        self.max_tokens = self.request.sampling.max_tokens  # read by every decode step for every row
 
     def hold(self, token: int, logprob: TokenLogprob | None) -> None:
         self.held.append(token)

@@ -43,7 +43,8 @@ from hpc.runtime.engine.overlap import FirstTokens, HostCopies, InflightStep
 from hpc.runtime.engine.sequence import BatchWait, Seq, chunkable
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
                                       GenerateRequest, KvMeta, SamplingParams, TokenLogprob)
-from hpc.runtime.engine.sampling import pick_in_graph, prepare_pinned_copies, prompt_logprobs, sample_rows
+from hpc.runtime.engine.sampling import (graph_temperature, pick_in_graph, prepare_pinned_copies, prompt_logprobs,
+                                        sample_rows)
 
 log = logging.getLogger(__name__)
 HANDOFF_TTL_S = 120.0
@@ -127,7 +128,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
                           "first_token_seconds_total": 0.0, "submit_seconds_total": 0.0,
                           "inbox_seconds_total": 0.0,
                           "store_seconds_total": 0.0,  # of admit: prompts into the prefix cache
-                          "finished_requests": 0, "finished_request_seconds_total": 0.0}
+                          "finished_requests_total": 0, "finished_request_seconds_total": 0.0}
         self.on_kv_event: Callable[[dict[str, Any]], None] | None = None  # TensorRT-LLM's stored/removed records,
         # on the loop that opened the engine; or on_kv_events: a step's KvRecords at once, on the scheduler's thread
         self.on_kv_events: Callable[[list[KvRecord]], None] | None = None
@@ -347,8 +348,12 @@ class TorchEngine(ContextSteps, DecodeSteps):
 
     def _seq(self, request: GenerateRequest, loop: Any, outputs: Any) -> Seq:
         seq = Seq(request=request, emit=lambda out: self.emitter.send(loop, outputs, out), outputs=outputs)
-        seq.batchable = self.picker is not None and self.picker.batchable(request.sampling)
+        p = request.sampling
+        seq.batchable = self.picker is not None and self.picker.batchable(p)
         seq.plain = seq.batchable and self.stream_interval == 1
+        if seq.plain:  # what _end_of asks of each token, once: a decode step's bare tokens ask it of 64 rows a step
+            seq.ends_on = frozenset(p.stop_token_ids) | ({self.cfg.eos_token_id} if not p.ignore_eos else set())
+        seq.graph_temperature = graph_temperature(p, self.cfg.vocab_size) if self.cfg else None
         return seq
 
     def set_intake(self, intake: Callable[[float], None], wake: Callable[[], None]) -> None:
@@ -585,7 +590,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
                 error: str | None = None) -> None:
         """The last output: the tokens still held (the last one among them), why it ended."""
         seq.send_held(finished=True, finish_reason=reason, error=error, disaggregated_params=params)
-        self._counters["finished_requests"] += 1  # and their time here, from the inbox to this last output
+        self._counters["finished_requests_total"] += 1  # and their time here, from the inbox to this last output
         self._counters["finished_request_seconds_total"] += time.perf_counter() - seq.queued
         self._release(seq)
         self._drop_pending(seq)

@@ -1,0 +1,127 @@
+"""The scheduler thread's host time for one overlapped decode step of N rows, without a GPU (runs anywhere).
+
+    python benchmarks/decode_host_step.py [--rows 1,8,32,64] [--steps 2000] [--rounds 5] [--profile]
+
+The real engine's decode step (`DecodeSteps._decode_step`: the rows carried over, the inputs staged, the graph
+replayed, the step before emitted as bare tokens through an engine process's `LinkEmitter`) on rows that never
+end, with the device's part left out: a decode graph per size (`DecodeGraphs`, TensorRT-LLM's padded sizes, as
+the engine's defaults capture on a GPU) whose replay does nothing, its
+outputs (fixed logits, a fixed pick) made once at capture. What is left is the host's work per step, which bounds
+a small model's decode step at high concurrency (the tiny model's 64-row replay is ~110 µs on an H200, the
+stack's decode step 0.2-0.3 ms), less the graph launch itself. Prints the best and median of the rounds, µs a
+step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from hpc.engine_args.cuda_graphs import GraphSizes, generated_sizes
+from hpc.runtime.engine.decode_graphs import DecodeGraphs
+from hpc.runtime.engine.tiny import ensure_model
+from hpc.runtime.engine.torch_engine import TorchEngine
+from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
+from hpc.runtime.worker.engine_core import Keyed, LinkEmitter
+
+MAX_ROWS = 64
+PROMPT = 3
+
+
+def engine_with_stand_in_graphs(model_dir: Path) -> tuple[TorchEngine, list[int]]:
+    """A decode engine (not started: no scheduler thread) whose graphs' replays do nothing, and whose outputs are
+    counted (tokens sent)."""
+    engine = TorchEngine(model_dir, DisaggregationMode.DECODE, {"max_batch_size": MAX_ROWS}, device="cpu")
+    engine.load()
+    logits = torch.zeros(MAX_ROWS, 8)
+    picks = torch.full((MAX_ROWS,), 7, dtype=torch.long)
+    engine.graphs = DecodeGraphs(lambda tokens, positions, slots: logits[:tokens.shape[0]],
+                                 GraphSizes(tuple(generated_sizes(MAX_ROWS, True)), padding=True),
+                                 scratch_slot=MAX_ROWS,
+                                 device=torch.device("cpu"), pick=lambda lg, temperatures: picks[:lg.shape[0]])
+    engine.graphs.capture(lambda step: (lambda: None, step()))
+    sent: list[int] = []
+    engine.emitter = LinkEmitter(lambda message: sent.append(len(message.tokens)), lambda key: None)
+    return engine, sent
+
+
+def rows_of(engine: TorchEngine, rows: int) -> list:
+    """`rows` requests as the scheduler holds them mid-decode: in their slots, streamed already, never ending."""
+    running = []
+    for i in range(rows):
+        request = GenerateRequest(request_id=f"r{i}", token_ids=list(range(2, 2 + PROMPT)), streaming=True,
+                                  sampling=SamplingParams(max_tokens=10**9, temperature=0, ignore_eos=True))
+        seq = engine._seq(request, None, Keyed(i))
+        seq.slot, seq.length, seq.last_token, seq.streamed = i, PROMPT, 5, True
+        running.append(seq)
+    return running
+
+
+def steps(engine: TorchEngine, running: list, count: int) -> None:
+    for i in range(count):
+        if i % 1000 == 0:  # the cache's end is never reached: lengths back to the prompt's
+            for seq in running:
+                seq.length = PROMPT
+        engine._decode_step(running)
+    assert all(seq.slot >= 0 for seq in running), "a row ended"
+
+
+class _Ref:
+    value = 0
+
+
+def reference_us() -> float:
+    """A fixed piece of interpreter work (attribute reads and writes, a comparison, a list append: what a decode
+    step does per row), timed: a step's time over this one compares across machines and across the minutes in
+    which a VM's vCPUs change speed (docs/performance.md, session 18)."""
+    row, out = _Ref(), []
+    began = time.perf_counter()
+    for i in range(2000):
+        row.value = row.value + 1
+        if i < row.value:
+            out.append(i)
+    return (time.perf_counter() - began) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", default="1,8,32,64")
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="cProfile the largest row count's steps after")
+    args = parser.parse_args()
+    model_dir = ensure_model(os.path.join(os.environ.get("HPC_TEST_MODELS", "~/.cache/hpc/models"), "tiny"), "tiny")
+    print(f"a decode step's host time, µs (best / median of {args.rounds} rounds of {args.steps} steps), the "
+          f"device stood in for on {torch.get_num_threads()} CPU threads")
+    print(f"{'rows':>5} {'best':>8} {'median':>8} {'best / reference':>17} {'tokens sent':>12}")
+    for rows in (int(r) for r in args.rows.split(",")):
+        engine, sent = engine_with_stand_in_graphs(model_dir)
+        running = rows_of(engine, rows)
+        steps(engine, running, 200)
+        rounds, relative = [], []
+        for _ in range(args.rounds):
+            before = reference_us()
+            began = time.perf_counter()
+            steps(engine, running, args.steps)
+            rounds.append((time.perf_counter() - began) / args.steps * 1e6)
+            relative.append(rounds[-1] / min(before, reference_us()))
+        carried = engine._counters.get("decode_steps_carried_in_graph", 0)
+        assert carried >= args.rounds * args.steps, "the steps took the decode worker's path: carried in the graph"
+        assert sum(sent) >= rows * args.rounds * args.steps, "every row's token of every step was sent"
+        print(f"{rows:>5} {min(rounds):>8.1f} {statistics.median(rounds):>8.1f} {min(relative):>17.3f} "
+              f"{sum(sent):>12}")
+        if args.profile and rows == max(int(r) for r in args.rows.split(",")):
+            profile = cProfile.Profile()
+            profile.runcall(steps, engine, running, args.steps)
+            pstats.Stats(profile).sort_stats("tottime").print_stats(18)
+
+
+if __name__ == "__main__":
+    main()
