@@ -10,6 +10,7 @@ import torch
 from msgspec.structs import replace
 
 from hpc.engine_args.scheduling import ChunkingPolicy
+from hpc.runtime.engine.sampling import graph_temperature
 from hpc.runtime.engine.types import GenerateOutput, GenerateRequest, TokenLogprob
 
 
@@ -47,6 +48,18 @@ class Seq:
 
     def __post_init__(self) -> None:
         self.max_tokens = self.request.sampling.max_tokens  # read by every decode step for every row
+
+    def decode_facts(self, batchable: bool, stream_interval: int, eos_token_id: int, vocab: int) -> None:
+        """What a decode step asks of this row at every step, made once (the engine's _seq): whether its tokens
+        may stay on the device (`batchable`) and leave bare (`plain`: every token streamed); a plain row's tokens
+        that stop it, _end_of's test without a guide (a decode step's bare tokens asked it of 64 rows a step);
+        its temperature for a graph's pick."""
+        p = self.request.sampling
+        self.batchable = batchable
+        self.plain = batchable and stream_interval == 1
+        if self.plain:
+            self.ends_on = frozenset(p.stop_token_ids) | ({eos_token_id} if not p.ignore_eos else set())
+        self.graph_temperature = graph_temperature(p, vocab)
 
     def hold(self, token: int, logprob: TokenLogprob | None) -> None:
         self.held.append(token)

@@ -43,8 +43,7 @@ from hpc.runtime.engine.overlap import FirstTokens, HostCopies, InflightStep
 from hpc.runtime.engine.sequence import BatchWait, Seq, chunkable
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
                                       GenerateRequest, KvMeta, SamplingParams, TokenLogprob)
-from hpc.runtime.engine.sampling import (graph_temperature, pick_in_graph, prepare_pinned_copies, prompt_logprobs,
-                                        sample_rows)
+from hpc.runtime.engine.sampling import pick_in_graph, prepare_pinned_copies, prompt_logprobs, sample_rows
 
 log = logging.getLogger(__name__)
 HANDOFF_TTL_S = 120.0
@@ -348,12 +347,9 @@ class TorchEngine(ContextSteps, DecodeSteps):
 
     def _seq(self, request: GenerateRequest, loop: Any, outputs: Any) -> Seq:
         seq = Seq(request=request, emit=lambda out: self.emitter.send(loop, outputs, out), outputs=outputs)
-        p = request.sampling
-        seq.batchable = self.picker is not None and self.picker.batchable(p)
-        seq.plain = seq.batchable and self.stream_interval == 1
-        if seq.plain:  # what _end_of asks of each token, once: a decode step's bare tokens ask it of 64 rows a step
-            seq.ends_on = frozenset(p.stop_token_ids) | ({self.cfg.eos_token_id} if not p.ignore_eos else set())
-        seq.graph_temperature = graph_temperature(p, self.cfg.vocab_size) if self.cfg else None
+        batchable = self.picker is not None and self.picker.batchable(request.sampling)
+        if self.cfg is not None:
+            seq.decode_facts(batchable, self.stream_interval, self.cfg.eos_token_id, self.cfg.vocab_size)
         return seq
 
     def set_intake(self, intake: Callable[[float], None], wake: Callable[[], None]) -> None:
