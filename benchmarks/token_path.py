@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import socket
 import threading
 import time
@@ -182,6 +183,7 @@ def worker_side(data: bytes, rows: int) -> dict[str, float]:
 
     process = EngineProcess.__new__(EngineProcess)
     process._requests = None
+    process.timing = collections.defaultdict(float)  # its outputs messages' link times (stamped by the emitter)
     process._streams = {key: _Stream(deliver, None, 64) for key in range(rows)}
     receiver = Receiver(FromEngine, process._on_message, lambda: None)
     process._handlers = {Outputs: process._delivered}
