@@ -12,7 +12,8 @@ SCHEDULER_CLOCK = ("decode_seconds_total", "admit_seconds_total", "idle_seconds_
                    "generated_tokens", "prefill_steps", "first_tokens", "idle_running_seconds_total",
                    "idle_waits_total", "first_token_seconds_total", "link_seconds_total",
                    "finished_requests_total", "finished_request_seconds_total", "link_unread_seconds_total",
-                   "outputs_link_seconds_total", "outputs_messages_total",
+                   "outputs_link_seconds_total", "outputs_messages_total", "worker_loop_latency_seconds_total",
+                   "worker_loop_latency_probes_total",
                    *(f"{key}_seconds_total" for _, key in PREFILL_PARTS))
 
 def spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -74,6 +74,8 @@ def frontend_latency(url: str) -> dict[str, float]:
             "gc": metric_values(text, "hpc_frontend_gc_seconds_total"),
             "gc_full": metric_values(text, "hpc_frontend_gc_full_collections_total"),
             "disagg": metric_values(text, "hpc_frontend_disagg_requests_total"),
+            "loop_s": metric_values(text, "hpc_frontend_loop_latency_seconds_total"),
+            "loop_n": metric_values(text, "hpc_frontend_loop_latency_probes_total"),
             **{phase: metric_values(text, f"hpc_frontend_{phase}") for phase in DISAGG_PHASES}}
 
 
@@ -82,12 +84,14 @@ def request_phases(concurrency: int, seen: list[dict[str, float]], clocks: list[
     inbox to its last output): what the frontend waits for that no engine spends is the path between them."""
     def in_engine(clock: dict[str, float]) -> str:
         requests, messages = max(clock["finished_requests_total"], 1), max(clock.get("outputs_messages_total", 0), 1)
+        probes = max(clock.get("worker_loop_latency_probes_total", 0), 1)
+        loop = f"; its worker's loop {clock.get('worker_loop_latency_seconds_total', 0) / probes * 1e3:.3f}"
         if not clock.get("outputs_messages_total"):  # an engine in its worker's process: no link
-            return f"{clock['finished_request_seconds_total'] / requests * 1e3:.2f}"
+            return f"{clock['finished_request_seconds_total'] / requests * 1e3:.2f} ({loop[2:]})"
         return (f"{clock['finished_request_seconds_total'] / requests * 1e3:.2f} (its link from the worker "
                 f"{clock['link_seconds_total'] / requests * 1e3:.2f}, of which before the scheduler looked "
                 f"{clock.get('link_unread_seconds_total', 0) / requests * 1e3:.2f}; an outputs message back "
-                f"{clock.get('outputs_link_seconds_total', 0) / messages * 1e3:.2f})")
+                f"{clock.get('outputs_link_seconds_total', 0) / messages * 1e3:.2f}{loop})")
 
     sweeps = []
     for f, clock in zip(seen, clocks):
@@ -95,9 +99,11 @@ def request_phases(concurrency: int, seen: list[dict[str, float]], clocks: list[
         sweeps.append(f"prefill call {f['prefill_call_seconds_total']:.2f}, handover "
                       f"{f['decode_handover_seconds_total']:.2f}, decode call to its first output "
                       f"{f['decode_first_output_seconds_total']:.2f} and its last "
-                      f"{f['decode_call_seconds_total']:.2f}; in the engines {engines}")
+                      f"{f['decode_call_seconds_total']:.2f}; the frontends' loop {f['loop_ms']:.3f}; in the "
+                      f"engines {engines}")
     return (f"a disaggregated request at c={concurrency} in the frontend, ms, first | second sweep (each engine: "
-            f"from its inbox to the request's last output there): " + " | ".join(sweeps))
+            f"from its inbox to the request's last output there; a loop: what a callback made ready waits, a "
+            f"probe's mean): " + " | ".join(sweeps))
 
 
 def main() -> None:
@@ -180,6 +186,8 @@ def main() -> None:
                                      for k in ("ttft", "e2e")},
                                   "gc_ms": (seen["gc"] - seen0["gc"]) * 1e3,
                                   "gc_full": seen["gc_full"] - seen0["gc_full"],
+                                  "loop_ms": (seen["loop_s"] - seen0["loop_s"]) * 1e3
+                                  / max(seen["loop_n"] - seen0["loop_n"], 1),
                                   **{k: (seen[k] - seen0[k]) / max(seen["disagg"] - seen0["disagg"], 1) * 1e3
                                      for k in DISAGG_PHASES}})
             client_cpu = time.process_time() - cpu0["client"] + results[levels[-1].concurrency].get("client_cpu_s", 0)

@@ -97,6 +97,9 @@ def test_a_disaggregated_requests_phases_are_timed_in_the_frontend_and_each_engi
     assert 0 < handover and 0 < first_output < decode_call  # 11 decode tokens after the first output
     # each engine's part (its inbox to its last output) lies inside the frontend's call to its worker
     assert 0 < prefill_s < prefill_call and 0 < decode_s < decode_call
+    # the event loops' latency, probed all along in the frontend's processes and each worker's
+    assert frontend("loop_latency_probes_total") > 0 and frontend("loop_latency_seconds_total") > 0
+    assert engine("decode-0", "worker_loop_latency_probes_total") > 0
 
 
 def _worker_metric(stack, worker: str, name: str) -> float:

@@ -19,8 +19,8 @@ from hpc.runtime.frontend.parsers import HARMONY
 from hpc.runtime.frontend.tokenizer import TextCodec
 from hpc.runtime.engine.tiny import ensure_model
 from hpc.runtime.serve.http import HttpLimits, HttpServer
-from hpc.runtime.services.node import (Reporter, freeze_startup_objects, node_address, publish_endpoint, rpc_token,
-                                       watch_gc)
+from hpc.runtime.services.node import (LoopLatency, Reporter, freeze_startup_objects, node_address, publish_endpoint,
+                                       rpc_token, watch_gc)
 from hpc.spec.recipe import RouterPolicy
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ async def serve(manifest: Manifest, bind: str | None = None, group: FrontendGrou
     kv_feed = await _follow_kv_events(manifest, kv) if kv is not None else None
     app = Frontend(manifest, router, codec)
     app.gc_clock = watch_gc()
+    app.loop_latency = LoopLatency().start()
     host = bind or node_address(manifest)
     port = manifest.plan.service("frontend").ports["http"]
     http = manifest.recipe.frontend.http

@@ -22,7 +22,7 @@ from hpc.runtime.frontend.tokenizer import Detokenizer, StopStrings, TextCodec
 from hpc.runtime.serve.http import Request, Response, json_dumps, json_loads, json_response
 from hpc.runtime.serve.metrics import LatencyHistograms, prometheus, prometheus_family
 from hpc.runtime.serve.rpc import PeerGone, RemoteError
-from hpc.runtime.services.node import GcClock
+from hpc.runtime.services.node import GcClock, LoopLatency
 from hpc.runtime.serve.wire import Guide, GuidePiece, replace
 
 
@@ -62,6 +62,7 @@ class Frontend:
         }
         self.group: FrontendGroup | None = None  # several processes on the port: /health, /metrics for all
         self.gc_clock: GcClock | None = None  # a served frontend's process (watch_gc)
+        self.loop_latency: LoopLatency | None = None  # and its event loop's
         self.videos = None
         if self.recipe.modality == "video_diffusion":  # seed 004: the videos API
             from hpc.runtime.frontend.videos import VideoService
@@ -160,6 +161,8 @@ class Frontend:
         values = dict(self.counters)
         if self.gc_clock is not None:
             values.update(self.gc_clock.stats(""))
+        if self.loop_latency is not None:
+            values.update(self.loop_latency.stats(""))
         if self.videos is not None:
             values.update(self.videos.counters)
         for role in self.expected:

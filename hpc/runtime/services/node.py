@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import gc
 import os
@@ -140,6 +141,41 @@ class GcClock:
         return {f"{prefix}gc_full_collections_total": self.collections[2],
                 f"{prefix}gc_seconds_total": sum(self.seconds),
                 f"{prefix}gc_full_seconds_total": self.seconds[2]}
+
+
+class LoopLatency:
+    """How long this process's event loop takes to run a callback made ready now: every INTERVAL_S a timer makes
+    one ready (call_soon) and it notes how late it ran, which is what a frame that arrives then waits behind what
+    the loop is doing (other ready callbacks, the reads and writes of its pass). A timer's own lateness would not
+    do: uvloop's timers round to the millisecond. /metrics: the sum and the number of probes."""
+
+    INTERVAL_S = 0.005
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.probes = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def start(self) -> "LoopLatency":
+        self._timer = asyncio.get_running_loop().call_later(self.INTERVAL_S, self._probe)
+        return self
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _probe(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.call_soon(self._ran, time.perf_counter())
+        self._timer = loop.call_later(self.INTERVAL_S, self._probe)
+
+    def _ran(self, made_ready: float) -> None:
+        self.seconds += time.perf_counter() - made_ready
+        self.probes += 1
+
+    def stats(self, prefix: str) -> dict[str, float]:
+        return {f"{prefix}loop_latency_seconds_total": self.seconds, f"{prefix}loop_latency_probes_total": self.probes}
 
 
 _gc_clock: GcClock | None = None

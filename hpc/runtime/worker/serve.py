@@ -25,8 +25,8 @@ from hpc.runtime.engine.factory import build_engine
 from hpc.runtime.engine.types import DisaggregationMode
 from hpc.runtime.serve.http import HttpServer, Request, Response, json_response
 from hpc.runtime.serve.metrics import prometheus
-from hpc.runtime.services.node import (Reporter, freeze_startup_objects, node_address, publish_endpoint,
-                                       rpc_token, wait_endpoint, watch_gc)
+from hpc.runtime.services.node import (LoopLatency, Reporter, freeze_startup_objects, node_address,
+                                       publish_endpoint, rpc_token, wait_endpoint, watch_gc)
 from hpc.runtime.serve.rpc import RpcServer
 from hpc.runtime.worker.handlers import HandlerDeps, Peers, make_handler
 from hpc.runtime.worker.engine_process import EngineHandoff, EngineProcess, engine_in_own_process, engine_stats
@@ -125,6 +125,7 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
     recipe = manifest.recipe
     mode = DisaggregationMode(role)
     gc_clock = watch_gc()
+    loop_latency = LoopLatency().start()
     events = None
     if recipe.infra.nats and recipe.runtime.publish_kv_events:
         from hpc.runtime.services.events import EventPublisher
@@ -181,7 +182,8 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
         if req.path == "/metrics":
             # gc_frozen_objects: what start-up left out of the collector's view (freeze_startup_objects)
             stats = {**await engine_stats(engine), **deps.counters, "inflight": rpc.inflight,
-                     "gc_frozen_objects": gc.get_freeze_count(), **gc_clock.stats("worker_")}
+                     "gc_frozen_objects": gc.get_freeze_count(), **gc_clock.stats("worker_"),
+                     **loop_latency.stats("worker_")}
             return Response(body=prometheus("hpc_worker", stats, labels), content_type="text/plain; version=0.0.4")
         return json_response({"error": {"message": "not found", "code": 404}}, 404)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 
@@ -31,3 +32,34 @@ def test_one_clock_a_process_however_often_it_is_asked_for():
     before = first.collections[2]
     gc.collect()
     assert first.collections[2] == before + 1
+
+
+def test_the_loop_latency_is_what_a_callback_made_ready_waits_behind_the_loops_work(monkeypatch):
+    """Idle, a probe runs at once; while the loop always has a callback ready that holds it 1 ms (a stream of
+    frames to handle), a probe waits behind one."""
+    import asyncio
+
+    from hpc.runtime.services.node import LoopLatency
+
+    monkeypatch.setattr(LoopLatency, "INTERVAL_S", 0.002)
+
+    async def run(busy: bool) -> tuple[float, int]:
+        latency = LoopLatency().start()
+        loop = asyncio.get_running_loop()
+        until = time.perf_counter() + 0.2
+
+        def work() -> None:
+            time.sleep(0.001)
+            if time.perf_counter() < until:
+                loop.call_soon(work)
+        if busy:
+            loop.call_soon(work)
+        await asyncio.sleep(0.25)
+        latency.stop()
+        stats = latency.stats("x_")
+        return stats["x_loop_latency_seconds_total"], stats["x_loop_latency_probes_total"]
+
+    idle_s, idle_probes = asyncio.run(run(False))
+    busy_s, busy_probes = asyncio.run(run(True))
+    assert idle_probes > 20 and idle_s / idle_probes < 0.0003, (idle_s, idle_probes)
+    assert busy_probes > 20 and busy_s / busy_probes > 0.0008, (busy_s, busy_probes)
