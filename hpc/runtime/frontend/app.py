@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from pathlib import Path
 from typing import Any, AsyncIterator, NamedTuple
 
 from pydantic import ValidationError
 
 from hpc.manifest import Manifest
-from hpc.runtime.engine.types import GenerateOutput, GenerateRequest, SamplingParams, TokenLogprob
-from hpc.runtime.frontend.openai import (ApiError, ChatRequest, CompletionRequest, RouteHints, chat_logprobs,
+from hpc.runtime.engine.types import GenerateRequest, SamplingParams, TokenLogprob
+from hpc.runtime.frontend.openai import (ApiError, ChatRequest, CompletionRequest, chat_logprobs,
                                          completion_logprobs, new_id, now, unsupported_param)
 from hpc.runtime.frontend.parsers import AnswerParser, json_answer_guide, tool_call_guide
 from hpc.runtime.frontend.group import FrontendGroup, health_status
 from hpc.runtime.frontend.pools import PoolRouter
-from hpc.runtime.frontend.router import NoInstance, NotStarted, Router
+from hpc.runtime.frontend.orchestration import Orchestrator
+from hpc.runtime.frontend.router import NoInstance, Router
 from hpc.runtime.frontend.tokenizer import Detokenizer, StopStrings, TextCodec
 from hpc.runtime.serve.http import Request, Response, json_dumps, json_loads, json_response
 from hpc.runtime.serve.metrics import LatencyHistograms, prometheus, prometheus_family
@@ -27,10 +27,6 @@ from hpc.runtime.serve.wire import Guide, GuidePiece, replace
 
 
 WHOLE_REQUEST_RETRIES = 1  # non-streamed requests whose worker died midway
-
-
-DISAGG_PHASES = ("prefill_call_seconds_total", "decode_handover_seconds_total", "decode_first_output_seconds_total",
-                 "decode_call_seconds_total")
 
 
 class Frontend:
@@ -45,9 +41,7 @@ class Frontend:
         self.counters: dict[str, float] = {"requests_total": 0, "errors_total": 0, "inflight": 0, "timeouts_total": 0,
                                            "retried_total": 0, "completion_tokens_total": 0,
                                            "prompt_tokens_total": 0}
-        # a disaggregated request's phases, summed (seconds): the prefill call to its answer, that answer to the
-        # decode call's start (the first token's delivery), the decode call to its first and to its last output
-        self.counters.update(dict.fromkeys(DISAGG_PHASES, 0.0), disagg_requests_total=0)
+        self.orchestrator = Orchestrator(self.recipe, router, self.pools, codec.eos_token_id, self.counters)
         self.created = now()
         # Which backend and run produced an answer (OpenAI: changes when the serving configuration changes).
         self.fingerprint = f"hpc-{self.recipe.backend.value}-{manifest.run_id}"[:64]
@@ -306,69 +300,6 @@ class Frontend:
             return self.codec.encode(text)
         return await asyncio.to_thread(self.codec.encode, text)
 
-    # ---- orchestration ---------------------------------------------------------------------------
-    async def _outputs(self, gen: GenerateRequest, hints: RouteHints) -> AsyncIterator[GenerateOutput]:
-        """Aggregated, or prefill (first token + KV handle) then decode, all within the request's deadline
-        (frontend.request_timeout_s): past it the RPC streams are cancelled, and with them the engines' work.
-        With a global router, each step goes to the pool its grid picks (and on to faster pools on failure)."""
-        deadline = asyncio.get_running_loop().time() + self.recipe.frontend.request_timeout_s
-        pools = self.pools
-        isl = len(gen.token_ids)
-        if not self.recipe.disaggregated:
-            async with contextlib.aclosing(self.router.generate("agg", gen, deadline,
-                                                                pools.agg(isl, hints) if pools else None)) as outs:
-                async for out in outs:
-                    yield out
-            return
-        prefill_pools = pools.prefill(isl, hints) if pools else None
-        phases, began = self.counters, time.perf_counter()
-        first = await self._prefill(gen, deadline, prefill_pools)
-        answered = time.perf_counter()
-        phases["prefill_call_seconds_total"] += answered - began
-        token = first.disaggregated_params.first_token_id
-        stop = (token == self.codec.eos_token_id and not gen.sampling.ignore_eos) or \
-            token in gen.sampling.stop_token_ids
-        done = stop or gen.sampling.max_tokens == 1
-        yield GenerateOutput(token_ids=[token], finished=done, prompt_tokens=isl,
-                             finish_reason=("stop" if stop else "length") if done else None,
-                             logprobs=first.logprobs, cached_tokens=first.cached_tokens,
-                             prompt_logprobs=first.prompt_logprobs)
-        if done:
-            return
-        async def prefill_again(failure: Exception, decode_req: GenerateRequest) -> GenerateRequest:
-            if not isinstance(failure, NotStarted):  # the pool had no worker: the KV still waits where it was
-                return decode_req
-            # the failed decode worker may have taken the prefilled KV with it: prefill again (the client has the
-            # first token already, so the decode goes on from that one)
-            again = await self._prefill(gen, deadline, prefill_pools)
-            return replace(decode_req, disaggregated_params=replace(again.disaggregated_params,
-                                                                    first_token_id=token))
-
-        decode_req = replace(gen, disaggregated_params=first.disaggregated_params, image=None, media=None)
-        sent = time.perf_counter()
-        phases["decode_handover_seconds_total"] += sent - answered
-        waiting_first = True
-        async with contextlib.aclosing(self.router.generate("decode", decode_req, deadline, pools.decode(
-                isl, hints) if pools else None, prefill_again)) as outs:
-            async for out in outs:
-                if waiting_first or out.finished:
-                    got = time.perf_counter() - sent
-                    if waiting_first:
-                        phases["decode_first_output_seconds_total"] += got
-                        waiting_first = False
-                    if out.finished:
-                        phases["decode_call_seconds_total"] += got
-                        phases["disagg_requests_total"] += 1
-                yield out
-
-    async def _prefill(self, gen: GenerateRequest, deadline: float, pools: list[str] | None) -> GenerateOutput:
-        first: GenerateOutput | None = None
-        async for out in self.router.generate("prefill", replace(gen, streaming=False), deadline, pools):
-            first = out
-        if first is None or first.disaggregated_params is None:
-            raise RemoteError("prefill worker returned no KV handle", 502)
-        return first
-
     async def _events(self, body: Any, gen: GenerateRequest) -> AsyncIterator[Piece]:
         """Text deltas with their finish reason, the tokens so far and the logprobs of the tokens they carry,
         honouring stop strings (text that may start one is held back until it cannot)."""
@@ -380,7 +311,7 @@ class Frontend:
         reason: str | None = None
         clock = self.latency.start()
         try:
-            async with contextlib.aclosing(self._outputs(gen, body.route_hints)) as outputs:
+            async with contextlib.aclosing(self.orchestrator.outputs(gen, body.route_hints)) as outputs:
                 async for out in outputs:
                     if reason:  # nothing comes after a request's last output; the loop ends, no generator closed
                         continue
