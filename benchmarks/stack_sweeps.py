@@ -82,16 +82,15 @@ def frontend_latency(url: str) -> dict[str, float]:
 def request_phases(concurrency: int, seen: list[dict[str, float]], clocks: list[dict[str, dict]]) -> str:
     """A disaggregated request's mean phases in the frontend, beside its time in each engine (from the engine's
     inbox to its last output): what the frontend waits for that no engine spends is the path between them."""
-    def in_engine(clock: dict[str, float]) -> str:
-        requests, messages = max(clock["finished_requests_total"], 1), max(clock.get("outputs_messages_total", 0), 1)
-        probes = max(clock.get("worker_loop_latency_probes_total", 0), 1)
-        loop = f"; its worker's loop {clock.get('worker_loop_latency_seconds_total', 0) / probes * 1e3:.3f}"
-        if not clock.get("outputs_messages_total"):  # an engine in its worker's process: no link
-            return f"{clock['finished_request_seconds_total'] / requests * 1e3:.2f} ({loop[2:]})"
-        return (f"{clock['finished_request_seconds_total'] / requests * 1e3:.2f} (its link from the worker "
-                f"{clock['link_seconds_total'] / requests * 1e3:.2f}, of which before the scheduler looked "
-                f"{clock.get('link_unread_seconds_total', 0) / requests * 1e3:.2f}; an outputs message back "
-                f"{clock.get('outputs_link_seconds_total', 0) / messages * 1e3:.2f}{loop})")
+    def in_engine(clock: dict[str, float]) -> str:  # (a SCHEDULER_CLOCK difference: every key is there)
+        requests, messages = clock["finished_requests_total"], clock["outputs_messages_total"]
+        probes = max(clock["worker_loop_latency_probes_total"], 1)
+        parts = [f"its worker's loop {clock['worker_loop_latency_seconds_total'] / probes * 1e3:.3f}"]
+        if messages:  # an engine process: its link both ways (none for an engine in its worker's process)
+            parts.insert(0, f"its link from the worker {clock['link_seconds_total'] / requests * 1e3:.2f}, of which "
+                            f"before the scheduler looked {clock['link_unread_seconds_total'] / requests * 1e3:.2f}; "
+                            f"an outputs message back {clock['outputs_link_seconds_total'] / messages * 1e3:.2f}")
+        return f"{clock['finished_request_seconds_total'] / requests * 1e3:.2f} ({'; '.join(parts)})"
 
     sweeps = []
     for f, clock in zip(seen, clocks):

@@ -44,10 +44,11 @@ class Seq:
     plain: bool = False
     ends_on: frozenset[int] = frozenset()  # a plain row's tokens that stop it (EOS unless ignored, stop tokens)
     graph_temperature: float | None = None  # its temperature where a decode graph's pick can draw it (no top-k/p)
+    max_tokens: int = field(init=False, default=0)  # the request's, read by every decode step for every row
     streamed: bool = False  # an output left already (it carried what a bare token leaves out: cached tokens)
 
     def __post_init__(self) -> None:
-        self.max_tokens = self.request.sampling.max_tokens  # read by every decode step for every row
+        self.max_tokens = self.request.sampling.max_tokens
 
     def decode_facts(self, batchable: bool, stream_interval: int, eos_token_id: int, vocab: int) -> None:
         """What a decode step asks of this row at every step, made once (the engine's _seq): whether its tokens
