@@ -79,6 +79,19 @@ def frontend_latency(url: str) -> dict[str, float]:
             **{phase: metric_values(text, f"hpc_frontend_{phase}") for phase in DISAGG_PHASES}}
 
 
+def process_requests(url: str) -> list[float]:
+    """Requests each frontend process took so far (one entry for a frontend of one process)."""
+    from hpc.checks.probe import get_text
+
+    text = get_text(f"{url}/metrics")
+    counts: dict[int, float] = {}
+    for line in text.splitlines():
+        if line.startswith("hpc_frontend_process_requests_total{"):
+            index = int(line.split('process="', 1)[1].split('"', 1)[0])
+            counts[index] = counts.get(index, 0.0) + float(line.rsplit(" ", 1)[1])
+    return [counts[i] for i in sorted(counts)]
+
+
 def request_phases(concurrency: int, seen: list[dict[str, float]], clocks: list[dict[str, dict]]) -> str:
     """A disaggregated request's mean phases in the frontend, beside its time in each engine (from the engine's
     inbox to its last output): what the frontend waits for that no engine spends is the path between them."""
@@ -169,12 +182,15 @@ def main() -> None:
                     machine0, threads0 = _cpu_topology.machine_ticks(), engine_threads(leaders)
                     seen0 = frontend_latency(url)
                 clock0 = {name: counters(u, SCHEDULER_CLOCK) for name, u in urls.items()}
+                taken0 = process_requests(url)
                 began = time.time()  # wall clock: to line up with a GPU clock log (nvidia-smi -lms)
                 # prompts of their own at each level and sweep: the second sweep must not find the first's in
                 # the prefix cache (it did, with one seed for all, and was faster for it)
                 results[lv.concurrency] = {**await run_level(url, model, lv, True, 0, seed=sweep * len(levels) + i,
                                                              processes=clients(lv)),
                                            "began_at": began, "ended_at": time.time()}
+                split.setdefault(lv.concurrency, []).append(
+                    [b - a for a, b in zip(taken0, process_requests(url))])
                 level_clocks.setdefault(lv.concurrency, []).append(
                     {name: clock_spent(clock0[name], counters(u, SCHEDULER_CLOCK)) for name, u in urls.items()})
             wall = time.perf_counter() - wall0
@@ -216,6 +232,7 @@ def main() -> None:
         raise SystemExit("--profile needs py-spy on PATH (pip install py-spy)")
     profiles: dict[str, list[str]] = {}
     level_clocks: dict[int, list[dict[str, dict[str, float]]]] = {}  # per level, per sweep, per worker
+    split: dict[int, list[list[float]]] = {}  # per level, per sweep: the requests each frontend process took
     frontend_seen: list[dict[str, float]] = []
     contended: list[str] = []  # the machine's and each engine's scheduler thread's CPU at the highest level
 
@@ -272,6 +289,10 @@ def main() -> None:
         print(f"{lv.concurrency:>4} {lv.requests:>9} {a['peak_inflight']:>5} {a['output_tokens_per_s']:>12.1f} "
               f"{b['output_tokens_per_s']:>13.1f} {a['output_tokens_per_s'] / b['output_tokens_per_s']:>13.0%} "
               f"{a['e2e_s']['p99']:>16.3f} {a['ttft_s']['p50'] * 1e3:>13.1f} / {a['e2e_s']['p50'] * 1e3:>8.1f}")
+    if frontends > 1:  # uneven, one process's loop is busier and its requests slower
+        print("requests each frontend process took, first | second sweep: " + ", ".join(
+            f"c={c} " + " | ".join("/".join(f"{n:.0f}" for n in sweep) for sweep in split[c]) for c in split))
+
     def requests_ms(level: dict) -> str:
         return ", ".join(f"{r['ttft_s'] * 1e3:.1f} / {r['e2e_s'] * 1e3:.1f}" for r in level["first_requests"]
                          if r["ttft_s"] is not None)
@@ -328,7 +349,8 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"recipe": args.recipe, "workers": placed, "handoff": handoff,
                                                "first": first, "second": second, "per_sweep": spent,
-                                               "cores_busy_at_highest": busy, "scheduler_per_level": level_clocks},
+                                               "cores_busy_at_highest": busy, "scheduler_per_level": level_clocks,
+                                               "frontend_process_requests": split},
                                               indent=1, default=str))
 
 

@@ -87,9 +87,9 @@ class FrontendSpec(StrictModel):
                           "(relative to the recipe or the project) or inline; its pool names are the recipe's")
     request_timeout_s: float = Field(600.0, gt=0, le=86400, allow_inf_nan=False)
     processes: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
-        "auto", description="frontend processes sharing the port (SO_REUSEPORT); one Python process saturates "
-                            "its core at tens of thousands of tokens/s. auto: one per 8 cores the frontend may "
-                            "use, 1 to 4")
+        "auto", description="frontend processes on one port (process 0 deals each connection to the one holding "
+                            "the fewest); one Python process saturates its core at tens of thousands of tokens/s. "
+                            "auto: one per 8 cores the frontend may use, 1 to 4")
     http: HttpSpec = Field(default_factory=HttpSpec)
 
     @field_validator("processes", mode="before")

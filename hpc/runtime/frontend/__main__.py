@@ -6,12 +6,14 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 
 from hpc.engine_args.scheduling import tokens_per_block
 from hpc.manifest import Manifest
 from hpc.runtime.services.discovery import open_discovery
 from hpc.runtime.frontend.app import Frontend, model_dir
+from hpc.runtime.frontend.dealer import Dealer, Taker, listen
 from hpc.runtime.frontend.group import FrontendGroup
 from hpc.runtime.frontend.router import SETTLE_S, Router
 from hpc.runtime.frontend.kv_index import KvIndex
@@ -53,7 +55,15 @@ async def serve(manifest: Manifest, bind: str | None = None, group: FrontendGrou
         max_body_bytes=int(http.max_request_body_mb * 1024 * 1024), header_timeout_s=http.header_timeout_s,
         body_timeout_s=http.body_timeout_s, keepalive_timeout_s=http.keepalive_timeout_s,
         max_concurrent=http.max_concurrent_requests))
-    await server.start(host, port, reuse_port=group is not None)
+    share: Taker | Dealer | None = None
+    if group is None:
+        await server.start(host, port)
+    elif first:  # process 0 alone listens, and deals the connections over the group
+        share = Dealer(listen(host, port), server.adopt).start()
+    else:
+        share = Taker(group.channel, server.adopt).start()
+    if share is not None:
+        server.state.on_close = share.closed_here
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -66,7 +76,7 @@ async def serve(manifest: Manifest, bind: str | None = None, group: FrontendGrou
         if first:
             # before discovery starts gRPC's threads (the etcd client): a process forked beside them can crash
             # before it runs anything of its own (gRPC's fork handlers; 4 in 40 starts of 4 processes here)
-            await group.spawn(host)
+            await group.spawn(host, share)
     discovery = await asyncio.to_thread(open_discovery, manifest)
 
     def on_change(snapshot) -> None:
@@ -85,6 +95,8 @@ async def serve(manifest: Manifest, bind: str | None = None, group: FrontendGrou
     await stop.wait()
     watch.cancel()
     expiry.cancel()
+    if share is not None:
+        share.close()
     await server.close()
     if group is not None:
         await group.close()
@@ -150,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replica", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--primary-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--bind", help=argparse.SUPPRESS)
+    parser.add_argument("--channel-fd", type=int, help=argparse.SUPPRESS)  # its socketpair with process 0
     args = parser.parse_args(argv)
     name = f"frontend[{args.replica}]" if args.replica else "frontend"
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
@@ -161,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         pass
     manifest = Manifest.load(args.manifest)
     size = manifest.plan.service("frontend").processes
-    group = FrontendGroup(args.replica, size, args.manifest, args.primary_port) if size > 1 else None
+    channel = socket.socket(fileno=args.channel_fd) if args.channel_fd is not None else None
+    group = FrontendGroup(args.replica, size, args.manifest, args.primary_port, channel) if size > 1 else None
     try:
         return asyncio.run(serve(manifest, args.bind, group))
     except Exception as exc:  # where readiness and status look: the job's checks stop at once, not at a timeout

@@ -2,8 +2,8 @@
 
 A Python frontend parses, routes and streams every request in one event loop; at tens of thousands of tokens/s
 that loop is the stack's limit (one H100, tiny model, c=64: 23.7k tok/s with one process, 32.9k with two). The
-processes share the port through SO_REUSEPORT, and the kernel spreads client connections over them. The first
-process starts the others and watches them; they watch it through their stdin (closed when it dies). Each
+first process listens on the port and deals each client connection to the process holding the fewest
+(dealer.py). It starts the others and watches them; they watch it through their stdin (closed when it dies). Each
 process discovers the workers and follows the KV events itself; /health and /metrics on any of them answer for
 the whole group: the first process gathers every process's own view over loopback and merges them.
 """
@@ -14,10 +14,12 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import sys
 from typing import Any, Awaitable, Callable
 
 from hpc.bench.httpclient import Connection
+from hpc.runtime.frontend.dealer import Dealer, channel_pair
 from hpc.runtime.serve.http import HttpServer, Request, Response, json_response
 
 log = logging.getLogger(__name__)
@@ -112,8 +114,11 @@ async def _get(port: int, path: str, timeout: float = 5.0) -> bytes:
 class FrontendGroup:
     """This process's place in the group: process 0 starts and watches the others and merges their views."""
 
-    def __init__(self, index: int, size: int, manifest_path: str, primary_port: int | None = None) -> None:
+    def __init__(self, index: int, size: int, manifest_path: str, primary_port: int | None = None,
+                 channel: socket.socket | None = None) -> None:
         self.index, self.size = index, size
+        self.channel = channel  # another process's end of its socketpair with process 0: connections come on it
+        self.dealer: Dealer | None = None  # process 0's, once it listens
         self.manifest_path = manifest_path
         self.primary_port = primary_port  # process 0's loopback port, for the others
         self.replica_ports: list[int] = []
@@ -170,18 +175,25 @@ class FrontendGroup:
         if self.index > 0:
             return await _get(self.primary_port, "/group/metrics")
         texts = [self._own_metrics(), *await asyncio.gather(*(_get(p, "/own/metrics") for p in self.replica_ports))]
-        return merge_metrics(texts) + _per_process(texts)
+        return merge_metrics(texts) + _per_process(texts) + (_dealt(self.dealer) if self.dealer else b"")
 
-    async def spawn(self, host: str) -> None:
-        """Process 0: start the others on the same manifest and port (together), each answering `ready PORT` once
-        it listens."""
+    async def spawn(self, host: str, dealer: Dealer) -> None:
+        """Process 0: start the others on the same manifest (together), each answering `ready PORT` once it
+        serves; then `dealer` passes connections to them too."""
+        self.dealer = dealer
+        channels = []
         for index in range(1, self.size):
-            self.replicas.append(await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "hpc.runtime.frontend", self.manifest_path, "--bind", host,
-                "--replica", str(index), "--primary-port", str(self.port),
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                # a crash before its first log line (a signal during start-up) still leaves its Python stack
-                env={**os.environ, "PYTHONFAULTHANDLER": "1"}))
+            ours, theirs = channel_pair()
+            channels.append(ours)
+            try:
+                self.replicas.append(await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "hpc.runtime.frontend", self.manifest_path, "--bind", host,
+                    "--replica", str(index), "--primary-port", str(self.port), "--channel-fd", str(theirs.fileno()),
+                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, pass_fds=(theirs.fileno(),),
+                    # a crash before its first log line (a signal during start-up) still leaves its Python stack
+                    env={**os.environ, "PYTHONFAULTHANDLER": "1"}))
+            finally:
+                theirs.close()  # the child holds it now
         ports = await asyncio.gather(*(self._ready_port(proc) for proc in self.replicas))
         for index, (proc, port) in enumerate(zip(self.replicas, ports), start=1):
             if port is None:
@@ -190,6 +202,8 @@ class FrontendGroup:
                                    f"its log lines are the frontend[{index}] ones)")
             self.replica_ports.append(port)
             self._tasks.append(asyncio.create_task(self._watch_replica(index, proc)))
+        for channel in channels:
+            dealer.add(channel)
 
     @staticmethod
     async def _ready_port(proc: asyncio.subprocess.Process) -> int | None:
@@ -243,8 +257,17 @@ class _EofProtocol(asyncio.Protocol):
             self.gone.set_result("frontend process 0 is gone")
 
 
+def _dealt(dealer: Dealer) -> bytes:
+    """The connections each process holds and was given, as process 0 counts them."""
+    lines = ["# TYPE hpc_frontend_process_connections gauge"]
+    lines += [f'hpc_frontend_process_connections{{process="{i}"}} {n}' for i, n in enumerate(dealer.open)]
+    lines.append("# TYPE hpc_frontend_process_connections_dealt_total counter")
+    lines += [f'hpc_frontend_process_connections_dealt_total{{process="{i}"}} {n}' for i, n in enumerate(dealer.dealt)]
+    return ("\n".join(lines) + "\n").encode()
+
+
 def _per_process(texts: list[bytes]) -> bytes:
-    """Requests each process took: is the kernel spreading connections over them?"""
+    """Requests each process took."""
     lines = ["# TYPE hpc_frontend_process_requests_total counter"]
     for index, text in enumerate(texts):
         for line in text.decode().splitlines():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
@@ -22,6 +23,10 @@ import httptools
 import msgspec
 
 log = logging.getLogger(__name__)
+
+
+def _nothing() -> None:
+    pass
 REASONS = {100: "Continue", 200: "OK", 204: "No Content", 400: "Bad Request", 404: "Not Found",
            405: "Method Not Allowed", 408: "Request Timeout", 413: "Payload Too Large", 417: "Expectation Failed",
            422: "Unprocessable Entity", 431: "Request Header Fields Too Large", 499: "Client Closed Request",
@@ -94,6 +99,7 @@ class _Server:
         self.limits = limits
         self.active = 0
         self.connections: set[_Protocol] = set()
+        self.on_close: Callable[[], None] = _nothing  # a frontend group's dealer counts each process's connections
 
 
 class _Protocol(asyncio.Protocol):
@@ -124,6 +130,7 @@ class _Protocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
+        self.server.on_close()
         self._stop_timer()
         self.writable.set()
         if self.current is not None:
@@ -389,12 +396,27 @@ class HttpServer:
     def __init__(self, handler: Handler, limits: HttpLimits | None = None) -> None:
         self.state = _Server(handler, limits or HttpLimits())
         self.server: asyncio.base_events.Server | None = None
+        self._adopting: set[asyncio.Task] = set()
 
-    async def start(self, host: str, port: int, reuse_port: bool = False) -> None:
-        """reuse_port: several processes listen on the port, the kernel spreads connections over them."""
+    async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
         self.server = await loop.create_server(lambda: _Protocol(self.state), host, port,
-                                               reuse_address=True, reuse_port=reuse_port or None, backlog=1024)
+                                               reuse_address=True, backlog=1024)
+
+    def adopt(self, sock: socket.socket) -> None:
+        """Serve a connection accepted elsewhere (a frontend group's dealer: by this process, or passed to it)."""
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(loop.connect_accepted_socket(lambda: _Protocol(self.state), sock))
+        self._adopting.add(task)  # held until the transport exists: a pending task is only weakly referenced
+        task.add_done_callback(lambda done: self._adopted(done, sock))
+
+    def _adopted(self, task: asyncio.Task, sock: socket.socket) -> None:
+        self._adopting.discard(task)
+        if task.cancelled() or task.exception() is not None:  # never served: closed, and counted as closed
+            log.debug("connection not adopted: %s", "cancelled" if task.cancelled() else task.exception())
+            sock.close()
+            self.state.on_close()
 
     @property
     def port(self) -> int:
@@ -407,9 +429,9 @@ class HttpServer:
     async def close(self) -> None:
         if self.server is not None:
             self.server.close()
-            for conn in list(self.state.connections):
-                if not conn.busy and conn.transport is not None:
-                    conn.transport.close()
+        for conn in list(self.state.connections):
+            if not conn.busy and conn.transport is not None:
+                conn.transport.close()
 
 
 json_dumps = msgspec.json.encode
