@@ -19,17 +19,21 @@ import cProfile
 import os
 import pstats
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from hpc.engine_args.cuda_graphs import GraphSizes, generated_sizes
-from hpc.runtime.engine.decode_graphs import DecodeGraphs
-from hpc.runtime.engine.tiny import ensure_model
-from hpc.runtime.engine.torch_engine import TorchEngine
-from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
-from hpc.runtime.worker.engine_core import Keyed, LinkEmitter
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _cpu_speed import reference_us  # noqa: E402
+from hpc.engine_args.cuda_graphs import GraphSizes, generated_sizes  # noqa: E402
+from hpc.runtime.engine.decode_graphs import DecodeGraphs  # noqa: E402
+from hpc.runtime.engine.tiny import ensure_model  # noqa: E402
+from hpc.runtime.engine.torch_engine import TorchEngine  # noqa: E402
+from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams  # noqa: E402
+from hpc.runtime.worker.engine_core import Keyed, LinkEmitter  # noqa: E402
 
 MAX_ROWS = 64
 PROMPT = 3
@@ -71,23 +75,6 @@ def steps(engine: TorchEngine, running: list, count: int) -> None:
                 seq.length = PROMPT
         engine._decode_step(running)
     assert all(seq.slot >= 0 for seq in running), "a row ended"
-
-
-class _Ref:
-    value = 0
-
-
-def reference_us() -> float:
-    """A fixed piece of interpreter work (attribute reads and writes, a comparison, a list append: what a decode
-    step does per row), timed: a step's time over this one compares across machines and across the minutes in
-    which a VM's vCPUs change speed (docs/performance.md, session 18)."""
-    row, out = _Ref(), []
-    began = time.perf_counter()
-    for i in range(2000):
-        row.value = row.value + 1
-        if i < row.value:
-            out.append(i)
-    return (time.perf_counter() - began) * 1e6
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _cpu_topology  # noqa: E402
 import cpu_siblings  # noqa: E402
 import _profile  # noqa: E402
+from _cpu_speed import CpuSpeedLog  # noqa: E402
 from _gpu_clocks import ClockLog  # noqa: E402
 from _scheduler_clock import SCHEDULER_CLOCK, per_step, spent as clock_spent  # noqa: E402
 from _stack import add_set_option, counters, local_stack, workers  # noqa: E402
@@ -264,7 +265,7 @@ def main() -> None:
         except ValueError as exc:  # a bad list or too few cores: the caller's input, one line and exit 2
             print(f"stack_sweeps.py: --pin-engines {args.pin_engines}: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
-        with ClockLog() as clocks:
+        with ClockLog() as clocks, CpuSpeedLog() as cpu_speed:
             (first, second), spent, busy = asyncio.run(sweeps(url, model, urls, leaders))
         handoff = {name: counters(state["http"]) for name, state in placed.items()
                    if state.get("http") and name.startswith("prefill")}
@@ -339,8 +340,10 @@ def main() -> None:
     print(f"cores busy at c={levels[-1].concurrency}, first / second sweep: "
           + ", ".join(f"{n} {busy[0][n]:.2f} / {busy[1][n]:.2f}" for n in busy[0]))
     print(f"CPU at c={levels[-1].concurrency}, first | second sweep: " + " | ".join(contended))
-    print(clocks.report({f"c={lv.concurrency}": [(s[lv.concurrency]["began_at"], s[lv.concurrency]["ended_at"])
-                                                 for s in (first, second)] for lv in levels}))
+    spans = {f"c={lv.concurrency}": [(s[lv.concurrency]["began_at"], s[lv.concurrency]["ended_at"])
+                                    for s in (first, second)] for lv in levels}
+    print(clocks.report(spans))
+    print(cpu_speed.report(spans))
     lo, hi = levels[0].concurrency, levels[-1].concurrency
     scale = [s[hi]["output_tokens_per_s"] / s[lo]["output_tokens_per_s"] for s in (first, second)]
     print(f"c={hi} / c={lo}: first sweep {scale[0]:.1f}x, second {scale[1]:.1f}x")

@@ -1,0 +1,101 @@
+"""How fast this machine's CPUs run while a benchmark runs: a fixed piece of interpreter work, timed over and over
+by a process of its own on whatever core is free. On these VMs a vCPU's speed drifts by tens of percent within a
+minute (docs/performance.md, sessions 18 and 24): a sweep that is slower than the one before may be a slower
+machine, not slower code. The probe takes one core; below MIN_CPUS it does not run and says so.
+
+    python benchmarks/_cpu_speed.py   # the probe itself: `WALL_TIME MICROSECONDS` lines, one every ~20 ms
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+MIN_CPUS = 8
+_REPEATS = 20  # reference runs per line: their best, so that an interrupt does not read as a slow machine
+
+
+class _Ref:
+    value = 0
+
+
+def reference_us() -> float:
+    """A fixed piece of interpreter work (attribute reads and writes, a comparison, a list append: what a decode
+    step does per row), timed: a step's time over this one compares across machines and across the minutes in
+    which a VM's vCPUs change speed (docs/performance.md, session 18)."""
+    row, out = _Ref(), []
+    began = time.perf_counter()
+    for i in range(2000):
+        row.value = row.value + 1
+        if i < row.value:
+            out.append(i)
+    return (time.perf_counter() - began) * 1e6
+
+
+class CpuSpeedLog:
+    """The probe process while the block runs; `report` gives the machine's speed in named spans of wall time."""
+
+    def __init__(self, min_cpus: int = MIN_CPUS) -> None:
+        self.enabled = (os.cpu_count() or 1) >= min_cpus
+        self.samples: list[tuple[float, float]] = []  # (wall time, best reference µs)
+        self._proc: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
+
+    def __enter__(self) -> "CpuSpeedLog":
+        if self.enabled:
+            self._proc = subprocess.Popen([sys.executable, __file__], stdout=subprocess.PIPE,
+                                          stderr=subprocess.DEVNULL, text=True)
+            self._reader = threading.Thread(target=self._read, daemon=True)
+            self._reader.start()
+        return self
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            try:
+                wall, us = map(float, line.split())
+            except ValueError:
+                continue
+            self.samples.append((wall, us))
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(timeout=5)
+            self._reader.join(timeout=5)
+
+    def median_us(self, began: float, ended: float) -> float | None:
+        inside = [us for t, us in self.samples if began <= t <= ended]
+        return statistics.median(inside) if inside else None
+
+    def report(self, spans: dict[str, list[tuple[float, float]]]) -> str:
+        """The machine's speed in each named span, one figure per repeat (each sweep): the fastest span's median
+        reference time over this span's, so 100 % is the run's fastest and 80 % a CPU a fifth slower."""
+        if not self.enabled:
+            return f"CPU speed: not probed (fewer than {MIN_CPUS} CPUs: the probe would take one the stack needs)"
+        medians = {name: [self.median_us(a, b) for a, b in repeats] for name, repeats in spans.items()}
+        found = [m for ms in medians.values() for m in ms if m is not None]
+        if not found:
+            return "CPU speed: no probe samples"
+        fastest = min(found)
+        cells = [f"{name} " + " / ".join("-" if m is None else f"{fastest / m:.0%}" for m in ms)
+                 for name, ms in medians.items()]
+        return (f"CPU speed in each sweep (a reference loop on a free core, against the run's fastest span, "
+                f"{fastest:.1f} µs): " + ", ".join(cells))
+
+
+def _probe() -> None:
+    while True:
+        best = min(reference_us() for _ in range(_REPEATS))
+        print(f"{time.time():.4f} {best:.3f}", flush=True)
+        time.sleep(0.02)
+
+
+if __name__ == "__main__":
+    try:
+        _probe()
+    except (BrokenPipeError, KeyboardInterrupt):
+        pass
