@@ -43,6 +43,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from _cpu_speed import CpuSpeedLog  # noqa: E402
 from _direct import DirectPair, pair_devices  # noqa: E402
 from _gpu_clocks import ClockLog  # noqa: E402
 from _scheduler_clock import SCHEDULER_CLOCK, per_step, spent as clock_spent  # noqa: E402
@@ -253,19 +254,21 @@ def main() -> None:
                           if state.get("http")}
                 for round_ in range(args.rounds):
                     for i, lv in enumerate(levels):
-                        before = engine.stats()
+                        before, began = engine.stats(), time.time()
                         direct[lv.concurrency].append(await engine_level(engine, lv, rng))
+                        spans.setdefault(f"c={lv.concurrency} directly", []).append((began, time.time()))
                         add_clock(lv.concurrency, "directly", clock_spent(before, engine.stats()))
                         before = {name: counters(u, SCHEDULER_CLOCK) for name, u in placed.items()}
                         # prompts of its own each round and level, as the engine's (rng goes on): a round that
                         # repeated the last round's would find them in the workers' prefix cache
-                        seed = round_ * len(levels) + i
+                        seed, began = round_ * len(levels) + i, time.time()
                         if args.client_in_process:
                             res = await run_level(url, "hpc/tiny", lv, True, WARMUP, seed=seed)
                         else:  # apart from the engine's process, one client process per 16 users (hpc bench's auto)
                             processes = processes_for(args.client_processes, lv.concurrency, os.cpu_count() or 1)
                             res = await run_apart(url, "hpc/tiny", lv, True, WARMUP, seed, processes)
                         via[lv.concurrency].append(res["output_tokens_per_s"])
+                        spans.setdefault(f"c={lv.concurrency} stack", []).append((began, time.time()))
                         for name, u in placed.items():
                             add_clock(lv.concurrency, name, clock_spent(before[name], counters(u, SCHEDULER_CLOCK)))
                         seen.setdefault(lv.concurrency, []).append((res["ttft_s"]["p50"], res["e2e_s"]["p50"]))
@@ -284,10 +287,11 @@ def main() -> None:
         for k, v in clock.items():
             summed[k] += v
 
-    spans: dict[str, list[tuple[float, float]]] = {}  # each level's wall-time span, per sweep (--engine-only)
+    # each level's wall-time span, per sweep (--engine-only), or per round of each path
+    spans: dict[str, list[tuple[float, float]]] = {}
     spent: dict[int, list[dict[str, float]]] = {}  # the scheduler's clock over each level, per sweep
     # the GPU clocks are reported for the engine-only sweeps alone: nothing samples them otherwise
-    with ClockLog() if args.engine_only else contextlib.nullcontext() as clocks:
+    with ClockLog() if args.engine_only else contextlib.nullcontext() as clocks, CpuSpeedLog() as cpu_speed:
         label, direct, via, frontends = asyncio.run(run())
     lv0 = levels[0]
     out = f"{lv0.output_tokens} +- {args.output_spread}" if args.output_spread else str(lv0.output_tokens)
@@ -304,6 +308,7 @@ def main() -> None:
             print(f"{lv.concurrency:>4} {lv.requests:>9} {first:>12.1f} {second:>13.1f} {first / second:>13.0%}"
                   f"{''.join(f' {x:.1f}' for x in later)}")
         print(clocks.report(spans))
+        print(cpu_speed.report(spans))
         print("the scheduler per decode step, ms (decode / admit / idle, and of idle its polls with rows running), "
               "and tokens a step, in each sweep:")
         for lv in levels:
@@ -316,6 +321,7 @@ def main() -> None:
         d, v = statistics.median(direct[lv.concurrency]), statistics.median(via[lv.concurrency])
         rounds = " ".join(f"{b / a:.0%}" for a, b in zip(direct[lv.concurrency], via[lv.concurrency]))
         print(f"{lv.concurrency:>4} {lv.requests:>9} {d:>16.1f} {v:>17.1f} {v / d:>6.0%}  {rounds}")
+    print(cpu_speed.report(spans))  # a round whose paths ran on CPUs of different speeds is not a fair one
     print("where each path's time went, all rounds: a request's ms (directly: concurrency x output tokens / tokens/s;"
           " through the frontend: the client's p50 TTFT / e2e), then each engine's scheduler per decode step, ms"
           " (decode / admit / idle, and of idle its polls with rows running), and tokens a step")
