@@ -3,7 +3,7 @@ by a process of its own on whatever core is free. On these VMs a vCPU's speed dr
 minute (docs/performance.md, sessions 18 and 24): a sweep that is slower than the one before may be a slower
 machine, not slower code. The probe takes one core; below MIN_CPUS it does not run and says so.
 
-    python benchmarks/_cpu_speed.py   # the probe itself: `WALL_TIME MICROSECONDS` lines, one every ~20 ms
+    python benchmarks/_cpu_speed.py   # the probe itself: `WALL_TIME MICROSECONDS CPU` lines, one every ~20 ms
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class CpuSpeedLog:
 
     def __init__(self, min_cpus: int = MIN_CPUS) -> None:
         self.enabled = (os.cpu_count() or 1) >= min_cpus
-        self.samples: list[tuple[float, float]] = []  # (wall time, best reference µs)
+        self.samples: list[tuple[float, float, int]] = []  # (wall time, best reference µs, the CPU it ran on)
         self._proc: subprocess.Popen | None = None
         self._reader: threading.Thread | None = None
 
@@ -56,10 +56,10 @@ class CpuSpeedLog:
     def _read(self) -> None:
         for line in self._proc.stdout:
             try:
-                wall, us = map(float, line.split())
+                wall, us, cpu = line.split()
+                self.samples.append((float(wall), float(us), int(cpu)))
             except ValueError:
                 continue
-            self.samples.append((wall, us))
 
     def __exit__(self, *exc: object) -> None:
         if self._proc is not None:
@@ -68,7 +68,7 @@ class CpuSpeedLog:
             self._reader.join(timeout=5)
 
     def median_us(self, began: float, ended: float) -> float | None:
-        inside = [us for t, us in self.samples if began <= t <= ended]
+        inside = [us for t, us, _ in self.samples if began <= t <= ended]
         return statistics.median(inside) if inside else None
 
     def report(self, spans: dict[str, list[tuple[float, float]]]) -> str:
@@ -83,14 +83,26 @@ class CpuSpeedLog:
         fastest = min(found)
         cells = [f"{name} " + " / ".join("-" if m is None else f"{fastest / m:.0%}" for m in ms)
                  for name, ms in medians.items()]
+        by_cpu: dict[int, list[float]] = {}
+        for _, us, cpu in self.samples:
+            by_cpu.setdefault(cpu, []).append(us)
+        # the same loop on each CPU the probe was moved to: a VM's vCPUs need not run at one speed
+        on_each = ", ".join(f"{cpu} {fastest / statistics.median(v):.0%} ({len(v)})" for cpu, v in sorted(
+            by_cpu.items(), key=lambda item: -len(item[1])))
         return (f"CPU speed in each sweep (a reference loop on a free core, against the run's fastest span, "
-                f"{fastest:.1f} µs): " + ", ".join(cells))
+                f"{fastest:.1f} µs): " + ", ".join(cells) + f"; on each CPU it ran on (samples): {on_each}")
+
+
+def _cpu_now() -> int:
+    """The CPU this process last ran on (/proc/self/stat's field 39, `processor`)."""
+    with open("/proc/self/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[36])
 
 
 def _probe() -> None:
     while True:
         best = min(reference_us() for _ in range(_REPEATS))
-        print(f"{time.time():.4f} {best:.3f}", flush=True)
+        print(f"{time.time():.4f} {best:.3f} {_cpu_now()}", flush=True)
         time.sleep(0.02)
 
 
