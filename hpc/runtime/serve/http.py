@@ -25,6 +25,9 @@ import msgspec
 log = logging.getLogger(__name__)
 
 
+_UNSENT_CHUNKS = 64
+
+
 def _nothing() -> None:
     pass
 REASONS = {100: "Continue", 200: "OK", 204: "No Content", 400: "Bad Request", 404: "Not Found",
@@ -119,6 +122,8 @@ class _Protocol(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.deadline: float | None = None
         self.deadline_status: int | None = None
+        # a stream's chunks made in one turn of the loop, sent together at its end (_send_soon)
+        self._unsent: list[bytes] = []
         self._reset_message()
 
     # ---- connection ------------------------------------------------------------------------------
@@ -362,13 +367,15 @@ class _Protocol(asyncio.Protocol):
                 if self.closed:
                     raise _StreamAborted
                 if chunk:
-                    self.transport.write(frame(chunk))
+                    self._send_soon(frame(chunk))
                     if not self.writable.is_set():  # a slow reader: wait instead of buffering without bound
                         await self.writable.wait()
         except (asyncio.CancelledError, _StreamAborted):
+            self._send_unsent()
             raise
         except Exception:
             log.exception("stream failed after the response started")
+            self._send_unsent()
             if not self.closed:
                 if content_type.startswith("text/event-stream"):
                     event = b'event: error\ndata: {"error":{"message":"internal error","type":"server_error",' \
@@ -378,8 +385,27 @@ class _Protocol(asyncio.Protocol):
                         self.transport.write(b"0\r\n\r\n")
                 self.transport.close()  # other bodies: an incomplete chunked body tells the client
             raise _StreamAborted from None
+        self._send_unsent()
         if chunked and not self.closed:
             self.transport.write(b"0\r\n\r\n")
+
+    def _send_soon(self, data: bytes) -> None:
+        """Send at the end of this turn of the loop, with whatever else this stream makes in it: a loop behind
+        its workers finds several of a request's outputs waiting and makes their chunks back to back, and one
+        send for them all spares a system call each (the send was a third of a frontend's time, py-spy)."""
+        if not self._unsent:
+            self.loop.call_soon(self._send_unsent)
+        self._unsent.append(data)
+        if len(self._unsent) >= _UNSENT_CHUNKS:  # a source that never waits: send as it goes, and see backpressure
+            self._send_unsent()
+
+    def _send_unsent(self) -> None:
+        if not self._unsent:
+            return
+        data = self._unsent[0] if len(self._unsent) == 1 else b"".join(self._unsent)
+        self._unsent.clear()
+        if not self.closed:
+            self.transport.write(data)
 
 
 class _StreamAborted(Exception):

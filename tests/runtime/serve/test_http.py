@@ -32,6 +32,13 @@ async def _handler(req: Request) -> Response:
         async def chunks():
             yield b"data: 1\n\n"
         return Response(content_type="text/event-stream", stream=chunks())
+    if req.path == "/burst":
+        async def burst():  # three made in one turn of the loop (outputs that waited), then one later
+            for n in (1, 2, 3):
+                yield b"data: %d\n\n" % n
+            await asyncio.sleep(0.05)
+            yield b"data: 4\n\n"
+        return Response(content_type="text/event-stream", stream=burst())
     return json_response({"error": "not found"}, 404)
 
 
@@ -79,6 +86,34 @@ def served():
 @pytest.fixture
 def server(served):
     return served.port
+
+
+class _CountedWrites:
+    """The connection's transport, each write kept (the server's sends, one by one)."""
+
+    def __init__(self, inner, writes: list[bytes]) -> None:
+        self.inner, self.writes = inner, writes
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+        self.inner.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def test_a_streams_chunks_made_in_one_turn_of_the_loop_leave_in_one_send(server, monkeypatch):
+    import hpc.runtime.serve.http as http
+
+    writes: list[bytes] = []
+    made = http._Protocol.connection_made
+    monkeypatch.setattr(http._Protocol, "connection_made",
+                        lambda self, transport: made(self, _CountedWrites(transport, writes)))
+    reply = _exchange(server, b"GET /burst HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert reply.count(b"data: ") == 4 and reply.endswith(b"0\r\n\r\n"), reply
+    events = [w for w in writes if b"data: " in w]
+    assert [w.count(b"data: ") for w in events] == [3, 1], writes  # the burst together, the late one alone
+    assert events[0] == b"".join(b"9\r\ndata: %d\n\n\r\n" % n for n in (1, 2, 3))
 
 
 def test_head_answers_like_get_without_a_body_and_keeps_the_connection_usable(server):
