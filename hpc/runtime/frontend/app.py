@@ -480,13 +480,20 @@ class Frontend:
         def chunk(**fields: Any) -> bytes:
             return b"data: " + json_dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                            **fields}) + b"\n\n"
+        # chunk(system_fingerprint=..., choices=[choice]) with its fixed fields encoded once: a chunk a token
+        head = chunk(system_fingerprint=self.fingerprint, choices=[])[:-len(b"]}\n\n")]
+
+        def choice_chunk(choice: dict[str, Any]) -> bytes:
+            return head + json_dumps(choice) + b"]}\n\n"
         try:
             # the prompt first, as OpenAI's echo sends it; with logprobs, once the engine scored it
             echo_later = {i for i in range(body.n) if echo and body.logprob_count is not None}
             for index in range(body.n if echo and not echo_later else 0):
                 yield chunk(system_fingerprint=self.fingerprint, choices=[
                     {"index": index, "text": echo, "logprobs": None, "finish_reason": None}])
-            async for index, piece in self._merged(body, gen):
+            single = body.n == 1  # one sample: its pieces straight, not through _merged's layer a token
+            async for item in self._events(body, gen) if single else self._merged(body, gen):
+                index, piece = (0, item) if single else item
                 tokens[index] = piece.tokens
                 cached[index] = piece.cached
                 if index in echo_later:
@@ -520,7 +527,7 @@ class Frontend:
                 else:
                     choice = {"index": index, "text": piece.delta, "logprobs": lp, "finish_reason": piece.reason}
                 started.add(index)
-                yield chunk(system_fingerprint=self.fingerprint, choices=[choice])
+                yield choice_chunk(choice)
             if body.include_usage:
                 yield chunk(choices=[], usage=self._usage(len(gen.token_ids), sum(tokens), max(cached)))
             yield b"data: [DONE]\n\n"
