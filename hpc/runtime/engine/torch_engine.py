@@ -92,6 +92,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
                                     float(self.args.get("batch_wait_max_tokens_ratio") or 0.0),
                                     self._token_budget())
         self._deferred: list[Seq] = []  # arrivals the batch wait holds back
+        self._leaving = 0  # rows ended or cancelled since the scheduler last dropped those from its running list
         self._prefilling: list[Seq] = []  # admitted, their prompts not all in the KV cache yet
         self._unstored: dict[int, list[int]] = {}  # slot -> its prompt, prefilled, not in the prefix cache yet
         self._held_slots: list[int] = []  # released, kept from reuse until their prompts are stored
@@ -297,7 +298,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
                 if out.finished:
                     return
         finally:
-            seq.cancelled = True  # client went away or the stream ended: the scheduler frees the slot
+            self.cancel(seq)  # client went away or the stream ended: the scheduler frees the slot
 
     async def stream(self, request: GenerateRequest, deliver: Callable[[GenerateOutput], None]) -> None:
         """generate() without a task wake-up and a generator resumption per token: each output goes to `deliver`
@@ -321,7 +322,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
         try:
             await done
         finally:
-            seq.cancelled = True
+            self.cancel(seq)
             if not done.done():
                 done.cancel()
 
@@ -510,7 +511,9 @@ class TorchEngine(ContextSteps, DecodeSteps):
             if self._prefilling:
                 self._context_step(running)
             clock["admit_seconds_total"] += time.perf_counter() - t1
-            running[:] = [s for s in running if self._still_running(s)]
+            if self._leaving:  # a row ended or was cancelled since the last look: a pass over the rows only then
+                self._leaving = 0
+                running[:] = [s for s in running if self._still_running(s)]
             if running:
                 t2 = time.perf_counter()
                 self._decode_or_fail(running)
@@ -522,6 +525,12 @@ class TorchEngine(ContextSteps, DecodeSteps):
                 clock["admit_seconds_total"] += stored
                 clock["store_seconds_total"] += stored
             self._counters["running"] = len(running)
+
+    def cancel(self, seq: Seq) -> None:
+        """Drop `seq` at the scheduler's next step (from any thread). Its flag first, then the count the scheduler
+        resets before it looks at the flags: a cancel the look misses leaves the count up for the next step."""
+        seq.cancelled = True
+        self._leaving += 1
 
     def _still_running(self, seq: Seq) -> bool:
         if seq.cancelled and seq.slot >= 0:
@@ -603,3 +612,4 @@ class TorchEngine(ContextSteps, DecodeSteps):
             # a slot whose prompt the prefix cache has yet to copy is not prefilled over before that copy
             (self._held_slots if seq.slot in self._unstored else self.free_slots).append(seq.slot)
             seq.slot = -1
+            self._leaving += 1

@@ -143,7 +143,7 @@ class Core:
     def _dropped(self, message: Drop) -> bool:
         seq = self.seqs.pop(message.key, None)
         if seq is not None:
-            seq.cancelled = True  # the scheduler frees its slot at the next step
+            self.engine.cancel(seq)  # the scheduler frees its slot at the next step
         return True
 
     # ---- on the scheduler thread: the requests it reads itself -------------------------------------------------
@@ -203,7 +203,7 @@ class Core:
         if key in self.seqs:
             self.seqs[key] = seq
         else:
-            seq.cancelled = True
+            self.engine.cancel(seq)
 
     def _refuse(self, key: int, exc: Exception) -> None:
         """A request that never reached the scheduler, with the code the RPC server gives it: a ValueError is the

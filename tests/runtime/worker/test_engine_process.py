@@ -167,6 +167,10 @@ class _IntakeEngine:
         self.submitted.append((outputs.key, imported_kv, threading.get_ident()))
         return type("Seq", (), {"cancelled": False})()
 
+    @staticmethod
+    def cancel(seq) -> None:  # TorchEngine.cancel: its flag (and the scheduler's count, which this has not)
+        seq.cancelled = True
+
 
 class _IntakeHandoff:
     """A KV shared with the answer (params.kv set) is in hand at once; any other must be asked for."""
