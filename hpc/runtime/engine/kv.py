@@ -192,6 +192,9 @@ def arrived(kv: torch.Tensor) -> None:
         kv.record_stream(reader)
 
 
+EXPIRY_LOOK_S = 1.0
+
+
 class HeldKv:
     """A prefill engine's KV caches waiting for their decode workers, by handle: taken as bytes at once, or shared
     (CUDA IPC) / lent (NIXL) until released; dropped after `ttl_s` when no decode worker came for them."""
@@ -200,6 +203,7 @@ class HeldKv:
         self.ttl_s = ttl_s
         self._held: dict[str, tuple[float, torch.Tensor, torch.cuda.Event | None]] = {}  # made, KV, ready
         self._lock = threading.Lock()
+        self._next_look = 0.0  # when expire looks again
 
     def put_all(self, kvs: list[tuple[str, torch.Tensor]]) -> None:
         """Each (handle, kv), all on one device, from the scheduler thread right after every copy that made them was
@@ -246,7 +250,12 @@ class HeldKv:
             self._held.pop(handle, None)
 
     def expire(self) -> None:
+        """Drop what waited past `ttl_s`; looked at once a second at most: the scheduler calls this at every step
+        that found no new request (a fiftieth of a decode engine's scheduler time at c=64, with nothing held)."""
         now = time.monotonic()
+        if now < self._next_look:
+            return
+        self._next_look = now + EXPIRY_LOOK_S
         with self._lock:
             for handle in [h for h, (made, *_) in self._held.items() if now - made > self.ttl_s]:
                 del self._held[handle]

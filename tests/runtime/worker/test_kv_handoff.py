@@ -195,6 +195,12 @@ def test_held_kv_is_taken_once_lent_until_released_and_expires():
     held.ttl_s = 0.0
     held.expire()  # nobody came for "c"
     assert len(held) == 0
+    held.put_all([("d", _kv(2))])
+    held.expire()  # looked a moment ago: the next look is a second away (the scheduler calls it at every step)
+    assert len(held) == 1
+    held._next_look = 0.0
+    held.expire()
+    assert len(held) == 0
 
 
 class _PrefillPeer:
