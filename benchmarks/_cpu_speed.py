@@ -15,25 +15,16 @@ import sys
 import threading
 import time
 
+from hpc.runtime.engine.cpu_reference import reference_seconds
+
 MIN_CPUS = 8
 _REPEATS = 20  # reference runs per line: their best, so that an interrupt does not read as a slow machine
 
 
-class _Ref:
-    value = 0
-
-
 def reference_us() -> float:
-    """A fixed piece of interpreter work (attribute reads and writes, a comparison, a list append: what a decode
-    step does per row), timed: a step's time over this one compares across machines and across the minutes in
-    which a VM's vCPUs change speed (docs/performance.md, session 18)."""
-    row, out = _Ref(), []
-    began = time.perf_counter()
-    for i in range(2000):
-        row.value = row.value + 1
-        if i < row.value:
-            out.append(i)
-    return (time.perf_counter() - began) * 1e6
+    """The engine's CPU reference (hpc/runtime/engine/cpu_reference.py), 2,000 rounds, in µs: a step's time over
+    this one compares across machines and across the minutes in which a VM's vCPUs change speed."""
+    return reference_seconds(2000) * 1e6
 
 
 class CpuSpeedLog:

@@ -13,8 +13,8 @@ SCHEDULER_CLOCK = ("decode_seconds_total", "admit_seconds_total", "idle_seconds_
                    "idle_waits_total", "first_token_seconds_total", "link_seconds_total",
                    "finished_requests_total", "finished_request_seconds_total", "link_unread_seconds_total",
                    "outputs_link_seconds_total", "outputs_messages_total", "worker_loop_latency_seconds_total",
-                   "worker_loop_latency_probes_total",
-                   *(f"{key}_seconds_total" for _, key in PREFILL_PARTS))
+                   "worker_loop_latency_probes_total", "scheduler_cpu_reference_seconds_total",
+                   "scheduler_cpu_reference_runs_total", *(f"{key}_seconds_total" for _, key in PREFILL_PARTS))
 
 def spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: after.get(k, 0) - before.get(k, 0) for k in SCHEDULER_CLOCK}
@@ -54,3 +54,27 @@ def per_decode_step(clock: dict[str, float]) -> str:
     return (f"{clock['decode_seconds_total'] / steps * 1e3:.3f} / {clock['admit_seconds_total'] / steps * 1e3:.3f} / "
             f"{clock['idle_seconds_total'] / steps * 1e3:.3f} ({clock['idle_running_seconds_total'] / steps * 1e3:.3f}"
             f" running), {clock['generated_tokens'] / steps:.1f} tokens{waits}{prompts}")
+
+
+def scheduler_cpu_speed(per_level: dict[int, list[dict[str, dict[str, float]]]]) -> str:
+    """Each engine's scheduler thread's CPU at each level of each sweep, from the reference it times on itself
+    (hpc/runtime/engine/cpu_reference.py): the engine's fastest level's mean over this level's, so 100 % is its
+    fastest and 50 % a CPU half as fast. `per_level`: level -> per sweep -> engine -> a SCHEDULER_CLOCK difference."""
+    means: dict[str, dict[int, list[float | None]]] = {}
+    for level, sweeps in per_level.items():
+        for sweep in sweeps:
+            for name, clock in sweep.items():
+                runs = clock.get("scheduler_cpu_reference_runs_total", 0)
+                mean = clock["scheduler_cpu_reference_seconds_total"] / runs if runs else None
+                means.setdefault(name, {}).setdefault(level, []).append(mean)
+    lines = []
+    for name, levels in means.items():
+        found = [m for ms in levels.values() for m in ms if m is not None]
+        if not found:
+            continue
+        fastest = min(found)
+        lines.append(f"  {name} ({fastest * 1e6:.1f} µs at its fastest): " + ", ".join(
+            f"c={level} " + " / ".join("-" if m is None else f"{fastest / m:.0%}" for m in ms)
+            for level, ms in levels.items()))
+    return "\n".join(["each engine's scheduler thread's CPU speed at each level, first / second sweep (a reference "
+                      "timed on the thread itself, against its fastest level):", *lines]) if lines else ""

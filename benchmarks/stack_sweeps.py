@@ -30,7 +30,7 @@ import cpu_siblings  # noqa: E402
 import _profile  # noqa: E402
 from _cpu_speed import CpuSpeedLog  # noqa: E402
 from _gpu_clocks import ClockLog  # noqa: E402
-from _scheduler_clock import SCHEDULER_CLOCK, per_step, spent as clock_spent  # noqa: E402
+from _scheduler_clock import SCHEDULER_CLOCK, per_step, scheduler_cpu_speed, spent as clock_spent  # noqa: E402
 from _stack import add_set_option, counters, local_stack, workers  # noqa: E402
 
 from hpc.bench.clients import processes_for  # noqa: E402
@@ -344,6 +344,8 @@ def main() -> None:
                                     for s in (first, second)] for lv in levels}
     print(clocks.report(spans))
     print(cpu_speed.report(spans))
+    if speeds := scheduler_cpu_speed(level_clocks):
+        print(speeds)
     lo, hi = levels[0].concurrency, levels[-1].concurrency
     scale = [s[hi]["output_tokens_per_s"] / s[lo]["output_tokens_per_s"] for s in (first, second)]
     print(f"c={hi} / c={lo}: first sweep {scale[0]:.1f}x, second {scale[1]:.1f}x")

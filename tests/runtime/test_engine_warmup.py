@@ -14,12 +14,12 @@ pytestmark = pytest.mark.unit
 
 
 def test_warm_up_covers_prefill_and_every_decode_path_before_the_first_request(tiny, monkeypatch):
-    from hpc.runtime.engine import torch_engine
+    from hpc.runtime.engine import warmup
 
     steps = []
     sampled = []  # (rows, top_k) of each sampling kernel run: their modules load before the first request
-    real_sample_rows = torch_engine.sample_rows
-    monkeypatch.setattr(torch_engine, "sample_rows", lambda logits, params, gen: (
+    real_sample_rows = warmup.sample_rows
+    monkeypatch.setattr(warmup, "sample_rows", lambda logits, params, gen: (
         sampled.append((logits.shape[0], params[0].top_k)), real_sample_rows(logits, params, gen))[1])
 
     async def main():

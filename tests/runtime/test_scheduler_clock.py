@@ -56,6 +56,10 @@ def test_idle_admit_and_decode_seconds_add_up_to_the_scheduler_time(tiny) -> Non
     queue, parts = served["queue_seconds_total"], served["submit_seconds_total"] + served["inbox_seconds_total"]
     assert served["inbox_seconds_total"] > 0 and served["submit_seconds_total"] > 0
     assert queue == pytest.approx(parts, rel=1e-6, abs=1e-9)
+    # the CPU's speed under the scheduler thread, timed on it a few times a second, waiting or busy
+    runs = served["scheduler_cpu_reference_runs_total"] - start["scheduler_cpu_reference_runs_total"]
+    spent = served["scheduler_cpu_reference_seconds_total"] - start["scheduler_cpu_reference_seconds_total"]
+    assert 2 <= runs <= 20 and 1e-6 < spent / runs < 5e-3, (runs, spent)
 
 
 def test_each_engine_value_is_typed_a_counter_unless_it_is_a_level(tiny) -> None:

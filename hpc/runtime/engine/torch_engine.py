@@ -28,7 +28,7 @@ from hpc.engine_args.cuda_graphs import decode_graph_sizes, prefill_graph_tokens
 from hpc.engine_args.scheduling import chunking_policy, tokens_per_block
 from hpc.runtime.engine import fused_decode
 from hpc.runtime.engine import kv as kvpack
-from hpc.runtime.engine.decode_graphs import DecodeGraphs, cuda_capture
+from hpc.runtime.engine.decode_graphs import DecodeGraphs
 from hpc.runtime.engine.llama import (LlamaConfig, LlamaForCausalLM, Pipeline, TensorParallel, VisionEncoder,
                                       random_state, shard_state_dict, stage_state_dict)
 from hpc.runtime.engine.moe import ExpertParallel, expert_state_dict
@@ -38,12 +38,14 @@ from hpc.runtime.engine.prefix_cache import PrefixCache
 from hpc.runtime.engine.kv_records import KvRecord
 from hpc.runtime.engine.prefill_graphs import PrefillGraphs
 from hpc.runtime.engine.context_steps import ContextSteps
+from hpc.runtime.engine.cpu_reference import CpuReference
 from hpc.runtime.engine.decode_steps import DecodeSteps
+from hpc.runtime.engine.warmup import WarmUp
 from hpc.runtime.engine.overlap import FirstTokens, HostCopies, InflightStep
 from hpc.runtime.engine.sequence import BatchWait, Seq, chunkable
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
-                                      GenerateRequest, KvMeta, SamplingParams, TokenLogprob)
-from hpc.runtime.engine.sampling import pick_in_graph, prepare_pinned_copies, prompt_logprobs, sample_rows
+                                      GenerateRequest, KvMeta, TokenLogprob)
+from hpc.runtime.engine.sampling import pick_in_graph, prepare_pinned_copies
 
 log = logging.getLogger(__name__)
 HANDOFF_TTL_S = 120.0
@@ -63,7 +65,7 @@ def _take_gil_switch_interval() -> None:
         sys.setswitchinterval(float(interval))
 
 
-class TorchEngine(ContextSteps, DecodeSteps):
+class TorchEngine(ContextSteps, DecodeSteps, WarmUp):
     def __init__(self, model_dir: Path, mode: DisaggregationMode, engine_args: dict[str, Any], *,
                  device: str | None = None, tp: TensorParallel | None = None,
                  fetch_kv: Callable[[DisaggregatedParams], Any] | None = None,
@@ -93,6 +95,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
                                     self._token_budget())
         self._deferred: list[Seq] = []  # arrivals the batch wait holds back
         self._leaving = 0  # rows ended or cancelled since the scheduler last dropped those from its running list
+        self.cpu_reference = CpuReference()  # the speed of the CPU under the scheduler thread, timed on it
         self._prefilling: list[Seq] = []  # admitted, their prompts not all in the KV cache yet
         self._unstored: dict[int, list[int]] = {}  # slot -> its prompt, prefilled, not in the prefix cache yet
         self._held_slots: list[int] = []  # released, kept from reuse until their prompts are stored
@@ -232,61 +235,6 @@ class TorchEngine(ContextSteps, DecodeSteps):
     WARMUP_PROMPT = 16
 
     @torch.inference_mode()
-    def warm_up(self) -> None:
-        """Run every kind of step the engine will serve before it says ready (load() runs before the worker
-        registers): Triton compiles and autotunes, cuBLAS and the attention backends pick their kernels, here
-        and not in the first users' requests. Decode steps have no new shapes after this: every batch size runs
-        the same Triton attention over the whole cache (see fused_decode). Every TP rank runs the same steps
-        in its own load(), so their collectives pair up."""
-        t0 = time.perf_counter()
-        if self.device.type == "cuda":
-            # Batched prefills and prefills after a reused prefix attend through a mask; SDPA would take cuDNN
-            # there, which builds a plan per (batch, length) shape — 30-500 ms each time a new mix of prompts
-            # is prefilled together, all through the first sweep after a launch. Its flash and memory-efficient
-            # kernels need no plans.
-            torch.backends.cuda.enable_cudnn_sdp(False)
-        n = min(self.WARMUP_PROMPT, self.max_len - 1)
-        rows_prefill = min(2, self.max_batch)
-        ids = torch.full((rows_prefill, n), 2, device=self.device)
-        for b in sorted({1, rows_prefill}):  # one prompt from scratch (causal), two together (masked)
-            self.model.forward_step(self.model.embed(ids[:b]), torch.arange(n, device=self.device)[None].expand(b, n),
-                                    torch.arange(b, dtype=torch.long, device=self.device), self.cache)
-        self.warmed: list[tuple[str, int]] = [("prefill", n)]
-        # 1 and 2 rows: Triton specializes integer arguments equal to 1, so 2 compiles the other variant
-        for rows in sorted({1, min(self.max_batch, 2), min(self.max_batch, fused_decode.MAX_BATCH + 1),
-                            self.max_batch}):
-            tokens = torch.full((rows, 1), 2, device=self.device)
-            self.model.forward_step(self.model.embed(tokens), torch.full((rows, 1), n, device=self.device),
-                                    torch.arange(rows, device=self.device), self.cache)
-            self.warmed.append(("decode", rows))
-        self._warm_sampling()
-        self.warmed.append(("sampling", 2))
-        if self.graphs is not None:
-            self.graphs.capture(cuda_capture(self.device), self.model.fused_decode)
-            self.warmed.append(("graphs", len(self.graphs.sizes.batch_sizes)))
-        if self.prefill_graphs is not None:  # a pool of its own: its logits are read while decode graphs run
-            self.prefill_graphs.capture(cuda_capture(self.device))
-            self.warmed.append(("prefill graphs", len(self.prefill_graphs.token_counts)))
-        if self.prefix is not None and self.device.type == "cuda":  # what one prefill step may store
-            most = max(self._token_budget(), self.prefill_graphs.token_counts[-1] if self.prefill_graphs else 0)
-            self.prefix.capture_copies(cuda_capture(self.device), most // self.prefix.block)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.warmup_s = time.perf_counter() - t0
-        log.info("warmed up in %.2f s: %s", self.warmup_s, self.warmed)
-
-    def _warm_sampling(self) -> None:
-        """The kernels that choose tokens, on 1 and 2 rows: sampled with temperature alone and with top-k/top-p,
-        greedy, and logprobs. On a GPU each kernel's first launch loads its module (CUDA's lazy loading): the
-        first sampled request of a launch paid some 25 ms for it, in its TTFT on prefill and again in decode."""
-        vocab = self.cfg.vocab_size
-        for rows in sorted({1, min(self.max_batch, 2)}):
-            logits = torch.zeros(rows, vocab, device=self.device, dtype=self.dtype)
-            for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=40, top_p=0.9)):
-                sample_rows(logits, [params] * rows, self.sampler).tolist()
-            logits.argmax(-1).tolist()
-            prompt_logprobs(logits, [0] * rows, 2)
-
     # ---- public API ------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         outputs: asyncio.Queue[GenerateOutput] = asyncio.Queue()
@@ -438,7 +386,8 @@ class TorchEngine(ContextSteps, DecodeSteps):
             # the GIL the scheduler thread waits for (an engine process reports its stats every second)
             graphed["cuda_malloc_segments"] = torch.cuda.memory_stats_as_nested_dict(self.device)["segment"]["all"][
                 "allocated"]
-        return {**self._counters, **prefix, **graphed, "kv_usage": kv_usage, "handoffs_waiting": len(self.handoffs)}
+        return {**self._counters, **prefix, **graphed, **self.cpu_reference.stats(), "kv_usage": kv_usage,
+                "handoffs_waiting": len(self.handoffs)}
 
     # ---- scheduler thread ------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -471,6 +420,7 @@ class TorchEngine(ContextSteps, DecodeSteps):
         clock = self._counters  # seconds spent idle, admitting (prefill) and decoding: /metrics, per worker
         waited = False  # the last iteration waited for work: a wait that times out goes on, not a new one
         while self._running:
+            self.cpu_reference.maybe_run()
             t0 = time.perf_counter()
             try:
                 # (a request already in the inbox, taken from the link by _store_due, waits for nothing)
