@@ -12,6 +12,7 @@ busy and the others idle is still uneven, as it would be with any balancer that 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
 from typing import Callable
@@ -21,6 +22,8 @@ log = logging.getLogger(__name__)
 _CONNECTION = b"x"  # process 0 to another: the connection in this message's SCM_RIGHTS is yours
 _CLOSED = b"c"  # another process to process 0: one of my connections closed
 _ACCEPTS_PER_WAKE = 64  # then back to the loop: a burst of connections does not starve the requests in flight
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_PAUSE_S = 1.0
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -57,6 +60,7 @@ class Dealer:
         self.dealt = [0]  # connections each process was given
         self._turn = 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._resume: asyncio.TimerHandle | None = None  # accepting again after running out of descriptors
 
     def start(self) -> "Dealer":
         self._loop = asyncio.get_running_loop()
@@ -91,10 +95,22 @@ class Dealer:
                 conn, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # out of file descriptors, a connection reset before accept: the next may do
-                log.warning("accept on the frontend's port failed: %s", exc)
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # set once here, kept by whoever serves it
+            except ConnectionAbortedError:  # the client left before we took it
+                continue
+            except OSError as exc:
+                if exc.errno in _OUT_OF_RESOURCES:  # the port stays readable: stop a while, as asyncio's server does
+                    log.warning("accept on the frontend's port failed (%s): trying again in %.1f s", exc, _PAUSE_S)
+                    self._loop.remove_reader(self.listener.fileno())
+                    self._resume = self._loop.call_later(_PAUSE_S, self._loop.add_reader, self.listener.fileno(),
+                                                         self._accept)
+                    return
+                log.warning("accept on the frontend's port failed: %s", exc)  # that connection's: go on
+                continue
+            try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # kept by whoever serves it
+            except OSError:  # reset already
+                conn.close()
+                continue
             self._deal(conn)
 
     def _deal(self, conn: socket.socket) -> None:
@@ -130,6 +146,8 @@ class Dealer:
             self.open[index] -= 1
 
     def close(self) -> None:
+        if self._resume is not None:
+            self._resume.cancel()
         if self._loop is not None:
             self._loop.remove_reader(self.listener.fileno())
             for channel in self.channels[1:]:
@@ -145,6 +163,7 @@ class Taker:
         self.channel = channel
         self.serve_here = serve_here
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._untold = 0  # connections closed here that process 0 has not been told of yet
 
     def start(self) -> "Taker":
         self.channel.setblocking(False)
@@ -153,10 +172,21 @@ class Taker:
         return self
 
     def closed_here(self) -> None:
-        try:
-            self.channel.send(_CLOSED)
-        except OSError:  # process 0 is gone: this process is stopping too
-            pass
+        self._untold += 1
+        self._tell()
+
+    def _tell(self) -> None:
+        """Each closed connection as a message of its own (process 0 counts messages)."""
+        while self._untold:
+            try:
+                self.channel.send(_CLOSED)
+            except BlockingIOError:  # process 0 reads later: try again soon, the count kept
+                self._loop.call_later(0.01, self._tell)
+                return
+            except OSError:  # process 0 is gone: this process is stopping too
+                self._untold = 0
+                return
+            self._untold -= 1
 
     def _take(self) -> None:
         while True:
