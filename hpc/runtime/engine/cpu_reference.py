@@ -2,9 +2,10 @@
 
 On the VMs we test on, a vCPU's speed halves and comes back within a minute (docs/performance.md, session 24), and
 a decode engine's step at high concurrency is the host's time: a slower level of a benchmark may be a slower CPU,
-not slower code. The scheduler times the reference a few times a second on its own thread (a few tens of µs each:
-a ten-thousandth of its time), and /metrics carries the sum and the count, so that a benchmark can put the CPU's
-speed beside each level's figures.
+not slower code. The scheduler times the reference a few times a second on its own thread while it decodes (a few
+tens of µs each: a ten-thousandth of its time; a thread just woken from a wait for work reads up to 2x slower, its
+caches cold), and /metrics carries the sum and the count, so that a benchmark can put the CPU's speed beside each
+level's figures.
 """
 
 from __future__ import annotations

@@ -420,7 +420,6 @@ class TorchEngine(ContextSteps, DecodeSteps, WarmUp):
         clock = self._counters  # seconds spent idle, admitting (prefill) and decoding: /metrics, per worker
         waited = False  # the last iteration waited for work: a wait that times out goes on, not a new one
         while self._running:
-            self.cpu_reference.maybe_run()
             t0 = time.perf_counter()
             try:
                 # (a request already in the inbox, taken from the link by _store_due, waits for nothing)
@@ -465,6 +464,8 @@ class TorchEngine(ContextSteps, DecodeSteps, WarmUp):
                 self._leaving = 0
                 running[:] = [s for s in running if self._still_running(s)]
             if running:
+                # the CPU's speed, read while the thread is busy: a thread just woken from a wait reads slower
+                self.cpu_reference.maybe_run()
                 t2 = time.perf_counter()
                 self._decode_or_fail(running)
                 clock["decode_seconds_total"] += time.perf_counter() - t2
