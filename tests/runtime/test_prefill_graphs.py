@@ -12,7 +12,7 @@ import asyncio
 import pytest
 import torch
 
-from hpc.runtime.engine import torch_engine
+from hpc.runtime.engine import warmup
 from hpc.runtime.engine.llama import LlamaConfig, LlamaForCausalLM, init_weights
 from hpc.runtime.engine.prefill_graphs import PrefillGraphs
 from hpc.runtime.engine.torch_engine import TorchEngine
@@ -100,7 +100,7 @@ def test_the_engine_prefills_from_graphs_and_answers_as_the_eager_engine(tiny, m
     assert "prefill_steps_graphed" not in eager_stats
     # on the CPU: prefill graphs only (decode graphs need the GPU's fused kernels), captured by the stand-in
     monkeypatch.setattr(TorchEngine, "_graphable", lambda self, prefill=False: prefill)
-    monkeypatch.setattr(torch_engine, "cuda_capture", lambda device: RecordedGraph())
+    monkeypatch.setattr(warmup, "cuda_capture", lambda device: RecordedGraph())
     graphed, stats = asyncio.run(_answers(tiny, GRAPHS_ON, PROMPTS + PROMPTS[-1:]))
     assert graphed == eager
     # every prompt from position 0 ran in a graph; the repeated one took its first block from the prefix cache,
