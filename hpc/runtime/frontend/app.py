@@ -491,9 +491,7 @@ class Frontend:
             for index in range(body.n if echo and not echo_later else 0):
                 yield chunk(system_fingerprint=self.fingerprint, choices=[
                     {"index": index, "text": echo, "logprobs": None, "finish_reason": None}])
-            single = body.n == 1  # one sample: its pieces straight, not through _merged's layer a token
-            async for item in self._events(body, gen) if single else self._merged(body, gen):
-                index, piece = (0, item) if single else item
+            async for index, piece in self._merged(body, gen):
                 tokens[index] = piece.tokens
                 cached[index] = piece.cached
                 if index in echo_later:
