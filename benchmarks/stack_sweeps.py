@@ -81,16 +81,11 @@ def frontend_latency(url: str) -> dict[str, float]:
 
 
 def process_requests(url: str) -> list[float]:
-    """Requests each frontend process took so far (one entry for a frontend of one process)."""
-    from hpc.checks.probe import get_text
+    """Requests each frontend process took so far (none for a frontend of one process)."""
+    from hpc.checks.probe import get_text, metric_by_label
 
-    text = get_text(f"{url}/metrics")
-    counts: dict[int, float] = {}
-    for line in text.splitlines():
-        if line.startswith("hpc_frontend_process_requests_total{"):
-            index = int(line.split('process="', 1)[1].split('"', 1)[0])
-            counts[index] = counts.get(index, 0.0) + float(line.rsplit(" ", 1)[1])
-    return [counts[i] for i in sorted(counts)]
+    counts = metric_by_label(get_text(f"{url}/metrics"), "hpc_frontend_process_requests_total", "process")
+    return [counts[i] for i in sorted(counts, key=int)]
 
 
 def request_phases(concurrency: int, seen: list[dict[str, float]], clocks: list[dict[str, dict]]) -> str:
@@ -176,6 +171,7 @@ def main() -> None:
         for sweep in range(2):  # no warm-up requests: the first sweep is what a user's first traffic sees
             before = {name: counters(u, SWEEP_COUNTERS) for name, u in urls.items()}
             results = {}
+            taken = process_requests(url)  # then each level's end is the next one's start: only completions count
             for i, lv in enumerate(levels):
                 if lv is levels[-1]:
                     cpu0, wall0 = {n: group_cpu_seconds(p) for n, p in leaders.items()}, time.perf_counter()
@@ -183,15 +179,14 @@ def main() -> None:
                     machine0, threads0 = _cpu_topology.machine_ticks(), engine_threads(leaders)
                     seen0 = frontend_latency(url)
                 clock0 = {name: counters(u, SCHEDULER_CLOCK) for name, u in urls.items()}
-                taken0 = process_requests(url)
                 began = time.time()  # wall clock: to line up with a GPU clock log (nvidia-smi -lms)
                 # prompts of their own at each level and sweep: the second sweep must not find the first's in
                 # the prefix cache (it did, with one seed for all, and was faster for it)
                 results[lv.concurrency] = {**await run_level(url, model, lv, True, 0, seed=sweep * len(levels) + i,
                                                              processes=clients(lv)),
                                            "began_at": began, "ended_at": time.time()}
-                split.setdefault(lv.concurrency, []).append(
-                    [b - a for a, b in zip(taken0, process_requests(url))])
+                taken0, taken = taken, process_requests(url)
+                split.setdefault(lv.concurrency, []).append([b - a for a, b in zip(taken0, taken)])
                 level_clocks.setdefault(lv.concurrency, []).append(
                     {name: clock_spent(clock0[name], counters(u, SCHEDULER_CLOCK)) for name, u in urls.items()})
             wall = time.perf_counter() - wall0

@@ -51,6 +51,17 @@ def post_sse(url: str, body: Any, timeout: float = 60.0) -> Iterator[Any]:
             yield json.loads(payload)
 
 
+def metric_by_label(text: str, name: str, label: str) -> dict[str, float]:
+    """Sum of a Prometheus metric's samples for each value of one of its labels (samples without it left out)."""
+    totals: dict[str, float] = {}
+    marker = f'{label}="'
+    for line in text.splitlines():
+        if line.startswith(name + "{") and marker in line:
+            value = line.split(marker, 1)[1].split('"', 1)[0]
+            totals[value] = totals.get(value, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
 def metric_values(text: str, name: str) -> float:
     """Sum of a Prometheus metric's samples."""
     total = 0.0

@@ -24,12 +24,13 @@ import msgspec
 
 log = logging.getLogger(__name__)
 
-
-_UNSENT_CHUNKS = 64
+_UNSENT_CHUNKS = 64  # a stream's chunks held for one send at most (_send_soon)
 
 
 def _nothing() -> None:
     pass
+
+
 REASONS = {100: "Continue", 200: "OK", 204: "No Content", 400: "Bad Request", 404: "Not Found",
            405: "Method Not Allowed", 408: "Request Timeout", 413: "Payload Too Large", 417: "Expectation Failed",
            422: "Unprocessable Entity", 431: "Request Header Fields Too Large", 499: "Client Closed Request",
