@@ -10,8 +10,8 @@ import time
 COUNTERS = frozenset({
     "requests", "prompt_tokens", "generated_tokens", "prompt_tokens_cached", "prompt_tokens_computed",
     "prefill_steps", "prefill_steps_graphed", "prefill_chunks", "decode_steps", "decode_steps_graphed",
-    "decode_steps_overlapped", "decode_steps_picked_in_graph", "decode_rows_joined_in_flight", "first_tokens",
-    "first_tokens_left_on_device", "kv_events", "kv_ipc_shared", "kv_ipc_opened", "aborted", "stats_records",
+    "decode_steps_overlapped", "decode_steps_picked_in_graph", "decode_steps_carried_in_graph",
+    "decode_rows_joined_in_flight", "first_tokens", "first_tokens_left_on_device", "kv_events", "kv_ipc_shared", "kv_ipc_opened", "aborted", "stats_records",
     "cuda_malloc_segments", "prefix_blocks_hit", "prefix_blocks_looked_up", "prefix_copies_graphed",
     "requests_streamed_direct", "kv_shared_with_answer", "kv_taken_from_answer", "kv_lent_nixl", "kv_ipc_copy_batches",
 })
