@@ -45,6 +45,13 @@ def weird_tmp_path(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
+def one_step_a_replay(monkeypatch) -> None:
+    """Decode graphs that run one step a replay (HPC_DECODE_STEPS_PER_GRAPH=1): for tests that count an engine's
+    steps or replays as tokens; tests/runtime/test_decode_multi_step.py covers several steps a replay."""
+    monkeypatch.setenv("HPC_DECODE_STEPS_PER_GRAPH", "1")
+
+
+@pytest.fixture
 def project_root() -> Path:
     return ROOT
 

@@ -25,3 +25,14 @@ def test_the_steps_take_the_decode_workers_path_and_send_every_token(model_cache
     assert engine._counters["decode_tokens_bare_total"] == sum(sent) == 5 * 29  # each step emits the one before
     assert [seq.generated for seq in running] == [29] * 5 and engine.graphs.replays == 30
     assert decode_host_step.reference_us() > 0
+
+
+def test_with_four_steps_a_replay_each_launch_sends_four_tokens_a_row(model_cache):
+    from hpc.runtime.engine.tiny import ensure_model
+
+    engine, sent = decode_host_step.engine_with_stand_in_graphs(ensure_model(str(model_cache / "tiny"), "tiny"), 4)
+    running = decode_host_step.rows_of(engine, 5)
+    decode_host_step.steps(engine, running, 30)
+    assert engine._counters["decode_launches_multi_step_total"] == 30 and engine.graphs.replays == 30
+    assert engine._counters["decode_tokens_bare_total"] == sum(sent) == 5 * 29 * 4  # each launch emits the one before
+    assert [seq.generated for seq in running] == [29 * 4] * 5

@@ -184,6 +184,56 @@ def test_graphs_that_make_their_own_copies_give_the_same_steps() -> None:
     assert host.tolist() == picked.tolist() and graphs.replays == 3
 
 
+def test_a_replay_of_several_steps_runs_each_from_the_picks_of_the_one_before() -> None:
+    """steps=3: a second graph per size and buffer runs three steps, each from the one before's picks at the next
+    position; the host copy holds every step's picks, the cache what three eager steps write. Where the largest
+    batch's one-step replay is slow (the device bounds the step), only the one-step graphs are captured."""
+    from hpc.runtime.engine import decode_graphs
+    from hpc.runtime.engine.sampling import pick_in_graph
+
+    model = _model()
+    gen = torch.Generator().manual_seed(6)
+    eager_cache, cache = _random_caches(model, gen)
+    step = lambda t, p, s: model.forward_step(model.embed(t), p, s, cache)  # noqa: E731
+
+    def made(replay_s: float) -> tuple[DecodeGraphs, RecordedGraph]:
+        graphs = DecodeGraphs(step, GraphSizes((1, 4), padding=True), scratch_slot=SLOTS, device=DEVICE,
+                              pick=pick_in_graph, copies_in_graph=True, steps=3)
+        capture = RecordedGraph()
+        graphs.capture(capture, timer=lambda replay: replay_s)
+        return graphs, capture
+
+    slow, capture = made(decode_graphs.SEVERAL_STEPS_BELOW_S)
+    assert slow.steps == 1 and capture.captured == [4, 4, 1, 1] and not slow.covers_steps(3)
+    graphs, capture = made(decode_graphs.SEVERAL_STEPS_BELOW_S / 5)
+    assert graphs.steps == 3 and capture.captured == [4, 4, 1, 1, 4, 4, 1, 1] and graphs.covers_steps(3)
+    tokens, positions, slots = [5, 6, 7], [4, 9, 2], [0, 1, 2]
+    _, picked = graphs.run_picking(tokens, positions, slots, temperatures=[0.0] * 3, steps=3)
+    host, done = graphs.last_host_copy
+    if done is not None:
+        done.synchronize()
+    want = []
+    for j in range(3):
+        logits = model.forward_step(model.embed(torch.tensor(tokens, device=DEVICE)[:, None]),
+                                    torch.tensor([p + j for p in positions], device=DEVICE)[:, None],
+                                    torch.tensor(slots, device=DEVICE), eager_cache)
+        tokens = logits.argmax(-1).tolist()
+        want.append(tokens)
+    assert host.tolist() == want and picked.tolist() == want[-1] and graphs.replays == 1
+    for eager_layer, graph_layer in zip(eager_cache, cache):
+        torch.testing.assert_close(graph_layer[:, :SLOTS], eager_layer[:, :SLOTS], rtol=1e-5, atol=1e-5)
+    # the next replay's rows take the last step's picks by index (`sources`), as an overlapped launch's do
+    _, again = graphs.run_picking([0, 0, 0], [p + 3 for p in positions], slots, temperatures=[0.0] * 3,
+                                  sources=[0, 1, 2], steps=3)
+    logits = model.forward_step(model.embed(torch.tensor(want[-1], device=DEVICE)[:, None]),
+                                torch.tensor([p + 3 for p in positions], device=DEVICE)[:, None],
+                                torch.tensor(slots, device=DEVICE), eager_cache)
+    host, done = graphs.last_host_copy
+    if done is not None:
+        done.synchronize()
+    assert host.tolist()[0] == logits.argmax(-1).tolist()
+
+
 def test_each_size_keeps_the_graphs_of_its_faster_path() -> None:
     """Past MAX_BATCH rows a step may take the GEMVs or the batched matmuls (fused_decode.PATHS): each is captured
     and replayed, and the faster one's graphs are kept, for every staging buffer; a size with one path is captured

@@ -8,7 +8,8 @@ import warnings
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+# the tests count steps and replays as tokens: one step a replay
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("one_step_a_replay")]
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)

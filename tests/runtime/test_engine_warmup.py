@@ -54,10 +54,14 @@ def test_warm_up_covers_prefill_and_every_decode_path_before_the_first_request(t
     assert warmed[:6] == [(1, 16), (2, 16), (1, 1), (2, 1), (fused_decode.MAX_BATCH + 1, 1), (8, 1)]
     assert reported[:5] == [("prefill", 16), ("decode", 1), ("decode", 2), ("decode", fused_decode.MAX_BATCH + 1),
                             ("decode", 8)]
-    # on a GPU, then every decode graph (cuda_graph_config absent: one per size up to the batch), largest first:
-    # an eager run and the capture each
+    # on a GPU, then every decode graph (cuda_graph_config absent: one per size up to the batch), largest first,
+    # an eager run and the capture each: one per staging buffer, and one more per path where a size had two to
+    # time; then, where the host bounds a step, the graphs of several steps a replay (a forward each step)
     sizes = [] if graphs is None else sorted(graphs.sizes.batch_sizes, reverse=True)
-    assert warmed[6:] == [(size, 1) for size in sizes for _ in range(2)]
+    paths = {size: len(graphs.timings[size]) if size in graphs.timings else 1 for size in sizes}
+    one_step = [(size, 1) for size in sizes for _ in range(2 * (paths[size] + 1))]
+    several = [(size, 1) for size in sizes for _ in range(2 * 2 * graphs.steps)] if sizes and graphs.steps > 1 else []
+    assert warmed[6:] == one_step + several
     assert reported[5:] == [("sampling", 2)] + ([("graphs", 8)] if graphs is not None else [])
     assert seconds > 0
 

@@ -11,8 +11,10 @@ import pytest
 
 from hpc.runtime.engine.torch_engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
+from tests.runtime.staggered import staggered as _staggered
 
-pytestmark = pytest.mark.unit
+# on a GPU the tests count steps as tokens: one step a replay (test_decode_multi_step.py: several)
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_step_a_replay")]
 
 MAX_LEN = 64
 PROMPTS = [[5, 6, 7, 8], [40, 41], [9] * 12, [100, 200, 300]]
@@ -56,30 +58,12 @@ def test_overlapped_steps_answer_as_step_by_step_ones(tiny):
 def test_requests_join_a_chain_of_overlapped_steps(tiny):
     # Requests arriving while others decode join the next step beside the rows going on from the device
     # tokens (TensorRT-LLM's overlap scheduler), with the answers step by step gives.
-    async def staggered(args: dict) -> tuple[list[list[int]], dict]:
-        engine_args = {"max_seq_len": MAX_LEN, "max_batch_size": 8, **args}
-        async with TorchEngine(tiny, DisaggregationMode.AGGREGATED, engine_args) as engine:
-            started = [asyncio.Event() for _ in PROMPTS]
+    def staggered(args: dict) -> tuple[list[list[int]], dict]:
+        return asyncio.run(_staggered(tiny, {"max_seq_len": MAX_LEN, "max_batch_size": 8, **args}, PROMPTS,
+                                      lambda i: 12 - 2 * i))
 
-            async def one(i: int) -> list[int]:
-                if i:
-                    await started[i - 1].wait()  # after the one before has three tokens out
-                sampling = SamplingParams(max_tokens=12 - 2 * i, temperature=0, ignore_eos=True)
-                tokens: list[int] = []
-                try:
-                    async for out in engine.generate(GenerateRequest(request_id=str(i), token_ids=PROMPTS[i],
-                                                                     sampling=sampling)):
-                        tokens += out.token_ids
-                        if len(tokens) >= 3:
-                            started[i].set()
-                finally:
-                    started[i].set()  # a failed request must not hold the next one back for ever
-                return tokens
-            answers = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
-            return answers, engine.stats()
-
-    overlapped, stats = asyncio.run(staggered({}))
-    stepwise, _ = asyncio.run(staggered({"disable_overlap_scheduler": True}))
+    overlapped, stats = staggered({})
+    stepwise, _ = staggered({"disable_overlap_scheduler": True})
     assert overlapped == stepwise and [len(t) for t in overlapped] == [12, 10, 8, 6]
     assert stats["decode_rows_joined_in_flight"] >= len(PROMPTS) - 1, stats  # each later one joined a chain
     assert stats["decode_steps_overlapped"] == stats["decode_steps"], stats

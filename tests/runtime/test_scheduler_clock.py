@@ -12,7 +12,8 @@ from hpc.runtime.engine.torch_engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
 from hpc.runtime.serve.metrics import prometheus
 
-pytestmark = pytest.mark.unit
+# on a GPU the tests count steps as tokens: one step a replay
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_step_a_replay")]
 
 CLOCK = ("idle_seconds_total", "admit_seconds_total", "decode_seconds_total")
 

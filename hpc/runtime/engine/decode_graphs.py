@@ -34,6 +34,11 @@ Capture = Callable[[Callable[[], Outputs]], tuple[Callable[[], None], Outputs]]
 # temperatures ride in the long input buffer as fixed point: one staged copy a step for all of a step's inputs
 TEMPERATURE_SCALE = 1 << 24
 INPUT_ROWS = 5  # a row's token, position, cache slot, temperature and source (DecodeGraphs.inputs)
+# several steps a replay only where the largest batch's one-step replay is shorter than this: there the host's work
+# for a step (0.1-0.3 ms at 64 rows on the GPU machines' CPUs) bounds the step, and a replay of several takes it
+# once for them all; a model whose step is longer keeps one step a replay (a row joining waits for the replay in
+# flight, and its tokens would come in bursts for nothing)
+SEVERAL_STEPS_BELOW_S = 0.5e-3
 
 
 class StepPaths(Protocol):
@@ -95,16 +100,21 @@ def cuda_capture(device: torch.device) -> Capture:
 
 class DecodeGraphs:
     def __init__(self, step: Step, sizes: GraphSizes, scratch_slot: int, device: torch.device,
-                 pick: Pick | None = None, copies_in_graph: bool = False) -> None:
+                 pick: Pick | None = None, copies_in_graph: bool = False, steps: int = 1) -> None:
         """`pick`: each row's token from the step's logits at its temperature, captured with the step
         (run_picking). `copies_in_graph`: the staged inputs' copy to the device and the picks' copy to the host
         are captured in the graphs too (one graph per size and staging buffer), so a step is one replay: the
-        engine's default (HPC_DECODE_GRAPH_COPIES=0 turns it off), a fifth of a c=64 step's host time on an H200."""
+        engine's default (HPC_DECODE_GRAPH_COPIES=0 turns it off), a fifth of a c=64 step's host time on an H200.
+        `steps` > 1 (with a pick and the copies captured): a second graph per size and buffer runs that many decode
+        steps in one replay, each step's picks the next one's tokens (run_picking's `steps`): the host's work of
+        a step — staging, the launch, the next step's rows — once per `steps` tokens a row."""
         self.step = step
         self.pick = pick
         self.copies_in_graph = copies_in_graph
+        self.steps = steps if pick is not None and copies_in_graph else 1
         self.sizes = sizes
         self.scratch_slot = scratch_slot
+        self.device = device
         largest = sizes.batch_sizes[-1]
         # rows 0-4: token, position, cache slot, temperature (x TEMPERATURE_SCALE) and source of each row of the
         # step — a row's index in the step before when its token is that step's pick (`picks`), else -1
@@ -124,23 +134,31 @@ class DecodeGraphs:
             staged[2].fill_(scratch_slot)
             staged[4].fill_(-1)
         self._host = [staged.numpy() for staged in self._staging]  # the same memory
-        # with copies_in_graph: each staging buffer's step writes its picks here, and an event after its replay
-        self._host_picks = [torch.zeros(largest, dtype=torch.long, pin_memory=pinned) for _ in range(2)] \
+        # with copies_in_graph: each staging buffer's step writes its picks here (a row per step of a replay), and
+        # an event after its replay
+        self._host_picks = [torch.zeros(self.steps, largest, dtype=torch.long, pin_memory=pinned) for _ in range(2)] \
             if copies_in_graph else []
+        self._host_first = [picks[0] for picks in self._host_picks]  # a one-step replay's row, a view made once
         self._copied = [torch.cuda.Event() for _ in range(2)] if copies_in_graph and pinned else []
         self.last_host_copy: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self._turn = 0
         self._views: dict[tuple[int, int], torch.Tensor] = {}  # (id of a static tensor, rows) -> its first rows
-        # by (batch size, staging buffer), the buffer None unless the copies are captured
+        # by (batch size, staging buffer), the buffer None unless the copies are captured; _multi: `steps` a replay
         self._graphs: dict[tuple[int, int | None], tuple[Callable[[], None], Outputs]] = {}
+        self._multi: dict[tuple[int, int | None], tuple[Callable[[], None], Outputs]] = {}
         self.replays = 0
         self.timings: dict[int, dict[str, float]] = {}  # where a size had a choice: each path's seconds a replay
+        self.one_step_s: float | None = None  # the largest batch's one-step replay, timed where `steps` > 1
 
     def capture(self, capture: Capture, paths: StepPaths | None = None,
                 timer: Callable[[Callable[[], None]], float] = replay_seconds) -> None:
         """A graph per batch size (and staging buffer). Where `paths` offers a size more than one way to step, each
-        is captured and replayed (`timer`: seconds a replay) and the faster one's graphs are kept."""
-        for size in sorted(self.sizes.batch_sizes, reverse=True):
+        is captured and replayed (`timer`: seconds a replay) and the faster one's graphs are kept. Then, with
+        `steps` > 1, a graph of that many steps per size and buffer where the host bounds a step
+        (SEVERAL_STEPS_BELOW_S, by `timer`; the CPU's stand-in graphs are not timed but by a timer given), else
+        `steps` becomes 1."""
+        largest_first = sorted(self.sizes.batch_sizes, reverse=True)
+        for size in largest_first:
             turns = (0, 1) if self.copies_in_graph else (None,)
             options = paths.paths_for(size) if paths is not None else ()
             if len(options) > 1:
@@ -155,8 +173,19 @@ class DecodeGraphs:
                 for turn in turns:
                     if (size, turn) not in self._graphs:
                         self._graphs[(size, turn)] = capture(self._step_of(size, turn))
-        log.info("decode CUDA graphs for batch sizes %s (padding %s%s)%s", list(self.sizes.batch_sizes),
+        if self.steps > 1 and (self.device.type == "cuda" or timer is not replay_seconds):  # a timer to ask
+            self.one_step_s = timer(self.kept(largest_first[0]))
+            if self.one_step_s >= SEVERAL_STEPS_BELOW_S:
+                log.info("decode: one step a replay (the largest batch's takes %.2f ms on the device)",
+                         self.one_step_s * 1e3)
+                self.steps = 1
+        for size in largest_first if self.steps > 1 else ():
+            with paths.path(self.paths[size]) if size in self.timings else contextlib.nullcontext():
+                for turn in (0, 1):
+                    self._multi[(size, turn)] = capture(self._step_of(size, turn, self.steps))
+        log.info("decode CUDA graphs for batch sizes %s (padding %s%s%s)%s", list(self.sizes.batch_sizes),
                  "on" if self.sizes.padding else "off", ", copies captured" if self.copies_in_graph else "",
+                 f", {self.steps} steps a replay where the rows allow" if self.steps > 1 else "",
                  f", each size's faster path: {self.paths}" if self.paths else "")
 
     @property
@@ -172,7 +201,9 @@ class DecodeGraphs:
         """The replay of the graph kept for `size` rows (the benchmarks time it and trace its kernels)."""
         return self._graphs[(size, 0 if self.copies_in_graph else None)][0]
 
-    def _step_of(self, size: int, turn: int | None) -> Callable[[], Outputs]:
+    def _step_of(self, size: int, turn: int | None, steps: int = 1) -> Callable[[], Outputs]:
+        """A replay's work: `steps` decode steps, each from the one before's picks at the next position (padded
+        rows too: position j of the spare slot)."""
         tokens, positions, slots, temperatures, sources = (self.inputs[i, :size] for i in range(INPUT_ROWS))
         picks = self.picks
 
@@ -180,20 +211,26 @@ class DecodeGraphs:
             if turn is not None:  # read from the pinned buffer at each replay, not at capture
                 self.inputs.copy_(self._staging[turn], non_blocking=True)
             carried = torch.where(sources >= 0, picks[sources.clamp(min=0)], tokens)
-            logits = self.step(carried[:, None], positions[:, None], slots)
-            if self.pick is None:
-                return logits
-            picked = self.pick(logits, temperatures.float() / TEMPERATURE_SCALE)
-            picks[:size].copy_(picked)
-            if turn is not None:
-                self._host_picks[turn][:size].copy_(picked, non_blocking=True)
-            return logits, picked
+            for j in range(steps):
+                logits = self.step(carried[:, None], (positions + j if j else positions)[:, None], slots)
+                if self.pick is None:
+                    return logits
+                carried = self.pick(logits, temperatures.float() / TEMPERATURE_SCALE)
+                if turn is not None:
+                    self._host_picks[turn][j, :size].copy_(carried, non_blocking=True)
+            picks[:size].copy_(carried)
+            return logits, carried
         return step
 
     def covers(self, rows: int) -> bool:
         """Is there a graph for a step of `rows` (padded or not)?"""
         size = self.sizes.size_for(rows)
         return size is not None and (size, 0 if self.copies_in_graph else None) in self._graphs
+
+    def covers_steps(self, rows: int) -> bool:
+        """Is there a graph that runs `steps` steps of `rows` in one replay?"""
+        size = self.sizes.size_for(rows)
+        return size is not None and (size, 0) in self._multi
 
     def run(self, tokens: list[int], positions: list[int], slots: list[int],
             device_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -207,7 +244,8 @@ class DecodeGraphs:
 
     def run_picking(self, tokens: list[int], positions: list[int], slots: list[int],
                     temperatures: list[float] | None, device_tokens: torch.Tensor | None = None,
-                    sources: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                    sources: list[int] | None = None,
+                    steps: int = 1) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """run(), and with `temperatures` (one a row) each row's next token [rows] picked inside the graph at its
         temperature (0: greedy): a step's tokens without the sampling kernels launched from the host one by one
         (seven launches, each a release and re-take of the GIL that the worker's event loop contends for). The
@@ -215,10 +253,18 @@ class DecodeGraphs:
         `sources` (one a row): a row's index in the last replay that picked, whose pick is its token (that step's
         tokens never come to the host first), or -1 for the token in `tokens` — an overlapped step's kept rows
         without the gather, index staging and copy the host launched for them, a seventh of a decode engine's
-        scheduler time at c=64 on an H200."""
+        scheduler time at c=64 on an H200.
+        `steps` > 1 (with temperatures; covers_steps): that many steps in one replay, each row's token of each
+        step picked inside it; the picks returned are the last step's, `last_host_copy` holds all [steps, rows].
+        The caller makes sure each row has the cache positions for them."""
         rows = len(positions)
         if not self.covers(rows):
             return None
+        graphs = self._graphs
+        if steps > 1:
+            if temperatures is None or not self.covers_steps(rows) or steps != self.steps:
+                raise ValueError(f"no graph for {steps} steps of {rows} rows picked inside it")
+            graphs = self._multi
         size = self.sizes.size_for(rows)
         turn = self._turn
         staged, host = self._staging[turn], self._host[turn]
@@ -241,13 +287,15 @@ class DecodeGraphs:
             host[2, rows:size] = self.scratch_slot
             host[4, rows:size] = -1
         if self.copies_in_graph:
-            replay, out = self._graphs[(size, turn)]
+            replay, out = graphs[(size, turn)]
             replay()
             done = None
             if self._copied:
                 done = self._copied[turn]
                 done.record()
-            self.last_host_copy = (self._rows_of(self._host_picks[turn], rows), done)  # its picks, once `done`
+            # its picks, once `done`: [rows], or [steps, rows] for a replay of several steps
+            self.last_host_copy = (self._rows_of(self._host_first[turn], rows) if steps == 1 else
+                                   self._columns_of(self._host_picks[turn], rows), done)
         else:
             self.inputs.copy_(staged, non_blocking=True)  # the whole buffer: one contiguous copy
             if device_tokens is not None:
@@ -259,6 +307,13 @@ class DecodeGraphs:
             return out[:rows], None
         logits, picked = out
         return self._rows_of(logits, rows), (self._rows_of(picked, rows) if temperatures is not None else None)
+
+    def _columns_of(self, tensor: torch.Tensor, rows: int) -> torch.Tensor:
+        key = (id(tensor), -rows)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = tensor[:, :rows]
+        return view
 
     def _tokens_of(self, rows: int) -> torch.Tensor:
         return self._rows_of(self._input_tokens, rows)

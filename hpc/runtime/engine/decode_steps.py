@@ -28,9 +28,14 @@ class DecodeSteps:
                 self._finish(s, "error", error=str(exc))
             running.clear()
 
+    @property
+    def _steps_a_launch(self) -> int:
+        """Decode steps an overlapped launch runs where its rows allow (DecodeGraphs' `steps`)."""
+        return self.graphs.steps if self.graphs is not None else 1
+
     def _decode_step(self, running: list[Seq]) -> None:
         if self._inflight is not None or self._first.steps:  # tokens not read yet: a step's, prefills' first ones
-            carried = carry_over(self._inflight, running, self.max_len)
+            carried = carry_over(self._inflight, running, self.max_len, self._steps_a_launch)
             if carried is None or not (carried[0] or carried[1]):
                 self._emit_first_tokens()  # a row needs its token on the host, or none goes on: read them first
                 if self._inflight is not None:
@@ -40,19 +45,22 @@ class DecodeSteps:
             if joined and self._inflight is not None:
                 self._counters["decode_rows_joined_in_flight"] = \
                     self._counters.get("decode_rows_joined_in_flight", 0) + len(joined)
+            steps = self._steps_a_launch  # carry_over kept the rows with the positions for them
             if self._carries_in_graph(kept, joined):
                 rows = [self._inflight.rows[i] for i in kept] + joined
-                self._launch_overlapped(rows, None, sources=kept + [-1] * len(joined))
+                self._launch_overlapped(rows, None, sources=kept + [-1] * len(joined), steps=steps)
                 return
             rows, tokens = next_inputs(self._inflight, kept, joined, self._first,
                                        lambda ids: on_device(ids, self.device))
-            self._launch_overlapped(rows, tokens)
+            self._launch_overlapped(rows, tokens, steps=steps)
             return
         if self.overlap and startable(running, self.max_len):
-            self._launch_overlapped(running, None)
+            # several steps a launch only where every row has the cache positions for them
+            self._launch_overlapped(running, None, steps=self._steps_a_launch
+                                    if startable(running, self.max_len, self._steps_a_launch) else 1)
             return
         self._counters["decode_steps"] += 1
-        logits, _ = self._decode_launch(running, None)
+        logits, _, _ = self._decode_launch(running, None)
         picked = self.picker.pick_rows(running, logits, self.sampler)
         with self.emitter:
             for s, (token, logprob) in zip(running, picked):
@@ -68,32 +76,43 @@ class DecodeSteps:
             and not any(id(seq) in self._first.rows for seq in joined) and self.graphs.covers(len(kept) + len(joined))
 
     def _decode_launch(self, running: list[Seq], device_tokens: torch.Tensor | None, pick: bool = False,
-                       sources: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       sources: list[int] | None = None, steps: int = 1,
+                       positions: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """One decode step's logits, each row's token from its last one (or `device_tokens`, on the device, or with
         `sources` the graphs' last picks for the rows that have one there); with `pick`, each row's next token too
-        when the step's graph could pick them (else None)."""
-        positions, slots = [s.length for s in running], [s.slot for s in running]
+        when the step's graph could pick them (else None). `steps` > 1: that many steps in one replay where a graph
+        picks every row's tokens (else one); the steps it ran come last. `positions`: the rows' lengths, made."""
+        if positions is None:
+            positions = [s.length for s in running]
+        slots = [s.slot for s in running]
         tokens = [s.last_token for s in running]
         replayed = None
         if self.graphs is not None:
             temperatures = graph_temperatures(running) if pick else None
-            replayed = self.graphs.run_picking(tokens, positions, slots, temperatures, device_tokens, sources)
+            if steps > 1 and (temperatures is None or not self.graphs.covers_steps(len(running))):
+                steps = 1
+            replayed = self.graphs.run_picking(tokens, positions, slots, temperatures, device_tokens, sources,
+                                               steps)
         if replayed is None and sources is not None:
             raise RuntimeError(f"no decode graph for {len(running)} rows whose tokens are the last step's picks")
         if replayed is None:  # no graph for this batch: eagerly, its inputs staged as the graphs' are (pinned)
+            steps = 1
             token_tensor = device_tokens if device_tokens is not None else on_device(tokens, self.device)
             replayed = self._decode_logits(token_tensor[:, None], on_device(positions, self.device)[:, None],
                                            on_device(slots, self.device)), None
         for s in running:
-            s.length += 1
-        return replayed
+            s.length += steps
+        return (*replayed, steps)
 
     def _launch_overlapped(self, running: list[Seq], device_tokens: torch.Tensor | None,
-                           sources: list[int] | None = None) -> None:
-        """Launch a step whose tokens stay on the device, then emit the previous step's (overlap.py)."""
+                           sources: list[int] | None = None, steps: int = 1) -> None:
+        """Launch a step (or `steps` in one replay, where a graph picks every row's tokens) whose tokens stay on the
+        device, then emit the previous step's (overlap.py)."""
         self._counters["decode_steps"] += 1
         self._counters["decode_steps_overlapped"] = self._counters.get("decode_steps_overlapped", 0) + 1
-        logits, tokens = self._decode_launch(running, device_tokens, pick=True, sources=sources)
+        positions = [s.length for s in running] if steps > 1 else None
+        logits, tokens, steps = self._decode_launch(running, device_tokens, pick=True, sources=sources, steps=steps,
+                                                    positions=positions)
         replay = None
         if tokens is None:
             tokens = self.picker.pick_on_device(running, logits, self.sampler)
@@ -106,7 +125,11 @@ class DecodeSteps:
         # the picks' copy to the host: made by the graph itself when it copies (DecodeGraphs.copies_in_graph)
         host_copy = self.graphs.last_host_copy if replay is not None and self.graphs.copies_in_graph \
             else self._host_copies.start(tokens)
-        previous, self._inflight = self._inflight, InflightStep(list(running), tokens, *host_copy, replay=replay)
+        if steps > 1:
+            self._counters["decode_launches_multi_step_total"] = \
+                self._counters.get("decode_launches_multi_step_total", 0) + 1
+        previous, self._inflight = self._inflight, InflightStep(list(running), tokens, *host_copy, replay=replay,
+                                                                steps=steps, positions=positions)
         if previous is not None:
             self._emit_inflight(previous)
         self._emit_first_tokens()
@@ -123,6 +146,9 @@ class DecodeSteps:
         scheduler thread's cost of an output per row per step (_emit_token) spared."""
         if step is None:
             step, self._inflight = self._inflight, None
+        if step.steps > 1:
+            self._emit_steps(step)
+            return
         bare: list[Seq] = []
         tokens: list[int] = []
         max_len = self.max_len
@@ -140,6 +166,40 @@ class DecodeSteps:
                     tokens.append(token)
                 else:
                     self._emit_token(seq, token)
+            if bare:
+                counters = self._counters
+                counters["generated_tokens"] += len(bare)
+                counters["decode_tokens_bare_total"] = counters.get("decode_tokens_bare_total", 0) + len(bare)
+                self.emitter.send_tokens(bare, tokens)
+
+    def _emit_steps(self, step: InflightStep) -> None:
+        """Read and send the tokens of a replay of several steps, each row's in order. A row whose tokens all leave
+        bare (the test of _emit_inflight, for each) sends them so; any other row sends each through _emit_token up
+        to its end, its cache length as it stood at that token (the rows' lengths have moved on with the launch
+        after) — a row's tokens never split between the two, whose outputs the worker takes in separate passes.
+        Tokens past a row's end were computed and are dropped."""
+        bare: list[Seq] = []
+        tokens: list[int] = []
+        steps = step.steps
+        max_len = self.max_len
+        with self.emitter:
+            for seq, row_tokens, position in zip(step.rows, zip(*step.read()), step.positions):
+                if seq.slot < 0:  # ended meanwhile (a stop token read after this step was launched, a cancel)
+                    continue
+                if seq.plain and seq.streamed and seq.ends_on.isdisjoint(row_tokens) and \
+                        seq.generated + steps < seq.max_tokens and position + steps + 1 < max_len:
+                    seq.generated += steps
+                    seq.last_token = row_tokens[-1]
+                    bare += [seq] * steps
+                    tokens += row_tokens
+                    continue
+                ahead = seq.length
+                for i, token in enumerate(row_tokens):
+                    seq.length = position + i + 1  # as it stood after this token's step: _end_of's cache test
+                    if not self._emit_token(seq, token):
+                        break
+                else:
+                    seq.length = ahead
             if bare:
                 counters = self._counters
                 counters["generated_tokens"] += len(bare)

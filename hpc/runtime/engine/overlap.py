@@ -41,8 +41,13 @@ class InflightStep:
     host: torch.Tensor  # their copy on the host, complete once `done` is
     done: Any = None  # a CUDA event after the copy (None on the CPU: the copy is done)
     replay: int | None = None  # picked inside the decode graphs' replay of this number (DecodeGraphs.picks)
+    # a replay of several steps (DecodeGraphs' `steps`): `host` is [steps, rows], `tokens` the last step's picks,
+    # and `positions` each row's first position in it (where its cache length stood, for the tokens' ends)
+    steps: int = 1
+    positions: list[int] | None = None
 
-    def read(self) -> list[int]:
+    def read(self) -> list:
+        """The tokens: one a row, or for a replay of several steps a list a step."""
         finish(self.done)  # this step only, not the one launched after it
         return self.host.tolist()
 
@@ -78,15 +83,19 @@ class HostCopies:
 _batchable = operator.attrgetter("batchable")
 
 
-def carry_over(step: InflightStep | None, running: list["Seq"], max_len: int) -> tuple[list[int], list["Seq"]] | None:
+def carry_over(step: InflightStep | None, running: list["Seq"], max_len: int,
+               steps: int = 1) -> tuple[list[int], list["Seq"]] | None:
     """The next step's rows while `step` is in flight, as TensorRT-LLM's overlap scheduler forms them: the rows
     of `step` that go on past its token (their indices in it: their input is its device tokens), then the rows
     that joined since (handed over or prefilled here: their token on the host, or still on the device where the
     prefill picked it, FirstTokens). A row whose token in flight ends it by count or cache length (known now)
     sits the step out; its token is emitted as the step launches. None when a row needs its token on the host
-    before its next step (penalties, guides, seeds, logprobs)."""
+    before its next step (penalties, guides, seeds, logprobs). `steps`: the next launch's steps (a replay of
+    several); a row goes on only with the cache positions for them all, and `step`'s own steps count ahead."""
     if not all(map(_batchable, running)):
         return None
+    ahead = step.steps if step is not None else 1
+    room = max_len - steps
     # each row's index in the step (None: joined since), looked up in C: a 64-row step's host time went ~40 %
     # to this function and the emission of the step before (benchmarks/decode_host_step.py)
     index = dict(zip(map(id, step.rows), itertools.count())) if step is not None else {}
@@ -94,10 +103,10 @@ def carry_over(step: InflightStep | None, running: list["Seq"], max_len: int) ->
     joined: list["Seq"] = []
     for seq, i in zip(running, map(index.get, map(id, running))):
         if i is None:
-            if seq.length + 1 >= max_len:
+            if seq.length >= room:
                 return None
             joined.append(seq)
-        elif seq.generated + 1 < seq.max_tokens and seq.length + 2 < max_len:
+        elif seq.generated + ahead < seq.max_tokens and seq.length + 1 < room:
             kept.append(i)
     return kept, joined
 
@@ -159,7 +168,8 @@ class FirstTokens:
         return steps
 
 
-def startable(running: list["Seq"], max_len: int) -> bool:
-    """May a chain start with this step? Its rows batchable and none at the cache's end (a row whose next token is
-    its last by count just sits out the step after, carry_over)."""
-    return all(seq.batchable and seq.length + 2 < max_len for seq in running)
+def startable(running: list["Seq"], max_len: int, steps: int = 1) -> bool:
+    """May a chain start with this step (of `steps` steps)? Its rows batchable and none at the cache's end (a row
+    whose next token is its last by count just sits out the step after, carry_over)."""
+    room = max_len - steps - 1
+    return all(seq.batchable and seq.length < room for seq in running)

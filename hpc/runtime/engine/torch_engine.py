@@ -52,6 +52,8 @@ HANDOFF_TTL_S = 120.0
 INTAKE_WAIT_S = 0.05  # an idle scheduler's wait for its own requests (intake): also how soon it sees close()
 
 
+# decode steps a graph replay runs (decode_steps_a_replay)
+DECODE_STEPS_PER_GRAPH = 4
 # the LLM API's `dtype` (TensorRT-LLM llmapi/llm_args.py): "auto" is bf16 on a GPU, fp32 on the CPU
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,6 +65,13 @@ def _take_gil_switch_interval() -> None:
     interval = os.environ.get("HPC_GIL_SWITCH_INTERVAL")
     if interval:
         sys.setswitchinterval(float(interval))
+
+
+def decode_steps_a_replay() -> int:
+    """HPC_DECODE_STEPS_PER_GRAPH: decode steps one graph replay runs where its rows allow (DecodeGraphs' `steps`),
+    DECODE_STEPS_PER_GRAPH by default; 1 is a step a replay, for comparisons."""
+    steps = os.environ.get("HPC_DECODE_STEPS_PER_GRAPH", "")
+    return int(steps) if steps.isdigit() and int(steps) > 0 else DECODE_STEPS_PER_GRAPH
 
 
 class TorchEngine(ContextSteps, DecodeSteps, WarmUp):
@@ -217,7 +226,7 @@ class TorchEngine(ContextSteps, DecodeSteps, WarmUp):
         # (docs/performance.md, session 19); HPC_DECODE_GRAPH_COPIES=0 has the host launch them, for comparisons
         copies = os.environ.get("HPC_DECODE_GRAPH_COPIES", "1") != "0"
         self.graphs = DecodeGraphs(self._decode_logits, sizes, self.max_batch, self.device, pick=pick_in_graph,
-                                   copies_in_graph=copies) if sizes else None
+                                   copies_in_graph=copies, steps=decode_steps_a_replay()) if sizes else None
         counts = prefill_graph_tokens(self.args, self._token_budget()) if self._graphable(prefill=True) else None
         self.prefill_graphs = PrefillGraphs(self._packed_logits, counts, self.max_batch, self.max_batch,
                                             self.max_len, self.device) if counts else None

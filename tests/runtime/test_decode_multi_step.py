@@ -1,0 +1,131 @@
+"""Several decode steps in one graph replay (DecodeGraphs' `steps`, HPC_DECODE_STEPS_PER_GRAPH): each step's picks
+are the next one's tokens inside the replay, and the host emits a row's tokens of all of them at once. The answers
+are the step-by-step ones — rows ending by count, by a stop token and at the cache's end between a replay's
+steps, requests joining mid-chain — and a row's tokens leave in order, never split between bare tokens and whole
+outputs.
+
+On the CPU a graph is stood in for by a capture that reruns the step (tests/fakes/graphs.py), so the engine's
+decode graphs run here as on a GPU, their steps eager."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hpc.runtime.engine import warmup
+from hpc.runtime.engine.torch_engine import TorchEngine
+from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
+from tests.fakes.graphs import RecordedGraph
+from tests.runtime.staggered import staggered as _staggered
+
+pytestmark = pytest.mark.unit
+
+MAX_LEN = 64
+STEPS = 4
+PROMPTS = [[5, 6, 7, 8], [40, 41], [9] * 12, [100, 200, 300]]
+
+
+@pytest.fixture
+def decode_graphs(monkeypatch):
+    """Decode graphs on the CPU (prefill stays eager), `steps` a replay as the test sets it."""
+    monkeypatch.setattr(TorchEngine, "_graphable",
+                        lambda self, prefill=False: not prefill and self.mode is not DisaggregationMode.PREFILL)
+    monkeypatch.setattr(warmup, "cuda_capture", lambda device: RecordedGraph())
+
+    def steps(count: int) -> None:
+        monkeypatch.setenv("HPC_DECODE_STEPS_PER_GRAPH", str(count))
+    return steps
+
+
+async def _outputs(model_dir, args: dict, requests: list[SamplingParams], alone_last: bool = False):
+    engine_args = {"max_seq_len": MAX_LEN, "max_batch_size": 8, **args}
+    async with TorchEngine(model_dir, DisaggregationMode.AGGREGATED, engine_args) as engine:
+        async def one(ids, sampling):
+            return [out async for out in engine.generate(GenerateRequest(request_id="r", token_ids=ids,
+                                                                         sampling=sampling))]
+        together = len(requests) - 1 if alone_last else len(requests)
+        outs = await asyncio.gather(*(one(ids, p) for ids, p in zip(PROMPTS, requests[:together])))
+        if alone_last:  # after the others: a request with logprobs keeps its batch step by step
+            outs.append(await one(PROMPTS[len(outs)], requests[-1]))
+        return outs, engine.stats()
+
+
+def _tokens(outs) -> list[int]:
+    return [t for out in outs for t in out.token_ids]
+
+
+def test_a_replay_of_several_steps_answers_output_for_output_as_step_by_step(tiny, decode_graphs):
+    decode_graphs(1)
+    reference, _ = asyncio.run(_outputs(tiny, {"disable_overlap_scheduler": True},
+                                        [SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)] * 4))
+    # a stop token at the 6th token (mid-replay), a count that is no multiple of the steps, the cache's last position
+    # (12 + 51 = 63 of 64), and logprobs (never bare, never on the device)
+    requests = [SamplingParams(max_tokens=9, temperature=0, ignore_eos=True,
+                               stop_token_ids=[_tokens(reference[0])[5]]),
+                SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),
+                SamplingParams(max_tokens=MAX_LEN - 12 - 1, temperature=0, ignore_eos=True),
+                SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=1)]
+    stepwise, plain = asyncio.run(_outputs(tiny, {"disable_overlap_scheduler": True}, requests, alone_last=True))
+    decode_graphs(STEPS)
+    several, stats = asyncio.run(_outputs(tiny, {}, requests, alone_last=True))
+    assert several == stepwise  # GenerateOutput structs, field for field, in order
+    assert [out.finish_reason for out in (o[-1] for o in several)] == ["stop", "length", "length", "length"]
+    assert [len(_tokens(o)) for o in several] == [6, 7, MAX_LEN - 12 - 1, 5]
+    assert plain.get("decode_launches_multi_step_total", 0) == 0
+    # the third row's 51 decode tokens went mostly 4 a replay, and the middle tokens left bare
+    assert stats["decode_launches_multi_step_total"] >= 10, stats
+    assert stats["decode_tokens_bare_total"] >= 40, stats
+    assert stats["decode_steps"] < stats["generated_tokens"] // 2, stats
+
+
+def test_one_request_decodes_four_tokens_a_launch(tiny, decode_graphs):
+    sampling = [SamplingParams(max_tokens=33, temperature=0, ignore_eos=True)]
+    decode_graphs(1)
+    one_a_step, single = asyncio.run(_outputs(tiny, {}, sampling))
+    decode_graphs(STEPS)
+    several, stats = asyncio.run(_outputs(tiny, {}, sampling))
+    assert _tokens(several[0]) == _tokens(one_a_step[0]) and len(_tokens(several[0])) == 33
+    assert single["decode_steps"] == 32 and single.get("decode_launches_multi_step_total", 0) == 0, single
+    # its 32 decode tokens: 8 launches of 4 (the first from the prefill's token on the device)
+    assert stats["decode_steps"] == stats["decode_launches_multi_step_total"] == 8, stats
+
+
+def test_requests_join_a_chain_of_several_steps_a_replay(tiny, decode_graphs):
+    def staggered(args: dict) -> tuple[list[list[int]], dict]:
+        return asyncio.run(_staggered(tiny, {"max_seq_len": MAX_LEN, "max_batch_size": 8, **args}, PROMPTS,
+                                      lambda i: 20 - 3 * i))
+
+    decode_graphs(STEPS)
+    several, stats = staggered({})
+    stepwise, _ = staggered({"disable_overlap_scheduler": True})
+    assert several == stepwise and [len(t) for t in several] == [20, 17, 14, 11]
+    assert stats["decode_rows_joined_in_flight"] >= len(PROMPTS) - 1, stats
+    assert stats["decode_launches_multi_step_total"] > 0, stats
+
+
+def test_sampled_rows_draw_each_step_of_a_replay(tiny, decode_graphs):
+    decode_graphs(STEPS)
+    sampled = [SamplingParams(max_tokens=11, temperature=1.0, ignore_eos=True) for _ in PROMPTS]
+    outs, stats = asyncio.run(_outputs(tiny, {}, sampled))
+    answers = [_tokens(o) for o in outs]
+    assert [len(tokens) for tokens in answers] == [11] * 4
+    assert stats["decode_launches_multi_step_total"] > 0, stats
+    # draws, not one token repeated: a replay's steps each drew (4 rows x 10 decode tokens of a 4,096 vocabulary)
+    assert len({t for tokens in answers for t in tokens[1:]}) > 20, answers
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_real_graphs_of_several_steps_answer_as_graphs_of_one(tiny, monkeypatch):
+    """On the GPU: CUDA graphs of four steps a replay (the fused kernels, the picks and their copies captured)
+    give the greedy tokens of one step a replay."""
+    requests = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (9, 30, 17, 2)]
+    monkeypatch.setenv("HPC_DECODE_STEPS_PER_GRAPH", "1")
+    one, single = asyncio.run(_outputs(tiny, {}, requests))
+    monkeypatch.setenv("HPC_DECODE_STEPS_PER_GRAPH", str(STEPS))
+    several, stats = asyncio.run(_outputs(tiny, {}, requests))
+    assert [_tokens(o) for o in several] == [_tokens(o) for o in one]
+    assert [len(_tokens(o)) for o in several] == [9, 30, 17, 2]
+    assert single.get("decode_launches_multi_step_total", 0) == 0 and single["decode_steps_graphed"] > 0, single
+    assert stats["decode_launches_multi_step_total"] >= 6 and stats["decode_steps"] <= 12, stats
