@@ -13,7 +13,7 @@ import asyncio
 
 import pytest
 
-from hpc.runtime.engine import warmup
+from hpc.runtime.engine import decode_graphs, warmup
 from hpc.runtime.engine.torch_engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
 from tests.fakes.graphs import RecordedGraph
@@ -27,11 +27,13 @@ PROMPTS = [[5, 6, 7, 8], [40, 41], [9] * 12, [100, 200, 300]]
 
 
 @pytest.fixture
-def decode_graphs(monkeypatch):
-    """Decode graphs on the CPU (prefill stays eager), `steps` a replay as the test sets it."""
+def stand_in_graphs(monkeypatch):
+    """Decode graphs stood in for (prefill stays eager), `steps` a replay as the test sets it. On a GPU the
+    stand-in's replay is the eager step, slower than a graph's: it is not timed against SEVERAL_STEPS_BELOW_S."""
     monkeypatch.setattr(TorchEngine, "_graphable",
                         lambda self, prefill=False: not prefill and self.mode is not DisaggregationMode.PREFILL)
     monkeypatch.setattr(warmup, "cuda_capture", lambda device: RecordedGraph())
+    monkeypatch.setattr(decode_graphs, "SEVERAL_STEPS_BELOW_S", float("inf"))
 
     def steps(count: int) -> None:
         monkeypatch.setenv("HPC_DECODE_STEPS_PER_GRAPH", str(count))
@@ -55,8 +57,8 @@ def _tokens(outs) -> list[int]:
     return [t for out in outs for t in out.token_ids]
 
 
-def test_a_replay_of_several_steps_answers_output_for_output_as_step_by_step(tiny, decode_graphs):
-    decode_graphs(1)
+def test_a_replay_of_several_steps_answers_output_for_output_as_step_by_step(tiny, stand_in_graphs):
+    stand_in_graphs(1)
     reference, _ = asyncio.run(_outputs(tiny, {"disable_overlap_scheduler": True},
                                         [SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)] * 4))
     # a stop token at the 6th token (mid-replay), a count that is no multiple of the steps, the cache's last position
@@ -67,7 +69,7 @@ def test_a_replay_of_several_steps_answers_output_for_output_as_step_by_step(tin
                 SamplingParams(max_tokens=MAX_LEN - 12 - 1, temperature=0, ignore_eos=True),
                 SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=1)]
     stepwise, plain = asyncio.run(_outputs(tiny, {"disable_overlap_scheduler": True}, requests, alone_last=True))
-    decode_graphs(STEPS)
+    stand_in_graphs(STEPS)
     several, stats = asyncio.run(_outputs(tiny, {}, requests, alone_last=True))
     assert several == stepwise  # GenerateOutput structs, field for field, in order
     assert [out.finish_reason for out in (o[-1] for o in several)] == ["stop", "length", "length", "length"]
@@ -79,11 +81,11 @@ def test_a_replay_of_several_steps_answers_output_for_output_as_step_by_step(tin
     assert stats["decode_steps"] < stats["generated_tokens"] // 2, stats
 
 
-def test_one_request_decodes_four_tokens_a_launch(tiny, decode_graphs):
+def test_one_request_decodes_four_tokens_a_launch(tiny, stand_in_graphs):
     sampling = [SamplingParams(max_tokens=33, temperature=0, ignore_eos=True)]
-    decode_graphs(1)
+    stand_in_graphs(1)
     one_a_step, single = asyncio.run(_outputs(tiny, {}, sampling))
-    decode_graphs(STEPS)
+    stand_in_graphs(STEPS)
     several, stats = asyncio.run(_outputs(tiny, {}, sampling))
     assert _tokens(several[0]) == _tokens(one_a_step[0]) and len(_tokens(several[0])) == 33
     assert single["decode_steps"] == 32 and single.get("decode_launches_multi_step_total", 0) == 0, single
@@ -91,12 +93,12 @@ def test_one_request_decodes_four_tokens_a_launch(tiny, decode_graphs):
     assert stats["decode_steps"] == stats["decode_launches_multi_step_total"] == 8, stats
 
 
-def test_requests_join_a_chain_of_several_steps_a_replay(tiny, decode_graphs):
+def test_requests_join_a_chain_of_several_steps_a_replay(tiny, stand_in_graphs):
     def staggered(args: dict) -> tuple[list[list[int]], dict]:
         return asyncio.run(_staggered(tiny, {"max_seq_len": MAX_LEN, "max_batch_size": 8, **args}, PROMPTS,
                                       lambda i: 20 - 3 * i))
 
-    decode_graphs(STEPS)
+    stand_in_graphs(STEPS)
     several, stats = staggered({})
     stepwise, _ = staggered({"disable_overlap_scheduler": True})
     assert several == stepwise and [len(t) for t in several] == [20, 17, 14, 11]
@@ -104,8 +106,8 @@ def test_requests_join_a_chain_of_several_steps_a_replay(tiny, decode_graphs):
     assert stats["decode_launches_multi_step_total"] > 0, stats
 
 
-def test_sampled_rows_draw_each_step_of_a_replay(tiny, decode_graphs):
-    decode_graphs(STEPS)
+def test_sampled_rows_draw_each_step_of_a_replay(tiny, stand_in_graphs):
+    stand_in_graphs(STEPS)
     sampled = [SamplingParams(max_tokens=11, temperature=1.0, ignore_eos=True) for _ in PROMPTS]
     outs, stats = asyncio.run(_outputs(tiny, {}, sampled))
     answers = [_tokens(o) for o in outs]
