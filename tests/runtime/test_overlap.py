@@ -306,3 +306,25 @@ def test_the_running_rows_are_walked_only_after_one_ended_or_was_cancelled(tiny,
 
 async def _collect(engine, request):
     return [out async for out in engine.generate(request)]
+
+
+def test_the_walk_that_drops_a_cancelled_row_asks_for_no_other(tiny):
+    # a row released by the walk itself is gone from the rows already: no walk at the next step for it, while a
+    # row released anywhere else (a finish) asks for one
+    engine = TorchEngine(tiny, DisaggregationMode.DECODE, {"max_seq_len": MAX_LEN})
+    engine.load()
+
+    def seated(request_id: str):
+        seq = engine._seq(GenerateRequest(request_id=request_id, token_ids=[5], sampling=SamplingParams(
+            max_tokens=9, temperature=0)), None, None)
+        seq.slot = engine.free_slots.pop()
+        return seq
+
+    cancelled, finished = seated("c"), seated("f")
+    engine._leaving = 0
+    engine.cancel(cancelled)
+    assert engine._leaving == 1
+    engine._leaving = 0  # as the scheduler resets it before it walks
+    assert not engine._still_running(cancelled) and cancelled.slot == -1 and engine._leaving == 0
+    engine._release(finished)
+    assert finished.slot == -1 and engine._leaving == 1

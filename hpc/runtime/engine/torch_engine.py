@@ -494,7 +494,7 @@ class TorchEngine(ContextSteps, DecodeSteps, WarmUp):
 
     def _still_running(self, seq: Seq) -> bool:
         if seq.cancelled and seq.slot >= 0:
-            self._release(seq)
+            self._release(seq, walking=True)
             return False
         return seq.slot >= 0
 
@@ -567,9 +567,11 @@ class TorchEngine(ContextSteps, DecodeSteps, WarmUp):
             seq.imported_kv.drop()
             seq.imported_kv = None
 
-    def _release(self, seq: Seq) -> None:
+    def _release(self, seq: Seq, walking: bool = False) -> None:
+        """Its slot back; the scheduler walks its rows at the next step, unless this is that walk (`walking`)."""
         if seq.slot >= 0:
             # a slot whose prompt the prefix cache has yet to copy is not prefilled over before that copy
             (self._held_slots if seq.slot in self._unstored else self.free_slots).append(seq.slot)
             seq.slot = -1
-            self._leaving += 1
+            if not walking:
+                self._leaving += 1
