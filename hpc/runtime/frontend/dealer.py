@@ -27,12 +27,14 @@ _PAUSE_S = 1.0
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """Process 0's listening socket (no SO_REUSEPORT: nothing else may take the port's connections)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    """Process 0's listening socket (no SO_REUSEPORT: nothing else may take the port's connections). `host`: an
+    address or a name, resolved as asyncio's create_server resolves it (its first address)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        sock.bind(address)
         sock.listen(1024)
         sock.setblocking(False)
     except OSError:

@@ -100,3 +100,16 @@ def test_a_full_channel_tells_of_closed_connections_later_not_never():
 
     told, left, untold = asyncio.run(main())
     assert told > 10 and untold == 0 and left == 100_000 - told, (told, left, untold)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1"])
+def test_the_listener_takes_an_address_or_a_name(host):
+    # as asyncio's create_server: a name is resolved (the frontend binds what the manifest says of its node)
+    try:
+        listener = listen(host, 0)
+    except OSError as exc:  # a machine without IPv6 on its loopback
+        pytest.skip(f"{host}: {exc}")
+    with listener, socket.create_connection(listener.getsockname()[:2], timeout=5):
+        listener.setblocking(True)
+        accepted, _ = listener.accept()
+        accepted.close()
