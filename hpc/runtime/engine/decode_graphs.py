@@ -142,7 +142,7 @@ class DecodeGraphs:
         self._copied = [torch.cuda.Event() for _ in range(2)] if copies_in_graph and pinned else []
         self.last_host_copy: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self._turn = 0
-        self._views: dict[tuple[int, int], torch.Tensor] = {}  # (id of a static tensor, rows) -> its first rows
+        self._views: dict[tuple[int, int, bool], torch.Tensor] = {}  # (id of a static tensor, rows, columns) -> view
         # by (batch size, staging buffer), the buffer None unless the copies are captured; _multi: `steps` a replay
         self._graphs: dict[tuple[int, int | None], tuple[Callable[[], None], Outputs]] = {}
         self._multi: dict[tuple[int, int | None], tuple[Callable[[], None], Outputs]] = {}
@@ -169,7 +169,7 @@ class DecodeGraphs:
                 self.timings[size] = {name: timer(graph[0]) for name, graph in graphs.items()}
                 self._graphs[(size, turns[0])] = graphs[self.paths[size]]
                 del graphs  # the slower one's graph: its memory goes back to the pool
-            with paths.path(self.paths[size]) if size in self.timings else contextlib.nullcontext():
+            with self._kept_path(paths, size):
                 for turn in turns:
                     if (size, turn) not in self._graphs:
                         self._graphs[(size, turn)] = capture(self._step_of(size, turn))
@@ -180,13 +180,17 @@ class DecodeGraphs:
                          self.one_step_s * 1e3)
                 self.steps = 1
         for size in largest_first if self.steps > 1 else ():
-            with paths.path(self.paths[size]) if size in self.timings else contextlib.nullcontext():
+            with self._kept_path(paths, size):
                 for turn in (0, 1):
                     self._multi[(size, turn)] = capture(self._step_of(size, turn, self.steps))
         log.info("decode CUDA graphs for batch sizes %s (padding %s%s%s)%s", list(self.sizes.batch_sizes),
                  "on" if self.sizes.padding else "off", ", copies captured" if self.copies_in_graph else "",
                  f", {self.steps} steps a replay where the rows allow" if self.steps > 1 else "",
                  f", each size's faster path: {self.paths}" if self.paths else "")
+
+    def _kept_path(self, paths: StepPaths | None, size: int) -> ContextManager[None]:
+        """Where `size` had a choice of paths, the faster one's (captures inside it take that path)."""
+        return paths.path(self.paths[size]) if size in self.timings else contextlib.nullcontext()
 
     @property
     def paths(self) -> dict[int, str]:
@@ -295,7 +299,7 @@ class DecodeGraphs:
                 done.record()
             # its picks, once `done`: [rows], or [steps, rows] for a replay of several steps
             self.last_host_copy = (self._rows_of(self._host_first[turn], rows) if steps == 1 else
-                                   self._columns_of(self._host_picks[turn], rows), done)
+                                   self._rows_of(self._host_picks[turn], rows, columns=True), done)
         else:
             self.inputs.copy_(staged, non_blocking=True)  # the whole buffer: one contiguous copy
             if device_tokens is not None:
@@ -308,21 +312,14 @@ class DecodeGraphs:
         logits, picked = out
         return self._rows_of(logits, rows), (self._rows_of(picked, rows) if temperatures is not None else None)
 
-    def _columns_of(self, tensor: torch.Tensor, rows: int) -> torch.Tensor:
-        key = (id(tensor), -rows)
-        view = self._views.get(key)
-        if view is None:
-            view = self._views[key] = tensor[:, :rows]
-        return view
-
     def _tokens_of(self, rows: int) -> torch.Tensor:
         return self._rows_of(self._input_tokens, rows)
 
-    def _rows_of(self, tensor: torch.Tensor, rows: int) -> torch.Tensor:
-        """tensor[:rows] of a tensor this object keeps, made once: a view is a few microseconds of torch, and a
-        step took three."""
-        key = (id(tensor), rows)
+    def _rows_of(self, tensor: torch.Tensor, rows: int, columns: bool = False) -> torch.Tensor:
+        """tensor[:rows] (with `columns`, tensor[:, :rows]) of a tensor this object keeps, made once: a view is a
+        few microseconds of torch, and a step took three."""
+        key = (id(tensor), rows, columns)
         view = self._views.get(key)
         if view is None:
-            view = self._views[key] = tensor[:rows]
+            view = self._views[key] = tensor[:, :rows] if columns else tensor[:rows]
         return view

@@ -54,11 +54,13 @@ class DecodeSteps:
                                        lambda ids: on_device(ids, self.device))
             self._launch_overlapped(rows, tokens, steps=steps)
             return
-        if self.overlap and startable(running, self.max_len):
-            # several steps a launch only where every row has the cache positions for them
-            self._launch_overlapped(running, None, steps=self._steps_a_launch
-                                    if startable(running, self.max_len, self._steps_a_launch) else 1)
-            return
+        if self.overlap:
+            # several steps a launch only where every row has the cache positions for them, else one
+            several = self._steps_a_launch
+            for steps in (several, 1) if several > 1 else (1,):
+                if startable(running, self.max_len, steps):
+                    self._launch_overlapped(running, None, steps=steps)
+                    return
         self._counters["decode_steps"] += 1
         logits, _, _ = self._decode_launch(running, None)
         picked = self.picker.pick_rows(running, logits, self.sampler)
@@ -167,10 +169,7 @@ class DecodeSteps:
                 else:
                     self._emit_token(seq, token)
             if bare:
-                counters = self._counters
-                counters["generated_tokens"] += len(bare)
-                counters["decode_tokens_bare_total"] = counters.get("decode_tokens_bare_total", 0) + len(bare)
-                self.emitter.send_tokens(bare, tokens)
+                self._send_bare(bare, tokens)
 
     def _emit_steps(self, step: InflightStep) -> None:
         """Read and send the tokens of a replay of several steps, each row's in order. A row whose tokens all leave
@@ -201,10 +200,14 @@ class DecodeSteps:
                 else:
                     seq.length = ahead
             if bare:
-                counters = self._counters
-                counters["generated_tokens"] += len(bare)
-                counters["decode_tokens_bare_total"] = counters.get("decode_tokens_bare_total", 0) + len(bare)
-                self.emitter.send_tokens(bare, tokens)
+                self._send_bare(bare, tokens)
+
+    def _send_bare(self, seqs: list[Seq], tokens: list[int]) -> None:
+        """Tokens that leave bare (Emitter.send_tokens), each its row's (a row once a token), counted."""
+        counters = self._counters
+        counters["generated_tokens"] += len(seqs)
+        counters["decode_tokens_bare_total"] = counters.get("decode_tokens_bare_total", 0) + len(seqs)
+        self.emitter.send_tokens(seqs, tokens)
 
     def _send_read(self, step: InflightStep, send) -> None:
         """Read tokens picked on the device and `send` each; rows that ended meanwhile (a stop token read after
