@@ -113,6 +113,13 @@ def quiet_recipe(recipe_name: str) -> Any:
     return recipe
 
 
+def recipe_role_args(recipe: Any) -> dict[str, Any]:
+    """The override_engine_args of the recipe's decode (or aggregated) role, less its batch and cache length,
+    which the levels set for both paths."""
+    role = recipe.roles.decode or recipe.roles.agg
+    return {k: v for k, v in (role.override_engine_args or {}).items() if k not in ("max_batch_size", "max_seq_len")}
+
+
 def stack_max_seq_len(recipe: Any) -> int:
     """The max_seq_len the recipe's workers get (hpc.engine_args.precedence.recipe_defaults: its limits)."""
     return recipe.limits.max_input_tokens + recipe.limits.max_output_tokens
@@ -183,7 +190,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians are reported")
     parser.add_argument("--engine-only", action="store_true", help="sweeps on the engine, no stack")
     parser.add_argument("--sweeps", type=int, default=2, help="with --engine-only: sweeps back to back")
-    parser.add_argument("--model", default="tiny", help="the generated model to serve (tiny)")
+    parser.add_argument("--model", default=None,
+                        help="the generated model to serve (default: the recipe's, e.g. tiny, llama-8b-shape)")
     parser.add_argument("--recipe", default="tiny-agg", help="the stack to compare with (tiny-agg, tiny-disagg)")
     parser.add_argument("--pin-schedulers", nargs="?", const="last", metavar="CPUS",
                         help="against the VM's uneven vCPUs: the direct path's engine and the stack's take turns "
@@ -206,9 +214,14 @@ def main() -> None:
     args = parser.parse_args()
     levels = [Level(c, args.input_tokens, args.output_tokens, max(args.requests, args.requests_per_user * c),
                     output_spread=args.output_spread) for c in (int(x) for x in args.concurrency.split(","))]
-    model_dir = ensure_model(f"~/.cache/hpc/models/{args.model}", args.model)
     recipe = quiet_recipe(args.recipe)
-    extra = json.loads(args.engine_args)
+    model = args.model or recipe.model.generate or "tiny"
+    # the recipe's own model (its path: the stack's workers load the same directory) unless --model names another
+    model_dir = ensure_model(recipe.model.path if model == recipe.model.generate else f"~/.cache/hpc/models/{model}",
+                             model)
+    served = recipe.model.served_name
+    # the recipe's engine args for its serving role (the 8B shape's bf16), under the caller's --engine-args
+    extra = deep_update(recipe_role_args(recipe), json.loads(args.engine_args))
     if not args.engine_only and "max_seq_len" not in extra:
         # the stack's workers' own (the recipe's limits): the decode attention's launch covers the whole cache
         # length, so a direct engine of a shorter cache stepped faster than any worker could (192 against 768)
@@ -263,10 +276,10 @@ def main() -> None:
                         # repeated the last round's would find them in the workers' prefix cache
                         seed, began = round_ * len(levels) + i, time.time()
                         if args.client_in_process:
-                            res = await run_level(url, "hpc/tiny", lv, True, WARMUP, seed=seed)
+                            res = await run_level(url, served, lv, True, WARMUP, seed=seed)
                         else:  # apart from the engine's process, one client process per 16 users (hpc bench's auto)
                             processes = processes_for(args.client_processes, lv.concurrency, os.cpu_count() or 1)
-                            res = await run_apart(url, "hpc/tiny", lv, True, WARMUP, seed, processes)
+                            res = await run_apart(url, served, lv, True, WARMUP, seed, processes)
                         via[lv.concurrency].append(res["output_tokens_per_s"])
                         spans.setdefault(f"c={lv.concurrency} stack", []).append((began, time.time()))
                         for name, u in placed.items():
@@ -295,7 +308,7 @@ def main() -> None:
         label, direct, via, frontends = asyncio.run(run())
     lv0 = levels[0]
     out = f"{lv0.output_tokens} +- {args.output_spread}" if args.output_spread else str(lv0.output_tokens)
-    print(f"tokens/s, {args.model} torch model on {label}, {lv0.input_tokens} in / {out} out, "
+    print(f"tokens/s, {model} torch model on {label}, {lv0.input_tokens} in / {out} out, "
           f"{'' if args.engine_only else f'stack {args.recipe} ({frontends} frontend processes), '}"
           f"{f'{args.sweeps} sweeps' if args.engine_only else f'{args.rounds} alternating rounds, medians'}, "
           f"max_seq_len {engine_args['max_seq_len']}"
