@@ -258,6 +258,7 @@ def main() -> None:
                 stack = local_stack(args.recipe, *(f"roles.{role}.override_engine_args={override}" for role in roles),
                                     *args.overrides)
                 stack_run, url = stack.__enter__()
+            print(f"stack launched in {time.perf_counter() - t0:.1f} s since the start", file=sys.stderr, flush=True)
             frontends = stack_run.manifest().plan.service("frontend").processes
             try:
                 if args.pin_schedulers:  # the stack stopped below whatever this raises
@@ -285,6 +286,10 @@ def main() -> None:
                         for name, u in placed.items():
                             add_clock(lv.concurrency, name, clock_spent(before[name], counters(u, SCHEDULER_CLOCK)))
                         seen.setdefault(lv.concurrency, []).append((res["ttft_s"]["p50"], res["e2e_s"]["p50"]))
+                        # as it goes, for a run cut short (a GPU call's time limit): the table comes at the end
+                        print(f"round {round_ + 1} c={lv.concurrency}: {direct[lv.concurrency][-1]:.1f} tok/s "
+                              f"directly, {via[lv.concurrency][-1]:.1f} through the frontend", file=sys.stderr,
+                              flush=True)
             finally:
                 with contextlib.redirect_stdout(io.StringIO()):
                     stack.__exit__(None, None, None)

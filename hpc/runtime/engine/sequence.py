@@ -14,7 +14,7 @@ from hpc.runtime.engine.sampling import graph_temperature
 from hpc.runtime.engine.types import GenerateOutput, GenerateRequest, TokenLogprob
 
 
-@dataclass
+@dataclass(eq=False)  # a request's state: one is equal only to itself (a list's `in`, runs of its tokens)
 class Seq:
     request: GenerateRequest
     emit: Callable[[GenerateOutput], None]
@@ -79,9 +79,9 @@ class Seq:
         # not `**final` in the call above: even empty, it takes msgspec's slow path (0.8 µs a token instead of 0.15)
         self.emit(replace(out, **final) if final else out)
 
-    def bare(self, token: int) -> GenerateOutput:
-        """A plain decode token's output, as send_held makes it (Emitter.send_tokens)."""
-        return GenerateOutput(token_ids=[token], prompt_tokens=len(self.request.token_ids), cached_tokens=self.cached)
+    def bare(self, tokens: list[int]) -> GenerateOutput:
+        """Plain decode tokens' output, as send_held makes it (Emitter.send_tokens)."""
+        return GenerateOutput(token_ids=tokens, prompt_tokens=len(self.request.token_ids), cached_tokens=self.cached)
 
 
 class BatchWait:

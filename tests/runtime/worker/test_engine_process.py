@@ -96,13 +96,17 @@ def test_a_steps_bare_tokens_cross_as_ints_and_become_the_outputs_the_engine_wou
         first = GenerateOutput(token_ids=[30], prompt_tokens=6, cached_tokens=4)
         process._delivered(Outputs(keys=[3, 5], outputs=[first, GenerateOutput(token_ids=[50], prompt_tokens=8)]))
         process._delivered(Outputs(keys=[], outputs=[], token_keys=[3, 5, 9, 11], tokens=[31, 51, 91, 111]))
+        # a replay of several steps: a row's tokens in a run, one output for the run (keys decoded apart: not `is`)
+        process._delivered(Outputs(keys=[], outputs=[], token_keys=[3, 3, 3, 5, 5], tokens=[32, 33, 34, 52, 53]))
         failed = process._streams.get(9)
         return got, {"left": sorted(process._streams), "failed": failed}
 
     got, rest = asyncio.run(worker_side())
     assert got[3] == [GenerateOutput(token_ids=[30], prompt_tokens=6, cached_tokens=4),
-                      GenerateOutput(token_ids=[31], prompt_tokens=6, cached_tokens=4)]
-    assert got[5][-1] == GenerateOutput(token_ids=[51], prompt_tokens=8, cached_tokens=0)
+                      GenerateOutput(token_ids=[31], prompt_tokens=6, cached_tokens=4),
+                      GenerateOutput(token_ids=[32, 33, 34], prompt_tokens=6, cached_tokens=4)]
+    assert got[5][1:] == [GenerateOutput(token_ids=[51], prompt_tokens=8, cached_tokens=0),
+                          GenerateOutput(token_ids=[52, 53], prompt_tokens=8, cached_tokens=0)]
     # a deliver that raised drops its request (the engine is told), key 11 unknown: skipped
     assert rest == {"left": [3, 5], "failed": None}
 
