@@ -113,6 +113,13 @@ def quiet_recipe(recipe_name: str) -> Any:
     return recipe
 
 
+def direct_model(recipe: Any, named: str | None) -> tuple[str, str]:
+    """(the generated model's kind, its directory) for the direct path: the recipe's own (the directory the
+    stack's workers load) unless `named` (--model) is another kind, built in the models cache."""
+    model = named or recipe.model.generate or "tiny"
+    return model, recipe.model.path if model == recipe.model.generate else f"~/.cache/hpc/models/{model}"
+
+
 def recipe_role_args(recipe: Any) -> dict[str, Any]:
     """The override_engine_args of the recipe's decode (or aggregated) role, less its batch and cache length,
     which the levels set for both paths."""
@@ -215,10 +222,8 @@ def main() -> None:
     levels = [Level(c, args.input_tokens, args.output_tokens, max(args.requests, args.requests_per_user * c),
                     output_spread=args.output_spread) for c in (int(x) for x in args.concurrency.split(","))]
     recipe = quiet_recipe(args.recipe)
-    model = args.model or recipe.model.generate or "tiny"
-    # the recipe's own model (its path: the stack's workers load the same directory) unless --model names another
-    model_dir = ensure_model(recipe.model.path if model == recipe.model.generate else f"~/.cache/hpc/models/{model}",
-                             model)
+    model, model_path = direct_model(recipe, args.model)
+    model_dir = ensure_model(model_path, model)
     served = recipe.model.served_name
     # the recipe's engine args for its serving role (the 8B shape's bf16), under the caller's --engine-args
     extra = deep_update(recipe_role_args(recipe), json.loads(args.engine_args))

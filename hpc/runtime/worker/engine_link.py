@@ -71,8 +71,8 @@ class Ready(_Link, tag="ready"):
 
 class Outputs(_Link, tag="outputs"):
     """One decode step's outputs (or one output outside a step), in the order the engine sent them; its rows'
-    bare tokens (Emitter.send_tokens) apart, a key and a token each: the worker makes their outputs (what an
-    earlier output of the request carried, and the token)."""
+    bare tokens (Emitter.send_tokens) apart, a key and a token each: the worker makes an output of each run of one
+    key's tokens (a replay of several steps; outputs.runs), with what an earlier output of the request carried."""
 
     keys: list[int]
     outputs: list[GenerateOutput]
