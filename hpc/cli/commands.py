@@ -86,6 +86,7 @@ def launch_resolved(r: Resolved, *, dry_run: bool = False, wait: bool = True, sm
     if r.cluster.is_local and not dry_run:
         from hpc.launch.local import port_free
 
+        _check_local_gpu(r)
         port = r.recipe.frontend.port
         if not port_free(port):
             raise UserError(f"port {port} is already in use on this machine", field="frontend.port",
@@ -109,6 +110,22 @@ def launch_resolved(r: Resolved, *, dry_run: bool = False, wait: bool = True, sm
     from hpc.launch.slurm import launch_slurm
 
     return launch_slurm(run, wait=wait, smoke=smoke), run
+
+
+# generated models whose weights only a GPU's memory holds (made there at load: 16 GB of bf16 for the 8B shape)
+GPU_ONLY_MODELS = {"llama-8b-shape": "16 GB of bf16 weights made on each worker's GPU"}
+
+
+def _check_local_gpu(r: Resolved) -> None:
+    """A recipe whose generated model needs a GPU, launched on a machine without one: one line now, instead of
+    workers building the weights on the CPU until they run out of memory or time."""
+    from hpc.launch.local import visible_gpus
+
+    needs = GPU_ONLY_MODELS.get(r.recipe.model.generate or "")
+    if needs and r.recipe.backend.value != "mock" and visible_gpus() == 0:
+        raise UserError(f"{r.recipe.model.generate} needs a GPU ({needs}) and this machine shows none",
+                        file=r.recipe_file, field="model.generate",
+                        hint="launch it on a GPU machine or a Slurm cluster, or try tiny-agg / tiny-disagg here")
 
 
 def _check_secrets(r: Resolved) -> None:

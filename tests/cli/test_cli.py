@@ -94,3 +94,30 @@ def test_the_launcher_imports_no_serving_stack_and_builds_no_model(tmp_path):
                          env={**__import__("os").environ, "HPC_RUNS_DIR": str(tmp_path / "runs")})
     assert "heavy [] code 0" in out.stdout, out.stdout + out.stderr
     assert not model.exists()
+
+
+def test_an_8b_recipe_on_a_machine_without_a_gpu_stops_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # this machine shows no GPU, whatever it has
+    monkeypatch.setenv("HPC_RUNS_DIR", str(tmp_path / "runs"))
+    with socket.socket() as s:  # a port nothing holds: what stops the launch must be the GPU alone
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["launch", "-r", "llama8b-agg", "--set", f"frontend.port={port}"]) == 2
+    err = capsys.readouterr().err
+    assert "llama8b-agg.yaml: model.generate: llama-8b-shape needs a GPU" in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()
+    # a dry run only writes the script, for a GPU cluster: no GPU is asked of this machine
+    assert main(["launch", "-r", "llama8b-agg", "-c", "eos", "--dry-run"]) == 0
+
+
+def test_the_gpu_check_asks_only_what_needs_one(monkeypatch):
+    from hpc.cli.commands import _check_local_gpu
+    from hpc.errors import UserError
+    from hpc.resolve import resolve
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(UserError, match="llama-8b-shape needs a GPU"):
+        _check_local_gpu(resolve("local", "llama8b-disagg"))
+    _check_local_gpu(resolve("local", "tiny-disagg"))  # the tiny model runs on the CPU
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    _check_local_gpu(resolve("local", "llama8b-disagg"))
