@@ -412,6 +412,10 @@ def test_the_decode_worker_serves_from_an_engine_process_of_its_own(apart, tiny)
     # message for all its rows (11 decode steps; the first and last outputs of a step leave with its message)
     assert _metric(apart, "decode-0", "hpc_worker_outputs_messages_total") >= messages + 11
     assert 0 < _metric(apart, "decode-0", "hpc_worker_outputs_link_seconds_total") < 5
+    # what the engine process's figures cost to make, timed as it makes them (a /metrics read asks for them)
+    made = _metric(apart, "decode-0", "hpc_worker_stats_made_total")
+    assert made >= 1 and 0 < _metric(apart, "decode-0", "hpc_worker_stats_seconds_total") < made * 0.1
+    assert _metric(apart, "decode-0", "hpc_worker_stats_made_total") > made
     on_scheduler = _metric(apart, "decode-0", "hpc_worker_requests_taken_by_scheduler_total")
     task_start = _metric(apart, "decode-0", "hpc_worker_task_start_seconds_total")
     if torch.cuda.is_available():
