@@ -11,7 +11,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from _direct import DirectPair, pair_devices  # noqa: E402
+from _direct import DirectPair, on_device_apart, pair_devices  # noqa: E402
+
+from hpc.runtime.engine.kv import copy_stream  # noqa: E402
 
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams  # noqa: E402
 
@@ -70,3 +72,35 @@ def test_the_pair_prefills_on_one_engine_and_decodes_on_the_other_as_one_engine_
 def test_the_pair_goes_on_two_gpus_when_there_are_two():
     assert pair_devices(2) == ("cuda:0", "cuda:1") and pair_devices(8) == ("cuda:0", "cuda:1")
     assert pair_devices(1) == (None, None) and pair_devices(0) == (None, None)
+
+
+def test_a_kv_on_the_cpu_or_on_the_decode_device_is_handed_over_as_it_is():
+    import torch
+
+    kv = torch.ones(2, 3)
+    assert on_device_apart(kv, torch.device("cpu")) is kv
+
+
+@pytest.mark.gpu
+def test_a_kv_crosses_gpus_without_waiting_for_the_prefill_gpus_work():
+    """The copy to the decode GPU goes on the handoff streams, not behind what the prefill GPU's current stream
+    has queued (its engine's next step, here a 0.5 s sleep kernel): `kv.to()` would wait for it."""
+    import time
+
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    source, target = torch.device("cuda:0"), torch.device("cuda:1")
+    kv = torch.arange(1 << 20, dtype=torch.float32, device=source)
+    torch.cuda.synchronize(source)
+    with torch.cuda.device(source):
+        torch.cuda._sleep(1_000_000_000)  # the prefill engine's queued step: 0.5 s at an H100's or H200's 1.98 GHz
+    t0 = time.perf_counter()
+    copied = on_device_apart(kv, target)
+    torch.cuda.current_stream(target).wait_stream(copy_stream(target))  # as the decode engine's admission does
+    torch.cuda.synchronize(target)
+    waited = time.perf_counter() - t0
+    torch.cuda.synchronize(source)
+    assert copied.device == target and torch.equal(copied.cpu(), kv.cpu())
+    assert waited < 0.25, waited  # not behind the 0.5 s on the source's current stream
