@@ -112,14 +112,11 @@ def launch_resolved(r: Resolved, *, dry_run: bool = False, wait: bool = True, sm
     return launch_slurm(run, wait=wait, smoke=smoke), run
 
 
-# generated models whose weights only a GPU's memory holds (made there at load: 16 GB of bf16 for the 8B shape)
-GPU_ONLY_MODELS = {"llama-8b-shape": "16 GB of bf16 weights made on each worker's GPU"}
-
-
 def _check_local_gpu(r: Resolved) -> None:
     """A recipe whose generated model needs a GPU, launched on a machine without one: one line now, instead of
     workers building the weights on the CPU until they run out of memory or time."""
     from hpc.launch.local import visible_gpus
+    from hpc.spec.recipe import GPU_ONLY_MODELS
 
     needs = GPU_ONLY_MODELS.get(r.recipe.model.generate or "")
     if needs and r.recipe.backend.value != "mock" and visible_gpus() == 0:

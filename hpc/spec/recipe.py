@@ -40,6 +40,10 @@ class OnFailure(str, Enum):
     RESTART = "restart"
 
 
+# generated models (ModelSpec.generate) whose weights only a GPU's memory holds: made there at load
+GPU_ONLY_MODELS = {"llama-8b-shape": "16 GB of bf16 weights made on each worker's GPU"}
+
+
 class ModelSpec(StrictModel):
     path: SingleLine = Field(min_length=1, description="weights directory (HF layout) or hub id")
     served_name: SingleLine = Field(min_length=1, max_length=256)

@@ -14,7 +14,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from _direct import DirectPair, on_device_apart, pair_devices  # noqa: E402
 
 from hpc.runtime.engine.kv import copy_stream  # noqa: E402
-
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.unit
