@@ -169,7 +169,7 @@ class DecodeSteps:
                 else:
                     self._emit_token(seq, token)
             if bare:
-                self._send_bare(bare, tokens)
+                self._send_bare(bare, tokens, 1)
 
     def _emit_steps(self, step: InflightStep) -> None:
         """Read and send the tokens of a replay of several steps, each row's in order. A row whose tokens all leave
@@ -189,7 +189,7 @@ class DecodeSteps:
                         seq.generated + steps < seq.max_tokens and position + steps + 1 < max_len:
                     seq.generated += steps
                     seq.last_token = row_tokens[-1]
-                    bare += [seq] * steps
+                    bare.append(seq)
                     tokens += row_tokens
                     continue
                 ahead = seq.length
@@ -200,14 +200,14 @@ class DecodeSteps:
                 else:
                     seq.length = ahead
             if bare:
-                self._send_bare(bare, tokens)
+                self._send_bare(bare, tokens, steps)
 
-    def _send_bare(self, seqs: list[Seq], tokens: list[int]) -> None:
-        """Tokens that leave bare (Emitter.send_tokens), each its row's (a row once a token), counted."""
+    def _send_bare(self, seqs: list[Seq], tokens: list[int], steps: int) -> None:
+        """Tokens that leave bare (Emitter.send_tokens), `steps` of each row in turn, counted."""
         counters = self._counters
-        counters["generated_tokens"] += len(seqs)
-        counters["decode_tokens_bare_total"] = counters.get("decode_tokens_bare_total", 0) + len(seqs)
-        self.emitter.send_tokens(seqs, tokens)
+        counters["generated_tokens"] += len(tokens)
+        counters["decode_tokens_bare_total"] = counters.get("decode_tokens_bare_total", 0) + len(tokens)
+        self.emitter.send_tokens(seqs, tokens, steps)
 
     def _send_read(self, step: InflightStep, send) -> None:
         """Read tokens picked on the device and `send` each; rows that ended meanwhile (a stop token read after

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from hpc.runtime.engine.types import GenerateOutput
 
@@ -13,19 +13,13 @@ def _deliver(items: list[tuple[asyncio.Queue, GenerateOutput]]) -> None:
         outputs.put_nowait(out)
 
 
-def runs(keys: list, tokens: list[int]) -> list[tuple[Any, list[int]]]:
-    """Consecutive tokens of one key (a row's tokens of a replay of several decode steps), as (key, tokens): one
-    output for them, one frontend chunk, instead of one for each token (at c=64 on two H200 the frontend's
-    processes were 72 % busy, most of it with a chunk a token: py-spy, session 26)."""
-    grouped: list[tuple[Any, list[int]]] = []
-    last = run = None
-    for key, token in zip(keys, tokens):
-        if key == last:
-            run.append(token)  # type: ignore[union-attr]
-        else:
-            last, run = key, [token]
-            grouped.append((key, run))
-    return grouped
+def rows_tokens(keys: list, tokens: list[int], steps: int) -> Iterator[tuple[Any, list[int]]]:
+    """Each row's tokens of a decode step (`steps` > 1: a replay of several steps, a row's `steps` tokens in turn)
+    as (key, tokens): one output for them, one frontend chunk, instead of one for each token (at c=64 on two H200
+    the frontend's processes were 72 % busy, most of it with a chunk a token: py-spy, session 26)."""
+    if steps == 1:
+        return ((key, [token]) for key, token in zip(keys, tokens))
+    return ((key, tokens[i * steps:(i + 1) * steps]) for i, key in enumerate(keys))
 
 
 class Direct:
@@ -50,11 +44,11 @@ class Emitter:
         else:
             self.batch.setdefault(loop, []).append((outputs, out))
 
-    def send_tokens(self, seqs: list, tokens: list[int]) -> None:
-        """A decode step's bare tokens (DecodeSteps._emit_inflight), a row once a token: a row's run of them
-        (a replay of several steps) as one output, as send_held makes it."""
-        for seq, run in runs(seqs, tokens):
-            seq.emit(seq.bare(run))
+    def send_tokens(self, seqs: list, tokens: list[int], steps: int) -> None:
+        """A decode step's bare tokens (DecodeSteps._emit_inflight), `steps` a row: a row's as one output, as
+        send_held makes it."""
+        for seq, row in rows_tokens(seqs, tokens, steps):
+            seq.emit(seq.bare(row))
 
     def __enter__(self) -> "Emitter":
         self.batch = {}

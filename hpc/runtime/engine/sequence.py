@@ -14,7 +14,7 @@ from hpc.runtime.engine.sampling import graph_temperature
 from hpc.runtime.engine.types import GenerateOutput, GenerateRequest, TokenLogprob
 
 
-@dataclass(eq=False)  # a request's state: one is equal only to itself (a list's `in`, runs of its tokens)
+@dataclass(eq=False)  # a request's state: one is equal only to itself (a list's `in` by identity)
 class Seq:
     request: GenerateRequest
     emit: Callable[[GenerateOutput], None]

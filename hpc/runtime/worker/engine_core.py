@@ -64,6 +64,7 @@ class LinkEmitter:
         self._outputs: list[GenerateOutput] = []
         self._token_keys: list[int] = []
         self._tokens: list[int] = []
+        self._token_steps = 1
         self._batching = False
 
     def send(self, loop: Any, outputs: Keyed, out: GenerateOutput) -> None:
@@ -80,8 +81,11 @@ class LinkEmitter:
             message = msgspec.structs.replace(message, outputs=[self._prepare(out) for out in message.outputs])
         self._send(message)
 
-    def send_tokens(self, seqs: list, tokens: list[int]) -> None:
-        """Only inside a step (DecodeSteps._emit_inflight): they leave with its message."""
+    def send_tokens(self, seqs: list, tokens: list[int], steps: int) -> None:
+        """Only inside a step (DecodeSteps._emit_inflight): they leave with its message, a key a row."""
+        if self._token_keys and steps != self._token_steps:  # one count a message: what came first leaves first
+            self._flush()
+        self._token_steps = steps
         self._token_keys += [seq.outputs.key for seq in seqs]
         self._tokens += tokens
 
@@ -91,9 +95,12 @@ class LinkEmitter:
 
     def __exit__(self, *exc: Any) -> None:
         self._batching = False
+        self._flush()
+
+    def _flush(self) -> None:
         if self._keys or self._token_keys:
             message = Outputs(keys=self._keys, outputs=self._outputs, token_keys=self._token_keys, tokens=self._tokens,
-                              sent=time.perf_counter())
+                              token_steps=self._token_steps, sent=time.perf_counter())
             self._keys, self._outputs, self._token_keys, self._tokens = [], [], [], []
             self._leave(message)
 

@@ -71,13 +71,14 @@ class Ready(_Link, tag="ready"):
 
 class Outputs(_Link, tag="outputs"):
     """One decode step's outputs (or one output outside a step), in the order the engine sent them; its rows'
-    bare tokens (Emitter.send_tokens) apart, a key and a token each: the worker makes an output of each run of one
-    key's tokens (a replay of several steps; outputs.runs), with what an earlier output of the request carried."""
+    bare tokens (Emitter.send_tokens) apart: a key a row and `token_steps` tokens a row in turn (a replay of
+    several steps), of which the worker makes one output, with what an earlier output of the request carried."""
 
     keys: list[int]
     outputs: list[GenerateOutput]
     token_keys: list[int] = []
     tokens: list[int] = []
+    token_steps: int = 1
     sent: float = 0.0  # the engine process's time.perf_counter() as it sent this (Submit's clock)
 
 

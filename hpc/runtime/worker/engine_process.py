@@ -25,7 +25,7 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from hpc.runtime.engine.kv_records import publish_each
-from hpc.runtime.engine.outputs import runs
+from hpc.runtime.engine.outputs import rows_tokens
 from hpc.runtime.engine.types import DisaggregationMode, GenerateOutput, GenerateRequest, KvMeta
 from hpc.runtime.serve.rpc import RemoteError
 from hpc.runtime.serve.wire import FetchKv
@@ -179,8 +179,8 @@ class EngineProcess:
             if self._deliver(key, stream, out) and out.finished:
                 del streams[key]
                 stream.done.set_result(None)
-        # bare tokens, never a request's first or last: a row's run of them (a replay's steps) one output
-        for key, tokens in runs(message.token_keys, message.tokens):
+        # bare tokens, never a request's first or last: a row's (a replay's steps) one output
+        for key, tokens in rows_tokens(message.token_keys, message.tokens, message.token_steps):
             stream = streams.get(key)
             if stream is not None:
                 self._deliver(key, stream, GenerateOutput(token_ids=tokens, prompt_tokens=stream.prompt_tokens,

@@ -76,10 +76,17 @@ def test_a_steps_bare_tokens_cross_as_ints_and_become_the_outputs_the_engine_wou
                      outputs=Keyed(key)) for key in (3, 5, 7)}
     with emitter:
         emitter.send(None, Keyed(7), GenerateOutput(token_ids=[70], prompt_tokens=10, finished=True))
-        emitter.send_tokens([seqs[3], seqs[5]], [31, 51])
+        emitter.send_tokens([seqs[3], seqs[5]], [31, 51], 1)
         assert sent == []  # bare tokens leave with their step's message, never alone
     assert len(sent) == 1 and (sent[0].keys, sent[0].token_keys, sent[0].tokens) == ([7], [3, 5], [31, 51])
     assert emitter._token_keys == [] and emitter._tokens == []  # the next step starts empty
+    with emitter:  # a replay of three steps: a key a row, its tokens in turn, the count once
+        emitter.send_tokens([seqs[3], seqs[5]], [32, 33, 34, 52, 53, 54], 3)
+    assert (sent[1].token_keys, sent[1].tokens, sent[1].token_steps) == ([3, 5], [32, 33, 34, 52, 53, 54], 3)
+    with emitter:  # another count in the same step: what came first leaves first, each with its own count
+        emitter.send_tokens([seqs[3]], [35, 36], 2)
+        emitter.send_tokens([seqs[5]], [55], 1)
+    assert [(m.token_keys, m.tokens, m.token_steps) for m in sent[2:]] == [([3], [35, 36], 2), ([5], [55], 1)]
 
     async def worker_side() -> tuple[dict, dict]:
         process = EngineProcess.__new__(EngineProcess)
@@ -96,8 +103,9 @@ def test_a_steps_bare_tokens_cross_as_ints_and_become_the_outputs_the_engine_wou
         first = GenerateOutput(token_ids=[30], prompt_tokens=6, cached_tokens=4)
         process._delivered(Outputs(keys=[3, 5], outputs=[first, GenerateOutput(token_ids=[50], prompt_tokens=8)]))
         process._delivered(Outputs(keys=[], outputs=[], token_keys=[3, 5, 9, 11], tokens=[31, 51, 91, 111]))
-        # a replay of several steps: a row's tokens in a run, one output for the run (keys decoded apart: not `is`)
-        process._delivered(Outputs(keys=[], outputs=[], token_keys=[3, 3, 3, 5, 5], tokens=[32, 33, 34, 52, 53]))
+        # a replay of several steps: a key a row, its tokens in turn, one output for them
+        process._delivered(Outputs(keys=[], outputs=[], token_keys=[3, 5], tokens=[32, 33, 34, 52, 53, 54],
+                                   token_steps=3))
         failed = process._streams.get(9)
         return got, {"left": sorted(process._streams), "failed": failed}
 
@@ -106,7 +114,7 @@ def test_a_steps_bare_tokens_cross_as_ints_and_become_the_outputs_the_engine_wou
                       GenerateOutput(token_ids=[31], prompt_tokens=6, cached_tokens=4),
                       GenerateOutput(token_ids=[32, 33, 34], prompt_tokens=6, cached_tokens=4)]
     assert got[5][1:] == [GenerateOutput(token_ids=[51], prompt_tokens=8, cached_tokens=0),
-                          GenerateOutput(token_ids=[52, 53], prompt_tokens=8, cached_tokens=0)]
+                          GenerateOutput(token_ids=[52, 53, 54], prompt_tokens=8, cached_tokens=0)]
     # a deliver that raised drops its request (the engine is told), key 11 unknown: skipped
     assert rest == {"left": [3, 5], "failed": None}
 
@@ -333,7 +341,8 @@ def test_messages_are_read_whole_however_the_bytes_arrive():
         receiver.connection_lost(None)
         assert closed == [True]
     records = [KvRecord(1, 2, [7, 8]), KvRecord(2, 2, [5, 6], parent=4, tokens=[1, 2, 3, 4])]
-    mixed = [Outputs(keys=[1], outputs=[GenerateOutput(token_ids=[2])], token_keys=[4, 6], tokens=[9, 10]),
+    mixed = [Outputs(keys=[1], outputs=[GenerateOutput(token_ids=[2])], token_keys=[4, 6], tokens=[9, 10, 11, 12],
+                     token_steps=2),
              Refused(key=1, message=hostile, code=400),
              KvEvents(records=records)]
     got = []
