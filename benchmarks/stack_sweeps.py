@@ -49,7 +49,9 @@ SWEEP_COUNTERS = ("kv_ask_seconds_total", "kv_move_seconds_total", "kv_ipc_opene
                   "link_seconds_total", "task_start_seconds_total", "submit_seconds_total", "inbox_seconds_total",
                   "kv_ipc_copy_batches", "engine_gc_full_collections_total", "engine_gc_seconds_total",
                   "worker_gc_full_collections_total", "worker_gc_seconds_total", "stats_seconds_total",
-                  "stats_made_total")
+                  "stats_made_total", "stats_cpu_seconds_total", "stats_engine_seconds_total",
+                  "worker_idle_spin_seconds_total", "engine_idle_spin_seconds_total",
+                  "engine_idle_spin_finds_total")
 
 
 def group_cpu_seconds(leader: int) -> float:

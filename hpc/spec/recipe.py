@@ -73,6 +73,14 @@ class HttpSpec(StrictModel):
     keepalive_timeout_s: float = Field(15.0, gt=0, le=3600, allow_inf_nan=False)
 
 
+def _int_or_auto(value: Any, low: int, high: int, what: str) -> Any:
+    """An int field that also takes 'auto': one message for both forms (pydantic would report each branch of the
+    union on a line of its own)."""
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and low <= value <= high):
+        return value
+    raise ValueError(f"expected {what} from {low} to {high} or 'auto'")
+
+
 class FrontendSpec(StrictModel):
     port: int = Field(8000, ge=1024, le=65535)
     router: RouterPolicy = RouterPolicy.ROUND_ROBIN
@@ -99,10 +107,7 @@ class FrontendSpec(StrictModel):
     @field_validator("processes", mode="before")
     @classmethod
     def _count_or_auto(cls, value: Any) -> Any:
-        """One message for both forms (pydantic would report each branch of the union on a line of its own)."""
-        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 64):
-            return value
-        raise ValueError("expected a count from 1 to 64 or 'auto'")
+        return _int_or_auto(value, 1, 64, "a count")
 
 
 class InfraSpec(StrictModel):
@@ -279,6 +284,18 @@ class RuntimeSpec(StrictModel):
                             "(text only). own: a process of its own beside the worker's RPC and HTTP servers, so the "
                             "scheduler and the output path do not share one GIL; worker: in the worker's process; "
                             "auto: own on a GPU")
+    idle_spin_us: Annotated[int, Field(ge=0, le=100_000)] | Literal["auto"] = Field(
+        "auto", description="after a request starts or ends, each frontend process, each worker and each engine "
+                            "process's scheduler keeps polling its sockets without sleeping this long, so that the "
+                            "next message finds its CPU awake (a CPU idle for a millisecond takes 40-50 us more to "
+                            "wake, up to 0.5 ms, on the GPU machines' VMs: benchmarks/hop_latency.py --gap-us); "
+                            "0: off. auto: 2000 where the process may use 8 CPUs or more, else 0 (on a small "
+                            "machine the spin takes the CPU from the work)")
+
+    @field_validator("idle_spin_us", mode="before")
+    @classmethod
+    def _microseconds_or_auto(cls, value: Any) -> Any:
+        return _int_or_auto(value, 0, 100_000, "microseconds")
 
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"  # it names the Slurm job and the run directory

@@ -21,8 +21,8 @@ from hpc.runtime.frontend.parsers import HARMONY
 from hpc.runtime.frontend.tokenizer import TextCodec
 from hpc.runtime.engine.tiny import ensure_model
 from hpc.runtime.serve.http import HttpLimits, HttpServer
-from hpc.runtime.services.node import (LoopLatency, Reporter, freeze_startup_objects, node_address, publish_endpoint,
-                                       rpc_token, watch_gc)
+from hpc.runtime.services.node import (IdleSpin, LoopLatency, Reporter, freeze_startup_objects, idle_spin_seconds,
+                                       node_address, publish_endpoint, rpc_token, watch_gc)
 from hpc.spec.recipe import RouterPolicy
 
 log = logging.getLogger(__name__)
@@ -48,13 +48,14 @@ async def serve(manifest: Manifest, bind: str | None = None, group: FrontendGrou
     app = Frontend(manifest, router, codec)
     app.gc_clock = watch_gc()
     app.loop_latency = LoopLatency().start()
+    app.idle_spin = IdleSpin(idle_spin_seconds(manifest.recipe.runtime.idle_spin_us))
     host = bind or node_address(manifest)
     port = manifest.plan.service("frontend").ports["http"]
     http = manifest.recipe.frontend.http
     server = HttpServer(app.handle, HttpLimits(
         max_body_bytes=int(http.max_request_body_mb * 1024 * 1024), header_timeout_s=http.header_timeout_s,
         body_timeout_s=http.body_timeout_s, keepalive_timeout_s=http.keepalive_timeout_s,
-        max_concurrent=http.max_concurrent_requests))
+        max_concurrent=http.max_concurrent_requests), on_activity=app.idle_spin.touch)
     share: Taker | Dealer | None = None
     if group is None:
         await server.start(host, port)

@@ -22,7 +22,7 @@ from hpc.runtime.frontend.tokenizer import Detokenizer, StopStrings, TextCodec
 from hpc.runtime.serve.http import Request, Response, json_dumps, json_loads, json_response
 from hpc.runtime.serve.metrics import LatencyHistograms, prometheus, prometheus_family
 from hpc.runtime.serve.rpc import PeerGone, RemoteError
-from hpc.runtime.services.node import GcClock, LoopLatency
+from hpc.runtime.services.node import GcClock, IdleSpin, LoopLatency
 from hpc.runtime.serve.wire import Guide, GuidePiece, replace
 
 
@@ -57,6 +57,7 @@ class Frontend:
         self.group: FrontendGroup | None = None  # several processes on the port: /health, /metrics for all
         self.gc_clock: GcClock | None = None  # a served frontend's process (watch_gc)
         self.loop_latency: LoopLatency | None = None  # and its event loop's
+        self.idle_spin: IdleSpin | None = None  # and its spins after a request's start and end
         self.videos = None
         if self.recipe.modality == "video_diffusion":  # seed 004: the videos API
             from hpc.runtime.frontend.videos import VideoService
@@ -157,6 +158,8 @@ class Frontend:
             values.update(self.gc_clock.stats(""))
         if self.loop_latency is not None:
             values.update(self.loop_latency.stats(""))
+        if self.idle_spin is not None:
+            values.update(self.idle_spin.stats(""))
         if self.videos is not None:
             values.update(self.videos.counters)
         for role in self.expected:

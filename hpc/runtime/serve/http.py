@@ -104,6 +104,7 @@ class _Server:
         self.active = 0
         self.connections: set[_Protocol] = set()
         self.on_close: Callable[[], None] = _nothing  # a frontend group's dealer counts each process's connections
+        self.on_activity: Callable[[], None] = _nothing  # a POST's start and end (IdleSpin.touch)
 
 
 class _Protocol(asyncio.Protocol):
@@ -306,11 +307,16 @@ class _Protocol(asyncio.Protocol):
             self.transport.write(_head(503, "application/json", {
                 "content-length": str(len(body)), "retry-after": str(self.limits.retry_after_s)}, parsed.http10) + body)
             return parsed.keep_alive
+        serving = request.method != "GET" and request.method != "HEAD"  # not a probe of /health or /metrics
         server.active += 1
+        if serving:
+            server.on_activity()
         try:
             return await self._respond_with_handler(parsed)
         finally:
             server.active -= 1
+            if serving:
+                server.on_activity()
 
     async def _respond_with_handler(self, parsed: _Parsed) -> bool:
         request = parsed.request
@@ -420,8 +426,10 @@ def _head(status: int, content_type: str, extra: dict[str, str], http10: bool) -
 
 
 class HttpServer:
-    def __init__(self, handler: Handler, limits: HttpLimits | None = None) -> None:
+    def __init__(self, handler: Handler, limits: HttpLimits | None = None,
+                 on_activity: Callable[[], None] = _nothing) -> None:
         self.state = _Server(handler, limits or HttpLimits())
+        self.state.on_activity = on_activity
         self.server: asyncio.base_events.Server | None = None
         self._adopting: set[asyncio.Task] = set()
 

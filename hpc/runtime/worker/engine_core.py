@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import signal
@@ -111,12 +110,15 @@ class Core:
     def __init__(self, engine: Any, sender: BlockingSender, handoff: Any, gc_clock: Any) -> None:
         self.engine, self.sender, self.handoff, self.gc_clock = engine, sender, handoff, gc_clock
         self.seqs: dict[int, Any] = {}  # key -> Seq (None while its KV is fetched)
+        self.poller: Poller | None = None  # the scheduler thread's own reads of the link (start_intake)
+        self.frozen_objects = 0  # start-up's objects out of the collector's view (freeze_startup_objects)
         self.tasks: set[asyncio.Task] = set()
         # where a request's time goes in this process before the engine has it (seconds, summed over requests)
         # (of the link's time, a request's before the scheduler's look that found it began: its wait for a step's end)
         self.timing = {"link_seconds_total": 0.0, "link_unread_seconds_total": 0.0, "task_start_seconds_total": 0.0,
                        "requests_taken_by_scheduler_total": 0,  # submitted on its thread, never on the loop
-                       "stats_seconds_total": 0.0, "stats_made_total": 0}  # the figures' own cost (stats)
+                       "stats_seconds_total": 0.0, "stats_made_total": 0,  # the figures' own cost (stats)
+                       "stats_cpu_seconds_total": 0.0, "stats_engine_seconds_total": 0.0}
         self.stopped = asyncio.Event()
         prefill = engine.mode is DisaggregationMode.PREFILL
         engine.emitter = LinkEmitter(sender.send, self._finished, handoff.attach_shared if prefill else None)
@@ -132,10 +134,17 @@ class Core:
     def stats(self) -> dict[str, float]:
         """The engine's figures and this process's. What making them costs is among them: it holds the GIL the
         scheduler thread waits for (py-spy put 2-4 % of each engine process's samples at c=64 on this line)."""
-        t0 = time.perf_counter()
-        values = {**self.engine.stats(), **self.handoff.counters, **self.timing, **self.gc_clock.stats("engine_"),
-                  "engine_pid": os.getpid(), "engine_gc_frozen_objects": gc.get_freeze_count()}
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        engine = self.engine.stats()
+        self.timing["stats_engine_seconds_total"] += time.perf_counter() - t0
+        values = {**engine, **self.handoff.counters, **self.timing, **self.gc_clock.stats("engine_"),
+                  "engine_pid": os.getpid(), "engine_gc_frozen_objects": self.frozen_objects}
+        if self.poller is not None:  # the scheduler's spins before it sleeps (runtime.idle_spin_us)
+            values["engine_idle_spin_seconds_total"] = self.poller.spin_seconds
+            values["engine_idle_spin_finds_total"] = self.poller.spin_finds
         self.timing["stats_seconds_total"] += time.perf_counter() - t0
+        # this thread's CPU time of it: the wall time less what it waited for (the GIL the scheduler held)
+        self.timing["stats_cpu_seconds_total"] += time.thread_time() - cpu0
         self.timing["stats_made_total"] += 1
         return values
 
@@ -265,7 +274,7 @@ async def flush_releases(handoff: Any, stopped: asyncio.Event) -> None:
 
 async def run(manifest: Manifest, role: str, index: int, device: str, requests_fd: int, outputs_fd: int) -> int:
     from hpc.runtime.engine.factory import build_engine
-    from hpc.runtime.services.node import freeze_startup_objects, node_address, rpc_token, watch_gc
+    from hpc.runtime.services.node import freeze_startup_objects, idle_spin_seconds, node_address, rpc_token, watch_gc
     from hpc.runtime.worker.handlers import Peers
     from hpc.runtime.worker.kv_handoff import KvHandoff, open_nixl
 
@@ -293,14 +302,15 @@ async def run(manifest: Manifest, role: str, index: int, device: str, requests_f
         async with engine:
             requests_sock = socket.socket(fileno=requests_fd)
             if hasattr(engine, "set_intake"):
-                core.start_intake(Poller(requests_sock, ToEngine), loop)
+                core.start_intake(Poller(requests_sock, ToEngine,
+                                         idle_spin_seconds(manifest.recipe.runtime.idle_spin_us)), loop)
                 requests = None
             else:
                 requests = await receive(requests_sock, ToEngine, core.on_message,
                                          core.stopped.set)  # the worker gone: stop
             # the model, torch's modules and the engine out of the collector's view: a full collection walked
             # them all while the scheduler thread waited for the GIL (the worker and frontends did this already)
-            freeze_startup_objects()
+            core.frozen_objects = freeze_startup_objects()
             sender.send(Ready(pid=os.getpid()))
             flushing = asyncio.create_task(flush_releases(handoff, core.stopped))
             await core.report()

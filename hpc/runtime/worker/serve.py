@@ -7,7 +7,6 @@ the failure policy live in entry.py.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import signal
@@ -25,8 +24,8 @@ from hpc.runtime.engine.factory import build_engine
 from hpc.runtime.engine.types import DisaggregationMode
 from hpc.runtime.serve.http import HttpServer, Request, Response, json_response
 from hpc.runtime.serve.metrics import prometheus
-from hpc.runtime.services.node import (LoopLatency, Reporter, freeze_startup_objects, node_address,
-                                       publish_endpoint, rpc_token, wait_endpoint, watch_gc)
+from hpc.runtime.services.node import (IdleSpin, LoopLatency, Reporter, freeze_startup_objects, idle_spin_seconds,
+                                       node_address, publish_endpoint, rpc_token, wait_endpoint, watch_gc)
 from hpc.runtime.serve.rpc import RpcServer
 from hpc.runtime.worker.handlers import HandlerDeps, Peers, make_handler
 from hpc.runtime.worker.engine_process import EngineHandoff, EngineProcess, engine_in_own_process, engine_stats
@@ -126,6 +125,7 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
     mode = DisaggregationMode(role)
     gc_clock = watch_gc()
     loop_latency = LoopLatency().start()
+    idle_spin = IdleSpin(idle_spin_seconds(recipe.runtime.idle_spin_us))
     events = None
     if recipe.infra.nats and recipe.runtime.publish_kv_events:
         from hpc.runtime.services.events import EventPublisher
@@ -162,10 +162,11 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
                        on_first_token=on_first_token, kv=handoff)
     handoff.counters = deps.counters  # what arrived by which transport shows in /metrics and stats
     handler = make_handler(deps)
-    rpc = RpcServer(handler.ops(), token=rpc_token(manifest))
+    rpc = RpcServer(handler.ops(), token=rpc_token(manifest), on_activity=idle_spin.touch)
     await rpc.start(host, plan.ports["rpc"])
     labels = {"role": role, "index": str(index), "run": manifest.run_id}
     draining = False
+    frozen_objects = 0  # start-up's objects out of the collector's view, counted once (freeze_startup_objects)
 
     async def http(req: Request) -> Response:
         if req.path in ("/health", "/live"):
@@ -180,10 +181,9 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
                                                                                      if fetched else {})},
                                  503 if draining else 200)
         if req.path == "/metrics":
-            # gc_frozen_objects: what start-up left out of the collector's view (freeze_startup_objects)
             stats = {**await engine_stats(engine), **deps.counters, "inflight": rpc.inflight,
-                     "gc_frozen_objects": gc.get_freeze_count(), **gc_clock.stats("worker_"),
-                     **loop_latency.stats("worker_")}
+                     "gc_frozen_objects": frozen_objects, **gc_clock.stats("worker_"),
+                     **loop_latency.stats("worker_"), **idle_spin.stats("worker_")}
             return Response(body=prometheus("hpc_worker", stats, labels), content_type="text/plain; version=0.0.4")
         return json_response({"error": {"message": "not found", "code": 404}}, 404)
 
@@ -200,7 +200,7 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
         watch_task = None
     instance = Instance(role=role, index=index, pool=plan.pool or "", instance_id=uuid.uuid4().hex[:12],
                         host=host, rpc_port=plan.ports["rpc"], http_port=plan.ports["http"], node=os.uname().nodename)
-    freeze_startup_objects()
+    frozen_objects = freeze_startup_objects()
     await discovery.register(instance)
     reporter.phase("registered", address=instance.address, http=f"http://{host}:{plan.ports['http']}")
     if events is not None:

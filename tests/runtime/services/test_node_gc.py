@@ -65,3 +65,34 @@ def test_the_loop_latency_is_what_a_callback_made_ready_waits_behind_the_loops_w
     busy_s, busy_probes = asyncio.run(run(True))
     assert idle_probes > 20 and idle_s / idle_probes < 0.0003, (idle_s, idle_probes)
     assert busy_probes > 20 and busy_s / busy_probes > 0.0008, (busy_s, busy_probes)
+
+
+def test_the_frozen_objects_are_counted_once_at_the_freeze_never_in_an_engines_stats(monkeypatch):
+    """gc.get_freeze_count() walks every frozen object with the GIL held (tens of ms in an engine process): read
+    once at the freeze; an engine process's stats(), made every second, only repeat it."""
+    import asyncio
+    import types
+
+    from hpc.runtime.engine.types import DisaggregationMode
+    from hpc.runtime.services.node import freeze_startup_objects
+    from hpc.runtime.worker.engine_core import Core
+
+    walks = []
+    real = gc.get_freeze_count
+    monkeypatch.setattr(gc, "get_freeze_count", lambda: walks.append(1) or real())
+    try:
+        frozen = freeze_startup_objects()
+    finally:
+        gc.unfreeze()
+    assert frozen > 1000 and walks == [1]
+
+    async def made() -> tuple[dict, dict]:
+        engine = types.SimpleNamespace(mode=DisaggregationMode.AGGREGATED, stats=lambda: {"requests": 3})
+        core = Core(engine, types.SimpleNamespace(send=lambda message: None),
+                    types.SimpleNamespace(counters={}, attach_shared=None), GcClock())
+        core.frozen_objects = frozen
+        return core.stats(), core.timing
+
+    stats, timing = asyncio.run(made())
+    assert walks == [1] and stats["engine_gc_frozen_objects"] == frozen and stats["requests"] == 3
+    assert timing["stats_made_total"] == 1 and 0 <= timing["stats_cpu_seconds_total"] < 0.01
