@@ -182,8 +182,10 @@ class LoopLatency:
         return {f"{prefix}loop_latency_seconds_total": self.seconds, f"{prefix}loop_latency_probes_total": self.probes}
 
 
-SPIN_AUTO_S = 0.002  # runtime.idle_spin_us auto: a c=1 request's time to its first token (1-1.5 ms) and the gap
-SPIN_AUTO_MIN_CPUS = 8  # to the next fit inside
+# runtime.idle_spin_us auto: long enough to cover a c=1 request's wait for its first token (1-1.5 ms on the tiny
+# model) and the gap before the next request; only where spinning processes leave CPUs for the work
+SPIN_AUTO_S = 0.002
+SPIN_AUTO_MIN_CPUS = 8
 
 
 def idle_spin_seconds(setting: int | str) -> float:
