@@ -302,12 +302,13 @@ class _Protocol(asyncio.Protocol):
     async def _respond(self, parsed: _Parsed) -> bool:
         """Answer one request; whether the connection stays open for the next."""
         request, server = parsed.request, self.server
-        if request.method != "GET" and request.method != "HEAD" and server.active >= self.limits.max_concurrent:
+        # a request, not a probe of /health or /metrics: it counts towards the limit and starts an idle spin
+        serving = request.method != "GET" and request.method != "HEAD"
+        if serving and server.active >= self.limits.max_concurrent:
             body = error_body(503, "the server is at its limit of concurrent requests; retry shortly")
             self.transport.write(_head(503, "application/json", {
                 "content-length": str(len(body)), "retry-after": str(self.limits.retry_after_s)}, parsed.http10) + body)
             return parsed.keep_alive
-        serving = request.method != "GET" and request.method != "HEAD"  # not a probe of /health or /metrics
         server.active += 1
         if serving:
             server.on_activity()
