@@ -103,9 +103,9 @@ def steps(mpiexec: str, scratch: str, gpus: int, profiles: str) -> list[tuple[st
         # the whole local stack (etcd, NATS, frontend, workers): prefill and decode on their own GPUs
         ("stack_sweeps_disagg", [py, "benchmarks/stack_sweeps.py", "--recipe", "tiny-disagg", "--json",
                                  f"{scratch}/stack.json"] + profile, f"{scratch}/stack.json", 150),
-        # the same with levels of 64 requests a user (c=1 lasts about a second): first vs second beyond the noise
+        # the same with levels twice as long (c=64: about 4 s a sweep): first vs second beyond the noise
         ("stack_sweeps_disagg_long", [py, "benchmarks/stack_sweeps.py", "--recipe", "tiny-disagg",
-                                      "--requests-per-user", "64"], None, 150),
+                                      "--requests-per-user", "256"], None, 150),
         # levels of 16 requests a user, three rounds: a level of 4 a user lasted 0.1-0.4 s, and one hiccup moved
         # its figure by 10-30 %
         ("stack_vs_engine_agg", [py, "benchmarks/e2e_throughput.py", "--recipe", "tiny-agg", "--concurrency",
@@ -139,7 +139,7 @@ def steps(mpiexec: str, scratch: str, gpus: int, profiles: str) -> list[tuple[st
                                               "--concurrency", "1,8,32,64", "--rounds", "3", "--requests-per-user",
                                               "16", "--set", "runtime.engine_process=worker"], None, 150),
         ("stack_sweeps_disagg_long_in_worker", [py, "benchmarks/stack_sweeps.py", "--recipe", "tiny-disagg",
-                                                "--requests-per-user", "64", "--set", "runtime.engine_process=worker"],
+                                                "--requests-per-user", "256", "--set", "runtime.engine_process=worker"],
          None, 150),
         # the same through a frontend of one process (the default on this 16-core machine is two)
         ("stack_vs_engine_agg_1frontend", [py, "benchmarks/e2e_throughput.py", "--recipe", "tiny-agg",

@@ -3,7 +3,8 @@ as fast as the second (every worker warms up before it registers), and tokens/s 
 Prints where each worker ran and how the KV crossed from prefill to decode (CUDA IPC or bytes).
 
     python benchmarks/stack_sweeps.py [--recipe tiny-disagg] [--concurrency 1,8,32,64] [--output-tokens 64]
-                                      [--requests-per-user 4] [--profile DIR [--profile-seconds 3]]
+                                      [--requests-per-user 128] [--min-requests 256]
+                                      [--profile DIR [--profile-seconds 3]]
                                       [--json FILE]
 
 Goals (issue #14, on a GPU machine): first sweep within 10 % of the second at every level; c=64 >= 20 x c=1.
@@ -126,10 +127,12 @@ def main() -> None:
     parser.add_argument("--output-spread", type=int, default=0,
                         help="each request's output tokens drawn from --output-tokens +- this: no closed-loop waves "
                              "(hpc bench's default is 0, equal requests)")
-    parser.add_argument("--requests-per-user", type=int, default=REQUESTS_PER_USER,
-                        help="requests per level, per unit of concurrency, at least (hpc bench's floor: "
-                             f"{REQUESTS_PER_USER}); more makes each level longer and its figure less noisy")
-    parser.add_argument("--min-requests", type=int, default=0,
+    # 128: on two H200 a c=64 level of 32 a user lasted 0.6 s, and its first and second sweeps differed by up to
+    # 35 % (a level's start-up hiccups and the host's CPU speed weigh in a short level); at 128, within 7 %
+    parser.add_argument("--requests-per-user", type=int, default=128,
+                        help="requests per level, per unit of concurrency, at least (default 128; hpc bench's "
+                             f"floor is {REQUESTS_PER_USER}); more makes each level longer and its figure less noisy")
+    parser.add_argument("--min-requests", type=int, default=256,
                         help="requests per level at least, whatever the concurrency: with 32 a user the c=1 level "
                              "is 32 requests, a third of a second on a GPU, and its figure moves by a quarter")
     parser.add_argument("--json", help="also write the figures here")

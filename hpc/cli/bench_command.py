@@ -29,6 +29,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input-tokens", type=positive_ints, help="input lengths, e.g. 128,1024")
     p.add_argument("--output-tokens", type=positive_ints, help="output lengths (paired with --input-tokens)")
     p.add_argument("--requests", type=int, help="requests per level (default: the recipe's, at least 4 x concurrency)")
+    p.add_argument("--requests-per-user", type=int, metavar="N",
+                   help="requests per level at least N x concurrency (default 4; the recipe's number if larger). "
+                        "Longer levels are steadier: on two H200 a c=64 level of 32 a user lasted 0.6 s and its "
+                        "two sweeps differed by up to 35 %%, at 128 a user within 7 %% (docs/performance.md)")
     p.add_argument("--output-spread", type=int, default=0, metavar="N",
                    help="each request's output length uniform in output-tokens +- N (default 0: all equal, so a "
                         "closed loop's requests end and return together, in waves)")
@@ -106,7 +110,7 @@ def bench(args: argparse.Namespace) -> int:
     warmup = args.warmup if args.warmup is not None else (spec.warmup_requests if spec else 4)
     streaming = not args.no_stream and (spec.streaming if spec else True)
     # Explicit --requests is taken as given (the validity gate still flags a level that never reached its
-    # concurrency); the default is the recipe's number, but never fewer than REQUESTS_PER_USER per user.
+    # concurrency); the default is the recipe's number, but never fewer than --requests-per-user (4) per user.
     for flag, value in (("--ttft-target", args.ttft_target), ("--itl-target", args.itl_target)):
         if value is not None and not 0 <= value < 1e9:
             raise UserError(f"{flag} {value:g} is not a latency in ms", field=flag, hint="pass a value >= 0")
@@ -116,7 +120,14 @@ def bench(args: argparse.Namespace) -> int:
     if args.client_processes != "auto" and not (args.client_processes.isdigit() and int(args.client_processes) > 0):
         raise UserError(f"--client-processes {args.client_processes!r} is not a number of processes",
                         field="--client-processes", hint="pass a whole number >= 1, or auto")
-    levels = [Level(c, i, o, args.requests or max(base, REQUESTS_PER_USER * c), args.rate, args.ttft_target,
+    per_user = REQUESTS_PER_USER if args.requests_per_user is None else args.requests_per_user
+    if per_user < 1:
+        raise UserError(f"--requests-per-user {per_user} is not a count of requests", field="--requests-per-user",
+                        hint="pass a whole number >= 1")
+    if args.requests_per_user is not None and args.requests is not None:
+        raise UserError("--requests and --requests-per-user both set a level's requests", field="--requests-per-user",
+                        hint="pass one of them")
+    levels = [Level(c, i, o, args.requests or max(base, per_user * c), args.rate, args.ttft_target,
                     args.itl_target, args.priority, output_spread=args.output_spread)
               for i, o in zip(ins, outs) for c in concurrency]
     results = {"target": url, "model": model, "streaming": streaming, "started": stamp, "seed": args.seed,

@@ -233,3 +233,20 @@ def test_a_bad_client_processes_is_refused_by_name(value, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "--client-processes" in err and "Traceback" not in err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.unit
+def test_requests_per_user_sets_each_level_s_floor_and_a_bad_one_is_refused(tmp_path, capsys):
+    srv = FakeServer("good")
+    url = f"http://127.0.0.1:{srv.port}"
+    assert main(["bench", "--url", url, "--model", "m", "--concurrency", "1,3", "--requests-per-user", "30",
+                 "--output-tokens", "2", "--warmup", "0", "--client-processes", "1", "--out", str(tmp_path / "o")]) == 0
+    levels = json.loads((tmp_path / "o" / "results.json").read_text())["levels"]
+    # --url has no recipe: its floor of 64 a level holds at c=1, 30 a user lifts c=3 to 90
+    assert [lv["requests"] for lv in levels] == [64, 90] and srv.count == 64 + 90
+    for bad, says in ((["--requests-per-user", "0"], "--requests-per-user 0 is not a count"),
+                      (["--requests-per-user", "8", "--requests", "10"], "--requests and --requests-per-user both")):
+        code = main(["bench", "--url", url, "--model", "m", *bad, "--out", str(tmp_path / "bad")])
+        err = capsys.readouterr().err
+        assert code == 2 and says in err and "Traceback" not in err
+    assert not (tmp_path / "bad").exists() and srv.count == 64 + 90  # nothing sent, nothing written
