@@ -174,6 +174,27 @@ def test_a_gemv_is_tuned_for_its_rows_class_and_each_row_count_computes_the_same
         assert tuned == {1, 16, 64}, decode_kernels._gemv_kernel.cache
 
 
+def test_a_gemv_over_several_slices_of_k_with_each_prologue() -> None:
+    """K = 520 spans several BLOCK_K slices of any config (the interpreter's takes 256), so the loop over K runs;
+    20 rows and 70 outputs, not a multiple of any tile."""
+    from hpc.runtime.engine.decode_kernels import gemv
+
+    gen = torch.Generator().manual_seed(5)
+    device = _device()
+    k = 520
+    x = torch.randn(20, 2 * k, generator=gen).to(device)
+    weight = (torch.randn(70, k, generator=gen) / k ** 0.5).to(device)
+    residual = torch.randn(20, 70, generator=gen).to(device)
+    norm = torch.rand(k, generator=gen).to(device) + 0.5
+    plain = x[:, :k].contiguous()
+    gate, up = x.chunk(2, dim=-1)
+    normed = plain * torch.rsqrt(plain.pow(2).mean(-1, keepdim=True) + 1e-5) * norm
+    for got, want in ((gemv(plain, weight), plain @ weight.T), (gemv(plain, weight, norm=norm), normed @ weight.T),
+                      (gemv(x, weight, silu_mul=True, residual=residual),
+                       residual + (torch.nn.functional.silu(gate) * up) @ weight.T)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_add_residual_rounds_once() -> None:
     from hpc.runtime.engine.decode_kernels import add_residual
 
