@@ -42,10 +42,15 @@ def launch_stack(tmp_path_factory, model_cache: Path, recipe: str, *extra: str) 
     return Stack(run)
 
 
-def stack_fixture(recipe: str, *extra: str):
+def stack_fixture(recipe: str, *extra: str, env: dict[str, str] | None = None):
+    """A module's stack of `recipe`; `env`: variables its processes start with (the test process's own come back
+    after the launch)."""
     @pytest.fixture(scope="module")
     def fixture(tmp_path_factory, model_cache):
-        stack = launch_stack(tmp_path_factory, model_cache, recipe, *extra)
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in (env or {}).items():
+                patch.setenv(name, value)
+            stack = launch_stack(tmp_path_factory, model_cache, recipe, *extra)
         yield stack
         from hpc.launch.local import alive, local_pids
 

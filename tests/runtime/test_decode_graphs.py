@@ -184,6 +184,15 @@ def test_graphs_that_make_their_own_copies_give_the_same_steps() -> None:
     assert host.tolist() == picked.tolist() and graphs.replays == 3
 
 
+def test_a_replay_runs_as_many_steps_as_keep_the_largest_batch_s_replay_short() -> None:
+    from hpc.runtime.engine.decode_graphs import SEVERAL_STEPS_BELOW_S, SEVERAL_STEPS_REPLAY_S, steps_for
+
+    assert SEVERAL_STEPS_REPLAY_S == 2e-3 and SEVERAL_STEPS_BELOW_S == 0.5e-3
+    # the tiny model's 128 rows on an H200 (0.143 ms): the most; then fewer as a step grows; one past the gate
+    assert [steps_for(s * 1e-3, 8) for s in (0.143, 0.3, 0.45, 0.499, 0.5, 6.4)] == [8, 6, 4, 4, 1, 1]
+    assert steps_for(0.1e-3, 3) == 3 and steps_for(1.2e-3, 8) == 1
+
+
 def test_a_replay_of_several_steps_runs_each_from_the_picks_of_the_one_before() -> None:
     """steps=3: a second graph per size and buffer runs three steps, each from the one before's picks at the next
     position; the host copy holds every step's picks, the cache what three eager steps write. Where the largest

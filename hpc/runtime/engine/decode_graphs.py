@@ -39,6 +39,17 @@ INPUT_ROWS = 5  # a row's token, position, cache slot, temperature and source (D
 # once for them all; a model whose step is longer keeps one step a replay (a row joining waits for the replay in
 # flight, and its tokens would come in bursts for nothing)
 SEVERAL_STEPS_BELOW_S = 0.5e-3
+# and no more steps than keep the largest batch's replay of several within this (four steps of the slowest step
+# that gets several): a row joining waits for the replay in flight
+SEVERAL_STEPS_REPLAY_S = 2e-3
+
+
+def steps_for(one_step_s: float, most: int) -> int:
+    """Decode steps a replay runs, at most `most`, given the largest batch's one-step replay: one where the device
+    bounds the step (SEVERAL_STEPS_BELOW_S), else as many as fit in SEVERAL_STEPS_REPLAY_S, at least two."""
+    if one_step_s >= SEVERAL_STEPS_BELOW_S:
+        return 1
+    return min(most, max(2, int(SEVERAL_STEPS_REPLAY_S / one_step_s)))
 
 
 class StepPaths(Protocol):
@@ -154,8 +165,8 @@ class DecodeGraphs:
                 timer: Callable[[Callable[[], None]], float] = replay_seconds) -> None:
         """A graph per batch size (and staging buffer). Where `paths` offers a size more than one way to step, each
         is captured and replayed (`timer`: seconds a replay) and the faster one's graphs are kept. Then, with
-        `steps` > 1, a graph of that many steps per size and buffer where the host bounds a step
-        (SEVERAL_STEPS_BELOW_S, by `timer`; the CPU's stand-in graphs are not timed but by a timer given), else
+        `steps` > 1, a graph of several steps per size and buffer where the host bounds a step, as many as
+        `steps_for` allows (by `timer`; the CPU's stand-in graphs are not timed but by a timer given), else
         `steps` becomes 1."""
         largest_first = sorted(self.sizes.batch_sizes, reverse=True)
         for size in largest_first:
@@ -175,10 +186,10 @@ class DecodeGraphs:
                         self._graphs[(size, turn)] = capture(self._step_of(size, turn))
         if self.steps > 1 and (self.device.type == "cuda" or timer is not replay_seconds):  # a timer to ask
             self.one_step_s = timer(self.kept(largest_first[0]))
-            if self.one_step_s >= SEVERAL_STEPS_BELOW_S:
+            self.steps = steps_for(self.one_step_s, self.steps)
+            if self.steps == 1:
                 log.info("decode: one step a replay (the largest batch's takes %.2f ms on the device)",
                          self.one_step_s * 1e3)
-                self.steps = 1
         for size in largest_first if self.steps > 1 else ():
             with self._kept_path(paths, size):
                 for turn in (0, 1):

@@ -52,8 +52,10 @@ HANDOFF_TTL_S = 120.0
 INTAKE_WAIT_S = 0.05  # an idle scheduler's wait for its own requests (intake): also how soon it sees close()
 
 
-# decode steps a graph replay runs (decode_steps_a_replay)
-DECODE_STEPS_PER_GRAPH = 4
+# decode steps a graph replay runs at most (decode_steps_a_replay; DecodeGraphs.capture takes fewer where a step
+# is slow). Eight, not four: on two H200 the tiny model's disaggregated stack made 295-306k tok/s at c=64 against
+# 245-268k, c=1 alike, each sweep within 6 % of the other (stack_sweeps.py, alternating; docs/performance.md)
+DECODE_STEPS_PER_GRAPH = 8
 # the LLM API's `dtype` (TensorRT-LLM llmapi/llm_args.py): "auto" is bf16 on a GPU, fp32 on the CPU
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,8 +70,8 @@ def _take_gil_switch_interval() -> None:
 
 
 def decode_steps_a_replay() -> int:
-    """HPC_DECODE_STEPS_PER_GRAPH: decode steps one graph replay runs where its rows allow (DecodeGraphs' `steps`),
-    DECODE_STEPS_PER_GRAPH by default; 1 is a step a replay, for comparisons."""
+    """HPC_DECODE_STEPS_PER_GRAPH: decode steps one graph replay runs at most where its rows allow (DecodeGraphs'
+    `steps`), DECODE_STEPS_PER_GRAPH by default; 1 is a step a replay, for comparisons."""
     steps = os.environ.get("HPC_DECODE_STEPS_PER_GRAPH", "")
     return int(steps) if steps.isdigit() and int(steps) > 0 else DECODE_STEPS_PER_GRAPH
 
