@@ -29,11 +29,12 @@ PROMPTS = [[5, 6, 7, 8], [40, 41], [9] * 12, [100, 200, 300]]
 @pytest.fixture
 def stand_in_graphs(monkeypatch):
     """Decode graphs stood in for (prefill stays eager), `steps` a replay as the test sets it. On a GPU the
-    stand-in's replay is the eager step, slower than a graph's: it is not timed against SEVERAL_STEPS_BELOW_S."""
+    stand-in's replay is the eager step, slower than a graph's: its time does not choose the steps (steps_for;
+    on two H200 it chose two, not the test's four)."""
     monkeypatch.setattr(TorchEngine, "_graphable",
                         lambda self, prefill=False: not prefill and self.mode is not DisaggregationMode.PREFILL)
     monkeypatch.setattr(warmup, "cuda_capture", lambda device: RecordedGraph())
-    monkeypatch.setattr(decode_graphs, "SEVERAL_STEPS_BELOW_S", float("inf"))
+    monkeypatch.setattr(decode_graphs, "steps_for", lambda one_step_s, most: most)
 
     def steps(count: int) -> None:
         monkeypatch.setenv("HPC_DECODE_STEPS_PER_GRAPH", str(count))

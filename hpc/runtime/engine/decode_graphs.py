@@ -49,7 +49,7 @@ def steps_for(one_step_s: float, most: int) -> int:
     bounds the step (SEVERAL_STEPS_BELOW_S), else as many as fit in SEVERAL_STEPS_REPLAY_S, at least two."""
     if one_step_s >= SEVERAL_STEPS_BELOW_S:
         return 1
-    return min(most, max(2, int(SEVERAL_STEPS_REPLAY_S / one_step_s)))
+    return min(most, max(2, int(SEVERAL_STEPS_REPLAY_S / max(one_step_s, 1e-9))))
 
 
 class StepPaths(Protocol):
