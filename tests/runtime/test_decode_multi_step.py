@@ -67,31 +67,35 @@ def _answer(outs) -> tuple:
             [o.prompt_logprobs for o in outs if o.prompt_logprobs])
 
 
-def test_a_replay_of_several_steps_answers_as_step_by_step(tiny, stand_in_graphs):
+@pytest.mark.parametrize("steps", [STEPS, 8])  # eight: the most a replay runs by default (DECODE_STEPS_PER_GRAPH)
+def test_a_replay_of_several_steps_answers_as_step_by_step(tiny, stand_in_graphs, steps):
     stand_in_graphs(1)
     reference, _ = asyncio.run(_outputs(tiny, {"disable_overlap_scheduler": True},
-                                        [SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)] * 4))
-    # a stop token at the 6th token (mid-replay), a count that is no multiple of the steps, the cache's last position
-    # (12 + 51 = 63 of 64), and logprobs (never bare, never on the device)
-    requests = [SamplingParams(max_tokens=9, temperature=0, ignore_eos=True,
-                               stop_token_ids=[_tokens(reference[0])[5]]),
+                                        [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)] * 4))
+    # a stop token first met at the 13th token or later (mid-replay, in a replay whose tokens would otherwise leave
+    # bare), a count that is no multiple of the steps, the cache's last position (12 + 51 = 63 of 64), and
+    # logprobs (never bare, never on the device)
+    first = _tokens(reference[0])
+    stop_at = next(i for i in range(12, 19) if first[i] not in first[:i])
+    requests = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[first[stop_at]]),
                 SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),
                 SamplingParams(max_tokens=MAX_LEN - 12 - 1, temperature=0, ignore_eos=True),
                 SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=1)]
     stepwise, plain = asyncio.run(_outputs(tiny, {"disable_overlap_scheduler": True}, requests, alone_last=True))
-    stand_in_graphs(STEPS)
+    stand_in_graphs(steps)
     several, stats = asyncio.run(_outputs(tiny, {}, requests, alone_last=True))
     assert [_answer(o) for o in several] == [_answer(o) for o in stepwise]
     assert all(len(out.token_ids) == 1 for o in stepwise for out in o)
-    # a replay's bare tokens of a row leave as one output: the third row's 51 mostly four at a time
-    assert [len(out.token_ids) for out in several[2]].count(STEPS) >= 10, [len(out.token_ids) for out in several[2]]
+    # a replay's bare tokens of a row leave as one output: the third row's 51 mostly `steps` at a time
+    chunks = [len(out.token_ids) for out in several[2]]
+    assert chunks.count(steps) >= 40 // steps, chunks
     assert all(len(out.token_ids) == 1 for out in several[3])  # logprobs: every token an output of its own
     assert [out.finish_reason for out in (o[-1] for o in several)] == ["stop", "length", "length", "length"]
-    assert [len(_tokens(o)) for o in several] == [6, 7, MAX_LEN - 12 - 1, 5]
+    assert [len(_tokens(o)) for o in several] == [stop_at + 1, 7, MAX_LEN - 12 - 1, 5]
     assert plain.get("decode_launches_multi_step_total", 0) == 0
-    # the third row's 51 decode tokens went mostly 4 a replay, and the middle tokens left bare
-    assert stats["decode_launches_multi_step_total"] >= 10, stats
-    assert stats["decode_tokens_bare_total"] >= 40, stats
+    # the third row's 51 decode tokens went mostly `steps` a replay, and the middle tokens left bare
+    assert stats["decode_launches_multi_step_total"] >= 40 // steps, stats
+    assert stats["decode_tokens_bare_total"] >= 48 - 2 * steps, stats
     assert stats["decode_steps"] < stats["generated_tokens"] // 2, stats
 
 
