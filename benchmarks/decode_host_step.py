@@ -1,7 +1,7 @@
 """The scheduler thread's host time for one overlapped decode step of N rows, without a GPU (runs anywhere).
 
     python benchmarks/decode_host_step.py [--rows 1,8,32,64] [--steps 2000] [--rounds 5] [--profile]
-                                          [--steps-a-replay 1,4]
+                                          [--steps-a-replay 1,4,8]
 
 The real engine's decode step (`DecodeSteps._decode_step`: the rows carried over, the inputs staged, the graph
 replayed, the step before emitted as bare tokens through an engine process's `LinkEmitter`) on rows that never
@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="cProfile the largest row count's steps after")
-    parser.add_argument("--steps-a-replay", default="1,4", help="decode steps one graph replay runs (comma list)")
+    parser.add_argument("--steps-a-replay", default="1,4,8", help="decode steps one graph replay runs (comma list)")
     args = parser.parse_args()
     model_dir = ensure_model(os.path.join(os.environ.get("HPC_TEST_MODELS", "~/.cache/hpc/models"), "tiny"), "tiny")
     print(f"a decode launch's host time, µs (best / median of {args.rounds} rounds of {args.steps} launches), the "
