@@ -36,6 +36,11 @@ def steps(mpiexec: str, scratch: str, gpus: int, profiles: str) -> list[tuple[st
                         "tests/runtime/test_prefill_graphs.py", "tests/runtime/test_overlap.py",
                         "tests/runtime/test_chunked_prefill.py", "tests/runtime/test_attention_paths.py",
                         "tests/runtime/test_prefix_cache.py", "tests/runtime/test_peer_reduce.py"], None, 200),
+        # several decode steps a replay (real CUDA graphs against one step; stand-ins at four and eight) and the
+        # engine-process stack's counts at four: session 28 changed both and could not rerun them on a GPU
+        ("multi_step_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                              "tests/runtime/test_decode_multi_step.py", "tests/runtime/worker/test_engine_process.py",
+                              "-k", "multi_step or own"], None, 150),
         # the chunks alone, for a call short of time
         ("chunked_prefill_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                    "tests/runtime/test_chunked_prefill.py"], None, 60),
