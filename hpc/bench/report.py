@@ -13,6 +13,11 @@ COLUMNS = ["concurrency", "input_tokens", "output_tokens", "output_tokens_per_re
            "tpot_p50_ms", "tpot_p99_ms", "e2e_p50_ms", "e2e_p90_ms", "e2e_p99_ms", "valid"]
 
 
+# a level shorter than this is flagged under the table: on two H200 levels of 0.6 s moved by up to 35 % from one
+# sweep to the next, where 2 s ones mostly stayed within 10 % (docs/performance.md, session 28)
+SHORT_LEVEL_S = 1.0
+
+
 def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1000, 3)
 
@@ -53,6 +58,11 @@ def table(results: dict[str, Any]) -> str:
               if lv.get("client_processes", 1) > 1]
     if spread:
         lines.append("client processes (the load generator's users spread over them): " + ", ".join(spread))
+    short = [f"c={lv['concurrency']}: {lv['duration_s']:.2f} s" for lv in results["levels"]
+             if lv.get("duration_s") is not None and lv["duration_s"] < SHORT_LEVEL_S]
+    if short:
+        lines.append(f"levels under {SHORT_LEVEL_S:g} s, whose figures move from run to run (--requests-per-user "
+                     "makes them longer): " + ", ".join(short))
     return "\n".join(lines)
 
 

@@ -222,7 +222,20 @@ def test_users_in_client_processes_send_every_request_once_with_prompts_of_their
     assert 0 < lv["ttft_s"]["p50"] <= lv["e2e_s"]["p50"] and lv["duration_s"] > 0
     from hpc.bench.report import table
 
-    assert table({"levels": [lv]}).endswith("spread over them): c=6: 3")  # the table says how it was loaded
+    assert "spread over them): c=6: 3\n" in table({"levels": [lv]})  # the table says how it was loaded
+
+
+@pytest.mark.unit
+def test_the_table_flags_levels_shorter_than_a_second():
+    from hpc.bench.report import table
+
+    srv = FakeServer("good")
+    (lv,) = run_sweep(f"http://127.0.0.1:{srv.port}", "m", [Level(2, 8, 4, 8)], True, 0, False)
+    assert 0 < lv["duration_s"] < 1
+    flagged = table({"levels": [lv, {**lv, "concurrency": 8, "duration_s": 2.5}]}).splitlines()[-1]
+    assert flagged.startswith("levels under 1 s") and "--requests-per-user" in flagged
+    assert flagged.endswith(f"c=2: {lv['duration_s']:.2f} s")  # the 2.5 s level is not named
+    assert "levels under" not in table({"levels": [{**lv, "duration_s": 2.5}]})
 
 
 @pytest.mark.unit
