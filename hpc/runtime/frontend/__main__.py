@@ -55,7 +55,7 @@ async def serve(manifest: Manifest, bind: str | None = None, group: FrontendGrou
     server = HttpServer(app.handle, HttpLimits(
         max_body_bytes=int(http.max_request_body_mb * 1024 * 1024), header_timeout_s=http.header_timeout_s,
         body_timeout_s=http.body_timeout_s, keepalive_timeout_s=http.keepalive_timeout_s,
-        max_concurrent=http.max_concurrent_requests), on_activity=app.idle_spin.touch)
+        max_concurrent=http.max_concurrent_requests), on_activity=app.idle_spin.calls)
     share: Taker | Dealer | None = None
     if group is None:
         await server.start(host, port)

@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 _UNSENT_CHUNKS = 64  # a stream's chunks held for one send at most (_send_soon)
 
 
+def _no_calls(change: int) -> None:
+    pass
+
+
 def _nothing() -> None:
     pass
 
@@ -104,7 +108,7 @@ class _Server:
         self.active = 0
         self.connections: set[_Protocol] = set()
         self.on_close: Callable[[], None] = _nothing  # a frontend group's dealer counts each process's connections
-        self.on_activity: Callable[[], None] = _nothing  # a POST's start and end (IdleSpin.touch)
+        self.on_activity: Callable[[int], None] = _no_calls  # a POST's start (+1) and end (-1): IdleSpin.calls
 
 
 class _Protocol(asyncio.Protocol):
@@ -311,13 +315,13 @@ class _Protocol(asyncio.Protocol):
             return parsed.keep_alive
         server.active += 1
         if serving:
-            server.on_activity()
+            server.on_activity(1)
         try:
             return await self._respond_with_handler(parsed)
         finally:
             server.active -= 1
             if serving:
-                server.on_activity()
+                server.on_activity(-1)
 
     async def _respond_with_handler(self, parsed: _Parsed) -> bool:
         request = parsed.request
@@ -428,7 +432,7 @@ def _head(status: int, content_type: str, extra: dict[str, str], http10: bool) -
 
 class HttpServer:
     def __init__(self, handler: Handler, limits: HttpLimits | None = None,
-                 on_activity: Callable[[], None] = _nothing) -> None:
+                 on_activity: Callable[[int], None] = _no_calls) -> None:
         self.state = _Server(handler, limits or HttpLimits())
         self.state.on_activity = on_activity
         self.server: asyncio.base_events.Server | None = None

@@ -145,15 +145,19 @@ class _Coalescer:
             self.writer.write(b"".join(frames))
 
 
+def _no_calls(change: int) -> None:
+    pass
+
+
 class RpcServer:
     """Serves streamed calls, dispatched on the type of the call's body; with a token, a connection must open with
     a `Hello` carrying it or it is closed before anything runs (the job's workers listen on their node's address)."""
 
     def __init__(self, handlers: dict[type, StreamHandler], token: str | None = None,
-                 on_activity: Callable[[], None] | None = None) -> None:
+                 on_activity: Callable[[int], None] | None = None) -> None:
         self.handlers = handlers
         self.token = token
-        self.on_activity = on_activity or (lambda: None)  # a call's start and end (IdleSpin.touch)
+        self.on_activity = on_activity or _no_calls  # a call's start (+1) and end (-1): IdleSpin.calls
         self.refused = 0
         self.server: asyncio.base_events.Server | None = None
         self.inflight = 0
@@ -237,7 +241,7 @@ class RpcServer:
         writer = out.writer
         handler = self.handlers.get(type(call.body))
         self.inflight += 1
-        self.on_activity()
+        self.on_activity(1)
         sink = StreamSink(sid, out)
         _SINK.set(sink)  # this task's context: the handler may write frames from callbacks
         try:
@@ -260,7 +264,7 @@ class RpcServer:
             sink.end(f"{type(exc).__name__}: {exc}", 500)
         finally:
             self.inflight -= 1
-            self.on_activity()
+            self.on_activity(-1)
             streams.pop(sid, None)
 
 

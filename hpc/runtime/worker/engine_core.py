@@ -303,7 +303,7 @@ async def run(manifest: Manifest, role: str, index: int, device: str, requests_f
             requests_sock = socket.socket(fileno=requests_fd)
             if hasattr(engine, "set_intake"):
                 core.start_intake(Poller(requests_sock, ToEngine,
-                                         idle_spin_seconds(manifest.recipe.runtime.idle_spin_us)), loop)
+                                         idle_spin_seconds(manifest.recipe.runtime.idle_spin_us, role)), loop)
                 requests = None
             else:
                 requests = await receive(requests_sock, ToEngine, core.on_message,

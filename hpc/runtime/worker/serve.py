@@ -125,7 +125,7 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
     mode = DisaggregationMode(role)
     gc_clock = watch_gc()
     loop_latency = LoopLatency().start()
-    idle_spin = IdleSpin(idle_spin_seconds(recipe.runtime.idle_spin_us))
+    idle_spin = IdleSpin(idle_spin_seconds(recipe.runtime.idle_spin_us, role))
     events = None
     if recipe.infra.nats and recipe.runtime.publish_kv_events:
         from hpc.runtime.services.events import EventPublisher
@@ -162,7 +162,7 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
                        on_first_token=on_first_token, kv=handoff)
     handoff.counters = deps.counters  # what arrived by which transport shows in /metrics and stats
     handler = make_handler(deps)
-    rpc = RpcServer(handler.ops(), token=rpc_token(manifest), on_activity=idle_spin.touch)
+    rpc = RpcServer(handler.ops(), token=rpc_token(manifest), on_activity=idle_spin.calls)
     await rpc.start(host, plan.ports["rpc"])
     labels = {"role": role, "index": str(index), "run": manifest.run_id}
     draining = False

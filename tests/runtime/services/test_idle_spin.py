@@ -1,5 +1,6 @@
-"""runtime.idle_spin_us: after a request's start and end each serving process polls its sockets without sleeping
-for a while (event loops: IdleSpin; an engine process's scheduler thread: Poller), and the servers say when."""
+"""runtime.idle_spin_us: while a request is in flight and for a while after, each serving process polls its sockets
+without sleeping (event loops: IdleSpin; an engine process's scheduler thread, after its last work: Poller), and the
+servers say when a call starts and ends."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from hpc.runtime.services.node import SPIN_AUTO_S, IdleSpin, idle_spin_seconds
+from hpc.runtime.services.node import SPIN_AUTO_PREFILL_S, SPIN_AUTO_S, IdleSpin, idle_spin_seconds
 from hpc.runtime.worker.engine_link import Poller, Submit, ToEngine, encode
 from hpc.runtime.engine.types import GenerateRequest
 
@@ -48,10 +49,35 @@ def test_a_touch_keeps_the_loop_turning_without_sleeping_for_the_window_then_let
     assert after == (turns, False, seconds)
 
 
+def test_a_call_in_flight_keeps_the_loop_turning_past_the_window_and_its_end_starts_one():
+    async def main() -> list[tuple[int, bool]]:
+        spin = CountingSpin(0.01)
+        seen = []
+        spin.calls(+1)
+        spin.calls(+1)
+        spin.calls(-1)  # one of two ended: the other still holds the spin
+        await asyncio.sleep(0.04)  # four windows long
+        seen.append((spin.turns, spin.spinning))
+        spin.calls(-1)
+        await asyncio.sleep(0.005)  # within the window after the last end
+        seen.append((spin.turns, spin.spinning))
+        await asyncio.sleep(0.03)
+        seen.append((spin.turns, spin.spinning))
+        await asyncio.sleep(0.03)
+        seen.append((spin.turns, spin.spinning))
+        return seen
+
+    (during, in_flight), (after_end, in_window), (ran_out, spinning), (later, _) = asyncio.run(main())
+    assert during > 100 and in_flight  # a sleeping loop turns once or twice in 40 ms; a spinning one thousands
+    assert after_end > during and in_window
+    assert not spinning and later == ran_out  # the window ran out: the loop sleeps
+
+
 def test_no_window_no_spin():
     async def main() -> CountingSpin:
         spin = CountingSpin(0.0)
         spin.touch()
+        spin.calls(+1)  # a call in flight does not spin either: idle_spin_us 0 is off
         await asyncio.sleep(0.01)
         return spin
 
@@ -61,10 +87,12 @@ def test_no_window_no_spin():
 
 def test_auto_spins_where_the_process_may_use_eight_cpus(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
-    assert idle_spin_seconds("auto") == SPIN_AUTO_S
+    assert idle_spin_seconds("auto") == idle_spin_seconds("auto", "decode") == SPIN_AUTO_S
+    # a prefill worker's next call comes a whole decode after its last one ended
+    assert idle_spin_seconds("auto", "prefill") == SPIN_AUTO_PREFILL_S > SPIN_AUTO_S
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
-    assert idle_spin_seconds("auto") == 0.0  # a small machine's CPUs are the work's
-    assert idle_spin_seconds(500) == 0.0005 and idle_spin_seconds(0) == 0.0
+    assert idle_spin_seconds("auto") == idle_spin_seconds("auto", "prefill") == 0.0  # a small machine's CPUs
+    assert idle_spin_seconds(500) == 0.0005 == idle_spin_seconds(500, "prefill") and idle_spin_seconds(0) == 0.0
 
 
 def _submit(key: int) -> bytes:
@@ -117,12 +145,13 @@ def test_the_servers_say_when_a_request_starts_and_ends():
     async def answer(request) -> Response:
         return Response(body=b"ok")
 
-    async def main() -> tuple[int, int]:
-        rpc_touches, http_touches = [], []
-        rpc = RpcServer({StatsQuery: stats}, on_activity=lambda: rpc_touches.append(1))
+    async def main() -> tuple[list[int], list[int]]:
+        rpc_touches: list[int] = []
+        http_touches: list[int] = []
+        rpc = RpcServer({StatsQuery: stats}, on_activity=rpc_touches.append)
         await rpc.start("127.0.0.1", 0)
         client = RpcClient("127.0.0.1", rpc.port)
-        web = HttpServer(answer, on_activity=lambda: http_touches.append(1))
+        web = HttpServer(answer, on_activity=http_touches.append)
         await web.start("127.0.0.1", 0)
         try:
             await client.call(StatsQuery())
@@ -136,9 +165,10 @@ def test_the_servers_say_when_a_request_starts_and_ends():
             await client.close()
             await rpc.close()
             await web.close()
-        return len(rpc_touches), len(http_touches)
+        return rpc_touches, http_touches
 
-    assert asyncio.run(main()) == (2, 2)  # each: its start and its end (the HTTP server's POST alone)
+    # each: its start and its end (the HTTP server's POST alone), so that a spin lasts while a call is in flight
+    assert asyncio.run(main()) == ([1, -1], [1, -1])
 
 
 @pytest.mark.parametrize("bad", ["-1", "100001", "true", "often", "1.5", "$(id)"])
