@@ -48,6 +48,7 @@ from _direct import DirectPair, pair_devices  # noqa: E402
 from _gpu_clocks import ClockLog  # noqa: E402
 from _scheduler_clock import SCHEDULER_CLOCK, per_step, spent as clock_spent  # noqa: E402
 from _stack import add_set_option, counters, workers  # noqa: E402
+from stack_sweeps import frontend_latency  # noqa: E402
 from hpc.bench.loadgen import REQUESTS_PER_USER, Level, prompt_ids  # noqa: E402
 from hpc.engine_args.precedence import TORCH_ENGINE_DEFAULTS, deep_update  # noqa: E402
 from hpc.runtime.engine.tiny import ensure_model  # noqa: E402
@@ -281,6 +282,7 @@ def main() -> None:
                         # prompts of its own each round and level, as the engine's (rng goes on): a round that
                         # repeated the last round's would find them in the workers' prefix cache
                         seed, began = round_ * len(levels) + i, time.time()
+                        own = frontend_latency(url)
                         if args.client_in_process:
                             res = await run_level(url, served, lv, True, WARMUP, seed=seed)
                         else:  # apart from the engine's process, one client process per 16 users (hpc bench's auto)
@@ -291,6 +293,10 @@ def main() -> None:
                         for name, u in placed.items():
                             add_clock(lv.concurrency, name, clock_spent(before[name], counters(u, SCHEDULER_CLOCK)))
                         seen.setdefault(lv.concurrency, []).append((res["ttft_s"]["p50"], res["e2e_s"]["p50"]))
+                        after = frontend_latency(url)
+                        for key in ("ttft", "e2e", "count"):
+                            frontend_own.setdefault(lv.concurrency, dict.fromkeys(("ttft", "e2e", "count"), 0.0))
+                            frontend_own[lv.concurrency][key] += after[key] - own[key]
                         # as it goes, for a run cut short (a GPU call's time limit): the table comes at the end
                         print(f"round {round_ + 1} c={lv.concurrency}: {direct[lv.concurrency][-1]:.1f} tok/s "
                               f"directly, {via[lv.concurrency][-1]:.1f} through the frontend", file=sys.stderr,
@@ -304,6 +310,10 @@ def main() -> None:
     # direct path's as "directly"), and the client's p50 TTFT and e2e seconds each round
     clocks_by_level: dict[int, dict[str, dict[str, float]]] = {}
     seen: dict[int, list[tuple[float, float]]] = {}
+    # the frontend's own TTFT and e2e sums over each level's rounds, from a request's arrival there (its /metrics):
+    # against the client's, what the client's side of the HTTP hop took; against the engine's first token, the
+    # frontend -> worker -> engine path
+    frontend_own: dict[int, dict[str, float]] = {}
 
     def add_clock(level: int, name: str, clock: dict[str, float]) -> None:
         summed = clocks_by_level.setdefault(level, {}).setdefault(name, dict.fromkeys(clock, 0.0))
@@ -346,13 +356,17 @@ def main() -> None:
         print(f"{lv.concurrency:>4} {lv.requests:>9} {d:>16.1f} {v:>17.1f} {v / d:>6.0%}  {rounds}")
     print(cpu_speed.report(spans))  # a round whose paths ran on CPUs of different speeds is not a fair one
     print("where each path's time went, all rounds: a request's ms (directly: concurrency x output tokens / tokens/s;"
-          " through the frontend: the client's p50 TTFT / e2e), then each engine's scheduler per decode step, ms"
+          " through the frontend: the client's p50 TTFT / e2e, and the frontend's own means from a request's arrival"
+          " there), then each engine's scheduler per decode step, ms"
           " (decode / admit / idle, and of idle its polls with rows running), and tokens a step")
     for lv in levels:
         d = statistics.median(direct[lv.concurrency])
         ttft, e2e = (statistics.median(x) * 1e3 for x in zip(*seen[lv.concurrency]))
+        own = frontend_own.get(lv.concurrency, {})
+        inside = (f" (the frontend's own {own['ttft'] / own['count'] * 1e3:.2f} / {own['e2e'] / own['count'] * 1e3:.2f})"
+                  if own.get("count") else "")
         print(f"  c={lv.concurrency}: request {lv.concurrency * lv.output_tokens / d * 1e3:.2f} directly, "
-              f"{ttft:.2f} / {e2e:.2f} through the frontend")
+              f"{ttft:.2f} / {e2e:.2f} through the frontend{inside}")
         for name, clock in clocks_by_level[lv.concurrency].items():
             print(f"    {name}: {per_step(clock)}")
 

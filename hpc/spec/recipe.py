@@ -286,11 +286,13 @@ class RuntimeSpec(StrictModel):
                             "auto: own on a GPU")
     idle_spin_us: Annotated[int, Field(ge=0, le=100_000)] | Literal["auto"] = Field(
         "auto", description="each frontend process and each worker keeps polling its sockets without sleeping "
-                            "while a call is in flight and this long after the last one ends, and an engine "
-                            "process's scheduler this long after its last work, so that the next message finds its "
+                            "while a call is in flight (a worker whose engine shares its process: after a call's "
+                            "start) and this long after the last one ends, and an engine process's scheduler this "
+                            "long after its last work, so that the next message finds its "
                             "CPU awake (a CPU idle for a millisecond takes 40-50 us more to wake, up to 0.5 ms, on "
                             "the GPU machines' VMs: benchmarks/hop_latency.py --gap-us); 0: off. auto: 2000 (10000 "
-                            "for a prefill worker, whose next call comes a whole decode after its last) where the "
+                            "for a prefill worker whose engine has a process of its own, and that process: its next "
+                            "call comes a whole decode after its last) where the "
                             "process may use 8 CPUs or more, else 0 (on a small machine the spin takes the CPU from "
                             "the work)")
 

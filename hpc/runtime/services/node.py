@@ -188,8 +188,8 @@ class LoopLatency:
 SPIN_AUTO_S = 0.002
 SPIN_AUTO_MIN_CPUS = 8
 # a prefill worker's call ends at the first token, and the next comes a whole decode later (4-5 ms on the tiny
-# model at c=1): at 2 ms its worker and engine process slept through the gap, and the disaggregated stack kept 95 %
-# of its engines at c=1; at 10 ms, 102 % (session 29, x4, one machine)
+# model at c=1): at 2 ms its worker and engine process slept through the gap (session 29: the disaggregated stack
+# kept 91 % of its engines at c=1 with this, 83 % before, x5; 102 % with every window at 10 ms, x4)
 SPIN_AUTO_PREFILL_S = 0.010
 
 
@@ -211,11 +211,14 @@ class IdleSpin:
     the next message on the GPU machines' VMs, and up to 0.5 ms (hop_latency.py --gap-us). At c=1 every hop of a
     request finds its process idle, on the way out as on the way in: a request's last tokens reach the worker and
     the frontend 4-5 ms after its start on the tiny model, past a window that only followed the start (session
-    29: the disaggregated stack kept 91 % of its engines at c=1 with a 2 ms window, 103 % spinning throughout).
-    /metrics: the spins' seconds."""
+    29, x2: with every window at 10 ms, longer than a request, the disaggregated stack kept 103 % of its engines
+    at c=1, against 91 % at 2 ms).
+    `in_flight` False: the window alone, for a worker whose engine runs on a thread of its process, from which a
+    loop that spun through every call would take the GIL. /metrics: the spins' seconds."""
 
-    def __init__(self, window_s: float) -> None:
+    def __init__(self, window_s: float, in_flight: bool = True) -> None:
         self.window_s = window_s
+        self.in_flight = in_flight
         self.until = 0.0
         self.since = 0.0
         self.seconds = 0.0
@@ -224,7 +227,8 @@ class IdleSpin:
 
     def calls(self, change: int) -> None:
         """A call began (+1) or ended (-1)."""
-        self.inflight += change
+        if self.in_flight:
+            self.inflight += change
         self.touch()
 
     def touch(self) -> None:

@@ -125,7 +125,11 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
     mode = DisaggregationMode(role)
     gc_clock = watch_gc()
     loop_latency = LoopLatency().start()
-    idle_spin = IdleSpin(idle_spin_seconds(recipe.runtime.idle_spin_us, role))
+    # through every call, and a prefill worker's longer window, only where the engine has a process of its own:
+    # one on a thread here (several ranks, TensorRT-LLM, runtime.engine_process worker) would wait for the GIL
+    # behind the spinning loop
+    apart = isinstance(engine, EngineProcess)
+    idle_spin = IdleSpin(idle_spin_seconds(recipe.runtime.idle_spin_us, role if apart else ""), in_flight=apart)
     events = None
     if recipe.infra.nats and recipe.runtime.publish_kv_events:
         from hpc.runtime.services.events import EventPublisher

@@ -73,6 +73,18 @@ def test_a_call_in_flight_keeps_the_loop_turning_past_the_window_and_its_end_sta
     assert not spinning and later == ran_out  # the window ran out: the loop sleeps
 
 
+def test_a_worker_whose_engine_shares_its_process_spins_the_window_alone():
+    async def main() -> tuple[bool, bool]:
+        spin = CountingSpin(0.01, in_flight=False)
+        spin.calls(+1)
+        spinning_at_start = spin.spinning
+        await asyncio.sleep(0.04)  # the call still in flight, four windows on
+        return spinning_at_start, spin.spinning
+
+    # the engine's thread gets the GIL back once the window after the call's start has run out
+    assert asyncio.run(main()) == (True, False)
+
+
 def test_no_window_no_spin():
     async def main() -> CountingSpin:
         spin = CountingSpin(0.0)
