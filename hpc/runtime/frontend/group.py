@@ -25,9 +25,9 @@ from hpc.runtime.serve.http import HttpServer, Request, Response, json_response
 log = logging.getLogger(__name__)
 
 REPLICA_START_S = 120.0
-# Metrics that every process reads off the same shared state (workers in discovery, the KV event stream): the
-# group's value is the largest, not the sum. Start times of histograms: the earliest.
-_SHARED_SUFFIXES = ("_instances", "_kv_index_stale", "_kv_events_total", "_pool_live")
+# Metrics that every process reads off the same shared state (workers in discovery, the KV event stream) or sets
+# alike (which spin it runs): the group's value is the largest, not the sum. Start times of histograms: the earliest.
+_SHARED_SUFFIXES = ("_instances", "_kv_index_stale", "_kv_events_total", "_pool_live", "_idle_spin_in_flight")
 
 
 def health_status(live: dict[str, int], expected: dict[str, int]) -> str:

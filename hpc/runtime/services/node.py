@@ -249,7 +249,9 @@ class IdleSpin:
             self.seconds += now - self.since
 
     def stats(self, prefix: str) -> dict[str, float]:
-        return {f"{prefix}idle_spin_seconds_total": self.seconds}
+        # the gauge says which spin this process runs: 1 through every call, 0 the window alone (or none)
+        return {f"{prefix}idle_spin_seconds_total": self.seconds,
+                f"{prefix}idle_spin_in_flight": float(self.in_flight and self.window_s > 0)}
 
 
 _gc_clock: GcClock | None = None

@@ -97,11 +97,14 @@ def test_a_router_temperature_spreads_near_ties_and_still_prefers_the_cache():
 
 
 _stack_fixture = __import__("tests.runtime.conftest", fromlist=["stack_fixture"]).stack_fixture
-kv_stack = _stack_fixture("tiny-agg", "--set", "roles.agg.count=2", "--set", "frontend.router=kv_aware")
+# a spin window set (auto is off on a machine of fewer than 8 CPUs): which spin each worker runs follows where its
+# engine runs
+kv_stack = _stack_fixture("tiny-agg", "--set", "roles.agg.count=2", "--set", "frontend.router=kv_aware",
+                          "--set", "runtime.idle_spin_us=500")
 # the same with each worker's engine in a process of its own (the default on GPUs): its KV events cross the
 # engine link before they reach NATS
 kv_stack_apart = _stack_fixture("tiny-agg", "--set", "roles.agg.count=2", "--set", "frontend.router=kv_aware",
-                                "--set", "runtime.engine_process=own")
+                                "--set", "runtime.engine_process=own", "--set", "runtime.idle_spin_us=500")
 
 
 @pytest.mark.integration
@@ -116,7 +119,16 @@ def test_a_shared_prefix_follows_its_worker_through_the_real_event_plane(stack, 
 
     kv_stack = request.getfixturevalue(stack)
     states = kv_stack.run.component_states()
-    assert all(("engine_pid" in states[f"agg-{i}"]) == (stack == "kv_stack_apart") for i in range(2))
+    apart = stack == "kv_stack_apart"
+    assert all(("engine_pid" in states[f"agg-{i}"]) == apart for i in range(2))
+    # a worker spins through every call only with its engine apart: one on a thread of its process would wait
+    # for the GIL behind the spinning loop; the frontend always does
+    from hpc.checks.probe import get_text, metric_values
+
+    for i in range(2):
+        text = get_text(states[f"agg-{i}"]["http"] + "/metrics")
+        assert metric_values(text, "hpc_worker_worker_idle_spin_in_flight") == float(apart)
+    assert metric_values(get_text(kv_stack.url + "/metrics"), "hpc_frontend_idle_spin_in_flight") == 1.0
 
     prefix = list(range(100, 400))  # 300 tokens: 9 full blocks of 32
     seen = []

@@ -83,6 +83,8 @@ def test_a_worker_whose_engine_shares_its_process_spins_the_window_alone():
 
     # the engine's thread gets the GIL back once the window after the call's start has run out
     assert asyncio.run(main()) == (True, False)
+    assert CountingSpin(0.01, in_flight=False).stats("")["idle_spin_in_flight"] == 0.0
+    assert CountingSpin(0.01).stats("")["idle_spin_in_flight"] == 1.0
 
 
 def test_no_window_no_spin():
@@ -94,7 +96,8 @@ def test_no_window_no_spin():
         return spin
 
     spin = asyncio.run(main())
-    assert spin.turns == 0 and not spin.spinning and spin.stats("worker_") == {"worker_idle_spin_seconds_total": 0.0}
+    assert spin.turns == 0 and not spin.spinning
+    assert spin.stats("worker_") == {"worker_idle_spin_seconds_total": 0.0, "worker_idle_spin_in_flight": 0.0}
 
 
 def test_auto_spins_where_the_process_may_use_eight_cpus(monkeypatch):
