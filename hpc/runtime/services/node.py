@@ -213,12 +213,12 @@ class IdleSpin:
     the frontend 4-5 ms after its start on the tiny model, past a window that only followed the start (session
     29, x2: with every window at 10 ms, longer than a request, the disaggregated stack kept 103 % of its engines
     at c=1, against 91 % at 2 ms).
-    `in_flight` False: the window alone, for a worker whose engine runs on a thread of its process, from which a
-    loop that spun through every call would take the GIL. /metrics: the spins' seconds."""
+    `through_calls` False: the window alone, for a worker whose engine runs on a thread of its process, from which
+    a loop that spun through every call would take the GIL. /metrics: the spins' seconds, and which spin it is."""
 
-    def __init__(self, window_s: float, in_flight: bool = True) -> None:
+    def __init__(self, window_s: float, through_calls: bool = True) -> None:
         self.window_s = window_s
-        self.in_flight = in_flight
+        self.through_calls = through_calls
         self.until = 0.0
         self.since = 0.0
         self.seconds = 0.0
@@ -227,7 +227,7 @@ class IdleSpin:
 
     def calls(self, change: int) -> None:
         """A call began (+1) or ended (-1)."""
-        if self.in_flight:
+        if self.through_calls:
             self.inflight += change
         self.touch()
 
@@ -251,7 +251,7 @@ class IdleSpin:
     def stats(self, prefix: str) -> dict[str, float]:
         # the gauge says which spin this process runs: 1 through every call, 0 the window alone (or none)
         return {f"{prefix}idle_spin_seconds_total": self.seconds,
-                f"{prefix}idle_spin_in_flight": float(self.in_flight and self.window_s > 0)}
+                f"{prefix}idle_spin_in_flight": float(self.through_calls and self.window_s > 0)}
 
 
 _gc_clock: GcClock | None = None

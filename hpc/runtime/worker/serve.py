@@ -129,7 +129,8 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
     # one on a thread here (several ranks, TensorRT-LLM, runtime.engine_process worker) would wait for the GIL
     # behind the spinning loop
     apart = isinstance(engine, EngineProcess)
-    idle_spin = IdleSpin(idle_spin_seconds(recipe.runtime.idle_spin_us, role if apart else ""), in_flight=apart)
+    idle_spin = IdleSpin(idle_spin_seconds(recipe.runtime.idle_spin_us, role if apart else ""),
+                         through_calls=apart)
     events = None
     if recipe.infra.nats and recipe.runtime.publish_kv_events:
         from hpc.runtime.services.events import EventPublisher

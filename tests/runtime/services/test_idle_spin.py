@@ -75,7 +75,7 @@ def test_a_call_in_flight_keeps_the_loop_turning_past_the_window_and_its_end_sta
 
 def test_a_worker_whose_engine_shares_its_process_spins_the_window_alone():
     async def main() -> tuple[bool, bool]:
-        spin = CountingSpin(0.01, in_flight=False)
+        spin = CountingSpin(0.01, through_calls=False)
         spin.calls(+1)
         spinning_at_start = spin.spinning
         await asyncio.sleep(0.04)  # the call still in flight, four windows on
@@ -83,7 +83,7 @@ def test_a_worker_whose_engine_shares_its_process_spins_the_window_alone():
 
     # the engine's thread gets the GIL back once the window after the call's start has run out
     assert asyncio.run(main()) == (True, False)
-    assert CountingSpin(0.01, in_flight=False).stats("")["idle_spin_in_flight"] == 0.0
+    assert CountingSpin(0.01, through_calls=False).stats("")["idle_spin_in_flight"] == 0.0
     assert CountingSpin(0.01).stats("")["idle_spin_in_flight"] == 1.0
 
 
