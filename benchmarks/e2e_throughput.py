@@ -294,9 +294,9 @@ def main() -> None:
                             add_clock(lv.concurrency, name, clock_spent(before[name], counters(u, SCHEDULER_CLOCK)))
                         seen.setdefault(lv.concurrency, []).append((res["ttft_s"]["p50"], res["e2e_s"]["p50"]))
                         after = frontend_latency(url)
-                        for key in ("ttft", "e2e", "count"):
-                            frontend_own.setdefault(lv.concurrency, dict.fromkeys(("ttft", "e2e", "count"), 0.0))
-                            frontend_own[lv.concurrency][key] += after[key] - own[key]
+                        summed = frontend_own.setdefault(lv.concurrency, dict.fromkeys(("ttft", "e2e", "count"), 0.0))
+                        for key in summed:
+                            summed[key] += after[key] - own[key]
                         # as it goes, for a run cut short (a GPU call's time limit): the table comes at the end
                         print(f"round {round_ + 1} c={lv.concurrency}: {direct[lv.concurrency][-1]:.1f} tok/s "
                               f"directly, {via[lv.concurrency][-1]:.1f} through the frontend", file=sys.stderr,
@@ -310,9 +310,9 @@ def main() -> None:
     # direct path's as "directly"), and the client's p50 TTFT and e2e seconds each round
     clocks_by_level: dict[int, dict[str, dict[str, float]]] = {}
     seen: dict[int, list[tuple[float, float]]] = {}
-    # the frontend's own TTFT and e2e sums over each level's rounds, from a request's arrival there (its /metrics):
-    # against the client's, what the client's side of the HTTP hop took; against the engine's first token, the
-    # frontend -> worker -> engine path
+    # the frontend's own TTFT and e2e sums over each level's rounds, from a request's arrival there (its /metrics;
+    # the client processes' warm-up requests are in them too, WARMUP each): against the client's, what the client's
+    # side of the HTTP hop took; against the engine's first token, the frontend -> worker -> engine path
     frontend_own: dict[int, dict[str, float]] = {}
 
     def add_clock(level: int, name: str, clock: dict[str, float]) -> None:
@@ -363,8 +363,10 @@ def main() -> None:
         d = statistics.median(direct[lv.concurrency])
         ttft, e2e = (statistics.median(x) * 1e3 for x in zip(*seen[lv.concurrency]))
         own = frontend_own.get(lv.concurrency, {})
-        inside = (f" (the frontend's own {own['ttft'] / own['count'] * 1e3:.2f} / {own['e2e'] / own['count'] * 1e3:.2f})"
-                  if own.get("count") else "")
+        inside = ""
+        if own.get("count"):
+            inside = f" (the frontend's own {own['ttft'] / own['count'] * 1e3:.2f} / " \
+                     f"{own['e2e'] / own['count'] * 1e3:.2f})"
         print(f"  c={lv.concurrency}: request {lv.concurrency * lv.output_tokens / d * 1e3:.2f} directly, "
               f"{ttft:.2f} / {e2e:.2f} through the frontend{inside}")
         for name, clock in clocks_by_level[lv.concurrency].items():

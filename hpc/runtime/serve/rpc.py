@@ -154,10 +154,10 @@ class RpcServer:
     a `Hello` carrying it or it is closed before anything runs (the job's workers listen on their node's address)."""
 
     def __init__(self, handlers: dict[type, StreamHandler], token: str | None = None,
-                 on_activity: Callable[[int], None] | None = None) -> None:
+                 on_activity: Callable[[int], None] = _no_calls) -> None:
         self.handlers = handlers
         self.token = token
-        self.on_activity = on_activity or _no_calls  # a call's start (+1) and end (-1): IdleSpin.calls
+        self.on_activity = on_activity  # a call's start (+1) and end (-1): IdleSpin.calls
         self.refused = 0
         self.server: asyncio.base_events.Server | None = None
         self.inflight = 0
