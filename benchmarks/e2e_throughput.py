@@ -186,6 +186,18 @@ def device_label(engine: Any) -> str:
     return f"CPU, {os.cpu_count()} cores ({engine.dtype})".replace("torch.", "")
 
 
+def stack_levels(direct: dict[int, list[float]], via: dict[int, list[float]]) -> dict[int, dict[str, Any]]:
+    """Each level's rounds on both paths and the stack's share of the engine: the medians' ratio, as the table's."""
+    return {c: {"engine_tok_s": direct[c], "stack_tok_s": via[c],
+                "kept": statistics.median(via[c]) / statistics.median(direct[c])} for c in direct}
+
+
+def write_json(path: str | None, figures: dict[str, Any]) -> None:
+    """The run's figures, each level's under its concurrency (gpu_suite.py's goals read them)."""
+    if path:
+        Path(path).write_text(json.dumps(figures, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--concurrency", default="8", help="levels, e.g. 1,8,32,64")
@@ -219,6 +231,7 @@ def main() -> None:
                         help="the direct path: one aggregated engine, or a prefill and a decode engine in this "
                              "process on the devices the stack's workers get (_direct.DirectPair); auto: the "
                              "recipe's shape")
+    parser.add_argument("--json", help="also write each level's tokens/s (and the stack's share) here")
     args = parser.parse_args()
     levels = [Level(c, args.input_tokens, args.output_tokens, max(args.requests, args.requests_per_user * c),
                     output_spread=args.output_spread) for c in (int(x) for x in args.concurrency.split(","))]
@@ -346,6 +359,9 @@ def main() -> None:
               "and tokens a step, in each sweep:")
         for lv in levels:
             print(f"  c={lv.concurrency}: " + "; ".join(per_step(s) for s in spent[lv.concurrency]))
+        write_json(args.json, {"device": label, "engine_only": True, "levels": {
+            lv.concurrency: {"first_tok_s": direct[lv.concurrency][0], "later_tok_s": via[lv.concurrency]}
+            for lv in levels}})
         return
     print("the direct path: " + ("a prefill and a decode engine (the KV handed over as a tensor)" if pair
                                  else "one aggregated engine"))
@@ -354,6 +370,8 @@ def main() -> None:
         d, v = statistics.median(direct[lv.concurrency]), statistics.median(via[lv.concurrency])
         rounds = " ".join(f"{b / a:.0%}" for a, b in zip(direct[lv.concurrency], via[lv.concurrency]))
         print(f"{lv.concurrency:>4} {lv.requests:>9} {d:>16.1f} {v:>17.1f} {v / d:>6.0%}  {rounds}")
+    write_json(args.json, {"device": label, "recipe": args.recipe, "direct": "pair" if pair else "one engine",
+                           "output_spread": args.output_spread, "levels": stack_levels(direct, via)})
     print(cpu_speed.report(spans))  # a round whose paths ran on CPUs of different speeds is not a fair one
     print("where each path's time went, all rounds: a request's ms (directly: concurrency x output tokens / tokens/s;"
           " through the frontend: the client's p50 TTFT / e2e, and the frontend's own means from a request's arrival"

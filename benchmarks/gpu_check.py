@@ -277,6 +277,7 @@ def main() -> None:
             sys.exit(f"GPU check FAILED: `{args.mpiexec} -n 2` gave ranks of world size {worlds}, not two ranks of "
                      "one world of 2: the launcher is not the MPI mpi4py was built against (use its mpirun)")
     rows = []
+    summary: dict = {"b1_of_roofline": {}}  # what gpu_suite's goals read (_goals.py)
     for label, ranks in (("TP=1", [tp1]), ("TP=2", tp2)):
         if not ranks:
             continue
@@ -284,6 +285,7 @@ def main() -> None:
         bw = min(r["copy_bandwidth"] for r in ranks)
         roof = roofline(bw, r0["weight_bytes_per_rank"], len(ranks))
         rows.append((label, r0["decode_tps"], roof, bw))
+        summary["b1_of_roofline"][label] = r0["decode_tps"]["1"] / roof
     print(f"GPU check on {tp1['name']}: {tp1['params'] / 1e9:.2f} B parameters, bf16 decode, KV context 512")
     print("ranks: " + "; ".join(f"TP=2 rank {r['rank']} -> cuda:{r['gpu']} {r['uuid'] or r['pci_bus']}"
                                 for r in (tp2 or [])))
@@ -294,6 +296,7 @@ def main() -> None:
         # fp32 is the exact check of the tensor-parallel math; in bf16 the two sum in different orders and
         # round differently, which flips a greedy pick only where two logits (nearly) tie: show those gaps
         result_ok = same32 and distinct
+        summary.update(tp2_fp32_same_as_tp1=same32, tp2_distinct_gpus=distinct)
         print(f"greedy tokens TP=2 == TP=1 (fp32, {len(PROMPTS)} prompts x {GREEDY_TOKENS}): {same32}; "
               f"distinct GPUs per rank: {distinct}")
         split = []
@@ -333,7 +336,7 @@ def main() -> None:
                 print(f"  tuned {key}: {config}")
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"tp1": tp1, "tp2": tp2}, handle, indent=1)
+            json.dump({"tp1": tp1, "tp2": tp2, "summary": summary}, handle, indent=1)
     if not result_ok:
         sys.exit("GPU check FAILED: fp32 TP=2 tokens differ from TP=1, two ranks share a GPU, or the all-reduce "
                  "over peer memory gave other tokens than NCCL's")

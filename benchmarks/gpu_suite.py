@@ -1,12 +1,13 @@
-"""The whole GPU suite in one command, for one GPU-machine call: the CUDA tests, gpu_check (0.9 B and the 8B
-shape; TP=2 when there are two GPUs), the KV handoff, and the engine's first-vs-second sweep. One JSON with every
-figure, and a summary table.
+"""The GPU suite in one command, for one GPU-machine call. By default it runs the steps that measure issue #14's
+goals (_goals.py: the stack's sweeps and its share of the engine, both KV handoffs, the 8B shape's roofline and TP=2
+tokens, the parallel layouts over NCCL, the CUDA tests), then prints and stores one verdict a goal; `--all` runs
+every step (the diagnostics of earlier sessions too: more than one call holds), `--only a,b` the named ones.
 
     python benchmarks/gpu_suite.py --out gpu_suite.json [--mpiexec "mpirun --allow-run-as-root"] [--budget 560]
 
 Steps run one after another, each with its own time limit taken from what is left of `--budget` seconds, so the
 suite ends inside a 10-minute call even when a step hangs; a step that fails or runs out of time is recorded as
-such and the others still run. Exits non-zero when any step failed.
+such and the others still run. Exits non-zero when any step failed. A goal not met is a verdict, not a failure.
 """
 
 from __future__ import annotations
@@ -19,12 +20,21 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
+
+from _goals import GOAL_STEPS, table, verdicts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def steps(mpiexec: str, scratch: str, gpus: int, profiles: str) -> list[tuple[str, list[str], str | None, int]]:
+Step = tuple[str, list[str], str | None, int]
+# the engine's two sweeps first: on a fresh machine they tune the tiny model's GEMVs (a minute, kept in Triton's
+# disk cache), which the stack's steps would otherwise pay inside their own limits
+DEFAULT_STEPS = ["engine_sweeps", *GOAL_STEPS]
+
+
+def steps(mpiexec: str, scratch: str, gpus: int, profiles: str) -> list[Step]:
     """(name, argv, JSON file it writes or None, seconds it may take at most)."""
     py = sys.executable
     # where each component's time and GIL go at the highest concurrency, when py-spy is installed
@@ -52,7 +62,8 @@ def steps(mpiexec: str, scratch: str, gpus: int, profiles: str) -> list[tuple[st
         ("decode_knobs_8b", [py, "benchmarks/decode_knobs.py", "--rounds", "2"], None, 120),
         ("decode_knobs_8b_tp2", [*mpiexec.split(), "-n", "2", py, "benchmarks/decode_knobs.py", "--rounds", "2"],
          None, 150),
-        ("kv_handoff", [py, "benchmarks/kv_handoff.py", "--tokens", "2000", "--handoffs", "8"], None, 60),
+        ("kv_handoff", [py, "benchmarks/kv_handoff.py", "--tokens", "2000", "--handoffs", "8", "--json",
+                        f"{scratch}/kv.json"], f"{scratch}/kv.json", 60),
         # NIXL (when the nixl extra is installed): UCX held to TCP + staging, as between two nodes without RDMA
         ("kv_handoff_nixl_tcp", [py, "benchmarks/kv_handoff.py", "--tokens", "2000", "--handoffs", "8",
                                  "--ucx-tls", "tcp,cuda_copy"], None, 90),
@@ -67,7 +78,8 @@ def steps(mpiexec: str, scratch: str, gpus: int, profiles: str) -> list[tuple[st
         ("engine_process_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                   "tests/runtime/worker/test_engine_process.py"], None, 120),
         ("kv_handoff_gpu0_to_1", [py, "benchmarks/kv_handoff.py", "--tokens", "2000", "--handoffs", "8",
-                                  "--decode-device", "cuda:1"], None, 60),
+                                  "--decode-device", "cuda:1", "--json", f"{scratch}/kv01.json"],
+         f"{scratch}/kv01.json", 60),
         ("engine_sweeps", [py, "benchmarks/e2e_throughput.py", "--engine-only", "--concurrency", "1,8,32,64",
                            "--output-tokens", "64"], None, 150),
         # the same without decode CUDA graphs (every step launched from Python)
@@ -114,11 +126,12 @@ def steps(mpiexec: str, scratch: str, gpus: int, profiles: str) -> list[tuple[st
         # levels of 16 requests a user, three rounds: a level of 4 a user lasted 0.1-0.4 s, and one hiccup moved
         # its figure by 10-30 %
         ("stack_vs_engine_agg", [py, "benchmarks/e2e_throughput.py", "--recipe", "tiny-agg", "--concurrency",
-                                 "1,8,32,64", "--rounds", "3", "--requests-per-user", "16"], None, 150),
+                                 "1,8,32,64", "--rounds", "3", "--requests-per-user", "16", "--json",
+                                 f"{scratch}/agg.json"], f"{scratch}/agg.json", 150),
         # the direct path: the stack's own prefill and decode engines in one process (e2e_throughput --direct auto)
         ("stack_vs_engine_disagg", [py, "benchmarks/e2e_throughput.py", "--recipe", "tiny-disagg",
-                                    "--concurrency", "1,8,32,64", "--rounds", "3", "--requests-per-user", "16"],
-         None, 150),
+                                    "--concurrency", "1,8,32,64", "--rounds", "3", "--requests-per-user", "16",
+                                    "--json", f"{scratch}/disagg.json"], f"{scratch}/disagg.json", 150),
         # ... and against one aggregated engine (what disaggregation's own hop costs at this model's size)
         ("stack_vs_engine_disagg_vs_agg", [py, "benchmarks/e2e_throughput.py", "--recipe", "tiny-disagg",
                                            "--concurrency", "1,8,32,64", "--rounds", "3", "--requests-per-user", "16",
@@ -161,12 +174,29 @@ def steps(mpiexec: str, scratch: str, gpus: int, profiles: str) -> list[tuple[st
     ]
 
 
+def chosen(every: list[Step], only: str | None, run_all: bool) -> list[Step]:
+    """The steps to run, in the order they run: the named ones (--only), all (--all), or the goals' (_goals.py's
+    order: the costly CUDA tests last, where a short call drops them first)."""
+    if only:
+        names = only.split(",")
+        unknown = sorted(set(names) - {step[0] for step in every})
+        if unknown:
+            sys.exit(f"gpu_suite.py: --only names no step {', '.join(unknown)}; the steps: "
+                     + ", ".join(step[0] for step in every))
+        return [step for step in every if step[0] in names]
+    if run_all:
+        return every
+    by_name = {step[0]: step for step in every}
+    return [by_name[name] for name in DEFAULT_STEPS]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gpu_suite.json")
     parser.add_argument("--mpiexec", default="mpirun --allow-run-as-root")
     parser.add_argument("--budget", type=float, default=560.0, help="seconds for the whole suite")
     parser.add_argument("--only", help="comma-separated step names")
+    parser.add_argument("--all", action="store_true", help="every step, not only the goals' (several calls' worth)")
     parser.add_argument("--profiles", help="where the stack's py-spy profiles go (default: a scratch directory)")
     args = parser.parse_args()
     import torch
@@ -176,10 +206,8 @@ def main() -> None:
               "gpus": torch.cuda.device_count(), "torch": torch.__version__, "steps": {}}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with tempfile.TemporaryDirectory(prefix="gpu-suite-") as scratch:
-        for name, argv, json_file, limit in steps(args.mpiexec, scratch, max(1, min(2, report["gpus"])),
-                                                  args.profiles or f"{scratch}/profile"):
-            if args.only and name not in args.only.split(","):
-                continue
+        every = steps(args.mpiexec, scratch, max(1, min(2, report["gpus"])), args.profiles or f"{scratch}/profile")
+        for name, argv, json_file, limit in chosen(every, args.only, args.all):
             if name.endswith(("gpu0_to_1", "_nccl", "_tp2")) and torch.cuda.device_count() < 2:
                 report["steps"][name] = {"status": "skipped: one GPU"}
                 continue
@@ -202,11 +230,14 @@ def main() -> None:
                     entry["figures"] = json.load(handle)
             report["steps"][name] = entry
             print(f"--- {name}: {status} in {entry['seconds']} s\n{entry['output_tail']}\n", flush=True)
+    found = verdicts(report["steps"])
+    report["goals"] = [asdict(v) for v in found]
     with open(args.out, "w") as handle:
         json.dump(report, handle, indent=1)
     print(f"{'step':<16} {'status':<22} {'seconds':>8}")
     for name, entry in report["steps"].items():
         print(f"{name:<16} {entry['status']:<22} {entry.get('seconds', '-'):>8}")
+    print(f"\nissue #14's goals on {report['device']} x {report['gpus']}:\n{table(found)}\n")
     print(f"wrote {args.out} ({report['device']}, {report['gpus']} GPU(s), torch {report['torch']})")
     if any(not e["status"].startswith(("ok", "skipped: one GPU")) for e in report["steps"].values()):
         sys.exit(1)

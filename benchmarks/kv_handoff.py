@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -131,7 +133,7 @@ async def decode_side(args: argparse.Namespace, port: int, sums: dict[str, float
         if used != [want]:  # e.g. a prefill side without NIXL answered with bytes: this row would be mislabelled
             sys.exit(f"KV handoff FAILED over {label}: the decode side counted {used}, not {want}")
         phases = {k: handoff.counters.get(f"kv_{k}_seconds_total", 0.0) * 1e3 / args.handoffs for k in ("ask", "move")}
-        rows.append((f"{label} [{', '.join(used)}]", times, phases))
+        rows.append((label, used[0], times, phases))
     await peers.close()
     return rows
 
@@ -144,6 +146,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--decode-device", default=None)
     parser.add_argument("--ucx-tls", help="UCX_TLS for both sides' NIXL agents, e.g. tcp,cuda_copy")
+    parser.add_argument("--json", help="also write each path's figures here")
     parser.add_argument("--prefill-side", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ucx_tls:
@@ -180,10 +183,16 @@ def main() -> None:
           + (f", UCX_TLS={args.ucx_tls}" if args.ucx_tls else ""))
     print(f"{'path [what the decode side counted]':<58} {'first ms':>9} {'median ms':>10} {'min ms':>8} {'GB/s':>6} "
           f"{'ask ms':>7} {'move ms':>8}")
-    for label, times, phases in rows:  # ask: the RPC round trip; move: open/read + copy + sync (means)
+    paths = []
+    for label, counted, times, phases in rows:  # ask: the RPC round trip; move: open/read + copy + sync (means)
         med = statistics.median(times[1:] or times)
-        print(f"{label:<58} {times[0]:>9.2f} {med:>10.2f} {min(times):>8.2f} {mb / med:>6.1f} "
+        print(f"{label + f' [{counted}]':<58} {times[0]:>9.2f} {med:>10.2f} {min(times):>8.2f} {mb / med:>6.1f} "
               f"{phases['ask']:>7.2f} {phases['move']:>8.2f}")
+        paths.append({"path": label, "counted": counted, "first_ms": times[0], "median_ms": med, "min_ms": min(times)})
+    if args.json:
+        Path(args.json).write_text(json.dumps({"tokens": args.tokens, "layers": args.layers, "mb": mb,
+                                               "prefill_device": args.device, "decode_device": args.decode_device,
+                                               "paths": paths}, indent=1))
 
 
 if __name__ == "__main__":

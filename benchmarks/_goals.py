@@ -1,0 +1,149 @@
+"""Issue #14's "must show" goals, judged from the figures gpu_suite.py's steps wrote: one verdict a goal, with what
+was measured, so that one GPU call says which goals hold on this machine today.
+
+Each goal names the step whose figures it reads (a JSON the step wrote, or its status for a test run). A goal whose
+step did not run, failed or wrote no figures is "not measured", never met.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+# (lowest, highest) of first ÷ second sweep; c=64 ÷ c=1; stack ÷ engine; KV handoff ms; share of the roofline
+SWEEP_BAND = (0.90, 1.10)
+SCALING = 20.0
+KEPT = 0.95
+HANDOFF_SAME_GPU_MS = 1.0
+HANDOFF_ACROSS_GPUS_MS = 2.0
+ROOFLINE_TP1 = 0.85
+ROOFLINE_TP2 = 0.70
+# the KV handoff path the goals are about: device to device, never the bytes through the hosts
+DEVICE_TO_DEVICE = "kv_fetched_cuda_ipc"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    goal: str
+    step: str
+    measured: str
+    met: bool | None  # None: not measured
+
+
+def _pct(x: float) -> str:
+    return f"{x:.0%}"
+
+
+def _sweeps(figures: dict[str, Any]) -> tuple[str, bool]:
+    first, second = figures["first"], figures["second"]
+    ratios = {c: first[c]["output_tokens_per_s"] / second[c]["output_tokens_per_s"] for c in first}
+    ok = all(SWEEP_BAND[0] <= r <= SWEEP_BAND[1] for r in ratios.values())
+    return " / ".join(f"c={c} {_pct(r)}" for c, r in ratios.items()), ok
+
+
+def _scaling(figures: dict[str, Any]) -> tuple[str, bool]:
+    first, second = figures["first"], figures["second"]
+    lo, hi = min(first, key=int), max(first, key=int)
+    scale = [s[hi]["output_tokens_per_s"] / s[lo]["output_tokens_per_s"] for s in (first, second)]
+    return f"c={hi} ÷ c={lo}: {scale[0]:.1f}x first sweep, {scale[1]:.1f}x second", min(scale) >= SCALING
+
+
+def _kept(figures: dict[str, Any]) -> tuple[str, bool]:
+    kept = {c: level["kept"] for c, level in figures["levels"].items()}
+    return " / ".join(f"c={c} {_pct(k)}" for c, k in kept.items()), all(k >= KEPT for k in kept.values())
+
+
+def _handoff(limit_ms: float) -> Callable[[dict[str, Any]], tuple[str, bool]]:
+    def judge(figures: dict[str, Any]) -> tuple[str, bool]:
+        path = next((p for p in figures["paths"] if p["counted"] == DEVICE_TO_DEVICE), None)
+        if path is None:
+            return "no device-to-device path ran (" + ", ".join(p["counted"] for p in figures["paths"]) + ")", False
+        return (f"{path['median_ms']:.2f} ms median, {figures['tokens']} tokens "
+                f"({figures['prefill_device']} -> {figures['decode_device']})"), path["median_ms"] <= limit_ms
+    return judge
+
+
+def _roofline(label: str, share: float) -> Callable[[dict[str, Any]], tuple[str, bool]]:
+    def judge(figures: dict[str, Any]) -> tuple[str, bool]:
+        got = figures["summary"]["b1_of_roofline"].get(label)
+        if got is None:
+            return f"no {label} run", False
+        return f"{_pct(got)} of the HBM roofline", got >= share
+    return judge
+
+
+def _tp_tokens(figures: dict[str, Any]) -> tuple[str, bool]:
+    summary = figures["summary"]
+    same, distinct = summary.get("tp2_fp32_same_as_tp1"), summary.get("tp2_distinct_gpus")
+    if same is None:
+        return "no TP=2 run", False
+    return f"fp32 tokens equal: {same}; ranks on distinct GPUs: {distinct}", bool(same and distinct)
+
+
+def _tests(skips_allowed: bool) -> Callable[[dict[str, Any]], tuple[str, bool | None]]:
+    """A pytest step's verdict from its summary line ("5 passed, 1 skipped in 60.2s"): something passed and
+    nothing failed; with skips_allowed False, a skipped test (a layout never checked) fails the goal too. No
+    summary (the step timed out or never started pytest): not measured."""
+    def judge(entry: dict[str, Any]) -> tuple[str, bool | None]:
+        tail = entry.get("output_tail", "").strip().splitlines()
+        line = next((x for x in reversed(tail) if re.search(r"\d+ (passed|failed|error)", x)), None)
+        if line is None:
+            return f"not measured: no pytest summary ({entry.get('status', '?')})", None
+        counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|errors?|skipped)", line)}
+        bad = counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
+        return line.strip("= "), counts.get("passed", 0) > 0 and not bad and (
+            skips_allowed or not counts.get("skipped"))
+    return judge
+
+
+# (goal, step, how the step's entry is judged: from the figures it wrote, or a test run's from its summary)
+GOALS: list[tuple[str, str, Callable[[dict[str, Any]], tuple[str, bool | None]]]] = [
+    ("first sweep within 10 % of the second (tiny, disaggregated, own GPUs)", "stack_sweeps_disagg", _sweeps),
+    (f"c=64 >= {SCALING:.0f} x c=1 (tiny, disaggregated)", "stack_sweeps_disagg", _scaling),
+    (f"stack ÷ engine >= {KEPT:.0%}, aggregated (tiny)", "stack_vs_engine_agg", _kept),
+    (f"stack ÷ engine >= {KEPT:.0%}, disaggregated (tiny)", "stack_vs_engine_disagg", _kept),
+    (f"KV handoff, 2,000 tokens of the 8B shape, same GPU <= {HANDOFF_SAME_GPU_MS:g} ms", "kv_handoff",
+     _handoff(HANDOFF_SAME_GPU_MS)),
+    (f"KV handoff, GPU 0 -> 1 <= {HANDOFF_ACROSS_GPUS_MS:g} ms", "kv_handoff_gpu0_to_1",
+     _handoff(HANDOFF_ACROSS_GPUS_MS)),
+    (f"8B shape, batch-1 decode >= {ROOFLINE_TP1:.0%} of the roofline, one GPU", "gpu_check_8b",
+     _roofline("TP=1", ROOFLINE_TP1)),
+    (f"8B shape, TP=2 >= {ROOFLINE_TP2:.0%} of its roofline", "gpu_check_8b", _roofline("TP=2", ROOFLINE_TP2)),
+    ("8B shape, TP=2 greedy fp32 tokens == one rank's, distinct GPUs", "gpu_check_8b", _tp_tokens),
+    ("TP, PP, EP (and TP-sharded MoE) fp32 tokens == one rank's over NCCL", "parallel_layouts_nccl",
+     _tests(skips_allowed=False)),
+    ("the CUDA tests pass", "cuda_tests", _tests(skips_allowed=True)),
+]
+TESTS = {"parallel_layouts_nccl", "cuda_tests"}  # steps judged by their pytest summary, not by figures
+GOAL_STEPS = list(dict.fromkeys(step for _, step, _ in GOALS))
+
+
+def verdicts(steps: dict[str, dict[str, Any]]) -> list[Verdict]:
+    """Each goal's verdict from the suite's steps (name -> {"status", "figures", "output_tail"})."""
+    out = []
+    for goal, step, judge in GOALS:
+        entry = steps.get(step)
+        if entry is None or (entry.get("status") != "ok" and step not in TESTS):
+            status = "did not run" if entry is None else entry.get("status", "?")
+            out.append(Verdict(goal, step, f"not measured: {step} {status}", None))
+        elif step in TESTS:
+            out.append(Verdict(goal, step, *judge(entry)))
+        elif "figures" not in entry:
+            out.append(Verdict(goal, step, f"not measured: {step} wrote no figures", None))
+        else:
+            try:
+                measured, met = judge(entry["figures"])
+            except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+                out.append(Verdict(goal, step, f"not measured: {step}'s figures lack {exc!r}", None))
+                continue
+            out.append(Verdict(goal, step, measured, met))
+    return out
+
+
+def table(found: list[Verdict]) -> str:
+    """Markdown, as docs/performance.md takes it."""
+    mark = {True: "**met**", False: "not met", None: "not measured"}
+    lines = ["| goal | measured | verdict |", "|---|---|---|"]
+    lines += [f"| {v.goal} | {v.measured} | {mark[v.met]} |" for v in found]
+    return "\n".join(lines)

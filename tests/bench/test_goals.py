@@ -1,0 +1,151 @@
+"""benchmarks/_goals.py and gpu_suite.py's choice of steps: each of issue #14's goals judged from the figures its
+step wrote (the shapes the benchmarks write), a goal short of its mark not met, a step that did not run or wrote
+nothing not measured, never met."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import gpu_suite  # noqa: E402
+from _goals import GOALS, table, verdicts  # noqa: E402
+from e2e_throughput import stack_levels  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+
+def sweep(tok_s: dict[int, float]) -> dict[str, dict[str, float]]:
+    """stack_sweeps.py's figures of one sweep, through JSON as the suite reads them (string keys)."""
+    return json.loads(json.dumps({c: {"output_tokens_per_s": v} for c, v in tok_s.items()}))
+
+
+def kept(share: dict[int, float]) -> dict:
+    return json.loads(json.dumps({"levels": stack_levels({c: [100.0, 100.0, 100.0] for c in share},
+                                                         {c: [s * 100.0] * 3 for c, s in share.items()})}))
+
+
+def handoff(ms: float, counted: str = "kv_fetched_cuda_ipc") -> dict:
+    return {"tokens": 2000, "prefill_device": "cuda:0", "decode_device": "cuda:1",
+            "paths": [{"counted": "kv_fetched_bytes", "median_ms": 600.0},
+                      {"counted": counted, "median_ms": ms}]}
+
+
+def all_met() -> dict[str, dict]:
+    ok = {"status": "ok"}
+    return {
+        "stack_sweeps_disagg": {**ok, "figures": {"first": sweep({1: 12_000, 8: 78_000, 32: 200_000, 64: 290_000}),
+                                                  "second": sweep({1: 12_500, 8: 77_000, 32: 210_000, 64: 280_000})}},
+        "stack_vs_engine_agg": {**ok, "figures": kept({1: 0.96, 8: 0.97, 32: 1.0, 64: 1.1})},
+        "stack_vs_engine_disagg": {**ok, "figures": kept({1: 1.02, 8: 1.2, 32: 1.5, 64: 2.0})},
+        "kv_handoff": {**ok, "figures": handoff(0.4)},
+        "kv_handoff_gpu0_to_1": {**ok, "figures": handoff(0.95)},
+        "gpu_check_8b": {**ok, "figures": {"summary": {"b1_of_roofline": {"TP=1": 0.86, "TP=2": 0.72},
+                                                       "tp2_fp32_same_as_tp1": True, "tp2_distinct_gpus": True}}},
+        "parallel_layouts_nccl": {**ok, "output_tail": "....\n5 passed, 40 deselected in 61.2s"},
+        "cuda_tests": {**ok, "output_tail": "=== 60 passed, 2 skipped in 120.0s ==="},
+    }
+
+
+def by_goal(steps: dict[str, dict]) -> dict[str, object]:
+    return {v.goal: v.met for v in verdicts(steps)}
+
+
+def test_every_goal_is_met_by_figures_that_meet_it():
+    found = verdicts(all_met())
+    assert [v.goal for v in found] == [goal for goal, _, _ in GOALS]
+    assert all(v.met is True for v in found), [v for v in found if v.met is not True]
+    assert "c=8 97%" in found[2].measured and "24.2x first sweep, 22.4x second" in found[1].measured
+    assert table(found).count("**met**") == len(GOALS)
+
+
+@pytest.mark.parametrize("step, figures, goal_word", [
+    # one level of the first sweep 15 % slow
+    ("stack_sweeps_disagg", {"first": sweep({1: 10_600, 64: 290_000}), "second": sweep({1: 12_500, 64: 280_000})},
+     "first sweep"),
+    # the second sweep's c=64 ÷ c=1 under 20 (the first's above it): both sweeps must scale
+    ("stack_sweeps_disagg", {"first": sweep({1: 12_000, 64: 250_000}), "second": sweep({1: 12_000, 64: 235_000})},
+     "c=64 >= 20"),
+    ("stack_vs_engine_agg", kept({1: 0.96, 8: 0.94, 32: 1.0, 64: 1.0}), "aggregated"),
+    ("stack_vs_engine_disagg", kept({1: 0.87, 8: 1.0, 32: 1.0, 64: 1.0}), "disaggregated"),
+    ("kv_handoff", handoff(1.2), "same GPU"),
+    ("kv_handoff_gpu0_to_1", handoff(0.5, counted="kv_fetched_bytes"), "GPU 0 -> 1"),  # only the bytes path ran
+    ("gpu_check_8b", {"summary": {"b1_of_roofline": {"TP=1": 0.84, "TP=2": 0.72}, "tp2_fp32_same_as_tp1": True,
+                                  "tp2_distinct_gpus": True}}, "one GPU"),
+    ("gpu_check_8b", {"summary": {"b1_of_roofline": {"TP=1": 0.86, "TP=2": 0.69}, "tp2_fp32_same_as_tp1": True,
+                                  "tp2_distinct_gpus": True}}, "TP=2 >= 70"),
+    ("gpu_check_8b", {"summary": {"b1_of_roofline": {"TP=1": 0.86, "TP=2": 0.72}, "tp2_fp32_same_as_tp1": True,
+                                  "tp2_distinct_gpus": False}}, "distinct GPUs"),
+])
+def test_a_figure_short_of_its_mark_is_not_met_and_only_its_goal(step, figures, goal_word):
+    steps = all_met()
+    steps[step] = {"status": "ok", "figures": figures}
+    missed = [goal for goal, met in by_goal(steps).items() if met is not True]
+    assert len(missed) == 1 and goal_word in missed[0], missed
+    assert by_goal(steps)[missed[0]] is False
+
+
+@pytest.mark.parametrize("step, tail, met", [
+    ("parallel_layouts_nccl", "4 passed, 1 skipped, 40 deselected in 50.0s", False),  # a layout never checked
+    ("cuda_tests", "=== 1 failed, 59 passed in 120.0s ===", False),
+    ("cuda_tests", "=== 59 passed, 1 error in 120.0s ===", False),
+    ("cuda_tests", "collected 60 items\n....", None),  # cut off before its summary
+    ("cuda_tests", "=== 58 passed, 4 skipped in 100.0s ===", True),
+])
+def test_a_test_step_is_judged_by_its_summary(step, tail, met):
+    steps = all_met()
+    steps[step] = {"status": "ok" if met else "failed (exit 1)", "output_tail": tail}
+    found = next(v for v in verdicts(steps) if v.step == step)
+    assert found.met is met, found
+
+
+def test_a_step_that_did_not_run_or_wrote_nothing_is_not_measured():
+    steps = all_met()
+    del steps["kv_handoff"]
+    steps["stack_vs_engine_agg"] = {"status": "timed out"}
+    steps["gpu_check_8b"] = {"status": "ok"}  # no figures
+    steps["stack_vs_engine_disagg"] = {"status": "ok", "figures": {"rounds": []}}  # not the shape the goal reads
+    found = {v.step: v for v in verdicts(steps)}
+    for step in ("kv_handoff", "stack_vs_engine_agg", "gpu_check_8b", "stack_vs_engine_disagg"):
+        assert found[step].met is None and found[step].measured.startswith("not measured"), found[step]
+    assert "timed out" in found["stack_vs_engine_agg"].measured
+    assert found["stack_sweeps_disagg"].met is True
+
+
+def test_the_suite_runs_the_goals_steps_by_default_the_tests_last():
+    every = gpu_suite.steps("mpirun", "/scratch", 2, "/scratch/profile")
+    default = [name for name, *_ in gpu_suite.chosen(every, None, False)]
+    assert default[0] == "engine_sweeps" and default[-1] == "cuda_tests"
+    assert set(default) == {"engine_sweeps"} | {step for _, step, _ in GOALS}
+    # every step the goals read from figures writes them
+    figures = {name: json_file for name, _, json_file, _ in every}
+    assert all(figures[step] for _, step, _ in GOALS if step not in ("parallel_layouts_nccl", "cuda_tests"))
+    assert len(gpu_suite.chosen(every, None, True)) == len(every)
+    assert [name for name, *_ in gpu_suite.chosen(every, "kv_handoff,cuda_tests", False)] == \
+        ["cuda_tests", "kv_handoff"]  # in the suite's own order
+
+
+def test_only_with_a_name_of_no_step_says_which_steps_there_are():
+    every = gpu_suite.steps("mpirun", "/scratch", 2, "/scratch/profile")
+    with pytest.raises(SystemExit) as exc:
+        gpu_suite.chosen(every, "kv_handof", False)
+    assert "kv_handof" in str(exc.value) and "kv_handoff_gpu0_to_1" in str(exc.value)
+
+
+@pytest.mark.integration
+def test_kv_handoffs_figures_are_what_the_goal_reads(tmp_path):
+    """On the CPU only the bytes path runs: the goal reads its figures and says no device-to-device path ran."""
+    out = tmp_path / "kv.json"
+    subprocess.run([sys.executable, str(BENCH / "kv_handoff.py"), "--tokens", "32", "--handoffs", "2", "--layers",
+                    "1", "--device", "cpu", "--json", str(out)], check=True, capture_output=True, timeout=120)
+    figures = json.loads(out.read_text())
+    assert figures["paths"][0]["counted"] == "kv_fetched_bytes" and figures["paths"][0]["median_ms"] > 0
+    steps = {**all_met(), "kv_handoff": {"status": "ok", "figures": figures}}
+    found = next(v for v in verdicts(steps) if v.step == "kv_handoff")
+    assert found.met is False and "no device-to-device path" in found.measured
