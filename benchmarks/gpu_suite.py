@@ -34,11 +34,11 @@ Step = tuple[str, list[str], str | None, int]
 DEFAULT_STEPS = ["engine_sweeps", *GOAL_STEPS]
 
 
-def steps(mpiexec: str, scratch: str, gpus: int, profiles: str) -> list[Step]:
+def steps(mpiexec: str, scratch: str, gpus: int, profiles: str | None) -> list[Step]:
     """(name, argv, JSON file it writes or None, seconds it may take at most)."""
     py = sys.executable
-    # where each component's time and GIL go at the highest concurrency, when py-spy is installed
-    profile = ["--profile", profiles] if shutil.which("py-spy") else []
+    # where each component's time and GIL go at the highest concurrency, when py-spy is installed and asked for
+    profile = ["--profile", profiles] if profiles and shutil.which("py-spy") else []
     return [
         ("cuda_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/runtime/test_engine_cuda.py",
                         "tests/runtime/test_fused_decode.py", "tests/runtime/test_engine_warmup.py",
@@ -56,8 +56,11 @@ def steps(mpiexec: str, scratch: str, gpus: int, profiles: str) -> list[Step]:
                                    "tests/runtime/test_chunked_prefill.py"], None, 60),
         ("gpu_check_0.9b", [py, "benchmarks/gpu_check.py", "--shape", "1b", "--mpiexec", mpiexec, "--json",
                             f"{scratch}/1b.json"], f"{scratch}/1b.json", 150 * gpus),
-        ("gpu_check_8b", [py, "benchmarks/gpu_check.py", "--shape", "8b", "--mpiexec", mpiexec, "--json",
-                          f"{scratch}/8b.json"], f"{scratch}/8b.json", 210 * gpus),  # TP=2 too on two GPUs
+        # TP=2 too on two GPUs; the compiled torch path's comparison in gpu_check_8b_vs_torch
+        ("gpu_check_8b", [py, "benchmarks/gpu_check.py", "--shape", "8b", "--mpiexec", mpiexec, "--no-torch-path",
+                          "--json", f"{scratch}/8b.json"], f"{scratch}/8b.json", 120 * gpus),
+        ("gpu_check_8b_vs_torch", [py, "benchmarks/gpu_check.py", "--shape", "8b", "--mpiexec", mpiexec],
+         None, 210 * gpus),
         # the 8B shape's batch-1 step under the decode kernels' knobs (each in alternating rounds), TP=1 and TP=2
         ("decode_knobs_8b", [py, "benchmarks/decode_knobs.py", "--rounds", "2"], None, 120),
         ("decode_knobs_8b_tp2", [*mpiexec.split(), "-n", "2", py, "benchmarks/decode_knobs.py", "--rounds", "2"],
@@ -197,7 +200,8 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=560.0, help="seconds for the whole suite")
     parser.add_argument("--only", help="comma-separated step names")
     parser.add_argument("--all", action="store_true", help="every step, not only the goals' (several calls' worth)")
-    parser.add_argument("--profiles", help="where the stack's py-spy profiles go (default: a scratch directory)")
+    parser.add_argument("--profiles", help="where the stack's py-spy profiles go (with --all: a scratch directory "
+                                           "unless given; otherwise none are taken unless given)")
     args = parser.parse_args()
     import torch
 
@@ -206,7 +210,8 @@ def main() -> None:
               "gpus": torch.cuda.device_count(), "torch": torch.__version__, "steps": {}}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with tempfile.TemporaryDirectory(prefix="gpu-suite-") as scratch:
-        every = steps(args.mpiexec, scratch, max(1, min(2, report["gpus"])), args.profiles or f"{scratch}/profile")
+        profiles = args.profiles or (f"{scratch}/profile" if args.all else None)
+        every = steps(args.mpiexec, scratch, max(1, min(2, report["gpus"])), profiles)
         for name, argv, json_file, limit in chosen(every, args.only, args.all):
             if name.endswith(("gpu0_to_1", "_nccl", "_tp2")) and torch.cuda.device_count() < 2:
                 report["steps"][name] = {"status": "skipped: one GPU"}

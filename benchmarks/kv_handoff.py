@@ -117,9 +117,14 @@ async def decode_side(args: argparse.Namespace, port: int, sums: dict[str, float
                             counters={}, nixl=nixl)
         times = []
         for i in range(args.handoffs):
-            params = SimpleNamespace(prefill_address=f"{HOST}:{port}", request_handle=f"{setting}-{i}")
+            # asked for (FetchKv), not taken from a prefill's answer: the longer way, which the ask's round trip
+            # is part of
+            params = SimpleNamespace(prefill_address=f"{HOST}:{port}", request_handle=f"{setting}-{i}", kv=None)
             t0 = time.perf_counter()
-            kv = (await handoff.fetch(params)).to(args.decode_device)
+            kv = await handoff.fetch(params)
+            if isinstance(kv, kvpack.PendingCopy):  # shared over CUDA IPC: copied as the engine admits it
+                kv = kvpack.take_all([kv])[0]
+            kv = kv.to(args.decode_device)
             if kv.is_cuda:
                 torch.cuda.synchronize(kv.device)
             times.append((time.perf_counter() - t0) * 1e3)
