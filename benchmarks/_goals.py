@@ -113,9 +113,10 @@ GOALS: list[tuple[str, str, Callable[[dict[str, Any]], tuple[str, bool | None]]]
     ("8B shape, TP=2 greedy fp32 tokens == one rank's, distinct GPUs", "gpu_check_8b", _tp_tokens),
     ("TP, PP, EP (and TP-sharded MoE) fp32 tokens == one rank's over NCCL", "parallel_layouts_nccl",
      _tests(skips_allowed=False)),
-    ("the CUDA tests pass", "cuda_tests", _tests(skips_allowed=True)),
 ]
-TESTS = {"parallel_layouts_nccl", "cuda_tests"}  # steps judged by their pytest summary, not by figures
+# steps judged by their pytest summary, not by figures. The CUDA tests are not among the goals: 200 s ran 24 of
+# their 74 on two H200 (most are CPU tests that CI runs), beside the goals' 400 s; `--only cuda_tests` runs them.
+TESTS = {"parallel_layouts_nccl"}
 GOAL_STEPS = list(dict.fromkeys(step for _, step, _ in GOALS))
 
 

@@ -1,7 +1,8 @@
 """The GPU suite in one command, for one GPU-machine call. By default it runs the steps that measure issue #14's
 goals (_goals.py: the stack's sweeps and its share of the engine, both KV handoffs, the 8B shape's roofline and TP=2
-tokens, the parallel layouts over NCCL, the CUDA tests), then prints and stores one verdict a goal; `--all` runs
-every step (the diagnostics of earlier sessions too: more than one call holds), `--only a,b` the named ones.
+tokens, the parallel layouts over NCCL: about 400 s on two H200), then prints and stores one verdict a goal.
+`--only a,b` runs the named steps (`--only cuda_tests`: the CUDA tests, a call of their own); `--all` every step,
+the diagnostics of earlier sessions too (more than one call holds).
 
     python benchmarks/gpu_suite.py --out gpu_suite.json [--mpiexec "mpirun --allow-run-as-root"] [--budget 560]
 
@@ -178,8 +179,8 @@ def steps(mpiexec: str, scratch: str, gpus: int, profiles: str | None) -> list[S
 
 
 def chosen(every: list[Step], only: str | None, run_all: bool) -> list[Step]:
-    """The steps to run, in the order they run: the named ones (--only), all (--all), or the goals' (_goals.py's
-    order: the costly CUDA tests last, where a short call drops them first)."""
+    """The steps to run, in the order they run: the named ones (--only, in the suite's order), all (--all), or
+    the goals' (DEFAULT_STEPS)."""
     if only:
         names = only.split(",")
         unknown = sorted(set(names) - {step[0] for step in every})
