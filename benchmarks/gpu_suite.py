@@ -185,8 +185,8 @@ def chosen(every: list[Step], only: str | None, run_all: bool) -> list[Step]:
         names = only.split(",")
         unknown = sorted(set(names) - {step[0] for step in every})
         if unknown:
-            sys.exit(f"gpu_suite.py: --only names no step {', '.join(unknown)}; the steps: "
-                     + ", ".join(step[0] for step in every))
+            raise ValueError(f"--only names no step {', '.join(unknown)}; the steps: "
+                             + ", ".join(step[0] for step in every))
         return [step for step in every if step[0] in names]
     if run_all:
         return every
@@ -213,7 +213,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gpu-suite-") as scratch:
         profiles = args.profiles or (f"{scratch}/profile" if args.all else None)
         every = steps(args.mpiexec, scratch, max(1, min(2, report["gpus"])), profiles)
-        for name, argv, json_file, limit in chosen(every, args.only, args.all):
+        try:
+            to_run = chosen(every, args.only, args.all)
+        except ValueError as exc:
+            parser.error(str(exc))  # exit 2, before any step ran
+        for name, argv, json_file, limit in to_run:
             if name.endswith(("gpu0_to_1", "_nccl", "_tp2")) and torch.cuda.device_count() < 2:
                 report["steps"][name] = {"status": "skipped: one GPU"}
                 continue

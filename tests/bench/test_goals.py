@@ -132,7 +132,7 @@ def test_the_suite_runs_the_goals_steps_by_default_the_tests_last():
 
 def test_only_with_a_name_of_no_step_says_which_steps_there_are():
     every = gpu_suite.steps("mpirun", "/scratch", 2, "/scratch/profile")
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(ValueError) as exc:
         gpu_suite.chosen(every, "kv_handof", False)
     assert "kv_handof" in str(exc.value) and "kv_handoff_gpu0_to_1" in str(exc.value)
 
