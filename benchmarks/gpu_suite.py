@@ -41,12 +41,13 @@ def steps(mpiexec: str, scratch: str, gpus: int, profiles: str | None) -> list[S
     # where each component's time and GIL go at the highest concurrency, when py-spy is installed and asked for
     profile = ["--profile", profiles] if profiles and shutil.which("py-spy") else []
     return [
+        # a call of their own (--only cuda_tests): 200 s ran 24 of these 74 on two H200, its GEMVs' tuning included
         ("cuda_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/runtime/test_engine_cuda.py",
                         "tests/runtime/test_fused_decode.py", "tests/runtime/test_engine_warmup.py",
                         "tests/runtime/test_kv_ipc_cuda.py", "tests/runtime/test_decode_graphs.py",
                         "tests/runtime/test_prefill_graphs.py", "tests/runtime/test_overlap.py",
                         "tests/runtime/test_chunked_prefill.py", "tests/runtime/test_attention_paths.py",
-                        "tests/runtime/test_prefix_cache.py", "tests/runtime/test_peer_reduce.py"], None, 200),
+                        "tests/runtime/test_prefix_cache.py", "tests/runtime/test_peer_reduce.py"], None, 540),
         # several decode steps a replay (real CUDA graphs against one step; stand-ins at four and eight) and the
         # engine-process stack's counts at four: session 28 changed both and could not rerun them on a GPU
         ("multi_step_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
