@@ -1,8 +1,8 @@
 """Issue #14's "must show" goals, judged from the figures gpu_suite.py's steps wrote: one verdict a goal, with what
 was measured, so that one GPU call says which goals hold on this machine today.
 
-Each goal names the step whose figures it reads (a JSON the step wrote, or its status for a test run). A goal whose
-step did not run, failed or wrote no figures is "not measured", never met.
+Each goal names the step it reads: the JSON the step wrote, or a test run's pytest summary. A goal whose step did
+not run, failed or wrote no figures (a test run: printed no summary) is "not measured", never met.
 """
 
 from __future__ import annotations
