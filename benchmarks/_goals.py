@@ -125,11 +125,12 @@ def verdicts(steps: dict[str, dict[str, Any]]) -> list[Verdict]:
     out = []
     for goal, step, judge in GOALS:
         entry = steps.get(step)
-        if entry is None or (entry.get("status") != "ok" and step not in TESTS):
-            status = "did not run" if entry is None else entry.get("status", "?")
-            out.append(Verdict(goal, step, f"not measured: {step} {status}", None))
-        elif step in TESTS:
+        if entry is None:
+            out.append(Verdict(goal, step, f"not measured: {step} did not run", None))
+        elif step in TESTS:  # a failed run's summary still says what failed
             out.append(Verdict(goal, step, *judge(entry)))
+        elif entry.get("status") != "ok":
+            out.append(Verdict(goal, step, f"not measured: {step} {entry.get('status', '?')}", None))
         elif "figures" not in entry:
             out.append(Verdict(goal, step, f"not measured: {step} wrote no figures", None))
         else:
