@@ -39,7 +39,30 @@ def _sweeps(figures: dict[str, Any]) -> tuple[str, bool]:
     first, second = figures["first"], figures["second"]
     ratios = {c: first[c]["output_tokens_per_s"] / second[c]["output_tokens_per_s"] for c in first}
     ok = all(SWEEP_BAND[0] <= r <= SWEEP_BAND[1] for r in ratios.values())
-    return " / ".join(f"c={c} {_pct(r)}" for c, r in ratios.items()), ok
+    measured = " / ".join(f"c={c} {_pct(r)}" for c, r in ratios.items())
+    speeds = _scheduler_speeds(figures.get("scheduler_per_level") or {})
+    if speeds:  # the machine, not the code: a host-bound engine is as fast as the CPU under its scheduler
+        measured += "; the decode scheduler's CPU, first ÷ second sweep: " + " / ".join(
+            f"c={c} {_pct(r)}" for c, r in speeds.items())
+    return measured, ok
+
+
+def _scheduler_speeds(per_level: dict[str, list[dict[str, dict[str, float]]]]) -> dict[str, float]:
+    """Per level, the first sweep's CPU speed under the busiest scheduler thread over the second's: the reference
+    it times on itself (hpc/runtime/engine/cpu_reference.py; only while rows decode, so the decode engine's),
+    second sweep's mean time a run ÷ the first's. Levels without runs in both sweeps are left out."""
+    speeds = {}
+    for c, sweeps in per_level.items():
+        if len(sweeps) < 2:
+            continue
+        runs = {name: [sweep.get(name, {}).get("scheduler_cpu_reference_runs_total", 0) for sweep in sweeps[:2]]
+                for name in sweeps[0]}
+        name = max(runs, key=lambda n: min(runs[n]), default=None)
+        if name is None or min(runs[name]) <= 0:
+            continue
+        mean = [sweeps[i][name]["scheduler_cpu_reference_seconds_total"] / runs[name][i] for i in (0, 1)]
+        speeds[c] = mean[1] / mean[0]
+    return speeds
 
 
 def _scaling(figures: dict[str, Any]) -> tuple[str, bool]:
@@ -51,7 +74,20 @@ def _scaling(figures: dict[str, Any]) -> tuple[str, bool]:
 
 def _kept(figures: dict[str, Any]) -> tuple[str, bool]:
     kept = {c: level["kept"] for c, level in figures["levels"].items()}
-    return " / ".join(f"c={c} {_pct(k)}" for c, k in kept.items()), all(k >= KEPT for k in kept.values())
+    measured = " / ".join(f"c={c} {_pct(k)}" for c, k in kept.items())
+    full = {c: _batch_share(level.get("tokens_a_step") or {}) for c, level in figures["levels"].items()}
+    full = {c: share for c, share in full.items() if share is not None}
+    if full:  # what a closed loop through the hops leaves of the engine's batch (e2e_throughput.stack_levels)
+        measured += "; the stack's decode batches held " + " / ".join(
+            f"c={c} {_pct(share)}" for c, share in full.items()) + " of the engine's tokens a step"
+    return measured, all(k >= KEPT for k in kept.values())
+
+
+def _batch_share(tokens_a_step: dict[str, float]) -> float | None:
+    """The stack's decoding engine's tokens a step over the direct path's ("directly"); None without both."""
+    stack = [tokens for name, tokens in tokens_a_step.items() if name != "directly"]
+    direct = tokens_a_step.get("directly")
+    return stack[0] / direct if stack and direct else None
 
 
 def _handoff(limit_ms: float) -> Callable[[dict[str, Any]], tuple[str, bool]]:

@@ -186,10 +186,23 @@ def device_label(engine: Any) -> str:
     return f"CPU, {os.cpu_count()} cores ({engine.dtype})".replace("torch.", "")
 
 
-def stack_levels(direct: dict[int, list[float]], via: dict[int, list[float]]) -> dict[int, dict[str, Any]]:
-    """Each level's rounds on both paths and the stack's share of the engine: the medians' ratio, as the table's."""
-    return {c: {"engine_tok_s": direct[c], "stack_tok_s": via[c],
-                "kept": statistics.median(via[c]) / statistics.median(direct[c])} for c in direct}
+def stack_levels(direct: dict[int, list[float]], via: dict[int, list[float]],
+                 clocks: dict[int, dict[str, dict[str, float]]] | None = None) -> dict[int, dict[str, Any]]:
+    """Each level's rounds on both paths and the stack's share of the engine: the medians' ratio, as the table's.
+    With `clocks` (level -> engine, the direct path's as "directly" -> its scheduler clock over the rounds), each
+    decoding engine's tokens a decode step too: how full its batches ran. A closed loop's user is out of the batch
+    while its request crosses the stack's hops, and where a step's time hardly depends on its rows (the tiny
+    model's GEMVs), the stack keeps about the share of the engine's tokens a step that its batches held."""
+    levels: dict[int, dict[str, Any]] = {}
+    for c in direct:
+        level: dict[str, Any] = {"engine_tok_s": direct[c], "stack_tok_s": via[c],
+                                 "kept": statistics.median(via[c]) / statistics.median(direct[c])}
+        full = {name: clock["generated_tokens"] / clock["decode_steps"]
+                for name, clock in (clocks or {}).get(c, {}).items() if clock.get("decode_steps")}
+        if full:
+            level["tokens_a_step"] = full
+        levels[c] = level
+    return levels
 
 
 def write_json(path: str | None, figures: dict[str, Any]) -> None:
@@ -371,7 +384,8 @@ def main() -> None:
         rounds = " ".join(f"{b / a:.0%}" for a, b in zip(direct[lv.concurrency], via[lv.concurrency]))
         print(f"{lv.concurrency:>4} {lv.requests:>9} {d:>16.1f} {v:>17.1f} {v / d:>6.0%}  {rounds}")
     write_json(args.json, {"device": label, "recipe": args.recipe, "direct": "pair" if pair else "one engine",
-                           "output_spread": args.output_spread, "levels": stack_levels(direct, via)})
+                           "output_spread": args.output_spread,
+                           "levels": stack_levels(direct, via, clocks_by_level)})
     print(cpu_speed.report(spans))  # a round whose paths ran on CPUs of different speeds is not a fair one
     print("where each path's time went, all rounds: a request's ms (directly: concurrency x output tokens / tokens/s;"
           " through the frontend: the client's p50 TTFT / e2e, and the frontend's own means from a request's arrival"

@@ -81,8 +81,10 @@ def main() -> None:
     parser.add_argument("--role", choices=("agg", "prefill"), default="agg",
                         help="prefill: a prefill worker's engine, each prompt answered with its KV kept for a "
                              "decode engine (released at once here); its figure is prompts/s")
+    parser.add_argument("--requests", type=int, default=0,
+                        help="requests in each of the two levels (default 4 x concurrency); more for a profiler")
     args = parser.parse_args()
-    level = Level(args.concurrency, args.input_tokens, args.output_tokens, 4 * args.concurrency,
+    level = Level(args.concurrency, args.input_tokens, args.output_tokens, args.requests or 4 * args.concurrency,
                   output_spread=args.output_spread)
     engine_args = direct_engine_args(args.input_tokens, args.output_tokens, args.output_spread, args.concurrency,
                                      json.loads(args.engine_args))

@@ -92,6 +92,11 @@ def test_a_kv_crosses_gpus_without_waiting_for_the_prefill_gpus_work():
         pytest.skip("needs two CUDA GPUs")
     source, target = torch.device("cuda:0"), torch.device("cuda:1")
     kv = torch.arange(1 << 20, dtype=torch.float32, device=source)
+    # both GPUs' contexts, their handoff streams and peer access set up first, as a DirectPair's engines have them
+    # before their first handoff: on two H200 a process's first cross-GPU copy, set-up included, waited 0.63 s for
+    # the source's queued kernel (session 31), where a later copy on the same streams did not wait at all
+    on_device_apart(kv, target)
+    torch.cuda.synchronize(target)
     torch.cuda.synchronize(source)
     with torch.cuda.device(source):
         torch.cuda._sleep(1_000_000_000)  # the prefill engine's queued step: 0.5 s at an H100's or H200's 1.98 GHz

@@ -104,6 +104,42 @@ def test_a_test_step_is_judged_by_its_summary(tail, met):
     assert found.met is met, found
 
 
+def clock(reference_s: float, runs: int, tokens: float = 0.0, steps: float = 0.0) -> dict[str, float]:
+    """A scheduler clock as the benchmarks sum it (SCHEDULER_CLOCK): the CPU reference's runs, tokens and steps."""
+    return {"scheduler_cpu_reference_seconds_total": reference_s, "scheduler_cpu_reference_runs_total": runs,
+            "generated_tokens": tokens, "decode_steps": steps}
+
+
+def test_the_sweeps_verdict_gives_each_levels_cpu_speed_under_the_decode_scheduler():
+    # c=64's first sweep at 82 % with the decode scheduler's reference taking 85 µs a run against 70 in the
+    # second (session 31's x1): the verdict stays on the figures, and says the CPU was 82 % as fast
+    steps = all_met()
+    figures = steps["stack_sweeps_disagg"]["figures"]
+    figures["first"]["64"]["output_tokens_per_s"] = 0.82 * figures["second"]["64"]["output_tokens_per_s"]
+    figures["scheduler_per_level"] = json.loads(json.dumps({
+        8: [{"decode-0": clock(0.0007, 10), "prefill-0": clock(0.0, 0)},
+            {"decode-0": clock(0.0007, 10), "prefill-0": clock(0.0, 0)}],
+        64: [{"decode-0": clock(13 * 85e-6, 13), "prefill-0": clock(0.0, 0)},
+             {"decode-0": clock(10 * 70e-6, 10), "prefill-0": clock(0.0, 0)}],
+        1: [{"decode-0": clock(0.0, 0)}, {"decode-0": clock(0.0001, 1)}]}))  # no run in one sweep: left out
+    found = next(v for v in verdicts(steps) if v.step == "stack_sweeps_disagg" and "first sweep" in v.goal)
+    assert found.met is False
+    assert found.measured.endswith("first ÷ second sweep: c=8 100% / c=64 82%"), found.measured
+
+
+def test_the_kept_verdict_says_how_full_the_stacks_decode_batches_ran():
+    clocks = {8: {"directly": clock(0, 0, tokens=6400, steps=100), "agg-0": clock(0, 0, tokens=4800, steps=100)},
+              64: {"directly": clock(0, 0, tokens=45600, steps=100), "agg-0": clock(0, 0, tokens=0, steps=0)}}
+    levels = stack_levels({8: [100.0], 64: [100.0]}, {8: [76.0], 64: [73.0]}, clocks)
+    assert levels[8]["tokens_a_step"] == {"directly": 64.0, "agg-0": 48.0}
+    assert levels[64]["tokens_a_step"] == {"directly": 456.0}  # an engine that never decoded has no figure
+    steps = {**all_met(), "stack_vs_engine_agg": {"status": "ok", "figures": json.loads(json.dumps(
+        {"levels": levels}))}}
+    found = next(v for v in verdicts(steps) if v.step == "stack_vs_engine_agg")
+    assert found.met is False
+    assert found.measured == "c=8 76% / c=64 73%; the stack's decode batches held c=8 75% of the engine's tokens a step"
+
+
 def test_a_step_that_did_not_run_or_wrote_nothing_is_not_measured():
     steps = all_met()
     del steps["kv_handoff"]
