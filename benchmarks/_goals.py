@@ -75,9 +75,15 @@ def _scaling(figures: dict[str, Any]) -> tuple[str, bool]:
 def _kept(figures: dict[str, Any]) -> tuple[str, bool]:
     kept = {c: level["kept"] for c, level in figures["levels"].items()}
     measured = " / ".join(f"c={c} {_pct(k)}" for c, k in kept.items())
+    # what bounds it in a closed loop: a user is out of the engine while its request crosses the hops
+    # (e2e_throughput.stack_levels)
+    inside = {c: level["in_engines"] for c, level in figures["levels"].items() if "in_engines" in level}
+    if inside:
+        measured += "; a request spent " + " / ".join(f"c={c} {_pct(share)}" for c, share in inside.items()) + \
+            " of its time at the client inside the engines"
     full = {c: _batch_share(level.get("tokens_a_step") or {}) for c, level in figures["levels"].items()}
     full = {c: share for c, share in full.items() if share is not None}
-    if full:  # what a closed loop through the hops leaves of the engine's batch (e2e_throughput.stack_levels)
+    if full:
         measured += "; the stack's decode batches held " + " / ".join(
             f"c={c} {_pct(share)}" for c, share in full.items()) + " of the engine's tokens a step"
     return measured, all(k >= KEPT for k in kept.values())

@@ -187,20 +187,29 @@ def device_label(engine: Any) -> str:
 
 
 def stack_levels(direct: dict[int, list[float]], via: dict[int, list[float]],
-                 clocks: dict[int, dict[str, dict[str, float]]] | None = None) -> dict[int, dict[str, Any]]:
+                 clocks: dict[int, dict[str, dict[str, float]]] | None = None,
+                 client_e2e: dict[int, list[float]] | None = None) -> dict[int, dict[str, Any]]:
     """Each level's rounds on both paths and the stack's share of the engine: the medians' ratio, as the table's.
-    With `clocks` (level -> engine, the direct path's as "directly" -> its scheduler clock over the rounds), each
-    decoding engine's tokens a decode step too: how full its batches ran. A closed loop's user is out of the batch
-    while its request crosses the stack's hops, and where a step's time hardly depends on its rows (the tiny
-    model's GEMVs), the stack keeps about the share of the engine's tokens a step that its batches held."""
+
+    With `clocks` (level -> engine, the direct path's as "directly" -> its scheduler clock over the rounds), what
+    bounds that share in a closed loop, where a user is out of the engine while its request crosses the stack's
+    hops: each decoding engine's tokens a decode step (how full its batches ran; where a step's time hardly
+    depends on its rows, as the tiny model's GEMVs', the stack keeps about the share of the engine's tokens a
+    step that its batches held), and with `client_e2e` (each round's mean seconds a request at the client) the
+    share of a request's time that it spent inside the stack's engines, from each one's inbox to its answer."""
     levels: dict[int, dict[str, Any]] = {}
     for c in direct:
         level: dict[str, Any] = {"engine_tok_s": direct[c], "stack_tok_s": via[c],
                                  "kept": statistics.median(via[c]) / statistics.median(direct[c])}
+        engines = (clocks or {}).get(c, {})
         full = {name: clock["generated_tokens"] / clock["decode_steps"]
-                for name, clock in (clocks or {}).get(c, {}).items() if clock.get("decode_steps")}
+                for name, clock in engines.items() if clock.get("decode_steps")}
         if full:
             level["tokens_a_step"] = full
+        inside = sum(clock["finished_request_seconds_total"] / clock["finished_requests_total"]
+                     for name, clock in engines.items() if name != "directly" and clock.get("finished_requests_total"))
+        if inside and (client_e2e or {}).get(c):
+            level["in_engines"] = inside / statistics.mean(client_e2e[c])
         levels[c] = level
     return levels
 
@@ -319,6 +328,7 @@ def main() -> None:
                         for name, u in placed.items():
                             add_clock(lv.concurrency, name, clock_spent(before[name], counters(u, SCHEDULER_CLOCK)))
                         seen.setdefault(lv.concurrency, []).append((res["ttft_s"]["p50"], res["e2e_s"]["p50"]))
+                        client_e2e.setdefault(lv.concurrency, []).append(res["e2e_s"]["mean"])
                         after = frontend_latency(url)
                         summed = frontend_own.setdefault(lv.concurrency, dict.fromkeys(("ttft", "e2e", "count"), 0.0))
                         for key in summed:
@@ -336,6 +346,7 @@ def main() -> None:
     # direct path's as "directly"), and the client's p50 TTFT and e2e seconds each round
     clocks_by_level: dict[int, dict[str, dict[str, float]]] = {}
     seen: dict[int, list[tuple[float, float]]] = {}
+    client_e2e: dict[int, list[float]] = {}  # each round's mean seconds a request at the client
     # the frontend's own TTFT and e2e sums over each level's rounds, from a request's arrival there (its /metrics;
     # the client processes' warm-up requests are in them too, WARMUP each): against the client's, what the client's
     # side of the HTTP hop took; against the engine's first token, the frontend -> worker -> engine path
@@ -385,7 +396,7 @@ def main() -> None:
         print(f"{lv.concurrency:>4} {lv.requests:>9} {d:>16.1f} {v:>17.1f} {v / d:>6.0%}  {rounds}")
     write_json(args.json, {"device": label, "recipe": args.recipe, "direct": "pair" if pair else "one engine",
                            "output_spread": args.output_spread,
-                           "levels": stack_levels(direct, via, clocks_by_level)})
+                           "levels": stack_levels(direct, via, clocks_by_level, client_e2e)})
     print(cpu_speed.report(spans))  # a round whose paths ran on CPUs of different speeds is not a fair one
     print("where each path's time went, all rounds: a request's ms (directly: concurrency x output tokens / tokens/s;"
           " through the frontend: the client's p50 TTFT / e2e, and the frontend's own means from a request's arrival"

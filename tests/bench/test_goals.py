@@ -104,10 +104,13 @@ def test_a_test_step_is_judged_by_its_summary(tail, met):
     assert found.met is met, found
 
 
-def clock(reference_s: float, runs: int, tokens: float = 0.0, steps: float = 0.0) -> dict[str, float]:
-    """A scheduler clock as the benchmarks sum it (SCHEDULER_CLOCK): the CPU reference's runs, tokens and steps."""
+def clock(reference_s: float, runs: int, tokens: float = 0.0, steps: float = 0.0, finished: int = 0,
+          finished_s: float = 0.0) -> dict[str, float]:
+    """A scheduler clock as the benchmarks sum it (SCHEDULER_CLOCK): the CPU reference's runs, tokens and steps,
+    and the requests finished with their seconds from the engine's inbox."""
     return {"scheduler_cpu_reference_seconds_total": reference_s, "scheduler_cpu_reference_runs_total": runs,
-            "generated_tokens": tokens, "decode_steps": steps}
+            "generated_tokens": tokens, "decode_steps": steps, "finished_requests_total": finished,
+            "finished_request_seconds_total": finished_s}
 
 
 def test_the_sweeps_verdict_gives_each_levels_cpu_speed_under_the_decode_scheduler():
@@ -128,16 +131,20 @@ def test_the_sweeps_verdict_gives_each_levels_cpu_speed_under_the_decode_schedul
 
 
 def test_the_kept_verdict_says_how_full_the_stacks_decode_batches_ran():
-    clocks = {8: {"directly": clock(0, 0, tokens=6400, steps=100), "agg-0": clock(0, 0, tokens=4800, steps=100)},
+    # c=8: 100 requests of 5.5 ms each in the engine (the direct path's are not the stack's), 7.0 ms at the client
+    clocks = {8: {"directly": clock(0, 0, tokens=6400, steps=100, finished=100, finished_s=0.3),
+                  "agg-0": clock(0, 0, tokens=4800, steps=100, finished=100, finished_s=0.55)},
               64: {"directly": clock(0, 0, tokens=45600, steps=100), "agg-0": clock(0, 0, tokens=0, steps=0)}}
-    levels = stack_levels({8: [100.0], 64: [100.0]}, {8: [76.0], 64: [73.0]}, clocks)
+    levels = stack_levels({8: [100.0], 64: [100.0]}, {8: [76.0], 64: [73.0]}, clocks, {8: [0.0065, 0.0075]})
     assert levels[8]["tokens_a_step"] == {"directly": 64.0, "agg-0": 48.0}
     assert levels[64]["tokens_a_step"] == {"directly": 456.0}  # an engine that never decoded has no figure
+    assert levels[8]["in_engines"] == pytest.approx(0.0055 / 0.007) and "in_engines" not in levels[64]
     steps = {**all_met(), "stack_vs_engine_agg": {"status": "ok", "figures": json.loads(json.dumps(
         {"levels": levels}))}}
     found = next(v for v in verdicts(steps) if v.step == "stack_vs_engine_agg")
     assert found.met is False
-    assert found.measured == "c=8 76% / c=64 73%; the stack's decode batches held c=8 75% of the engine's tokens a step"
+    assert found.measured == ("c=8 76% / c=64 73%; a request spent c=8 79% of its time at the client inside the "
+                              "engines; the stack's decode batches held c=8 75% of the engine's tokens a step")
 
 
 def test_a_step_that_did_not_run_or_wrote_nothing_is_not_measured():
