@@ -41,16 +41,16 @@ def _sweeps(figures: dict[str, Any]) -> tuple[str, bool]:
     ok = all(SWEEP_BAND[0] <= r <= SWEEP_BAND[1] for r in ratios.values())
     measured = " / ".join(f"c={c} {_pct(r)}" for c, r in ratios.items())
     speeds = _scheduler_speeds(figures.get("scheduler_per_level") or {})
-    if speeds:  # the machine, not the code: a host-bound engine is as fast as the CPU under its scheduler
+    if speeds:  # a host-bound engine runs at the speed of the vCPU under its scheduler, which changes over time
         measured += "; the decode scheduler's CPU, first ÷ second sweep: " + " / ".join(
             f"c={c} {_pct(r)}" for c, r in speeds.items())
     return measured, ok
 
 
 def _scheduler_speeds(per_level: dict[str, list[dict[str, dict[str, float]]]]) -> dict[str, float]:
-    """Per level, the first sweep's CPU speed under the busiest scheduler thread over the second's: the reference
-    it times on itself (hpc/runtime/engine/cpu_reference.py; only while rows decode, so the decode engine's),
-    second sweep's mean time a run ÷ the first's. Levels without runs in both sweeps are left out."""
+    """Per level, how fast the CPU under the busiest scheduler thread ran in the first sweep against the second:
+    the second's mean time a run of the reference that thread times on itself ÷ the first's (cpu_reference.py; it
+    runs only while rows decode, so it is a decode engine's). A level without runs in both sweeps is left out."""
     speeds = {}
     for c, sweeps in per_level.items():
         if len(sweeps) < 2:
