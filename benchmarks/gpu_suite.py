@@ -205,6 +205,10 @@ def main() -> None:
     parser.add_argument("--profiles", help="where the stack's py-spy profiles go (with --all: a scratch directory "
                                            "unless given; otherwise none are taken unless given)")
     args = parser.parse_args()
+    try:  # a name of no step is a usage error before torch loads or anything is made (the names need no GPU)
+        chosen(steps(args.mpiexec, "", 1, None), args.only, args.all)
+    except ValueError as exc:
+        parser.error(str(exc))  # exit 2
     import torch
 
     deadline = time.monotonic() + args.budget
@@ -214,11 +218,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gpu-suite-") as scratch:
         profiles = args.profiles or (f"{scratch}/profile" if args.all else None)
         every = steps(args.mpiexec, scratch, max(1, min(2, report["gpus"])), profiles)
-        try:
-            to_run = chosen(every, args.only, args.all)
-        except ValueError as exc:
-            parser.error(str(exc))  # exit 2, before any step ran
-        for name, argv, json_file, limit in to_run:
+        for name, argv, json_file, limit in chosen(every, args.only, args.all):
             if name.endswith(("gpu0_to_1", "_nccl", "_tp2")) and torch.cuda.device_count() < 2:
                 report["steps"][name] = {"status": "skipped: one GPU"}
                 continue
@@ -245,9 +245,10 @@ def main() -> None:
     report["goals"] = [asdict(v) for v in found]
     with open(args.out, "w") as handle:
         json.dump(report, handle, indent=1)
-    print(f"{'step':<16} {'status':<22} {'seconds':>8}")
+    width = max(map(len, ["step", *report["steps"]]))
+    print(f"{'step':<{width}} {'status':<22} {'seconds':>8}")
     for name, entry in report["steps"].items():
-        print(f"{name:<16} {entry['status']:<22} {entry.get('seconds', '-'):>8}")
+        print(f"{name:<{width}} {entry['status']:<22} {entry.get('seconds', '-'):>8}")
     print(f"\nissue #14's goals on {report['device']} x {report['gpus']}:\n{table(found)}\n")
     print(f"wrote {args.out} ({report['device']}, {report['gpus']} GPU(s), torch {report['torch']})")
     if any(not e["status"].startswith(("ok", "skipped: one GPU")) for e in report["steps"].values()):

@@ -180,6 +180,20 @@ def test_only_with_a_name_of_no_step_says_which_steps_there_are():
     assert "kv_handof" in str(exc.value) and "kv_handoff_gpu0_to_1" in str(exc.value)
 
 
+def test_only_with_a_name_of_no_step_exits_2_before_torch_loads_and_writes_nothing(tmp_path):
+    out = tmp_path / "suite.json"
+    probe = ("import runpy, sys\n"
+             f"sys.path.insert(0, {str(BENCH)!r})\n"
+             f"sys.argv = ['gpu_suite.py', '--only', 'kv_handof', '--out', {str(out)!r}]\n"
+             "try:\n"
+             f"    runpy.run_path({str(BENCH / 'gpu_suite.py')!r}, run_name='__main__')\n"
+             "except SystemExit as exc:\n"
+             "    print('exit', exc.code, 'torch loaded:', 'torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert "exit 2 torch loaded: False" in done.stdout, done.stdout + done.stderr
+    assert "no step kv_handof" in done.stderr and not out.exists()
+
+
 @pytest.mark.integration
 def test_kv_handoffs_figures_are_what_the_goal_reads(tmp_path):
     """On the CPU only the bytes path runs: the goal reads its figures and says no device-to-device path ran."""
