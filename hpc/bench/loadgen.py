@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Awaitable, Callable
 
+from hpc.bench.engines import Snapshot
 from hpc.bench.httpclient import Pool
 
 
@@ -261,21 +262,28 @@ def bar(label: str) -> Callable[[int, int], None]:
 
 
 def run_sweep(url: str, model: str, levels: list[Level], streaming: bool, warmup: int,
-              show_progress: bool = True, seed: int = 0, processes: int | str = 1) -> list[dict[str, Any]]:
+              show_progress: bool = True, seed: int = 0, processes: int | str = 1,
+              engines: Callable[[], Snapshot] | None = None) -> list[dict[str, Any]]:
     """Each level in turn on the same warm engines; level i's prompts come from seed + i, so no level sends the
     prompts an earlier one sent (a prefix cache would find them all: one seed for every level made each level
     begin with the previous level's prompts). `processes`: client processes per level, or auto
-    (hpc.bench.clients.processes_for)."""
+    (hpc.bench.clients.processes_for). `engines`: the run's engine counters (hpc.bench.engines.snapshot), read
+    before and after each level for the engines' share of a request's time (`in_engines`)."""
     from hpc.bench.clients import processes_for
+    from hpc.bench.engines import share_in_engines
 
     async def sweep() -> list[dict[str, Any]]:
         out = []
         for i, lv in enumerate(levels):
             spread = processes_for(processes, lv.concurrency, os.cpu_count() or 1)
             label = f"c={lv.concurrency} in={lv.input_tokens} out={lv.output_tokens}"
-            out.append(await run_level(url, model, lv, streaming, warmup,
-                                       bar(label) if show_progress else (lambda d, t: None), seed=seed + i,
-                                       processes=spread))
+            before = engines() if engines else {}
+            result = await run_level(url, model, lv, streaming, warmup,
+                                     bar(label) if show_progress else (lambda d, t: None), seed=seed + i,
+                                     processes=spread)
+            if engines:
+                result["in_engines"] = share_in_engines(before, engines(), (result.get("e2e_s") or {}).get("mean"))
+            out.append(result)
         return out
 
     return asyncio.run(sweep())

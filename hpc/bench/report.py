@@ -10,12 +10,16 @@ from typing import Any
 COLUMNS = ["concurrency", "input_tokens", "output_tokens", "output_tokens_per_request", "requests", "completed",
            "peak_inflight", "failure_rate",
            "output_tokens_per_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-           "tpot_p50_ms", "tpot_p99_ms", "e2e_p50_ms", "e2e_p90_ms", "e2e_p99_ms", "valid"]
+           "tpot_p50_ms", "tpot_p99_ms", "e2e_p50_ms", "e2e_p90_ms", "e2e_p99_ms", "in_engines", "valid"]
 
 
 # a level shorter than this is flagged under the table: on two H200 levels of 0.6 s moved by up to 35 % from one
 # sweep to the next, where 2 s ones mostly stayed within 10 % (docs/performance.md, session 28)
 SHORT_LEVEL_S = 1.0
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
 
 
 def _ms(value: float | None) -> float | None:
@@ -44,6 +48,10 @@ def write(results: dict[str, Any], out_dir: Path) -> list[Path]:
 def table(results: dict[str, Any]) -> str:
     head = f"{'conc':>5} {'in':>5} {'out':>5} {'out/req':>7} {'ok':>6} {'fail%':>6} {'tok/s':>9} {'req/s':>8} " \
            f"{'TTFT p50':>9} {'ITL p50':>8} {'TPOT p50':>9} {'e2e p50':>8} {'e2e p99':>8}  valid"
+    # the engines' share of a request's time (hpc.bench.engines): a run's levels have it, a bare URL's do not
+    engines = any(lv.get("in_engines") is not None for lv in results["levels"])
+    if engines:
+        head = head.replace("  valid", " in eng  valid")
     lines = [head]
     for lv in results["levels"]:
         f = flat(lv)
@@ -52,12 +60,16 @@ def table(results: dict[str, Any]) -> str:
                      f"{lv.get('output_tokens_per_request', 0):>7.1f} "
                      f"{lv['completed']:>6} {100 * lv['failure_rate']:>5.1f}% {lv['output_tokens_per_s']:>9.1f} "
                      f"{lv['requests_per_s']:>8.2f} {fmt(f['ttft_p50_ms']):>9} {fmt(f['itl_p50_ms']):>8} "
-                     f"{fmt(f['tpot_p50_ms']):>9} {fmt(f['e2e_p50_ms']):>8} {fmt(f['e2e_p99_ms']):>8}  "
+                     f"{fmt(f['tpot_p50_ms']):>9} {fmt(f['e2e_p50_ms']):>8} {fmt(f['e2e_p99_ms']):>8}"
+                     + (f" {_share(lv.get('in_engines')):>6}" if engines else "") + "  "
                      f"{'yes' if lv['valid'] else 'NO: ' + '; '.join(lv['invalid_reasons'])}")
     spread = [f"c={lv['concurrency']}: {lv['client_processes']}" for lv in results["levels"]
               if lv.get("client_processes", 1) > 1]
     if spread:
         lines.append("client processes (the load generator's users spread over them): " + ", ".join(spread))
+    if engines:
+        lines.append("in eng: of a request's mean time at the client, the share inside the engines (each from its "
+                     "inbox to its last output); the rest went to the client, the frontend, the workers, their links")
     short = [f"c={lv['concurrency']}: {lv['duration_s']:.2f} s" for lv in results["levels"]
              if lv.get("duration_s") is not None and lv["duration_s"] < SHORT_LEVEL_S]
     if short:

@@ -130,9 +130,15 @@ def bench(args: argparse.Namespace) -> int:
     levels = [Level(c, i, o, args.requests or max(base, per_user * c), args.rate, args.ttft_target,
                     args.itl_target, args.priority, output_spread=args.output_spread)
               for i, o in zip(ins, outs) for c in concurrency]
+    engines = None
+    if run is not None:  # the run's engines: how much of a request's time they held, level by level
+        from hpc.bench.engines import EngineCounters, metrics_urls
+
+        urls = metrics_urls(run.path)
+        engines = EngineCounters(urls) if urls else None
     results = {"target": url, "model": model, "streaming": streaming, "started": stamp, "seed": args.seed,
                "levels": run_sweep(url, model, levels, streaming, warmup, seed=args.seed,
-                                   processes=args.client_processes)}
+                                   processes=args.client_processes, engines=engines)}
     results["valid"] = all(lv["valid"] for lv in results["levels"])
     out = args.out or ((run.path / "bench" / stamp) if run else Path("bench") / stamp)
     paths = report.write(results, out)

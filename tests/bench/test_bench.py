@@ -45,10 +45,17 @@ def test_bench_against_mock_run_is_consistent_and_plots(mock, tmp_path, capsys):
 
 @pytest.mark.integration
 def test_bench_against_tiny_disagg_counts_match_server(disagg, tmp_path):
-    res = run_sweep(disagg.url, disagg.model, [Level(2, 32, 6, 8)], streaming=True, warmup=1, show_progress=False)
+    from hpc.bench.engines import EngineCounters, metrics_urls
+
+    urls = metrics_urls(disagg.run.path)
+    assert sorted(urls) == ["decode-0", "prefill-0"]
+    res = run_sweep(disagg.url, disagg.model, [Level(2, 32, 6, 8)], streaming=True, warmup=1, show_progress=False,
+                    engines=EngineCounters(urls))
     (lv,) = res
     assert lv["valid"] and lv["output_tokens_total"] == 8 * 6 and lv["peak_inflight"] == 2
     assert lv["ttft_s"]["p50"] <= lv["e2e_s"]["p50"]
+    # the prefill's time and the decode's, over the client's: a share of it, the hops the rest
+    assert 0.05 < lv["in_engines"] < 1.0, lv["in_engines"]
 
 
 class FakeServer:
