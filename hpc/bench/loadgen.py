@@ -267,7 +267,7 @@ def run_sweep(url: str, model: str, levels: list[Level], streaming: bool, warmup
     """Each level in turn on the same warm engines; level i's prompts come from seed + i, so no level sends the
     prompts an earlier one sent (a prefix cache would find them all: one seed for every level made each level
     begin with the previous level's prompts). `processes`: client processes per level, or auto
-    (hpc.bench.clients.processes_for). `engines`: the run's engine counters (hpc.bench.engines.snapshot), read
+    (hpc.bench.clients.processes_for). `engines`: the run's engine counters (hpc.bench.engines.EngineCounters), read
     before and after each level for the engines' share of a request's time (`in_engines`)."""
     from hpc.bench.clients import processes_for
     from hpc.bench.engines import share_in_engines
