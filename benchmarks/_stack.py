@@ -31,10 +31,9 @@ WORKER_COUNTERS = ("requests", "kv_ipc_shared", "prompt_tokens", "prompt_tokens_
 
 def counters(metrics_url: str, names: tuple[str, ...] = WORKER_COUNTERS) -> dict[str, float]:
     """A worker's counters that the benchmarks report, from its /metrics."""
-    from hpc.checks.probe import get_text, metric_values
+    from hpc.bench.engines import worker_counters
 
-    text = get_text(f"{metrics_url}/metrics")
-    return {name: metric_values(text, f"hpc_worker_{name}") for name in names}
+    return worker_counters(metrics_url, names)
 
 
 def add_set_option(parser) -> None:

@@ -27,6 +27,14 @@ def metrics_urls(run_path: Path) -> dict[str, str]:
     return urls
 
 
+def worker_counters(metrics_url: str, names: tuple[str, ...], timeout: float = 2.0) -> dict[str, float]:
+    """A worker's counters (hpc_worker_<name> in its /metrics), each summed over its samples."""
+    from hpc.checks.probe import get_text, metric_values
+
+    text = get_text(f"{metrics_url}/metrics", timeout=timeout)
+    return {name: metric_values(text, f"hpc_worker_{name}") for name in names}
+
+
 class EngineCounters:
     """The engines' counters, read whenever called, until a worker does not answer: from then on nothing (the
     share is then not known), so that workers a login node cannot reach cost one timeout, not two a level."""
@@ -35,16 +43,13 @@ class EngineCounters:
         self.urls, self.timeout = dict(urls), timeout
 
     def __call__(self) -> Snapshot:
-        from hpc.checks.probe import get_text, metric_values
-
         taken = {}
         for component, url in self.urls.items():
             try:
-                text = get_text(f"{url}/metrics", timeout=self.timeout)
+                taken[component] = worker_counters(url, COUNTERS, self.timeout)
             except OSError:
                 self.urls = {}
                 return {}
-            taken[component] = {name: metric_values(text, f"hpc_worker_{name}") for name in COUNTERS}
         return taken
 
 
