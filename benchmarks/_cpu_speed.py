@@ -1,6 +1,6 @@
 """How fast this machine's CPUs run while a benchmark runs: a fixed piece of interpreter work, timed over and over
 by a process of its own on whatever core is free. On these VMs a vCPU's speed drifts by tens of percent within a
-minute (docs/performance.md, sessions 18 and 24): a sweep that is slower than the one before may be a slower
+minute (docs/performance-log.md, sessions 18 and 24): a sweep that is slower than the one before may be a slower
 machine, not slower code. The probe takes one core; below MIN_CPUS it does not run and says so.
 
     python benchmarks/_cpu_speed.py   # the probe itself: `WALL_TIME MICROSECONDS CPU` lines, one every ~20 ms

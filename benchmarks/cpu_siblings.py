@@ -1,7 +1,7 @@
 """Which of a VM's CPUs share a physical core on the host, found by timing: a guest sees one thread a core
 (`lscpu`, /sys topology) even when the host runs two of its vCPUs on one core's two hardware threads, and then a
 thread runs slower whenever the other is busy — invisible to steal time. On two H200 VMs the decode engine's
-step took 0.3 ms in one run and 0.6 ms in the next with the same code and no stolen time (docs/performance.md,
+step took 0.3 ms in one run and 0.6 ms in the next with the same code and no stolen time (docs/performance-log.md,
 sessions 16-18): a hidden sibling would explain it.
 
     python benchmarks/cpu_siblings.py [--cpus 0-31] [--ms 4] [--repeat 3]

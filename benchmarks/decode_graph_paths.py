@@ -7,7 +7,7 @@ Triton attention (fused_decode.PATHS). The engine captures both for each batch s
 keeps the one that replays faster (DecodeGraphs.capture); this prints those timings (and the kept graph's for the
 sizes with one path), and which the engine kept. A size with no graph of its own is left out. For the tiny
 model on an H200 the batched path cost 188-211 µs a step from 8 rows up, against 89-167 on the GEMVs
-(docs/performance.md, session 21): the batched path is four times the launches, and a small model's weights stay in
+(docs/performance-log.md, session 21): the batched path is four times the launches, and a small model's weights stay in
 L2 for every row the GEMVs read them for.
 """
 

@@ -129,7 +129,7 @@ def main() -> None:
                              "(hpc bench's default is 0, equal requests)")
     # 128: on two H200 a c=64 level of 32 a user lasted 0.6 s, and its first and second sweeps differed by up to
     # 35 % (a level's start-up hiccups and the host's CPU speed weigh in a short level); at 128 (2 s), 7 of 10
-    # pairs kept every level within 10 % (docs/performance.md, session 28)
+    # pairs kept every level within 10 % (docs/performance-log.md, session 28)
     parser.add_argument("--requests-per-user", type=int, default=128,
                         help="requests per level, per unit of concurrency, at least (default 128; hpc bench's "
                              f"floor is {REQUESTS_PER_USER}); more makes each level longer and its figure less noisy")

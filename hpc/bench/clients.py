@@ -1,6 +1,6 @@
 """A level's users spread over several client processes: one Python process parsing every streamed event saturates
 its core at tens of thousands of events a second, and the level would measure the client (on two H200 at c=64 a
-request took 20 ms longer end to end as the client saw it than as the frontend did; docs/performance.md).
+request took 20 ms longer end to end as the client saw it than as the frontend did; docs/performance-log.md).
 AIPerf runs its load in worker processes for the same reason.
 
 Each client process (`python -m hpc.bench.clients`, one JSON line of work on stdin) warms up, says it is ready,

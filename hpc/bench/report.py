@@ -14,7 +14,7 @@ COLUMNS = ["concurrency", "input_tokens", "output_tokens", "output_tokens_per_re
 
 
 # a level shorter than this is flagged under the table: on two H200 levels of 0.6 s moved by up to 35 % from one
-# sweep to the next, where 2 s ones mostly stayed within 10 % (docs/performance.md, session 28)
+# sweep to the next, where 2 s ones mostly stayed within 10 % (docs/performance-log.md, session 28)
 SHORT_LEVEL_S = 1.0
 
 

@@ -32,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests-per-user", type=int, metavar="N",
                    help="requests per level at least N x concurrency (default 4; the recipe's number if larger). "
                         "Longer levels are steadier: on two H200 a c=64 level of 32 a user lasted 0.6 s, and two "
-                        "sweeps of it differed by up to 35 %% (docs/performance.md)")
+                        "sweeps of it differed by up to 35 %% (docs/performance-log.md)")
     p.add_argument("--output-spread", type=int, default=0, metavar="N",
                    help="each request's output length uniform in output-tokens +- N (default 0: all equal, so a "
                         "closed loop's requests end and return together, in waves)")

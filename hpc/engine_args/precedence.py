@@ -33,7 +33,7 @@ DYNAMIC_BATCH_CONFIG = {"enable_batch_size_tuning": True, "enable_max_num_tokens
 # default in TensorRT-LLM, whose piecewise graphs go through torch.compile; the torch engine captures its whole
 # prefill in about a second. Decode graphs padded (as this repo's TensorRT-LLM decode configs set it): without,
 # only batches of 1-32 and 64 rows have a graph, and under load a served batch is rarely exactly 64 — the stack's
-# decode worker at c=64 ran most steps eagerly (py-spy, docs/performance.md).
+# decode worker at c=64 ran most steps eagerly (py-spy, docs/performance-log.md).
 TORCH_ENGINE_DEFAULTS = {"torch_compile_config": {"enable_piecewise_cuda_graph": True},
                          "cuda_graph_config": {"enable_padding": True}}
 

@@ -1,6 +1,6 @@
 """How fast the CPU under a thread runs now, from a fixed piece of interpreter work timed on it.
 
-On the VMs we test on, a vCPU's speed halves and comes back within a minute (docs/performance.md, session 24), and
+On the VMs we test on, a vCPU's speed halves and comes back within a minute (docs/performance-log.md, session 24), and
 a decode engine's step at high concurrency is the host's time: a slower level of a benchmark may be a slower CPU,
 not slower code. The scheduler times the reference a few times a second on its own thread while it decodes (a few
 tens of µs each: a ten-thousandth of its time; a thread just woken from a wait for work reads up to 2x slower, its

@@ -44,7 +44,7 @@ GEMV_ROW_CLASSES = (1, 16, 64)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if _INTERPRET:  # the CPU interpreter has nothing to time: one config
     _GEMV_CONFIGS = _GEMV_CONFIGS[2:3]  # (8, 256, 4), 3 stages
-# Measured on two H200 with the 8B shape at batch 1 (benchmarks/decode_knobs.py, docs/performance.md): chunks of
+# Measured on two H200 with the 8B shape at batch 1 (benchmarks/decode_knobs.py, docs/performance-log.md): chunks of
 # 128 with the early trigger, 244.9 tok/s at TP=1 against 239.3 with chunks of 64 and the trigger after the loads
 ATTN_CHUNK = 128  # cached positions per attention program
 ATTN_CHUNK_BATCHED = 64  # past the GEMVs' few rows (fused_decode.MAX_BATCH), where programs are many anyway

@@ -54,7 +54,7 @@ INTAKE_WAIT_S = 0.05  # an idle scheduler's wait for its own requests (intake): 
 
 # decode steps a graph replay runs at most (decode_steps_a_replay; DecodeGraphs.capture takes fewer where a step
 # is slow). Eight, not four: on two H200 the tiny model's disaggregated stack made 295-306k tok/s at c=64 against
-# 245-268k, c=1 alike, each sweep within 6 % of the other (stack_sweeps.py, alternating; docs/performance.md)
+# 245-268k, c=1 alike, each sweep within 6 % of the other (stack_sweeps.py, alternating; docs/performance-log.md)
 DECODE_STEPS_PER_GRAPH = 8
 # the LLM API's `dtype` (TensorRT-LLM llmapi/llm_args.py): "auto" is bf16 on a GPU, fp32 on the CPU
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -225,7 +225,7 @@ class TorchEngine(ContextSteps, DecodeSteps, WarmUp):
         self.max_len = min(self.max_len, self.cfg.max_position_embeddings)
         sizes = decode_graph_sizes(self.args, self.max_batch) if self._graphable() else None
         # the decode graphs make their own copies (DecodeGraphs): a c=64 step's host time 456 -> 384 us on an H200
-        # (docs/performance.md, session 19); HPC_DECODE_GRAPH_COPIES=0 has the host launch them, for comparisons
+        # (docs/performance-log.md, session 19); HPC_DECODE_GRAPH_COPIES=0 has the host launch them, for comparisons
         copies = os.environ.get("HPC_DECODE_GRAPH_COPIES", "1") != "0"
         self.graphs = DecodeGraphs(self._decode_logits, sizes, self.max_batch, self.device, pick=pick_in_graph,
                                    copies_in_graph=copies, steps=decode_steps_a_replay()) if sizes else None

@@ -2,7 +2,7 @@
 
 Why: a decode worker at 64 streams kept one core busy and its GIL held 71 % of the time, shared by the engine's
 scheduler thread (staging each step, reading its tokens, admitting requests) and the event loop's output path
-(each token's frame to the frontend): each waited for the other (docs/performance.md). Apart, each has a GIL of
+(each token's frame to the frontend): each waited for the other (docs/performance-log.md). Apart, each has a GIL of
 its own; what crosses between them is one message per decode step (every row's output) and one per request.
 vLLM V1 splits its EngineCore from the API server process the same way.
 
