@@ -37,11 +37,18 @@ def handoff(ms: float, counted: str = "kv_fetched_cuda_ipc") -> dict:
                       {"counted": counted, "median_ms": ms}]}
 
 
+def workers(prefill: str, decode: str) -> dict[str, dict]:
+    """Where stack_sweeps.py says its workers ran (their state files' `device`)."""
+    return {"prefill-0": {"component": "prefill-0", "device": prefill},
+            "decode-0": {"component": "decode-0", "device": decode}}
+
+
 def all_met() -> dict[str, dict]:
     ok = {"status": "ok"}
     return {
         "stack_sweeps_disagg": {**ok, "figures": {"first": sweep({1: 12_000, 8: 78_000, 32: 200_000, 64: 290_000}),
-                                                  "second": sweep({1: 12_500, 8: 77_000, 32: 210_000, 64: 280_000})}},
+                                                  "second": sweep({1: 12_500, 8: 77_000, 32: 210_000, 64: 280_000}),
+                                                  "workers": workers("cuda:0", "cuda:1")}},
         "stack_vs_engine_agg": {**ok, "figures": kept({1: 0.96, 8: 0.97, 32: 1.0, 64: 1.1})},
         "stack_vs_engine_disagg": {**ok, "figures": kept({1: 1.02, 8: 1.2, 32: 1.5, 64: 2.0})},
         "kv_handoff": {**ok, "figures": handoff(0.4)},
@@ -66,11 +73,11 @@ def test_every_goal_is_met_by_figures_that_meet_it():
 
 @pytest.mark.parametrize("step, figures, goal_word", [
     # one level of the first sweep 15 % slow
-    ("stack_sweeps_disagg", {"first": sweep({1: 10_600, 64: 290_000}), "second": sweep({1: 12_500, 64: 280_000})},
-     "first sweep"),
+    ("stack_sweeps_disagg", {"first": sweep({1: 10_600, 64: 290_000}), "second": sweep({1: 12_500, 64: 280_000}),
+                             "workers": workers("cuda:0", "cuda:1")}, "first sweep"),
     # the second sweep's c=64 ÷ c=1 under 20 (the first's above it): both sweeps must scale
-    ("stack_sweeps_disagg", {"first": sweep({1: 12_000, 64: 250_000}), "second": sweep({1: 12_000, 64: 235_000})},
-     "c=64 >= 20"),
+    ("stack_sweeps_disagg", {"first": sweep({1: 12_000, 64: 250_000}), "second": sweep({1: 12_000, 64: 235_000}),
+                             "workers": workers("cuda:0", "cuda:1")}, "c=64 >= 20"),
     ("stack_vs_engine_agg", kept({1: 0.96, 8: 0.94, 32: 1.0, 64: 1.0}), "aggregated"),
     ("stack_vs_engine_disagg", kept({1: 0.87, 8: 1.0, 32: 1.0, 64: 1.0}), "disaggregated"),
     ("kv_handoff", handoff(1.2), "same GPU"),
@@ -145,6 +152,35 @@ def test_the_kept_verdict_says_how_full_the_stacks_decode_batches_ran():
     assert found.met is False
     assert found.measured == ("c=8 76% / c=64 73%; a request spent c=8 79% of its time at the client inside the "
                               "engines; the stack's decode batches held c=8 75% of the engine's tokens a step")
+
+
+@pytest.mark.parametrize("where, why", [
+    (workers("cuda:0", "cuda:0"), "prefill and decode shared cuda:0"),  # one GPU: the stated fallback
+    ({"prefill-0": {"device": "cuda:0"}}, "do not say where"),  # no decode worker's device
+    (None, "do not say where"),  # figures from before the workers were written
+])
+def test_the_sweeps_goals_are_not_measured_unless_prefill_and_decode_had_gpus_of_their_own(where, why):
+    steps = all_met()
+    figures = steps["stack_sweeps_disagg"]["figures"]
+    if where is None:
+        del figures["workers"]
+    else:
+        figures["workers"] = where
+    found = [v for v in verdicts(steps) if v.step == "stack_sweeps_disagg"]
+    assert len(found) == 2 and all(v.met is None and why in v.measured for v in found), found
+    assert found[1].measured.endswith("24.2x first sweep, 22.4x second")  # the figures are still shown
+    assert all(v.met is True for v in verdicts(steps) if v.step != "stack_sweeps_disagg")
+
+
+def test_on_one_gpu_the_tp2_goals_are_not_measured_and_tp1_is_judged():
+    steps = all_met()
+    # gpu_check.py's summary on one GPU: no TP=2 run
+    steps["gpu_check_8b"]["figures"] = {"summary": {"b1_of_roofline": {"TP=1": 0.85}}}
+    found = {v.goal: v for v in verdicts(steps) if v.step == "gpu_check_8b"}
+    assert [v.met for v in found.values()] == [True, None, None], found
+    assert all("ran no TP=2" in v.measured for v in found.values() if v.met is None)
+    steps["gpu_check_8b"]["figures"]["summary"]["b1_of_roofline"]["TP=1"] = 0.84
+    assert [v.met for v in verdicts(steps) if v.step == "gpu_check_8b"] == [False, None, None]
 
 
 def test_a_step_that_did_not_run_or_wrote_nothing_is_not_measured():
