@@ -18,12 +18,9 @@ from hpc.rundir import RunDir, list_runs
 
 def workers(run_path: Path) -> dict[str, dict]:
     """Each worker rank's state (device, metrics URL) as it reported it."""
-    out = {}
-    for path in sorted((run_path / "state").glob("*.json")):
-        state = json.loads(path.read_text())
-        if "device" in state:
-            out[path.stem] = state
-    return out
+    from hpc.bench.engines import worker_states
+
+    return worker_states(run_path)
 
 
 WORKER_COUNTERS = ("requests", "kv_ipc_shared", "prompt_tokens", "prompt_tokens_computed", "prompt_tokens_cached")

@@ -13,16 +13,26 @@ COUNTERS = ("finished_requests_total", "finished_request_seconds_total")
 Snapshot = dict[str, dict[str, float]]  # component (e.g. decode-0) -> COUNTERS
 
 
-def metrics_urls(run_path: Path) -> dict[str, str]:
-    """Each worker's metrics URL as its state file gives it, by component. Workers are what report a device;
-    the frontend and the services are left out, and so are ranks without an endpoint."""
-    urls = {}
+def worker_states(run_path: Path) -> dict[str, dict]:
+    """Each worker rank's state file (its device, metrics URL, phases), by file name (decode-0, prefill-0.rank1).
+    Workers are what report a device: the frontend and the services are left out, and so is a file being
+    rewritten at the moment it is read."""
+    states = {}
     for path in sorted((run_path / "state").glob("*.json")):
         try:
             state = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(state, dict) and "device" in state and state.get("http") and state.get("component"):
+        if isinstance(state, dict) and "device" in state:
+            states[path.stem] = state
+    return states
+
+
+def metrics_urls(run_path: Path) -> dict[str, str]:
+    """Each worker's metrics URL as its state file gives it, by component; ranks without an endpoint left out."""
+    urls = {}
+    for state in worker_states(run_path).values():
+        if state.get("http") and state.get("component"):
             urls.setdefault(str(state["component"]), str(state["http"]))
     return urls
 

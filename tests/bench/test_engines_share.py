@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hpc.bench.engines import EngineCounters, metrics_urls, share_in_engines
+from hpc.bench.engines import EngineCounters, metrics_urls, share_in_engines, worker_states
 from hpc.bench.report import table
 
 pytestmark = pytest.mark.unit
@@ -43,6 +43,9 @@ def test_each_workers_metrics_url_comes_from_its_state_file(tmp_path):
     (state / "frontend.json").write_text(json.dumps({"component": "frontend", "http": "http://10.0.0.1:8000"}))
     (state / "etcd.json").write_text("{not json")
     assert metrics_urls(tmp_path) == {"decode-0": "http://10.0.0.2:8001"}  # not the frontend: no device
+    # the benchmarks' view: every worker rank's whole state, by file
+    assert {name: state["device"] for name, state in worker_states(tmp_path).items()} == \
+        {"decode-0": "cuda:1", "decode-0-r1": "cuda:2"}
 
 
 def test_the_table_has_the_engines_column_only_when_a_level_has_the_share():
