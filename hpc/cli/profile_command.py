@@ -114,7 +114,7 @@ def _estimate(points, req) -> float:
 def _stop(run) -> None:
     from hpc.cli.runtime_commands import cancel
 
-    cancel(argparse.Namespace(run=str(run.path), grace=10.0, keep=True))
+    cancel(argparse.Namespace(run=str(run.path), grace=10.0, remove=False))
 
 
 def _conclude(recipe, resolved, req, results: dict[str, Any], out: Path) -> int:

@@ -32,8 +32,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("cancel", help="stop a run: TERM first, then kill after a grace period")
     p.add_argument("run")
     p.add_argument("--grace", type=float, default=10.0, help="seconds between TERM and kill")
-    p.add_argument("--keep", action="store_true",
-                   help="keep a run directory that lives under the system temp dir (removed by default)")
+    p.add_argument("--remove", action="store_true",
+                   help="remove the run directory once the job has stopped (its logs and bench results too)")
+    p.add_argument("--keep", action="store_true", help=argparse.SUPPRESS)  # the default now; older scripts pass it
     p.set_defaults(func=cancel)
 
     p = sub.add_parser("smoke", help="run the smoke checks of a running job through submitit")
@@ -254,8 +255,8 @@ def cancel(args: argparse.Namespace) -> int:
         left = stop_local(run, args.grace)
         run.update_run_info(cancelled_at=time.time())
         print(f"stopped {run.path.name}" + (f"; still alive: {left}" if left else ""))
-        if not left:
-            _remove_if_temporary(run, args.keep)
+        if not left and args.remove:
+            _remove(run)
         return 1 if left else 0
     from hpc.launch.slurm import runner_for
     from hpc.slurm.client import SlurmClient
@@ -269,21 +270,20 @@ def cancel(args: argparse.Namespace) -> int:
     state = SlurmClient(runner_for(run)).cancel(str(info["job_id"]), grace_s=args.grace, drained=drained)
     run.update_run_info(cancelled_at=time.time())
     print(f"job {info['job_id']}: {state.state if state else 'gone'}")
-    if state is None or state.finished:
-        _remove_if_temporary(run, args.keep)
+    if args.remove:
+        if state is None or state.finished:
+            _remove(run)
+        else:
+            print(f"kept {run.path}: job {info['job_id']} has not stopped yet")
     return 0
 
 
-def _remove_if_temporary(run, keep: bool) -> None:
-    """Runs under the temp dir (tests, CI, quick tries) would fill /tmp: a cancelled one leaves nothing behind."""
+def _remove(run) -> None:
+    """Only when asked (--remove): a run directory holds the job's logs and every bench result of the run."""
     import shutil
-    import tempfile
 
-    temp = Path(tempfile.gettempdir()).resolve()
-    if keep or not run.path.resolve().is_relative_to(temp):
-        return
     shutil.rmtree(run.path, ignore_errors=True)
-    print(f"removed {run.path} (under {temp}; keep it with: hpc cancel --keep)")
+    print(f"removed {run.path}")
 
 
 def smoke(args: argparse.Namespace) -> int:

@@ -59,7 +59,10 @@ def stack_fixture(recipe: str, *extra: str, env: dict[str, str] | None = None):
         assert main(["cancel", str(stack.run.path), "--grace", "5"]) == 0  # hpc cancel on the local profile
         left = [p for p in pids if alive(p)]
         assert left == [], f"processes left behind: {left}"
-        assert not stack.run.path.exists(), "a cancelled run under the temp dir is removed"
+        # the run directory stays (its logs, any bench results) unless asked: then it goes once the job stopped
+        assert (stack.run.path / "logs").is_dir() and any(stack.run.logs.glob("*.log"))
+        assert main(["cancel", str(stack.run.path), "--grace", "5", "--remove"]) == 0
+        assert not stack.run.path.exists(), "hpc cancel --remove removes the stopped run's directory"
     return fixture
 
 

@@ -159,7 +159,7 @@ def test_a_component_that_dies_at_start_fails_the_launch_at_once(tmp_path, monke
                  "--set", f"model.path={model_cache / 'tiny'}", "--set", "runtime.readiness_timeout_s=600"])
     elapsed = time.monotonic() - started
     (run,) = list_runs()
-    main(["cancel", str(run.path), "--grace", "2", "--keep"])
+    main(["cancel", str(run.path), "--grace", "2"])
     assert code == 1
     assert "agg-0 exited" in capsys.readouterr().err
     assert elapsed < 60, f"took {elapsed:.0f} s: the launch waited instead of noticing the exit"

@@ -57,7 +57,7 @@ def _node_processes() -> dict[str, list[str]]:
 
 def _cancel_and_check_clean(run: RunDir, capsys=None) -> None:
     job = run.run_info()["job_id"]
-    assert main(["cancel", job, "--keep"]) == 0
+    assert main(["cancel", job]) == 0
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and any(_node_processes().values()):
         time.sleep(0.2)
@@ -65,6 +65,10 @@ def _cancel_and_check_clean(run: RunDir, capsys=None) -> None:
     from hpc.cli.runtime_commands import _slurm_state
 
     assert _slurm_state(run)["state"] == "CANCELLED"
+    # the run directory stays until asked for: the job's logs are there
+    assert any(run.logs.glob("*.log"))
+    assert main(["cancel", job, "--remove"]) == 0
+    assert not run.path.exists()
 
 
 def _complete(url: str, model: str, prompt: str = "Hello from the host", n: int = 16):
