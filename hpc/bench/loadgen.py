@@ -250,14 +250,24 @@ def summarize(level: Level, samples: list[Sample], wall: float, peak_inflight: i
     }
 
 
-def bar(label: str) -> Callable[[int, int], None]:
+def bar(label: str, stream: Any = None) -> Callable[[int, int], None]:
+    """A level's progress on stderr: a bar redrawn in place on a terminal; elsewhere (a log, a pipe, a Slurm
+    job's output) one line when the level ends, not a redrawn line per request."""
+    stream = stream or sys.stderr
+    redraw = stream.isatty()
+
     def show(done: int, total: int) -> None:
+        if not redraw:
+            if done >= total:
+                stream.write(f"{label}: {done}/{total} requests\n")
+                stream.flush()
+            return
         width = 30
         filled = int(width * done / max(total, 1))
-        sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+        stream.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
         if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+            stream.write("\n")
+        stream.flush()
     return show
 
 

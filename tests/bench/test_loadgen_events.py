@@ -4,11 +4,12 @@ error)."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
 
-from hpc.bench.loadgen import Sample, _event_decoder, _Events
+from hpc.bench.loadgen import Sample, _event_decoder, _Events, bar
 
 pytestmark = pytest.mark.unit
 
@@ -36,3 +37,25 @@ def test_events_split_anywhere_give_the_same_sample(decode, cut):
 def test_the_default_decoder_is_msgspecs_where_installed():
     msgspec = pytest.importorskip("msgspec")
     assert _event_decoder() is not json.loads and isinstance(_event_decoder().__self__, msgspec.json.Decoder)
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_a_levels_progress_is_redrawn_on_a_terminal_and_one_line_elsewhere(tty):
+    stream = _Stream(tty)
+    show = bar("c=4 in=32 out=16", stream)
+    for done in range(1, 17):
+        show(done, 16)
+    text = stream.getvalue()
+    if tty:
+        assert text.count("\r") == 16 and text.endswith("] 16/16\n")
+    else:  # a log or a pipe: no carriage returns, one line for the level
+        assert text == "c=4 in=32 out=16: 16/16 requests\n"
