@@ -163,7 +163,7 @@ def _print_status(data: dict[str, Any]) -> None:
     if data["endpoint"]:
         print(f"endpoint: {data['endpoint']}/v1")
     if data["ready"]:
-        print(f"readiness: {data['ready'].get('phase')} ({json.dumps(data['ready'].get('seconds'))})")
+        print(f"readiness: {_readiness(data['ready'])}")
     roles = ", ".join(f"{r} {v['live']}/{v['expected']} {v['state']}" for r, v in data["roles"].items())
     print(f"roles: {roles}")
     router = data.get("router")
@@ -184,6 +184,18 @@ def _print_status(data: dict[str, Any]) -> None:
     smoke = data["smoke"]
     print("smoke: " + ("not run" if smoke is None else "PASSED" if smoke["passed"]
                        else f"FAILED ({', '.join(smoke['failed'])})"))
+
+
+def _readiness(ready: dict[str, Any]) -> str:
+    """`ready in 8.6 s (etcd healthy 2.0 s, ...)`: each step's seconds since submission, in the order they came."""
+    seconds = {name: s for name, s in (ready.get("seconds") or {}).items() if isinstance(s, (int, float))}
+    steps = ", ".join(f"{name} {s:.1f} s" for name, s in sorted(seconds.items(), key=lambda item: item[1])
+                      if name != "ready")
+    if ready.get("ready") and "ready" in seconds:
+        head = f"ready in {seconds['ready']:.1f} s"
+    else:
+        head = f"not ready (last step reached: {ready.get('phase') or 'none'})"
+    return head + (f" ({steps})" if steps else "")
 
 
 def status(args: argparse.Namespace) -> int:

@@ -121,3 +121,15 @@ def test_the_gpu_check_asks_only_what_needs_one(monkeypatch):
     _check_local_gpu(resolve("local", "tiny-disagg"))  # the tiny model runs on the CPU
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     _check_local_gpu(resolve("local", "llama8b-disagg"))
+
+
+def test_status_gives_readiness_as_the_steps_in_the_order_they_came():
+    from hpc.cli.runtime_commands import _readiness
+
+    seconds = {"decode-0 registered": 8.595, "etcd healthy": 2.002, "frontend up": 8.375, "ready": 8.616}
+    assert _readiness({"phase": "ready", "seconds": seconds, "ready": True}) == \
+        "ready in 8.6 s (etcd healthy 2.0 s, frontend up 8.4 s, decode-0 registered 8.6 s)"
+    # still waiting, or given up: the last step reached
+    waiting = {"phase": "frontend up", "seconds": {"etcd healthy": 2.0, "frontend up": 8.4}, "ready": False}
+    assert _readiness(waiting) == "not ready (last step reached: frontend up) (etcd healthy 2.0 s, frontend up 8.4 s)"
+    assert _readiness({}) == "not ready (last step reached: none)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
 
 import pytest
@@ -197,6 +198,11 @@ def test_status_and_logs_on_the_local_profile(disagg, capsys):
     phases = {c["component"]: c["phase"] for c in data["components"]}
     assert phases["etcd"] == phases["nats"] == phases["frontend"] == "ready"
     assert phases["prefill-0"] in ("registered", "first_token") and data["roles"]["decode"]["state"] == "ok"
+    assert main(["status", ref]) == 0
+    readiness = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("readiness: "))
+    # each step's seconds in the order they came, ready last
+    assert re.fullmatch(r"readiness: ready in [\d.]+ s \(etcd healthy [\d.]+ s, .*decode-0 registered [\d.]+ s.*\)",
+                        readiness), readiness
     assert main(["logs", ref, "--component", "decode", "--index", "0", "-n", "5"]) == 0
     assert main(["logs", ref, "--component", "nope"]) == 2
 
