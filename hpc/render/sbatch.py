@@ -93,6 +93,8 @@ class View:
     generated_model: str | None = None  # created before the containers mount it
     ready_step: Step | None = None
     smoke_step: Step | None = None
+    # flags every step shares (the container's, the profile's srun_args): written once, as the SRUN_COMMON array
+    common_flags: list[str] = field(default_factory=list)
 
 
 def _nodelist(nodes: list[int]) -> str:
@@ -161,24 +163,23 @@ def build_view(m: Manifest) -> View:
                                  + (f", {s.processes} processes" if s.processes > 1 else ""),
             srun_flags=["--overlap", f"--job-name={s.name}", "--nodes=1", "--ntasks=1",
                         *([f"--cpus-per-task={s.processes}"] if s.processes > 1 else []),
-                        f"--output={logs}/{s.name}.log",
-                        *container, *c.srun_args],
+                        f"--output={logs}/{s.name}.log"],
             nodelist=_nodelist([s.node]), command=service_argv(m, s.name, c.python)))
-    workers = [_worker_step(m, w, container, logs) for w in plan.workers]
+    workers = [_worker_step(m, w, logs) for w in plan.workers]
     smoke = [*py, "hpc.checks.smoke", manifest] if m.recipe.smoke.enabled else None
     ready = [*py, "hpc.checks.ready", manifest]
     title = f"recipe {m.recipe.name} on cluster {c.name}, {plan.job_nodes} node(s), {plan.total_gpus} GPU(s)"
     view = View(title=title, sbatch_flags=flags, env=env, secrets=secrets, python_env=c.python_env,
                 slurm_conf=c.slurm_conf,
                 run_dir=run_dir, manifest=manifest, python=c.python, services=services, workers=workers,
-                ready_command=ready, smoke_command=smoke)
+                ready_command=ready, smoke_command=smoke, common_flags=[*container, *c.srun_args])
     if not c.container:
         return view
 
     def check_step(name: str, command: list[str], nodes: list[int]) -> Step:
         return Step(name=name, comment=name, nodelist=_nodelist(nodes), command=command, srun_flags=[
             "--overlap", f"--job-name={name}", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",
-            "--ntasks-per-node=1", f"--output={logs}/{name}.log", *container, *c.srun_args])
+            "--ntasks-per-node=1", f"--output={logs}/{name}.log"])
     every_node = list(range(plan.job_nodes))
     generated = str(Path(m.recipe.model.path).expanduser()) if m.recipe.model.generate else None
     return replace(view, generated_model=generated, preflight=check_step("preflight", [*py, "hpc.checks.preflight", manifest], every_node),
@@ -211,7 +212,7 @@ def container_flags(m: Manifest) -> list[str]:
     return flags
 
 
-def _worker_step(m: Manifest, w: WorkerPlan, container: list[str], logs: str) -> Step:
+def _worker_step(m: Manifest, w: WorkerPlan, logs: str) -> Step:
     c = m.cluster
     flags = [f"--job-name={w.name}", f"--nodes={len(w.nodes)}", f"--ntasks={w.tasks}", f"--ntasks-per-node={w.tasks_per_node}",
              f"--output={logs}/{w.name}.log", "--label"]
@@ -228,7 +229,7 @@ def _worker_step(m: Manifest, w: WorkerPlan, container: list[str], logs: str) ->
     as_unit = w.tasks > 1
     return Step(
         name=w.name, comment=f"{w.name}: TPxPP={w.tasks} on nodes {w.nodes} ({ranks})",
-        srun_flags=[*flags, *container, *c.srun_args], nodelist=_nodelist(w.nodes),
+        srun_flags=flags, nodelist=_nodelist(w.nodes),
         command=worker_argv(m, w, c.python),
         unit_restarts=policy.max_restarts if as_unit and policy.on_failure.value == "restart" else 0,
         unit_continue=as_unit and policy.on_failure.value == "continue")

@@ -74,6 +74,17 @@ def _fake_bin(tmp_path: Path) -> Path:
     return bin_dir
 
 
+def _run_script(path: Path, tmp_path: Path) -> list[list[str]]:
+    """Run a generated script against the fake srun/scontrol/python; the argv of every call they got."""
+    env = {**os.environ, "PATH": f"{_fake_bin(tmp_path)}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "x",
+           "SLURM_JOB_ID": "1"}
+    work = tmp_path / "work"
+    work.mkdir()
+    run = subprocess.run(["bash", str(path)], cwd=work, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    return [f.read_text().split("\0")[:-1] for f in (tmp_path / "calls").iterdir()]
+
+
 def test_run_dir_with_newline_is_a_user_error(weird_tmp_path):
     resolved = resolve("dev", "tiny-agg")
     with pytest.raises(UserError, match="HPC_RUNS_DIR: the run directory"):
@@ -96,14 +107,8 @@ def test_hostile_values_render_inert(tmp_path):
     subprocess.run(["bash", "-n", str(path)], check=True)
     if _shellcheck():  # SC2016 ("expressions don't expand in single quotes") is the point here
         subprocess.run([_shellcheck(), "-s", "bash", "-e", "SC2016", str(path)], check=True)
-    env = {**os.environ, "PATH": f"{_fake_bin(tmp_path)}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "x",
-           "SLURM_JOB_ID": "1"}
-    work = tmp_path / "work"
-    work.mkdir()
-    run = subprocess.run(["bash", str(path)], cwd=work, env=env, capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stderr
+    calls = _run_script(path, tmp_path)
     assert not list(tmp_path.rglob("PWNED*")) and not list(weird.parent.rglob("PWNED*"))
-    calls = [f.read_text().split("\0")[:-1] for f in (tmp_path / "calls").iterdir()]
     srun_calls = [c for c in calls if c[0] == "srun"]
     # preflight, etcd, nats, frontend, prefill, decode, ready, smoke: all in the container
     assert sorted(next(a for a in c if a.startswith("--job-name=")) for c in srun_calls) == [
@@ -124,11 +129,20 @@ def test_container_jobs_mount_the_run_dir_and_the_runtime_and_check_first(tmp_pa
     run = str(tmp_path / "run")
     bundle = str(tmp_path / ".hpc-runtime" / "py3.11")
     assert f"export PYTHONPATH={bundle}" in script
-    steps = [line for line in script.splitlines() if line.startswith("srun ")]
-    assert len(steps) == 8 and all(f"{run}:{run}," in s and f"{bundle}:{bundle}:ro" in s for s in steps)
-    assert len({s.split("--container-name=")[1].split()[0] for s in steps}) == 1  # one named container per image
-    assert steps[0].startswith("srun --overlap --job-name=preflight --nodes=3 --ntasks=3 --ntasks-per-node=1")
+    # the container's flags are written once (SRUN_COMMON) and every step gets them
+    assert script.count("--container-mounts=") == 1 and script.count('"${SRUN_COMMON[@]}"') == 8
     assert script.index("hpc.checks.preflight") < script.index("--service etcd")
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    (tmp_path / "run").mkdir()
+    steps = [c for c in _run_script(path, tmp_path) if c[0] == "srun"]
+    assert len(steps) == 8
+    for step in steps:
+        mounts = next(a for a in step if a.startswith("--container-mounts="))
+        assert f"{run}:{run}," in mounts and f"{bundle}:{bundle}:ro" in mounts, step
+    assert len({next(a for a in s if a.startswith("--container-name=")) for s in steps}) == 1  # one per image
+    preflight = next(s for s in steps if "--job-name=preflight" in s)
+    assert preflight[1:6] == ["--overlap", "--job-name=preflight", "--nodes=3", "--ntasks=3", "--ntasks-per-node=1"]
 
 
 def test_a_run_dir_pyxis_cannot_mount_is_a_user_error(tmp_path):
