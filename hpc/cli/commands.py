@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from hpc.cli.show import plan_table, table
+from hpc.cli.show import plan_table, table, terminal_width
 from hpc.errors import UserError
 from hpc.resolve import Resolved, resolve
 from hpc.spec.base import load_yaml
@@ -184,10 +184,10 @@ def _describe(kind: str) -> list[list[str]]:
 
 
 def list_recipes(args: argparse.Namespace) -> int:
-    print(table(["RECIPE", "DESCRIPTION"], _describe("recipes")))
+    print(table(["RECIPE", "DESCRIPTION"], _describe("recipes"), width=terminal_width()))
     return 0
 
 
 def list_clusters(args: argparse.Namespace) -> int:
-    print(table(["CLUSTER", "DESCRIPTION"], _describe("clusters")))
+    print(table(["CLUSTER", "DESCRIPTION"], _describe("clusters"), width=terminal_width()))
     return 0

@@ -7,11 +7,23 @@ from typing import Sequence
 from hpc.plan.placement import Plan
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]], width: int | None = None) -> str:
+    """`width`: a terminal's columns, which the last column's text is cut to (ending in "…") instead of
+    wrapping under the first; None (a pipe, a file) keeps every cell whole."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    if width:
+        lines = [line if len(line) <= width else line[:max(width - 1, 1)] + "…" for line in lines]
     return "\n".join(lines)
+
+
+def terminal_width() -> int | None:
+    """The terminal's columns when standard output is one; None otherwise."""
+    import shutil
+    import sys
+
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
 
 
 def _span(nodes: list[int]) -> str:

@@ -133,3 +133,13 @@ def test_status_gives_readiness_as_the_steps_in_the_order_they_came():
     waiting = {"phase": "frontend up", "seconds": {"etcd healthy": 2.0, "frontend up": 8.4}, "ready": False}
     assert _readiness(waiting) == "not ready (last step reached: frontend up) (etcd healthy 2.0 s, frontend up 8.4 s)"
     assert _readiness({}) == "not ready (last step reached: none)"
+
+
+def test_a_tables_rows_are_cut_to_a_terminals_width_and_whole_elsewhere():
+    from hpc.cli.show import table
+
+    rows = [["tiny-agg", "short"], ["tiny-pools", "a description far longer than the terminal is wide " * 3]]
+    whole = table(["RECIPE", "DESCRIPTION"], rows)
+    assert max(len(line) for line in whole.splitlines()) > 100  # a pipe or a file gets every cell whole
+    cut = table(["RECIPE", "DESCRIPTION"], rows, width=60).splitlines()
+    assert max(len(line) for line in cut) == 60 and cut[2].endswith("…") and cut[1].endswith("short")
