@@ -33,6 +33,13 @@ def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: Non
         print("waiting for readiness:")
         try:
             wait_ready(m, progress=lambda s: print(s, flush=True), abort=abort)
+        except KeyboardInterrupt:
+            # Ctrl-C stops the waiting, not the run: say how to reach it, and how to stop it
+            if smoke_job is not None:
+                smoke_job.cancel(check=False)
+            print(f"\nstopped waiting; the run goes on. See it: hpc status {ref}   stop it: hpc cancel {ref}",
+                  file=sys.stderr)
+            raise
         except NotReady as exc:
             if smoke_job is not None:
                 smoke_job.cancel(check=False)
