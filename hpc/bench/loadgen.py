@@ -273,17 +273,19 @@ def bar(label: str, stream: Any = None) -> Callable[[int, int], None]:
 
 def run_sweep(url: str, model: str, levels: list[Level], streaming: bool, warmup: int,
               show_progress: bool = True, seed: int = 0, processes: int | str = 1,
-              engines: Callable[[], Snapshot] | None = None) -> list[dict[str, Any]]:
+              engines: Callable[[], Snapshot] | None = None,
+              done: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Each level in turn on the same warm engines; level i's prompts come from seed + i, so no level sends the
     prompts an earlier one sent (a prefix cache would find them all: one seed for every level made each level
     begin with the previous level's prompts). `processes`: client processes per level, or auto
     (hpc.bench.clients.processes_for). `engines`: the run's engine counters (hpc.bench.engines.EngineCounters), read
-    before and after each level for the engines' share of a request's time (`in_engines`)."""
+    before and after each level for the engines' share of a request's time (`in_engines`). `done`: each level's
+    result is appended there as it ends, so that a sweep stopped midway (Ctrl-C) keeps the levels it finished."""
     from hpc.bench.clients import processes_for
     from hpc.bench.engines import share_in_engines
 
     async def sweep() -> list[dict[str, Any]]:
-        out = []
+        out = done if done is not None else []
         for i, lv in enumerate(levels):
             spread = processes_for(processes, lv.concurrency, os.cpu_count() or 1)
             label = f"c={lv.concurrency} in={lv.input_tokens} out={lv.output_tokens}"

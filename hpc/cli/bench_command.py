@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -136,11 +137,23 @@ def bench(args: argparse.Namespace) -> int:
 
         urls = metrics_urls(run.path)
         engines = EngineCounters(urls) if urls else None
+    finished: list[dict] = []
     results = {"target": url, "model": model, "streaming": streaming, "started": stamp, "seed": args.seed,
-               "levels": run_sweep(url, model, levels, streaming, warmup, seed=args.seed,
-                                   processes=args.client_processes, engines=engines)}
-    results["valid"] = all(lv["valid"] for lv in results["levels"])
+               "levels": finished}
     out = args.out or ((run.path / "bench" / stamp) if run else Path("bench") / stamp)
+    try:
+        run_sweep(url, model, levels, streaming, warmup, seed=args.seed, processes=args.client_processes,
+                  engines=engines, done=finished)
+    except KeyboardInterrupt:
+        # the levels that ended are measurements: keep them, marked as a sweep that did not finish
+        if not finished:
+            raise
+        results.update(valid=False, interrupted=f"after {len(finished)} of {len(levels)} levels")
+        paths = report.write(results, out)
+        print(f"\n{report.table(results)}\ninterrupted {results['interrupted']}; wrote: "
+              + ", ".join(str(p) for p in paths), file=sys.stderr)
+        return 130
+    results["valid"] = all(lv["valid"] for lv in results["levels"])
     paths = report.write(results, out)
     print(report.table(results))
     print("wrote: " + ", ".join(str(p) for p in paths))

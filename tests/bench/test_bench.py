@@ -270,3 +270,26 @@ def test_requests_per_user_sets_each_level_s_floor_and_a_bad_one_is_refused(tmp_
         err = capsys.readouterr().err
         assert code == 2 and says in err and "Traceback" not in err
     assert not (tmp_path / "bad").exists() and srv.count == 64 + 90  # nothing sent, nothing written
+
+
+@pytest.mark.unit
+def test_a_sweep_stopped_midway_keeps_the_levels_it_finished(tmp_path, monkeypatch, capsys):
+    from hpc.bench import loadgen
+
+    srv = FakeServer("good")
+    real = loadgen.run_level
+
+    async def until_the_second_level(url, model, level, *args, **kwargs):
+        if level.concurrency == 4:
+            raise KeyboardInterrupt  # Ctrl-C during the second level
+        return await real(url, model, level, *args, **kwargs)
+
+    monkeypatch.setattr(loadgen, "run_level", until_the_second_level)
+    code = main(["bench", "--url", f"http://127.0.0.1:{srv.port}", "--model", "m", "--concurrency", "1,4",
+                 "--input-tokens", "8", "--output-tokens", "4", "--warmup", "0", "--out", str(tmp_path / "o")])
+    assert code == 130
+    saved = json.loads((tmp_path / "o" / "results.json").read_text())
+    first = saved["levels"][0]
+    assert [lv["concurrency"] for lv in saved["levels"]] == [1] and first["completed"] == first["requests"] > 0
+    assert saved["valid"] is False and saved["interrupted"] == "after 1 of 2 levels"
+    assert "interrupted after 1 of 2 levels" in capsys.readouterr().err
