@@ -62,6 +62,7 @@ class RunDir:
     logs = property(lambda self: self.path / "logs")
     state = property(lambda self: self.path / "state")
     run_info_path = property(lambda self: self.path / "run.json")
+    job_path = property(lambda self: self.path / "job.json")  # the running job's own record (checks/jobstart)
     secrets = property(lambda self: self.path / "secrets")
 
     def manifest(self) -> Manifest:
@@ -69,6 +70,18 @@ class RunDir:
 
     def run_info(self) -> dict[str, Any]:
         return read_json(self.run_info_path) or {}
+
+    def job(self) -> dict[str, Any]:
+        """What the job that last started here recorded of itself: job_id, started_at, submitted_by."""
+        return read_json(self.job_path) or {}
+
+    def job_id(self) -> str | None:
+        """The run's job: the one that last started here (a plain sbatch too), else the one hpc launch submitted."""
+        job_id = self.job().get("job_id") or self.run_info().get("job_id")
+        return None if job_id is None else str(job_id)
+
+    def submitted(self) -> bool:
+        return bool(self.run_info().get("submitted") or self.job().get("job_id"))
 
     def update_run_info(self, **fields: Any) -> None:
         info = self.run_info()
@@ -159,9 +172,8 @@ def find_run(ref: str | None) -> RunDir:
         if not runs:
             raise UserError(f"no runs under {root}", hint="start one with: hpc launch --recipe tiny-disagg")
         return runs[0]
-    for run in runs:
-        info = run.run_info()
-        if run.path.name == ref or str(info.get("job_id")) == ref:
+    for run in runs:  # a job id: the one hpc launch submitted, or one that started here later (plain sbatch)
+        if ref in (run.path.name, str(run.run_info().get("job_id")), run.job_id()):
             return run
     raise UserError(f"no run '{ref}' under {root}", hint="hpc status lists recent runs")
 

@@ -11,7 +11,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from hpc.manifest import Manifest
 from hpc.rundir import read_json, write_json
@@ -41,6 +41,16 @@ def _failed_component(manifest: Manifest) -> str | None:
         if data.get("phase") == "failed" and not data.get("restarting"):
             return path.stem
     return None
+
+
+def _probe(url: str) -> tuple[int, Any]:
+    """A probe of an endpoint that is not listening (yet, or any more) is an answer to wait on, not an error:
+    an endpoint file an earlier job of this run directory left (until this job's first step moves it aside), or
+    a service that its step restarts."""
+    try:
+        return get_json(url, 1)
+    except OSError:
+        return 0, None
 
 
 def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float | None = None,
@@ -87,7 +97,7 @@ def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float 
         if any(s.name == service for s in manifest.plan.services):
             def healthy(service=service) -> bool:
                 ep = read_json(endpoints / f"{service}.json")
-                return bool(ep) and get_json(ep["health"], 1)[0] == 200
+                return bool(ep) and _probe(ep["health"])[0] == 200
             until(f"{service} healthy", service, healthy)
             record(f"{service} healthy")
     frontend: dict = {}
@@ -96,7 +106,7 @@ def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float 
         ep = read_json(endpoints / "frontend.json")
         if ep:
             frontend.update(ep)
-            return get_json(ep["url"] + "/live", 1)[0] == 200
+            return _probe(ep["url"] + "/live")[0] == 200
         return False
     until("frontend up", "frontend", frontend_up)
     record("frontend up")
@@ -104,7 +114,7 @@ def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float 
     seen: set[str] = set()
 
     def registered() -> bool:
-        _, body = get_json(frontend["url"] + "/health", 1)
+        _, body = _probe(frontend["url"] + "/health")
         for role, items in ((body or {}).get("instances") or {}).items():
             for item in items:
                 name = f"{role}-{item['index']}"

@@ -201,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="run even when hpc launch runs them via submitit")
     args = parser.parse_args(argv)
     info = read_json(Path(args.manifest).parent / "run.json") or {}
-    if info.get("smoke_via") in ("submitit", "none") and not args.force:
+    job = read_json(Path(args.manifest).parent / "job.json") or {}
+    # hpc launch's choice holds for the job it submitted, not for one submitted again with plain sbatch
+    if info.get("smoke_via") in ("submitit", "none") and job.get("submitted_by") != "sbatch" and not args.force:
         print(f"hpc: in-job smoke stage skipped (smoke: {info['smoke_via']}, set by hpc launch)", flush=True)
         return 0
     verdict = run_smoke(args.manifest)

@@ -62,7 +62,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 # ---- status ------------------------------------------------------------------------------------------
 def _slurm_state(run: RunDir) -> dict[str, Any]:
     info = run.run_info()
-    if not info.get("submitted"):
+    if not run.submitted():
         return {"state": "NOT SUBMITTED" if "submit_error" not in info else "SUBMIT FAILED"}
     if info.get("scheduler") == "local":
         from hpc.launch.local import alive, local_pids
@@ -76,7 +76,7 @@ def _slurm_state(run: RunDir) -> dict[str, Any]:
     from hpc.launch.slurm import runner_for
     from hpc.slurm.client import SlurmClient
 
-    st = SlurmClient(runner_for(run)).status(str(info["job_id"]))
+    st = SlurmClient(runner_for(run)).status(run.job_id())
     if st is None:
         return {"state": "UNKNOWN"}
     failing = [f"{s.step_id}:{s.name} exit {s.exit_code}" for s in st.steps
@@ -105,7 +105,6 @@ def _health(url: str | None) -> str:
 
 def collect_status(run: RunDir) -> dict[str, Any]:
     m = run.manifest()
-    info = run.run_info()
     states = run.component_states()
     endpoint = (read_json(run.path / "endpoints" / "frontend.json") or {}).get("url")
     frontend_view: dict[str, Any] = {}
@@ -147,7 +146,7 @@ def collect_status(run: RunDir) -> dict[str, Any]:
     smoke = read_json(run.path / "smoke.json")
     ready = read_json(run.state / "ready.json")
     return {"run": run.path.name, "run_dir": str(run.path), "recipe": m.recipe.name, "cluster": m.cluster.name,
-            "job_id": info.get("job_id"), "scheduler": _slurm_state(run), "endpoint": endpoint,
+            "job_id": run.job_id(), "scheduler": _slurm_state(run), "endpoint": endpoint,
             "ready": ready, "roles": roles, "components": components, "router": frontend_view.get("router"),
             "smoke": None if smoke is None else {"passed": smoke["passed"],
                                                  "failed": [c["name"] for c in smoke["checks"] if not c["ok"]]}}
@@ -205,7 +204,7 @@ def status(args: argparse.Namespace) -> int:
         for run in runs:
             info = run.run_info()
             smoke = read_json(run.path / "smoke.json")
-            rows.append([run.path.name, info.get("cluster", "?"), info.get("job_id", "-"),
+            rows.append([run.path.name, info.get("cluster", "?"), run.job_id() or "-",
                          _slurm_state(run)["state"], "-" if smoke is None else ("pass" if smoke["passed"] else "FAIL")])
         print(table(["RUN", "CLUSTER", "JOB", "STATE", "SMOKE"], rows) if rows else "no runs yet")
         return 0
@@ -259,7 +258,7 @@ def logs(args: argparse.Namespace) -> int:
 def cancel(args: argparse.Namespace) -> int:
     run = find_run(args.run)
     info = run.run_info()
-    if not info.get("submitted"):
+    if not run.submitted():
         raise UserError(f"run {run.path.name} was never submitted; nothing to cancel")
     if info.get("scheduler") == "local":
         from hpc.launch.local import stop_local
@@ -279,14 +278,15 @@ def cancel(args: argparse.Namespace) -> int:
         states = run.component_states()
         return all(states.get(w, {}).get("phase") in ("drained", "stopped", "failed", None) for w in workers)
 
-    state = SlurmClient(runner_for(run)).cancel(str(info["job_id"]), grace_s=args.grace, drained=drained)
+    job_id = run.job_id()
+    state = SlurmClient(runner_for(run)).cancel(job_id, grace_s=args.grace, drained=drained)
     run.update_run_info(cancelled_at=time.time())
-    print(f"job {info['job_id']}: {state.state if state else 'gone'}")
+    print(f"job {job_id}: {state.state if state else 'gone'}")
     if args.remove:
         if state is None or state.finished:
             _remove(run)
         else:
-            print(f"kept {run.path}: job {info['job_id']} has not stopped yet")
+            print(f"kept {run.path}: job {job_id} has not stopped yet")
     return 0
 
 

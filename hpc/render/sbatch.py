@@ -87,6 +87,9 @@ class View:
     workers: list[Step] = field(default_factory=list)
     ready_command: list[str] = field(default_factory=list)
     smoke_command: list[str] | None = None
+    # the job's first step: records its job id in the run directory, moves an earlier job's states aside
+    start_command: list[str] = field(default_factory=list)
+    start_step: Step | None = None
     # With a container: the checks run inside it too (the host needs no hpc), after a preflight step.
     preflight: Step | None = None
     preflight_log: str = ""
@@ -168,11 +171,13 @@ def build_view(m: Manifest) -> View:
     workers = [_worker_step(m, w, logs) for w in plan.workers]
     smoke = [*py, "hpc.checks.smoke", manifest] if m.recipe.smoke.enabled else None
     ready = [*py, "hpc.checks.ready", manifest]
+    start = [*py, "hpc.checks.jobstart", manifest]
     title = f"recipe {m.recipe.name} on cluster {c.name}, {plan.job_nodes} node(s), {plan.total_gpus} GPU(s)"
     view = View(title=title, sbatch_flags=flags, env=env, secrets=secrets, python_env=c.python_env,
                 slurm_conf=c.slurm_conf,
                 run_dir=run_dir, manifest=manifest, python=c.python, services=services, workers=workers,
-                ready_command=ready, smoke_command=smoke, common_flags=[*container, *c.srun_args])
+                ready_command=ready, smoke_command=smoke, start_command=start,
+                common_flags=[*container, *c.srun_args])
     if not c.container:
         return view
 
@@ -184,6 +189,7 @@ def build_view(m: Manifest) -> View:
     generated = str(Path(m.recipe.model.path).expanduser()) if m.recipe.model.generate else None
     return replace(view, generated_model=generated, preflight=check_step("preflight", [*py, "hpc.checks.preflight", manifest], every_node),
                    preflight_log=f"{logs}/preflight.log", ready_step=check_step("ready", ready, [0]),
+                   start_step=check_step("jobstart", start, [0]),
                    smoke_step=check_step("smoke", smoke, [0]) if smoke else None)
 
 

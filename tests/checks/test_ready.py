@@ -89,3 +89,15 @@ def test_smoke_verdicts_hold_under_python_O():
     probe = "from hpc.checks.smoke import require\nrequire(True, 'fine')\nrequire(False, 'roles that served nothing')\n"
     done = subprocess.run([sys.executable, "-O", "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "CheckFailed: roles that served nothing" in done.stderr
+
+
+def test_an_endpoint_nobody_listens_on_is_waited_on_not_an_error(run):
+    # an earlier job's etcd endpoint (a resubmitted run directory, before the new job's first step moves it)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]  # nothing listens once the socket is closed
+    write_json(run.path / "endpoints" / "etcd.json", {"health": f"http://127.0.0.1:{closed}/health"})
+    with pytest.raises(NotReady, match="stuck waiting for etcd healthy"):  # not a connection error
+        wait_ready(run.manifest(), timeout=0.3, progress=lambda s: None)

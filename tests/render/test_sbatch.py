@@ -110,13 +110,14 @@ def test_hostile_values_render_inert(tmp_path):
     calls = _run_script(path, tmp_path)
     assert not list(tmp_path.rglob("PWNED*")) and not list(weird.parent.rglob("PWNED*"))
     srun_calls = [c for c in calls if c[0] == "srun"]
-    # preflight, etcd, nats, frontend, prefill, decode, ready, smoke: all in the container
+    # preflight, jobstart, etcd, nats, frontend, prefill, decode, ready, smoke: all in the container
     assert sorted(next(a for a in c if a.startswith("--job-name=")) for c in srun_calls) == [
-        f"--job-name={n}" for n in ("decode-0", "etcd", "frontend", "nats", "prefill-0", "preflight", "ready", "smoke")]
+        f"--job-name={n}" for n in ("decode-0", "etcd", "frontend", "jobstart", "nats", "prefill-0", "preflight",
+                                    "ready", "smoke")]
     # Each hostile value arrives as exactly one argument, byte for byte.
     assert all(f"--container-image={HOSTILE[1]}" in c for c in srun_calls)
     mounts = [a for c in srun_calls for a in c if a.startswith("--container-mounts=")]
-    assert len(mounts) == 8 and all(a.startswith(f"--container-mounts={HOSTILE[6]},{weird}:{weird},") for a in mounts)
+    assert len(mounts) == 9 and all(a.startswith(f"--container-mounts={HOSTILE[6]},{weird}:{weird},") for a in mounts)
     assert all(HOSTILE[5] in c for c in srun_calls)
     manifest_arg = str(weird / "manifest.json")
     assert all(manifest_arg in c for c in calls)
@@ -130,13 +131,14 @@ def test_container_jobs_mount_the_run_dir_and_the_runtime_and_check_first(tmp_pa
     bundle = str(tmp_path / ".hpc-runtime" / "py3.11")
     assert f"export PYTHONPATH={bundle}" in script
     # the container's flags are written once (SRUN_COMMON) and every step gets them
-    assert script.count("--container-mounts=") == 1 and script.count('"${SRUN_COMMON[@]}"') == 8
-    assert script.index("hpc.checks.preflight") < script.index("--service etcd")
+    assert script.count("--container-mounts=") == 1 and script.count('"${SRUN_COMMON[@]}"') == 9
+    # preflight first, then the job records itself, then the services
+    assert script.index("hpc.checks.preflight") < script.index("hpc.checks.jobstart") < script.index("--service etcd")
     path = tmp_path / "job.sbatch"
     path.write_text(script)
     (tmp_path / "run").mkdir()
     steps = [c for c in _run_script(path, tmp_path) if c[0] == "srun"]
-    assert len(steps) == 8
+    assert len(steps) == 9
     for step in steps:
         mounts = next(a for a in step if a.startswith("--container-mounts="))
         assert f"{run}:{run}," in mounts and f"{bundle}:{bundle}:ro" in mounts, step

@@ -56,7 +56,7 @@ def _node_processes() -> dict[str, list[str]]:
 
 
 def _cancel_and_check_clean(run: RunDir, capsys=None) -> None:
-    job = run.run_info()["job_id"]
+    job = run.job_id()
     assert main(["cancel", job]) == 0
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and any(_node_processes().values()):
@@ -382,3 +382,46 @@ def test_a_frontend_of_two_processes_in_one_slurm_step(slurm_env, tmp_path):
         assert sum(per_process) == 24 and min(per_process) > 0, per_process
     finally:
         _cancel_and_check_clean(run)
+
+
+def test_a_dry_run_submitted_with_plain_sbatch_is_found_by_hpc_and_a_resubmit_starts_clean(slurm_env, capsys):
+    from hpc.slurm.client import SlurmClient
+
+    assert main(["launch", "-c", "dev", "-r", "tiny-agg", "--dry-run", "--set", frontend_port()]) == 0
+    run = list_runs()[0]
+    client = SlurmClient(slurm_env)
+    jobs: list[str] = []
+    try:
+        _submit_twice(run, client, jobs, capsys)
+    except BaseException:
+        for job in jobs:  # nothing left to hold the next test's nodes and ports
+            client.cancel(job, grace_s=1)
+        raise
+    # the second job moved the first one's states, endpoints and verdict aside before its services started
+    (moved,) = (run.path / "previous").iterdir()
+    assert moved.name.startswith(f"{jobs[0]}-") and (moved / "endpoints" / "frontend.json").is_file()
+    assert (moved / "smoke.json").is_file() and (moved / "state" / "agg-0.json").is_file()
+    assert json.loads((moved / "job.json").read_text())["job_id"] == jobs[0]
+    _cancel_and_check_clean(run)
+
+
+def _submit_twice(run: RunDir, client, jobs: list[str], capsys) -> None:
+    from hpc.checks.ready import wait_ready
+
+    for attempt in range(2):
+        job = client.submit(run.script_path)  # the user's own sbatch, twice: the script is the whole job
+        jobs.append(job)
+        wait_ready(run.manifest(), timeout=180, progress=lambda s: None)
+        assert run.job_id() == job and run.job()["submitted_by"] == "sbatch"  # the job's own record
+        wait_until(lambda: read_json(run.path / "smoke.json"), 120, "the job's own smoke stage")
+        capsys.readouterr()
+        assert main(["status", job]) == 0  # found by the job id that only the job itself told the run directory
+        out = capsys.readouterr().out
+        assert "state: RUNNING" in out and "agg 1/1 ok" in out and "smoke: PASSED" in out, out
+        assert _complete(_url(run), run.manifest().recipe.model.served_name)
+        if attempt == 0:  # stopped, its run directory kept, and submitted again as it is
+            assert main(["cancel", job, "--grace", "2"]) == 0
+            def ended(job=job) -> bool | None:
+                state = client.status(job)
+                return True if state is None or state.finished else None
+            wait_until(ended, 60, "the first job's end")
