@@ -1,4 +1,5 @@
-"""`python -m hpc.checks.jobstart MANIFEST`: the job's first step, before any service starts.
+"""`python -m hpc.checks.jobstart MANIFEST`: the job's first step, before any service starts (in a container job,
+the preflight step does it on its first task, which saves a container start).
 
 The job records itself in job.json (its id, when it started, who submitted it), so `hpc status`, `logs` and
 `cancel` find a job that was submitted with a plain `sbatch job.sbatch` (after `hpc launch --dry-run`, or again
@@ -53,15 +54,20 @@ def _has_content(path: Path) -> bool:
     return path.is_file() or (path.is_dir() and any(path.iterdir()))
 
 
+def start_job(manifest_path: str) -> str:
+    """This job (SLURM_JOB_ID) starts in the run directory of `manifest_path`; what it did, in one line."""
+    run = RunDir(Path(manifest_path).resolve().parent)
+    job_id = os.environ.get("SLURM_JOB_ID")
+    moved = start(run, job_id)
+    return (f"hpc: job {job_id or '(no SLURM_JOB_ID)'} serves {run.path}"
+            + (f"; an earlier job's states and endpoints moved to {moved}" if moved else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpc.checks.jobstart")
     parser.add_argument("manifest")
     args = parser.parse_args(argv)
-    run = RunDir(Path(args.manifest).resolve().parent)
-    job_id = os.environ.get("SLURM_JOB_ID")
-    moved = start(run, job_id)
-    print(f"hpc: job {job_id or '(no SLURM_JOB_ID)'} serves {run.path}"
-          + (f"; an earlier job's states and endpoints moved to {moved}" if moved else ""), flush=True)
+    print(start_job(args.manifest), flush=True)
     return 0
 
 

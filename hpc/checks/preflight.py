@@ -1,6 +1,7 @@
 """Preflight, the job's first step: inside each node's container, check that everything the job's components
 import is there, before any server starts. One line on success, one line naming the problem and the fix on
-failure (exit 3), written to the step's log, which `hpc launch` and `hpc status` show.
+failure (exit 3), written to the step's log, which `hpc launch` and `hpc status` show. Its first task then
+records the job in the run directory (hpc.checks.jobstart), before any server starts.
 
     python3 -m hpc.checks.preflight RUN_DIR/manifest.json
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import importlib.util
+import os
 import socket
 import sys
 
@@ -96,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     ok, line = check(manifest)
     print(line, flush=True)
+    if ok and os.environ.get("SLURM_PROCID", "0") == "0":
+        # the job's first step as well (hpc.checks.jobstart), here where a container is up already
+        from hpc.checks.jobstart import start_job
+
+        print(start_job(args[0]), flush=True)
     return 0 if ok else EXIT_FAILED
 
 

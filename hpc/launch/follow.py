@@ -14,7 +14,8 @@ def preflight_failure(run: RunDir) -> str | None:
         lines = [ln.strip() for ln in (run.logs / "preflight.log").read_text(errors="replace").splitlines()]
     except OSError:
         return None
-    failed = [ln for ln in lines if ln and ": ok (" not in ln]
+    # every line but a node's "ok" and the first task's record of the job (hpc.checks.jobstart's "hpc: job ...")
+    failed = [ln for ln in lines if ln and ": ok (" not in ln and not ln.startswith("hpc: job ")]
     return failed[-1] if failed else None
 
 

@@ -87,9 +87,9 @@ class View:
     workers: list[Step] = field(default_factory=list)
     ready_command: list[str] = field(default_factory=list)
     smoke_command: list[str] | None = None
-    # the job's first step: records its job id in the run directory, moves an earlier job's states aside
+    # the job's first step: records its job id in the run directory, moves an earlier job's states aside (in a
+    # container job, the preflight's first task does it)
     start_command: list[str] = field(default_factory=list)
-    start_step: Step | None = None
     # With a container: the checks run inside it too (the host needs no hpc), after a preflight step.
     preflight: Step | None = None
     preflight_log: str = ""
@@ -189,7 +189,6 @@ def build_view(m: Manifest) -> View:
     generated = str(Path(m.recipe.model.path).expanduser()) if m.recipe.model.generate else None
     return replace(view, generated_model=generated, preflight=check_step("preflight", [*py, "hpc.checks.preflight", manifest], every_node),
                    preflight_log=f"{logs}/preflight.log", ready_step=check_step("ready", ready, [0]),
-                   start_step=check_step("jobstart", start, [0]),
                    smoke_step=check_step("smoke", smoke, [0]) if smoke else None)
 
 

@@ -53,3 +53,20 @@ def test_the_entry_point_exits_3_with_one_line(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "hpc.checks.preflight", str(tmp_path / "nope.json")],
                              capture_output=True, text=True)
     assert missing.returncode == 3 and "cannot read the manifest" in missing.stdout
+
+
+@pytest.mark.parametrize("procid, records", [("0", True), ("1", False)])
+def test_the_first_task_records_the_job_once_its_checks_passed(tmp_path, monkeypatch, capsys, procid, records):
+    from hpc import rundir
+    from hpc.checks.preflight import main
+    from hpc.render.sbatch import render_sbatch
+
+    run = rundir.create(resolve("dev-containers", "tiny-disagg"), render_sbatch, root=tmp_path)
+    m = json.loads(run.manifest_path.read_text())
+    m["cluster"]["container"]["python_version"] = f"{sys.version_info.major}.{sys.version_info.minor}"
+    run.manifest_path.write_text(json.dumps(m))
+    monkeypatch.setenv("SLURM_PROCID", procid)
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    assert main([str(run.manifest_path)]) == 0
+    assert (run.job_id() == "77") is records and run.job_path.is_file() is records
+    assert ("hpc: job 77 serves" in capsys.readouterr().out) is records

@@ -36,3 +36,14 @@ def test_ctrl_c_while_waiting_names_the_run_cancels_the_smoke_and_leaves_the_run
     err = capsys.readouterr().err
     assert f"hpc status {run.path.name}" in err and f"hpc cancel {run.path.name}" in err
     assert smoke.cancelled and run.path.is_dir()
+
+
+def test_a_preflight_failure_is_the_failing_nodes_line_not_the_jobs_record(tmp_path):
+    from hpc.launch.follow import preflight_failure
+
+    run = rundir.create(resolve("dev-containers", "tiny-agg"), render_sbatch, root=tmp_path)
+    log = run.logs / "preflight.log"
+    log.write_text("hpc preflight on node1: ok (Python 3.12 torch=2.13)\nhpc: job 42 serves /runs/x\n")
+    assert preflight_failure(run) is None  # the first task's record of the job is no failure
+    log.write_text(log.read_text() + "hpc preflight on node2: aetcd is not installed in the image\n")
+    assert preflight_failure(run) == "hpc preflight on node2: aetcd is not installed in the image"

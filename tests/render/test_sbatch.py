@@ -110,14 +110,13 @@ def test_hostile_values_render_inert(tmp_path):
     calls = _run_script(path, tmp_path)
     assert not list(tmp_path.rglob("PWNED*")) and not list(weird.parent.rglob("PWNED*"))
     srun_calls = [c for c in calls if c[0] == "srun"]
-    # preflight, jobstart, etcd, nats, frontend, prefill, decode, ready, smoke: all in the container
+    # preflight (which records the job), etcd, nats, frontend, prefill, decode, ready, smoke: all in the container
     assert sorted(next(a for a in c if a.startswith("--job-name=")) for c in srun_calls) == [
-        f"--job-name={n}" for n in ("decode-0", "etcd", "frontend", "jobstart", "nats", "prefill-0", "preflight",
-                                    "ready", "smoke")]
+        f"--job-name={n}" for n in ("decode-0", "etcd", "frontend", "nats", "prefill-0", "preflight", "ready", "smoke")]
     # Each hostile value arrives as exactly one argument, byte for byte.
     assert all(f"--container-image={HOSTILE[1]}" in c for c in srun_calls)
     mounts = [a for c in srun_calls for a in c if a.startswith("--container-mounts=")]
-    assert len(mounts) == 9 and all(a.startswith(f"--container-mounts={HOSTILE[6]},{weird}:{weird},") for a in mounts)
+    assert len(mounts) == 8 and all(a.startswith(f"--container-mounts={HOSTILE[6]},{weird}:{weird},") for a in mounts)
     assert all(HOSTILE[5] in c for c in srun_calls)
     manifest_arg = str(weird / "manifest.json")
     assert all(manifest_arg in c for c in calls)
@@ -131,14 +130,14 @@ def test_container_jobs_mount_the_run_dir_and_the_runtime_and_check_first(tmp_pa
     bundle = str(tmp_path / ".hpc-runtime" / "py3.11")
     assert f"export PYTHONPATH={bundle}" in script
     # the container's flags are written once (SRUN_COMMON) and every step gets them
-    assert script.count("--container-mounts=") == 1 and script.count('"${SRUN_COMMON[@]}"') == 9
-    # preflight first, then the job records itself, then the services
-    assert script.index("hpc.checks.preflight") < script.index("hpc.checks.jobstart") < script.index("--service etcd")
+    assert script.count("--container-mounts=") == 1 and script.count('"${SRUN_COMMON[@]}"') == 8
+    # preflight first (its first task records the job; no step of its own), then the services
+    assert script.index("hpc.checks.preflight") < script.index("--service etcd") and "hpc.checks.jobstart" not in script
     path = tmp_path / "job.sbatch"
     path.write_text(script)
     (tmp_path / "run").mkdir()
     steps = [c for c in _run_script(path, tmp_path) if c[0] == "srun"]
-    assert len(steps) == 9
+    assert len(steps) == 8
     for step in steps:
         mounts = next(a for a in step if a.startswith("--container-mounts="))
         assert f"{run}:{run}," in mounts and f"{bundle}:{bundle}:ro" in mounts, step
@@ -181,3 +180,15 @@ def test_secrets_by_reference_never_reach_the_script(tmp_path, monkeypatch):
     env.pop("MY_HF_TOKEN")
     done = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "set MY_HF_TOKEN in the shell that submits this job" in done.stderr
+
+
+def test_a_bare_job_records_itself_before_any_service_starts(tmp_path):
+    script = render_sbatch(resolve("dev", "tiny-agg").manifest(tmp_path / "run", "run", FIXED_TIME))
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    (tmp_path / "run").mkdir()
+    calls = _run_script(path, tmp_path)
+    # the batch host's python runs it (no container): before the first srun
+    started = [c for c in calls if c[0] == "python3" and "hpc.checks.jobstart" in c]
+    assert len(started) == 1 and started[0][-1] == str(tmp_path / "run" / "manifest.json")
+    assert script.index("hpc.checks.jobstart") < script.index("--service etcd")
