@@ -56,6 +56,10 @@ def test_tiny_disagg_runs_every_component_in_a_container(slurm_env, model_cache,
             assert states[worker].get("engine_pid") not in (None, states[worker]["pid"]), states[worker]
         preflight = (run.logs / "preflight.log").read_text()
         assert preflight.count(": ok (Python 3.11") == 3  # one per node, before anything started
+        # its first task recorded the job hpc launch submitted, inside the container, before the services
+        assert run.job() | {"started_at": 0} == {"job_id": run.run_info()["job_id"], "started_at": 0,
+                                                 "submitted_by": "hpc launch"}
+        assert preflight.count("hpc: job ") == 1
         url = json.loads((run.path / "endpoints" / "frontend.json").read_text())["url"]
         status, body = post_json(url + "/v1/completions", {"model": "hpc/tiny", "prompt": "Hello", "temperature": 0, "max_tokens": 5})
         assert status == 200 and body["usage"]["completion_tokens"] == 5
