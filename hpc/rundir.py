@@ -173,7 +173,7 @@ def find_run(ref: str | None) -> RunDir:
             raise UserError(f"no runs under {root}", hint="start one with: hpc launch --recipe tiny-disagg")
         return runs[0]
     for run in runs:  # a job id: the one hpc launch submitted, or one that started here later (plain sbatch)
-        if ref in (run.path.name, str(run.run_info().get("job_id")), run.job_id()):
+        if ref in (run.path.name, str(run.run_info().get("job_id")), str(run.job().get("job_id"))):
             return run
     raise UserError(f"no run '{ref}' under {root}", hint="hpc status lists recent runs")
 

@@ -19,6 +19,15 @@ def get_json(url: str, timeout: float = 2.0) -> tuple[int, Any]:
             return exc.code, None
 
 
+def reach_json(url: str, timeout: float = 2.0) -> tuple[int, Any] | None:
+    """get_json, or None when nothing answers at `url` (refused, unreachable, timed out): an endpoint not listening
+    yet, or any more, is an answer for a prober to act on, not an error."""
+    try:
+        return get_json(url, timeout)
+    except OSError:
+        return None
+
+
 def get_text(url: str, timeout: float = 2.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return resp.read().decode()

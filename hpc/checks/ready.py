@@ -11,11 +11,11 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from hpc.manifest import Manifest
 from hpc.rundir import read_json, write_json
-from hpc.checks.probe import get_json
+from hpc.checks.probe import reach_json
 from hpc.waiting import Backoff, wait_until
 
 POLL = Backoff(first_s=0.05, factor=1.0, cap_s=0.05)  # readiness files and loopback probes are cheap
@@ -43,14 +43,11 @@ def _failed_component(manifest: Manifest) -> str | None:
     return None
 
 
-def _probe(url: str) -> tuple[int, Any]:
-    """A probe of an endpoint that is not listening (yet, or any more) is an answer to wait on, not an error:
-    an endpoint file an earlier job of this run directory left (until this job's first step moves it aside), or
-    a service that its step restarts."""
-    try:
-        return get_json(url, 1)
-    except OSError:
-        return 0, None
+def _answers_200(url: str) -> bool:
+    """An endpoint not listening is waited on, not an error: an endpoint file an earlier job of this run directory
+    left (until this job's first step moves it aside), or a service that its step restarts."""
+    answer = reach_json(url, 1)
+    return answer is not None and answer[0] == 200
 
 
 def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float | None = None,
@@ -97,7 +94,7 @@ def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float 
         if any(s.name == service for s in manifest.plan.services):
             def healthy(service=service) -> bool:
                 ep = read_json(endpoints / f"{service}.json")
-                return bool(ep) and _probe(ep["health"])[0] == 200
+                return bool(ep) and _answers_200(ep["health"])
             until(f"{service} healthy", service, healthy)
             record(f"{service} healthy")
     frontend: dict = {}
@@ -106,7 +103,7 @@ def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float 
         ep = read_json(endpoints / "frontend.json")
         if ep:
             frontend.update(ep)
-            return _probe(ep["url"] + "/live")[0] == 200
+            return _answers_200(ep["url"] + "/live")
         return False
     until("frontend up", "frontend", frontend_up)
     record("frontend up")
@@ -114,7 +111,7 @@ def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float 
     seen: set[str] = set()
 
     def registered() -> bool:
-        _, body = _probe(frontend["url"] + "/health")
+        _, body = reach_json(frontend["url"] + "/health", 1) or (0, None)
         for role, items in ((body or {}).get("instances") or {}).items():
             for item in items:
                 name = f"{role}-{item['index']}"

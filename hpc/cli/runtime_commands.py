@@ -91,12 +91,12 @@ def _health(url: str | None) -> str:
     """A worker's /health in words: its status, and for a decode worker how its KV arrived (which transport)."""
     if not url:
         return "-"
-    from hpc.checks.probe import get_json
+    from hpc.checks.probe import reach_json
 
-    try:
-        code, body = get_json(url, 1.0)
-    except OSError:
+    answer = reach_json(url, 1.0)
+    if answer is None:
         return "unreachable"
+    code, body = answer
     if not isinstance(body, dict):
         return str(code)
     fetched = ", ".join(f"{via} {n}" for via, n in sorted((body.get("kv_fetched") or {}).items()))
@@ -110,14 +110,15 @@ def collect_status(run: RunDir) -> dict[str, Any]:
     frontend_view: dict[str, Any] = {}
     frontend_health = "-"
     if endpoint:  # one probe of the frontend serves its own row, the workers' routing and the roles
-        from hpc.checks.probe import get_json
+        from hpc.checks.probe import reach_json
 
-        try:
-            code, body = get_json(endpoint + "/health", 1.0)
+        answer = reach_json(endpoint + "/health", 1.0)
+        if answer is None:
+            frontend_health = "unreachable"
+        else:
+            code, body = answer
             frontend_view = body if isinstance(body, dict) else {}
             frontend_health = frontend_view.get("status", str(code))
-        except OSError:
-            frontend_health = "unreachable"
     components = []
     for s in m.plan.services:
         st = states.get(s.name, {})
