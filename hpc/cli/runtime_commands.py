@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 import time
 from pathlib import Path
@@ -29,9 +30,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-n", "--lines", type=int, default=50)
     p.set_defaults(func=logs)
 
-    p = sub.add_parser("cancel", help="stop a run: TERM first, then kill after a grace period")
+    p = sub.add_parser("cancel", help="stop a run: its workers drain first (USR1), then TERM, then KILL")
     p.add_argument("run")
-    p.add_argument("--grace", type=float, default=10.0, help="seconds between TERM and kill")
+    p.add_argument("--grace", type=float, default=10.0,
+                   help="seconds a Slurm job's workers get to drain before TERM (a local run: TERM to KILL)")
     p.add_argument("--remove", action="store_true",
                    help="remove the run directory once the job has stopped (its logs and bench results too)")
     p.add_argument("--keep", action="store_true", help=argparse.SUPPRESS)  # the default now; older scripts pass it
@@ -71,8 +73,11 @@ def _slurm_state(run: RunDir) -> dict[str, Any]:
         up = sum(1 for ps in pids.values() for p in ps if alive(p))
         total = sum(len(ps) for ps in pids.values())
         state = "RUNNING" if up == total and total else ("DEGRADED" if up else "STOPPED")
-        elapsed = time.time() - info.get("submitted_at", time.time())
-        return {"state": state, "processes": f"{up}/{total}", "elapsed": f"{elapsed:.0f}s", "nodes": "localhost"}
+        # a stopped run's clock stops when it was cancelled (or, killed some other way, is not known)
+        end = info.get("cancelled_at") if state == "STOPPED" else time.time()
+        elapsed = f"{end - info.get('submitted_at', end):.0f}s" if end else "-"
+        return {"state": state, "processes": f"{up}/{total}", "elapsed": elapsed,
+                "nodes": socket.gethostname()}  # as the components' NODE column names it
     from hpc.launch.slurm import runner_for
     from hpc.slurm.client import SlurmClient
 

@@ -143,3 +143,20 @@ def test_a_tables_rows_are_cut_to_a_terminals_width_and_whole_elsewhere():
     assert max(len(line) for line in whole.splitlines()) > 100  # a pipe or a file gets every cell whole
     cut = table(["RECIPE", "DESCRIPTION"], rows, width=60).splitlines()
     assert max(len(line) for line in cut) == 60 and cut[2].endswith("…") and cut[1].endswith("short")
+
+
+def test_a_local_runs_status_names_this_host_and_stops_its_clock_when_cancelled(tmp_path):
+    import subprocess
+
+    from hpc.cli.runtime_commands import _slurm_state
+    from hpc.rundir import RunDir, write_json
+
+    finished = subprocess.Popen(["true"])
+    finished.wait()  # a pid that no longer runs
+    run = RunDir(tmp_path)
+    write_json(tmp_path / "local.json", {"pids": {"frontend": [finished.pid]}})
+    run.update_run_info(submitted=True, scheduler="local", submitted_at=1000.0, cancelled_at=1042.4)
+    assert _slurm_state(run) == {"state": "STOPPED", "processes": "0/1", "elapsed": "42s",
+                                 "nodes": socket.gethostname()}
+    run.update_run_info(cancelled_at=None)  # stopped some other way: how long it ran is not known
+    assert _slurm_state(run)["elapsed"] == "-"
