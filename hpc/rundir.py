@@ -23,8 +23,32 @@ from hpc.resolve import Resolved
 RUNS_DIR_NAME = "runs"
 
 
-def runs_root() -> Path:
-    return Path(os.environ.get("HPC_RUNS_DIR", Path.cwd() / RUNS_DIR_NAME))
+def runs_root(cluster: Any = None) -> Path:
+    """Where a run directory goes: HPC_RUNS_DIR, else the cluster profile's runs_dir (a directory its nodes
+    see), else ./runs."""
+    if "HPC_RUNS_DIR" in os.environ:
+        return Path(os.environ["HPC_RUNS_DIR"])
+    if cluster is not None and cluster.runs_dir:
+        return Path(cluster.runs_dir).expanduser()
+    return Path.cwd() / RUNS_DIR_NAME
+
+
+def search_roots() -> list[Path]:
+    """Where status, logs and cancel look for runs (they name a run, not a cluster): HPC_RUNS_DIR alone, else
+    ./runs and every cluster profile's runs_dir."""
+    if "HPC_RUNS_DIR" in os.environ:
+        return [runs_root()]
+    from hpc.spec.catalog import available, find
+
+    roots = [runs_root()]
+    for name in available("clusters"):
+        try:  # only this key: a profile with an error elsewhere must not hide its runs
+            value = (yaml.safe_load(find("clusters", name).read_text()) or {}).get("runs_dir")
+        except (OSError, UserError, yaml.YAMLError, AttributeError):
+            continue
+        if isinstance(value, str) and Path(value).expanduser() not in roots:
+            roots.append(Path(value).expanduser())
+    return roots
 
 
 def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
@@ -109,9 +133,12 @@ def create(resolved: Resolved, script_renderer, root: Path | None = None,
     """Write a new run directory; render first, write under a temporary name and rename at the end, so an error
     (a render problem, a full disk) leaves nothing behind."""
     now = now or _dt.datetime.now()
-    root = (root or runs_root()).resolve()
+    if root is None:
+        root = checked_root(resolved)
+    else:
+        root = root.resolve()
+        _check_runs_root(root)
     run_id = new_run_id(resolved.recipe.name, now)
-    _check_runs_root(root)
     path = root / run_id
     suffix = 1
     while path.exists():
@@ -141,12 +168,28 @@ def create(resolved: Resolved, script_renderer, root: Path | None = None,
     return run
 
 
-def _check_runs_root(root: Path) -> None:
+def checked_root(resolved: Resolved) -> Path:
+    """This launch's runs directory (runs_root), made if need be; a problem names where it was set."""
+    if "HPC_RUNS_DIR" not in os.environ and resolved.cluster.runs_dir is not None:
+        root = runs_root(resolved.cluster).resolve()
+        _check_runs_root(root, file=str(resolved.cluster_file), field="runs_dir")
+    else:
+        root = runs_root().resolve()
+        _check_runs_root(root)
+    return root
+
+
+def _check_runs_root(root: Path, file: str | None = None, field: str = "HPC_RUNS_DIR") -> None:
+    """A profile's runs_dir is made only where its parent exists: a mistyped shared path, or a shared filesystem
+    this machine does not mount, is an error, not a new tree on the login node's own disk."""
     problem = None
     if len(str(root)) > 3000:
         problem = "the path is too long"
     elif root.exists() and not root.is_dir():
         problem = "it is a file, not a directory"
+    elif field == "runs_dir" and not root.parent.is_dir():
+        raise UserError(f"runs directory {str(root)[:200]}: {root.parent} does not exist on this machine",
+                        file=file, field=field, hint="mount the shared filesystem here or fix the path")
     else:
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -156,31 +199,31 @@ def _check_runs_root(root: Path) -> None:
             if not os.access(root, os.W_OK | os.X_OK):
                 problem = "it is not writable"
     if problem:
-        raise UserError(f"runs directory {str(root)[:200]}: {problem}", field="HPC_RUNS_DIR",
-                        hint="point HPC_RUNS_DIR at a writable directory")
+        raise UserError(f"runs directory {str(root)[:200]}: {problem}", file=file, field=field,
+                        hint=f"point {field} at a writable directory")
 
 
 def find_run(ref: str | None) -> RunDir:
     """A run directory by path, run id, or Slurm job id; the newest run when `ref` is None."""
     from hpc.errors import UserError
 
-    root = runs_root()
     if ref and Path(ref).is_dir() and (Path(ref) / "manifest.json").is_file():
         return RunDir(Path(ref).resolve())
-    runs = list_runs()
+    roots = search_roots()
+    where = " or ".join(str(root) for root in roots)
+    runs = list_runs(roots)
     if ref is None:
         if not runs:
-            raise UserError(f"no runs under {root}", hint="start one with: hpc launch --recipe tiny-disagg")
+            raise UserError(f"no runs under {where}", hint="start one with: hpc launch --recipe tiny-disagg")
         return runs[0]
     for run in runs:  # a job id: the one hpc launch submitted, or one that started here later (plain sbatch)
         if ref in (run.path.name, str(run.run_info().get("job_id")), str(run.job().get("job_id"))):
             return run
-    raise UserError(f"no run '{ref}' under {root}", hint="hpc status lists recent runs")
+    raise UserError(f"no run '{ref}' under {where}", hint="hpc status lists recent runs")
 
 
-def list_runs() -> list[RunDir]:
-    root = runs_root()
-    if not root.is_dir():
-        return []
-    runs = [RunDir(p) for p in root.iterdir() if not p.name.startswith(".") and (p / "manifest.json").is_file()]
+def list_runs(roots: list[Path] | None = None) -> list[RunDir]:
+    """Newest first, from every root that exists."""
+    runs = [RunDir(p) for root in (search_roots() if roots is None else roots) if root.is_dir()
+            for p in root.iterdir() if not p.name.startswith(".") and (p / "manifest.json").is_file()]
     return sorted(runs, key=lambda r: r.manifest_path.stat().st_mtime, reverse=True)

@@ -68,7 +68,7 @@ def render(args: argparse.Namespace) -> int:
 
     r = _resolve(args)
     now = dt.datetime.now()
-    path = runs_root().resolve() / new_run_id(r.recipe.name, now)
+    path = runs_root(r.cluster).resolve() / new_run_id(r.recipe.name, now)
     print(render_sbatch(r.manifest(Path(path), path.name, now)), end="")
     return 0
 
@@ -142,10 +142,10 @@ def _ensure_runtime_bundle(r: Resolved) -> None:
     import time
 
     from hpc.launch.bundle import bundle_dir, ensure_bundle
-    from hpc.rundir import runs_root
+    from hpc.rundir import checked_root
 
     version = r.cluster.container.python_version
-    target = bundle_dir(runs_root().resolve(), version)
+    target = bundle_dir(checked_root(r), version)
     t0 = time.monotonic()
     ensure_bundle(target, version)
     if time.monotonic() - t0 > 1:

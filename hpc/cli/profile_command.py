@@ -54,7 +54,7 @@ def profile(args: argparse.Namespace) -> int:
     prof = resolve_specs(cluster, Path(resolved.cluster_file), profile_recipe(recipe, req.tps, form),
                          Path(resolved.recipe_file))
     todo = points(recipe, req, prof.engine_args, form)
-    out = (args.out or runs_root() / f"profile-{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    out = (args.out or runs_root(cluster) / f"profile-{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     print(f"profile of {recipe.name} on {cluster.name} ({form} form): isl {req.isl}, osl {req.osl}, "
           f"TTFT <= {req.ttft_ms:g} ms, "
           f"ITL <= {req.itl_ms:g} ms; TP {','.join(map(str, req.tps))}; {gpus_needed(req.tps, recipe.disaggregated)} "

@@ -86,8 +86,10 @@ def _slurm_state(run: RunDir) -> dict[str, Any]:
         return {"state": "UNKNOWN"}
     failing = [f"{s.step_id}:{s.name} exit {s.exit_code}" for s in st.steps
                if s.state in ("FAILED", "NODE_FAIL", "OUT_OF_MEMORY") or s.exit_code]
+    from hpc.launch.follow import unseen_run_dir
+
     return {"state": st.state, "elapsed": st.elapsed, "nodes": st.nodes, "reason": st.reason,
-            "exit_code": st.exit_code, "failed_steps": failing,
+            "exit_code": st.exit_code, "failed_steps": failing, "why": unseen_run_dir(run, st.state),
             "steps": [{"id": s.step_id, "name": s.name, "state": s.state, "exit_code": s.exit_code}
                       for s in st.steps]}
 
@@ -165,6 +167,8 @@ def _print_status(data: dict[str, Any]) -> None:
     print(f"state: {sch['state']}  {extra}")
     for step in sch.get("failed_steps") or []:
         print(f"failed step: {step}")
+    if sch.get("why"):
+        print(sch["why"])
     if data["endpoint"]:
         print(f"endpoint: {data['endpoint']}/v1")
     if data["ready"]:
@@ -233,6 +237,11 @@ def logs(args: argparse.Namespace) -> int:
     run = find_run(args.run)
     if args.component is None:
         files = sorted(run.logs.glob("*.log")) + sorted(run.logs.glob("*.out"))
+        if not files and run.submitted():  # a job that ended without any: why, when Slurm's state tells
+            why = _slurm_state(run).get("why")
+            if why:
+                print(why)
+                return 0
         print(table(["LOG", "BYTES"], [[f.name, f.stat().st_size] for f in files]) if files else "no logs yet")
         print(f"show one: hpc logs {run.path.name} --component frontend")
         return 0

@@ -19,6 +19,19 @@ def preflight_failure(run: RunDir) -> str | None:
     return failed[-1] if failed else None
 
 
+NEVER_STARTED = ("FAILED", "NODE_FAIL", "BOOT_FAIL")
+
+
+def unseen_run_dir(run: RunDir, state: str) -> str | None:
+    """Why a job failed without a log of its own, if that is why: its batch node could not open
+    RUN/logs/job.out, so its script never ran (Slurm: FAILED, exit 0:53, reason JobLaunchFailure). That is what
+    a run directory the compute nodes do not see looks like (a login node's /tmp or local disk)."""
+    if state not in NEVER_STARTED or (run.logs / "job.out").exists():
+        return None
+    return (f"the job wrote no log ({run.logs / 'job.out'}): its nodes could not open the run directory. "
+            f"Put runs on a filesystem every node mounts: the cluster profile's runs_dir, or HPC_RUNS_DIR")
+
+
 def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: None) -> int:
     """Shared by local and Slurm launches: readiness, smoke, and what to do next."""
     from hpc.checks.ready import NotReady, wait_ready

@@ -78,11 +78,14 @@ def _wait_running(client: SlurmClient, job_id: str, run: RunDir) -> int | None:
     outcome = wait_until(start, math.inf, f"job {job_id} to start", backoff=Backoff(first_s=0.2, factor=1.0, cap_s=0.2))
     if outcome == "running":
         return None
-    from hpc.launch.follow import preflight_failure
+    from hpc.launch.follow import preflight_failure, unseen_run_dir
 
-    reason = preflight_failure(run)
-    if reason:
-        print(f"preflight failed: {reason}", file=sys.stderr)
-    print(f"job {job_id} ended {start.status.state} before it was ready; see: hpc logs {job_id}",
-          file=sys.stderr)
+    failed = preflight_failure(run)
+    unseen = unseen_run_dir(run, start.status.state)
+    if failed:
+        print(f"preflight failed: {failed}", file=sys.stderr)
+    elif unseen:
+        print(unseen, file=sys.stderr)
+    print(f"job {job_id} ended {start.status.state} before it was ready" +
+          ("" if unseen else f"; see: hpc logs {job_id}"), file=sys.stderr)
     return 1

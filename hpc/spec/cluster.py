@@ -120,6 +120,20 @@ class ClusterProfile(StrictModel):
     env: ClusterEnv = Field(default_factory=dict, description="NAME: value, or NAME: {from_env: VAR} / "
                                                              "{from_file: PATH} for secrets")
     slurm_conf: str | None = Field(None, description="SLURM_CONF for clients (the dev cluster needs it)")
+    runs_dir: SingleLine | None = Field(
+        None, description="where hpc launch writes this cluster's run directories: a directory every node sees "
+                          "(Lustre, home); HPC_RUNS_DIR wins over it, ./runs is the default")
+
+    @field_validator("runs_dir")
+    @classmethod
+    def _shared_path(cls, value: str | None) -> str | None:
+        # the jobs write their logs there and pyxis mounts it at the same path: absolute, and no ',' or ':'
+        if value is not None:
+            if not Path(value).expanduser().is_absolute():
+                raise ValueError(f"{value!r} is relative; give an absolute path that every node mounts")
+            if any(ch in value for ch in ",:"):
+                raise ValueError(f"{value!r} contains ',' or ':', which pyxis mounts cannot carry")
+        return value
 
     @field_validator("time_limit", "max_time_limit")
     @classmethod

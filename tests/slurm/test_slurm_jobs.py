@@ -107,3 +107,25 @@ def test_mpi4py_over_pmix_spans_two_nodes(slurm_env, tmp_path):
     rows = sorted(line.split() for line in out.stdout.splitlines() if line.strip())
     assert [r[0] for r in rows] == ["0", "1", "2", "3"] and {r[1] for r in rows} == {"4"}
     assert {r[2] for r in rows} == {"node1", "node2"} and {r[3] for r in rows} == {"6"}
+
+
+def test_a_run_directory_its_nodes_cannot_open_fails_with_that_reason(slurm_env, tmp_path, capsys):
+    """The batch node cannot open RUN/logs/job.out (here logs/ is gone after the dry run, as a login node's local
+    disk is from a compute node): Slurm fails the job at launch (exit 0:53, JobLaunchFailure) and there is no log
+    to read, so the launch and hpc status say where runs must live instead."""
+    import shutil
+
+    from hpc.launch.slurm import launch_slurm
+
+    assert main(["launch", "-c", "dev", "-r", "tiny-agg", "--dry-run"]) == 0
+    (run,) = list_runs()
+    shutil.rmtree(run.logs)
+    capsys.readouterr()
+    assert launch_slurm(run, smoke=False) == 1
+    err = capsys.readouterr().err
+    assert "the job wrote no log" in err and "runs_dir, or HPC_RUNS_DIR" in err
+    assert f"job {run.job_id()} ended FAILED before it was ready" in err
+    assert main(["status", run.job_id()]) == 0
+    out = capsys.readouterr().out
+    assert "state: FAILED" in out and "the job wrote no log" in out
+    assert main(["logs", run.job_id()]) == 0 and "the job wrote no log" in capsys.readouterr().out

@@ -172,3 +172,22 @@ def test_launch_waits_through_pending_and_reports_a_job_that_ended_first(tmp_pat
 
     fake.queue["6"] = SQUEUE_RUNNING
     assert _wait_running(SlurmClient(fake), "6", run) is None  # RUNNING: on to readiness
+
+
+def test_a_job_that_failed_without_its_log_is_told_to_put_runs_where_the_nodes_see_them(tmp_path: Path, capsys):
+    from hpc.launch.slurm import _wait_running
+    from hpc.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    (run.path / "logs").mkdir(parents=True)  # on this machine; the batch node could not open it (exit 0:53)
+    fake = FakeSlurm()
+    fake.acct["7"] = SACCT_FAILED.replace("9", "7")
+    assert _wait_running(SlurmClient(fake), "7", run) == 1
+    err = capsys.readouterr().err
+    assert f"the job wrote no log ({run.logs / 'job.out'})" in err and "runs_dir, or HPC_RUNS_DIR" in err
+    assert "ended FAILED before it was ready" in err and "hpc logs" not in err  # no log to show
+
+    (run.logs / "job.out").write_text("hpc: job 7 on node1\n")  # it ran and failed later: its log says why
+    assert _wait_running(SlurmClient(fake), "7", run) == 1
+    err = capsys.readouterr().err
+    assert "wrote no log" not in err and "see: hpc logs 7" in err

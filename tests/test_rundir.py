@@ -1,0 +1,66 @@
+"""Where run directories go: HPC_RUNS_DIR, else the cluster profile's runs_dir, else ./runs; and where status,
+logs and cancel find them again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hpc.cli.main import main
+
+pytestmark = pytest.mark.unit
+
+EOS = Path(__file__).resolve().parents[1] / "clusters" / "eos.yaml"
+
+
+def _site(tmp_path: Path, runs_dir: str) -> Path:
+    """A working directory whose clusters/site.yaml is eos's profile with a runs_dir of its own."""
+    work = tmp_path / "work"
+    (work / "clusters").mkdir(parents=True)
+    profile = yaml.safe_load(EOS.read_text()) | {"name": "site", "runs_dir": runs_dir}
+    (work / "clusters" / "site.yaml").write_text(yaml.safe_dump(profile))
+    return work
+
+
+def test_a_profiles_runs_dir_holds_its_runs_and_status_finds_them_there(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("HPC_RUNS_DIR", raising=False)
+    (tmp_path / "lustre").mkdir()
+    shared = tmp_path / "lustre" / "runs"  # made by the launch: its parent exists
+    monkeypatch.chdir(_site(tmp_path, str(shared)))
+    assert main(["launch", "-c", "site", "-r", "deepseek-r1-disagg", "--dry-run"]) == 0
+    (run,) = shared.iterdir()
+    assert not Path("runs").exists()  # nothing under the working directory
+    script = (run / "job.sbatch").read_text()
+    assert f"--output={run}/logs/job.out" in script and f"{run}:{run}" in script  # the job's log and mount
+    capsys.readouterr()
+    assert main(["status"]) == 0 and run.name in capsys.readouterr().out
+    assert main(["logs", run.name]) == 0  # found by name, not by path
+
+    monkeypatch.setenv("HPC_RUNS_DIR", str(tmp_path / "mine"))  # the environment wins over the profile
+    assert main(["launch", "-c", "site", "-r", "deepseek-r1-disagg", "--dry-run"]) == 0
+    assert len(list((tmp_path / "mine").iterdir())) == 1 and len(list(shared.iterdir())) == 1
+
+
+@pytest.mark.parametrize("runs_dir, says", [
+    ("relative/runs", "is relative; give an absolute path"),
+    ("/lustre/a:b/runs", "contains ',' or ':'"),
+])
+def test_a_runs_dir_nodes_cannot_share_is_one_line_naming_the_profile(tmp_path, monkeypatch, capsys, runs_dir,
+                                                                       says):
+    monkeypatch.delenv("HPC_RUNS_DIR", raising=False)
+    monkeypatch.chdir(_site(tmp_path, runs_dir))
+    assert main(["validate", "-c", "site", "-r", "deepseek-r1-disagg"]) == 2
+    err = capsys.readouterr().err
+    assert "clusters/site.yaml: runs_dir:" in err and says in err and "Traceback" not in err
+
+
+def test_a_runs_dir_on_a_filesystem_not_mounted_here_is_an_error_and_nothing_is_made(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("HPC_RUNS_DIR", raising=False)
+    missing = tmp_path / "lustre" / "fsw" / "runs"  # /lustre/fsw not mounted on this login node
+    monkeypatch.chdir(_site(tmp_path, str(missing)))
+    assert main(["launch", "-c", "site", "-r", "deepseek-r1-disagg", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "clusters/site.yaml: runs_dir: runs directory" in err and "does not exist on this machine" in err
+    assert not (tmp_path / "lustre").exists() and not Path("runs").exists()
