@@ -1,5 +1,5 @@
-"""`python -m hpc.checks.jobstart MANIFEST`: the job's first step, before any service starts (in a container job,
-the preflight step does it on its first task, which saves a container start).
+"""The job's first step, run by the preflight once its checks passed (hpc.checks.preflight: on the batch node of
+a job without containers, on the first task of a container job's preflight step), before any service starts.
 
 The job records itself in job.json (its id, when it started, who submitted it), so `hpc status`, `logs` and
 `cancel` find a job that was submitted with a plain `sbatch job.sbatch` (after `hpc launch --dry-run`, or again
@@ -11,9 +11,7 @@ endpoint nobody listens on any more, or a failure that is not this job's.
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -61,15 +59,3 @@ def start_job(manifest_path: str) -> str:
     moved = start(run, job_id)
     return (f"hpc: job {job_id or '(no SLURM_JOB_ID)'} serves {run.path}"
             + (f"; an earlier job's states and endpoints moved to {moved}" if moved else ""))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpc.checks.jobstart")
-    parser.add_argument("manifest")
-    args = parser.parse_args(argv)
-    print(start_job(args.manifest), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

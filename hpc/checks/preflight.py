@@ -1,7 +1,8 @@
-"""Preflight, the job's first step: inside each node's container, check that everything the job's components
-import is there, before any server starts. One line on success, one line naming the problem and the fix on
-failure (exit 3), written to the step's log, which `hpc launch` and `hpc status` show. Its first task then
-records the job in the run directory (hpc.checks.jobstart), before any server starts.
+"""Preflight, the job's first step: inside each node's container (a job without one: on its batch node), check
+that everything the job's components import, and the model's directories, are there before any server starts.
+One line on success, one line naming the problem and the fix on failure (exit 3), written to the step's log,
+which `hpc launch` and `hpc status` show. Its first task then records the job in the run directory
+(hpc.checks.jobstart), before any server starts.
 
     python3 -m hpc.checks.preflight RUN_DIR/manifest.json
 """
@@ -14,6 +15,7 @@ import importlib.util
 import os
 import socket
 import sys
+from pathlib import Path
 
 EXIT_FAILED = 3
 
@@ -56,6 +58,29 @@ def _binaries(manifest) -> str | None:
     return None
 
 
+def model_problem(manifest: dict) -> str | None:
+    """The model's directories as this node sees them (inside its container: after the mounts). A path that is
+    not there fails here, in one line, instead of in a worker's traceback after etcd, NATS and the frontend
+    started. A hub id (no leading /, ~ or .) is the engine's to fetch, and a model the job builds is not there yet."""
+    model = manifest["recipe"]["model"]
+    wanted = [] if model.get("generate") else [(model.get(f), f"recipe model.{f}") for f in ("path", "tokenizer")]
+    for role, args in sorted((manifest.get("engine_args") or {}).items()):  # an Eagle/MTP draft model's weights
+        draft = (args or {}).get("speculative_config") or {}
+        wanted += [(draft.get(key), f"the {role} engine config's speculative_config.{key}")
+                   for key in ("speculative_model", "speculative_model_dir")]
+    fix = ("mount it (the cluster profile's container.mounts)" if manifest["cluster"].get("container")
+           else "put it on a filesystem every node mounts")
+    for value, named in wanted:
+        if not isinstance(value, str) or not value.startswith(("/", "~", ".")):
+            continue
+        path = Path(value).expanduser()
+        if not path.is_dir():
+            return f"the model directory {value} ({named}) is not there; {fix}, or fix the path"
+        if named == "recipe model.path" and not (path / "config.json").is_file():
+            return f"{value} (recipe model.path) has no config.json: give the model's Hugging Face directory"
+    return None
+
+
 def check(manifest: dict) -> tuple[bool, str]:
     """`manifest` as plain JSON: the check must not need the packages it checks for."""
     container = manifest["cluster"].get("container") or {}
@@ -77,7 +102,7 @@ def check(manifest: dict) -> tuple[bool, str]:
             return False, (f"hpc preflight on {node}: {module} is not installed in the image ({why} needs it); "
                            "use an image that has it")
         versions[module] = _version(module)
-    missing = _binaries(manifest)
+    missing = _binaries(manifest) or model_problem(manifest)
     if missing:
         return False, f"hpc preflight on {node}: {missing}"
     shown = " ".join(f"{k}={v}" for k, v in versions.items() if k in ("torch", "tensorrt_llm", "pydantic"))

@@ -171,12 +171,12 @@ def build_view(m: Manifest) -> View:
     workers = [_worker_step(m, w, logs) for w in plan.workers]
     smoke = [*py, "hpc.checks.smoke", manifest] if m.recipe.smoke.enabled else None
     ready = [*py, "hpc.checks.ready", manifest]
-    start = [*py, "hpc.checks.jobstart", manifest]
+    start = [*py, "hpc.checks.preflight", manifest]  # on the batch node; a container job runs it in srun below
     title = f"recipe {m.recipe.name} on cluster {c.name}, {plan.job_nodes} node(s), {plan.total_gpus} GPU(s)"
     view = View(title=title, sbatch_flags=flags, env=env, secrets=secrets, python_env=c.python_env,
                 slurm_conf=c.slurm_conf,
                 run_dir=run_dir, manifest=manifest, python=c.python, services=services, workers=workers,
-                ready_command=ready, smoke_command=smoke, start_command=start,
+                ready_command=ready, smoke_command=smoke, start_command=start, preflight_log=f"{logs}/preflight.log",
                 common_flags=[*container, *c.srun_args])
     if not c.container:
         return view
@@ -187,8 +187,8 @@ def build_view(m: Manifest) -> View:
             "--ntasks-per-node=1", f"--output={logs}/{name}.log"])
     every_node = list(range(plan.job_nodes))
     generated = str(Path(m.recipe.model.path).expanduser()) if m.recipe.model.generate else None
-    return replace(view, generated_model=generated, preflight=check_step("preflight", [*py, "hpc.checks.preflight", manifest], every_node),
-                   preflight_log=f"{logs}/preflight.log", ready_step=check_step("ready", ready, [0]),
+    return replace(view, generated_model=generated, preflight=check_step("preflight", start, every_node),
+                   ready_step=check_step("ready", ready, [0]),
                    smoke_step=check_step("smoke", smoke, [0]) if smoke else None)
 
 

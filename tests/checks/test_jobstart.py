@@ -8,7 +8,8 @@ import json
 import pytest
 
 from hpc import rundir
-from hpc.checks.jobstart import main, start
+from hpc.checks.jobstart import start
+from hpc.checks.preflight import main
 from hpc.cli.runtime_commands import _slurm_state
 from hpc.render.sbatch import render_sbatch
 from hpc.resolve import resolve
@@ -26,7 +27,7 @@ def run(tmp_path, monkeypatch):
 def test_a_dry_run_submitted_with_plain_sbatch_is_found_by_its_job_id(run, monkeypatch, capsys):
     assert not run.submitted() and _slurm_state(run)["state"] == "NOT SUBMITTED"
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    assert main([str(run.manifest_path)]) == 0
+    assert main([str(run.manifest_path)]) == 0  # the preflight, on the batch node of a job without containers
     assert run.job() == {"job_id": "4242", "started_at": run.job()["started_at"], "submitted_by": "sbatch"}
     assert run.submitted() and run.job_id() == "4242"
     assert find_run("4242").path == run.path  # hpc status / logs / cancel 4242

@@ -70,3 +70,45 @@ def test_the_first_task_records_the_job_once_its_checks_passed(tmp_path, monkeyp
     assert main([str(run.manifest_path)]) == 0
     assert (run.job_id() == "77") is records and run.job_path.is_file() is records
     assert ("hpc: job 77 serves" in capsys.readouterr().out) is records
+
+
+def test_the_models_directories_are_checked_where_the_job_sees_them(tmp_path):
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    model = tmp_path / "models" / "My Model $(x)"
+
+    def outcome(cluster="dev-containers", **fields):
+        m = _manifest(tmp_path, cluster, "tiny-agg")
+        if m["cluster"].get("container"):
+            m["cluster"]["container"]["python_version"] = here
+        m["recipe"]["model"].update({"generate": None, **fields})
+        return check(m)
+
+    ok, line = outcome(path=str(model))
+    assert not ok and f"the model directory {model} (recipe model.path) is not there; mount it (the cluster " \
+        "profile's container.mounts), or fix the path" in line
+    ok, line = outcome("dev", path=str(model))  # a job without a container: the node's own filesystems
+    assert not ok and "put it on a filesystem every node mounts, or fix the path" in line
+    model.mkdir(parents=True)
+    ok, line = outcome(path=str(model))
+    assert not ok and "(recipe model.path) has no config.json" in line
+    (model / "config.json").write_text("{}")
+    assert outcome(path=str(model))[0]
+    ok, line = outcome(path=str(model), tokenizer=str(tmp_path / "tok"))
+    assert not ok and "(recipe model.tokenizer) is not there" in line
+    assert outcome(path="deepseek-ai/DeepSeek-R1")[0]  # a hub id: the engine's to fetch
+    ok, _ = outcome(path=str(tmp_path / "not built yet"), generate="tiny")  # the job builds it
+    assert ok
+
+
+def test_a_draft_models_directory_is_checked_too(tmp_path):
+    m = _manifest(tmp_path, "eos", "llama4-eagle")
+    m["recipe"]["model"]["path"] = "meta-llama/Llama-4-Maverick-17B-128E-Instruct"  # a hub id: not checked
+    from hpc.checks.preflight import model_problem
+
+    assert model_problem(m) == ("the model directory /models/Llama-4-Maverick-17B-128E-Eagle3 (the agg engine "
+                                "config's speculative_config.speculative_model) is not there; mount it (the cluster "
+                                "profile's container.mounts), or fix the path")
+    draft = tmp_path / "eagle3"
+    draft.mkdir()
+    m["engine_args"]["agg"]["speculative_config"]["speculative_model"] = str(draft)
+    assert model_problem(m) is None

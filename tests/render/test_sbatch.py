@@ -169,7 +169,7 @@ def test_secrets_by_reference_never_reach_the_script(tmp_path, monkeypatch):
     subprocess.run(["bash", "-n", str(path)], check=True)
     if _shellcheck():
         subprocess.run([_shellcheck(), "-s", "bash", "-e", "SC2016", str(path)], check=True)
-    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "logs").mkdir(parents=True)  # the job's own log is there (sbatch --output)
     bin_dir = _fake_bin(tmp_path)
     (bin_dir / "srun").write_text("#!/bin/bash\n[ \"$HF_TOKEN\" = env-secret ] && [ \"$API_KEY\" = file-secret-value ]"
                                   " || { echo \"bad secrets: $HF_TOKEN/$API_KEY\" >&2; exit 9; }\n")
@@ -182,13 +182,27 @@ def test_secrets_by_reference_never_reach_the_script(tmp_path, monkeypatch):
     assert done.returncode != 0 and "set MY_HF_TOKEN in the shell that submits this job" in done.stderr
 
 
-def test_a_bare_job_records_itself_before_any_service_starts(tmp_path):
+def test_a_bare_jobs_batch_node_runs_the_preflight_which_records_the_job_before_any_service_starts(tmp_path):
     script = render_sbatch(resolve("dev", "tiny-agg").manifest(tmp_path / "run", "run", FIXED_TIME))
     path = tmp_path / "job.sbatch"
     path.write_text(script)
-    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "logs").mkdir(parents=True)
     calls = _run_script(path, tmp_path)
-    # the batch host's python runs it (no container): before the first srun
-    started = [c for c in calls if c[0] == "python3" and "hpc.checks.jobstart" in c]
+    # the batch host's python runs it (no container, no srun): before the first srun
+    started = [c for c in calls if c[0] == "python3" and "hpc.checks.preflight" in c]
     assert len(started) == 1 and started[0][-1] == str(tmp_path / "run" / "manifest.json")
-    assert script.index("hpc.checks.jobstart") < script.index("--service etcd")
+    assert script.index("hpc.checks.preflight") < script.index("--service etcd")
+    assert "srun --overlap --job-name=preflight" not in script
+
+    # a failed preflight: its last line on the job's stderr, exit 3, and no service started
+    fake_python = tmp_path / "bin" / "python3"
+    fake_python.write_text(fake_python.read_text() + "echo 'hpc preflight on node1: the model directory /m is not "
+                                                      "there'\nexit 3\n")
+    before = set((tmp_path / "calls").iterdir())
+    done = subprocess.run(["bash", str(path)], cwd=tmp_path / "work", capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+                               "SLURM_JOB_NODELIST": "x", "SLURM_JOB_ID": "1"})
+    assert done.returncode == 3 and "preflight failed, nothing was started: hpc preflight on node1: the model " \
+        "directory /m is not there" in done.stderr
+    (after,) = set((tmp_path / "calls").iterdir()) - before  # the preflight alone: no srun, no service
+    assert after.read_text().split("\0")[:2] == ["python3", "-m"] and "hpc.checks.preflight" in after.read_text()

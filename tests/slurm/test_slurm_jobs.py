@@ -129,3 +129,17 @@ def test_a_run_directory_its_nodes_cannot_open_fails_with_that_reason(slurm_env,
     out = capsys.readouterr().out
     assert "state: FAILED" in out and "the job wrote no log" in out
     assert main(["logs", run.job_id()]) == 0 and "the job wrote no log" in capsys.readouterr().out
+
+
+def test_a_model_directory_the_nodes_lack_stops_the_job_before_any_server_with_one_line(slurm_env, tmp_path,
+                                                                                        capsys):
+    missing = tmp_path / "models" / "No Such Model"
+    t0 = time.monotonic()
+    assert main(["launch", "-c", "dev", "-r", "tiny-agg", "--set", "model.generate=null",
+                 "--set", f"model.path={missing}"]) == 1
+    err = capsys.readouterr().err
+    assert f"preflight failed: hpc preflight on node1: the model directory {missing} (recipe model.path) is not " \
+           "there; put it on a filesystem every node mounts, or fix the path" in err
+    (run,) = list_runs()
+    assert sorted(p.name for p in run.logs.iterdir()) == ["job.out", "preflight.log"]  # no server started
+    assert time.monotonic() - t0 < 30
