@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from hpc.checks.model_fit import fit_problems, read_model_config
 from hpc.engine_args.flags import EngineArgFlags, apply_engine_flags
 from hpc.engine_args.precedence import (forced_values, merge_engine_args, overridden, prune_for_autodeploy,
                                         recipe_defaults)
@@ -26,6 +27,11 @@ from hpc.spec.diffusion import TORCH_PARALLEL, check_sizes, model_facts
 from hpc.spec.global_router import load_global_router, parse_global_router
 from hpc.spec.recipe import Backend, Recipe, RoleName, RoleSpec, WorkerGroup
 from hpc.manifest import Manifest
+
+
+# an engine's layout key -> the recipe role's field that sets it (the two are checked to agree)
+RECIPE_LAYOUT = {"tensor_parallel_size": "tensor_parallel_size", "pipeline_parallel_size": "pipeline_parallel_size",
+                 "moe_expert_parallel_size": "expert_parallel_size"}
 
 
 class Resolved(BaseModel):
@@ -66,6 +72,8 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
     recipe, router_errors = _load_global_router(recipe, recipe_path, rfile)
     errors += router_errors
     trtllm = recipe.backend is Backend.TRTLLM
+    # the model's shape, where this machine can read it (a login node that mounts the models' filesystem)
+    model_config = None if recipe.model.generate else read_model_config(recipe.model.path)
     engine_args: dict[str, dict[str, Any]] = {}
     config_files: dict[str, str | None] = {}
     for group in recipe.roles.groups():
@@ -97,6 +105,10 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
                      "runtime.publish_kv_events: false turns that off)" for change in overridden(unforced, forced)]
         merged = merge_engine_args(unforced, None, None, forced)
         errors += _check_role(recipe, role_name, role, field, merged, rfile, efile)
+        if model_config is not None and role_name is not RoleName.ENCODE:  # the encoder's heads are the vision's
+            errors += [UserError(f"{problem} ({recipe.model.path}/config.json)", file=rfile,
+                                 field=f"{field}.{RECIPE_LAYOUT[key]}", hint=fix)
+                       for key, problem, fix in fit_problems(model_config, merged, recipe.backend.value)]
         if trtllm and backend == "_autodeploy":
             merged = prune_for_autodeploy(merged, warn=lambda w, r=group.key: warnings.append(f"{r}: {w}"))
         engine_args[group.key] = merged

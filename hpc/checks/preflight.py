@@ -78,6 +78,25 @@ def model_problem(manifest: dict) -> str | None:
             return f"the model directory {value} ({named}) is not there; {fix}, or fix the path"
         if named == "recipe model.path" and not (path / "config.json").is_file():
             return f"{value} (recipe model.path) has no config.json: give the model's Hugging Face directory"
+    return _layout_problem(manifest)
+
+
+def _layout_problem(manifest: dict) -> str | None:
+    """A role's TP, PP or EP that the model's shape cannot take (hpc.checks.model_fit), as its engine would fail
+    on it only after loading weights. `hpc validate` checks the same where the login node sees the model."""
+    from hpc.checks.model_fit import fit_problems, read_model_config
+
+    model = manifest["recipe"]["model"]
+    config = None if model.get("generate") else read_model_config(model.get("path"))
+    if config is None:
+        return None
+    encode = manifest["recipe"]["roles"].get("encode") or {}
+    vision = {"encode"} | {pool["name"] for pool in encode.get("pools") or []}  # not the language model's heads
+    for role, args in sorted((manifest.get("engine_args") or {}).items()):
+        if role in vision:
+            continue
+        for key, problem, fix in fit_problems(config, args or {}, manifest["recipe"]["backend"]):
+            return f"{role}: {key}: {problem} ({model['path']}/config.json); {fix}"
     return None
 
 
