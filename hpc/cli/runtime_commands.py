@@ -89,6 +89,7 @@ def _slurm_state(run: RunDir) -> dict[str, Any]:
     from hpc.launch.follow import unseen_run_dir
 
     return {"state": st.state, "elapsed": st.elapsed, "nodes": st.nodes, "reason": st.reason,
+            "expected_start": st.expected_start,
             "exit_code": st.exit_code, "failed_steps": failing, "why": unseen_run_dir(run, st.state),
             "steps": [{"id": s.step_id, "name": s.name, "state": s.state, "exit_code": s.exit_code}
                       for s in st.steps]}
@@ -163,7 +164,8 @@ def collect_status(run: RunDir) -> dict[str, Any]:
 def _print_status(data: dict[str, Any]) -> None:
     sch = data["scheduler"]
     print(f"run {data['run']}  recipe {data['recipe']}  cluster {data['cluster']}  job {data['job_id']}")
-    extra = "  ".join(f"{k} {v}" for k, v in sch.items() if k in ("elapsed", "nodes", "reason", "processes") and v)
+    shown = ("elapsed", "nodes", "reason", "expected_start", "processes")
+    extra = "  ".join(f"{k.replace('_', ' ')} {v}" for k, v in sch.items() if k in shown and v)
     print(f"state: {sch['state']}  {extra}")
     for step in sch.get("failed_steps") or []:
         print(f"failed step: {step}")

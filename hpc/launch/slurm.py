@@ -61,9 +61,12 @@ class _JobStart:
         if self.throttle.due():
             self.status = self.client.status(self.job_id)
         st = self.status
-        if st is not None and st.state != self.printed:
-            print(f"  slurm: {st.state}{' (' + st.reason + ')' if st.reason else ''}", flush=True)
-            self.printed = st.state
+        # a new state or reason, or the first expected start the scheduler gives a queued job
+        seen = None if st is None else (st.state, st.reason, bool(st.expected_start))
+        if st is not None and seen != self.printed:
+            print(f"  slurm: {st.state}{' (' + st.reason + ')' if st.reason else ''}"
+                  f"{', expected to start ' + st.expected_start if st.expected_start else ''}", flush=True)
+            self.printed = seen
         if st is not None and st.finished:
             return "ended"
         if read_json(self.run.state / "ready.json") is not None or (st is not None and st.state == "RUNNING"):

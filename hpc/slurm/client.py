@@ -47,7 +47,7 @@ class SlurmClient:
             if live is not None and not live.finished:
                 steps = record.steps if record else []
                 states[job_id] = JobState(job_id=job_id, state=live.state, elapsed=live.elapsed, nodes=live.nodes,
-                                          reason=live.reason, steps=steps)
+                                          reason=live.reason, expected_start=live.expected_start, steps=steps)
             else:
                 states[job_id] = record or live
         return states

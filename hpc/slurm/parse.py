@@ -9,7 +9,7 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
             "BOOT_FAIL", "DEADLINE", "REVOKED"}
 
 # squeue/sacct format strings the parsers below expect.
-SQUEUE_FORMAT = "%i|%T|%M|%D|%N|%R"
+SQUEUE_FORMAT = "%i|%T|%M|%D|%N|%R|%S"  # %S: a pending job's expected start (backfill)
 SACCT_FIELDS = "JobID,JobName,State,ExitCode,Elapsed,NodeList"
 
 
@@ -34,6 +34,7 @@ class JobState:
     elapsed: str = ""
     nodes: str = ""
     reason: str = ""
+    expected_start: str = ""  # a pending job's, once the scheduler has one (squeue's %S)
     exit_code: int = 0
     steps: list[StepState] = field(default_factory=list)
 
@@ -57,8 +58,11 @@ def parse_squeue(stdout: str, job_id: str) -> JobState | None:
         parts = line.strip().split("|")
         if len(parts) < 6 or parts[0] != job_id:
             continue
+        pending = parts[1] == "PENDING"
+        start = parts[6].strip() if pending and len(parts) > 6 else ""
         return JobState(job_id=job_id, state=parts[1].split()[0], elapsed=parts[2], nodes=parts[4],
-                        reason=parts[5].strip("()") if parts[1] == "PENDING" else "")
+                        reason=parts[5].strip("()") if pending else "",
+                        expected_start="" if start in ("N/A", "Unknown", "None") else start)
     return None
 
 

@@ -23,8 +23,9 @@ SACCT_FAILED = """9|hpc-tiny-disagg|FAILED|3:0|00:00:01|node[1-3]
 9.4|decode-0|FAILED|3:0|00:00:00|node3
 9.3|prefill-0|COMPLETED|0:0|00:00:00|node2
 """
-SQUEUE_RUNNING = "6|RUNNING|0:05|3|node[1-3]|node[1-3]\n"
-SQUEUE_PENDING = "7|PENDING|0:00|3||(Resources)\n"
+SQUEUE_RUNNING = "6|RUNNING|0:05|3|node[1-3]|node[1-3]|2026-11-29T04:39:05\n"
+SQUEUE_PENDING = "7|PENDING|0:00|3||(Resources)|N/A\n"  # the backfill scheduler has no start time for it yet
+SQUEUE_PENDING_PLANNED = "7|PENDING|0:00|3||(Resources)|2026-11-29T04:41:05\n"
 
 
 class FakeSlurm:
@@ -65,7 +66,10 @@ def test_parsers():
     with pytest.raises(ParseError):
         parse_sbatch("sbatch: error: invalid partition")
     st = parse_squeue(SQUEUE_PENDING, "7")
-    assert st.state == "PENDING" and st.reason == "Resources" and not st.finished
+    assert st.state == "PENDING" and st.reason == "Resources" and not st.finished and st.expected_start == ""
+    assert parse_squeue(SQUEUE_PENDING_PLANNED, "7").expected_start == "2026-11-29T04:41:05"
+    assert parse_squeue(SQUEUE_RUNNING, "6").expected_start == ""  # a running job's %S is when it started
+    assert parse_squeue("7|PENDING|0:00|3||(Priority)\n", "7").reason == "Priority"  # an older format: no %S
     st = parse_sacct(SACCT_FAILED, "9")
     assert st.state == "FAILED" and st.exit_code == 3 and st.finished
     assert [(s.name, s.exit_code) for s in st.steps if s.state == "FAILED"] == [("batch", 3), ("decode-0", 3)]
@@ -160,6 +164,8 @@ def test_launch_waits_through_pending_and_reports_a_job_that_ended_first(tmp_pat
 
     def status_run(argv, cwd=None, timeout=60.0):
         asked.append(argv[0])
+        if len(asked) == 2:  # the scheduler plans its start
+            fake.queue["7"] = SQUEUE_PENDING_PLANNED
         if len(asked) == 4:  # PENDING for a while, then the job fails before it was ever ready
             fake.queue.pop("7", None)
             fake.acct["7"] = SACCT_FAILED.replace("9", "7")
@@ -167,7 +173,9 @@ def test_launch_waits_through_pending_and_reports_a_job_that_ended_first(tmp_pat
     fake.run = status_run
     assert _wait_running(SlurmClient(fake), "7", run) == 1
     out, err = capsys.readouterr()
-    assert "slurm: PENDING (Resources)" in out and "slurm: FAILED" in out
+    assert out.splitlines() == ["  slurm: PENDING (Resources)",
+                                "  slurm: PENDING (Resources), expected to start 2026-11-29T04:41:05",
+                                "  slurm: FAILED"]
     assert "preflight failed: module msgspec: missing" in err and "job 7 ended FAILED before it was ready" in err
 
     fake.queue["6"] = SQUEUE_RUNNING
