@@ -154,9 +154,16 @@ def collect_status(run: RunDir) -> dict[str, Any]:
                              "state": "ok" if n >= spec.total_count else ("degraded" if n else "down")}
     smoke = read_json(run.path / "smoke.json")
     ready = read_json(run.state / "ready.json")
+    from hpc.checks.ready import log_tail
+
+    # what a component that failed for good said last (a restarting one is coming back)
+    gone = sorted({name.split(".rank")[0] for name, st in states.items()  # a worker's ranks share one log
+                   if st.get("phase") == "failed" and not st.get("restarting")})
+    failed = {name: log_tail(m, name, lines=8) for name in gone}
     return {"run": run.path.name, "run_dir": str(run.path), "recipe": m.recipe.name, "cluster": m.cluster.name,
             "job_id": run.job_id(), "scheduler": _slurm_state(run), "endpoint": endpoint,
             "ready": ready, "roles": roles, "components": components, "router": frontend_view.get("router"),
+            "failed_logs": failed,
             "smoke": None if smoke is None else {"passed": smoke["passed"],
                                                  "failed": [c["name"] for c in smoke["checks"] if not c["ok"]]}}
 
@@ -192,6 +199,9 @@ def _print_status(data: dict[str, Any]) -> None:
     rows = [[c["component"], c["node"], c.get("gpus", "-"), c["phase"], c["health"], c.get("restarts", "")]
             for c in data["components"]]
     print(table(["COMPONENT", "NODE", "GPUS", "PHASE", "HEALTH", "RESTARTS"], rows))
+    for name, tail in data["failed_logs"].items():
+        print(f"{name} failed; the last lines of its log (hpc logs {data['job_id'] or data['run']} "
+              f"--component {name}):\n{tail}")
     smoke = data["smoke"]
     print("smoke: " + ("not run" if smoke is None else "PASSED" if smoke["passed"]
                        else f"FAILED ({', '.join(smoke['failed'])})"))

@@ -160,3 +160,21 @@ def test_a_local_runs_status_names_this_host_and_stops_its_clock_when_cancelled(
                                  "nodes": socket.gethostname()}
     run.update_run_info(cancelled_at=None)  # stopped some other way: how long it ran is not known
     assert _slurm_state(run)["elapsed"] == "-"
+
+
+def test_status_shows_what_a_component_that_failed_for_good_said_last(tmp_path, monkeypatch, capsys):
+    from hpc import rundir
+    from hpc.render.sbatch import render_sbatch
+    from hpc.resolve import resolve
+
+    monkeypatch.setenv("HPC_RUNS_DIR", str(tmp_path))
+    run = rundir.create(resolve("dev", "tiny-disagg"), render_sbatch, root=tmp_path)
+    run.update_run_info(submitted=True, scheduler="local", submitted_at=1.0, cancelled_at=2.0)
+    rundir.write_json(run.state / "decode-0.json", {"phase": "failed"})
+    rundir.write_json(run.state / "prefill-0.json", {"phase": "failed", "restarting": True})  # coming back
+    (run.logs / "decode-0.log").write_text("".join(f"line {i}\n" for i in range(20)) + "CUDA out of memory\n")
+    assert main(["status", str(run.path)]) == 0
+    out = capsys.readouterr().out
+    assert f"decode-0 failed; the last lines of its log (hpc logs {run.path.name} --component decode-0):" in out
+    assert "    CUDA out of memory" in out and "    line 13" in out and "line 12" not in out
+    assert "prefill-0 failed" not in out
