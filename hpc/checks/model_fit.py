@@ -32,6 +32,11 @@ def read_model_config(path: str | None) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def language_model(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's part of a config: LLaVA, Gemma 3 and Llama 4 nest it under text_config."""
+    return config["text_config"] if isinstance(config.get("text_config"), dict) else config
+
+
 def _count(shape: dict[str, Any], *keys: str) -> int | None:
     for key in keys:
         value = shape.get(key)
@@ -42,8 +47,7 @@ def _count(shape: dict[str, Any], *keys: str) -> int | None:
 
 def fit_problems(config: dict[str, Any], args: dict[str, Any], backend: str) -> list[tuple[str, str, str]]:
     """(engine key, problem, fix) for each part of `args`' layout the model cannot take."""
-    # the language model's shape: LLaVA, Gemma 3 and Llama 4 nest it under text_config
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text = language_model(config)
     heads = _count(text, "num_attention_heads")
     kv_heads = _count(text, "num_key_value_heads")
     layers = _count(text, "num_hidden_layers")

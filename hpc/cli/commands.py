@@ -47,7 +47,27 @@ def _title(r: Resolved) -> str:
 def validate(args: argparse.Namespace) -> int:
     r = _resolve(args)
     print(f"ok: {_title(r)}")
+    line = _model_line(r)
+    if line:
+        print(line)
     return 0
+
+
+def _model_line(r: Resolved) -> str | None:
+    """Whether the layouts were checked against the model's shape here, or are left to the job's preflight."""
+    from hpc.checks.model_fit import language_model, read_model_config
+
+    path = r.recipe.model.path
+    if r.recipe.model.generate or not path.startswith(("/", "~", ".")):
+        return None  # built by the job, or a hub id the engine fetches
+    config = read_model_config(path)
+    if config is None:
+        return f"model: {path}/config.json is not readable here; the job's preflight checks it on the nodes"
+    text = language_model(config)
+    shape = ", ".join(f"{text[key]} {what}" for key, what in (
+        ("num_attention_heads", "attention heads"), ("num_key_value_heads", "KV heads"),
+        ("num_hidden_layers", "layers")) if isinstance(text.get(key), int))
+    return f"model: each role's TP/PP/EP fits {path} ({shape or 'no shape in its config.json'})"
 
 
 def show_plan(args: argparse.Namespace) -> int:

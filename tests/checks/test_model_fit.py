@@ -55,7 +55,11 @@ def test_validate_refuses_a_tp_the_models_heads_cannot_split_naming_the_recipe_f
     (model / "config.json").write_text(json.dumps(LLAMA_8B))
     sets = ["--set", f"model.path={model}", "--set", "model.generate=null"]
     assert main(["validate", "-c", "generic-h100", "-r", "llama8b-agg", *sets]) == 0
-    capsys.readouterr()
+    assert capsys.readouterr().out.splitlines()[1] == \
+        f"model: each role's TP/PP/EP fits {model} (32 attention heads, 8 KV heads, 32 layers)"
+    assert main(["validate", "-c", "eos", "-r", "deepseek-r1-disagg"]) == 0  # /models is not mounted here
+    assert capsys.readouterr().out.splitlines()[1] == \
+        "model: /models/DeepSeek-R1/config.json is not readable here; the job's preflight checks it on the nodes"
     assert main(["validate", "-c", "generic-h100", "-r", "llama8b-agg", *sets,
                  "--set", "roles.agg.tensor_parallel_size=3"]) == 2
     err = capsys.readouterr().err
