@@ -261,25 +261,39 @@ def logs(args: argparse.Namespace) -> int:
     if name in ("agg", "prefill", "decode", "encode"):
         name = f"{name}-{args.index}"
     path = run.logs / ("job.out" if name == "job" else f"{name}.log")
-    if not path.is_file():
+    plan = run.manifest().plan
+    known = {s.name for s in plan.services} | {w.name for w in plan.workers} | {"job", "preflight", "ready", "smoke"}
+    if not path.is_file() and (name not in known or not args.follow):
         have = ", ".join(sorted(p.stem for p in run.logs.glob("*.log"))) or "none yet"
-        raise UserError(f"no log for component '{name}' in {run.path.name}", hint=f"logs: {have}")
-    lines = path.read_text(errors="replace").splitlines()
-    print("\n".join(lines[-args.lines:]))
-    if args.follow:
-        with path.open(errors="replace") as handle:
-            handle.seek(0, 2)
-            try:
-                while True:
-                    line = handle.readline()
-                    if line:
-                        sys.stdout.write(line)
-                        sys.stdout.flush()
-                    else:
-                        time.sleep(0.2)
-            except KeyboardInterrupt:
-                return 0
+        what = "no log yet for" if name in known else "no component"
+        raise UserError(f"{what} '{name}' in {run.path.name}", hint=f"logs: {have}")
+    try:
+        if not path.is_file():  # a component of this run whose step has not started: -f waits for it
+            print(f"waiting for {name}'s log ({path}); Ctrl-C stops", file=sys.stderr, flush=True)
+            while not path.is_file():
+                time.sleep(0.2)
+        lines = path.read_text(errors="replace").splitlines()
+        print("\n".join(lines[-args.lines:]))
+        if args.follow:
+            _follow(path)
+    except KeyboardInterrupt:
+        return 0
     return 0
+
+
+def _follow(path: Path) -> None:
+    """tail -F: new lines as they come; a step that starts again rewrites its log from the top."""
+    with path.open(errors="replace") as handle:
+        handle.seek(0, 2)
+        while True:
+            line = handle.readline()
+            if line:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            elif path.stat().st_size < handle.tell():  # truncated by the step's restart: read it anew
+                handle.seek(0)
+            else:
+                time.sleep(0.2)
 
 
 def cancel(args: argparse.Namespace) -> int:

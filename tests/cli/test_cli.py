@@ -178,3 +178,35 @@ def test_status_shows_what_a_component_that_failed_for_good_said_last(tmp_path, 
     assert f"decode-0 failed; the last lines of its log (hpc logs {run.path.name} --component decode-0):" in out
     assert "    CUDA out of memory" in out and "    line 13" in out and "line 12" not in out
     assert "prefill-0 failed" not in out
+
+
+def test_logs_knows_the_runs_components_and_follows_a_log_its_step_rewrites(tmp_path, monkeypatch, capsys):
+    import threading
+    import time
+
+    from hpc import rundir
+    from hpc.cli.runtime_commands import _follow
+    from hpc.render.sbatch import render_sbatch
+    from hpc.resolve import resolve
+
+    monkeypatch.setenv("HPC_RUNS_DIR", str(tmp_path))
+    run = rundir.create(resolve("dev", "tiny-disagg"), render_sbatch, root=tmp_path)
+    assert main(["logs", str(run.path), "--component", "decode-7"]) == 2
+    assert "no component 'decode-7'" in capsys.readouterr().err  # a typo is not waited for, even with -f
+    assert main(["logs", str(run.path), "--component", "decode"]) == 2
+    assert "no log yet for 'decode-0'" in capsys.readouterr().err
+
+    log = run.logs / "decode-0.log"
+    log.write_text("attempt 0: loading\n")
+    threading.Thread(target=_follow, args=(log,), daemon=True).start()
+    time.sleep(0.3)
+    with log.open("a") as f:
+        f.write("attempt 0: failed\n")
+    time.sleep(0.5)
+    log.write_text("attempt 1\n")  # the restarted step's srun truncates its log
+    deadline = time.monotonic() + 5
+    seen = ""
+    while "attempt 1" not in seen and time.monotonic() < deadline:
+        time.sleep(0.2)
+        seen += capsys.readouterr().out
+    assert seen.splitlines() == ["attempt 0: failed", "attempt 1"]
