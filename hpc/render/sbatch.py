@@ -59,6 +59,7 @@ class Step:
     # cannot rejoin its TP group, so the step is restarted as a unit by the script.
     unit_restarts: int = 0
     unit_continue: bool = False
+    log: str = ""  # its --output: a restarted unit's attempts append to it, so the failed one's lines stay
 
 
 @dataclass(frozen=True)
@@ -232,12 +233,15 @@ def _worker_step(m: Manifest, w: WorkerPlan, logs: str) -> Step:
     ranks = ", ".join(f"r{r.rank}:n{r.node}/gpu{r.gpu}" for r in w.ranks[:8]) + (" ..." if w.tasks > 8 else "")
     policy = m.recipe.roles.spec(w.group).failure
     as_unit = w.tasks > 1
+    restarts = policy.max_restarts if as_unit and policy.on_failure.value == "restart" else 0
+    if restarts:  # srun truncates its --output by default: a restart would erase why the last attempt failed
+        flags.append("--open-mode=append")
     return Step(
         name=w.name, comment=f"{w.name}: TPxPP={w.tasks} on nodes {w.nodes} ({ranks})",
         srun_flags=flags, nodelist=_nodelist(w.nodes),
         command=worker_argv(m, w, c.python),
-        unit_restarts=policy.max_restarts if as_unit and policy.on_failure.value == "restart" else 0,
-        unit_continue=as_unit and policy.on_failure.value == "continue")
+        unit_restarts=restarts, unit_continue=as_unit and policy.on_failure.value == "continue",
+        log=f"{logs}/{w.name}.log")
 
 
 def render_sbatch(m: Manifest, root: Path | None = None) -> str:

@@ -206,3 +206,33 @@ def test_a_bare_jobs_batch_node_runs_the_preflight_which_records_the_job_before_
         "directory /m is not there" in done.stderr
     (after,) = set((tmp_path / "calls").iterdir()) - before  # the preflight alone: no srun, no service
     assert after.read_text().split("\0")[:2] == ["python3", "-m"] and "hpc.checks.preflight" in after.read_text()
+
+
+def test_a_restarted_units_log_keeps_every_attempt_of_this_job(tmp_path):
+    """srun truncates its --output unless told to append: without --open-mode=append the restart would erase
+    why the first attempt failed. The job starts the log empty, then each attempt appends."""
+    recipe = ["roles.agg.tensor_parallel_size=2", "roles.agg.failure.on_failure=restart",
+              "roles.agg.failure.max_restarts=2"]
+    script = render_sbatch(resolve("dev", "tiny-agg", recipe).manifest(tmp_path / "run", "run", FIXED_TIME))
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "agg-0.log").write_text("an earlier job's lines\n")
+    bin_dir = _fake_bin(tmp_path)
+    # the worker's srun writes its --output as srun would (append or truncate) and fails its first attempt
+    (bin_dir / "srun").write_text(r'''#!/bin/bash
+out=""; mode=truncate
+for a in "$@"; do case "$a" in --output=*) out="${a#--output=}";; --open-mode=*) mode="${a#--open-mode=}";; esac; done
+case " $* " in *" --job-name=agg-0 "*) ;; *) exit 0;; esac
+line="attempt ${*: -1}: $([ -e "$0.failed" ] && echo serving || echo 'rank 1: CUDA error')"
+if [ "$mode" = append ]; then echo "$line" >> "$out"; else echo "$line" > "$out"; fi
+[ -e "$0.failed" ] || { touch "$0.failed"; exit 1; }
+''')
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "x", "SLURM_JOB_ID": "1"}
+    done = subprocess.run(["bash", str(path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "agg-0 ended with status 1; restarting all its ranks (1 of 2)" in done.stderr
+    assert (logs / "agg-0.log").read_text() == "attempt 0: rank 1: CUDA error\nattempt 1: serving\n"
+    single = render_sbatch(resolve("dev", "tiny-agg").manifest(tmp_path / "r2", "r2", FIXED_TIME))
+    assert "--open-mode" not in single  # one process restarts itself inside its step; the log stays open
