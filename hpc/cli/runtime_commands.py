@@ -95,6 +95,27 @@ def _slurm_state(run: RunDir) -> dict[str, Any]:
                       for s in st.steps]}
 
 
+def _listed_states(runs: list[RunDir]) -> dict[Path, str]:
+    """The list's STATE column: every Slurm job of a cluster in one squeue and one sacct (sacct alone can take
+    a second on a busy cluster: twenty runs asked one by one took twenty), local runs from their processes."""
+    from hpc.launch.slurm import runner_for_conf
+    from hpc.slurm.client import SlurmClient
+
+    states: dict[Path, str] = {}
+    by_cluster: dict[str | None, list[RunDir]] = {}
+    for run in runs:
+        if run.submitted() and run.run_info().get("scheduler") != "local":
+            by_cluster.setdefault(run.manifest().cluster.slurm_conf, []).append(run)
+        else:
+            states[run.path] = _slurm_state(run)["state"]
+    for slurm_conf, queued in by_cluster.items():
+        found = SlurmClient(runner_for_conf(slurm_conf)).statuses([str(run.job_id()) for run in queued])
+        for run in queued:
+            st = found.get(str(run.job_id()))
+            states[run.path] = st.state if st is not None else "UNKNOWN"
+    return states
+
+
 def _health(url: str | None) -> str:
     """A worker's /health in words: its status, and for a decode worker how its KV arrived (which transport)."""
     if not url:
@@ -222,12 +243,13 @@ def _readiness(ready: dict[str, Any]) -> str:
 def status(args: argparse.Namespace) -> int:
     if args.run is None:
         runs = list_runs()[:20]
+        states = _listed_states(runs)
         rows = []
         for run in runs:
             info = run.run_info()
             smoke = read_json(run.path / "smoke.json")
             rows.append([run.path.name, info.get("cluster", "?"), run.job_id() or "-",
-                         _slurm_state(run)["state"], "-" if smoke is None else ("pass" if smoke["passed"] else "FAIL")])
+                         states[run.path], "-" if smoke is None else ("pass" if smoke["passed"] else "FAIL")])
         print(table(["RUN", "CLUSTER", "JOB", "STATE", "SMOKE"], rows) if rows else "no runs yet")
         return 0
     run = find_run(args.run)

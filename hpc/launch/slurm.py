@@ -13,8 +13,12 @@ from hpc.waiting import SLURM, Backoff, Throttle, wait_until
 
 
 def runner_for(run: RunDir) -> Runner:
-    conf = run.manifest().cluster.slurm_conf
-    return LocalRunner({"SLURM_CONF": conf} if conf else None)
+    return runner_for_conf(run.manifest().cluster.slurm_conf)
+
+
+def runner_for_conf(slurm_conf: str | None) -> Runner:
+    """Slurm's commands as this machine runs them, for the cluster whose profile names this SLURM_CONF."""
+    return LocalRunner({"SLURM_CONF": slurm_conf} if slurm_conf else None)
 
 
 def launch_slurm(run: RunDir, wait: bool = True, smoke: bool = True, runner: Runner | None = None) -> int:

@@ -210,3 +210,30 @@ def test_logs_knows_the_runs_components_and_follows_a_log_its_step_rewrites(tmp_
         time.sleep(0.2)
         seen += capsys.readouterr().out
     assert seen.splitlines() == ["attempt 0: failed", "attempt 1"]
+
+
+def test_the_run_list_asks_slurm_once_for_all_of_a_clusters_jobs(tmp_path, monkeypatch, capsys):
+    import datetime as dt
+
+    from hpc import rundir
+    from hpc.launch import slurm
+    from hpc.render.sbatch import render_sbatch
+    from hpc.resolve import resolve
+    from tests.slurm_unit.test_slurm_client import SACCT_FAILED, SQUEUE_PENDING, SQUEUE_RUNNING, FakeSlurm
+
+    monkeypatch.setenv("HPC_RUNS_DIR", str(tmp_path))
+    fake = FakeSlurm()
+    fake.queue.update({"6": SQUEUE_RUNNING, "7": SQUEUE_PENDING})
+    fake.acct["9"] = SACCT_FAILED
+    confs = []
+    monkeypatch.setattr(slurm, "runner_for_conf", lambda conf: confs.append(conf) or fake)
+    for minute, job in enumerate(["6", "7", "9", None]):
+        run = rundir.create(resolve("dev", "tiny-agg"), render_sbatch, root=tmp_path,
+                            now=dt.datetime(2026, 1, 1, 0, minute))
+        if job:
+            run.update_run_info(submitted=True, scheduler="slurm", job_id=job)
+    assert main(["status"]) == 0
+    assert [call[0] for call in fake.calls] == ["squeue", "sacct"] and confs == ["/tmp/hpc-devcluster/etc/slurm.conf"]
+    assert fake.calls[0][fake.calls[0].index("-j") + 1].split(",") == ["9", "7", "6"]  # newest run first
+    states = {line.split()[2]: line.split()[3] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert states == {"6": "RUNNING", "7": "PENDING", "9": "FAILED", "-": "NOT"}  # NOT SUBMITTED
