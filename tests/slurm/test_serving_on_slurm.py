@@ -221,6 +221,8 @@ def test_a_tp2_worker_restarts_as_a_unit(slurm_env, tmp_path):
         time.sleep(0.2)
     assert _complete(url, "hpc/tiny", "after the restart", 8)
     assert "restarting all its ranks (1 of 2)" in (run.logs / "job.out").read_text()
+    log = (run.logs / "agg-0.log").read_text()  # both attempts' lines: the failed one's are why it restarted
+    assert log.count("TP rank 0 of 2") == 2  # rank 0 started twice, and its first start is still there
     _cancel_and_check_clean(run)
 
 
