@@ -38,13 +38,14 @@ def search_roots() -> list[Path]:
     ./runs and every cluster profile's runs_dir."""
     if "HPC_RUNS_DIR" in os.environ:
         return [runs_root()]
+    from hpc.spec.base import load_yaml
     from hpc.spec.catalog import available, find
 
     roots = [runs_root()]
     for name in available("clusters"):
         try:  # only this key: a profile with an error elsewhere must not hide its runs
-            value = (yaml.safe_load(find("clusters", name).read_text()) or {}).get("runs_dir")
-        except (OSError, UserError, yaml.YAMLError, AttributeError):
+            value = load_yaml(find("clusters", name)).get("runs_dir")
+        except (OSError, UserError, AttributeError):
             continue
         if isinstance(value, str) and Path(value).expanduser() not in roots:
             roots.append(Path(value).expanduser())
