@@ -76,8 +76,9 @@ def model_problem(manifest: dict) -> str | None:
         path = Path(value).expanduser()
         if not path.is_dir():
             return f"the model directory {value} ({named}) is not there; {fix}, or fix the path"
-        if named == "recipe model.path" and not (path / "config.json").is_file():
-            return f"{value} (recipe model.path) has no config.json: give the model's Hugging Face directory"
+        marker = "model_index.json" if manifest["recipe"].get("modality") == "video_diffusion" else "config.json"
+        if named == "recipe model.path" and not (path / marker).is_file():  # a diffusers pipeline has no config
+            return f"{value} (recipe model.path) has no {marker}: give the model's Hugging Face directory"
     return _layout_problem(manifest)
 
 

@@ -58,8 +58,8 @@ def _model_line(r: Resolved) -> str | None:
     from hpc.checks.model_fit import language_model, read_model_config
 
     path = r.recipe.model.path
-    if r.recipe.model.generate or not path.startswith(("/", "~", ".")):
-        return None  # built by the job, or a hub id the engine fetches
+    if r.recipe.model.generate or not path.startswith(("/", "~", ".")) or r.recipe.modality == "video_diffusion":
+        return None  # built by the job, a hub id the engine fetches, or a diffusion pipeline (no LLM layout)
     config = read_model_config(path)
     if config is None:
         return f"model: {path}/config.json is not readable here; the job's preflight checks it on the nodes"

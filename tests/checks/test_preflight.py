@@ -112,3 +112,15 @@ def test_a_draft_models_directory_is_checked_too(tmp_path):
     draft.mkdir()
     m["engine_args"]["agg"]["speculative_config"]["speculative_model"] = str(draft)
     assert model_problem(m) is None
+
+
+def test_a_diffusion_pipelines_directory_is_known_by_its_model_index(tmp_path):
+    from hpc.checks.preflight import model_problem
+
+    m = _manifest(tmp_path, "eos", "wan2.1-t2v-eos")
+    pipeline = tmp_path / "Wan2.1-T2V"
+    pipeline.mkdir()
+    m["recipe"]["model"]["path"] = str(pipeline)
+    assert "has no model_index.json" in model_problem(m)
+    (pipeline / "model_index.json").write_text("{}")  # diffusers' layout: no config.json at the top
+    assert model_problem(m) is None
