@@ -45,12 +45,40 @@ def _title(r: Resolved) -> str:
 
 
 def validate(args: argparse.Namespace) -> int:
+    if args.all or args.recipe is None:
+        return _validate_all(args)
     r = _resolve(args)
     print(f"ok: {_title(r)}")
     line = _model_line(r)
     if line:
         print(line)
     return 0
+
+
+def _validate_all(args: argparse.Namespace) -> int:
+    """Every recipe against one cluster: a line each, the first problem of those that fail."""
+    if not args.all:
+        raise UserError("name a recipe (--recipe NAME) or check them all (--all)", field="--recipe",
+                        hint="hpc recipes lists them")
+    if args.recipe or args.overrides or args.extra_engine_args or args.override_engine_args:
+        raise UserError("--all checks the recipes as they are", field="--all",
+                        hint="drop --recipe, --set and the engine-args flags, or leave --all out")
+    from hpc.spec.catalog import load_cluster
+
+    load_cluster(args.cluster)  # a wrong profile is one line, not one per recipe
+    rows, failed = [], 0
+    for name in available("recipes"):
+        try:
+            r = resolve(args.cluster, name, adjust_cluster=lambda c: _this_machine(c, False))
+        except UserError as exc:
+            failed += 1
+            rows.append([name, "FAIL", (exc.errors[0] if hasattr(exc, "errors") else exc).render()])
+        else:
+            rows.append([name, "ok", f"{r.plan.job_nodes} node(s), {r.plan.total_gpus} GPU(s), "
+                                     f"{len(r.plan.workers)} worker(s)"])
+    print(table(["RECIPE", "", "DETAIL"], rows, width=terminal_width()))
+    print(f"{len(rows) - failed} of {len(rows)} recipes validate on {args.cluster}")
+    return 2 if failed else 0
 
 
 def _model_line(r: Resolved) -> str | None:

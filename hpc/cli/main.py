@@ -22,10 +22,13 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(message, hint=hint)
 
 
-def _add_target(p: argparse.ArgumentParser, default_cluster: str | None = "local") -> None:
+def _add_target(p: argparse.ArgumentParser, default_cluster: str | None = "local", all_recipes: bool = False) -> None:
     p.add_argument("--cluster", "-c", default=default_cluster,
                    help="cluster profile name from clusters/ or a YAML path (default: %(default)s)")
-    p.add_argument("--recipe", "-r", required=True, help="recipe name from recipes/ or a YAML path")
+    p.add_argument("--recipe", "-r", required=not all_recipes, help="recipe name from recipes/ or a YAML path")
+    if all_recipes:
+        p.add_argument("--all", action="store_true", help="every recipe in recipes/, one line each (exit 2 if any "
+                                                          "fails): a check for a repository of recipes")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                    help="override any recipe field, e.g. --set roles.decode.count=2 (repeatable)")
     p.add_argument("--extra-engine-args", action="append", default=[], metavar="[ROLE=]PATH",
@@ -43,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("validate", help="check a recipe against a cluster; nothing is written")
-    _add_target(p)
+    _add_target(p, all_recipes=True)
     p.set_defaults(func=commands.validate)
 
     p = sub.add_parser("plan", help="show which node runs what")

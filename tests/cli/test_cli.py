@@ -237,3 +237,21 @@ def test_the_run_list_asks_slurm_once_for_all_of_a_clusters_jobs(tmp_path, monke
     assert fake.calls[0][fake.calls[0].index("-j") + 1].split(",") == ["9", "7", "6"]  # newest run first
     states = {line.split()[2]: line.split()[3] for line in capsys.readouterr().out.splitlines()[1:]}
     assert states == {"6": "RUNNING", "7": "PENDING", "9": "FAILED", "-": "NOT"}  # NOT SUBMITTED
+
+
+def test_validate_all_checks_every_recipe_against_one_cluster(capsys):
+    from hpc.spec.catalog import available
+
+    assert main(["validate", "-c", "eos", "--all"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == f"{len(available('recipes'))} of {len(available('recipes'))} recipes validate on eos"
+    assert main(["validate", "-c", "dev", "--all"]) == 2  # three 2-GPU nodes: the big recipes do not fit
+    rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[1:-1]}
+    assert rows["tiny-disagg"] == "ok" and rows["deepseek-r1-wide-ep"] == "FAIL"
+    assert main(["validate", "-c", "eos"]) == 2
+    assert "name a recipe (--recipe NAME) or check them all (--all)" in capsys.readouterr().err
+    assert main(["validate", "-c", "eos", "--all", "--set", "roles.agg.count=2"]) == 2
+    assert "--all checks the recipes as they are" in capsys.readouterr().err
+    assert main(["validate", "-c", "nope", "--all"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "unknown cluster" in err
