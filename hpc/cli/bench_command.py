@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -57,6 +59,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--frames", type=int, help="video runs: frames per video (default: the recipe's)")
     p.add_argument("--steps", type=int, help="video runs: denoising steps (default: the recipe's)")
     p.add_argument("--out", type=Path, help="output directory (default: RUN/bench/<time> or ./bench/<time>)")
+    p.add_argument("--in-job", action="store_true",
+                   help="run the load generator as a one-node job on the run's cluster (submitit) and relay its "
+                        "output: a busy login node skews latencies, and may not reach the compute nodes at all")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), type=Path,
                    help="plot two results.json (or their directories) against each other")
     p.set_defaults(func=bench)
@@ -100,6 +105,13 @@ def bench(args: argparse.Namespace) -> int:
         if not ep:
             raise UserError(f"run {run.path.name} has no frontend endpoint yet", hint=f"hpc status {run.path.name}")
         url, model = ep["url"], args.model or m.recipe.model.served_name
+    if args.in_job:
+        if run is None:
+            raise UserError("--in-job runs on a run's cluster; --url names no cluster", field="--in-job",
+                            hint="bench a run (hpc bench RUN --in-job), or leave --in-job out")
+        from hpc.bench.in_job import bench_in_job
+
+        return bench_in_job(args, run)
     if run is not None and run.manifest().recipe.modality == "video_diffusion":
         return _bench_videos(args, run, url, model, stamp)
     concurrency = args.concurrency or (spec.concurrency if spec else [1, 4, 16])
@@ -139,7 +151,7 @@ def bench(args: argparse.Namespace) -> int:
         engines = EngineCounters(urls) if urls else None
     finished: list[dict] = []
     results = {"target": url, "model": model, "streaming": streaming, "started": stamp, "seed": args.seed,
-               "levels": finished}
+               "client": {"host": socket.gethostname(), "pid": os.getpid()}, "levels": finished}
     out = args.out or ((run.path / "bench" / stamp) if run else Path("bench") / stamp)
     try:
         run_sweep(url, model, levels, streaming, warmup, seed=args.seed, processes=args.client_processes,

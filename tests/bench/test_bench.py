@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 
 import pytest
@@ -41,6 +42,24 @@ def test_bench_against_mock_run_is_consistent_and_plots(mock, tmp_path, capsys):
     cmp = tmp_path / "cmp"
     assert main(["bench", "--compare", str(out), str(out), "--out", str(cmp)]) == 0
     assert (cmp / "throughput_vs_latency.png").is_file()
+    assert res["client"]["pid"] == os.getpid()  # this process generated the load
+
+
+@pytest.mark.integration
+def test_bench_in_job_generates_the_load_in_a_job_of_the_runs_cluster_and_relays_it(mock, tmp_path, capsys,
+                                                                                  monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the job gets the run by its path and --out made absolute, not this directory
+    assert main(["bench", str(mock.run.path), "--in-job", "--concurrency", "2", "--input-tokens", "16",
+                 "--output-tokens", "8", "--requests", "8", "--warmup", "0", "--out", "b"]) == 0
+    relayed = capsys.readouterr()
+    assert relayed.out.startswith("load generator: job ") and "submitit INFO" not in relayed.out
+    assert "c=2 in=16 out=8: 8/8 requests" in relayed.err  # the job's progress, as it came
+    assert next(ln for ln in relayed.out.splitlines() if ln.split()[:1] == ["2"]).split()[4] == "8"  # its table
+    res = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert res["client"]["pid"] != os.getpid() and res["levels"][0]["completed"] == 8  # another process sent them
+    assert list((mock.run.path / "bench-jobs").glob("*_result.pkl"))  # submitit's job, in the run directory
+    assert main(["bench", "--url", "http://127.0.0.1:9", "--model", "m", "--in-job"]) == 2
+    assert "--in-job runs on a run's cluster" in capsys.readouterr().err
 
 
 @pytest.mark.integration

@@ -89,6 +89,11 @@ def test_tiny_disagg_as_planned_with_smoke_and_clean_cancel(slurm_env, tmp_path)
     url = _url(run)
     assert url.startswith("http://10.77.0.11:")  # bound to node1's own address, reached from the host
     assert _complete(url, "hpc/tiny")
+    # the load generator in a job of the cluster's own (hpc bench --in-job): a node sent the requests, not this host
+    assert main(["bench", run.job_id(), "--in-job", "--concurrency", "2", "--requests", "8", "--warmup", "0"]) == 0
+    (results,) = run.path.glob("bench/*/results.json")
+    bench = json.loads(results.read_text())
+    assert bench["client"]["host"] in {"node1", "node2", "node3"} and bench["levels"][0]["completed"] == 8
     _cancel_and_check_clean(run)
 
 

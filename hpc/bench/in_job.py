@@ -1,0 +1,67 @@
+"""`hpc bench RUN --in-job`: the same sweep, its load generator on one node of the run's cluster (a submitit job,
+as the smoke checks run) instead of this machine. A login node is shared and often busy, which shows up as the
+client's own latency, and some sites do not let it reach the compute nodes' ports at all. The results land in the
+run directory as usual (a filesystem every node sees); this command relays the job's output while it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from hpc.errors import UserError
+from hpc.rundir import RunDir
+from hpc.spec.cluster import time_to_minutes
+
+
+def bench_on_node(args: argparse.Namespace) -> int:
+    """What the job runs: `hpc bench` itself, on the node, with the run named by its path."""
+    from hpc.cli.bench_command import bench
+
+    sys.stdout.reconfigure(line_buffering=True)  # the submitting side relays it as it comes
+    try:
+        return bench(args)
+    except UserError as exc:
+        print(f"error: {exc.render()}", flush=True)
+        return 2
+
+
+def bench_in_job(args: argparse.Namespace, run: RunDir) -> int:
+    from hpc.launch.smoke import executor_for
+
+    remote = argparse.Namespace(**{**vars(args), "in_job": False, "run": str(run.path),
+                                   "out": args.out.resolve() if args.out else None})
+    minutes = time_to_minutes(run.manifest().cluster.time_limit)
+    job = executor_for(run, "bench-jobs", minutes=minutes).submit(bench_on_node, remote)
+    print(f"load generator: job {job.job_id} on {run.manifest().cluster.name}; its output follows", flush=True)
+    try:
+        _relay(job, [(Path(job.paths.stdout), sys.stdout), (Path(job.paths.stderr), sys.stderr)])
+        return int(job.result())
+    except KeyboardInterrupt:
+        job.cancel(check=False)
+        raise
+
+
+def _relay(job, logs: list[tuple[Path, object]], poll_s: float = 0.3) -> None:
+    """Each of the job's logs to its stream here, line by line as it grows, until the job is done; submitit's
+    own INFO lines (its start, its result pickle) are left out."""
+    shown = [0] * len(logs)
+    while True:
+        done = job.done()
+        for i, (path, stream) in enumerate(logs):
+            try:
+                new = path.read_bytes()[shown[i]:]
+            except OSError:  # not written yet
+                continue
+            whole = new if done else new[:new.rfind(b"\n") + 1]  # a line still being written waits
+            shown[i] += len(whole)
+            lines = [ln for ln in whole.decode(errors="replace").splitlines(keepends=True)
+                     if not ln.startswith("submitit INFO")]
+            if lines:
+                stream.write("".join(lines))
+                stream.flush()
+        if done:
+            return
+        time.sleep(poll_s)
