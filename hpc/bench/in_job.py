@@ -36,12 +36,19 @@ def bench_in_job(args: argparse.Namespace, run: RunDir) -> int:
     minutes = time_to_minutes(run.manifest().cluster.time_limit)
     job = executor_for(run, "bench-jobs", minutes=minutes).submit(bench_on_node, remote)
     print(f"load generator: job {job.job_id} on {run.manifest().cluster.name}; its output follows", flush=True)
+    from submitit.core.utils import FailedJobError, UncompletedJobError
+
     try:
         _relay(job, [(Path(job.paths.stdout), sys.stdout), (Path(job.paths.stderr), sys.stderr)])
         return int(job.result())
     except KeyboardInterrupt:
         job.cancel(check=False)
         raise
+    except (FailedJobError, UncompletedJobError) as exc:  # cancelled, timed out, or a crash: not hpc's bug
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"the load generator's job {job.job_id} did not finish: {reason}; its logs: {job.paths.stdout}, "
+              f"{job.paths.stderr}", file=sys.stderr)
+        return 1
 
 
 def _relay(job, logs: list[tuple[Path, object]], poll_s: float = 0.3) -> None:
