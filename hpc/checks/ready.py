@@ -34,13 +34,17 @@ def log_tail(manifest: Manifest, component: str, lines: int = 15) -> str:
     return "\n".join(f"    {line}" for line in text[-lines:])
 
 
+def failed_for_good(states: dict[str, dict]) -> list[str]:
+    """Components (state file names: a worker's rank as `decode-0.rank1`) that failed with no restart coming: a
+    worker its failure policy restarts (`restarting`) is waited for."""
+    return sorted(name for name, data in states.items()
+                  if data.get("phase") == "failed" and not data.get("restarting"))
+
+
 def _failed_component(manifest: Manifest) -> str | None:
-    """A component that failed for good: a worker its failure policy restarts (`restarting`) is waited for."""
-    for path in (Path(manifest.run_dir) / "state").glob("*.json"):
-        data = read_json(path) or {}
-        if data.get("phase") == "failed" and not data.get("restarting"):
-            return path.stem
-    return None
+    states = {path.stem: read_json(path) or {} for path in (Path(manifest.run_dir) / "state").glob("*.json")}
+    failed = failed_for_good(states)
+    return failed[0] if failed else None
 
 
 def _answers_200(url: str) -> bool:

@@ -175,11 +175,10 @@ def collect_status(run: RunDir) -> dict[str, Any]:
                              "state": "ok" if n >= spec.total_count else ("degraded" if n else "down")}
     smoke = read_json(run.path / "smoke.json")
     ready = read_json(run.state / "ready.json")
-    from hpc.checks.ready import log_tail
+    from hpc.checks.ready import failed_for_good, log_tail
 
-    # what a component that failed for good said last (a restarting one is coming back)
-    gone = sorted({name.split(".rank")[0] for name, st in states.items()  # a worker's ranks share one log
-                   if st.get("phase") == "failed" and not st.get("restarting")})
+    # what a component that failed for good said last; a worker's ranks share one log
+    gone = sorted({name.split(".rank")[0] for name in failed_for_good(states)})
     failed = {name: log_tail(m, name, lines=8) for name in gone}
     return {"run": run.path.name, "run_dir": str(run.path), "recipe": m.recipe.name, "cluster": m.cluster.name,
             "job_id": run.job_id(), "scheduler": _slurm_state(run), "endpoint": endpoint,
