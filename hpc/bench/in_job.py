@@ -33,10 +33,11 @@ def bench_in_job(args: argparse.Namespace, run: RunDir) -> int:
 
     remote = argparse.Namespace(**{**vars(args), "in_job": False, "run": str(run.path),
                                    "out": args.out.resolve() if args.out else None})
-    minutes = time_to_minutes(run.manifest().cluster.time_limit)
-    job = executor_for(run, "bench-jobs", minutes=minutes).submit(bench_on_node, remote)
-    print(f"load generator: job {job.job_id} on {run.manifest().cluster.name}; its output follows", flush=True)
     from submitit.core.utils import FailedJobError, UncompletedJobError
+
+    cluster = run.manifest().cluster
+    job = executor_for(run, "bench-jobs", minutes=time_to_minutes(cluster.time_limit)).submit(bench_on_node, remote)
+    print(f"load generator: job {job.job_id} on {cluster.name}; its output follows", flush=True)
 
     try:
         _relay(job, [(Path(job.paths.stdout), sys.stdout), (Path(job.paths.stderr), sys.stderr)])

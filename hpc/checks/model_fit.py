@@ -21,9 +21,14 @@ from typing import Any
 EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
 
 
+def is_local_path(value: Any) -> bool:
+    """A model reference that names a directory (absolute, ~ or relative with a dot), not a hub id to fetch."""
+    return isinstance(value, str) and value.startswith(("/", "~", "."))
+
+
 def read_model_config(path: str | None) -> dict[str, Any] | None:
     """The model's config.json as a dict, or None when this machine cannot read it (not mounted here, a hub id)."""
-    if not path or not path.startswith(("/", "~", ".")):
+    if not is_local_path(path):
         return None
     try:
         data = json.loads((Path(path).expanduser() / "config.json").read_text())

@@ -70,8 +70,10 @@ def model_problem(manifest: dict) -> str | None:
                    for key in ("speculative_model", "speculative_model_dir")]
     fix = ("mount it (the cluster profile's container.mounts)" if manifest["cluster"].get("container")
            else "put it on a filesystem every node mounts")
+    from hpc.checks.model_fit import is_local_path
+
     for value, named in wanted:
-        if not isinstance(value, str) or not value.startswith(("/", "~", ".")):
+        if not is_local_path(value):
             continue
         path = Path(value).expanduser()
         if not path.is_dir():

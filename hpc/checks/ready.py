@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from hpc.manifest import Manifest
-from hpc.rundir import read_json, write_json
+from hpc.rundir import RunDir, read_json, write_json
 from hpc.checks.probe import reach_json
 from hpc.waiting import Backoff, wait_until
 
@@ -42,8 +42,7 @@ def failed_for_good(states: dict[str, dict]) -> list[str]:
 
 
 def _failed_component(manifest: Manifest) -> str | None:
-    states = {path.stem: read_json(path) or {} for path in (Path(manifest.run_dir) / "state").glob("*.json")}
-    failed = failed_for_good(states)
+    failed = failed_for_good(RunDir(Path(manifest.run_dir)).component_states())
     return failed[0] if failed else None
 
 

@@ -7,7 +7,7 @@ import json
 import sys
 
 from hpc.cli.show import plan_table, table, terminal_width
-from hpc.errors import UserError
+from hpc.errors import UserError, UserErrors
 from hpc.resolve import Resolved, resolve
 from hpc.spec.base import load_yaml
 from hpc.spec.catalog import available, find
@@ -72,7 +72,7 @@ def _validate_all(args: argparse.Namespace) -> int:
             r = resolve(args.cluster, name, adjust_cluster=lambda c: _this_machine(c, False))
         except UserError as exc:
             failed += 1
-            rows.append([name, "FAIL", (exc.errors[0] if hasattr(exc, "errors") else exc).render()])
+            rows.append([name, "FAIL", (exc.errors[0] if isinstance(exc, UserErrors) else exc).render()])
         else:
             rows.append([name, "ok", f"{r.plan.job_nodes} node(s), {r.plan.total_gpus} GPU(s), "
                                      f"{len(r.plan.workers)} worker(s)"])
@@ -83,10 +83,10 @@ def _validate_all(args: argparse.Namespace) -> int:
 
 def _model_line(r: Resolved) -> str | None:
     """Whether the layouts were checked against the model's shape here, or are left to the job's preflight."""
-    from hpc.checks.model_fit import language_model, read_model_config
+    from hpc.checks.model_fit import is_local_path, language_model, read_model_config
 
     path = r.recipe.model.path
-    if r.recipe.model.generate or not path.startswith(("/", "~", ".")) or r.recipe.modality == "video_diffusion":
+    if r.recipe.model.generate or not is_local_path(path) or r.recipe.modality == "video_diffusion":
         return None  # built by the job, a hub id the engine fetches, or a diffusion pipeline (no LLM layout)
     config = read_model_config(path)
     if config is None:
