@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from hpc.plan.placement import Plan
+from hpc.plan.placement import Plan, WorkerPlan
 from hpc.spec.cluster import ClusterProfile
 from hpc.spec.recipe import Recipe
 
@@ -41,6 +41,13 @@ class Manifest(BaseModel):
     @property
     def job_name(self) -> str:
         return f"hpc-{self.recipe.name}"
+
+    def processes_started(self, w: WorkerPlan) -> int:
+        """Processes hpc starts for a worker: one per rank, except a local TensorRT-LLM worker, whose LLM spawns
+        its own ranks (MpiPoolSession, upstream tensorrt_llm/executor/proxy.py) from the one process we start."""
+        if self.cluster.is_local and self.recipe.backend.value == "trtllm":
+            return 1
+        return w.tasks
 
 
 def manifest_path(run_dir: str | Path) -> Path:

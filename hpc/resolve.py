@@ -379,6 +379,11 @@ def _check_time(cluster: ClusterProfile, recipe: Recipe, cfile: str, rfile: str)
         return [UserError(f"time limit {recipe.time_limit or cluster.time_limit} exceeds the partition's "
                           f"maximum {cluster.max_time_limit}", file=rfile if recipe.time_limit else cfile,
                           field="time_limit", hint="shorten it")]
+    if recipe.drain_before_end_s and recipe.drain_before_end_s >= wanted * 60:
+        return [UserError(f"{recipe.drain_before_end_s} s is not less than the job's time limit "
+                          f"({recipe.time_limit or cluster.time_limit}): the workers would drain as they start",
+                          file=rfile, field="drain_before_end_s",
+                          hint="lower it, lengthen time_limit, or set 0 for no drain before the end")]
     return []
 
 

@@ -1,11 +1,13 @@
 """One failing case per validation rule; every message names the file and field."""
 
+import datetime as dt
 from pathlib import Path
 
 import pytest
 import yaml
 
 from hpc.errors import UserError
+from hpc.render.sbatch import render_sbatch
 from hpc.resolve import resolve
 
 pytestmark = pytest.mark.unit
@@ -109,6 +111,18 @@ def test_engine_and_recipe_expert_parallel_sizes_must_agree(tmp_path):
 def test_time_limit_must_fit(tmp_path):
     r = _write_recipe(tmp_path, {"agg": {}}, backend="torch", time_limit="08:00:00")
     assert "time_limit: time limit 08:00:00 exceeds the partition's maximum 04:00:00" in _error("eos", r)
+
+
+def test_the_drain_before_the_end_must_leave_time_to_serve(tmp_path):
+    r = _write_recipe(tmp_path, {"agg": {}}, backend="torch", time_limit="00:02:00", drain_before_end_s=120)
+    assert _error("eos", r).endswith(
+        "drain_before_end_s: 120 s is not less than the job's time limit (00:02:00): the workers would drain as "
+        "they start (lower it, lengthen time_limit, or set 0 for no drain before the end)")
+    fits = _write_recipe(tmp_path, {"agg": {}}, backend="torch", time_limit="00:03:00", drain_before_end_s=120)
+    assert "#SBATCH --signal=USR1@120" in render_sbatch(resolve("eos", fits).manifest(tmp_path / "r", "r",
+                                                                                      dt.datetime(2026, 1, 1)))
+    off = _write_recipe(tmp_path, {"agg": {}}, backend="torch", time_limit="00:01:00", drain_before_end_s=0)
+    assert "--signal" not in render_sbatch(resolve("eos", off).manifest(tmp_path / "r", "r", dt.datetime(2026, 1, 1)))
 
 
 def test_port_clash(tmp_path):

@@ -13,6 +13,7 @@ import importlib.metadata
 import json
 import importlib.util
 import os
+import shutil
 import socket
 import sys
 from pathlib import Path
@@ -56,6 +57,17 @@ def _binaries(manifest) -> str | None:
             except SystemExit as exc:
                 return str(exc)
     return None
+
+
+def _launcher(manifest: dict) -> str | None:
+    """TensorRT-LLM workers of several ranks start under its launcher (hpc.render.sbatch.mpi_launcher): is it here?"""
+    several = [w for w in manifest["plan"]["workers"] if w["tasks"] > 1]
+    if manifest["recipe"]["backend"] != "trtllm" or not several or manifest["cluster"].get("scheduler") == "local":
+        return None
+    if shutil.which("trtllm-llmapi-launch"):
+        return None
+    return (f"trtllm-llmapi-launch is not on PATH ({several[0]['role']}-{several[0]['index']} has "
+            f"{several[0]['tasks']} ranks, which start under it); use an image with TensorRT-LLM's launcher")
 
 
 def model_problem(manifest: dict) -> str | None:
@@ -124,7 +136,7 @@ def check(manifest: dict) -> tuple[bool, str]:
             return False, (f"hpc preflight on {node}: {module} is not installed in the image ({why} needs it); "
                            "use an image that has it")
         versions[module] = _version(module)
-    missing = _binaries(manifest) or model_problem(manifest)
+    missing = _binaries(manifest) or _launcher(manifest) or model_problem(manifest)
     if missing:
         return False, f"hpc preflight on {node}: {missing}"
     shown = " ".join(f"{k}={v}" for k, v in versions.items() if k in ("torch", "tensorrt_llm", "pydantic"))

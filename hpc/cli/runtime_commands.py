@@ -86,11 +86,12 @@ def _slurm_state(run: RunDir) -> dict[str, Any]:
         return {"state": "UNKNOWN"}
     failing = [f"{s.step_id}:{s.name} exit {s.exit_code}" for s in st.steps
                if s.state in ("FAILED", "NODE_FAIL", "OUT_OF_MEMORY") or s.exit_code]
-    from hpc.launch.follow import unseen_run_dir
+    from hpc.launch.follow import timed_out, unseen_run_dir
 
-    return {"state": st.state, "elapsed": st.elapsed, "nodes": st.nodes, "reason": st.reason,
-            "expected_start": st.expected_start,
-            "exit_code": st.exit_code, "failed_steps": failing, "why": unseen_run_dir(run, st.state),
+    return {"state": st.state, "elapsed": st.elapsed, "time_left": st.time_left, "nodes": st.nodes,
+            "reason": st.reason, "expected_start": st.expected_start,
+            "exit_code": st.exit_code, "failed_steps": failing,
+            "why": unseen_run_dir(run, st.state) or timed_out(run.manifest(), st.state),
             "steps": [{"id": s.step_id, "name": s.name, "state": s.state, "exit_code": s.exit_code}
                       for s in st.steps]}
 
@@ -191,7 +192,7 @@ def collect_status(run: RunDir) -> dict[str, Any]:
 def _print_status(data: dict[str, Any]) -> None:
     sch = data["scheduler"]
     print(f"run {data['run']}  recipe {data['recipe']}  cluster {data['cluster']}  job {data['job_id']}")
-    shown = ("elapsed", "nodes", "reason", "expected_start", "processes")
+    shown = ("elapsed", "time_left", "nodes", "reason", "expected_start", "processes")
     extra = "  ".join(f"{k.replace('_', ' ')} {v}" for k, v in sch.items() if k in shown and v)
     print(f"state: {sch['state']}  {extra}")
     for step in sch.get("failed_steps") or []:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
+from hpc.manifest import Manifest
 from hpc.rundir import RunDir, read_json
 
 
@@ -30,6 +31,17 @@ def unseen_run_dir(run: RunDir, state: str) -> str | None:
         return None
     return (f"the job wrote no log ({run.logs / 'job.out'}): its nodes could not open the run directory. "
             f"Put runs on a filesystem every node mounts: the cluster profile's runs_dir, or HPC_RUNS_DIR")
+
+
+def timed_out(m: Manifest, state: str) -> str | None:
+    """Why a job ended at its time limit, with what to change."""
+    if state != "TIMEOUT":
+        return None
+    limit = m.recipe.time_limit or m.cluster.time_limit
+    drained = (f"; its workers drained from {m.recipe.drain_before_end_s} s before the end"
+               if m.recipe.drain_before_end_s else "")
+    most = f" (the partition allows {m.cluster.max_time_limit})" if m.cluster.max_time_limit else ""
+    return f"the job reached its time limit {limit}{drained}. For longer serving, set time_limit in the recipe{most}"
 
 
 def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: None) -> int:
@@ -83,5 +95,9 @@ def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: Non
         print(f"try:      curl {url}/v1/chat/completions -H 'content-type: application/json' "
               f"-d '{{\"model\": \"{m.recipe.model.served_name}\", \"messages\": [{{\"role\": \"user\", "
               f"\"content\": \"Hello\"}}], \"max_tokens\": 16}}'")
+    if not m.cluster.is_local:
+        drain = (f"; its workers drain from {m.recipe.drain_before_end_s} s before (drain_before_end_s)"
+                 if m.recipe.drain_before_end_s else "")
+        print(f"serves:   until the time limit {m.recipe.time_limit or m.cluster.time_limit}{drain}")
     print(f"next:     hpc status {ref}   hpc logs {ref} --component frontend   hpc cancel {ref}")
     return 0

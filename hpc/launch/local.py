@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from hpc.errors import UserError
-from hpc.plan.placement import device_for
+from hpc.manifest import Manifest
+from hpc.plan.placement import WorkerPlan, device_for
 from hpc.render.sbatch import service_argv, worker_argv
 from hpc.rundir import RunDir, read_json, write_json
 from hpc.waiting import wait_until
@@ -84,15 +85,31 @@ def start_processes(run: RunDir) -> dict[str, list[int]]:
     for s in m.plan.services:
         pids[s.name] = [spawn(s.name, service_argv(m, s.name, py))]
     for w in m.plan.workers:
-        role_env = m.recipe.roles.spec(w.group).env
-        if w.tasks == 1:
-            pids[w.name] = [spawn(w.name, worker_argv(m, w, py), role_env)]
-        else:  # what srun --mpi would do: one process per rank
-            pids[w.name] = [spawn(f"{w.name}.rank{r}" if r else w.name, worker_argv(m, w, py),
-                                  {**role_env, "HPC_RANK": str(r), "HPC_WORLD_SIZE": str(w.tasks),
-                                   "HPC_LOCAL_RANK": str(r)}) for r in range(w.tasks)]
+        pids[w.name] = [spawn(name, argv, extra) for name, argv, extra in
+                        worker_processes(m, w, py, os.environ.get("CUDA_VISIBLE_DEVICES"))]
     write_json(run.path / "local.json", {"pids": pids, "started": time.time()})
     return pids
+
+
+def worker_processes(m: Manifest, w: WorkerPlan, python: str,
+                     visible: str | None) -> list[tuple[str, list[str], dict[str, str]]]:
+    """(log name, argv, extra env) of each process a local worker needs; `visible`: this machine's
+    CUDA_VISIBLE_DEVICES, which the plan's GPU numbers index into."""
+    role_env = m.recipe.roles.spec(w.group).env
+    argv = worker_argv(m, w, python)
+    if m.processes_started(w) == 1:
+        extra = dict(role_env)
+        if m.recipe.backend.value == "trtllm" and m.plan.gpus_per_node:
+            # TensorRT-LLM places rank r on the r-th device it sees: only this worker's GPUs, or every worker
+            # of the machine would land on GPU 0 (the torch engine picks its planned device itself)
+            ids = visible.split(",") if visible else None
+            extra["CUDA_VISIBLE_DEVICES"] = ",".join(ids[r.gpu] if ids and r.gpu < len(ids) else str(r.gpu)
+                                                     for r in w.ranks)
+        return [(w.name, argv, extra)]
+    # what srun --mpi would do: one process per rank
+    return [(f"{w.name}.rank{r}" if r else w.name, argv,
+             {**role_env, "HPC_RANK": str(r), "HPC_WORLD_SIZE": str(w.tasks), "HPC_LOCAL_RANK": str(r)})
+            for r in range(w.tasks)]
 
 
 def alive(pid: int) -> bool:

@@ -121,13 +121,28 @@ def service_argv(m: Manifest, name: str, python: str) -> list[str]:
     return [python, "-m", "hpc.runtime.services.infra", manifest, "--service", name]
 
 
+TRTLLM_LAUNCHER = "trtllm-llmapi-launch"
+
+
+def mpi_launcher(m: Manifest, w: WorkerPlan) -> str | None:
+    """The launcher a worker's ranks start under, if any. TensorRT-LLM under Slurm: its trtllm-llmapi-launch
+    (upstream tensorrt_llm/llmapi/trtllm-llmapi-launch) runs our worker on rank 0 and keeps the other ranks in
+    TensorRT-LLM's own MPI worker loop. On the local profile there is no MPI launcher: one process runs the worker
+    and the LLM spawns its ranks itself (MpiPoolSession, tensorrt_llm/executor/proxy.py)."""
+    if m.recipe.backend.value == "trtllm" and w.tasks > 1 and not m.cluster.is_local:
+        return TRTLLM_LAUNCHER
+    return None
+
+
 def worker_argv(m: Manifest, w: WorkerPlan, python: str) -> list[str]:
     argv = [python, "-m", "hpc.runtime.worker", f"{m.run_dir}/manifest.json", "--role", w.role.value,
             "--index", str(w.index)]
-    if m.recipe.backend.value == "trtllm" and w.tasks > 1:
-        # TensorRT-LLM's MPI model: rank 0 runs our worker and builds the LLM; the launcher keeps the other
-        # ranks in TensorRT-LLM's own MPI worker loop.
-        argv.insert(0, "trtllm-llmapi-launch")
+    launcher = mpi_launcher(m, w)
+    if launcher:
+        # The worker starts the launcher itself, with SIGUSR1 (the drain signal Slurm sends every process of the
+        # step) ignored in everything the launcher starts: only our worker drains; the launcher's shell and
+        # TensorRT-LLM's rank processes would otherwise die of it.
+        argv += ["--mpi-launcher", launcher]
     return argv
 
 
@@ -137,11 +152,20 @@ def build_view(m: Manifest) -> View:
     if any(ord(ch) < 32 for ch in run_dir):
         raise UserError(f"the run directory {run_dir!r} contains a newline or control character, which "
                         "#SBATCH lines cannot carry", field="HPC_RUNS_DIR", hint="use another runs directory")
+    split = [w.name for w in plan.workers if mpi_launcher(m, w)]
+    if split and any(ch.isspace() or ch in "*?[" for ch in run_dir):
+        # trtllm-llmapi-launch runs its command as an unquoted $task_with_command: the shell splits it at spaces
+        # and expands wildcards, so the worker would get a broken manifest path.
+        raise UserError(f"the run directory {run_dir!r} has a space or wildcard, which {TRTLLM_LAUNCHER} (the "
+                        f"TensorRT-LLM launcher of {split[0]}'s ranks) splits apart", field="HPC_RUNS_DIR",
+                        hint="use a runs directory (runs_dir or HPC_RUNS_DIR) without spaces or * ? [")
     logs = f"{run_dir}/logs"
     manifest = f"{run_dir}/manifest.json"
     flags = [f"--job-name={m.job_name}", f"--nodes={plan.job_nodes}", f"--ntasks-per-node={plan.tasks_per_node}",
              f"--time={time_to_minutes(m.recipe.time_limit or c.time_limit)}",
              f"--output={logs}/job.out", f"--error={logs}/job.out"]
+    if m.recipe.drain_before_end_s:  # every step gets it (not the batch shell): the workers drain, the rest ignore it
+        flags.append(f"--signal=USR1@{m.recipe.drain_before_end_s}")
     if plan.gpus_per_node and any(w.tasks for w in plan.workers) and m.recipe.backend.value != "mock":
         flags += _gpu_flag(c.gpu_request, plan.gpus_per_node)
     for key in ("partition", "account", "qos"):
@@ -237,7 +261,9 @@ def _worker_step(m: Manifest, w: WorkerPlan, logs: str) -> Step:
     if restarts:  # srun truncates its --output by default: a restart would erase why the last attempt failed
         flags.append("--open-mode=append")
     return Step(
-        name=w.name, comment=f"{w.name}: TPxPP={w.tasks} on nodes {w.nodes} ({ranks})",
+        name=w.name, comment=f"{w.name}: TPxPP={w.tasks} on nodes {w.nodes} ({ranks})" + (
+            f"; the worker starts {mpi_launcher(m, w)}, which runs it on rank 0 and TensorRT-LLM's own loop on the "
+            "others" if mpi_launcher(m, w) else ""),
         srun_flags=flags, nodelist=_nodelist(w.nodes),
         command=worker_argv(m, w, c.python),
         unit_restarts=restarts, unit_continue=as_unit and policy.on_failure.value == "continue",

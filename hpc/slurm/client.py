@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from dataclasses import replace
+
 from hpc.slurm.parse import SACCT_FIELDS, SQUEUE_FORMAT, JobState, parse_sacct, parse_sbatch, parse_squeue
 from hpc.slurm.runner import Runner
 from hpc.waiting import Backoff, wait_until
@@ -46,8 +48,7 @@ class SlurmClient:
             record = parse_sacct(acct.stdout, job_id) if acct.returncode == 0 else None
             if live is not None and not live.finished:
                 steps = record.steps if record else []
-                states[job_id] = JobState(job_id=job_id, state=live.state, elapsed=live.elapsed, nodes=live.nodes,
-                                          reason=live.reason, expected_start=live.expected_start, steps=steps)
+                states[job_id] = replace(live, steps=steps)
             else:
                 states[job_id] = record or live
         return states

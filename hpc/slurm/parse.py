@@ -9,7 +9,7 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
             "BOOT_FAIL", "DEADLINE", "REVOKED"}
 
 # squeue/sacct format strings the parsers below expect.
-SQUEUE_FORMAT = "%i|%T|%M|%D|%N|%R|%S"  # %S: a pending job's expected start (backfill)
+SQUEUE_FORMAT = "%i|%T|%M|%D|%N|%R|%S|%L"  # %S: a pending job's expected start (backfill); %L: time left
 SACCT_FIELDS = "JobID,JobName,State,ExitCode,Elapsed,NodeList"
 
 
@@ -35,6 +35,7 @@ class JobState:
     nodes: str = ""
     reason: str = ""
     expected_start: str = ""  # a pending job's, once the scheduler has one (squeue's %S)
+    time_left: str = ""  # a running job's, before its time limit (squeue's %L)
     exit_code: int = 0
     steps: list[StepState] = field(default_factory=list)
 
@@ -60,9 +61,11 @@ def parse_squeue(stdout: str, job_id: str) -> JobState | None:
             continue
         pending = parts[1] == "PENDING"
         start = parts[6].strip() if pending and len(parts) > 6 else ""
+        left = parts[7].strip() if not pending and len(parts) > 7 else ""
         return JobState(job_id=job_id, state=parts[1].split()[0], elapsed=parts[2], nodes=parts[4],
                         reason=parts[5].strip("()") if pending else "",
-                        expected_start="" if start in ("N/A", "Unknown", "None") else start)
+                        expected_start="" if start in ("N/A", "Unknown", "None") else start,
+                        time_left="" if left in ("NOT_SET", "INVALID", "UNLIMITED") else left)
     return None
 
 

@@ -314,6 +314,12 @@ class Recipe(StrictModel):
     diffusion: DiffusionSpec | None = None
     backend: Backend
     time_limit: str | None = Field(None, description="overrides the cluster's default time limit")
+    drain_before_end_s: int = Field(
+        120, ge=0, le=3600,
+        description="seconds before the time limit at which Slurm asks the workers to drain (SIGUSR1, as hpc "
+                    "cancel's first tier): they leave routing, so new requests get a clear 503 instead of a stream "
+                    "cut at the end, and finish what they are serving. Slurm may send it up to 60 s earlier. "
+                    "0: no warning, the job ends at its limit")
     frontend: FrontendSpec = Field(default_factory=FrontendSpec)
     infra: InfraSpec = Field(default_factory=InfraSpec)
     roles: Roles

@@ -124,3 +124,21 @@ def test_a_diffusion_pipelines_directory_is_known_by_its_model_index(tmp_path):
     assert "has no model_index.json" in model_problem(m)
     (pipeline / "model_index.json").write_text("{}")  # diffusers' layout: no config.json at the top
     assert model_problem(m) is None
+
+
+def test_trtllm_ranks_need_its_launcher_on_the_nodes(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    fake = Path(__file__).resolve().parents[1] / "fakes" / "trtllm"
+    monkeypatch.syspath_prepend(str(fake))  # tensorrt_llm importable: the launcher is what is checked
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    m = _manifest(tmp_path, "dev", "tiny-agg", "backend=trtllm", "roles.agg.tensor_parallel_size=2")
+    m["recipe"]["model"]["path"] = m["recipe"]["model"]["tokenizer"] = None  # the model is not what is checked
+    ok, line = check(m)
+    assert not ok and line.endswith("trtllm-llmapi-launch is not on PATH (agg-0 has 2 ranks, which start under "
+                                    "it); use an image with TensorRT-LLM's launcher")
+    monkeypatch.setenv("PATH", f"{fake / 'bin'}:/usr/bin:/bin")
+    assert "trtllm-llmapi-launch" not in check(m)[1]
+    one = _manifest(tmp_path, "dev", "tiny-agg", "backend=trtllm")  # one rank: no launcher needed
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert "trtllm-llmapi-launch" not in check(one)[1]

@@ -236,3 +236,20 @@ if [ "$mode" = append ]; then echo "$line" >> "$out"; else echo "$line" > "$out"
     assert (logs / "agg-0.log").read_text() == "attempt 0: rank 1: CUDA error\nattempt 1: serving\n"
     single = render_sbatch(resolve("dev", "tiny-agg").manifest(tmp_path / "r2", "r2", FIXED_TIME))
     assert "--open-mode" not in single  # one process restarts itself inside its step; the log stays open
+
+
+def test_trtllm_ranks_start_under_its_launcher_through_the_worker_and_a_path_it_would_split_is_refused(tmp_path):
+    resolved = resolve("eos", "qwen3-agg")  # four TP2 workers
+    script = render_sbatch(resolved.manifest(tmp_path / "run", "run", FIXED_TIME))
+    workers = [line for line in script.splitlines() if "hpc.runtime.worker" in line]
+    assert len(workers) == 4 and all(line.strip().startswith("python3 -m hpc.runtime.worker ") and
+                                     line.rstrip(" &").endswith("--mpi-launcher trtllm-llmapi-launch")
+                                     for line in workers), workers
+    one_rank = render_sbatch(resolve("eos", "tiny-agg", ["backend=trtllm"]).manifest(tmp_path / "o", "o", FIXED_TIME))
+    assert "--role agg" in one_rank and "--mpi-launcher" not in one_rank  # one rank: the LLM needs no launcher
+    for name in ("with space", "star*", "what?"):
+        with pytest.raises(UserError, match=r"HPC_RUNS_DIR: the run directory .* has a space or wildcard, which "
+                                            r"trtllm-llmapi-launch \(the TensorRT-LLM launcher of agg-0's ranks\)"):
+            render_sbatch(resolved.manifest(tmp_path / name, "run", FIXED_TIME))
+    # the torch engine's ranks are ours: any path works
+    render_sbatch(resolve("eos", "tiny-agg").manifest(tmp_path / "with space", "run", FIXED_TIME))

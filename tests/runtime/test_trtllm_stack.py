@@ -189,3 +189,25 @@ def test_logprobs_come_from_the_llm_api_aggregated_and_disaggregated(agg, disagg
         streamed = [e for e in post_sse(stack.url + "/v1/chat/completions", {**body, "stream": True})
                     if e.get("choices")]
         assert sum(len((e["choices"][0]["logprobs"] or {}).get("content") or []) for e in streamed) == 5
+
+
+def test_a_local_tp2_worker_is_one_process_whose_llm_spawns_its_ranks(fake_env, tmp_path_factory, model_cache):
+    from hpc.launch.local import local_pids
+
+    launched = _stack(tmp_path_factory, model_cache, "tiny-agg", "--set", "roles.agg.tensor_parallel_size=2")
+    stack = next(launched)
+    try:
+        text, _ = _complete(stack, "Two ranks, one process")
+        assert text
+        # one process, supervised (the role's restart policy), no trtllm-llmapi-launch: the LLM spawns its ranks
+        (pid,) = local_pids(stack.run)["agg-0"]
+        inits = [e for e in map(json.loads, fake_env.read_text().splitlines()) if e["event"] == "init"
+                 and e["tp"] == 2]
+        assert [(e["mpi_session"], e["n_workers"], e["visible_devices"]) for e in inits] == [("pool", 2, "0,1")]
+        assert inits[0]["pid"] != pid and _parent(inits[0]["pid"]) == pid
+    finally:
+        next(launched, None)  # hpc cancel, whatever failed above
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])

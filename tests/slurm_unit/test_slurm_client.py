@@ -23,9 +23,9 @@ SACCT_FAILED = """9|hpc-tiny-disagg|FAILED|3:0|00:00:01|node[1-3]
 9.4|decode-0|FAILED|3:0|00:00:00|node3
 9.3|prefill-0|COMPLETED|0:0|00:00:00|node2
 """
-SQUEUE_RUNNING = "6|RUNNING|0:05|3|node[1-3]|node[1-3]|2026-11-29T04:39:05\n"
+SQUEUE_RUNNING = "6|RUNNING|0:05|3|node[1-3]|node[1-3]|2026-11-29T04:39:05|9:55\n"
 SQUEUE_PENDING = "7|PENDING|0:00|3||(Resources)|N/A\n"  # the backfill scheduler has no start time for it yet
-SQUEUE_PENDING_PLANNED = "7|PENDING|0:00|3||(Resources)|2026-11-29T04:41:05\n"
+SQUEUE_PENDING_PLANNED = "7|PENDING|0:00|3||(Resources)|2026-11-29T04:41:05|5:00\n"  # %L: its whole limit
 
 
 class FakeSlurm:
@@ -70,6 +70,9 @@ def test_parsers():
     assert parse_squeue(SQUEUE_PENDING_PLANNED, "7").expected_start == "2026-11-29T04:41:05"
     assert parse_squeue(SQUEUE_RUNNING, "6").expected_start == ""  # a running job's %S is when it started
     assert parse_squeue("7|PENDING|0:00|3||(Priority)\n", "7").reason == "Priority"  # an older format: no %S
+    assert parse_squeue(SQUEUE_RUNNING, "6").time_left == "9:55"
+    assert parse_squeue(SQUEUE_PENDING_PLANNED, "7").time_left == ""  # not running: no clock yet
+    assert parse_squeue("6|RUNNING|0:05|3|n|n|x|UNLIMITED\n", "6").time_left == ""
     st = parse_sacct(SACCT_FAILED, "9")
     assert st.state == "FAILED" and st.exit_code == 3 and st.finished
     assert [(s.name, s.exit_code) for s in st.steps if s.state == "FAILED"] == [("batch", 3), ("decode-0", 3)]

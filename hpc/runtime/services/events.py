@@ -68,5 +68,8 @@ class EventPublisher:
         if self.nc is not None:
             try:
                 await self.nc.drain()
-            except Exception:
-                pass
+            except Exception:  # NATS already gone (the job's end): drain refuses, and the client would go on
+                try:           # reconnecting until cancelled
+                    await self.nc.close()
+                except Exception:
+                    pass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpc.runtime.worker.entry import main_entry
+from hpc.runtime.worker.entry import exec_under_launcher, main_entry
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,7 +16,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-supervise", action="store_true", help="run the engine in this process")
     parser.add_argument("--attempt", type=int, default=0,
                         help="starts of this worker before this one (the job script's or the supervisor's restarts)")
+    parser.add_argument("--mpi-launcher", metavar="COMMAND",
+                        help="start this worker under an MPI launcher (trtllm-llmapi-launch), SIGUSR1 ignored in "
+                             "everything it starts but the worker")
     args = parser.parse_args(argv)
+    if args.mpi_launcher:
+        exec_under_launcher(args.mpi_launcher, [args.manifest, "--role", args.role, "--index", str(args.index),
+                                                "--attempt", str(args.attempt)])
     return main_entry(args.manifest, args.role, args.index, supervise=not args.no_supervise, attempt=args.attempt)
 
 

@@ -39,6 +39,7 @@ from tensorrt_llm._fake_args import (CapacitySchedulerPolicy, ContextChunkingPol
                                      fields_of)
 from tensorrt_llm.disaggregated_params import DisaggregatedParams
 from tensorrt_llm.executor.result import GenerationResult, IterationResult, Response
+from tensorrt_llm.llmapi.mpi_session import create_session
 from tensorrt_llm.sampling_params import SamplingParams
 
 
@@ -123,9 +124,10 @@ class BaseLLM:
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(str(tokenizer or model))
+        session = create_session(tensor_parallel_size * int(kwargs.get("pipeline_parallel_size") or 1))
         self._executor = _Executor(self)
         self._shutdown = False
-        _log("init", cls=type(self).__name__, kwargs=sorted(kwargs), tp=tensor_parallel_size)
+        _log("init", cls=type(self).__name__, kwargs=sorted(kwargs), tp=tensor_parallel_size, **session)
 
     def _valid_keys(self) -> set[str]:
         return fields_of(self.ARGS_MODEL)
@@ -249,6 +251,11 @@ class _Executor:
             except RuntimeError as exc:  # the executor answers a failed KV transfer with an error response
                 result.aqueue.put_nowait(Response(new_token_ids=[], decoding_iter=0, is_final=True, error=str(exc)))
                 return result
+        trigger = os.environ.get("FAKE_TRTLLM_FAIL_FILE")
+        if trigger and os.path.exists(trigger):  # the executor dies (once per file), as when an MPI rank dies
+            os.unlink(trigger)
+            _log("background_failure", id=own_id)
+            self.fail_in_background(RuntimeError("fake: an MPI rank of the executor died"))
         _log("request", id=own_id, type=getattr(dp, "request_type", None), prompt=len(prompt),
              max_tokens=sp.max_tokens, greedy=sp._greedy_decoding, streaming=streaming, stop=sp.stop)
         self.tasks[own_id] = asyncio.get_running_loop().create_task(
