@@ -39,7 +39,7 @@ def _add_target(p: argparse.ArgumentParser, default_cluster: str | None = "local
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hpc.cli import commands, profile_command, recipe_command, runtime_commands
+    from hpc.cli import cluster_command, commands, profile_command, recipe_command, runtime_commands
 
     parser = _Parser(prog="hpc", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=commands.list_clusters)
 
     recipe_command.add_parsers(sub)
+    cluster_command.add_parsers(sub)
     profile_command.add_parser(sub, _add_target)
     runtime_commands.add_parsers(sub)
     return parser

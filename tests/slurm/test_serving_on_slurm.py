@@ -432,3 +432,17 @@ def _submit_twice(run: RunDir, client, jobs: list[str], capsys) -> None:
                 state = client.status(job)
                 return True if state is None or state.finished else None
             wait_until(ended, 60, "the first job's end")
+
+
+def test_a_profile_hpc_cluster_new_made_from_the_cluster_serves_on_it(slurm_env, tmp_path, capsys):
+    import yaml
+
+    out = tmp_path / "probed.yaml"
+    assert main(["cluster", "new", "probed", "-p", "debug", "--out", str(out)]) == 0
+    profile = yaml.safe_load(out.read_text())
+    dev = {k: DEV[k] for k in ("partition", "nodes_available", "gpus_per_node", "cpus_per_node", "gpu_request", "mpi")}
+    assert {k: profile[k] for k in dev} == dev  # what sinfo, srun and scontrol said is what dev.yaml was written as
+    run = _launch("-c", str(out), "-r", "tiny-agg")
+    assert json.loads((run.path / "smoke.json").read_text())["passed"]
+    assert _complete(_url(run), "hpc/tiny")
+    _cancel_and_check_clean(run)
