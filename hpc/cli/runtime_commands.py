@@ -181,8 +181,12 @@ def collect_status(run: RunDir) -> dict[str, Any]:
     # what a component that failed for good said last; a worker's ranks share one log
     gone = sorted({name.split(".rank")[0] for name in failed_for_good(states)})
     failed = {name: log_tail(m, name, lines=8) for name in gone}
+    scheduler = _slurm_state(run)
+    # queued again after it had started (preemption, a failed node, scontrol requeue): a new start will record
+    # itself and move these states under previous/; until then they are its last start's
+    scheduler["requeued"] = scheduler["state"] == "PENDING" and bool(run.job().get("started_at"))
     return {"run": run.path.name, "run_dir": str(run.path), "recipe": m.recipe.name, "cluster": m.cluster.name,
-            "job_id": run.job_id(), "scheduler": _slurm_state(run), "endpoint": endpoint,
+            "job_id": run.job_id(), "scheduler": scheduler, "endpoint": endpoint,
             "ready": ready, "roles": roles, "components": components, "router": frontend_view.get("router"),
             "failed_logs": failed,
             "smoke": None if smoke is None else {"passed": smoke["passed"],
@@ -199,10 +203,13 @@ def _print_status(data: dict[str, Any]) -> None:
         print(f"failed step: {step}")
     if sch.get("why"):
         print(sch["why"])
+    if sch.get("requeued"):
+        print("requeued: Slurm put the job back in its queue after it had started (preemption, a failed node, "
+              "scontrol requeue); it starts again from the top, and what follows is its last start")
     if data["endpoint"]:
         print(f"endpoint: {data['endpoint']}/v1")
     if data["ready"]:
-        print(f"readiness: {_readiness(data['ready'])}")
+        print(f"readiness{' (last start)' if sch.get('requeued') else ''}: {_readiness(data['ready'])}")
     roles = ", ".join(f"{r} {v['live']}/{v['expected']} {v['state']}" for r, v in data["roles"].items())
     print(f"roles: {roles}")
     router = data.get("router")

@@ -446,3 +446,33 @@ def test_a_profile_hpc_cluster_new_made_from_the_cluster_serves_on_it(slurm_env,
     assert json.loads((run.path / "smoke.json").read_text())["passed"]
     assert _complete(_url(run), "hpc/tiny")
     _cancel_and_check_clean(run)
+
+
+def test_a_requeued_job_serves_again_and_status_tells_the_last_start_from_the_next(slurm_env, capsys):
+    """Preemption or a failed node puts a started job back in the queue (same id): it starts from the top,
+    moves its last start's states under previous/, and serves again."""
+    run = _launch("-c", "dev", "-r", "tiny-agg")
+    job, first = run.job_id(), run.job()["started_at"]
+    subprocess.run(["scontrol", "requeue", job], check=True, env=os.environ)
+    wait_until(lambda: True if _slurm_state(run)["state"] == "PENDING" else None, 30, "the job queued again")
+    capsys.readouterr()
+    main(["status", job])
+    out = capsys.readouterr().out
+    assert "state: PENDING" in out and "requeued: Slurm put the job back in its queue" in out
+    assert "readiness (last start): ready in" in out
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, env=os.environ)  # no wait
+    wait_until(lambda: True if run.job().get("started_at", first) > first and
+               (read_json(run.state / "ready.json") or {}).get("ready") else None, 90, "the job's second start ready")
+    assert _complete(_url(run), "hpc/tiny")  # the new start's frontend: its allocation may hold other nodes
+    assert (run.path / "previous").is_dir() and any((run.path / "previous").glob(f"{job}-*/state"))
+    capsys.readouterr()
+    main(["status", job])
+    out = capsys.readouterr().out
+    assert "state: RUNNING" in out and "requeued" not in out and "readiness: ready in" in out
+    _cancel_and_check_clean(run)
+
+
+def _slurm_state(run: RunDir) -> dict:
+    from hpc.cli.runtime_commands import _slurm_state as state
+
+    return state(run)
