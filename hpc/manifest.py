@@ -42,6 +42,11 @@ class Manifest(BaseModel):
     def job_name(self) -> str:
         return f"hpc-{self.recipe.name}"
 
+    @property
+    def time_limit(self) -> str:
+        """The job's time limit: the recipe's, else the cluster's default."""
+        return self.recipe.time_limit or self.cluster.time_limit
+
     def processes_started(self, w: WorkerPlan) -> int:
         """Processes hpc starts for a worker: one per rank, except a local TensorRT-LLM worker, whose LLM spawns
         its own ranks (MpiPoolSession, upstream tensorrt_llm/executor/proxy.py) from the one process we start."""

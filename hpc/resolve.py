@@ -371,17 +371,18 @@ def _check_video(cluster: ClusterProfile, recipe: Recipe, rfile: str) -> list[Us
 
 
 def _check_time(cluster: ClusterProfile, recipe: Recipe, cfile: str, rfile: str) -> list[UserError]:
+    limit = recipe.time_limit or cluster.time_limit
     try:
-        wanted = time_to_minutes(recipe.time_limit or cluster.time_limit)
+        wanted = time_to_minutes(limit)
     except ValueError as exc:
         return [UserError(str(exc), file=rfile, field="time_limit")]
     if cluster.max_time_limit and wanted > time_to_minutes(cluster.max_time_limit):
-        return [UserError(f"time limit {recipe.time_limit or cluster.time_limit} exceeds the partition's "
+        return [UserError(f"time limit {limit} exceeds the partition's "
                           f"maximum {cluster.max_time_limit}", file=rfile if recipe.time_limit else cfile,
                           field="time_limit", hint="shorten it")]
     if recipe.drain_before_end_s and recipe.drain_before_end_s >= wanted * 60:
         return [UserError(f"{recipe.drain_before_end_s} s is not less than the job's time limit "
-                          f"({recipe.time_limit or cluster.time_limit}): the workers would drain as they start",
+                          f"({limit}): the workers would drain as they start",
                           file=rfile, field="drain_before_end_s",
                           hint="lower it, lengthen time_limit, or set 0 for no drain before the end")]
     return []

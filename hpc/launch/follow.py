@@ -37,11 +37,10 @@ def timed_out(m: Manifest, state: str) -> str | None:
     """Why a job ended at its time limit, with what to change."""
     if state != "TIMEOUT":
         return None
-    limit = m.recipe.time_limit or m.cluster.time_limit
     drained = (f"; its workers drained from {m.recipe.drain_before_end_s} s before the end"
                if m.recipe.drain_before_end_s else "")
     most = f" (the partition allows {m.cluster.max_time_limit})" if m.cluster.max_time_limit else ""
-    return f"the job reached its time limit {limit}{drained}. For longer serving, set time_limit in the recipe{most}"
+    return f"the job reached its time limit {m.time_limit}{drained}. For longer serving, set time_limit in the recipe{most}"
 
 
 def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: None) -> int:
@@ -98,6 +97,6 @@ def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: Non
     if not m.cluster.is_local:
         drain = (f"; its workers drain from {m.recipe.drain_before_end_s} s before (drain_before_end_s)"
                  if m.recipe.drain_before_end_s else "")
-        print(f"serves:   until the time limit {m.recipe.time_limit or m.cluster.time_limit}{drain}")
+        print(f"serves:   until the time limit {m.time_limit}{drain}")
     print(f"next:     hpc status {ref}   hpc logs {ref} --component frontend   hpc cancel {ref}")
     return 0

@@ -162,7 +162,7 @@ def build_view(m: Manifest) -> View:
     logs = f"{run_dir}/logs"
     manifest = f"{run_dir}/manifest.json"
     flags = [f"--job-name={m.job_name}", f"--nodes={plan.job_nodes}", f"--ntasks-per-node={plan.tasks_per_node}",
-             f"--time={time_to_minutes(m.recipe.time_limit or c.time_limit)}",
+             f"--time={time_to_minutes(m.time_limit)}",
              f"--output={logs}/job.out", f"--error={logs}/job.out"]
     if m.recipe.drain_before_end_s:  # every step gets it (not the batch shell): the workers drain, the rest ignore it
         flags.append(f"--signal=USR1@{m.recipe.drain_before_end_s}")
@@ -258,12 +258,13 @@ def _worker_step(m: Manifest, w: WorkerPlan, logs: str) -> Step:
     policy = m.recipe.roles.spec(w.group).failure
     as_unit = w.tasks > 1
     restarts = policy.max_restarts if as_unit and policy.on_failure.value == "restart" else 0
+    launcher = mpi_launcher(m, w)
     if restarts:  # srun truncates its --output by default: a restart would erase why the last attempt failed
         flags.append("--open-mode=append")
     return Step(
         name=w.name, comment=f"{w.name}: TPxPP={w.tasks} on nodes {w.nodes} ({ranks})" + (
-            f"; the worker starts {mpi_launcher(m, w)}, which runs it on rank 0 and TensorRT-LLM's own loop on the "
-            "others" if mpi_launcher(m, w) else ""),
+            f"; the worker starts {launcher}, which runs it on rank 0 and TensorRT-LLM's own loop on the others"
+            if launcher else ""),
         srun_flags=flags, nodelist=_nodelist(w.nodes),
         command=worker_argv(m, w, c.python),
         unit_restarts=restarts, unit_continue=as_unit and policy.on_failure.value == "continue",
