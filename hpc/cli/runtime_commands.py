@@ -155,12 +155,12 @@ def collect_status(run: RunDir) -> dict[str, Any]:
         components.append({"component": s.name, "node": st.get("node", f"n{s.node}"),
                            "phase": st.get("phase", "not started"),
                            "health": frontend_health if s.name == "frontend" else "-"})
-    live = {(role, i["index"]): i.get("routed", 0)
-            for role, items in (frontend_view.get("instances") or {}).items() for i in items}
+    listed = {(role, i["index"]): i for role, items in (frontend_view.get("instances") or {}).items() for i in items}
     for w in m.plan.workers:
         st = states.get(w.name, {})
-        key = (w.role.value, w.index)
-        routed = f"routed ({live[key]} requests)" if key in live else "not routed"
+        item = listed.get((w.role.value, w.index))
+        routed = "not routed" if item is None else \
+            f"{'draining, was routed' if item.get('draining') else 'routed'} ({item.get('routed', 0)} requests)"
         visible = st.get("cuda_visible_devices")
         components.append({"component": f"{w.name} ({w.pool})" if w.pool else w.name,
                            "node": st.get("node", f"n{w.nodes[0]}"),

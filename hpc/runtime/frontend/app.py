@@ -14,7 +14,7 @@ from hpc.runtime.engine.types import GenerateRequest, SamplingParams, TokenLogpr
 from hpc.runtime.frontend.openai import (ApiError, ChatRequest, CompletionRequest, chat_logprobs,
                                          completion_logprobs, new_id, now, unsupported_param)
 from hpc.runtime.frontend.parsers import AnswerParser, json_answer_guide, tool_call_guide
-from hpc.runtime.frontend.group import FrontendGroup, health_status
+from hpc.runtime.frontend.group import FrontendGroup, health_status, live_counts
 from hpc.runtime.frontend.pools import PoolRouter
 from hpc.runtime.frontend.orchestration import Orchestrator
 from hpc.runtime.frontend.router import NoInstance, Router
@@ -106,6 +106,7 @@ class Frontend:
             table.setdefault(inst.role, []).append({"index": inst.index, "pool": inst.pool or None,
                                                     "instance_id": inst.instance_id,
                                                     "address": inst.address, "node": inst.node,
+                                                    "draining": inst.draining,
                                                     "routed": self.router.routed.get(inst.key, 0)})
         return table
 
@@ -136,7 +137,7 @@ class Frontend:
     def health_view(self) -> dict[str, Any]:
         """This process's view: the workers it can route to, and how the router chose."""
         table = self.instance_table()
-        live = {role: len(items) for role, items in table.items()}
+        live = live_counts(table)
         return {"status": health_status(live, self.expected), "model": self.model_name, "expected": self.expected,
                 "live": live, "instances": table, "router": self.router_view()}
 

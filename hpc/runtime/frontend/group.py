@@ -37,6 +37,11 @@ def health_status(live: dict[str, int], expected: dict[str, int]) -> str:
     return "degraded" if all(live.get(role, 0) > 0 for role in expected) else "unhealthy"
 
 
+def live_counts(instances: dict[str, list[dict[str, Any]]]) -> dict[str, int]:
+    """Per role, the listed workers that take new requests (a draining one is listed until it has left)."""
+    return {role: sum(1 for item in items if not item["draining"]) for role, items in instances.items()}
+
+
 def merge_health(views: list[dict[str, Any]]) -> dict[str, Any]:
     """The group's /health from each process's own: a worker counts as live when every process can route to it
     (readiness waits for all of them), requests routed are summed."""
@@ -44,9 +49,10 @@ def merge_health(views: list[dict[str, Any]]) -> dict[str, Any]:
     instances: dict[str, list[dict[str, Any]]] = {}
     for role, items in first["instances"].items():
         others = [{i["instance_id"]: i for i in v["instances"].get(role, [])} for v in views[1:]]
-        instances[role] = [{**item, "routed": item["routed"] + sum(o[item["instance_id"]]["routed"] for o in others)}
+        instances[role] = [{**item, "routed": item["routed"] + sum(o[item["instance_id"]]["routed"] for o in others),
+                            "draining": item["draining"] or any(o[item["instance_id"]]["draining"] for o in others)}
                            for item in items if all(item["instance_id"] in o for o in others)]
-    live = {role: len(items) for role, items in instances.items()}
+    live = live_counts(instances)
     router = dict(first["router"])
     if "prompt_blocks" in router:
         router.update(stale=any(v["router"]["stale"] for v in views), events=max(v["router"]["events"] for v in views),

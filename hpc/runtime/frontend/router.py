@@ -37,8 +37,12 @@ def _component(key: str) -> str:
 
 
 class NoInstance(Exception):
-    def __init__(self, role: str, pool: str | None = None) -> None:
-        super().__init__(f"no live {role} worker" + (f" in pool {pool}" if pool else ""))
+    def __init__(self, role: str, pool: str | None = None, draining: int = 0) -> None:
+        where = f" in pool {pool}" if pool else ""
+        # Draining workers are on their way out (hpc cancel, or the job's time limit is near): say so, since
+        # waiting for them to come back would be in vain.
+        why = f" ({draining} draining: the job is being cancelled or is near its time limit)" if draining else ""
+        super().__init__(f"no live {role} worker{where}{why}")
         self.role = role
 
 
@@ -76,10 +80,13 @@ class Router:
         fresh = {k: i for k, i in snapshot.items() if i.instance_id not in self.dead}
         for key in list(self.instances):
             if key in fresh and fresh[key].instance_id == self.instances[key].instance_id:
+                self.instances[key] = fresh[key]  # the same process, perhaps draining now
                 self.unlisted.pop(key, None)
                 self.vanished_at.pop(key, None)
             elif key in fresh:  # restarted under the same name: the old process is gone
                 self._drop(key)
+            elif self.instances[key].draining:
+                self._drop(key)  # drained and deregistered: gone on purpose, not discovery's fault
             elif key in self.unlisted:
                 pass  # still within its settle window or grace (expire_unlisted dropped those past it)
             elif self._connected(key):  # wait a moment: others may follow (then it is discovery's fault)
@@ -133,16 +140,17 @@ class Router:
             self._drop(key)
 
     def live(self, role: str) -> list[Instance]:
-        return [i for i in self.instances.values() if i.role == role]
+        """The instances of `role` that take new requests (listed, not draining)."""
+        return [i for i in self.instances.values() if i.role == role and not i.draining]
 
     def pick(self, role: str, exclude: set[str], tokens: list[int] | None = None,
              pool: str | None = None) -> tuple[str, RpcClient, int]:
         """(instance key, its client, the prompt blocks it will compute: kv_aware's load on it); within `pool`
         when given."""
-        keys = sorted(k for k, i in self.instances.items()
-                      if i.role == role and k not in exclude and (pool is None or i.pool == pool))
+        ours = [(k, i) for k, i in self.instances.items() if i.role == role and (pool is None or i.pool == pool)]
+        keys = sorted(k for k, i in ours if k not in exclude and not i.draining)
         if not keys:
-            raise NoInstance(role, pool)
+            raise NoInstance(role, pool, draining=sum(1 for _, i in ours if i.draining))
         turn = next(self._rr.setdefault(f"{role}/{pool}" if pool else role, itertools.count()))
         new_blocks = 0
         keys = keys[turn % len(keys):] + keys[:turn % len(keys)]  # ties go round the role's instances
@@ -175,8 +183,9 @@ class Router:
 
     def preconnect(self) -> None:
         """Connect to every listed instance not connected yet (after update, on the event loop)."""
-        for key in self.instances:
-            self._ahead.open(self._client(key))
+        for key, inst in self.instances.items():
+            if not inst.draining:
+                self._ahead.open(self._client(key))
 
     def _draw(self, keys: list[str], cost) -> str:
         """A worker drawn with weight exp(-(cost - cheapest) / temperature)."""

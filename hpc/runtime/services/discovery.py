@@ -30,6 +30,9 @@ class Instance(BaseModel):
     rpc_port: int
     http_port: int
     node: str
+    # Leaving: no new requests, but its connections stay for what it still serves (and for KV fetches and
+    # releases of what it prefilled). A key that goes away instead is a worker gone or hung.
+    draining: bool = False
 
     @property
     def key(self) -> str:
@@ -49,6 +52,7 @@ class EtcdDiscovery:
         self.password = password
         self._client = None
         self._lease = None
+        self._instance: Instance | None = None  # as registered (and re-registered after a lost lease)
         self._tasks: list[asyncio.Task] = []
 
     async def _connect(self):
@@ -61,15 +65,25 @@ class EtcdDiscovery:
         return self._client
 
     async def register(self, instance: Instance) -> None:
-        await self._put(instance)
-        self._tasks.append(asyncio.create_task(self._keepalive(instance)))
+        self._instance = instance
+        await self._put()
+        self._tasks.append(asyncio.create_task(self._keepalive()))
 
-    async def _put(self, instance: Instance) -> None:
+    async def set_draining(self) -> None:
+        """Stay listed, as draining, under the same lease: routers stop sending work but keep the connection."""
+        assert self._instance is not None, "register first"
+        self._instance = self._instance.model_copy(update={"draining": True})
+        client = await self._connect()
+        await client.put((self.prefix + self._instance.key).encode(), self._instance.model_dump_json().encode(),
+                         lease=self._lease)
+
+    async def _put(self) -> None:
         client = await self._connect()
         self._lease = await client.lease(LEASE_TTL_S)
-        await client.put((self.prefix + instance.key).encode(), instance.model_dump_json().encode(), lease=self._lease)
+        await client.put((self.prefix + self._instance.key).encode(), self._instance.model_dump_json().encode(),
+                         lease=self._lease)
 
-    async def _keepalive(self, instance: Instance) -> None:
+    async def _keepalive(self) -> None:
         registered = True
         while True:
             await asyncio.sleep(LEASE_TTL_S / 4)
@@ -82,7 +96,7 @@ class EtcdDiscovery:
                 if not registered:
                     # a new lease *and* the key under it: a lease granted before a failed put refreshes fine
                     # but announces nothing, so the put is retried until it lands
-                    await self._put(instance)
+                    await self._put()
                     registered = True
             except Exception as exc:  # etcd gone, slow or restarted: keep trying; the lease may expire meanwhile
                 log.warning("lease refresh or registration failed: %s", exc)
@@ -164,14 +178,24 @@ class FileDiscovery:
         self.dir = directory
         self._task: asyncio.Task | None = None
         self._path: Path | None = None
+        self._instance: Instance | None = None
 
     async def register(self, instance: Instance) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._path = self.dir / f"{instance.role}-{instance.index}.json"
-        tmp = self._path.with_suffix(".tmp")
-        tmp.write_text(instance.model_dump_json())
-        os.replace(tmp, self._path)
+        self._instance = instance
+        self._write()
         self._task = asyncio.create_task(self._heartbeat())
+
+    async def set_draining(self) -> None:
+        assert self._instance is not None, "register first"
+        self._instance = self._instance.model_copy(update={"draining": True})
+        self._write()
+
+    def _write(self) -> None:
+        tmp = self._path.with_suffix(".tmp")
+        tmp.write_text(self._instance.model_dump_json())
+        os.replace(tmp, self._path)
 
     async def _heartbeat(self) -> None:
         while True:

@@ -44,7 +44,7 @@ class Peers:
                 self._ahead.open(self.client(inst.address))
 
     def pick(self, role: str) -> str:
-        live = sorted(i.address for i in self.instances.values() if i.role == role)
+        live = sorted(i.address for i in self.instances.values() if i.role == role and not i.draining)
         if not live:
             raise RemoteError(f"no live {role} worker", 503)
         return live[int(time.monotonic() * 1000) % len(live)]

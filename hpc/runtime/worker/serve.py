@@ -247,7 +247,11 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
     failed.cancel()
     draining = True
     reporter.phase("draining")
-    await discovery.deregister()  # no new requests are routed here
+    try:  # no new requests are routed here; what is in flight keeps its connections
+        await discovery.set_draining()
+    except Exception as exc:  # discovery unreachable: leave it, at the cost of the frontends' connections
+        log.warning("could not mark this worker draining (%s): deregistering", exc)
+        await discovery.deregister()
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     while rpc.inflight and time.monotonic() < deadline:
         await asyncio.sleep(0.05)

@@ -56,9 +56,10 @@ def test_metrics_of_the_processes_are_summed_except_views_of_shared_state():
         lines.index('hpc_frontend_routed_agg_1_total{run="r"} 5.0')
 
 
-def _view(instances: dict[str, list[tuple[str, int]]], blocks: int = 0) -> dict:
+def _view(instances: dict[str, list[tuple[str, int]]], blocks: int = 0, draining: tuple[str, ...] = ()) -> dict:
     return {"status": "x", "model": "m", "expected": {"prefill": 1, "decode": 2},
-            "live": {}, "instances": {role: [{"index": i, "instance_id": iid, "routed": routed}
+            "live": {}, "instances": {role: [{"index": i, "instance_id": iid, "routed": routed,
+                                              "draining": iid in draining}
                                              for i, (iid, routed) in enumerate(items)]
                                       for role, items in instances.items()},
             "router": {"policy": "kv_aware", "stale": blocks == 0, "events": 10 + blocks, "prompt_blocks": blocks,
@@ -78,6 +79,12 @@ def test_health_of_the_group_counts_a_worker_only_when_every_process_routes_to_i
     assert merged["processes"] == 2
     caught_up = _view({"prefill": [("p0", 4)], "decode": [("d0", 5), ("d1", 0)]})
     assert merge_health([first, caught_up])["status"] == "healthy"
+    # a worker one process already sees draining takes no new requests from the group: listed, not live
+    leaving = merge_health([first, _view({"prefill": [("p0", 4)], "decode": [("d0", 5), ("d1", 0)]},
+                                         draining=("d1",))])
+    assert leaving["live"] == {"prefill": 1, "decode": 1} and leaving["status"] == "degraded"
+    assert [(i["instance_id"], i["draining"]) for i in leaving["instances"]["decode"]] == [("d0", False),
+                                                                                           ("d1", True)]
 
 
 grouped = stack_fixture("mock-agg", "--set", "frontend.processes=2")

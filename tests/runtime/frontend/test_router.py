@@ -105,3 +105,22 @@ def test_a_listed_worker_is_connected_before_its_first_request():
         return state
 
     assert asyncio.run(main()) == (1, True, True)  # connected ahead, and that connection is the one used
+
+
+def test_a_draining_worker_gets_no_new_requests_but_keeps_its_connection():
+    """Draining (hpc cancel, the job's time limit) is not a lost worker: what it serves finishes on the same
+    connection; once every worker of a role drains, the refusal says why."""
+    from hpc.runtime.frontend.router import NoInstance
+
+    a, b = _instance("agg", 0), _instance("agg", 1)
+    router = _router(a, b)
+    router.update({a.key: a.model_copy(update={"draining": True}), b.key: b}, now=1.0)
+    router.expire_unlisted(now=1.0 + SETTLE_S)
+    assert sorted(router.instances) == ["agg/0", "agg/1"] and not router.clients["agg/0"].closed
+    assert [i.key for i in router.live("agg")] == ["agg/1"]
+    assert {router.pick("agg", set())[0] for _ in range(4)} == {"agg/1"}
+    router.update({k: i.model_copy(update={"draining": True}) for k, i in ((a.key, a), (b.key, b))}, now=2.0)
+    with pytest.raises(NoInstance, match=r"^no live agg worker \(2 draining: the job is being cancelled or is near"):
+        router.pick("agg", set())
+    router.update({}, now=3.0)  # drained and gone together: on purpose, not a mass expiry to wait out
+    assert router.instances == {} and router.clients == {} and not router.unlisted

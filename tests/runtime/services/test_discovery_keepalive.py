@@ -98,3 +98,19 @@ def test_registration_comes_back_after_a_restart_forgot_the_token_and_the_lease_
         await worker.close()
 
     asyncio.run(main())
+
+
+def test_the_file_store_lists_a_draining_worker_as_draining(tmp_path):
+    async def main():
+        store = discovery_mod.FileDiscovery(tmp_path)
+        await store.register(Instance(role="decode", index=1, instance_id="d1", host="h", rpc_port=1, http_port=2,
+                                      node="n0"))
+        before = await store.snapshot()
+        await store.set_draining()
+        after = await store.snapshot()
+        await store.close()
+        return before, after, await store.snapshot()
+
+    before, after, closed = asyncio.run(main())
+    assert before["decode/1"].draining is False and after["decode/1"].draining is True
+    assert after["decode/1"].instance_id == "d1" and closed == {}

@@ -73,3 +73,31 @@ def test_a_worker_registering_between_the_read_and_the_watch_is_seen(etcd):
         return seen.get("latest", {})
 
     assert list(asyncio.run(main())) == ["decode/0"]
+
+
+def test_a_draining_worker_stays_listed_as_draining_under_its_lease_and_after_losing_it(etcd):
+    """Draining is a state of the registration, not its end: kept alive by the same lease, and a registration
+    that comes back after a lost lease comes back draining (not routable again)."""
+    async def main() -> list[tuple[str, bool]]:
+        watcher = EtcdDiscovery("127.0.0.1", etcd, "/hpc/drain/")
+        worker = EtcdDiscovery("127.0.0.1", etcd, "/hpc/drain/")
+        await worker.register(Instance(role="agg", index=0, instance_id="a0", host="127.0.0.1", rpc_port=1,
+                                       http_port=2, node="n0"))
+        seen: list[tuple[str, bool]] = []
+
+        def record(snap) -> None:
+            state = [(k, i.draining) for k, i in snap.items()]
+            if not seen or seen[-1] != (state[0] if state else ("gone", False)):
+                seen.append(state[0] if state else ("gone", False))
+        task = asyncio.create_task(watcher.watch(record))
+        await asyncio.sleep(0.5)
+        await worker.set_draining()
+        await asyncio.sleep(2.5)  # over two lease TTLs: refreshed, still listed
+        await worker._lease.revoke()  # the lease lost (etcd restarted, a long pause): the key goes with it
+        await asyncio.sleep(1.5)  # the keepalive registers again
+        task.cancel()
+        await worker.close()
+        await watcher.close()
+        return seen
+
+    assert asyncio.run(main()) == [("agg/0", False), ("agg/0", True), ("gone", False), ("agg/0", True)]

@@ -1,0 +1,83 @@
+"""Draining (hpc cancel's first tier, and Slurm's signal before a job's time limit) through a live frontend: the
+worker takes no new requests, and what it serves finishes on the frontend's connection to it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from hpc.checks.probe import get_json, get_text, metric_values, post_json, post_sse
+from hpc.cli.main import main
+from tests.runtime.conftest import stack_fixture
+
+pytestmark = pytest.mark.integration
+
+TOKENS = 150  # at 20 ms a token: 3 s of stream, most of it after the drain signal
+pair = stack_fixture("mock-agg", "--set", "roles.agg.count=2", "--set", "mock.per_token_delay_ms=20",
+                     "--set", "frontend.router=round_robin")
+
+
+def _state(stack, name: str) -> dict:
+    return json.loads((stack.run.state / f"{name}.json").read_text())
+
+
+def _busy(stack) -> str:
+    for name in ("agg-0", "agg-1"):
+        if metric_values(get_text(_state(stack, name)["http"] + "/metrics"), "hpc_worker_inflight") > 0:
+            return name
+    raise AssertionError("no worker has the request in flight")
+
+
+def _until(check, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"not within {seconds} s: {what}")
+
+
+def test_a_draining_worker_finishes_its_stream_and_takes_no_new_requests(pair, capsys):
+    body = {"model": pair.model, "prompt": "hello", "temperature": 0, "max_tokens": TOKENS, "ignore_eos": True,
+            "stream": True}
+    stream = post_sse(pair.url + "/v1/completions", body, timeout=30)
+    events = [next(stream)]
+    busy = _busy(pair)
+    other = {"agg-0": "agg-1", "agg-1": "agg-0"}[busy]
+    os.kill(_state(pair, busy)["pid"], signal.SIGUSR1)
+    _until(lambda: _state(pair, busy)["phase"] == "draining" or _state(pair, busy)["phase"] == "drained", 5,
+           f"{busy} draining")
+    # new requests meanwhile all go to the other worker, and the frontend lists the draining one as such
+    health = _until(lambda: (lambda h: h if h["live"] == {"agg": 1} else None)(get_json(pair.url + "/health")[1]),
+                    5, "the frontend sees the drain")
+    assert health["status"] == "degraded"
+    assert {i["index"]: i["draining"] for i in health["instances"]["agg"]} == {int(busy[-1]): True,
+                                                                             int(other[-1]): False}
+    before = metric_values(get_text(_state(pair, other)["http"] + "/metrics"), "hpc_worker_requests_total")
+    for _ in range(4):
+        code, answer = post_json(pair.url + "/v1/completions", {"model": pair.model, "prompt": "x", "max_tokens": 2})
+        assert code == 200, answer
+    assert metric_values(get_text(_state(pair, other)["http"] + "/metrics"), "hpc_worker_requests_total") == \
+        before + 4
+    events += list(stream)  # well past the frontend's settle window: the connection was kept
+    assert "error" not in events[-1], events[-1]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert len([e for e in events if e["choices"][0]["text"]]) == TOKENS
+    _until(lambda: _state(pair, busy)["phase"] == "drained", 5, f"{busy} drained once its stream ended")
+
+    assert main(["status", str(pair.run.path)]) == 0
+    status = capsys.readouterr().out
+    assert "draining, was routed (1 requests)" in status, status
+
+    # the last one drains too: a new request is refused with the reason, not only "no live worker"
+    os.kill(_state(pair, other)["pid"], signal.SIGUSR1)
+    _until(lambda: get_json(pair.url + "/health")[1]["live"] == {"agg": 0}, 5, "both draining")
+    code, answer = post_json(pair.url + "/v1/completions", {"model": pair.model, "prompt": "x", "max_tokens": 2})
+    assert code == 503
+    assert answer["error"]["message"] == ("no live agg worker (2 draining: the job is being cancelled or is near "
+                                          "its time limit)")
