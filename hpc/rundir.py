@@ -21,6 +21,7 @@ from hpc.manifest import Manifest
 from hpc.resolve import Resolved
 
 RUNS_DIR_NAME = "runs"
+SERVING_PHASES = ("registered", "first_token", "draining")  # a worker phase with requests it may hold
 
 
 def runs_root(cluster: Any = None) -> Path:
@@ -120,6 +121,12 @@ class RunDir:
             if isinstance(data, dict):
                 states[path.stem] = data
         return states
+
+    def workers_drained(self) -> bool:
+        """hpc cancel's first tier is over: no worker still serves (registered, or draining what it holds). One not
+        serving yet (loading, restarting) has nothing to finish, and gets TERM at once."""
+        states = self.component_states()
+        return not any(states.get(w.name, {}).get("phase") in SERVING_PHASES for w in self.manifest().plan.workers)
 
     def log_path(self, component: str) -> Path:
         return self.logs / f"{component}.log"

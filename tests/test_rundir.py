@@ -64,3 +64,29 @@ def test_a_runs_dir_on_a_filesystem_not_mounted_here_is_an_error_and_nothing_is_
     err = capsys.readouterr().err
     assert "clusters/site.yaml: runs_dir: runs directory" in err and "does not exist on this machine" in err
     assert not (tmp_path / "lustre").exists() and not Path("runs").exists()
+
+
+def test_cancels_drain_tier_waits_only_for_workers_that_serve(tmp_path, monkeypatch):
+    """Registered or draining workers may hold requests; one still loading or restarting has nothing to finish,
+    so hpc cancel does not spend its grace period on it."""
+    from hpc.rundir import RunDir, write_json
+
+    monkeypatch.setenv("HPC_RUNS_DIR", str(tmp_path))
+    assert main(["launch", "-c", "eos", "-r", "deepseek-r1-disagg", "--dry-run"]) == 0
+    (path,) = tmp_path.iterdir()
+    run = RunDir(path)
+    workers = [w.name for w in run.manifest().plan.workers]
+    assert len(workers) >= 2
+    run.state.mkdir(parents=True, exist_ok=True)
+
+    def phases(*values: str) -> bool:
+        for name, phase in zip(workers, values):
+            write_json(run.state / f"{name}.json", {"component": name, "phase": phase})
+        return run.workers_drained()
+
+    assert phases("weights_loaded", "restarting") is True
+    assert phases("drained", "registered") is False
+    assert phases("draining", "stopped") is False
+    assert phases("drained", "failed") is True
+    write_json(run.state / "frontend.json", {"component": "frontend", "phase": "ready"})  # not a worker
+    assert run.workers_drained() is True

@@ -333,7 +333,7 @@ def cancel(args: argparse.Namespace) -> int:
     if info.get("scheduler") == "local":
         from hpc.launch.local import stop_local
 
-        left = stop_local(run, args.grace)
+        left = stop_local(run, args.grace, run.workers_drained)
         run.update_run_info(cancelled_at=time.time())
         print(f"stopped {run.path.name}" + (f"; still alive: {left}" if left else ""))
         if not left and args.remove:
@@ -342,14 +342,8 @@ def cancel(args: argparse.Namespace) -> int:
     from hpc.launch.slurm import runner_for
     from hpc.slurm.client import SlurmClient
 
-    workers = [w.name for w in run.manifest().plan.workers]
-
-    def drained() -> bool:
-        states = run.component_states()
-        return all(states.get(w, {}).get("phase") in ("drained", "stopped", "failed", None) for w in workers)
-
     job_id = run.job_id()
-    state = SlurmClient(runner_for(run)).cancel(job_id, grace_s=args.grace, drained=drained)
+    state = SlurmClient(runner_for(run)).cancel(job_id, grace_s=args.grace, drained=run.workers_drained)
     run.update_run_info(cancelled_at=time.time())
     print(f"job {job_id}: {state.state if state else 'gone'}")
     if args.remove:

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from hpc.errors import UserError
 from hpc.manifest import Manifest
@@ -129,9 +130,26 @@ def local_pids(run: RunDir) -> dict[str, list[int]]:
     return (read_json(run.path / "local.json") or {}).get("pids", {})
 
 
-def stop_local(run: RunDir, grace_s: float = 10.0) -> list[int]:
-    """TERM every process group of the run, then KILL what is left after the grace period."""
-    groups = [pid for pids in local_pids(run).values() for pid in pids]
+def stop_local(run: RunDir, grace_s: float = 10.0, drained: Callable[[], bool] | None = None) -> list[int]:
+    """TERM every process group of the run, then KILL what is left after the grace period. With `drained`, first
+    hpc cancel's drain tier: SIGUSR1 to each worker's serving process (not its group: processes an engine spawned,
+    such as TensorRT-LLM's ranks, would die of it), then up to the grace period for `drained()` (the workers
+    finished what they serve)."""
+    started = local_pids(run)
+    if drained is not None:
+        states = run.component_states()
+        for worker in run.manifest().plan.workers:
+            pid = states.get(worker.name, {}).get("pid")
+            try:  # only a process of the worker's own group: a stale state's pid may belong to anyone now
+                if pid and os.getpgid(pid) in started.get(worker.name, []):
+                    os.kill(pid, signal.SIGUSR1)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            wait_until(lambda: True if drained() else None, grace_s, "the workers to drain")
+        except TimeoutError:
+            pass  # the grace period is over: TERM now
+    groups = [pid for pids in started.values() for pid in pids]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in groups:
             try:

@@ -81,3 +81,28 @@ def test_a_draining_worker_finishes_its_stream_and_takes_no_new_requests(pair, c
     assert code == 503
     assert answer["error"]["message"] == ("no live agg worker (2 draining: the job is being cancelled or is near "
                                           "its time limit)")
+
+
+single = stack_fixture("mock-agg", "--set", "mock.per_token_delay_ms=20")
+
+
+def test_hpc_cancel_lets_the_stream_in_flight_finish_before_it_stops_the_run(single, capsys):
+    import threading
+
+    body = {"model": single.model, "prompt": "hello", "temperature": 0, "max_tokens": TOKENS, "ignore_eos": True,
+            "stream": True}
+    stream = post_sse(single.url + "/v1/completions", body, timeout=30)
+    events = [next(stream)]
+    cancelled: dict = {}
+    cancel = threading.Thread(target=lambda: cancelled.update(code=main(["cancel", str(single.run.path),
+                                                                         "--grace", "20"])))
+    started = time.monotonic()
+    cancel.start()
+    events += list(stream)
+    streamed = time.monotonic() - started
+    cancel.join(30)
+    assert cancelled == {"code": 0}
+    assert events[-1]["choices"][0]["finish_reason"] == "length", events[-1]
+    assert len([e for e in events if e["choices"][0]["text"]]) == TOKENS
+    assert streamed > 1.0, "the stream ran on after the cancel began"
+    assert _state(single, "agg-0")["phases"]["drained"] >= _state(single, "agg-0")["phases"]["draining"]
