@@ -97,6 +97,29 @@ def test_tiny_disagg_as_planned_with_smoke_and_clean_cancel(slurm_env, tmp_path)
     _cancel_and_check_clean(run)
 
 
+def test_cancel_lets_the_disaggregated_stream_in_flight_finish(slurm_env):
+    """hpc cancel's first tier: the decode worker serving a stream drains, and the frontend keeps its connection
+    until the stream has ended (it was cut with an error before). Mock engines: a token each 40 ms, so the stream
+    outlasts the 5 s the frontend keeps workers that all leave discovery at once."""
+    run = _launch("-c", "dev", "-r", "tiny-disagg", "--set", "backend=mock", "--set", "mock.per_token_delay_ms=40")
+    stream = post_sse(_url(run) + "/v1/completions", {"model": "hpc/tiny", "prompt": "A long answer", "max_tokens": 200,
+                                                      "ignore_eos": True, "stream": True}, timeout=60)
+    events = [next(stream)]
+    started = time.time()
+    cancelled = threading.Thread(target=main, args=(["cancel", run.job_id()],))
+    cancelled.start()
+    events += list(stream)
+    ended = time.time()
+    cancelled.join(60)
+    assert not cancelled.is_alive()
+    phases = {name: run.component_states()[name]["phases"] for name in ("prefill-0", "decode-0")}
+    assert events[-1].get("choices", [{}])[0].get("finish_reason") == "length", events[-1]
+    assert sum(1 for e in events if e["choices"][0]["text"]) == 200
+    assert ended - started > 6, "the stream went on for seconds after the cancel began"
+    assert started < phases["decode-0"]["draining"] < ended - 1 < phases["decode-0"]["drained"], phases
+    _cancel_and_check_clean(run)
+
+
 @pytest.mark.skipif(not nixl_available(), reason="needs the nixl extra (nixl-cu13)")
 def test_kv_crosses_nodes_over_nixl_tcp(slurm_env):
     """Prefill on node2, decode on node3, the KV READ over NIXL with UCX held to TCP between the nodes' namespaces
