@@ -20,6 +20,16 @@ pytestmark = pytest.mark.slurm
 FAKE = Path(__file__).resolve().parents[1] / "fakes" / "trtllm"
 
 
+def _fake_trtllm(monkeypatch, tmp_path: Path) -> Path:
+    """The job's processes find the fakes first (the nodes share this filesystem and environment); returns the
+    log they write their events to."""
+    log = tmp_path / "fake-trtllm.jsonl"
+    monkeypatch.setenv("PATH", f"{FAKE / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(FAKE), os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("FAKE_TRTLLM_LOG", str(log))
+    return log
+
+
 def _events(log: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
@@ -33,10 +43,7 @@ def _running(pid: int) -> bool:
 
 def test_trtllm_ranks_under_its_launcher_drain_before_the_time_limit_and_end_by_it(slurm_env, monkeypatch,
                                                                                    tmp_path, capsys):
-    log = tmp_path / "fake-trtllm.jsonl"  # the nodes share this filesystem
-    monkeypatch.setenv("PATH", f"{FAKE / 'bin'}:{os.environ['PATH']}")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(FAKE), os.environ.get("PYTHONPATH")) if p))
-    monkeypatch.setenv("FAKE_TRTLLM_LOG", str(log))
+    log = _fake_trtllm(monkeypatch, tmp_path)
     monkeypatch.setenv("FAKE_TRTLLM_TRANSCEIVER_DIR", str(tmp_path / "transceiver"))
     run = _launch("-c", "dev", "-r", "tiny-agg", "--set", "backend=trtllm", "--set",
                   "roles.agg.tensor_parallel_size=2", "--set", "time_limit=00:10:00", "--set",
@@ -96,10 +103,7 @@ def test_a_failed_trtllm_worker_under_its_launcher_restarts_all_its_ranks(slurm_
     the worker ends its rank's launcher, the step fails, and the job script restarts the ranks together."""
     from tests.slurm.test_serving_on_slurm import _cancel_and_check_clean
 
-    log, fail = tmp_path / "fake-trtllm.jsonl", tmp_path / "fail-now"
-    monkeypatch.setenv("PATH", f"{FAKE / 'bin'}:{os.environ['PATH']}")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(FAKE), os.environ.get("PYTHONPATH")) if p))
-    monkeypatch.setenv("FAKE_TRTLLM_LOG", str(log))
+    log, fail = _fake_trtllm(monkeypatch, tmp_path), tmp_path / "fail-now"
     monkeypatch.setenv("FAKE_TRTLLM_FAIL_FILE", str(fail))
     run = _launch("-c", "dev", "-r", "tiny-agg", "--set", "backend=trtllm", "--set",
                   "roles.agg.tensor_parallel_size=2", "--set", "roles.agg.failure.on_failure=restart", "--set",
