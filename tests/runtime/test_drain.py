@@ -7,6 +7,8 @@ import json
 import os
 import signal
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -77,10 +79,17 @@ def test_a_draining_worker_finishes_its_stream_and_takes_no_new_requests(pair, c
     # the last one drains too: a new request is refused with the reason, not only "no live worker"
     os.kill(_state(pair, other)["pid"], signal.SIGUSR1)
     _until(lambda: get_json(pair.url + "/health")[1]["live"] == {"agg": 0}, 5, "both draining")
-    code, answer = post_json(pair.url + "/v1/completions", {"model": pair.model, "prompt": "x", "max_tokens": 2})
-    assert code == 503
-    assert answer["error"]["message"] == ("no live agg worker (2 draining: the job is being cancelled or is near "
-                                          "its time limit)")
+    refused = urllib.request.Request(pair.url + "/v1/completions", headers={"content-type": "application/json"},
+                                     data=json.dumps({"model": pair.model, "prompt": "x", "max_tokens": 2}).encode())
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.urlopen(refused, timeout=10)
+    assert answer.value.code == 503
+    assert json.loads(answer.value.read())["error"]["message"] == (
+        "no live agg worker (2 draining: the job is being cancelled or is near its time limit)")
+    # the id the client got is the one the frontend's log names
+    rid = answer.value.headers["x-request-id"]
+    assert rid.startswith("cmpl-")
+    assert f"{rid} failed: 503 no live agg worker (2 draining" in (pair.run.logs / "frontend.log").read_text()
 
 
 single = stack_fixture("mock-agg", "--set", "mock.per_token_delay_ms=20")

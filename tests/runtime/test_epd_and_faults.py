@@ -113,6 +113,9 @@ def test_killed_worker_mid_stream_ends_stream_with_error_and_others_keep_serving
     rest = list(stream)  # must end, not hang
     assert time.monotonic() - t0 < 5
     assert "error" in rest[-1]
+    # the frontend's log names the failed request by the id its client saw
+    logged = (mock.run.logs / "frontend.log").read_text()
+    assert f"{first['id']} failed: 502 agg worker agg/" in logged, logged[-2000:]
     # requests right after the kill are routed to the survivor (or retried there): none fails
     for _ in range(10):
         code, resp = post_json(mock.url + "/v1/completions", {"model": mock.model, "prompt": "x", "temperature": 0, "max_tokens": 3})

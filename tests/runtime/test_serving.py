@@ -47,6 +47,17 @@ def test_completions_and_chat_streaming_and_not(name, request):
         body["choices"][0]["message"]["content"]
 
 
+def test_each_answer_carries_its_id_in_a_header_streamed_or_not(agg):
+    for stream in (False, True):
+        req = urllib.request.Request(agg.url + "/v1/chat/completions", headers={"content-type": "application/json"},
+                                     data=json.dumps({"model": agg.model, "max_tokens": 2, "stream": stream,
+                                                      "messages": [{"role": "user", "content": "hi"}]}).encode())
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            rid, text = resp.headers["x-request-id"], resp.read().decode()
+        first = json.loads(text.split("data: ", 1)[1].split("\n", 1)[0]) if stream else json.loads(text)
+        assert rid.startswith("chatcmpl-") and first["id"] == rid, (rid, text[:300])
+
+
 def test_same_greedy_text_aggregated_and_disaggregated(agg, disagg):
     for prompt in (PROMPT, "def main():", "Slurm schedules jobs on"):
         a = post_json(agg.url + "/v1/completions", {"model": agg.model, "prompt": prompt, "temperature": 0, "max_tokens": 24,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from pathlib import Path
 from typing import Any, AsyncIterator, NamedTuple
 
@@ -11,8 +12,8 @@ from pydantic import ValidationError
 
 from hpc.manifest import Manifest
 from hpc.runtime.engine.types import GenerateRequest, SamplingParams, TokenLogprob
-from hpc.runtime.frontend.openai import (ApiError, ChatRequest, CompletionRequest, chat_logprobs,
-                                         completion_logprobs, new_id, now, unsupported_param)
+from hpc.runtime.frontend.openai import (REQUEST_ID_HEADER, ApiError, ChatRequest, CompletionRequest,
+                                         chat_logprobs, completion_logprobs, new_id, now, unsupported_param)
 from hpc.runtime.frontend.parsers import AnswerParser, json_answer_guide, tool_call_guide
 from hpc.runtime.frontend.group import FrontendGroup, health_status, live_counts
 from hpc.runtime.frontend.pools import PoolRouter
@@ -25,7 +26,7 @@ from hpc.runtime.serve.rpc import PeerGone, RemoteError
 from hpc.runtime.services.node import GcClock, IdleSpin, LoopLatency
 from hpc.runtime.serve.wire import Guide, GuidePiece, replace
 
-
+log = logging.getLogger("hpc.runtime.frontend")
 WHOLE_REQUEST_RETRIES = 1  # non-streamed requests whose worker died midway
 
 
@@ -392,7 +393,8 @@ class Frontend:
         self.counters["prompt_tokens_total"] += len(gen.token_ids)
         rid = new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
-            return Response(content_type="text/event-stream", stream=self._sse(body, gen, chat, rid, parsing, echo))
+            return Response(content_type="text/event-stream", stream=self._sse(body, gen, chat, rid, parsing, echo),
+                            headers={REQUEST_ID_HEADER: rid})
         self.counters["inflight"] += 1
         try:
             samples = self._samples(body, gen)
@@ -405,10 +407,8 @@ class Frontend:
                 except BaseExceptionGroup as failed:
                     raise failed.exceptions[0] from None
                 results = [t.result() for t in tasks]
-        except (NoInstance, PeerGone, RemoteError) as exc:
-            raise _api_error(exc) from None
-        except asyncio.TimeoutError:
-            raise self._timed_out() from None
+        except (NoInstance, PeerGone, RemoteError, asyncio.TimeoutError) as exc:
+            raise self._failed(rid, exc) from None
         finally:
             self.counters["inflight"] -= 1
         tokens = sum(r[2] for r in results)
@@ -433,9 +433,19 @@ class Frontend:
             else:
                 choices.append({"index": index, "text": echo + text, "logprobs": lp, "finish_reason": reason})
         usage = self._usage(len(gen.token_ids), tokens, max(r[4] for r in results))
-        return json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                              "created": now(), "model": self.model_name, "system_fingerprint": self.fingerprint,
-                              "choices": choices, "usage": usage})
+        answer = json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                "created": now(), "model": self.model_name, "system_fingerprint": self.fingerprint,
+                                "choices": choices, "usage": usage})
+        answer.headers[REQUEST_ID_HEADER] = rid
+        return answer
+
+    def _failed(self, rid: str, exc: Exception) -> ApiError:
+        """The client's error for a request the workers could not serve, with its id; logged, since the
+        frontend's log is where an operator looks for it."""
+        err = self._timed_out() if isinstance(exc, asyncio.TimeoutError) else _api_error(exc)
+        err.request_id = rid
+        log.warning("%s failed: %d %s", rid, err.status, err.message)
+        return err
 
     async def _merged(self, body: Any, gen: GenerateRequest) -> AsyncIterator[tuple[int, Piece]]:
         """The pieces of all `n` samples as they come, tagged with their index."""
@@ -535,7 +545,7 @@ class Frontend:
             yield b"data: [DONE]\n\n"
         except (NoInstance, PeerGone, RemoteError, asyncio.TimeoutError) as exc:
             # Headers are gone already: end the stream with an OpenAI-style error event, never hang.
-            err = self._timed_out() if isinstance(exc, asyncio.TimeoutError) else _api_error(exc)
+            err = self._failed(rid, exc)
             self.counters["errors_total"] += 1
             yield b"data: " + json_dumps({"error": {"message": err.message, "type": err.type,
                                                     "code": err.code or err.status}}) + b"\n\n"

@@ -17,10 +17,19 @@ class ApiError(Exception):
                  param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.request_id: str | None = None  # the failed request's id, once it had one
 
     def response(self) -> Response:
-        return json_response({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                        "code": self.code or self.status}}, self.status)
+        response = json_response({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                            "code": self.code or self.status}}, self.status)
+        if self.request_id:
+            response.headers[REQUEST_ID_HEADER] = self.request_id
+        return response
+
+
+# Each answer's id (the response's "id"), also on failures: what a user quotes to find the request in the
+# frontend's log.
+REQUEST_ID_HEADER = "x-request-id"
 
 
 # OpenAI parameters this server does not implement yet. Asking for their effect is a 400 naming the parameter

@@ -107,10 +107,8 @@ class VideoService:
             record.update(status="cancelled")
             raise
         except Exception as exc:
-            from hpc.runtime.frontend.app import _api_error
-
             self.counters["videos_failed_total"] += 1
-            err = self.frontend._timed_out() if isinstance(exc, asyncio.TimeoutError) else _api_error(exc)
+            err = self.frontend._failed(call.video_id, exc)
             record.update(status="failed", error={"message": err.message, "code": err.code or err.status})
             raise err from None
         if result is None:
