@@ -154,7 +154,8 @@ def collect_status(run: RunDir) -> dict[str, Any]:
         st = states.get(s.name, {})
         components.append({"component": s.name, "node": st.get("node", f"n{s.node}"),
                            "phase": st.get("phase", "not started"),
-                           "health": frontend_health if s.name == "frontend" else "-"})
+                           "health": frontend_health if s.name == "frontend" else "-",
+                           "restarts": st.get("restarts", 0)})
     listed = {(role, i["index"]): i for role, items in (frontend_view.get("instances") or {}).items() for i in items}
     for w in m.plan.workers:
         st = states.get(w.name, {})

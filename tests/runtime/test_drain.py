@@ -115,3 +115,30 @@ def test_hpc_cancel_lets_the_stream_in_flight_finish_before_it_stops_the_run(sin
     assert len([e for e in events if e["choices"][0]["text"]]) == TOKENS
     assert streamed > 1.0, "the stream ran on after the cancel began"
     assert _state(single, "agg-0")["phases"]["drained"] >= _state(single, "agg-0")["phases"]["draining"]
+
+
+restartable = stack_fixture("mock-agg")
+
+
+def test_a_frontend_that_dies_is_started_again_and_serves(restartable, capsys):
+    """It holds no state: its supervisor starts it again on the same port, and the job goes on."""
+    ask = {"model": restartable.model, "prompt": "x", "max_tokens": 2}
+    assert post_json(restartable.url + "/v1/completions", ask)[0] == 200
+    first = _state(restartable, "frontend")
+    assert first["phase"] == "ready" and first["restarts"] == 0
+    os.kill(first["pid"], signal.SIGKILL)  # the serving process, not its supervisor
+
+    def serving_again():
+        state = _state(restartable, "frontend")
+        if state["phase"] != "ready" or state["pid"] == first["pid"]:
+            return None
+        try:
+            return state if post_json(restartable.url + "/v1/completions", ask, timeout=5)[0] == 200 else None
+        except OSError:
+            return None
+    again = _until(serving_again, 60, "the frontend serving again")
+    assert again["restarts"] == 1
+    assert "the frontend exited with status -9; restart 1 of 3" in (restartable.run.logs / "frontend.log").read_text()
+    assert main(["status", str(restartable.run.path)]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("frontend "))
+    assert row.split()[-1] == "1" and "ready" in row and "healthy" in row, row

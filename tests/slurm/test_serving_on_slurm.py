@@ -384,32 +384,58 @@ def test_tiny_video_on_dev_with_cfg_parallel_ranks(slurm_env):
     _cancel_and_check_clean(run)
 
 
+def _frontend_processes() -> tuple[list[tuple[str, str, list[bytes]]], list[tuple[str, str, list[bytes]]]]:
+    """The frontend's processes on the nodes, (namespace, pid, argv): those serving, and their supervisors."""
+    serving, supervisors = [], []
+    for ns, names in _node_processes().items():
+        for pid in (entry.split(":")[0] for entry in names):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv[1:3] == [b"-m", b"hpc.runtime.frontend"]:  # not the srun that started it
+                (serving if b"--attempt" in argv or b"--replica" in argv else supervisors).append((ns, pid, argv))
+    return serving, supervisors
+
+
 def test_a_frontend_of_two_processes_in_one_slurm_step(slurm_env, tmp_path):
     """frontend.processes on Slurm: the step gets a CPU per process (an exclusive node here), both serve the
-    port inside the node's namespace, and cancelling the job leaves none behind."""
+    port inside the node's namespace; when process 0 dies the step's supervisor starts the frontend again (both
+    processes, the same port) and the job goes on; cancelling the job leaves none behind."""
     whole_nodes = dev_cluster_file(tmp_path, exclusive=True)
     run = _launch("-c", whole_nodes, "-r", "mock-agg", "--no-smoke", "--set", "frontend.processes=2")
     try:
         assert "--cpus-per-task=2" in next(line for line in (run.path / "job.sbatch").read_text().splitlines()
                                             if "--job-name=frontend" in line)
-        frontends = []
-        for ns, names in _node_processes().items():
-            for pid in (entry.split(":")[0] for entry in names):
-                try:
-                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                except OSError:
-                    continue
-                if argv[1:3] == [b"-m", b"hpc.runtime.frontend"]:  # not the srun that started it
-                    frontends.append((ns, pid))
-        assert len(frontends) == 2 and {ns for ns, _ in frontends} == {"hpc-node1"}, frontends
+        serving, supervisors = _frontend_processes()
+        assert len(serving) == 2 and len(supervisors) == 1, (serving, supervisors)
+        assert {ns for ns, _, _ in serving + supervisors} == {"hpc-node1"}
         url, model = _url(run), run.manifest().recipe.model.served_name
-        for _ in range(24):  # a connection each: the kernel picks a process per connection
-            _complete(url, model, n=2)
-        text = get_text(url + "/metrics")
-        per_process = [sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                           if line.startswith("hpc_frontend_process_requests_total") and f'process="{i}"' in line)
-                       for i in range(2)]
+
+        def spread() -> list[float]:
+            for _ in range(24):  # a connection each: the kernel picks a process per connection
+                _complete(url, model, n=2)
+            text = get_text(url + "/metrics")
+            return [sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                        if line.startswith("hpc_frontend_process_requests_total") and f'process="{i}"' in line)
+                    for i in range(2)]
+        per_process = spread()
         assert sum(per_process) == 24 and min(per_process) > 0, per_process
+
+        (first,) = [pid for _, pid, argv in serving if b"--attempt" in argv]
+        os.kill(int(first), signal.SIGKILL)  # the nodes share this machine's PIDs
+
+        def again():
+            state = run.component_states()["frontend"]
+            return state if state["phase"] == "ready" and state["restarts"] == 1 else None
+        wait_until(again, 60, "the frontend started again by its supervisor")
+        serving, supervisors = _frontend_processes()
+        assert len(serving) == 2 and len(supervisors) == 1 and first not in {pid for _, pid, _ in serving}, serving
+        per_process = spread()  # counted from the new start
+        assert sum(per_process) == 24 and min(per_process) > 0, per_process
+        from hpc.cli.runtime_commands import _slurm_state
+
+        assert _slurm_state(run)["state"] == "RUNNING"
     finally:
         _cancel_and_check_clean(run)
 

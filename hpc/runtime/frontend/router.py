@@ -27,6 +27,7 @@ from hpc.spec.recipe import RouterPolicy
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
+SYNC_WAIT_S = 10.0  # a request before discovery's first answer waits this long for it (a restarted frontend)
 MASS_EXPIRY_GRACE_S = 5.0  # workers refresh every LEASE_TTL_S / 4 and re-register at once when a lease expired
 SETTLE_S = 0.3  # how far apart the watch events of one mass expiry may arrive
 
@@ -73,9 +74,11 @@ class Router:
         self.vanished_at: dict[str, float] = {}  # key -> when its lease expired (connected instances only)
         self._rr: dict[str, itertools.count] = {}  # one turn order per role
         self._ahead = OpenAhead("worker")
+        self.synced = asyncio.Event()  # discovery answered once: "no live worker" means none, not "not asked yet"
 
     def update(self, snapshot: Snapshot, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
+        self.synced.set()
         self.expire_unlisted(now)
         fresh = {k: i for k, i in snapshot.items() if i.instance_id not in self.dead}
         for key in list(self.instances):
@@ -202,6 +205,9 @@ class Router:
         in the next pool when its own has no live worker or all that were tried failed before the first byte.
         `before_next_pool(failure, request)` gives the request the next pool gets (a decode whose KV may have gone
         with the failed worker needs a fresh prefill)."""
+        if not self.synced.is_set():  # a frontend started again takes requests before it has read discovery
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.synced.wait(), SYNC_WAIT_S)
         order: list[str | None] = list(pools) if pools else [None]
         for n, pool in enumerate(order):
             if pool is not None:

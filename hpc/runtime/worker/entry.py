@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from typing import Any, Callable, Coroutine, NoReturn
@@ -128,37 +127,24 @@ def _rank_suffix(tasks: int) -> str:
 
 def supervise_worker(manifest: Manifest, manifest_path: str, role: str, index: int) -> int:
     """Run the worker as a child; apply the role's failure policy when it dies."""
+    from hpc.runtime.services.supervise import supervise
+
     policy = manifest.recipe.roles.spec(manifest.plan.worker(role, index).group).failure
     cmd = [sys.executable, "-m", "hpc.runtime.worker", manifest_path, "--role", role, "--index", str(index),
            "--no-supervise"]
-    restarts = 0
-    stopping = False
-    child: subprocess.Popen | None = None
-
-    def stop(signum, _frame):
-        nonlocal stopping
-        stopping = True
-        if child is not None and child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # drain requests reach the engine process directly
     reporter = Reporter(manifest, f"{role}-{index}")
-    while True:
-        child = subprocess.Popen([*cmd, "--attempt", str(restarts)])
-        code = child.wait()
-        if stopping or code == 0:
-            return 0
+
+    def after_failure(code: int, attempt: int) -> int | None:
         reporter.data["history"].append({"ts": time.time(), "exit_code": code})
-        if restarts_left(manifest, role, index, restarts):
-            restarts += 1
-            reporter.data["restarts"] = restarts
+        if restarts_left(manifest, role, index, attempt):
+            reporter.data["restarts"] = attempt + 1
             reporter.phase("restarting", exit_code=code)
-            log.warning("worker exited with %s; restart %d of %d", code, restarts, policy.max_restarts)
-            continue
+            log.warning("worker exited with %s; restart %d of %d", code, attempt + 1, policy.max_restarts)
+            return None
         reporter.phase("failed", exit_code=code)
         if policy.on_failure is OnFailure.CONTINUE:
             log.error("worker exited with %s; policy 'continue' keeps the job running", code)
             return 0
         return code or 1
+
+    return supervise(lambda attempt: [*cmd, "--attempt", str(attempt)], after_failure)

@@ -124,3 +124,26 @@ def test_a_draining_worker_gets_no_new_requests_but_keeps_its_connection():
         router.pick("agg", set())
     router.update({}, now=3.0)  # drained and gone together: on purpose, not a mass expiry to wait out
     assert router.instances == {} and router.clients == {} and not router.unlisted
+
+
+def test_a_request_before_discoverys_first_answer_waits_for_it():
+    """A frontend started again (its supervisor, after a crash) takes connections at once; its first requests wait
+    for the workers' list instead of being refused for want of it."""
+    import asyncio
+
+    class Streaming(Connected):
+        async def stream(self, request, deadline=None):
+            yield "token", None
+
+    async def main() -> list:
+        router = Router(RouterPolicy.ROUND_ROBIN)
+        a = _instance("agg", 0)
+        router.clients[a.key] = Streaming()
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.2, router.update, {a.key: a})
+        started = loop.time()
+        outs = [out async for out in router.generate("agg", object())]
+        return [outs, loop.time() - started]
+
+    outs, waited = asyncio.run(main())
+    assert outs == ["token"] and 0.15 < waited < 2
