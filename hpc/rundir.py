@@ -122,11 +122,11 @@ class RunDir:
                 states[path.stem] = data
         return states
 
-    def workers_drained(self) -> bool:
-        """hpc cancel's first tier is over: no worker still serves (registered, or draining what it holds). One not
-        serving yet (loading, restarting) has nothing to finish, and gets TERM at once."""
+    def workers_serving(self) -> list[str]:
+        """The workers that may hold requests (registered, or draining what they hold): hpc cancel's first tier
+        waits for none to be left. One not serving yet (loading, restarting) has nothing to finish."""
         states = self.component_states()
-        return not any(states.get(w.name, {}).get("phase") in SERVING_PHASES for w in self.manifest().plan.workers)
+        return [w.name for w in self.manifest().plan.workers if states.get(w.name, {}).get("phase") in SERVING_PHASES]
 
     def log_path(self, component: str) -> Path:
         return self.logs / f"{component}.log"

@@ -79,14 +79,15 @@ def test_cancels_drain_tier_waits_only_for_workers_that_serve(tmp_path, monkeypa
     assert len(workers) >= 2
     run.state.mkdir(parents=True, exist_ok=True)
 
-    def phases(*values: str) -> bool:
+    def phases(*values: str) -> list[str]:
         for name, phase in zip(workers, values):
             write_json(run.state / f"{name}.json", {"component": name, "phase": phase})
-        return run.workers_drained()
+        return run.workers_serving()
 
-    assert phases("weights_loaded", "restarting") is True
-    assert phases("drained", "registered") is False
-    assert phases("draining", "stopped") is False
-    assert phases("drained", "failed") is True
+    assert phases("weights_loaded", "restarting") == []
+    assert phases("drained", "registered") == [workers[1]]
+    assert phases("draining", "stopped") == [workers[0]]
+    assert phases("first_token", "registered") == workers[:2]
+    assert phases("drained", "failed") == []
     write_json(run.state / "frontend.json", {"component": "frontend", "phase": "ready"})  # not a worker
-    assert run.workers_drained() is True
+    assert run.workers_serving() == []

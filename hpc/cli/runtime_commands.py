@@ -173,8 +173,10 @@ def collect_status(run: RunDir) -> dict[str, Any]:
     roles = {}
     for role, spec in m.recipe.roles.items():
         n = (frontend_view.get("live") or {}).get(role.value, 0)
-        roles[role.value] = {"live": n, "expected": spec.total_count,
-                             "state": "ok" if n >= spec.total_count else ("degraded" if n else "down")}
+        leaving = sum(1 for i in (frontend_view.get("instances") or {}).get(role.value, []) if i.get("draining"))
+        roles[role.value] = {"live": n, "expected": spec.total_count, "draining": leaving,
+                             "state": "ok" if n >= spec.total_count else
+                             "degraded" if n else "draining" if leaving else "down"}
     smoke = read_json(run.path / "smoke.json")
     ready = read_json(run.state / "ready.json")
     from hpc.checks.ready import failed_for_good, log_tail
@@ -326,17 +328,45 @@ def _follow(path: Path) -> None:
                 time.sleep(0.2)
 
 
+class DrainWatch:
+    """hpc cancel's first tier, watched (it is the `drained` check the cancel polls): how long the workers took to
+    finish what they served, or which were still serving when the grace period ended and TERM cut them."""
+
+    def __init__(self, run: RunDir) -> None:
+        self.run = run
+        self.asked: float | None = None  # the first poll: the drain signal has just been sent
+        self.took: float | None = None
+        self.serving: list[str] = []
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        self.asked = now if self.asked is None else self.asked
+        self.serving = self.run.workers_serving()
+        if not self.serving and self.took is None:
+            self.took = now - self.asked
+        return not self.serving
+
+    def summary(self, grace_s: float) -> str:
+        if self.asked is None:
+            return ""  # nothing was serving to drain (a job not running yet)
+        if self.took is not None:
+            return f" (workers drained in {self.took:.1f} s)"
+        return (f"\nthe grace period ({grace_s:g} s) ended with {', '.join(self.serving)} still serving: what "
+                f"{'it' if len(self.serving) == 1 else 'they'} held was cut (a longer --grace lets it finish)")
+
+
 def cancel(args: argparse.Namespace) -> int:
     run = find_run(args.run)
     info = run.run_info()
     if not run.submitted():
         raise UserError(f"run {run.path.name} was never submitted; nothing to cancel")
+    drain = DrainWatch(run)
     if info.get("scheduler") == "local":
         from hpc.launch.local import stop_local
 
-        left = stop_local(run, args.grace, run.workers_drained)
+        left = stop_local(run, args.grace, drain)
         run.update_run_info(cancelled_at=time.time())
-        print(f"stopped {run.path.name}" + (f"; still alive: {left}" if left else ""))
+        print(f"stopped {run.path.name}" + (f"; still alive: {left}" if left else "") + drain.summary(args.grace))
         if not left and args.remove:
             _remove(run)
         return 1 if left else 0
@@ -344,9 +374,9 @@ def cancel(args: argparse.Namespace) -> int:
     from hpc.slurm.client import SlurmClient
 
     job_id = run.job_id()
-    state = SlurmClient(runner_for(run)).cancel(job_id, grace_s=args.grace, drained=run.workers_drained)
+    state = SlurmClient(runner_for(run)).cancel(job_id, grace_s=args.grace, drained=drain)
     run.update_run_info(cancelled_at=time.time())
-    print(f"job {job_id}: {state.state if state else 'gone'}")
+    print(f"job {job_id}: {state.state if state else 'gone'}{drain.summary(args.grace)}")
     if args.remove:
         if state is None or state.finished:
             _remove(run)

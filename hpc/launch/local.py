@@ -136,7 +136,7 @@ def stop_local(run: RunDir, grace_s: float = 10.0, drained: Callable[[], bool] |
     such as TensorRT-LLM's ranks, would die of it), then up to the grace period for `drained()` (the workers
     finished what they serve)."""
     started = local_pids(run)
-    if drained is not None:
+    if drained is not None and any(alive(pid) for pids in started.values() for pid in pids):
         states = run.component_states()
         for worker in run.manifest().plan.workers:
             pid = states.get(worker.name, {}).get("pid")

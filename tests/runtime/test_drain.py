@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 import urllib.error
@@ -75,10 +76,13 @@ def test_a_draining_worker_finishes_its_stream_and_takes_no_new_requests(pair, c
     assert main(["status", str(pair.run.path)]) == 0
     status = capsys.readouterr().out
     assert "draining, was routed (1 requests)" in status, status
+    assert "roles: agg 1/2 degraded" in status, status
 
     # the last one drains too: a new request is refused with the reason, not only "no live worker"
     os.kill(_state(pair, other)["pid"], signal.SIGUSR1)
     _until(lambda: get_json(pair.url + "/health")[1]["live"] == {"agg": 0}, 5, "both draining")
+    assert main(["status", str(pair.run.path)]) == 0
+    assert "roles: agg 0/2 draining" in capsys.readouterr().out
     refused = urllib.request.Request(pair.url + "/v1/completions", headers={"content-type": "application/json"},
                                      data=json.dumps({"model": pair.model, "prompt": "x", "max_tokens": 2}).encode())
     with pytest.raises(urllib.error.HTTPError) as answer:
@@ -115,6 +119,22 @@ def test_hpc_cancel_lets_the_stream_in_flight_finish_before_it_stops_the_run(sin
     assert len([e for e in events if e["choices"][0]["text"]]) == TOKENS
     assert streamed > 1.0, "the stream ran on after the cancel began"
     assert _state(single, "agg-0")["phases"]["drained"] >= _state(single, "agg-0")["phases"]["draining"]
+    said = capsys.readouterr().out
+    took = float(re.search(r"stopped \S+ \(workers drained in ([0-9.]+) s\)", said).group(1))
+    assert took >= streamed - 0.5, (took, streamed)  # the stream's rest was what it waited for
+
+
+short = stack_fixture("mock-agg", "--set", "mock.per_token_delay_ms=20")
+
+
+def test_a_grace_period_too_short_for_the_stream_says_what_was_cut(short, capsys):
+    body = {"model": short.model, "prompt": "hello", "max_tokens": TOKENS, "ignore_eos": True, "stream": True}
+    stream = post_sse(short.url + "/v1/completions", body, timeout=30)
+    next(stream)
+    assert main(["cancel", str(short.run.path), "--grace", "0.5"]) == 0
+    assert "error" in list(stream)[-1]  # cut, as the cancel says
+    assert capsys.readouterr().out.splitlines()[-1] == ("the grace period (0.5 s) ended with agg-0 still serving: "
+                                                        "what it held was cut (a longer --grace lets it finish)")
 
 
 restartable = stack_fixture("mock-agg")
