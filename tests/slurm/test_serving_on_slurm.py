@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -97,7 +98,7 @@ def test_tiny_disagg_as_planned_with_smoke_and_clean_cancel(slurm_env, tmp_path)
     _cancel_and_check_clean(run)
 
 
-def test_cancel_lets_the_disaggregated_stream_in_flight_finish(slurm_env):
+def test_cancel_lets_the_disaggregated_stream_in_flight_finish(slurm_env, capsys):
     """hpc cancel's first tier: the decode worker serving a stream drains, and the frontend keeps its connection
     until the stream has ended (it was cut with an error before). Mock engines: a token each 40 ms, so the stream
     outlasts the 5 s the frontend keeps workers that all leave discovery at once."""
@@ -117,6 +118,8 @@ def test_cancel_lets_the_disaggregated_stream_in_flight_finish(slurm_env):
     assert sum(1 for e in events if e["choices"][0]["text"]) == 200
     assert ended - started > 6, "the stream went on for seconds after the cancel began"
     assert started < phases["decode-0"]["draining"] < ended - 1 < phases["decode-0"]["drained"], phases
+    said = re.search(r"job \d+: CANCELLED \(workers drained in ([0-9.]+) s\)", capsys.readouterr().out)
+    assert said and float(said.group(1)) > 5, "the cancel waited for the stream, and said so"
     _cancel_and_check_clean(run)
 
 
