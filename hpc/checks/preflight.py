@@ -60,7 +60,9 @@ def _binaries(manifest) -> str | None:
 
 
 def _launcher(manifest: dict) -> str | None:
-    """TensorRT-LLM workers of several ranks start under its launcher (hpc.render.sbatch.mpi_launcher): is it here?"""
+    """TensorRT-LLM workers of several ranks start under its launcher (hpc.render.sbatch.mpi_launcher's rule, read
+    from the manifest's JSON: preflight runs before pydantic, which Manifest needs, is known to be there): is it
+    here?"""
     several = [w for w in manifest["plan"]["workers"] if w["tasks"] > 1]
     if manifest["recipe"]["backend"] != "trtllm" or not several or manifest["cluster"].get("scheduler") == "local":
         return None
