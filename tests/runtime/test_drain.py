@@ -91,9 +91,16 @@ def test_a_draining_worker_finishes_its_stream_and_takes_no_new_requests(pair, c
     assert json.loads(answer.value.read())["error"]["message"] == (
         "no live agg worker (2 draining: the job is being cancelled or is near its time limit)")
     # the id the client got is the one the frontend's log names
+    assert answer.value.headers["retry-after"] is None  # the job is ending: trying again soon would not help
     rid = answer.value.headers["x-request-id"]
     assert rid.startswith("cmpl-")
     assert f"{rid} failed: 503 no live agg worker (2 draining" in (pair.run.logs / "frontend.log").read_text()
+    # streamed, the same refusal is the same status: the headers wait for the first event, which never came
+    refused.data = json.dumps({"model": pair.model, "prompt": "x", "max_tokens": 2, "stream": True}).encode()
+    with pytest.raises(urllib.error.HTTPError) as streamed:
+        urllib.request.urlopen(refused, timeout=10)
+    assert streamed.value.code == 503 and streamed.value.headers["x-request-id"].startswith("cmpl-")
+    assert "2 draining" in json.loads(streamed.value.read())["error"]["message"]
 
 
 single = stack_fixture("mock-agg", "--set", "mock.per_token_delay_ms=20")

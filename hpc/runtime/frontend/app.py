@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from pathlib import Path
 from typing import Any, AsyncIterator, NamedTuple
 
 from pydantic import ValidationError
@@ -13,7 +12,8 @@ from pydantic import ValidationError
 from hpc.manifest import Manifest
 from hpc.runtime.engine.types import GenerateRequest, SamplingParams, TokenLogprob
 from hpc.runtime.frontend.openai import (REQUEST_ID_HEADER, ApiError, ChatRequest, CompletionRequest,
-                                         chat_logprobs, completion_logprobs, new_id, now, unsupported_param)
+                                         chat_logprobs, completion_logprobs, new_id, now, unsupported_param,
+                                         upstream_error)
 from hpc.runtime.frontend.parsers import AnswerParser, json_answer_guide, tool_call_guide
 from hpc.runtime.frontend.group import FrontendGroup, health_status, live_counts
 from hpc.runtime.frontend.pools import PoolRouter
@@ -393,7 +393,12 @@ class Frontend:
         self.counters["prompt_tokens_total"] += len(gen.token_ids)
         rid = new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
-            return Response(content_type="text/event-stream", stream=self._sse(body, gen, chat, rid, parsing, echo),
+            # The headers wait for the stream's first event: a request that fails before it (no live worker, every
+            # worker failing before its first token, its deadline) is an HTTP status that clients and load
+            # balancers act on (503 with Retry-After, 504), not a 200 whose body is an error event.
+            events = self._sse(body, gen, chat, rid, parsing, echo)
+            first = await anext(events, b"")
+            return Response(content_type="text/event-stream", stream=_after(first, events),
                             headers={REQUEST_ID_HEADER: rid})
         self.counters["inflight"] += 1
         try:
@@ -442,7 +447,7 @@ class Frontend:
     def _failed(self, rid: str, exc: Exception) -> ApiError:
         """The client's error for a request the workers could not serve, with its id; logged, since the
         frontend's log is where an operator looks for it."""
-        err = self._timed_out() if isinstance(exc, asyncio.TimeoutError) else _api_error(exc)
+        err = self._timed_out() if isinstance(exc, asyncio.TimeoutError) else upstream_error(exc)
         err.request_id = rid
         log.warning("%s failed: %d %s", rid, err.status, err.message)
         return err
@@ -481,6 +486,27 @@ class Frontend:
 
     async def _sse(self, body: Any, gen: GenerateRequest, chat: bool, rid: str,
                    parsing: tuple[str | None, str | None] | None = None, echo: str = "") -> AsyncIterator[bytes]:
+        """The stream's events; a failure before the first is raised (an HTTP error), after it an error event."""
+        events = self._events_of(body, gen, chat, rid, parsing, echo)
+        sent = False
+        try:
+            async for event in events:
+                sent = True
+                yield event
+        except (NoInstance, PeerGone, RemoteError, asyncio.TimeoutError) as exc:
+            err = self._failed(rid, exc)
+            if not sent:
+                raise err from None
+            # Headers are gone already: end the stream with an OpenAI-style error event, never hang.
+            self.counters["errors_total"] += 1
+            yield b"data: " + json_dumps({"error": {"message": err.message, "type": err.type,
+                                                    "code": err.code or err.status}}) + b"\n\n"
+        finally:
+            await events.aclose()
+
+    async def _events_of(self, body: Any, gen: GenerateRequest, chat: bool, rid: str,
+                         parsing: tuple[str | None, str | None] | None = None,
+                         echo: str = "") -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = now()
         self.counters["inflight"] += 1
@@ -543,12 +569,6 @@ class Frontend:
             if body.include_usage:
                 yield chunk(choices=[], usage=self._usage(len(gen.token_ids), sum(tokens), max(cached)))
             yield b"data: [DONE]\n\n"
-        except (NoInstance, PeerGone, RemoteError, asyncio.TimeoutError) as exc:
-            # Headers are gone already: end the stream with an OpenAI-style error event, never hang.
-            err = self._failed(rid, exc)
-            self.counters["errors_total"] += 1
-            yield b"data: " + json_dumps({"error": {"message": err.message, "type": err.type,
-                                                    "code": err.code or err.status}}) + b"\n\n"
         finally:
             self.counters["inflight"] -= 1
             self.counters["completion_tokens_total"] += sum(tokens)
@@ -566,19 +586,16 @@ class Piece(NamedTuple):
 OFF_LOOP_CHARS = 16_384  # shorter prompts tokenize faster than a thread hand-off
 
 
+async def _after(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """`first`, then the rest of the stream it came from (closed with this one)."""
+    try:
+        if first:
+            yield first
+        async for event in rest:
+            yield event
+    finally:
+        await rest.aclose()
+
+
 def _reason(reason: str | None) -> str | None:
     return {"cancelled": "stop", "error": "error"}.get(reason or "", reason)
-
-
-def _api_error(exc: Exception) -> ApiError:
-    if isinstance(exc, NoInstance):
-        return ApiError(503, str(exc), "service_unavailable")
-    if isinstance(exc, RemoteError):
-        if exc.code == 400:
-            return ApiError(400, str(exc))
-        return ApiError(502 if exc.code >= 500 else exc.code, str(exc), "upstream_error")
-    return ApiError(502, str(exc), "upstream_error")
-
-
-def model_dir(manifest: Manifest) -> Path:
-    return Path(manifest.recipe.model.tokenizer or manifest.recipe.model.path).expanduser()

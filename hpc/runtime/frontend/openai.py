@@ -9,7 +9,9 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from hpc.runtime.frontend.router import NoInstance
 from hpc.runtime.serve.http import Response, json_response
+from hpc.runtime.serve.rpc import RemoteError
 
 
 class ApiError(Exception):
@@ -18,12 +20,15 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.request_id: str | None = None  # the failed request's id, once it had one
+        self.retry_after_s: int | None = None  # when trying again soon may well succeed (clients honour it)
 
     def response(self) -> Response:
         response = json_response({"error": {"message": self.message, "type": self.type, "param": self.param,
                                             "code": self.code or self.status}}, self.status)
         if self.request_id:
             response.headers[REQUEST_ID_HEADER] = self.request_id
+        if self.retry_after_s is not None:
+            response.headers["retry-after"] = str(self.retry_after_s)
         return response
 
 
@@ -246,3 +251,18 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+def upstream_error(exc: Exception) -> ApiError:
+    """The client's error for what the workers could not do: no live worker (503), a worker's refusal or
+    failure."""
+    if isinstance(exc, NoInstance):
+        err = ApiError(503, str(exc), "service_unavailable")
+        if not exc.draining:  # a worker starting again, or discovery catching up; not a job that is ending
+            err.retry_after_s = 1
+        return err
+    if isinstance(exc, RemoteError):
+        if exc.code == 400:
+            return ApiError(400, str(exc))
+        return ApiError(502 if exc.code >= 500 else exc.code, str(exc), "upstream_error")
+    return ApiError(502, str(exc), "upstream_error")

@@ -44,7 +44,7 @@ class NoInstance(Exception):
         # waiting for them to come back would be in vain.
         why = f" ({draining} draining: the job is being cancelled or is near its time limit)" if draining else ""
         super().__init__(f"no live {role} worker{where}{why}")
-        self.role = role
+        self.role, self.draining = role, draining
 
 
 class NotStarted(PeerGone):

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 import signal
 
 from hpc.engine_args.scheduling import tokens_per_block
 from hpc.manifest import Manifest
 from hpc.runtime.services.discovery import open_discovery
-from hpc.runtime.frontend.app import Frontend, model_dir
+from hpc.runtime.frontend.app import Frontend
 from hpc.runtime.frontend.dealer import Dealer, Taker, listen
 from hpc.runtime.frontend.group import FrontendGroup
 from hpc.runtime.frontend.router import SETTLE_S, Router
@@ -107,6 +108,10 @@ async def serve(manifest: Manifest, bind: str | None = None, group: FrontendGrou
     if first:
         reporter.phase("stopped")
     return 0
+
+
+def model_dir(manifest: Manifest) -> Path:
+    return Path(manifest.recipe.model.tokenizer or manifest.recipe.model.path).expanduser()
 
 
 def _block_size(manifest: Manifest) -> int:

@@ -147,3 +147,14 @@ def test_a_request_before_discoverys_first_answer_waits_for_it():
 
     outs, waited = asyncio.run(main())
     assert outs == ["token"] and 0.15 < waited < 2
+
+
+def test_no_live_worker_asks_clients_to_retry_unless_the_workers_are_leaving():
+    """Clients (the OpenAI SDK) honour Retry-After: worth it while a worker starts again, not when the job ends."""
+    from hpc.runtime.frontend.openai import upstream_error as _api_error
+    from hpc.runtime.frontend.router import NoInstance
+
+    restarting = _api_error(NoInstance("decode")).response()
+    assert restarting.status == 503 and restarting.headers["retry-after"] == "1"
+    leaving = _api_error(NoInstance("decode", draining=2)).response()
+    assert leaving.status == 503 and "retry-after" not in leaving.headers
