@@ -59,6 +59,9 @@ def test_a_draining_worker_finishes_its_stream_and_takes_no_new_requests(pair, c
     health = _until(lambda: (lambda h: h if h["live"] == {"agg": 1} else None)(get_json(pair.url + "/health")[1]),
                     5, "the frontend sees the drain")
     assert health["status"] == "degraded"
+    frontend_metrics = get_text(pair.url + "/metrics")
+    assert metric_values(frontend_metrics, "hpc_frontend_agg_instances") == 1
+    assert metric_values(frontend_metrics, "hpc_frontend_agg_draining_instances") == 1
     assert {i["index"]: i["draining"] for i in health["instances"]["agg"]} == {int(busy[-1]): True,
                                                                              int(other[-1]): False}
     before = metric_values(get_text(_state(pair, other)["http"] + "/metrics"), "hpc_worker_requests_total")

@@ -166,6 +166,7 @@ class Frontend:
             values.update(self.videos.counters)
         for role in self.expected:
             values[f"{role}_instances"] = len(self.router.live(role))
+            values[f"{role}_draining_instances"] = len(self.router.draining(role))
             values[f"{role}_routed_total"] = self.router.served.get(role, 0)
         for key, count in sorted(self.router.routed.items()):  # per instance: is the spread what the policy says?
             values[f"routed_{key.replace('/', '_')}_total"] = count

@@ -146,6 +146,10 @@ class Router:
         """The instances of `role` that take new requests (listed, not draining)."""
         return [i for i in self.instances.values() if i.role == role and not i.draining]
 
+    def draining(self, role: str) -> list[Instance]:
+        """The instances of `role` that finish what they hold and take nothing new."""
+        return [i for i in self.instances.values() if i.role == role and i.draining]
+
     def pick(self, role: str, exclude: set[str], tokens: list[int] | None = None,
              pool: str | None = None) -> tuple[str, RpcClient, int]:
         """(instance key, its client, the prompt blocks it will compute: kv_aware's load on it); within `pool`
