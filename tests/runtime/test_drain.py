@@ -172,3 +172,23 @@ def test_a_frontend_that_dies_is_started_again_and_serves(restartable, capsys):
     assert main(["status", str(restartable.run.path)]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("frontend "))
     assert row.split()[-1] == "1" and "ready" in row and "healthy" in row, row
+
+
+lengthy = stack_fixture("mock-agg", "--set", "mock.per_token_delay_ms=40")
+
+
+def test_a_long_grace_period_lets_a_stream_longer_than_half_a_minute_finish(lengthy, capsys):
+    """The worker says "drained" only once nothing is in flight (it used to after 30 s whatever it still served,
+    and the cancel then cut the stream however long its grace period)."""
+    import threading
+
+    body = {"model": lengthy.model, "prompt": "hello", "max_tokens": 800, "ignore_eos": True, "stream": True}
+    stream = post_sse(lengthy.url + "/v1/completions", body, timeout=90)  # 800 x 40 ms: 32 s
+    events = [next(stream)]
+    cancel = threading.Thread(target=main, args=(["cancel", str(lengthy.run.path), "--grace", "60"],))
+    cancel.start()
+    events += list(stream)
+    cancel.join(90)
+    assert events[-1]["choices"][0]["finish_reason"] == "length", events[-1]
+    took = float(re.search(r"workers drained in ([0-9.]+) s", capsys.readouterr().out).group(1))
+    assert took > 30, took

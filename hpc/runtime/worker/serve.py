@@ -11,7 +11,6 @@ import contextlib
 import logging
 import os
 import signal
-import time
 import uuid
 from functools import partial
 from pathlib import Path
@@ -33,7 +32,6 @@ from hpc.runtime.worker.engine_process import EngineHandoff, EngineProcess, engi
 from hpc.runtime.worker.kv_handoff import KvHandoff, open_nixl
 
 log = logging.getLogger("hpc.worker")
-DRAIN_TIMEOUT_S = 30.0
 PEERS_WAIT_S = 10.0
 
 
@@ -261,8 +259,9 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
     except Exception as exc:  # discovery unreachable: leave it, at the cost of the frontends' connections
         log.warning("could not mark this worker draining (%s): deregistering", exc)
         await discovery.deregister()
-    deadline = time.monotonic() + DRAIN_TIMEOUT_S
-    while rpc.inflight and time.monotonic() < deadline:
+    # "drained" only once nothing is in flight: hpc cancel's grace period (or the job's end) bounds the wait, and a
+    # stream longer than any fixed limit here must not be reported finished while it still runs
+    while rpc.inflight and not stop.is_set():
         await asyncio.sleep(0.05)
     if not stop.is_set():
         reporter.phase("drained")
