@@ -33,7 +33,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("cancel", help="stop a run: its workers drain first (USR1), then TERM, then KILL")
     p.add_argument("run")
     p.add_argument("--grace", type=float, default=10.0,
-                   help="seconds a Slurm job's workers get to drain before TERM (a local run: TERM to KILL)")
+                   help="seconds the workers get to finish what they serve (the drain) before TERM; on the local "
+                        "profile also from TERM to KILL")
     p.add_argument("--remove", action="store_true",
                    help="remove the run directory once the job has stopped (its logs and bench results too)")
     p.add_argument("--keep", action="store_true", help=argparse.SUPPRESS)  # the default now; older scripts pass it
