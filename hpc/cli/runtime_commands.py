@@ -161,8 +161,9 @@ def collect_status(run: RunDir) -> dict[str, Any]:
     for w in m.plan.workers:
         st = states.get(w.name, {})
         item = listed.get((w.role.value, w.index))
+        # a draining worker's own health says "draining" already
         routed = "not routed" if item is None else \
-            f"{'draining, was routed' if item.get('draining') else 'routed'} ({item.get('routed', 0)} requests)"
+            f"{'was routed' if item.get('draining') else 'routed'} ({item.get('routed', 0)} requests)"
         visible = st.get("cuda_visible_devices")
         components.append({"component": f"{w.name} ({w.pool})" if w.pool else w.name,
                            "node": st.get("node", f"n{w.nodes[0]}"),

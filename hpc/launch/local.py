@@ -136,7 +136,8 @@ def stop_local(run: RunDir, grace_s: float = 10.0, drained: Callable[[], bool] |
     such as TensorRT-LLM's ranks, would die of it), then up to the grace period for `drained()` (the workers
     finished what they serve)."""
     started = local_pids(run)
-    if drained is not None and any(alive(pid) for pids in started.values() for pid in pids):
+    groups = [pid for pids in started.values() for pid in pids]
+    if drained is not None and any(alive(pid) for pid in groups):
         states = run.component_states()
         for worker in run.manifest().plan.workers:
             pid = states.get(worker.name, {}).get("pid")
@@ -149,7 +150,6 @@ def stop_local(run: RunDir, grace_s: float = 10.0, drained: Callable[[], bool] |
             wait_until(lambda: True if drained() else None, grace_s, "the workers to drain")
         except TimeoutError:
             pass  # the grace period is over: TERM now
-    groups = [pid for pids in started.values() for pid in pids]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in groups:
             try:

@@ -73,13 +73,16 @@ class EtcdDiscovery:
         """Stay listed, as draining, under the same lease: routers stop sending work but keep the connection."""
         assert self._instance is not None, "register first"
         self._instance = self._instance.model_copy(update={"draining": True})
-        client = await self._connect()
-        await client.put((self.prefix + self._instance.key).encode(), self._instance.model_dump_json().encode(),
-                         lease=self._lease)
+        await self._write()
 
     async def _put(self) -> None:
+        """A new lease, and the key under it."""
         client = await self._connect()
         self._lease = await client.lease(LEASE_TTL_S)
+        await self._write()
+
+    async def _write(self) -> None:
+        client = await self._connect()
         await client.put((self.prefix + self._instance.key).encode(), self._instance.model_dump_json().encode(),
                          lease=self._lease)
 
