@@ -115,9 +115,9 @@ class Frontend:
         """The policy, and for kv_aware how much of the prompts' prefixes the chosen workers held."""
         view: dict[str, Any] = {"policy": self.router.policy.value}
         if self.router.kv is not None:
-            blocks = self.router.kv_blocks
-            view.update(stale=self.router.kv.stale, events=self.router.kv.events, prompt_blocks=blocks["prompt"],
-                        cached_blocks=blocks["overlap"])
+            blocks, kv = self.router.kv_blocks, self.router.kv
+            view.update(stale=kv.stale, events=kv.events, prompt_blocks=blocks["prompt"],
+                        cached_blocks=blocks["overlap"], indexed_blocks=len(kv.ours), resyncs=kv.resyncs)
         if self.pools is not None:
             view["pools"] = self.pool_view()
         return view

@@ -57,7 +57,10 @@ def merge_health(views: list[dict[str, Any]]) -> dict[str, Any]:
     if "prompt_blocks" in router:
         router.update(stale=any(v["router"]["stale"] for v in views), events=max(v["router"]["events"] for v in views),
                       prompt_blocks=sum(v["router"]["prompt_blocks"] for v in views),
-                      cached_blocks=sum(v["router"]["cached_blocks"] for v in views))
+                      cached_blocks=sum(v["router"]["cached_blocks"] for v in views),
+                      # the least a process knows of the workers' caches: each keeps its own index
+                      indexed_blocks=min(v["router"]["indexed_blocks"] for v in views),
+                      resyncs=sum(v["router"]["resyncs"] for v in views))
     if "pools" in router:
         router["pools"] = [_merge_pool([v["router"]["pools"][k] for v in views]) for k in range(len(router["pools"]))]
     return {**first, "status": health_status(live, first["expected"]), "live": live, "instances": instances,

@@ -23,6 +23,7 @@ class KvIndex:
         self.ours: dict[tuple[str, int], int] = {}  # (worker, engine block hash) -> our hash
         self.stale = True  # no event stream yet (or it broke): route by load until events flow
         self.events = 0
+        self.resyncs = 0  # the workers asked to resend what they hold (at the start, and when NATS came back)
 
     def apply(self, worker: str, message: dict[str, Any]) -> None:
         """One message from a worker's kv_events subject (hpc.runtime.services.events.EventPublisher)."""

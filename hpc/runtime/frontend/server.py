@@ -124,8 +124,9 @@ def _block_size(manifest: Manifest) -> int:
 
 
 async def _follow_kv_events(manifest: Manifest, kv: KvIndex):
-    """The workers' KV events into the index. While NATS is away the index is stale and routing goes by load;
-    when it is back, what was missed cannot be known, so the index starts over."""
+    """The workers' KV events into the index. While NATS is away the index is stale and routing goes by load.
+    Once subscribed, and each time NATS is back, the workers are asked to resend every block they hold (a frontend
+    restarted by its supervisor would otherwise know nothing its workers cached before)."""
     import json
 
     import nats
@@ -142,14 +143,20 @@ async def _follow_kv_events(manifest: Manifest, kv: KvIndex):
         log.warning("KV event stream lost: routing by load until it is back")
         kv.reset()
 
+    async def resync() -> None:
+        await nc.publish(subject(manifest, "kv_resync", "all"), b"")
+        kv.resyncs += 1
+
     if not manifest.recipe.infra.nats:
         log.warning("router kv_aware without NATS: no KV events, routing by load")
         return None
     ep = await asyncio.to_thread(wait_endpoint, manifest, "nats", 60)
     nc = await nats.connect(ep["url"], token=nats_token(manifest), max_reconnect_attempts=-1,
-                            reconnect_time_wait=0.5, disconnected_cb=lost)
+                            reconnect_time_wait=0.5, disconnected_cb=lost, reconnected_cb=resync)
     await nc.subscribe(subject(manifest, "kv_events", "*"), cb=apply)
-    kv.stale = False  # subscribed before any worker registers: nothing missed
+    await nc.flush()  # the subscription is in place before the workers answer
+    await resync()
+    kv.stale = False  # what the workers held arrives in order with their live events
     return nc
 
 

@@ -1,4 +1,11 @@
-"""Event plane on NATS: KV-cache events and load metrics from each worker (nats-py)."""
+"""Event plane on NATS: KV-cache events and load metrics from each worker (nats-py).
+
+A router that starts after the workers (a frontend restarted by its supervisor, another frontend process, or one
+whose NATS connection came back) missed the stored events of everything they cache. It asks for a resync on the
+`kv_resync` subject; each worker answers on its own event subject, in order with its live events, with "cleared"
+and then every block it holds (`KvMirror`: the worker keeps what it published, for TensorRT-LLM has no call that
+lists its cache).
+"""
 
 from __future__ import annotations
 
@@ -20,6 +27,58 @@ def subject(manifest: Manifest, kind: str, component: str) -> str:
     return f"hpc.{manifest.run_id}.{kind}.{component}".replace("-", "_")
 
 
+RESYNC_RECORD_TOKENS = 4096  # a resync record's tokens at most: ~250 kB of JSON, well under NATS's 1 MB limit
+
+
+class KvMirror:
+    """The blocks a worker's engine holds, from the TensorRT-LLM-shaped records it published: engine block hash ->
+    (its parent's hash, its tokens)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}
+        self.window = 0
+
+    def note(self, record: dict[str, Any]) -> None:
+        data = record.get("data") or {}
+        kind = data.get("type")
+        if kind == "stored":
+            parent = data.get("parent_hash")
+            self.window = record.get("window_size") or self.window
+            for blk in data.get("blocks") or []:
+                self.blocks[blk["block_hash"]] = (parent, tuple(t["token_id"] for t in blk.get("tokens") or ()))
+                parent = blk["block_hash"]
+        elif kind == "removed":
+            for engine_hash in data.get("block_hashes") or ():
+                self.blocks.pop(engine_hash, None)
+
+    def clear(self) -> None:
+        self.blocks.clear()
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every block as stored records, each parent before its children: a chain that does not branch is one
+        record (cut at RESYNC_RECORD_TOKENS tokens)."""
+        most = max(1, RESYNC_RECORD_TOKENS // max(1, self.window))
+        children: dict[int | None, list[int]] = {}
+        for h, (parent, _) in self.blocks.items():
+            if parent is None or parent in self.blocks:  # a block whose parent went is out of any prompt's reach
+                children.setdefault(parent, []).append(h)
+        out: list[dict[str, Any]] = []
+        starts: list[tuple[int | None, int]] = [(None, h) for h in reversed(children.get(None, []))]
+        while starts:
+            parent, h = starts.pop()
+            run = [h]
+            while len(children.get(h, ())) == 1 and len(run) < most:
+                h = children[h][0]
+                run.append(h)
+            starts += [(h, child) for child in reversed(children.get(h, []))]
+            out.append({"event_id": -1, "window_size": self.window, "data": {
+                "type": "stored", "parent_hash": parent,
+                "blocks": [{"type": "stored_block", "block_hash": b, "tokens": [
+                    {"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in self.blocks[b][1]]}
+                    for b in run]}})
+        return out
+
+
 class EventPublisher:
     """Publishes without ever blocking serving: events are dropped while NATS is unreachable."""
 
@@ -28,6 +87,8 @@ class EventPublisher:
         self.component = component
         self.nc = None
         self._task: asyncio.Task | None = None
+        self.mirror = KvMirror()
+        self.resyncs = 0
 
     async def connect(self, timeout: float = 30.0) -> "EventPublisher":
         import nats
@@ -35,14 +96,27 @@ class EventPublisher:
         ep = await asyncio.to_thread(wait_endpoint, self.manifest, "nats", timeout)
         self.nc = await nats.connect(ep["url"], token=nats_token(self.manifest), max_reconnect_attempts=-1,
                                      reconnect_time_wait=0.5, connect_timeout=5)
+        await self.nc.subscribe(subject(self.manifest, "kv_resync", "all"), cb=self._resync)
         return self
 
     def kv_event(self, event: str, **data: Any) -> None:
+        if event == "cleared":
+            self.mirror.clear()
         self._publish("kv_events", {"event": event, "worker": self.component, "ts": time.time(), **data})
 
     def engine_kv_event(self, event: dict[str, Any]) -> None:
         """A record from TensorRT-LLM's get_kv_cache_events_async, as the engine gave it."""
+        self.mirror.note(event)  # noted even while NATS is away: it is what the engine holds
         self._publish("kv_events", {"event": "engine", "worker": self.component, "ts": time.time(), "record": event})
+
+    async def _resync(self, _msg) -> None:
+        """A router asked for every block (one started late, or its NATS connection came back): on the events'
+        own subject, so every router applies them in order with the live ones."""
+        self.resyncs += 1
+        now = time.time()
+        self._publish("kv_events", {"event": "cleared", "worker": self.component, "ts": now, "resync": True})
+        for record in self.mirror.records():
+            self._publish("kv_events", {"event": "engine", "worker": self.component, "ts": now, "record": record})
 
     def engine_stats(self, stat: dict[str, Any]) -> None:
         """A record from TensorRT-LLM's get_stats_async (iteration stats)."""

@@ -63,7 +63,7 @@ def _view(instances: dict[str, list[tuple[str, int]]], blocks: int = 0, draining
                                              for i, (iid, routed) in enumerate(items)]
                                       for role, items in instances.items()},
             "router": {"policy": "kv_aware", "stale": blocks == 0, "events": 10 + blocks, "prompt_blocks": blocks,
-                       "cached_blocks": blocks // 2}}
+                       "cached_blocks": blocks // 2, "indexed_blocks": 20 + blocks, "resyncs": 1}}
 
 
 @pytest.mark.unit
@@ -75,7 +75,7 @@ def test_health_of_the_group_counts_a_worker_only_when_every_process_routes_to_i
     assert [(i["instance_id"], i["routed"]) for i in merged["instances"]["decode"]] == [("d0", 6)]
     assert merged["instances"]["prefill"][0]["routed"] == 7
     assert merged["router"] == {"policy": "kv_aware", "stale": True, "events": 18, "prompt_blocks": 8,
-                                "cached_blocks": 4}
+                                "cached_blocks": 4, "indexed_blocks": 20, "resyncs": 2}
     assert merged["processes"] == 2
     caught_up = _view({"prefill": [("p0", 4)], "decode": [("d0", 5), ("d1", 0)]})
     assert merge_health([first, caught_up])["status"] == "healthy"

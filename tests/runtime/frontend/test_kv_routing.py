@@ -150,3 +150,56 @@ def test_a_shared_prefix_follows_its_worker_through_the_real_event_plane(stack, 
     assert main(["status", str(kv_stack.run.path)]) == 0
     out = capsys.readouterr().out
     assert "router: kv_aware, prompt blocks found cached 36/45 (80%)" in out and "routed (5 requests)" in out
+
+
+@pytest.mark.integration
+def test_a_restarted_frontend_gets_back_what_the_workers_cache(kv_stack):
+    """The frontend's supervisor starts it again after a crash: it asks the workers to resend every block they
+    hold, so the prefix seated before the crash still goes to its worker (without it the index starts empty and
+    the first requests go by load)."""
+    import json
+    import os
+    import signal
+    import time
+
+    from hpc.checks.probe import get_json, post_json
+
+    def ask(suffix: int) -> int:
+        code, resp = post_json(kv_stack.url + "/v1/completions", {"model": "hpc/tiny", "prompt": prefix + [suffix],
+                                                                 "max_tokens": 2, "temperature": 0}, timeout=10)
+        assert code == 200, resp
+        return resp["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    def router() -> dict:
+        return get_json(kv_stack.url + "/health", 2.0)[1]["router"]
+
+    def until(check, seconds: float, what: str):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                found = check()
+            except OSError:  # the frontend is starting again
+                found = None
+            if found:
+                return found
+            time.sleep(0.05)
+        raise AssertionError(f"not within {seconds} s: {what}")
+
+    prefix = list(range(500, 800))  # 9 full blocks of 32, none of them the other tests'
+    ask(0)
+    before = until(lambda: (r := router())["indexed_blocks"] >= 9 and r, 5, "the prefix's blocks indexed")
+    state_file = kv_stack.run.state / "frontend.json"
+    first = json.loads(state_file.read_text())
+    os.kill(first["pid"], signal.SIGKILL)  # the serving process, not its supervisor
+
+    def restarted():
+        state = json.loads(state_file.read_text())
+        return state["phase"] == "ready" and state["pid"] != first["pid"] and router()
+    after = until(restarted, 60, "the frontend serving again")
+    assert after["resyncs"] == 1
+    after = until(lambda: (r := router())["indexed_blocks"] == before["indexed_blocks"] and r, 5,
+                  f"the workers' {before['indexed_blocks']} blocks indexed again (now {router()['indexed_blocks']})")
+    assert after["stale"] is False
+    assert [ask(i) for i in (1, 2, 3)] == [288] * 3  # every one to the worker holding the prefix
+    instances = get_json(kv_stack.url + "/health", 2.0)[1]["instances"]["agg"]
+    assert sorted(i["routed"] for i in instances) == [0, 3], instances
