@@ -4,7 +4,7 @@ A router that starts after the workers (a frontend restarted by its supervisor, 
 whose NATS connection came back) missed the stored events of everything they cache. It asks for a resync on the
 `kv_resync` subject; each worker answers on its own event subject, in order with its live events, with "cleared"
 and then every block it holds (`KvMirror`: the worker keeps what it published, for TensorRT-LLM has no call that
-lists its cache).
+lists its cache). A worker whose own connection came back resends unasked.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class EventPublisher:
 
         ep = await asyncio.to_thread(wait_endpoint, self.manifest, "nats", timeout)
         self.nc = await nats.connect(ep["url"], token=nats_token(self.manifest), max_reconnect_attempts=-1,
-                                     reconnect_time_wait=0.5, connect_timeout=5)
+                                     reconnect_time_wait=0.5, connect_timeout=5, reconnected_cb=self._reconnected)
         await self.nc.subscribe(subject(self.manifest, "kv_resync", "all"), cb=self._resync)
         return self
 
@@ -108,6 +108,11 @@ class EventPublisher:
         """A record from TensorRT-LLM's get_kv_cache_events_async, as the engine gave it."""
         self.mirror.note(event)  # noted even while NATS is away: it is what the engine holds
         self._publish("kv_events", {"event": "engine", "worker": self.component, "ts": time.time(), "record": event})
+
+    async def _reconnected(self) -> None:
+        """NATS came back (a restart by its supervisor): what was published while it was away is lost to every
+        router. A router back before this worker asked while it could not hear, so it resends unasked."""
+        await self._resync(None)
 
     async def _resync(self, _msg) -> None:
         """A router asked for every block (one started late, or its NATS connection came back): on the events'

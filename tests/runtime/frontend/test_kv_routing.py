@@ -203,3 +203,49 @@ def test_a_restarted_frontend_gets_back_what_the_workers_cache(kv_stack):
     assert [ask(i) for i in (1, 2, 3)] == [288] * 3  # every one to the worker holding the prefix
     instances = get_json(kv_stack.url + "/health", 2.0)[1]["instances"]["agg"]
     assert sorted(i["routed"] for i in instances) == [0, 3], instances
+
+
+@pytest.mark.integration
+def test_the_index_is_whole_again_after_nats_restarts(kv_stack):
+    """NATS dies and its supervisor starts it again: the frontend's index goes stale (routing by load), and once
+    both sides are back the workers resend what they hold, whichever reconnects first."""
+    import json
+    import os
+    import signal
+    import time
+
+    from hpc.checks.probe import get_json, post_json
+
+    def router() -> dict:
+        return get_json(kv_stack.url + "/health", 2.0)[1]["router"]
+
+    def until(check, seconds: float, what: str):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            found = check()
+            if found:
+                return found
+            time.sleep(0.05)
+        raise AssertionError(f"not within {seconds} s: {what} (router: {router()})")
+
+    prefix = list(range(900, 1200))  # 9 full blocks of 32, none of them the other tests'
+    code, resp = post_json(kv_stack.url + "/v1/completions", {"model": "hpc/tiny", "prompt": prefix + [0],
+                                                             "max_tokens": 2, "temperature": 0})
+    assert code == 200, resp
+    until(lambda: router()["indexed_blocks"] >= 9, 5, "the prefix's blocks indexed")
+    time.sleep(0.3)  # the events still on their way (the other worker's, the other tests')
+    before = router()
+    nats = json.loads((kv_stack.run.state / "nats.json").read_text())
+    os.kill(nats["server_pid"], signal.SIGKILL)
+    until(lambda: router()["stale"], 10, "the index stale while NATS is away")
+
+    def back():
+        state = json.loads((kv_stack.run.state / "nats.json").read_text())
+        r = router()
+        return state.get("server_pid") != nats["server_pid"] and not r["stale"] and r
+    after = until(back, 30, "NATS back and events flowing")
+    after = until(lambda: (r := router())["indexed_blocks"] == before["indexed_blocks"] and r, 5,
+                  f"the workers' {before['indexed_blocks']} blocks indexed again")
+    code, resp = post_json(kv_stack.url + "/v1/completions", {"model": "hpc/tiny", "prompt": prefix + [1],
+                                                             "max_tokens": 2, "temperature": 0})
+    assert code == 200 and resp["usage"]["prompt_tokens_details"]["cached_tokens"] == 288, resp
