@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -18,6 +20,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def until(check: Callable[[], object], seconds: float, what: str | Callable[[], str]):
+    """check()'s first truthy answer within `seconds` (an OSError counts as none: a server starting again)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            found = check()
+        except OSError:
+            found = None
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"not within {seconds} s: {what() if callable(what) else what}")
 
 
 class Stack:

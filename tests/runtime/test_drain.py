@@ -15,7 +15,7 @@ import pytest
 
 from hpc.checks.probe import get_json, get_text, metric_values, post_json, post_sse
 from hpc.cli.main import main
-from tests.runtime.conftest import stack_fixture
+from tests.runtime.conftest import stack_fixture, until
 
 pytestmark = pytest.mark.integration
 
@@ -35,16 +35,6 @@ def _busy(stack) -> str:
     raise AssertionError("no worker has the request in flight")
 
 
-def _until(check, seconds: float, what: str):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(0.05)
-    raise AssertionError(f"not within {seconds} s: {what}")
-
-
 def test_a_draining_worker_finishes_its_stream_and_takes_no_new_requests(pair, capsys):
     body = {"model": pair.model, "prompt": "hello", "temperature": 0, "max_tokens": TOKENS, "ignore_eos": True,
             "stream": True}
@@ -53,10 +43,10 @@ def test_a_draining_worker_finishes_its_stream_and_takes_no_new_requests(pair, c
     busy = _busy(pair)
     other = {"agg-0": "agg-1", "agg-1": "agg-0"}[busy]
     os.kill(_state(pair, busy)["pid"], signal.SIGUSR1)
-    _until(lambda: _state(pair, busy)["phase"] == "draining" or _state(pair, busy)["phase"] == "drained", 5,
+    until(lambda: _state(pair, busy)["phase"] == "draining" or _state(pair, busy)["phase"] == "drained", 5,
            f"{busy} draining")
     # new requests meanwhile all go to the other worker, and the frontend lists the draining one as such
-    health = _until(lambda: (lambda h: h if h["live"] == {"agg": 1} else None)(get_json(pair.url + "/health")[1]),
+    health = until(lambda: (lambda h: h if h["live"] == {"agg": 1} else None)(get_json(pair.url + "/health")[1]),
                     5, "the frontend sees the drain")
     assert health["status"] == "degraded"
     frontend_metrics = get_text(pair.url + "/metrics")
@@ -74,7 +64,7 @@ def test_a_draining_worker_finishes_its_stream_and_takes_no_new_requests(pair, c
     assert "error" not in events[-1], events[-1]
     assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert len([e for e in events if e["choices"][0]["text"]]) == TOKENS
-    _until(lambda: _state(pair, busy)["phase"] == "drained", 5, f"{busy} drained once its stream ended")
+    until(lambda: _state(pair, busy)["phase"] == "drained", 5, f"{busy} drained once its stream ended")
 
     assert main(["status", str(pair.run.path)]) == 0
     status = capsys.readouterr().out
@@ -83,7 +73,7 @@ def test_a_draining_worker_finishes_its_stream_and_takes_no_new_requests(pair, c
 
     # the last one drains too: a new request is refused with the reason, not only "no live worker"
     os.kill(_state(pair, other)["pid"], signal.SIGUSR1)
-    _until(lambda: get_json(pair.url + "/health")[1]["live"] == {"agg": 0}, 5, "both draining")
+    until(lambda: get_json(pair.url + "/health")[1]["live"] == {"agg": 0}, 5, "both draining")
     assert main(["status", str(pair.run.path)]) == 0
     assert "roles: agg 0/2 draining" in capsys.readouterr().out
     refused = urllib.request.Request(pair.url + "/v1/completions", headers={"content-type": "application/json"},
@@ -166,7 +156,7 @@ def test_a_frontend_that_dies_is_started_again_and_serves(restartable, capsys):
             return state if post_json(restartable.url + "/v1/completions", ask, timeout=5)[0] == 200 else None
         except OSError:
             return None
-    again = _until(serving_again, 60, "the frontend serving again")
+    again = until(serving_again, 60, "the frontend serving again")
     assert again["restarts"] == 1
     assert "the frontend exited with status -9; restart 1 of 3" in (restartable.run.logs / "frontend.log").read_text()
     assert main(["status", str(restartable.run.path)]) == 0

@@ -10,6 +10,7 @@ from hpc.runtime.frontend.kv_index import KvIndex
 from hpc.runtime.frontend.router import Router
 from hpc.runtime.services.discovery import Instance
 from hpc.spec.recipe import RouterPolicy
+from tests.runtime.conftest import until
 
 pytestmark = pytest.mark.unit
 
@@ -160,7 +161,6 @@ def test_a_restarted_frontend_gets_back_what_the_workers_cache(kv_stack):
     import json
     import os
     import signal
-    import time
 
     from hpc.checks.probe import get_json, post_json
 
@@ -172,18 +172,6 @@ def test_a_restarted_frontend_gets_back_what_the_workers_cache(kv_stack):
 
     def router() -> dict:
         return get_json(kv_stack.url + "/health", 2.0)[1]["router"]
-
-    def until(check, seconds: float, what: str):
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            try:
-                found = check()
-            except OSError:  # the frontend is starting again
-                found = None
-            if found:
-                return found
-            time.sleep(0.05)
-        raise AssertionError(f"not within {seconds} s: {what}")
 
     prefix = list(range(500, 800))  # 9 full blocks of 32, none of them the other tests'
     ask(0)
@@ -219,15 +207,6 @@ def test_the_index_is_whole_again_after_nats_restarts(kv_stack):
     def router() -> dict:
         return get_json(kv_stack.url + "/health", 2.0)[1]["router"]
 
-    def until(check, seconds: float, what: str):
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            found = check()
-            if found:
-                return found
-            time.sleep(0.05)
-        raise AssertionError(f"not within {seconds} s: {what} (router: {router()})")
-
     prefix = list(range(900, 1200))  # 9 full blocks of 32, none of them the other tests'
     code, resp = post_json(kv_stack.url + "/v1/completions", {"model": "hpc/tiny", "prompt": prefix + [0],
                                                              "max_tokens": 2, "temperature": 0})
@@ -243,8 +222,8 @@ def test_the_index_is_whole_again_after_nats_restarts(kv_stack):
         state = json.loads((kv_stack.run.state / "nats.json").read_text())
         r = router()
         return state.get("server_pid") != nats["server_pid"] and not r["stale"] and r
-    after = until(back, 30, "NATS back and events flowing")
-    after = until(lambda: (r := router())["indexed_blocks"] == before["indexed_blocks"] and r, 5,
+    until(back, 30, lambda: f"NATS back and events flowing (router: {router()})")
+    until(lambda: (r := router())["indexed_blocks"] == before["indexed_blocks"] and r, 5,
                   f"the workers' {before['indexed_blocks']} blocks indexed again")
     code, resp = post_json(kv_stack.url + "/v1/completions", {"model": "hpc/tiny", "prompt": prefix + [1],
                                                              "max_tokens": 2, "temperature": 0})
