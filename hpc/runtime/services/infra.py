@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import signal
 import subprocess
 import shutil
 import sys
@@ -114,56 +113,37 @@ def _run_server(manifest: Manifest, reporter: Reporter, service: str, host: str,
                 health: str) -> int:
     """Run the server; if it dies on its own, start it again (same data directory, same address: etcd keeps its
     keys, leases and users; NATS clients reconnect by themselves), up to `infra.max_restarts` times."""
-    # The drain tier (SIGUSR1) is for workers; servers ignore it, and etcd/nats inherit the ignore.
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    stopping = False
-    proc: subprocess.Popen | None = None
+    from hpc.runtime.services.supervise import supervise
 
-    def stop(*_: object) -> None:
-        nonlocal stopping
-        stopping = True
-        if proc is not None:
-            proc.terminate()
-
-    def start(what: str) -> subprocess.Popen:
-        started = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-        try:
-            wait_healthy(health, started)
-        except SystemExit as exc:
-            started.terminate()
-            reporter.phase("failed", error=f"{what}{exc}")
-            raise
-        return started
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    most = manifest.recipe.infra.max_restarts
     port = manifest.plan.service(service).ports["client"]
-    proc = start("")
-    if service == "etcd":
+    url = f"http://{host}:{port}" if service == "etcd" else f"nats://{host}:{port}"
+
+    def started(proc: subprocess.Popen, attempt: int) -> None:
         try:
-            enable_etcd_auth(manifest, f"http://{host}:{port}")
+            wait_healthy(health, proc)
+            if service == "etcd" and attempt == 0:
+                enable_etcd_auth(manifest, url)  # kept in etcd's data directory: a restart has it already
         except SystemExit as exc:
             proc.terminate()
-            reporter.phase("failed", error=str(exc))
+            reporter.phase("failed", error=f"restart {attempt}: {exc}" if attempt else str(exc))
             raise
-    url = f"http://{host}:{port}" if service == "etcd" else f"nats://{host}:{port}"
-    publish_endpoint(manifest, service, host=host, port=port, url=url, health=health)
-    reporter.phase("ready", address=f"{host}:{port}", server_pid=proc.pid)
-    restarts = 0
-    while True:
-        code = proc.wait()
-        if stopping or restarts >= manifest.recipe.infra.max_restarts:
-            break
-        restarts += 1
-        print(f"hpc: {service} exited with status {code}; restart {restarts} of "
-              f"{manifest.recipe.infra.max_restarts}", file=sys.stderr, flush=True)
-        try:
-            proc = start(f"restart {restarts}: ")
-        except SystemExit:
-            return 1
-        reporter.phase("ready", address=f"{host}:{port}", server_pid=proc.pid, restarts=restarts)
-    reporter.phase("stopped", exit_code=code, restarts=restarts)
-    return 0 if code in (0, -signal.SIGTERM, 143) else code
+        if attempt == 0:
+            publish_endpoint(manifest, service, host=host, port=port, url=url, health=health)
+        reporter.phase("ready", address=f"{host}:{port}", server_pid=proc.pid, restarts=attempt)
+
+    def after_failure(code: int, attempt: int) -> int | None:
+        if attempt >= most:
+            reporter.phase("stopped", exit_code=code)
+            return code if code > 0 else 1
+        print(f"hpc: {service} exited with status {code}; restart {attempt + 1} of {most}", file=sys.stderr,
+              flush=True)
+        return None
+
+    code = supervise(lambda attempt: cmd, after_failure, started)
+    if reporter.data["phase"] != "stopped":  # told to stop: the server ended with it
+        reporter.phase("stopped", exit_code=0)
+    return code
 
 
 if __name__ == "__main__":

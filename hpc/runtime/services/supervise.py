@@ -10,11 +10,14 @@ import subprocess
 from typing import Callable
 
 
-def supervise(command: Callable[[int], list[str]], after_failure: Callable[[int, int], int | None]) -> int:
+def supervise(command: Callable[[int], list[str]], after_failure: Callable[[int, int], int | None],
+              started: Callable[[subprocess.Popen, int], None] | None = None) -> int:
     """Run `command(attempt)` (attempt 0, 1, ...) as a child until it exits 0, or this process is told to stop
-    (TERM or INT, passed on to the child as TERM): then 0. When the child fails with `code`,
-    `after_failure(code, attempt)` gives this process's exit code, or None to start the next attempt. The drain
-    signal (SIGUSR1) is ignored here: Slurm sends it to every process of the step, and the serving child drains."""
+    (TERM or INT, passed on to the child as TERM): then 0. `started(child, attempt)`, if given, runs once the
+    child is started (a server's health wait: what it raises ends this process). When the child fails with
+    `code`, `after_failure(code, attempt)` gives this process's exit code, or None to start the next attempt. The
+    drain signal (SIGUSR1) is ignored here and by the children that inherit it (etcd, NATS): Slurm sends it to
+    every process of the step, and a serving child that drains sets its own handler."""
     stopping = False
     child: subprocess.Popen | None = None
 
@@ -29,7 +32,9 @@ def supervise(command: Callable[[int], list[str]], after_failure: Callable[[int,
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     attempt = 0
     while not stopping:
-        child = subprocess.Popen(command(attempt))
+        child = subprocess.Popen(command(attempt), stdin=subprocess.DEVNULL)
+        if started is not None:
+            started(child, attempt)
         code = child.wait()
         if stopping or code == 0:
             return 0
