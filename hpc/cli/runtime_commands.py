@@ -351,6 +351,8 @@ class DrainWatch:
     def summary(self, grace_s: float) -> str:
         if self.asked is None:
             return ""  # nothing was serving to drain (a job not running yet)
+        if self.took is not None and self.took < 0.05:
+            return " (workers drained at once: nothing was in flight)"
         if self.took is not None:
             return f" (workers drained in {self.took:.1f} s)"
         return (f"\nthe grace period ({grace_s:g} s) ended with {', '.join(self.serving)} still serving: what "
