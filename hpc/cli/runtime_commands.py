@@ -223,6 +223,7 @@ def _print_status(data: dict[str, Any]) -> None:
         if "prompt_blocks" in router:
             share = router["cached_blocks"] / router["prompt_blocks"] if router["prompt_blocks"] else 0.0
             line += (f", prompt blocks found cached {router['cached_blocks']}/{router['prompt_blocks']} ({share:.0%})"
+                     + (f", {router['indexed_blocks']} blocks indexed" if "indexed_blocks" in router else "")
                      + (", index stale (routing by load)" if router["stale"] else ""))
         print(line)
         for pool in router.get("pools") or []:  # the global router: where requests went, and why

@@ -135,13 +135,39 @@ def test_engine_stats_and_kv_events_reach_nats(disagg):
             if got["kv_events"] and got["engine_stats"]:
                 break
             await asyncio.sleep(0.1)
+        # a router that starts late asks for what the workers hold: each resends TensorRT-LLM's records it saw
+        got["resent"] = []
+
+        async def resent(msg):
+            got["resent"].append(json.loads(msg.data))
+        await asyncio.sleep(0.5)  # the live events still on their way
+        live = list(got["kv_events"])
+        await nc.subscribe(f"hpc.{manifest.run_id}.kv_events.*".replace("-", "_"), cb=resent)
+        await nc.publish(f"hpc.{manifest.run_id}.kv_resync.all".replace("-", "_"), b"")
+        for _ in range(50):
+            if any(e["worker"] == "prefill-0" and e.get("resync") for e in got["resent"]):
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.3)
         await nc.close()
+        got["kv_events"] = live
         return got
     got = asyncio.run(collect())
     stored = [e for e in got["kv_events"] if e["event"] == "engine" and e["record"]["data"]["type"] == "stored"]
     assert stored and stored[0]["record"]["data"]["blocks"][0]["tokens"]  # TensorRT-LLM's per-block records
     assert got["engine_stats"] and "kvCacheStats" in got["engine_stats"][0]["record"]
     assert _worker_metric(disagg, "prefill-0", "hpc_worker_kv_events") >= 1
+
+    def stored_blocks(events: list[dict]) -> dict[int, list[int]]:
+        return {b["block_hash"]: [t["token_id"] for t in b["tokens"]] for e in events
+                if e["worker"] == "prefill-0" and e["event"] == "engine" and e["record"]["data"]["type"] == "stored"
+                for b in e["record"]["data"]["blocks"]}
+    resent = [e for e in got["resent"] if e["worker"] == "prefill-0"]
+    assert resent[0]["event"] == "cleared" and resent[0]["resync"] is True
+    held = {h: e["tokens"][i * e["block"]:(i + 1) * e["block"]] for e in resent[1:] if e["event"] == "held"
+            for i, h in enumerate(e["block_hashes"])}
+    just_stored = stored_blocks(got["kv_events"])  # this prompt's blocks: the newest, none evicted yet
+    assert just_stored and just_stored.items() <= held.items()
 
 
 def _png(color) -> str:

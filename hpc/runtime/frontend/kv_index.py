@@ -9,7 +9,7 @@ engine's own hash values (TensorRT-LLM's are internal) need only map to ours, pe
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Iterable
 
 from hpc.runtime.engine.prefix_cache import block_hashes, chain_hash
 
@@ -26,29 +26,40 @@ class KvIndex:
         self.resyncs = 0  # the workers asked to resend what they hold (at the start, and when NATS came back)
 
     def apply(self, worker: str, message: dict[str, Any]) -> None:
-        """One message from a worker's kv_events subject (hpc.runtime.services.events.EventPublisher)."""
+        """One message from a worker's kv_events subject (hpc.runtime.services.events.EventPublisher): "cleared",
+        an engine's record, or "held" (blocks a worker resends on a resync, their tokens as one flat list)."""
         self.events += 1
-        if message.get("event") == "cleared":
+        event = message.get("event")
+        if event == "cleared":
             self.forget(worker)
+            return
+        if event == "held":
+            b, tokens = message["block"], message["tokens"]
+            self._store(worker, message.get("parent_hash"),
+                        ((h, tokens[i * b:(i + 1) * b]) for i, h in enumerate(message["block_hashes"])))
             return
         data = (message.get("record") or {}).get("data") or {}
         if data.get("type") == "stored":
-            engine_parent = data.get("parent_hash")
-            parent = None if engine_parent is None else self.ours.get((worker, engine_parent))
-            if engine_parent is not None and parent is None:
-                return  # continues a chain whose start this index never saw: not reachable from a prompt
-            for blk in data.get("blocks") or []:
-                tokens = [t["token_id"] for t in blk.get("tokens") or []]
-                if len(tokens) != self.block:
-                    break  # a partial block is not reused
-                parent = chain_hash(parent, tokens)
-                self.ours[(worker, blk["block_hash"])] = parent
-                self.holders.setdefault(parent, set()).add(worker)
+            self._store(worker, data.get("parent_hash"),
+                        ((blk["block_hash"], [t["token_id"] for t in blk.get("tokens") or []])
+                         for blk in data.get("blocks") or []))
         elif data.get("type") == "removed":
             for engine_hash in data.get("block_hashes") or []:
                 ours = self.ours.pop((worker, engine_hash), None)
                 if ours is not None:
                     self._release(ours, worker)
+
+    def _store(self, worker: str, engine_parent: int | None, blocks: Iterable[tuple[int, list[int]]]) -> None:
+        """A chain of blocks (engine hash, tokens) after the block `engine_parent` (None: a prompt's start)."""
+        parent = None if engine_parent is None else self.ours.get((worker, engine_parent))
+        if engine_parent is not None and parent is None:
+            return  # continues a chain whose start this index never saw: not reachable from a prompt
+        for engine_hash, tokens in blocks:
+            if len(tokens) != self.block:
+                break  # a partial block is not reused
+            parent = chain_hash(parent, tokens)
+            self.ours[(worker, engine_hash)] = parent
+            self.holders.setdefault(parent, set()).add(worker)
 
     def forget(self, worker: str) -> None:
         for key in [k for k in self.ours if k[0] == worker]:

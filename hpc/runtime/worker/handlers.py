@@ -20,14 +20,24 @@ from hpc.runtime.serve.wire import (
 Frame = tuple[ReplyBody, bytes]
 
 
+PEER_FIRST_WAIT_S = 10.0  # how long a request waits for discovery to list a role this worker never saw yet
+
+
 class Peers:
     """RPC clients to other workers (prefill for KV, encode for embeddings), one connection each."""
 
     def __init__(self, token: str | None = None) -> None:
         self.token = token
         self.clients: dict[str, RpcClient] = {}
-        self.instances: dict[str, Any] = {}  # discovery snapshot, kept fresh by the worker
+        self.instances: dict[str, Any] = {}  # discovery snapshot, kept fresh by the worker (update)
+        self.seen: set[str] = set()  # roles any snapshot listed
+        self._changed = asyncio.Event()
         self._ahead = OpenAhead("peer worker")
+
+    def update(self, snapshot: dict[str, Any]) -> None:
+        self.instances = snapshot
+        self.seen.update(i.role for i in snapshot.values())
+        self._changed.set()
 
     def client(self, address: str) -> RpcClient:
         c = self.clients.get(address)
@@ -43,11 +53,21 @@ class Peers:
             if inst.role in roles:
                 self._ahead.open(self.client(inst.address))
 
-    def pick(self, role: str) -> str:
-        live = sorted(i.address for i in self.instances.values() if i.role == role and not i.draining)
-        if not live:
-            raise RemoteError(f"no live {role} worker", 503)
-        return live[int(time.monotonic() * 1000) % len(live)]
+    async def pick(self, role: str, first_wait_s: float = PEER_FIRST_WAIT_S) -> str:
+        """A live worker of `role`. One this worker's discovery has not listed yet is waited for (workers register
+        in any order: the first image after the job turns ready could reach a prefill worker before the encode
+        worker's key does); one that was listed and is gone is refused at once."""
+        deadline = time.monotonic() + first_wait_s
+        while True:
+            live = sorted(i.address for i in self.instances.values() if i.role == role and not i.draining)
+            if live:
+                return live[int(time.monotonic() * 1000) % len(live)]
+            left = deadline - time.monotonic()
+            if role in self.seen or left <= 0:
+                raise RemoteError(f"no live {role} worker", 503)
+            self._changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
 
     async def close(self) -> None:
         for c in self.clients.values():
@@ -88,7 +108,7 @@ class HandlerBase:
         if not request.image or request.media is not None:
             return request
         if self.deps.has_encode_role:
-            client = self.deps.peers.client(self.deps.peers.pick("encode"))
+            client = self.deps.peers.client(await self.deps.peers.pick("encode"))
             media, _ = await client.call(EncodeImage(image=request.image))
             if not isinstance(media, EncodedMedia):
                 raise RemoteError("the encode worker answered without embeddings", 502)

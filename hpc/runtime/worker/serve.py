@@ -199,7 +199,7 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
         listed = asyncio.Event()
 
         def keep(snapshot):
-            peers.instances = snapshot
+            peers.update(snapshot)
             peers.preconnect(("prefill", "encode"))  # the first handoff or image does not connect
             listed.set()
 

@@ -150,7 +150,9 @@ def test_a_shared_prefix_follows_its_worker_through_the_real_event_plane(stack, 
     assert health["router"]["cached_blocks"] == 4 * 9 and health["router"]["stale"] is False
     assert main(["status", str(kv_stack.run.path)]) == 0
     out = capsys.readouterr().out
-    assert "router: kv_aware, prompt blocks found cached 36/45 (80%)" in out and "routed (5 requests)" in out
+    indexed = health["router"]["indexed_blocks"]
+    assert f"router: kv_aware, prompt blocks found cached 36/45 (80%), {indexed} blocks indexed" in out
+    assert indexed >= 9 and "routed (5 requests)" in out
 
 
 @pytest.mark.integration

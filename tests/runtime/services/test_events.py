@@ -53,12 +53,13 @@ def test_a_resync_gives_a_late_router_what_the_live_events_gave():
     late = KvIndex(BLOCK)
     late.apply("agg-0", {"event": "cleared"})
     resent = mirror.records()
-    for record in resent:
-        late.apply("agg-0", {"event": "engine", "record": record})
+    for held in resent:
+        late.apply("agg-0", {"event": "held", **held})
     assert _answers(late) == _answers(live)
     assert _answers(live)[:2] == [(4, {"agg-0": 4}), (3, {"agg-0": 3})]  # the shared start and both branches
-    assert sum(len(r["data"]["blocks"]) for r in resent) == 5  # 11-15; the orphans 22, 23 and 31 are not resent
-    assert [r["data"]["parent_hash"] for r in resent] == [None, 12, 12]  # 11-12, then each branch off 12
+    assert [h["block_hashes"] for h in resent] == [[11, 12], [13, 14], [15]]  # not the orphans 22, 23 and 31
+    assert [h["parent_hash"] for h in resent] == [None, 12, 12]  # 11-12, then each branch off 12
+    assert resent[1]["tokens"] == PROMPTS[0][8:] and resent[1]["block"] == BLOCK
     assert mirror.records() == resent and mirror.window == BLOCK
 
 
@@ -67,10 +68,10 @@ def test_a_resync_record_stays_under_its_token_bound_and_keeps_the_chain(monkeyp
     tokens = list(range(1000, 1000 + 10 * BLOCK))
     mirror, live = _mirror_and_live([_stored(1, list(range(50, 60)), tokens)])
     resent = mirror.records()
-    assert [len(r["data"]["blocks"]) for r in resent] == [3, 3, 3, 1]
+    assert [len(h["block_hashes"]) for h in resent] == [3, 3, 3, 1]
     late = KvIndex(BLOCK)
-    for record in resent:
-        late.apply("agg-0", {"event": "engine", "record": record})
+    for held in resent:
+        late.apply("agg-0", {"event": "held", **held})
     assert late.overlaps(tokens) == live.overlaps(tokens) == (10, {"agg-0": 10})
 
 
@@ -79,8 +80,8 @@ def test_a_parent_stored_again_after_its_child_still_comes_first():
     mirror, live = _mirror_and_live([_stored(1, [1, 2], SHARED), _removed(2, [1]), _stored(3, [1], SHARED[:4])])
     assert list(mirror.blocks) == [2, 1]
     late = KvIndex(BLOCK)
-    for record in mirror.records():
-        late.apply("agg-0", {"event": "engine", "record": record})
+    for held in mirror.records():
+        late.apply("agg-0", {"event": "held", **held})
     assert late.overlaps(SHARED) == live.overlaps(SHARED) == (2, {"agg-0": 2})
 
 
