@@ -7,7 +7,6 @@ the failure policy live in entry.py.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -32,7 +31,6 @@ from hpc.runtime.worker.engine_process import EngineHandoff, EngineProcess, engi
 from hpc.runtime.worker.kv_handoff import KvHandoff, open_nixl
 
 log = logging.getLogger("hpc.worker")
-PEERS_WAIT_S = 10.0
 
 
 async def serve(manifest: Manifest, role: str, index: int, manifest_file: str, restarting: bool = False) -> int:
@@ -196,18 +194,11 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
     await web.start(host, plan.ports["http"])
     discovery = open_discovery(manifest)
     if recipe.roles.encode is not None or mode is DisaggregationMode.DECODE:
-        listed = asyncio.Event()
-
         def keep(snapshot):
-            peers.update(snapshot)
+            peers.update(snapshot)  # a request that needs a role not listed yet waits for it (Peers.pick)
             peers.preconnect(("prefill", "encode"))  # the first handoff or image does not connect
-            listed.set()
 
         watch_task = asyncio.create_task(discovery.watch(keep))
-        # its peers known before it is routed requests that need them (a restarted worker would refuse its first
-        # images with "no live encode worker" otherwise); discovery away: on without them, the watch goes on
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(listed.wait(), PEERS_WAIT_S)
     else:
         watch_task = None
     instance = Instance(role=role, index=index, pool=plan.pool or "", instance_id=uuid.uuid4().hex[:12],
