@@ -32,7 +32,8 @@ RESYNC_RECORD_TOKENS = 16384  # a resync record's tokens at most: ~100 kB of JSO
 
 class KvMirror:
     """The blocks a worker's engine holds, from the TensorRT-LLM-shaped records it published: engine block hash ->
-    (its parent's hash, its tokens)."""
+    (its parent's hash, its tokens). Shapes as tensorrt_llm/_utils.py KVCacheEventSerializer writes them; its
+    `created` and `updated` records (pool sizes, a block's priority or cache level) add or drop no block."""
 
     def __init__(self) -> None:
         self.blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}
