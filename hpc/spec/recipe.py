@@ -98,8 +98,9 @@ class FrontendSpec(StrictModel):
         None, description="seed 003's global router over the roles' pools: Dynamo's global_router JSON, as a file "
                           "(relative to the recipe or the project) or inline; its pool names are the recipe's")
     request_timeout_s: float = Field(600.0, gt=0, le=86400, allow_inf_nan=False)
-    max_restarts: int = Field(3, ge=0, le=1000, description="times the frontend is started again if it dies (it "
-                                                            "holds no state: the workers stay, the job goes on)")
+    max_restarts: int = Field(3, ge=0, le=1000, description="times the frontend is started again if it dies (the "
+                                                            "workers stay and resend their cached blocks to its "
+                                                            "KV-aware index; the job goes on)")
     processes: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
         "auto", description="frontend processes on one port (process 0 deals each connection to the one holding "
                             "the fewest); one Python process saturates its core at tens of thousands of tokens/s. "

@@ -1,5 +1,6 @@
 """`python -m hpc.runtime.frontend MANIFEST`: the OpenAI-compatible frontend of one job, under a light supervisor
-that starts it again if it dies (frontend.max_restarts): it holds no state, so the job need not end with it."""
+that starts it again if it dies (frontend.max_restarts): what it held (its KV-aware index) the workers resend,
+so the job need not end with it."""
 
 from __future__ import annotations
 
