@@ -28,6 +28,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--index", type=int, default=0)
     p.add_argument("-f", "--follow", action="store_true")
     p.add_argument("-n", "--lines", type=int, default=50)
+    p.add_argument("--request", metavar="ID",
+                   help="every component's lines that name this request (its x-request-id, the response's id)")
     p.set_defaults(func=logs)
 
     p = sub.add_parser("cancel", help="stop a run: its workers drain first (USR1), then TERM, then KILL")
@@ -282,6 +284,8 @@ def status(args: argparse.Namespace) -> int:
 # ---- logs, cancel, smoke -------------------------------------------------------------------------------
 def logs(args: argparse.Namespace) -> int:
     run = find_run(args.run)
+    if args.request:
+        return _request_lines(run, args.request)
     if args.component is None:
         files = sorted(run.logs.glob("*.log")) + sorted(run.logs.glob("*.out"))
         if not files and run.submitted():  # a job that ended without any: why, when Slurm's state tells
@@ -329,6 +333,19 @@ def _follow(path: Path) -> None:
                 handle.seek(0)
             else:
                 time.sleep(0.2)
+
+
+def _request_lines(run: RunDir, request_id: str) -> int:
+    """One request's trace: the frontend's line for a request it could not serve, and each worker's."""
+    files = sorted(run.logs.glob("*.log")) + sorted(run.logs.glob("*.out"))
+    found = [f"{path.stem:<12} {line}" for path in files
+             for line in path.read_text(errors="replace").splitlines() if request_id in line]
+    if not found:
+        print(f"no log line of {run.path.name} names {request_id} (a request served without a failure leaves "
+              f"none; searched {len(files)} logs)")
+        return 1
+    print("\n".join(found))
+    return 0
 
 
 class DrainWatch:

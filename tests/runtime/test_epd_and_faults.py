@@ -86,6 +86,35 @@ def test_oversize_image_rejected(epd):
     assert code == 400 and "max_file_size_mb" in body["error"]["message"]
 
 
+def test_one_request_traced_through_every_log_by_its_id(epd, capsys):
+    """The encode worker dies for good: an image request fails on the prefill worker, and
+    `hpc logs RUN --request ID` (the x-request-id the client got) shows the frontend's and that worker's lines.
+    Last of the epd tests: the stack has no encode worker after it."""
+    import urllib.error
+    import urllib.request
+
+    from hpc.cli.main import main
+
+    os.killpg(_worker_pid(epd, "encode-0"), signal.SIGKILL)
+    body = {"model": epd.model, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(_png()).decode()}}]}]}
+    ask = urllib.request.Request(epd.url + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as failed:
+        urllib.request.urlopen(ask, timeout=30)
+    rid = failed.value.headers["x-request-id"]
+    assert failed.value.code >= 500 and rid.startswith("chatcmpl-")
+    capsys.readouterr()
+    assert main(["logs", str(epd.run.path), "--request", rid]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert {line.split()[0] for line in lines} == {"frontend", "prefill-0"}, lines
+    assert all(rid in line for line in lines)
+    assert any(f"{rid} (GenerateRequest) failed: 502 encode worker at " in line for line in lines), lines
+    assert main(["logs", str(epd.run.path), "--request", "chatcmpl-none"]) == 1
+    assert "no log line of" in capsys.readouterr().out
+
+
 def test_text_only_model_rejects_images(mock):
     code, body = _chat(mock, "data:image/png;base64,AAAA")
     assert code == 400

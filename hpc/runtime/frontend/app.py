@@ -229,8 +229,9 @@ class Frontend:
                                   stop=body.stop_strings, logprobs=body.logprob_count,
                                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                   guide=Guide(pieces=guide) if guide else None)
-        return GenerateRequest(request_id=new_id("req"), token_ids=ids, sampling=sampling,
-                               streaming=body.stream, image=image)
+        # the response's id: the workers' logs name a request as the client's x-request-id does
+        return GenerateRequest(request_id=new_id("chatcmpl" if isinstance(body, ChatRequest) else "cmpl"),
+                               token_ids=ids, sampling=sampling, streaming=body.stream, image=image)
 
     async def completions(self, req: Request) -> Response:
         body: CompletionRequest = self._parse(req, CompletionRequest)
@@ -392,7 +393,7 @@ class Frontend:
                        parsing: tuple[str | None, str | None] | None = None, echo: str = "") -> Response:
         self.counters["requests_total"] += 1
         self.counters["prompt_tokens_total"] += len(gen.token_ids)
-        rid = new_id("chatcmpl" if chat else "cmpl")
+        rid = gen.request_id
         if body.stream:
             # The headers wait for the stream's first event: a request that fails before it (no live worker, every
             # worker failing before its first token, its deadline) is an HTTP status that clients and load

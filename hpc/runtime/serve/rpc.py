@@ -22,6 +22,12 @@ from hpc.runtime.serve.wire import (
 log = logging.getLogger(__name__)
 
 
+def _named(body: object) -> str:
+    """A call as the logs name it: its request's id where it has one."""
+    rid = getattr(body, "request_id", None)
+    return f"{rid} ({type(body).__name__})" if rid else type(body).__name__
+
+
 class RemoteError(Exception):
     """The peer answered with an error (code 400 = the request's fault, else the peer's)."""
 
@@ -256,11 +262,13 @@ class RpcServer:
         except asyncio.CancelledError:
             pass
         except RemoteError as exc:
+            if exc.code >= 500:  # this worker's failure, named by the request's id (its client's x-request-id)
+                log.warning("%s failed: %d %s", _named(call.body), exc.code, exc)
             sink.end(str(exc), exc.code)
         except ValueError as exc:  # bad request content
             sink.end(str(exc), 400)
         except Exception as exc:
-            log.exception("handler for %s failed", type(call.body).__name__)
+            log.exception("%s failed: 500", _named(call.body))
             sink.end(f"{type(exc).__name__}: {exc}", 500)
         finally:
             self.inflight -= 1

@@ -108,8 +108,11 @@ class HandlerBase:
         if not request.image or request.media is not None:
             return request
         if self.deps.has_encode_role:
-            client = self.deps.peers.client(await self.deps.peers.pick("encode"))
-            media, _ = await client.call(EncodeImage(image=request.image))
+            address = await self.deps.peers.pick("encode")
+            try:
+                media, _ = await self.deps.peers.client(address).call(EncodeImage(image=request.image))
+            except ConnectionError as exc:  # (PeerGone too) which peer: the client sees this worker's answer
+                raise RemoteError(f"encode worker at {address} failed: {exc}", 502) from None
             if not isinstance(media, EncodedMedia):
                 raise RemoteError("the encode worker answered without embeddings", 502)
             return replace(request, media=media)
