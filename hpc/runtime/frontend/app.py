@@ -117,7 +117,7 @@ class Frontend:
         if self.router.kv is not None:
             blocks, kv = self.router.kv_blocks, self.router.kv
             view.update(stale=kv.stale, events=kv.events, prompt_blocks=blocks["prompt"],
-                        cached_blocks=blocks["overlap"], indexed_blocks=len(kv.ours), resyncs=kv.resyncs)
+                        cached_blocks=blocks["overlap"], indexed_blocks=kv.indexed, resyncs=kv.resyncs)
         if self.pools is not None:
             view["pools"] = self.pool_view()
         return view

@@ -20,7 +20,9 @@ class KvIndex:
     def __init__(self, block: int) -> None:
         self.block = block
         self.holders: dict[int, set[str]] = {}  # our block hash -> workers holding it
-        self.ours: dict[tuple[str, int], int] = {}  # (worker, engine block hash) -> our hash
+        # worker -> (engine block hash -> our hash); per worker, so that forgetting one (its "cleared", sent again
+        # on every resync) costs its own blocks, not every worker's
+        self.ours: dict[str, dict[int, int]] = {}
         self.stale = True  # no event stream yet (or it broke): route by load until events flow
         self.events = 0
         self.resyncs = 0  # the workers asked to resend what they hold (at the start, and when NATS came back)
@@ -44,26 +46,33 @@ class KvIndex:
                         ((blk["block_hash"], [t["token_id"] for t in blk.get("tokens") or []])
                          for blk in data.get("blocks") or []))
         elif data.get("type") == "removed":
+            held = self.ours.get(worker, {})
             for engine_hash in data.get("block_hashes") or []:
-                ours = self.ours.pop((worker, engine_hash), None)
+                ours = held.pop(engine_hash, None)
                 if ours is not None:
                     self._release(ours, worker)
 
     def _store(self, worker: str, engine_parent: int | None, blocks: Iterable[tuple[int, list[int]]]) -> None:
         """A chain of blocks (engine hash, tokens) after the block `engine_parent` (None: a prompt's start)."""
-        parent = None if engine_parent is None else self.ours.get((worker, engine_parent))
+        held = self.ours.setdefault(worker, {})
+        parent = None if engine_parent is None else held.get(engine_parent)
         if engine_parent is not None and parent is None:
             return  # continues a chain whose start this index never saw: not reachable from a prompt
         for engine_hash, tokens in blocks:
             if len(tokens) != self.block:
                 break  # a partial block is not reused
             parent = chain_hash(parent, tokens)
-            self.ours[(worker, engine_hash)] = parent
+            held[engine_hash] = parent
             self.holders.setdefault(parent, set()).add(worker)
 
     def forget(self, worker: str) -> None:
-        for key in [k for k in self.ours if k[0] == worker]:
-            self._release(self.ours.pop(key), worker)
+        for ours in self.ours.pop(worker, {}).values():
+            self._release(ours, worker)
+
+    @property
+    def indexed(self) -> int:
+        """(worker, block) pairs the index holds."""
+        return sum(len(held) for held in self.ours.values())
 
     def reset(self) -> None:
         """The event stream broke: what was missed cannot be known, so start over (and route by load)."""
