@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 import time
 from typing import Any, Callable
 
@@ -27,6 +28,7 @@ def subject(manifest: Manifest, kind: str, component: str) -> str:
     return f"hpc.{manifest.run_id}.{kind}.{component}".replace("-", "_")
 
 
+_TOKEN_ID = operator.itemgetter("token_id")  # a third faster than a generator: the worker notes every prompt
 RESYNC_RECORD_TOKENS = 16384  # a resync record's tokens at most: ~100 kB of JSON, well under NATS's 1 MB limit
 
 
@@ -46,7 +48,7 @@ class KvMirror:
             parent = data.get("parent_hash")
             self.window = record.get("window_size") or self.window
             for blk in data.get("blocks") or []:
-                self.blocks[blk["block_hash"]] = (parent, tuple(t["token_id"] for t in blk.get("tokens") or ()))
+                self.blocks[blk["block_hash"]] = (parent, tuple(map(_TOKEN_ID, blk.get("tokens") or ())))
                 parent = blk["block_hash"]
         elif kind == "removed":
             for engine_hash in data.get("block_hashes") or ():
