@@ -31,12 +31,14 @@ class Peers:
         self.clients: dict[str, RpcClient] = {}
         self.instances: dict[str, Any] = {}  # discovery snapshot, kept fresh by the worker (update)
         self.seen: set[str] = set()  # roles any snapshot listed
+        self.first_listed: float | None = None  # when discovery's first list came (monotonic)
         self._changed = asyncio.Event()
         self._ahead = OpenAhead("peer worker")
 
     def update(self, snapshot: dict[str, Any]) -> None:
         self.instances = snapshot
         self.seen.update(i.role for i in snapshot.values())
+        self.first_listed = self.first_listed or time.monotonic()
         self._changed.set()
 
     def client(self, address: str) -> RpcClient:
@@ -54,10 +56,11 @@ class Peers:
                 self._ahead.open(self.client(inst.address))
 
     async def pick(self, role: str, first_wait_s: float = PEER_FIRST_WAIT_S) -> str:
-        """A live worker of `role`. One this worker's discovery has not listed yet is waited for (workers register
-        in any order: the first image after the job turns ready could reach a prefill worker before the encode
-        worker's key does); one that was listed and is gone is refused at once."""
-        deadline = time.monotonic() + first_wait_s
+        """A live worker of `role`. One this worker's discovery has not listed yet is waited for, up to
+        `first_wait_s` after its first list (workers register in any order: the first image after the job turns
+        ready could reach a prefill worker before the encode worker's key does); one that was listed and is gone,
+        or never came, is refused at once."""
+        deadline = (self.first_listed or time.monotonic()) + first_wait_s
         while True:
             live = sorted(i.address for i in self.instances.values() if i.role == role and not i.draining)
             if live:

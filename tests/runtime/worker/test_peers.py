@@ -53,3 +53,16 @@ def test_a_role_that_left_or_drains_is_refused_at_once_and_one_never_listed_afte
     (gone, gone_s), (draining, draining_s), (never, never_s) = asyncio.run(scenario())
     assert gone == draining == never == 503
     assert gone_s < 0.1 and draining_s < 0.1 and 0.2 <= never_s < 1
+
+
+def test_a_role_that_never_came_is_refused_at_once_once_the_first_list_is_old():
+    """An encode worker that failed at start for good: every image must not wait the whole window again."""
+    async def scenario() -> float:
+        peers = Peers()
+        peers.update({})
+        peers.first_listed -= 60  # the worker has listed its peers for a minute
+        start = time.monotonic()
+        with pytest.raises(RemoteError, match="no live encode worker"):
+            await peers.pick("encode")
+        return time.monotonic() - start
+    assert asyncio.run(scenario()) < 0.1
