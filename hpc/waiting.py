@@ -50,12 +50,13 @@ class Throttle:
 
 def wait_until(check: Callable[[], T | None], timeout_s: float, what: str, backoff: Backoff = FAST,
                sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> T:
-    """The first non-None answer of `check`; TimeoutError naming `what` after `timeout_s`. `check` may raise to
-    stop the wait early (a process that exited, a job that ended)."""
+    """The first answer of `check` that is neither None nor False (a check written as a comparison waits too);
+    TimeoutError naming `what` after `timeout_s`. `check` may raise to stop the wait early (a process that exited,
+    a job that ended)."""
     deadline = clock() + timeout_s
     for delay in backoff.delays():
         answer = check()
-        if answer is not None:
+        if answer is not None and answer is not False:
             return answer
         remaining = deadline - clock()
         if remaining <= 0:

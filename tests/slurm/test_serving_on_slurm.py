@@ -153,6 +153,43 @@ def test_tiny_epd_on_dev(slurm_env):
     _cancel_and_check_clean(run)
 
 
+def test_a_restarted_frontend_routes_by_the_caches_of_workers_on_other_nodes(slurm_env):
+    """kv_aware with two workers on their own nodes: the frontend (node1) is SIGKILLed, its supervisor starts it
+    again, and the workers resend their blocks over NATS: the prefix seated before goes to the same worker."""
+    run = _launch("-c", "dev", "-r", "tiny-agg", "--no-smoke", "--set", "roles.agg.count=2",
+                  "--set", "frontend.router=kv_aware")
+    try:
+        url, prefix = _url(run), list(range(100, 400))  # 9 full blocks of 32
+
+        def ask(suffix: int) -> dict:
+            code, body = post_json(url + "/v1/completions", {"model": "hpc/tiny", "prompt": prefix + [suffix],
+                                                             "max_tokens": 2, "temperature": 0}, timeout=30)
+            assert code == 200, body
+            return body
+
+        def router() -> dict:
+            return get_json(url + "/health", 2.0)[1]["router"]
+
+        ask(0)
+        wait_until(lambda: router()["indexed_blocks"] >= 9, 10, "the prefix's blocks indexed")
+        states = run.component_states()
+        assert {states["agg-0"]["node"], states["agg-1"]["node"]}.isdisjoint({states["frontend"]["node"]})
+        os.kill(states["frontend"]["pid"], signal.SIGKILL)  # the serving process; the nodes share the PIDs
+
+        def again() -> bool:
+            state = run.component_states()["frontend"]
+            try:
+                return state["phase"] == "ready" and state["restarts"] == 1 and router()["indexed_blocks"] >= 9
+            except OSError:  # not listening yet
+                return False
+        wait_until(again, 60, "the frontend serving again with the workers' blocks indexed")
+        assert [ask(i)["usage"]["prompt_tokens_details"]["cached_tokens"] for i in (1, 2, 3)] == [288] * 3
+        routed = sorted(i["routed"] for i in get_json(url + "/health", 2.0)[1]["instances"]["agg"])
+        assert routed == [0, 3], routed
+    finally:
+        _cancel_and_check_clean(run)
+
+
 def test_tp2_worker_spanning_two_nodes_matches_tp1(slurm_env, tmp_path):
     one_gpu_nodes = dev_cluster_file(tmp_path, gpus_per_node=1)
     prompts = ["The capital of France is", "def main():", "Slurm schedules"]

@@ -152,6 +152,9 @@ def test_slurm_is_asked_on_a_backoff_and_local_waits_end_at_the_deadline():
     assert abs(sum(slept) - 1.0) < 1e-9 and slept[0] == 0.01 and max(slept) == 0.25
     answers = iter([None, None, "ready"])
     assert wait_until(lambda: next(answers), 5, "x", sleep=lambda s: None) == "ready"
+    # a check written as a comparison waits too: False is "not yet", as None is (it returned at once)
+    answers = iter([False, None, False, 0, True])
+    assert wait_until(lambda: next(answers), 5, "x", sleep=lambda s: None) == 0
 
 
 def test_launch_waits_through_pending_and_reports_a_job_that_ended_first(tmp_path: Path, capsys):
