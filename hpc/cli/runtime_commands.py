@@ -287,7 +287,7 @@ def logs(args: argparse.Namespace) -> int:
     if args.request:
         return _request_lines(run, args.request)
     if args.component is None:
-        files = sorted(run.logs.glob("*.log")) + sorted(run.logs.glob("*.out"))
+        files = _log_files(run)
         if not files and run.submitted():  # a job that ended without any: why, when Slurm's state tells
             why = _slurm_state(run).get("why")
             if why:
@@ -335,9 +335,14 @@ def _follow(path: Path) -> None:
                 time.sleep(0.2)
 
 
+def _log_files(run: RunDir) -> list[Path]:
+    """The run's logs: each component's, then Slurm's job output."""
+    return sorted(run.logs.glob("*.log")) + sorted(run.logs.glob("*.out"))
+
+
 def _request_lines(run: RunDir, request_id: str) -> int:
     """One request's trace: the frontend's line for a request it could not serve, and each worker's."""
-    files = sorted(run.logs.glob("*.log")) + sorted(run.logs.glob("*.out"))
+    files = _log_files(run)
     found = [f"{path.stem:<12} {line}" for path in files
              for line in path.read_text(errors="replace").splitlines() if request_id in line]
     if not found:

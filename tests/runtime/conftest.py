@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -14,6 +13,7 @@ import pytest
 from hpc.cli.main import main
 from hpc.launch.local import stop_local
 from hpc.rundir import RunDir, list_runs
+from hpc.waiting import wait_until
 
 
 def free_port() -> int:
@@ -23,17 +23,17 @@ def free_port() -> int:
 
 
 def until(check: Callable[[], object], seconds: float, what: str | Callable[[], str]):
-    """check()'s first truthy answer within `seconds` (an OSError counts as none: a server starting again)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    """check()'s first answer that is neither None nor False within `seconds` (hpc.waiting.wait_until; an OSError
+    counts as none: a server starting again); AssertionError naming `what` after."""
+    def quiet() -> object:
         try:
-            found = check()
+            return check()
         except OSError:
-            found = None
-        if found:
-            return found
-        time.sleep(0.05)
-    raise AssertionError(f"not within {seconds} s: {what() if callable(what) else what}")
+            return None
+    try:
+        return wait_until(quiet, seconds, "")
+    except TimeoutError:
+        raise AssertionError(f"not within {seconds} s: {what() if callable(what) else what}") from None
 
 
 class Stack:

@@ -89,7 +89,6 @@ class EventPublisher:
         self.nc = None
         self._task: asyncio.Task | None = None
         self.mirror = KvMirror()
-        self.resyncs = 0
 
     async def connect(self, timeout: float = 30.0) -> "EventPublisher":
         import nats
@@ -118,7 +117,6 @@ class EventPublisher:
     async def _resync(self, _msg) -> None:
         """A router asked for every block (one started late, or its NATS connection came back): on the events'
         own subject, so every router applies them in order with the live ones."""
-        self.resyncs += 1
         now = time.time()
         self._publish("kv_events", {"event": "cleared", "worker": self.component, "ts": now, "resync": True})
         for held in self.mirror.records():
