@@ -61,7 +61,7 @@ def _validate_all(args: argparse.Namespace) -> int:
         raise UserError("name a recipe (--recipe NAME) or check them all (--all)", field="--recipe",
                         hint="hpc recipes lists them")
     if args.recipe or args.overrides or args.extra_engine_args or args.override_engine_args:
-        raise UserError("--all checks the recipes as they are", field="--all",
+        raise UserError("checks the recipes as they are", field="--all",
                         hint="drop --recipe, --set and the engine-args flags, or leave --all out")
     from hpc.spec.catalog import load_cluster
 

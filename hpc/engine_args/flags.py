@@ -17,6 +17,7 @@ from hpc.engine_args.precedence import deep_update
 from hpc.errors import UserError
 from hpc.spec.recipe import Recipe
 
+# the errors name the flag as their `field`, which UserError puts first: their messages leave it out
 EXTRA_FLAG, OVERRIDE_FLAG = "--extra-engine-args", "--override-engine-args"
 
 
@@ -36,7 +37,7 @@ def _split(flag: str, value: str, roles: list[str]) -> tuple[list[str], str]:
         name = "agg" if head == "aggregated" else head
         if name not in roles:
             known = ", ".join(roles)
-            raise UserError(f"{flag} {value!r}: the recipe has no role {head!r} (its roles: {known})",
+            raise UserError(f"{value!r}: the recipe has no role {head!r} (its roles: {known})",
                             field=flag, hint=f"write {flag} ROLE=... with ROLE one of {known}, or leave ROLE out "
                                              "to apply it to every role")
         return [name], rest
@@ -52,11 +53,11 @@ def apply_engine_flags(recipe: Recipe, flags: EngineArgFlags) -> tuple[Recipe, d
     for value in flags.extra:
         targets, path_text = _split(EXTRA_FLAG, value, roles)
         if not path_text:
-            raise UserError(f"{EXTRA_FLAG} {value!r} names no file", field=EXTRA_FLAG,
+            raise UserError(f"{value!r} names no file", field=EXTRA_FLAG,
                             hint=f"{EXTRA_FLAG} [ROLE=]PATH, e.g. {EXTRA_FLAG} decode=decode.yaml")
         path = Path(path_text).expanduser().resolve()
         if not path.is_file():
-            raise UserError(f"{EXTRA_FLAG}: engine config not found: {path}", field=EXTRA_FLAG,
+            raise UserError(f"engine config not found: {path}", field=EXTRA_FLAG,
                             hint="fix the path (relative to the current directory)")
         for role in targets:
             updates[role]["engine_config"] = str(path)
@@ -65,10 +66,10 @@ def apply_engine_flags(recipe: Recipe, flags: EngineArgFlags) -> tuple[Recipe, d
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise UserError(f"{OVERRIDE_FLAG} {value!r}: malformed JSON ({exc.msg} at column {exc.colno})",
+            raise UserError(f"{value!r}: malformed JSON ({exc.msg} at column {exc.colno})",
                             field=OVERRIDE_FLAG, hint="pass a JSON object such as '{\"max_batch_size\": 64}'") from None
         if not isinstance(data, dict):
-            raise UserError(f"{OVERRIDE_FLAG} {value!r}: must be a JSON object", field=OVERRIDE_FLAG,
+            raise UserError(f"{value!r}: must be a JSON object", field=OVERRIDE_FLAG,
                             hint="pass a JSON object such as '{\"max_batch_size\": 64}'")
         for role in targets:
             spec = getattr(recipe.roles, role)

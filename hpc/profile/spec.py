@@ -30,13 +30,13 @@ def check_request(req: ProfileRequest, resolved: Resolved) -> None:
                         file=resolved.recipe_file, field="modality", hint="hpc launch it, then hpc bench RUN")
     pooled = [name.value for name, spec in recipe.roles.items() if spec.pools]
     if pooled:
-        raise UserError(f"roles.{pooled[0]} has pools: a profile sizes one layout and writes the pools itself",
+        raise UserError("a profile sizes one layout and writes the pools itself",
                         file=resolved.recipe_file, field=f"roles.{pooled[0]}.pools",
                         hint="profile the recipe without pools, or one pool: hpc recipe convert --pool NAME")
     for flag, value in (("--isl", req.isl), ("--osl", req.osl), ("--ttft", req.ttft_ms), ("--itl", req.itl_ms),
                         ("--requests", req.requests), ("--max-concurrency", req.max_concurrency)):
         if not value > 0 or value != value or value == float("inf"):
-            raise UserError(f"{flag} {value:g} must be a positive number", field=flag)
+            raise UserError(f"must be a positive number (got {value:g})", field=flag)
     if req.isl > recipe.limits.max_input_tokens:
         raise UserError(f"--isl {req.isl} is above the recipe's limits.max_input_tokens "
                         f"{recipe.limits.max_input_tokens}", file=resolved.recipe_file, field="limits.max_input_tokens",
@@ -52,18 +52,18 @@ def check_request(req: ProfileRequest, resolved: Resolved) -> None:
                             f"{seq}", file=resolved.engine_config_files.get(group) or resolved.recipe_file,
                             field="max_seq_len", hint="profile shorter sequences or raise max_seq_len")
     if not req.tps or any(t < 1 for t in req.tps) or len(set(req.tps)) != len(req.tps):
-        raise UserError(f"--tp {','.join(map(str, req.tps))}: give distinct sizes of at least 1", field="--tp",
+        raise UserError(f"{','.join(map(str, req.tps))}: give distinct sizes of at least 1", field="--tp",
                         hint="e.g. --tp 1,2,4,8")
     gpn = cluster.gpus_per_node
     for t in req.tps:
         if gpn and t % gpn and gpn % t:
-            raise UserError(f"--tp {t} does not divide the {gpn} GPUs of a node of '{cluster.name}' (nor is it a "
+            raise UserError(f"size {t} does not divide the {gpn} GPUs of a node of '{cluster.name}' (nor is it a "
                             f"multiple of them)", file=resolved.cluster_file, field="--tp",
                             hint=f"use sizes that divide {gpn} or are multiples of it")
     needed = gpus_needed(req.tps, recipe.disaggregated)
     capacity = req.max_gpus if req.max_gpus is not None else cluster_gpus(cluster)
     if req.max_gpus is not None and req.max_gpus < 1:
-        raise UserError(f"--max-gpus {req.max_gpus} must be at least 1", field="--max-gpus")
+        raise UserError(f"must be at least 1 (got {req.max_gpus})", field="--max-gpus")
     if needed > capacity:
         per = "a prefill and a decode engine" if recipe.disaggregated else "one engine"
         raise UserError(f"the profile keeps {per} of each TP size warm: {needed} GPUs for --tp "

@@ -25,7 +25,7 @@ class SlurmClient:
         result = self.runner.run(["scontrol", "ping"], timeout=30)
         if result.returncode == 0 and "DOWN" not in result.stdout:
             return None
-        return (result.stdout.strip().splitlines() or [result.stderr.strip()])[0]
+        return (result.stdout.strip().splitlines() or [result.complaint])[0]
 
     def submit(self, script: Path) -> str:
         result = self.runner.run(["sbatch", "--parsable", str(script)], cwd=str(script.parent))

@@ -93,7 +93,7 @@ def probe(runner: Runner, partition: str) -> ClusterFacts:
     """Four read-only commands; a cluster that does not answer, or has no such partition, is one UserError."""
     sinfo = runner.run(["sinfo", "-h", "-p", partition, "-o", SINFO_FORMAT])
     if sinfo.returncode != 0:
-        raise UserError(f"sinfo failed: {(sinfo.stderr or sinfo.stdout).strip()}", field="--partition",
+        raise UserError(f"sinfo failed: {sinfo.complaint}", field="--partition",
                         hint="run it on a login node of the cluster, with Slurm on PATH")
     facts = parse_sinfo(sinfo.stdout, partition)
     if facts is None:

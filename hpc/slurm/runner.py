@@ -14,6 +14,13 @@ class Completed:
     stdout: str
     stderr: str
 
+    @property
+    def complaint(self) -> str:
+        """A failed command's conclusion, for a one-line error: the last line it wrote to stderr (else stdout).
+        Slurm's clients write their causes first and the verdict last ('sinfo: fatal: Could not establish...')."""
+        lines = [line.strip() for line in (self.stderr.strip() or self.stdout).splitlines() if line.strip()]
+        return lines[-1] if lines else f"exited {self.returncode}"
+
 
 class Runner(Protocol):
     def run(self, argv: list[str], cwd: str | None = None, timeout: float = 60.0) -> Completed: ...

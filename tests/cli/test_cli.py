@@ -251,7 +251,7 @@ def test_validate_all_checks_every_recipe_against_one_cluster(capsys):
     assert main(["validate", "-c", "eos"]) == 2
     assert "name a recipe (--recipe NAME) or check them all (--all)" in capsys.readouterr().err
     assert main(["validate", "-c", "eos", "--all", "--set", "roles.agg.count=2"]) == 2
-    assert "--all checks the recipes as they are" in capsys.readouterr().err
+    assert "--all: checks the recipes as they are" in capsys.readouterr().err
     assert main(["validate", "-c", "nope", "--all"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "unknown cluster" in err

@@ -109,3 +109,24 @@ def test_user_errors_name_the_flag_and_write_nothing(tmp_path, monkeypatch):
     assert cluster_command.new(_args(out=str(out))) == 0 and out.exists()
     with pytest.raises(UserError, match="--out: .* exists; hpc cluster new does not overwrite"):
         cluster_command.new(_args(out=str(out)))
+
+
+class NoController(FakeCluster):
+    """A machine whose Slurm has no controller to ask: sinfo's stderr as on a host without slurm.conf."""
+
+    def run(self, argv, cwd=None, timeout=60.0):
+        self.calls.append(argv)
+        return Completed(1, "", "sinfo: error: resolve_ctls_from_dns_srv: res_nsearch error: Unknown host\n"
+                                "sinfo: error: fetch_config: DNS SRV lookup failed\n"
+                                "sinfo: fatal: Could not establish a configuration source\n")
+
+
+def test_a_slurm_that_does_not_answer_is_one_line_with_its_verdict(tmp_path, monkeypatch):
+    fake = NoController(DEV_SINFO)
+    monkeypatch.setattr("hpc.slurm.runner.LocalRunner", lambda env=None: fake)
+    out = tmp_path / "c.yaml"
+    with pytest.raises(UserError) as caught:
+        cluster_command.new(_args(out=str(out)))
+    text = caught.value.render()
+    assert "\n" not in text and "sinfo: fatal: Could not establish a configuration source" in text, text
+    assert len(fake.calls) == 1 and not out.exists()

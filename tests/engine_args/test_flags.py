@@ -62,6 +62,7 @@ def test_bad_flags_are_one_line_exit_2_and_nothing_written(runs, capsys, flag, v
     code = main(["launch", "-c", "dev", *TRTLLM_TINY, "--dry-run", flag, value])
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
+    assert err.startswith(f"error: {flag}") and f"{flag}: {flag}" not in err, err  # the flag first, once
     assert not runs.exists() or not any(runs.iterdir())
 
 

@@ -23,14 +23,14 @@ ARGS = ["profile", "-r", "tiny-disagg", "--isl", "64", "--osl", "16", "--ttft", 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("extra, expect", [
-    (["--isl", "-5"], "--isl: --isl -5 must be a positive number"),
-    (["--itl", "0"], "--itl: --itl 0 must be a positive number"),
+    (["--isl", "-5"], "--isl: must be a positive number (got -5)"),
+    (["--itl", "0"], "--itl: must be a positive number (got 0)"),
     (["--isl", "4096"], "limits.max_input_tokens: --isl 4096 is above the recipe's limits.max_input_tokens 512"),
-    (["--tp", "3"], "--tp: --tp 3 does not divide the 8 GPUs of a node of 'local'"),
+    (["--tp", "3"], "--tp: size 3 does not divide the 8 GPUs of a node of 'local'"),
     (["--tp", "1,2,4,8"], "the profile keeps a prefill and a decode engine of each TP size warm: 30 GPUs"),
     (["--tp", "1,2", "--max-gpus", "4"], "6 GPUs for --tp 1,2, above the 4 allowed"),
     (["-r", "tiny-video"], "modality: hpc profile sizes text serving"),
-    (["-r", "tiny-pools"], "roles.prefill.pools: roles.prefill has pools"),
+    (["-r", "tiny-pools"], "roles.prefill.pools: a profile sizes one layout"),
 ])
 def test_bad_inputs_are_one_line_and_exit_2(extra, expect, capsys, tmp_path):
     args = [*ARGS, *extra]
