@@ -147,7 +147,7 @@ def stop_local(run: RunDir, grace_s: float = 10.0, drained: Callable[[], bool] |
             except (ProcessLookupError, PermissionError):
                 pass
         try:
-            wait_until(lambda: True if drained() else None, grace_s, "the workers to drain")
+            wait_until(drained, grace_s, "the workers to drain")
         except TimeoutError:
             pass  # the grace period is over: TERM now
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -157,7 +157,7 @@ def stop_local(run: RunDir, grace_s: float = 10.0, drained: Callable[[], bool] |
             except (ProcessLookupError, PermissionError):
                 pass
         try:
-            wait_until(lambda: True if not any(alive(p) for p in groups) else None, grace_s, "the run to stop")
+            wait_until(lambda: not any(alive(p) for p in groups), grace_s, "the run to stop")
             break
         except TimeoutError:
             continue  # TERM was not enough: KILL

@@ -52,7 +52,7 @@ def start_smoke(run: RunDir, wait_ready_s: float | None = None):
 def finish_smoke(job, poll_s: float = 0.05) -> dict[str, Any]:
     """The verdict; polls for submitit's result file itself (its own polling adds seconds)."""
     result_file = job.paths.result_pickle
-    wait_until(lambda: True if result_file.exists() or job.done() else None, math.inf, "the smoke verdict",
+    wait_until(lambda: result_file.exists() or job.done(), math.inf, "the smoke verdict",
                backoff=Backoff(first_s=poll_s, factor=1.0, cap_s=poll_s))
     return job.result()
 

@@ -62,15 +62,15 @@ class SlurmClient:
         if state is not None and state.state == "RUNNING":
             self.runner.run(["scancel", "--signal=USR1", job_id])
             try:
-                wait_until(lambda: True if drained() else None, grace_s, f"job {job_id} draining", steady)
+                wait_until(drained, grace_s, f"job {job_id} draining", steady)
             except TimeoutError:
                 pass  # the grace period is over: TERM now
         self.runner.run(["scancel", job_id])
         ended: list[JobState | None] = [None]
 
-        def finished() -> bool | None:
+        def finished() -> bool:
             ended[0] = self.status(job_id)
-            return True if ended[0] is None or ended[0].finished else None
+            return ended[0] is None or ended[0].finished
 
         try:
             wait_until(finished, 30, f"job {job_id} ending", steady)

@@ -306,7 +306,7 @@ def test_a_rank_killed_while_the_job_comes_up_is_restarted_not_the_jobs_failure(
         rank1 = run.state / "agg-0.rank1.json"
         # with its weights loaded, as rank 0 warms up (and before it registers): rank 0's next collective fails, so
         # it reports itself failed while the job's readiness still waits for the worker
-        wait_until(lambda: True if "weights_loaded" in (read_json(rank1) or {}).get("phases", {}) else None, 120,
+        wait_until(lambda: "weights_loaded" in (read_json(rank1) or {}).get("phases", {}), 120,
                    "rank 1 loaded")
         first = read_json(rank1)["pid"]
         os.kill(first, signal.SIGKILL)
@@ -314,7 +314,7 @@ def test_a_rank_killed_while_the_job_comes_up_is_restarted_not_the_jobs_failure(
         def ready() -> bool | None:
             out = (run.logs / "job.out").read_text() if (run.logs / "job.out").exists() else ""
             assert "not ready" not in out, out[-3000:]
-            return True if (read_json(run.state / "ready.json") or {}).get("ready") else None
+            return (read_json(run.state / "ready.json") or {}).get("ready")
         wait_until(ready, 200, "the job ready after its worker's restart")
         assert read_json(rank1)["pid"] != first
         assert "restarting all its ranks (1 of 2)" in (run.logs / "job.out").read_text()
@@ -517,9 +517,9 @@ def _submit_twice(run: RunDir, client, jobs: list[str], capsys) -> None:
         assert _complete(_url(run), run.manifest().recipe.model.served_name)
         if attempt == 0:  # stopped, its run directory kept, and submitted again as it is
             assert main(["cancel", job, "--grace", "2"]) == 0
-            def ended(job=job) -> bool | None:
+            def ended(job=job) -> bool:
                 state = client.status(job)
-                return True if state is None or state.finished else None
+                return state is None or state.finished
             wait_until(ended, 60, "the first job's end")
 
 
@@ -543,7 +543,7 @@ def test_a_requeued_job_serves_again_and_status_tells_the_last_start_from_the_ne
     run = _launch("-c", "dev", "-r", "tiny-agg")
     job, first = run.job_id(), run.job()["started_at"]
     subprocess.run(["scontrol", "requeue", job], check=True, env=os.environ)
-    wait_until(lambda: True if _slurm_state(run)["state"] == "PENDING" else None, 30, "the job queued again")
+    wait_until(lambda: _slurm_state(run)["state"] == "PENDING", 30, "the job queued again")
     capsys.readouterr()
     main(["status", job])
     out = capsys.readouterr().out

@@ -64,7 +64,7 @@ def test_trtllm_ranks_under_its_launcher_drain_before_the_time_limit_and_end_by_
     # Bring the end near: Slurm's warning is due at once (60 s before an end at most a minute away).
     job = run.job_id()
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=1"], check=True, env=os.environ)
-    wait_until(lambda: True if run.component_states()["agg-0"]["phase"] == "drained" else None, 90,
+    wait_until(lambda: run.component_states()["agg-0"]["phase"] == "drained", 90,
                "agg-0 drained by Slurm's warning signal")
     phases = run.component_states()["agg-0"]["phases"]
     assert phases["registered"] < phases["draining"] <= phases["drained"]
@@ -83,8 +83,8 @@ def test_trtllm_ranks_under_its_launcher_drain_before_the_time_limit_and_end_by_
 
     from hpc.cli.runtime_commands import _slurm_state
 
-    wait_until(lambda: True if _slurm_state(run)["state"] == "TIMEOUT" else None, 150, "the job's time limit")
-    wait_until(lambda: True if len([e for e in _events(log) if e["event"].endswith("_exit")]) == 2 else None, 30,
+    wait_until(lambda: _slurm_state(run)["state"] == "TIMEOUT", 150, "the job's time limit")
+    wait_until(lambda: len([e for e in _events(log) if e["event"].endswith("_exit")]) == 2, 30,
                "the launcher's ranks ending")
     exits = [e for e in _events(log) if e["event"] in ("mgmn_leader_exit", "mgmn_worker_exit")]
     assert sorted((e["event"], e["signal"]) for e in exits) == [("mgmn_leader_exit", "SIGTERM"),

@@ -83,7 +83,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> Non
             raise SystemExit(f"server exited with status {proc.returncode} before it was healthy")
         try:
             with urllib.request.urlopen(url, timeout=1) as resp:
-                return True if resp.status == 200 else None
+                return resp.status == 200
         except OSError:
             return None
 

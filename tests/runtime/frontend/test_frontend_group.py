@@ -185,7 +185,7 @@ def test_the_other_processes_are_forked_before_the_etcd_client_starts_grpc(group
 def test_the_other_processes_leave_with_the_first_even_when_it_is_killed(grouped):
     first, other = _frontend_processes(grouped)
     os.kill(first, signal.SIGKILL)
-    wait_until(lambda: True if not alive(other) else None, 15, "the second frontend process to leave")
+    wait_until(lambda: not alive(other), 15, "the second frontend process to leave")
 
 
 # without restarts: what the group does when a process dies (under the supervisor the frontend then starts again)
@@ -204,7 +204,7 @@ def test_a_process_that_dies_takes_the_frontend_down_visibly(failing):
         return state if state.get("phase") == "failed" else None
     state = wait_until(failed, 15, "the frontend to report failed")
     assert "frontend process" in state["error"] and "exited with code -9" in state["error"]
-    wait_until(lambda: True if not any(alive(p) for p in pids) else None, 15, "every frontend process to stop")
+    wait_until(lambda: not any(alive(p) for p in pids), 15, "every frontend process to stop")
 
 
 stopping = stack_fixture("mock-agg", "--set", "frontend.processes=2")
@@ -223,4 +223,4 @@ def test_a_stop_signal_to_every_process_is_a_clean_stop_not_a_failure(stopping):
         return state if state.get("phase") in ("stopped", "failed") else None
     state = wait_until(ended, 15, "the frontend to stop")
     assert state["phase"] == "stopped", state
-    wait_until(lambda: True if not any(alive(p) for p in pids) else None, 15, "every frontend process to stop")
+    wait_until(lambda: not any(alive(p) for p in pids), 15, "every frontend process to stop")

@@ -453,12 +453,12 @@ def test_the_decode_worker_serves_from_an_engine_process_of_its_own(apart, tiny)
     moved = "hpc_worker_kv_taken_from_answer" if torch.cuda.is_available() else "hpc_worker_kv_fetched_bytes"
     assert _metric(apart, "decode-0", moved) >= 1  # (bytes: asked of the prefill worker, answered by its engine's)
     # taken or released, none left behind (a GPU's release follows its copy, asynchronously: waited for)
-    wait_until(lambda: True if _metric(apart, "prefill-0", "hpc_worker_handoffs_waiting") == 0 else None, 5,
+    wait_until(lambda: _metric(apart, "prefill-0", "hpc_worker_handoffs_waiting") == 0, 5,
                "the prefill worker's KV released")
     # after the request the worker's loop and the engine's scheduler each polled without sleeping (3 ms after its
     # start and its end; the scheduler after its last step), then slept again
     for name, before in zip(SPINS, spun):
-        wait_until(lambda: True if _metric(apart, "decode-0", name) >= before + 0.002 else None, 5, name)
+        wait_until(lambda: _metric(apart, "decode-0", name) >= before + 0.002, 5, name)
         assert _metric(apart, "decode-0", name) < before + 1.0
     # and the frontend's loop, from the request's start to 3 ms after its end
     assert frontend_spun + 0.003 <= _frontend_spin(apart) < frontend_spun + 1.0
