@@ -88,3 +88,11 @@ def tiny(model_cache) -> str:
     from hpc.runtime.engine.tiny import ensure_model
 
     return str(ensure_model(str(model_cache / "tiny"), "tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_mm(model_cache) -> str:
+    """The tiny model with its vision encoder and <|image|> marker, built once."""
+    from hpc.runtime.engine.tiny import ensure_model
+
+    return str(ensure_model(str(model_cache / "tiny-mm"), "tiny-multimodal"))

@@ -39,13 +39,6 @@ def fake_trtllm(tmp_path_factory):
         del sys.modules[name]
 
 
-@pytest.fixture(scope="module")
-def tiny_mm(model_cache) -> str:
-    from hpc.runtime.engine.tiny import ensure_model
-
-    return str(ensure_model(str(model_cache / "tiny-mm"), "tiny-multimodal"))
-
-
 def engine_args(backend: str = "pytorch") -> dict:
     """What resolve puts in the manifest for a one-GPU TensorRT-LLM role with events on."""
     recipe = Recipe.model_validate({"name": "t", "model": {"path": "/m", "served_name": "m"}, "backend": "trtllm",
@@ -217,9 +210,12 @@ def test_encode_prefill_decode_with_an_image_matches_the_image_in_one_engine(tin
                 TrtllmEngine(tiny_mm, DECODE, args) as dec, TrtllmEngine(tiny_mm, AGG, args, load_image_bytes=loader) as agg:
             media = await enc.encode(enc.load_image(images["red"]))
             assert media.handles and media.handles[0]["tensor_size"]
-            # A prompt that survives decode -> encode: with embedding handles the engine takes the text.
-            ids = pre._llm.tokenizer.encode("What is in this picture?", add_special_tokens=False)
+            # A prompt that survives decode -> encode: with embedding handles the engine takes the text. The
+            # image's place is marked as hpc's frontend marks it for the tiny model: one <|image|> an embedding.
+            ids = pre._llm.tokenizer.encode("<|image|>" * 16 + "What is in this picture?", add_special_tokens=False)
             req = replace(request(max_tokens=6), token_ids=ids)
+            with pytest.raises(ValueError, match="0 image placeholder"):  # as a real processor, the fake needs it
+                await tokens(agg, replace(req, token_ids=ids[16:], image="red"))
             with_handles = replace(req, media=media)
             epd, _ = await disaggregated(pre, dec, with_handles)
             pd, _ = await disaggregated(pre, dec, replace(req, image="red"))

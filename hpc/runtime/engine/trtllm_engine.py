@@ -38,11 +38,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import io
+import json
 import logging
 import secrets
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
+from hpc.runtime.engine.placeholders import encoder_prompt
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
                                       GenerateRequest, KvMeta, SamplingParams, TokenLogprob,
                                       TrtllmContextParams)
@@ -166,6 +168,8 @@ class TrtllmEngine:
             kwargs["backend"] = self.backend
         log.info("building %s for %s from %s", cls.__name__, self.mode.value, self.model_dir)
         self._llm = await asyncio.to_thread(lambda: cls(model=self.model_dir, **kwargs))
+        config = Path(self.model_dir) / "config.json"  # the engine has just read it: it is there
+        self._encoder_prompt = encoder_prompt(json.loads(config.read_text()) if config.is_file() else {})
         if self.mode is not DisaggregationMode.ENCODE:
             self._drains = [asyncio.create_task(self._drain(self._llm.get_stats_async, self._stat)),
                             asyncio.create_task(self._drain(self._llm.get_kv_cache_events_async, self._kv_event))]
@@ -350,7 +354,7 @@ class TrtllmEngine:
 
     async def encode(self, image: Any) -> EncodedMedia:
         """One image (a PIL image from load_image) -> TensorRT-LLM's multimodal embedding handles."""
-        result = self._llm.generate_async({"prompt": "<image>", "multi_modal_data": {"image": [image]}})
+        result = self._llm.generate_async({"prompt": self._encoder_prompt, "multi_modal_data": {"image": [image]}})
         await result.aresult()
         dp = result.disaggregated_params
         handles = getattr(dp, "multimodal_embedding_handles", None)

@@ -15,6 +15,7 @@ from hpc.runtime.frontend.openai import (REQUEST_ID_HEADER, ApiError, ChatReques
                                          chat_logprobs, completion_logprobs, new_id, now, unsupported_param,
                                          upstream_error)
 from hpc.runtime.frontend.parsers import AnswerParser, json_answer_guide, tool_call_guide
+from hpc.runtime.frontend.chat_content import ImagePartError
 from hpc.runtime.frontend.group import FrontendGroup, health_status, live_counts
 from hpc.runtime.frontend.pools import PoolRouter
 from hpc.runtime.frontend.orchestration import Orchestrator
@@ -253,20 +254,19 @@ class Frontend:
         messages, images = [], []
         for m in body.messages:
             if isinstance(m.content, list):
-                parts = []
                 for part in m.content:
-                    if part.get("type") == "text":
-                        parts.append(str(part.get("text", "")))
-                    elif part.get("type") == "image_url":
+                    if part.get("type") == "image_url":
+                        if not self.recipe.model.multimodal:
+                            raise ApiError(400, "this model takes no images", param="messages")
                         url = part.get("image_url")
                         images.append(url.get("url") if isinstance(url, dict) else url)
-                        parts.append(self.codec.image_token)
-                    else:
+                    elif part.get("type") != "text":
                         raise ApiError(400, f"unsupported content part type {part.get('type')!r}",
                                        param="messages")
-                content = "".join(parts)
-            else:
-                content = m.content or ""
+            try:
+                content = self.codec.message_content(m.content or "")
+            except ImagePartError as exc:
+                raise ApiError(400, str(exc), param="messages") from None
             message: dict[str, Any] = {"role": m.role, "content": content}
             for key in ("tool_calls", "tool_call_id", "name"):  # only what is there: templates test `is defined`
                 if getattr(m, key) is not None:
@@ -274,8 +274,6 @@ class Frontend:
             messages.append(message)
         if len(images) > 1:
             raise ApiError(400, "at most one image per request is supported", param="messages")
-        if images and not self.recipe.model.multimodal:
-            raise ApiError(400, "this model takes no images", param="messages")
         try:
             tools = body.tools if body.tool_choice != "none" else None
             prompt = self.codec.apply_chat_template(messages, tools)

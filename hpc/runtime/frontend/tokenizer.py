@@ -9,6 +9,9 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from hpc.runtime.engine.placeholders import image_placeholder
+from hpc.runtime.frontend.chat_content import content_format, message_content
+
 
 class TextCodec:
     def __init__(self, model_dir: Path, chat_template_file: str | None = None,
@@ -22,14 +25,20 @@ class TextCodec:
         self.bos_token = cfg.get("bos_token") or ""
         self.eos_token = cfg.get("eos_token") or ""
         self.eos_token_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
-        template = Path(chat_template_file).expanduser().read_text() if chat_template_file else cfg.get("chat_template")
+        template = Path(chat_template_file).expanduser().read_text() if chat_template_file else \
+            find_chat_template(model_dir, cfg)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
         self.template = env.from_string(template) if template else None
-        vision = (json.loads((model_dir / "config.json").read_text()).get("hpc_vision")
-                  if (model_dir / "config.json").is_file() else None)
-        self.image_token = "<|image|>"
+        self.content_format = content_format(template) if template else "string"
+        model_config = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").is_file() \
+            else {}
+        vision = model_config.get("hpc_vision")
+        self.image_placeholder = image_placeholder(model_config)  # for templates that print content as text
         self.image_token_id = vision["image_token_id"] if vision else None
         self.image_tokens = vision["num_image_tokens"] if vision else 0
+
+    def message_content(self, content: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+        return message_content(content, self.content_format, self.image_placeholder)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -67,6 +76,22 @@ class TextCodec:
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
             return bytes([int(piece[3:5], 16)])
         return piece.replace("\u2581", " ").encode()
+
+
+def find_chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> str | None:
+    """Where Hugging Face checkpoints keep it: tokenizer_config.json (a string, or named templates of which
+    "default" is the chat one), else the processor's chat_template.jinja or chat_template.json (vision models)."""
+    found = tokenizer_config.get("chat_template")
+    if isinstance(found, list):
+        found = next((t.get("template") for t in found if isinstance(t, dict) and t.get("name") == "default"), None)
+    if isinstance(found, str) and found:
+        return found
+    if (model_dir / "chat_template.jinja").is_file():
+        return (model_dir / "chat_template.jinja").read_text()
+    if (model_dir / "chat_template.json").is_file():
+        found = json.loads((model_dir / "chat_template.json").read_text()).get("chat_template")
+        return found if isinstance(found, str) and found else None
+    return None
 
 
 def _byte_alphabet() -> dict[str, int]:

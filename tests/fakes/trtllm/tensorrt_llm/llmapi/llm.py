@@ -94,6 +94,28 @@ def image_digest(image: Any) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
+# The token a vision model's processor expands into an image's embeddings, by config.json's model_type: the
+# placeholders of tensorrt_llm/_torch/models/modeling_llava_next.py ("<image>") and modeling_qwen2vl.py /
+# modeling_qwen3vl.py ("<|vision_start|><|image_pad|><|vision_end|>", of which the HF processor expands the pad).
+# hpc's tiny vision model marks the image with <|image|> (hpc_vision in its config.json), written by hpc's
+# frontend once per embedding (num_image_tokens), its "processor" having nothing left to expand.
+IMAGE_TOKEN = {"llava_next": "<image>", "qwen2_vl": "<|image_pad|>", "qwen2_5_vl": "<|image_pad|>",
+               "qwen3_vl": "<|image_pad|>"}
+
+
+def check_image_placeholders(config: dict[str, Any], prompt: str, images: int) -> None:
+    """The processor finds one placeholder per image or fails: HF's processors raise on a count that differs
+    (e.g. Qwen2VLProcessor, LlavaNextProcessor), and TensorRT-LLM's fuse_input_embeds needs as many image tokens as
+    embeddings (tensorrt_llm/_torch/models/modeling_multimodal_utils.py)."""
+    vision = config.get("hpc_vision")
+    token = "<|image|>" if vision else IMAGE_TOKEN.get(config.get("model_type", ""))
+    if token is None:
+        raise ValueError(f"model_type {config.get('model_type')!r} has no multimodal input processor")
+    if prompt.count(token) != images * (vision["num_image_tokens"] if vision else 1):
+        raise ValueError(f"the prompt has {prompt.count(token)} image placeholder(s) {token!r} for {images} "
+                         f"image(s)")
+
+
 class BaseLLM:
     ARGS_MODEL = "TorchLlmArgs"
     BACKEND = "pytorch"
@@ -168,6 +190,7 @@ class BaseLLM:
             if not inputs.get("prompt"):
                 raise ValueError("multimodal embeddings need the text prompt (the input processor expands it)")
             digest = "+".join(h["fake_digest"] for h in dp.multimodal_embedding_handles)
+            check_image_placeholders(self._config, inputs["prompt"], len(dp.multimodal_embedding_handles))
             prompt_ids = self._tokenizer.encode(inputs["prompt"], add_special_tokens=False)
         elif "prompt_token_ids" in inputs:
             prompt_ids = list(inputs["prompt_token_ids"])
@@ -179,6 +202,9 @@ class BaseLLM:
         if mm:
             if "image" not in mm:
                 raise ValueError(f"unsupported modality in multi_modal_data: {sorted(mm)}")
+            # token ids with images are decoded to text for the model's processor (llm.py, generate_async)
+            text = inputs.get("prompt") or self._tokenizer.decode(prompt_ids)
+            check_image_placeholders(self._config, text, len(mm["image"]))
             digest = "+".join(image_digest(img) for img in mm["image"])
         if any((not isinstance(t, int)) or t < 0 for t in prompt_ids):
             raise ValueError("prompt token ids must be non-negative integers")

@@ -3,7 +3,9 @@
 Modelled: generate_async(inputs, sampling_params=None) on a multimodal prompt returns a result whose
 `disaggregated_params.multimodal_embedding_handles` is a list of dicts with a "tensor_size" (the shape the
 OpenAI server checks in serve/openai_server.py, openai_mm_encoder) — one per image; a prompt without an image
-is refused. The handles here carry a digest of the image instead of a CUDA IPC handle.
+is refused, and so is one without the model's image placeholder (the request goes through BaseLLM.generate_async,
+whose input processor runs the model's processor on the text). The handles here carry a digest of the image
+instead of a CUDA IPC handle.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, Optional
 
 from tensorrt_llm.disaggregated_params import DisaggregatedParams
 from tensorrt_llm.executor.result import Response
-from tensorrt_llm.llmapi.llm import BaseLLM, _log, image_digest
+from tensorrt_llm.llmapi.llm import BaseLLM, _log, check_image_placeholders, image_digest
 
 
 class MultimodalEncoder(BaseLLM):
@@ -27,6 +29,7 @@ class MultimodalEncoder(BaseLLM):
         if not isinstance(inputs, dict) or not (inputs.get("multi_modal_data") or {}).get("image"):
             raise ValueError("MultimodalEncoder needs a prompt with multi_modal_data['image']")
         images = inputs["multi_modal_data"]["image"]
+        check_image_placeholders(self._config, str(inputs.get("prompt", "")), len(images))
         hidden = int(self._config.get("hidden_size", 64))
         handles = [{"tensor_size": [16, hidden], "dtype": "bfloat16", "fake_digest": image_digest(img)}
                    for img in images]

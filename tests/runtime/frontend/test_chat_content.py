@@ -1,0 +1,110 @@
+"""An image in a chat message reaches a vision model's template as that model needs it: as parts for a template
+that loops over a message's content, else as the placeholder TensorRT-LLM's processor for its model_type expands.
+The templates below are written in the shapes of the real checkpoints' (Qwen2-VL: parts tested with ['type'];
+LLaVA-NeXT: selectattr('type', ...) over the content, content[0]['text'] for other roles)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from hpc.runtime.engine.tiny import CHAT_TEMPLATE
+from hpc.runtime.engine.placeholders import ImagePlaceholder
+from hpc.runtime.frontend.chat_content import ImagePartError, content_format, message_content
+from hpc.runtime.frontend.tokenizer import TextCodec
+
+pytestmark = pytest.mark.unit
+
+QWEN_VL_STYLE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LLAVA_NEXT_STYLE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}[INST] "
+    "{% for item in message['content'] | selectattr('type', 'equalto', 'image') %}<image>\n{% endfor %}"
+    "{% for item in message['content'] | selectattr('type', 'equalto', 'text') %}{{ item['text'] }}{% endfor %}"
+    " [/INST]{% else %}{{ message['content'][0]['text'] }}\n{% endif %}{% endfor %}")
+WITH_IMAGE = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "x.png"}}]
+
+
+@pytest.mark.parametrize("template, expected", [
+    (QWEN_VL_STYLE, "openai"),
+    (LLAVA_NEXT_STYLE, "openai"),
+    ("{% for c in message.content %}{{ c.type }}{% endfor %}", "openai"),
+    (CHAT_TEMPLATE, "string"),  # loops over messages, prints the content as text
+    ("{% for c in message['content'] %}{{ c }}{% endfor %}", "string"),  # a loop that never asks a part's type
+    ("{% for x in %}", "string"),  # does not parse
+])
+def test_the_templates_kind(template, expected):
+    assert content_format(template) == expected
+
+
+def test_a_message_with_an_image_as_each_kind_of_template_takes_it():
+    assert message_content(WITH_IMAGE, "openai", None) == [{"type": "text", "text": "What is this?"},
+                                                           {"type": "image"}]
+    assert message_content("hello", "openai", None) == [{"type": "text", "text": "hello"}]
+    assert message_content(WITH_IMAGE, "string", ImagePlaceholder("<image>")) == "What is this?\n<image>"
+    assert message_content(WITH_IMAGE, "string", ImagePlaceholder("<|image|>", "")) == "What is this?<|image|>"
+    assert message_content([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "string", None) == "ab"
+    with pytest.raises(ImagePartError, match="does not know the image placeholder"):
+        message_content(WITH_IMAGE, "string", None)
+
+
+def _checkpoint(tiny: str, tmp_path: Path, model_type: str, **template_files: str) -> Path:
+    """The tiny tokenizer in a checkpoint laid out as a vision model's: config.json's model_type, the chat template
+    where that checkpoint keeps it (tokenizer_config.json, chat_template.json or chat_template.jinja)."""
+    out = tmp_path / model_type
+    out.mkdir()
+    shutil.copy(Path(tiny) / "tokenizer.json", out / "tokenizer.json")
+    config = json.loads((Path(tiny) / "tokenizer_config.json").read_text())
+    config.pop("chat_template")
+    if "tokenizer_config" in template_files:
+        config["chat_template"] = json.loads(template_files["tokenizer_config"])
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    if "json" in template_files:
+        (out / "chat_template.json").write_text(json.dumps({"chat_template": template_files["json"]}))
+    if "jinja" in template_files:
+        (out / "chat_template.jinja").write_text(template_files["jinja"])
+    (out / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return out
+
+
+def _prompt(codec: TextCodec, *messages: tuple[str, object]) -> str:
+    return codec.apply_chat_template([{"role": role, "content": codec.message_content(content)}
+                                      for role, content in messages])
+
+
+def test_a_qwen_vl_checkpoint_gets_its_own_placeholder_from_its_processors_template(tiny, tmp_path):
+    codec = TextCodec(_checkpoint(tiny, tmp_path, "qwen2_vl", json=QWEN_VL_STYLE))
+    assert codec.content_format == "openai"
+    prompt = _prompt(codec, ("system", "Be brief."), ("user", WITH_IMAGE))
+    assert prompt == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+                      "What is this?<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n")
+    assert "<|image|>" not in prompt
+
+
+def test_a_llava_next_checkpoint_whose_template_reads_parts_for_every_role(tiny, tmp_path):
+    codec = TextCodec(_checkpoint(tiny, tmp_path, "llava_next", jinja=LLAVA_NEXT_STYLE))
+    prompt = _prompt(codec, ("user", WITH_IMAGE), ("assistant", "A cat."), ("user", "Which colour?"))
+    assert prompt == "[INST] <image>\nWhat is this? [/INST]A cat.\n[INST] Which colour? [/INST]"
+
+
+def test_a_text_template_gets_the_placeholder_the_model_type_registered(tiny, tmp_path):
+    named = json.dumps([{"name": "tool_use", "template": "unused"}, {"name": "default", "template": CHAT_TEMPLATE}])
+    codec = TextCodec(_checkpoint(tiny, tmp_path, "llava_next", tokenizer_config=named))
+    assert codec.content_format == "string"
+    assert "<|user|>What is this?\n<image><|end|>" in _prompt(codec, ("user", WITH_IMAGE))
+    unknown = TextCodec(_checkpoint(tiny, tmp_path, "mystery_vl", tokenizer_config=json.dumps(CHAT_TEMPLATE)))
+    with pytest.raises(ImagePartError):
+        unknown.message_content(WITH_IMAGE)
+    assert _prompt(unknown, ("user", "hi")).endswith("<|user|>hi<|end|><|assistant|>")  # text still works
+
+
+def test_the_tiny_vision_model_keeps_its_own_marker(tiny_mm):
+    codec = TextCodec(Path(tiny_mm))
+    assert codec.content_format == "string" and codec.message_content(WITH_IMAGE) == "What is this?<|image|>"
