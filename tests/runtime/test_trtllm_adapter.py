@@ -228,6 +228,31 @@ def test_encode_prefill_decode_with_an_image_matches_the_image_in_one_engine(tin
     assert other != one and text_only != one  # the image really reached the engine
 
 
+def test_an_image_goes_to_the_processor_with_its_text_and_no_second_bos(tiny_mm):
+    """The model's processor expands the placeholder in the prompt's text, so the adapter sends text; the text
+    already holds the template's special tokens, so the input processor must not add its own (as TensorRT-LLM
+    sets add_special_tokens=False when it decodes token ids for a VLM itself, llm.py generate_async)."""
+    sent = []
+
+    async def main():
+        async with TrtllmEngine(tiny_mm, AGG, engine_args(), load_image_bytes=lambda ref: _png((0, 90, 0))) as agg:
+            real = agg._llm.generate_async
+
+            def spy(inputs, sampling_params=None, **kw):
+                sent.append((inputs, sampling_params.add_special_tokens))
+                return real(inputs, sampling_params=sampling_params, **kw)
+            agg._llm.generate_async = spy
+            ids = agg._llm.tokenizer.encode("<|image|>" * 16 + "Colour?", add_special_tokens=False)
+            await tokens(agg, replace(request(max_tokens=3), token_ids=ids, image="green"))
+            await tokens(agg, replace(request(max_tokens=3), token_ids=ids[16:]))
+            return ids
+    ids = run(main())
+    (with_image, image_specials), (text_only, text_specials) = sent
+    assert with_image["prompt"].startswith("<|image|>" * 16) and with_image["multi_modal_data"]["image"]
+    assert image_specials is False
+    assert text_only == ids[16:] and text_specials is True  # token ids alone stay ids, untouched
+
+
 def test_a_per_request_error_fails_one_request_and_a_background_error_fails_the_engine(tiny):
     from tensorrt_llm.executor.utils import RequestError
 

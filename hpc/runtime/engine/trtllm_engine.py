@@ -256,7 +256,10 @@ class TrtllmEngine:
             inputs = {"prompt": self._llm.tokenizer.decode(request.token_ids)}
         elif request.image:
             image = await asyncio.to_thread(self._image, request.image)
-            inputs = {"prompt_token_ids": list(request.token_ids), "multi_modal_data": {"image": [image]}}
+            # As text: the model's processor expands the image placeholder in the prompt's text. TensorRT-LLM
+            # decodes token ids with an image itself in recent versions (llm.py, generate_async); older ones take
+            # the token ids as they are and leave the image out.
+            inputs = {"prompt": self._llm.tokenizer.decode(request.token_ids), "multi_modal_data": {"image": [image]}}
         return inputs, dp, 0
 
     # ---- executor faults ------------------------------------------------------------------------------------
@@ -300,6 +303,9 @@ class TrtllmEngine:
         from tensorrt_llm.sampling_params import GuidedDecodingParams
 
         params = trtllm_sampling(request.sampling, tensorrt_llm.SamplingParams, GuidedDecodingParams)
+        if isinstance(inputs, dict) and "prompt" in inputs:
+            # the text holds the chat template's special tokens already: a second BOS would change the prompt
+            params.add_special_tokens = False
         streaming = request.streaming and self.mode is not DisaggregationMode.PREFILL
         try:
             result = self._llm.generate_async(inputs, sampling_params=params, streaming=streaming,

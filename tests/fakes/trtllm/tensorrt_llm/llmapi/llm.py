@@ -191,11 +191,11 @@ class BaseLLM:
                 raise ValueError("multimodal embeddings need the text prompt (the input processor expands it)")
             digest = "+".join(h["fake_digest"] for h in dp.multimodal_embedding_handles)
             check_image_placeholders(self._config, inputs["prompt"], len(dp.multimodal_embedding_handles))
-            prompt_ids = self._tokenizer.encode(inputs["prompt"], add_special_tokens=False)
+            prompt_ids = self._tokenizer.encode(inputs["prompt"], add_special_tokens=sampling_params.add_special_tokens)
         elif "prompt_token_ids" in inputs:
             prompt_ids = list(inputs["prompt_token_ids"])
-        elif "prompt" in inputs:
-            prompt_ids = self._tokenizer.encode(inputs["prompt"], add_special_tokens=False)
+        elif "prompt" in inputs:  # the input processor tokenizes as the request asks (inputs/registry.py)
+            prompt_ids = self._tokenizer.encode(inputs["prompt"], add_special_tokens=sampling_params.add_special_tokens)
         else:
             raise TypeError(f"The inputs must be type str or list of int, but got {type(inputs)}")
         mm = inputs.get("multi_modal_data")
