@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,7 @@ class TextCodec:
         self.eos_token_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
         template = Path(chat_template_file).expanduser().read_text() if chat_template_file else \
             find_chat_template(model_dir, cfg)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
-        self.template = env.from_string(template) if template else None
+        self.template = chat_template_environment().from_string(template) if template else None
         self.content_format = content_format(template) if template else "string"
         model_config = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").is_file() \
             else {}
@@ -76,6 +76,27 @@ class TextCodec:
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
             return bytes([int(piece[3:5], 16)])
         return piece.replace("\u2581", " ").encode()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def chat_template_environment() -> ImmutableSandboxedEnvironment:
+    """The environment checkpoints' chat templates are written for: transformers' (utils/chat_template_utils.py,
+    _compile_jinja_template). A missing key is falsy, not an error (`{% if message.tool_calls %}` on a message
+    without calls); {% break %} and {% continue %}; raise_exception() and strftime_now(); tojson that keeps
+    non-ASCII and does not HTML-escape < > & (Jinja's own does)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
 
 
 def find_chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> str | None:

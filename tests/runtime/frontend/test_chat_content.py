@@ -108,3 +108,25 @@ def test_a_text_template_gets_the_placeholder_the_model_type_registered(tiny, tm
 def test_the_tiny_vision_model_keeps_its_own_marker(tiny_mm):
     codec = TextCodec(Path(tiny_mm))
     assert codec.content_format == "string" and codec.message_content(WITH_IMAGE) == "What is this?<|image|>"
+
+
+# In the shape of Qwen3's and Llama 3.1's templates: a date from strftime_now, tools as JSON, an assistant turn
+# asked for tool_calls it does not have, a loop left with break, an unsupported role refused by raise_exception.
+CHECKPOINT_STYLE = (
+    "{% set date = strftime_now('%Y') %}{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role not in ['system', 'user', 'assistant'] %}{{ raise_exception('roles: system, user, "
+    "assistant') }}{% endif %}"
+    "<|{{ message.role }}|>{{ message.content }}{% if message.tool_calls %}<calls>{% endif %}"
+    "{% if loop.index >= 9 %}{% break %}{% endif %}{% endfor %}|{{ date | length }}")
+
+
+def test_checkpoint_templates_render_as_transformers_renders_them(tiny, tmp_path):
+    codec = TextCodec(_checkpoint(tiny, tmp_path, "qwen3", tokenizer_config=json.dumps(CHECKPOINT_STYLE)))
+    tools = [{"type": "function", "function": {"name": "café", "description": "<b> & co"}}]
+    prompt = codec.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                                       tools)
+    assert prompt == ('<tools>[{"type": "function", "function": {"name": "café", "description": "<b> & co"}}]'
+                      "</tools><|user|>hi<|assistant|>yo|4")
+    with pytest.raises(Exception, match="roles: system, user, assistant"):
+        codec.apply_chat_template([{"role": "narrator", "content": "once"}])
