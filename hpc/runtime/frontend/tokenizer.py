@@ -23,8 +23,8 @@ class TextCodec:
         self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         cfg_path = model_dir / "tokenizer_config.json"
         cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        self.bos_token = cfg.get("bos_token") or ""
-        self.eos_token = cfg.get("eos_token") or ""
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
         self.eos_token_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
         template = Path(chat_template_file).expanduser().read_text() if chat_template_file else \
             find_chat_template(model_dir, cfg)
@@ -76,6 +76,13 @@ class TextCodec:
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
             return bytes([int(piece[3:5], 16)])
         return piece.replace("\u2581", " ").encode()
+
+
+def _token_text(value: Any) -> str:
+    """A special token as tokenizer_config.json gives it: text, or (older checkpoints) an AddedToken's dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
 
 
 def _raise_exception(message: str) -> None:

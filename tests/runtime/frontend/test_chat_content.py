@@ -130,3 +130,14 @@ def test_checkpoint_templates_render_as_transformers_renders_them(tiny, tmp_path
                       "</tools><|user|>hi<|assistant|>yo|4")
     with pytest.raises(Exception, match="roles: system, user, assistant"):
         codec.apply_chat_template([{"role": "narrator", "content": "once"}])
+
+
+def test_special_tokens_given_as_added_token_dicts_are_their_text(tiny, tmp_path):
+    out = _checkpoint(tiny, tmp_path, "llama", tokenizer_config=json.dumps("{{ bos_token }}{{ messages[0].content }}"))
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["bos_token"] = {"__type": "AddedToken", "content": "<|begin_of_text|>", "lstrip": False}
+    config["eos_token"] = {"__type": "AddedToken", "content": "<|end_of_text|>", "lstrip": False}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    codec = TextCodec(out)
+    assert codec.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|begin_of_text|>hi"
+    assert codec.eos_token_id == codec.tok.token_to_id("<|end_of_text|>")
