@@ -92,9 +92,15 @@ def model_problem(manifest: dict) -> str | None:
         path = Path(value).expanduser()
         if not path.is_dir():
             return f"the model directory {value} ({named}) is not there; {fix}, or fix the path"
-        marker = "model_index.json" if manifest["recipe"].get("modality") == "video_diffusion" else "config.json"
+        video = manifest["recipe"].get("modality") == "video_diffusion"
+        marker = "model_index.json" if video else "config.json"
         if named == "recipe model.path" and not (path / marker).is_file():  # a diffusers pipeline has no config
             return f"{value} (recipe model.path) has no {marker}: give the model's Hugging Face directory"
+        tokenizer_named = "recipe model.tokenizer" if model.get("tokenizer") else "recipe model.path"
+        if named == tokenizer_named and not video and not (path / "tokenizer.json").is_file():
+            return (f"{value} ({named}) has no tokenizer.json, the fast tokenizer's file that hpc's frontend reads; "
+                    f"write it with transformers (AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)) or set "
+                    f"recipe model.tokenizer to a directory that has it")
     return _layout_problem(manifest)
 
 

@@ -92,9 +92,16 @@ def test_the_models_directories_are_checked_where_the_job_sees_them(tmp_path):
     ok, line = outcome(path=str(model))
     assert not ok and "(recipe model.path) has no config.json" in line
     (model / "config.json").write_text("{}")
+    ok, line = outcome(path=str(model))
+    assert not ok and "(recipe model.path) has no tokenizer.json, the fast tokenizer's file that hpc's frontend " \
+        "reads" in line
+    (model / "tokenizer.json").write_text("{}")
     assert outcome(path=str(model))[0]
     ok, line = outcome(path=str(model), tokenizer=str(tmp_path / "tok"))
     assert not ok and "(recipe model.tokenizer) is not there" in line
+    (tmp_path / "tok").mkdir()
+    ok, line = outcome(path=str(model), tokenizer=str(tmp_path / "tok"))  # the tokenizer's own directory is read
+    assert not ok and "(recipe model.tokenizer) has no tokenizer.json" in line
     assert outcome(path="deepseek-ai/DeepSeek-R1")[0]  # a hub id: the engine's to fetch
     ok, _ = outcome(path=str(tmp_path / "not built yet"), generate="tiny")  # the job builds it
     assert ok

@@ -37,7 +37,7 @@ async def serve(manifest: Manifest, bind: str | None = None, group: FrontendGrou
     await asyncio.to_thread(ensure_model, manifest.recipe.model.path, manifest.recipe.model.generate)
     model = manifest.recipe.model
     # the harmony parser reads gpt-oss's message markers, which are special tokens: keep them in the text
-    codec = TextCodec(model_dir(manifest), model.chat_template,
+    codec = TextCodec(await asyncio.to_thread(model_dir, manifest), model.chat_template,
                       keep_special_tokens=bool({model.reasoning_parser, model.tool_call_parser} & set(HARMONY)))
     spec = manifest.recipe.frontend
     kv = KvIndex(_block_size(manifest)) if spec.router is RouterPolicy.KV_AWARE else None
@@ -110,8 +110,28 @@ async def serve(manifest: Manifest, bind: str | None = None, group: FrontendGrou
     return 0
 
 
+# what the frontend reads of a checkpoint (TextCodec): the fast tokenizer, its config and the chat templates
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.json",
+                   "chat_template.jinja", "config.json", "generation_config.json"]
+
+
 def model_dir(manifest: Manifest) -> Path:
-    return Path(manifest.recipe.model.tokenizer or manifest.recipe.model.path).expanduser()
+    """The directory of the tokenizer's files: the recipe's own, or for a hub id (TensorRT-LLM fetches such a
+    model's weights itself) those files alone, fetched as it fetches (huggingface_hub: HF_HOME's cache,
+    HF_TOKEN, HF_HUB_OFFLINE)."""
+    from hpc.checks.model_fit import is_local_path
+
+    ref = manifest.recipe.model.tokenizer or manifest.recipe.model.path
+    if is_local_path(ref):
+        return Path(ref).expanduser()
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(ref, allow_patterns=TOKENIZER_FILES))
+    except Exception as exc:  # no network on the nodes, a gated repo without a token, a wrong id
+        raise RuntimeError(f"the frontend needs the tokenizer of {ref!r} and could not fetch it from the Hugging "
+                           f"Face hub ({type(exc).__name__}: {exc}); set recipe model.tokenizer to a directory the "
+                           f"nodes mount that holds tokenizer.json") from None
 
 
 def _block_size(manifest: Manifest) -> int:
