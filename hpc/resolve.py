@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from hpc.checks.model_fit import fit_problems, read_model_config
+from hpc.checks.model_fit import fit_problems, is_local_path, read_model_config
 from hpc.engine_args.flags import EngineArgFlags, apply_engine_flags
 from hpc.engine_args.precedence import (forced_values, merge_engine_args, overridden, prune_for_autodeploy,
                                         recipe_defaults)
@@ -122,6 +122,12 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
             f"a process of its own is for the torch engine serving text (this recipe: {recipe.backend.value}, "
             f"{recipe.modality})", file=rfile, field="runtime.engine_process", hint="remove it, or set auto or worker"))
     errors += _check_video(cluster, recipe, rfile)
+    if recipe.backend is Backend.TORCH and recipe.modality != "video_diffusion" and not recipe.model.generate \
+            and not is_local_path(recipe.model.path):
+        errors.append(UserError(
+            f"{recipe.model.path!r} is a hub id; the torch reference engine reads its weights from a directory",
+            file=rfile, field="model.path", hint="download it (huggingface-cli download ID --local-dir DIR) and give "
+                                                 "DIR, or use backend: trtllm, which fetches hub ids itself"))
     if recipe.roles.encode is not None and not recipe.model.multimodal:
         errors.append(UserError("an encode role needs a multimodal model", file=rfile, field="roles.encode",
                                 hint="set model.multimodal: true or remove roles.encode"))

@@ -223,6 +223,15 @@ def test_torch_expert_parallelism_needs_an_moe_model(tmp_path):
     assert resolve("eos", moe).plan.workers[0].tasks == 2  # EP == TP on the MoE model runs
 
 
+def test_a_hub_id_is_refused_for_the_torch_engine_and_left_to_tensorrt_llm(tmp_path):
+    r = _write_recipe(tmp_path, {"agg": {}}, model={"path": "meta-llama/Llama-3.1-8B", "served_name": "m"},
+                      backend="torch")
+    assert "recipe.yaml: model.path: 'meta-llama/Llama-3.1-8B' is a hub id; the torch reference engine reads its " \
+           "weights from a directory (download it" in _error("eos", r)
+    fetched = _write_recipe(tmp_path, {"agg": {}}, model={"path": "meta-llama/Llama-3.1-8B", "served_name": "m"})
+    assert resolve("eos", str(fetched), []).recipe.backend.value == "trtllm"
+
+
 def test_the_canned_completion_knob_is_refused_outside_the_torch_engine(tmp_path):
     r = _write_recipe(tmp_path, {"agg": {}}, model={"path": "/m", "served_name": "m", "canned_completion": "x"})
     assert "recipe.yaml: model.canned_completion: a test knob of the torch engine only" in _error("eos", r)

@@ -80,6 +80,7 @@ def test_the_preflight_checks_the_layout_where_the_job_sees_the_model(tmp_path):
     model.mkdir()
     m["recipe"]["model"]["path"] = str(model)
     (model / "config.json").write_text(json.dumps(DEEPSEEK_R1))
+    (model / "tokenizer.json").write_text("{}")
     assert model_problem(m) is None  # the shipped layout (TP 16, no attention-DP) fits the real model's shape
     (model / "config.json").write_text(json.dumps({**DEEPSEEK_R1, "num_attention_heads": 120}))  # another model
     assert model_problem(m) == f"agg: tensor_parallel_size: TP 16 does not divide the model's 120 attention heads " \
