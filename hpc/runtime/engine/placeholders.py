@@ -16,14 +16,18 @@ from typing import Any
 class ImagePlaceholder:
     text: str
     separator: str = "\n"
+    # a model that registers its content format overrides what its chat template's shape says ("string": the
+    # placeholder goes into the text even where the template could take parts)
+    content_format: str | None = None
 
 
-QWEN_VL = ImagePlaceholder("<|vision_start|><|image_pad|><|vision_end|>")
+# Qwen2-VL and Qwen2.5-VL register content_format=STRING (modeling_qwen2vl.py); Qwen3-VL leaves it to the template
+QWEN_VL = ImagePlaceholder("<|vision_start|><|image_pad|><|vision_end|>", content_format="string")
 IMAGE_PLACEHOLDERS: dict[str, ImagePlaceholder] = {
     "llava_next": ImagePlaceholder("<image>"),
     "qwen2_vl": QWEN_VL,
     "qwen2_5_vl": QWEN_VL,
-    "qwen3_vl": QWEN_VL,
+    "qwen3_vl": ImagePlaceholder(QWEN_VL.text),  # modeling_qwen3vl.py
 }
 TINY_IMAGE = ImagePlaceholder("<|image|>", separator="")
 

@@ -6,9 +6,10 @@ processor with no place for the image. Two kinds of chat template (tensorrt_llm/
 - OPENAI: the template loops over `message['content']` and tests each part's `type`; it writes the placeholder
   itself, so the message keeps its parts: {"type": "text", "text": ...} and {"type": "image"}
   (tensorrt_llm/inputs/utils.py, _build_openai_content).
-- STRING: the template prints `message['content']` as text; the placeholder the model registered goes where the
-  image was, joined to the text by the model's separator (utils.py, interleave_mm_placeholders; the placeholders
-  in hpc/runtime/engine/placeholders.py).
+- STRING: the template prints `message['content']` as text, or the model registered this form whatever its
+  template (utils.py, _resolve_content_format); the placeholder the model registered goes where the image was,
+  joined to the text by the model's separator (utils.py, interleave_mm_placeholders; the placeholders in
+  hpc/runtime/engine/placeholders.py).
 """
 
 from __future__ import annotations

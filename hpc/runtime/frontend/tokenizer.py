@@ -29,11 +29,12 @@ class TextCodec:
         template = Path(chat_template_file).expanduser().read_text() if chat_template_file else \
             find_chat_template(model_dir, cfg)
         self.template = chat_template_environment().from_string(template) if template else None
-        self.content_format = content_format(template) if template else "string"
         model_config = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").is_file() \
             else {}
         vision = model_config.get("hpc_vision")
         self.image_placeholder = image_placeholder(model_config)  # for templates that print content as text
+        registered = self.image_placeholder.content_format if self.image_placeholder else None
+        self.content_format = registered or (content_format(template) if template else "string")
         self.image_token_id = vision["image_token_id"] if vision else None
         self.image_tokens = vision["num_image_tokens"] if vision else 0
 

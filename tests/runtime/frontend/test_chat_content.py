@@ -80,12 +80,21 @@ def _prompt(codec: TextCodec, *messages: tuple[str, object]) -> str:
 
 
 def test_a_qwen_vl_checkpoint_gets_its_own_placeholder_from_its_processors_template(tiny, tmp_path):
-    codec = TextCodec(_checkpoint(tiny, tmp_path, "qwen2_vl", json=QWEN_VL_STYLE))
+    codec = TextCodec(_checkpoint(tiny, tmp_path, "qwen3_vl", json=QWEN_VL_STYLE))
     assert codec.content_format == "openai"
     prompt = _prompt(codec, ("system", "Be brief."), ("user", WITH_IMAGE))
     assert prompt == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
                       "What is this?<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n")
     assert "<|image|>" not in prompt
+
+
+def test_qwen2_vl_gets_the_text_form_it_registered_whatever_its_template_could_take(tiny, tmp_path):
+    """modeling_qwen2vl.py registers content_format=STRING for Qwen2-VL and Qwen2.5-VL: the placeholder goes into
+    the text, joined by "\n", as TensorRT-LLM's own server renders these models' chats."""
+    codec = TextCodec(_checkpoint(tiny, tmp_path, "qwen2_vl", json=QWEN_VL_STYLE))
+    assert codec.content_format == "string"
+    assert "<|im_start|>user\nWhat is this?\n<|vision_start|><|image_pad|><|vision_end|><|im_end|>" in \
+        _prompt(codec, ("user", WITH_IMAGE))
 
 
 def test_a_llava_next_checkpoint_whose_template_reads_parts_for_every_role(tiny, tmp_path):
