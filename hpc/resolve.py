@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from hpc.checks.model_fit import fit_problems, is_local_path, read_model_config
+from hpc.checks.model_fit import encode_problem, fit_problems, is_local_path, read_model_config
 from hpc.engine_args.flags import EngineArgFlags, apply_engine_flags
 from hpc.engine_args.precedence import (forced_values, merge_engine_args, overridden, prune_for_autodeploy,
                                         recipe_defaults)
@@ -128,6 +128,10 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
             f"{recipe.model.path!r} is a hub id; the torch reference engine reads its weights from a directory",
             file=rfile, field="model.path", hint="download it (huggingface-cli download ID --local-dir DIR) and give "
                                                  "DIR, or use backend: trtllm, which fetches hub ids itself"))
+    encode_split = encode_problem(model_config, recipe.backend.value) \
+        if model_config is not None and recipe.roles.encode is not None else None
+    if encode_split:
+        errors.append(UserError(encode_split[0], file=rfile, field="roles.encode", hint=encode_split[1]))
     if recipe.roles.encode is not None and not recipe.model.multimodal:
         errors.append(UserError("an encode role needs a multimodal model", file=rfile, field="roles.encode",
                                 hint="set model.multimodal: true or remove roles.encode"))

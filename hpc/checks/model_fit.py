@@ -80,3 +80,23 @@ def fit_problems(config: dict[str, Any], args: dict[str, Any], backend: str) -> 
         problems.append(("moe_expert_parallel_size", f"EP {ep} does not divide the model's {experts} experts",
                          "use an expert-parallel size that divides it, or a moe_config.load_balancer"))
     return problems
+
+
+# Vision models whose encode / prefill / decode split TensorRT-LLM's PyTorch backend cannot run: LLaVA-1.5
+# (model_type llava) is no model of that backend (its LLaVA is LLaVA-NeXT, modeling_llava_next.py), and Qwen2-VL
+# lacks the @support_multimodal_disaggregated mark that Qwen2.5-VL, Qwen3-VL and LLaVA-NeXT carry
+# (modeling_qwen2vl.py). Only models known not to split are named: a newer one is left to its engine.
+NO_ENCODE_SPLIT = {
+    "llava": "TensorRT-LLM's PyTorch backend serves LLaVA-NeXT (llava_next), not LLaVA-1.5",
+    "qwen2_vl": "TensorRT-LLM splits Qwen2.5-VL and Qwen3-VL off an encode worker, not Qwen2-VL",
+}
+
+
+def encode_problem(config: dict[str, Any], backend: str) -> tuple[str, str] | None:
+    """(problem, fix) when a recipe's encode role asks TensorRT-LLM for a split this model cannot make."""
+    reason = NO_ENCODE_SPLIT.get(str(config.get("model_type", ""))) if backend == "trtllm" else None
+    if reason is None:
+        return None
+    return (f"an encode worker for model_type {config.get('model_type')}: {reason}",
+            "serve it aggregated (roles.agg, the worker loads the images) or use a model TensorRT-LLM splits")
+

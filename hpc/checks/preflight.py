@@ -107,13 +107,16 @@ def model_problem(manifest: dict) -> str | None:
 def _layout_problem(manifest: dict) -> str | None:
     """A role's TP, PP or EP that the model's shape cannot take (hpc.checks.model_fit), as its engine would fail
     on it only after loading weights. `hpc validate` checks the same where the login node sees the model."""
-    from hpc.checks.model_fit import fit_problems, read_model_config
+    from hpc.checks.model_fit import encode_problem, fit_problems, read_model_config
 
     model = manifest["recipe"]["model"]
     config = None if model.get("generate") else read_model_config(model.get("path"))
     if config is None:
         return None
     encode = manifest["recipe"]["roles"].get("encode") or {}
+    split = encode_problem(config, manifest["recipe"]["backend"]) if encode else None
+    if split:
+        return f"roles.encode: {split[0]} ({model['path']}/config.json); {split[1]}"
     vision = {"encode"} | {pool["name"] for pool in encode.get("pools") or []}  # not the language model's heads
     for role, args in sorted((manifest.get("engine_args") or {}).items()):
         if role in vision:

@@ -85,3 +85,32 @@ def test_the_preflight_checks_the_layout_where_the_job_sees_the_model(tmp_path):
     (model / "config.json").write_text(json.dumps({**DEEPSEEK_R1, "num_attention_heads": 120}))  # another model
     assert model_problem(m) == f"agg: tensor_parallel_size: TP 16 does not divide the model's 120 attention heads " \
         f"({model}/config.json); use a tensor_parallel_size that divides it, or enable_attention_dp"
+
+
+@pytest.mark.parametrize("model_type, refused", [("llava", "LLaVA-NeXT (llava_next), not LLaVA-1.5"),
+                                                  ("qwen2_vl", "Qwen2.5-VL and Qwen3-VL off an encode worker"),
+                                                  ("llava_next", None), ("qwen2_5_vl", None)])
+def test_an_encode_worker_for_a_model_tensorrt_llm_does_not_split(tmp_path, capsys, model_type, refused):
+    import datetime as dt
+
+    from hpc.checks.preflight import model_problem
+    from hpc.resolve import resolve
+
+    model = tmp_path / "models" / model_type
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({"model_type": model_type, "text_config": LLAMA_8B}))
+    (model / "tokenizer.json").write_text("{}")
+    code = main(["validate", "-c", "eos", "-r", "llava-epd", "--set", f"model.path={model}"])
+    err = capsys.readouterr().err
+    if refused is None:
+        assert code == 0, err
+    else:
+        assert code == 2 and f"recipes/llava-epd.yaml: roles.encode: an encode worker for model_type {model_type}: " \
+            f"TensorRT-LLM" in err and refused in err and "serve it aggregated (roles.agg" in err, err
+    # the same on the nodes, where the job's preflight reads the model
+    m = json.loads(resolve("eos", "llava-epd").manifest(tmp_path / "run", "run", dt.datetime(2026, 1, 1))
+                   .model_dump_json())
+    m["recipe"]["model"]["path"] = str(model)
+    problem = model_problem(m)
+    assert (problem is None) if refused is None else (problem.startswith("roles.encode: an encode worker") and
+                                                      refused in problem)
