@@ -256,6 +256,21 @@ def test_unsupported_parameters_are_refused_by_name(disagg, field, value):
     assert code == 200 and resp["system_fingerprint"].startswith("hpc-torch-"), resp
 
 
+def test_a_chats_template_kwargs_are_the_templates_and_a_reasoning_effort_it_ignores_is_refused(disagg):
+    chat = {"model": "hpc/tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 0, "max_tokens": 2}
+    code, resp = post_json(disagg.url + "/v1/chat/completions", {**chat, "reasoning_effort": "low"})
+    assert code == 400 and resp["error"]["param"] == "reasoning_effort" and \
+        resp["error"]["code"] == "unsupported_parameter"  # the tiny model's template reads none
+    code, resp = post_json(disagg.url + "/v1/chat/completions", {**chat, "chat_template_kwargs": {"messages": []}})
+    assert code == 400 and resp["error"]["param"] == "chat_template_kwargs"
+    code, resp = post_json(disagg.url + "/v1/chat/completions",
+                           {**chat, "chat_template_kwargs": {"enable_thinking": False}})
+    assert code == 200, resp  # a variable this template does not read changes nothing, as in transformers
+    code, resp = post_json(disagg.url + "/v1/completions", {"model": "hpc/tiny", "prompt": "x", "max_tokens": 2,
+                                                            "chat_template_kwargs": {"enable_thinking": False}})
+    assert code == 400 and resp["error"]["param"] == "chat_template_kwargs"  # a completion has no template
+
+
 def test_one_model_by_id(disagg):
     code, card = get_json(disagg.url + "/v1/models/hpc/tiny")
     assert code == 200 and card["id"] == "hpc/tiny" and card["object"] == "model"

@@ -15,7 +15,7 @@ from hpc.runtime.frontend.openai import (REQUEST_ID_HEADER, ApiError, ChatReques
                                          chat_logprobs, completion_logprobs, new_id, now, unsupported_param,
                                          upstream_error)
 from hpc.runtime.frontend.parsers import AnswerParser, json_answer_guide, tool_call_guide
-from hpc.runtime.frontend.chat_content import ImagePartError
+from hpc.runtime.frontend.chat_content import ChatInputError, template_kwargs, template_messages
 from hpc.runtime.frontend.group import FrontendGroup, health_status, live_counts
 from hpc.runtime.frontend.pools import PoolRouter
 from hpc.runtime.frontend.orchestration import Orchestrator
@@ -197,7 +197,8 @@ class Frontend:
             raise ApiError(400, "request body is not valid JSON") from None
         if not isinstance(data, dict):
             raise ApiError(400, "request body must be a JSON object")
-        unsupported = unsupported_param(data, tool_parser=self.recipe.model.tool_call_parser is not None)
+        unsupported = unsupported_param(data, tool_parser=self.recipe.model.tool_call_parser is not None,
+                                        chat=model is ChatRequest)
         if unsupported is not None:
             raise ApiError(400, f"'{unsupported}' = {str(data[unsupported])[:80]} is not supported by this server",
                            param=unsupported, code="unsupported_parameter")
@@ -251,32 +252,17 @@ class Frontend:
 
     async def chat(self, req: Request) -> Response:
         body: ChatRequest = self._parse(req, ChatRequest)
-        messages, images = [], []
-        for m in body.messages:
-            if isinstance(m.content, list):
-                for part in m.content:
-                    if part.get("type") == "image_url":
-                        if not self.recipe.model.multimodal:
-                            raise ApiError(400, "this model takes no images", param="messages")
-                        url = part.get("image_url")
-                        images.append(url.get("url") if isinstance(url, dict) else url)
-                    elif part.get("type") != "text":
-                        raise ApiError(400, f"unsupported content part type {part.get('type')!r}",
-                                       param="messages")
-            try:
-                content = self.codec.message_content(m.content or "")
-            except ImagePartError as exc:
-                raise ApiError(400, str(exc), param="messages") from None
-            message: dict[str, Any] = {"role": m.role, "content": content}
-            for key in ("tool_calls", "tool_call_id", "name"):  # only what is there: templates test `is defined`
-                if getattr(m, key) is not None:
-                    message[key] = getattr(m, key)
-            messages.append(message)
+        try:
+            messages, images = template_messages(body.messages, self.codec.message_content,
+                                                 self.recipe.model.multimodal)
+            variables = template_kwargs(body.chat_template_kwargs, body.reasoning_effort, self.codec.template_variables)
+        except ChatInputError as exc:
+            raise ApiError(400, str(exc), param=exc.param, code=exc.code) from None
         if len(images) > 1:
             raise ApiError(400, "at most one image per request is supported", param="messages")
         try:
             tools = body.tools if body.tool_choice != "none" else None
-            prompt = self.codec.apply_chat_template(messages, tools)
+            prompt = self.codec.apply_chat_template(messages, tools, variables)
         except Exception as exc:
             raise ApiError(400, f"chat template failed: {exc}", param="messages") from None
         model = self.recipe.model

@@ -14,7 +14,7 @@ processor with no place for the image. Two kinds of chat template (tensorrt_llm/
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import jinja2
 from jinja2 import nodes
@@ -62,8 +62,34 @@ def content_format(template: str) -> ContentFormat:
     return "string"
 
 
-class ImagePartError(ValueError):
-    """A message with an image that this model's template and placeholder cannot carry."""
+class ChatInputError(ValueError):
+    """A chat request this model's template cannot take as it is: a 400 naming the parameter."""
+
+    def __init__(self, param: str, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def template_messages(messages: list[Any], content: Callable[[Any], Any], multimodal: bool
+                      ) -> tuple[list[dict[str, Any]], list[str]]:
+    """The request's messages as the template gets them (`content`: the codec's message_content), and the
+    images' URLs in order."""
+    out, images = [], []
+    for m in messages:
+        for part in m.content if isinstance(m.content, list) else ():
+            if part.get("type") == "image_url":
+                if not multimodal:
+                    raise ChatInputError("messages", "this model takes no images")
+                url = part.get("image_url")
+                images.append(url.get("url") if isinstance(url, dict) else url)
+            elif part.get("type") != "text":
+                raise ChatInputError("messages", f"unsupported content part type {part.get('type')!r}")
+        message: dict[str, Any] = {"role": m.role, "content": content(m.content or "")}
+        for key in ("tool_calls", "tool_call_id", "name"):  # only what is there: templates test `is defined`
+            if getattr(m, key) is not None:
+                message[key] = getattr(m, key)
+        out.append(message)
+    return out, images
 
 
 def message_content(content: str | list[dict[str, Any]], fmt: ContentFormat,
@@ -81,7 +107,31 @@ def message_content(content: str | list[dict[str, Any]], fmt: ContentFormat,
     if not has_image:
         return "".join(str(part.get("text", "")) for part in parts)
     if placeholder is None:
-        raise ImagePartError("this model's chat template does not take image parts, and hpc does not know the "
-                             "image placeholder of its model_type")
+        raise ChatInputError("messages", "this model's chat template does not take image parts, and hpc does not "
+                                         "know the image placeholder of its model_type")
     return placeholder.separator.join(placeholder.text if part.get("type") == "image_url"
                                       else str(part.get("text", "")) for part in parts)
+
+
+# set by the frontend itself; a request's chat_template_kwargs may not replace them
+RENDER_OWN = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+def template_kwargs(chat_template_kwargs: dict[str, Any] | None, reasoning_effort: str | None,
+                    template_reads: frozenset[str]) -> dict[str, Any]:
+    """A request's variables for the chat template: chat_template_kwargs as given (vLLM's and trtllm-serve's
+    extension), and reasoning_effort for a template that reads it (gpt-oss's). A reasoning_effort the template
+    would ignore is refused: the client would believe it had asked for something."""
+    found = dict(chat_template_kwargs or {})
+    own = sorted(RENDER_OWN & found.keys())
+    if own:
+        raise ChatInputError("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(own)}: the "
+                                                        "server renders those itself")
+    if reasoning_effort is not None:
+        if "reasoning_effort" not in template_reads:
+            raise ChatInputError("reasoning_effort", "'reasoning_effort' is not supported by this model's chat "
+                                                        "template (the recipe's model decides how much it reasons)",
+                                    code="unsupported_parameter")
+        found.setdefault("reasoning_effort", reasoning_effort)
+    return found
+

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -46,7 +46,6 @@ UNSUPPORTED: dict[str, Any] = {
     "repetition_penalty": lambda v: v not in (None, 1, 1.0),
     "modalities": lambda v: v not in (None, ["text"]), "audio": lambda v: v is not None,
     "prediction": lambda v: v is not None, "web_search_options": lambda v: v is not None,
-    "reasoning_effort": lambda v: v is not None,  # the recipe's model decides how much it reasons
     "parallel_tool_calls": lambda v: v is False,  # one call at most cannot be enforced without constrained decoding
     "store": lambda v: bool(v),  # nothing is stored here
     "functions": lambda v: bool(v), "function_call": lambda v: v not in (None, "none", "auto"),
@@ -66,12 +65,16 @@ def _forced_tool(v: Any) -> bool:
 # Tools need the recipe's tool-call parser; with one, a call can be forced (constrained decoding in its format).
 TOOLS_WITHOUT_PARSER = {"tools": lambda v: bool(v), "tool_choice": lambda v: v not in (None, "none", "auto")}
 TOOLS_WITH_PARSER = {"tool_choice": lambda v: v not in (None, "none", "auto") and not _forced_tool(v)}
+# for a chat template to read (ChatRequest); a completion has none
+TEMPLATE_ONLY = {"reasoning_effort": lambda v: v is not None, "chat_template_kwargs": lambda v: bool(v)}
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 
 
-def unsupported_param(data: dict[str, Any], tool_parser: bool = False) -> str | None:
+def unsupported_param(data: dict[str, Any], tool_parser: bool = False, chat: bool = True) -> str | None:
     """The first parameter of `data` that asks for something this server does not do."""
-    for name, asks_for_it in {**UNSUPPORTED, **(TOOLS_WITH_PARSER if tool_parser else TOOLS_WITHOUT_PARSER)}.items():
+    refused = {**UNSUPPORTED, **(TOOLS_WITH_PARSER if tool_parser else TOOLS_WITHOUT_PARSER),
+               **({} if chat else TEMPLATE_ONLY)}
+    for name, asks_for_it in refused.items():
         if name in data and asks_for_it(data[name]):
             return name
     return None
@@ -190,6 +193,10 @@ class ChatRequest(_Request):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    # for the model's chat template: vLLM's, SGLang's and trtllm-serve's extension ({"enable_thinking": false}
+    # for Qwen3), and OpenAI's reasoning_effort, which gpt-oss's template reads
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 
     def forced_tool_names(self) -> list[str] | None:
         """The functions the answer must call one of (tool_choice required / named), None when not forced."""

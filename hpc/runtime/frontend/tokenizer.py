@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from hpc.runtime.engine.placeholders import image_placeholder
@@ -28,7 +29,11 @@ class TextCodec:
         self.eos_token_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
         template = Path(chat_template_file).expanduser().read_text() if chat_template_file else \
             find_chat_template(model_dir, cfg)
-        self.template = chat_template_environment().from_string(template) if template else None
+        env = chat_template_environment()
+        self.template = env.from_string(template) if template else None
+        # the names the template reads that no one defines inside it: what a request's template kwargs may set
+        self.template_variables = frozenset(meta.find_undeclared_variables(env.parse(template))) if template \
+            else frozenset()
         model_config = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").is_file() \
             else {}
         vision = model_config.get("hpc_vision")
@@ -44,10 +49,13 @@ class TextCodec:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                            variables: dict[str, Any] | None = None) -> str:
+        """`variables`: the request's own for the template (template_kwargs checked them), as transformers passes
+        apply_chat_template's extra keyword arguments."""
         if self.template is None:
             raise ValueError("this model has no chat template; use /v1/completions")
-        return self.template.render(messages=messages, tools=tools, add_generation_prompt=True,
+        return self.template.render(**(variables or {}), messages=messages, tools=tools, add_generation_prompt=True,
                                     bos_token=self.bos_token, eos_token=self.eos_token)
 
     def expand_image_tokens(self, ids: list[int]) -> list[int]:

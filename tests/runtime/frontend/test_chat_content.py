@@ -13,7 +13,7 @@ import pytest
 
 from hpc.runtime.engine.tiny import CHAT_TEMPLATE
 from hpc.runtime.engine.placeholders import ImagePlaceholder
-from hpc.runtime.frontend.chat_content import ImagePartError, content_format, message_content
+from hpc.runtime.frontend.chat_content import ChatInputError, content_format, message_content
 from hpc.runtime.frontend.tokenizer import TextCodec
 
 pytestmark = pytest.mark.unit
@@ -51,7 +51,7 @@ def test_a_message_with_an_image_as_each_kind_of_template_takes_it():
     assert message_content(WITH_IMAGE, "string", ImagePlaceholder("<image>")) == "What is this?\n<image>"
     assert message_content(WITH_IMAGE, "string", ImagePlaceholder("<|image|>", "")) == "What is this?<|image|>"
     assert message_content([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "string", None) == "ab"
-    with pytest.raises(ImagePartError, match="does not know the image placeholder"):
+    with pytest.raises(ChatInputError, match="does not know the image placeholder"):
         message_content(WITH_IMAGE, "string", None)
 
 
@@ -109,7 +109,7 @@ def test_a_text_template_gets_the_placeholder_the_model_type_registered(tiny, tm
     assert codec.content_format == "string"
     assert "<|user|>What is this?\n<image><|end|>" in _prompt(codec, ("user", WITH_IMAGE))
     unknown = TextCodec(_checkpoint(tiny, tmp_path, "mystery_vl", tokenizer_config=json.dumps(CHAT_TEMPLATE)))
-    with pytest.raises(ImagePartError):
+    with pytest.raises(ChatInputError):
         unknown.message_content(WITH_IMAGE)
     assert _prompt(unknown, ("user", "hi")).endswith("<|user|>hi<|end|><|assistant|>")  # text still works
 
@@ -150,3 +150,29 @@ def test_special_tokens_given_as_added_token_dicts_are_their_text(tiny, tmp_path
     codec = TextCodec(out)
     assert codec.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|begin_of_text|>hi"
     assert codec.eos_token_id == codec.tok.token_to_id("<|end_of_text|>")
+
+
+# In the shapes of Qwen3's (enable_thinking) and gpt-oss's (reasoning_effort) templates
+THINKING_STYLE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}"
+    "{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}{% endif %}")
+
+
+def test_a_requests_template_kwargs_and_reasoning_effort_reach_the_template(tiny, tmp_path):
+    from hpc.runtime.frontend.chat_content import template_kwargs
+
+    codec = TextCodec(_checkpoint(tiny, tmp_path, "qwen3", tokenizer_config=json.dumps(THINKING_STYLE)))
+    assert {"enable_thinking", "reasoning_effort", "messages"} <= codec.template_variables
+    hi = [{"role": "user", "content": "hi"}]
+    variables = template_kwargs({"enable_thinking": False}, "low", codec.template_variables)
+    assert codec.apply_chat_template(hi, None, variables) == "<|user|>hi<|assistant|><think></think>Reasoning: low"
+    assert codec.apply_chat_template(hi) == "<|user|>hi<|assistant|>"
+    with pytest.raises(ChatInputError, match="may not set add_generation_prompt, messages") as caught:
+        template_kwargs({"messages": [], "add_generation_prompt": False}, None, codec.template_variables)
+    assert caught.value.param == "chat_template_kwargs"
+    plain = TextCodec(Path(tiny))  # its template reads no reasoning_effort: asking for one is refused, not ignored
+    with pytest.raises(ChatInputError, match="'reasoning_effort' is not supported") as caught:
+        template_kwargs(None, "high", plain.template_variables)
+    assert caught.value.param == "reasoning_effort"
+    assert template_kwargs({"enable_thinking": True}, None, plain.template_variables) == {"enable_thinking": True}
