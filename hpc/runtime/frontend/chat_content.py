@@ -125,13 +125,13 @@ def template_kwargs(chat_template_kwargs: dict[str, Any] | None, reasoning_effor
     found = dict(chat_template_kwargs or {})
     own = sorted(RENDER_OWN & found.keys())
     if own:
-        raise ChatInputError("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(own)}: the "
-                                                        "server renders those itself")
+        raise ChatInputError("chat_template_kwargs",
+                             f"chat_template_kwargs may not set {', '.join(own)}: the server renders those itself")
     if reasoning_effort is not None:
         if "reasoning_effort" not in template_reads:
             raise ChatInputError("reasoning_effort", "'reasoning_effort' is not supported by this model's chat "
-                                                        "template (the recipe's model decides how much it reasons)",
-                                    code="unsupported_parameter")
+                                 "template (the recipe's model decides how much it reasons)",
+                                 code="unsupported_parameter")
         found.setdefault("reasoning_effort", reasoning_effort)
     return found
 
