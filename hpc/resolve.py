@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from hpc.checks.chat_images import image_route_problem
 from hpc.checks.model_fit import encode_problem, fit_problems, is_local_path, read_model_config
 from hpc.engine_args.flags import EngineArgFlags, apply_engine_flags
 from hpc.engine_args.precedence import (forced_values, merge_engine_args, overridden, prune_for_autodeploy,
@@ -128,6 +129,13 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
             f"{recipe.model.path!r} is a hub id; the torch reference engine reads its weights from a directory",
             file=rfile, field="model.path", hint="download it (huggingface-cli download ID --local-dir DIR) and give "
                                                  "DIR, or use backend: trtllm, which fetches hub ids itself"))
+    images = image_route_problem(Path(recipe.model.tokenizer or recipe.model.path).expanduser(), model_config,
+                                 recipe.model.chat_template) if model_config is not None and recipe.model.multimodal \
+        else None
+    if images:
+        errors.append(UserError(images, file=rfile, field="model.chat_template",
+                                hint="give a template that loops over content parts (model.chat_template), as the "
+                                     "model's processor-side chat_template.json does"))
     encode_split = encode_problem(model_config, recipe.backend.value) \
         if model_config is not None and recipe.roles.encode is not None else None
     if encode_split:
