@@ -13,6 +13,7 @@ pytestmark = pytest.mark.unit
 @pytest.mark.parametrize("config, prompt", [
     ({"model_type": "qwen2_vl"}, "<|vision_start|><|image_pad|><|vision_end|>"),
     ({"model_type": "qwen2_5_vl"}, "<|vision_start|><|image_pad|><|vision_end|>"),
+    ({"model_type": "qwen3_vl_moe"}, "<|vision_start|><|image_pad|><|vision_end|>"),
     ({"model_type": "llava_next"}, "<image>"),
     ({"model_type": "llama", "hpc_vision": {"num_image_tokens": 3}}, "<|image|><|image|><|image|>"),
     ({"model_type": "mystery_vl"}, "<image>"),  # TensorRT-LLM's most common marker, for a model hpc does not know

@@ -13,7 +13,7 @@ def test_every_shipped_cluster_and_recipe_parses():
     for name in ("eos", "generic-h100", "dev", "local"):
         assert load_cluster(name)[0].name == name
     for name in ("deepseek-r1-agg", "deepseek-r1-disagg", "deepseek-r1-wide-ep", "deepseek-r1-mtp",
-                 "gpt-oss-120b-disagg", "qwen3-agg", "llama4-eagle", "gemma3-vswa", "llava-epd", "qwen2-vl-agg",
+                 "gpt-oss-120b-disagg", "qwen3-agg", "llama4-eagle", "gemma3-vswa", "llava-epd", "qwen2-vl-agg", "qwen3-vl-epd",
                  "tiny-agg", "tiny-disagg", "tiny-epd"):
         assert load_recipe(name)[0].name == name
 

@@ -28,6 +28,7 @@ IMAGE_PLACEHOLDERS: dict[str, ImagePlaceholder] = {
     "qwen2_vl": QWEN_VL,
     "qwen2_5_vl": QWEN_VL,
     "qwen3_vl": ImagePlaceholder(QWEN_VL.text),  # modeling_qwen3vl.py
+    "qwen3_vl_moe": ImagePlaceholder(QWEN_VL.text),  # modeling_qwen3vl_moe.py
 }
 TINY_IMAGE = ImagePlaceholder("<|image|>", separator="")
 

@@ -100,7 +100,7 @@ def image_digest(image: Any) -> str:
 # hpc's tiny vision model marks the image with <|image|> (hpc_vision in its config.json), written by hpc's
 # frontend once per embedding (num_image_tokens), its "processor" having nothing left to expand.
 IMAGE_TOKEN = {"llava_next": "<image>", "qwen2_vl": "<|image_pad|>", "qwen2_5_vl": "<|image_pad|>",
-               "qwen3_vl": "<|image_pad|>"}
+               "qwen3_vl": "<|image_pad|>", "qwen3_vl_moe": "<|image_pad|>"}
 
 
 def check_image_placeholders(config: dict[str, Any], prompt: str, images: int) -> None:
