@@ -168,9 +168,10 @@ class TrtllmEngine:
             kwargs["backend"] = self.backend
         log.info("building %s for %s from %s", cls.__name__, self.mode.value, self.model_dir)
         self._llm = await asyncio.to_thread(lambda: cls(model=self.model_dir, **kwargs))
-        config = Path(self.model_dir) / "config.json"  # the engine has just read it: it is there
-        self._encoder_prompt = encoder_prompt(json.loads(config.read_text()) if config.is_file() else {})
-        if self.mode is not DisaggregationMode.ENCODE:
+        if self.mode is DisaggregationMode.ENCODE:  # what encode() sends beside each image
+            config = Path(self.model_dir) / "config.json"
+            self._encoder_prompt = encoder_prompt(json.loads(config.read_text()) if config.is_file() else {})
+        else:
             self._drains = [asyncio.create_task(self._drain(self._llm.get_stats_async, self._stat)),
                             asyncio.create_task(self._drain(self._llm.get_kv_cache_events_async, self._kv_event))]
         return self
