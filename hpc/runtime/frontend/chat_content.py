@@ -14,14 +14,38 @@ processor with no place for the image. Two kinds of chat template (tensorrt_llm/
 
 from __future__ import annotations
 
+import json
+from datetime import datetime
 from typing import Any, Callable, Literal
 
 import jinja2
 from jinja2 import nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from hpc.runtime.engine.placeholders import ImagePlaceholder
 
 ContentFormat = Literal["openai", "string"]
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def chat_template_environment() -> ImmutableSandboxedEnvironment:
+    """The environment checkpoints' chat templates are written for: transformers' (utils/chat_template_utils.py,
+    _compile_jinja_template). A missing key is falsy, not an error (`{% if message.tool_calls %}` on a message
+    without calls); {% break %} and {% continue %}; raise_exception() and strftime_now(); tojson that keeps
+    non-ASCII and does not HTML-escape < > & (Jinja's own does)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
 
 
 def _iterates_content(source: nodes.Node) -> bool:
@@ -44,8 +68,8 @@ def _filters_on_type(source: nodes.Node) -> bool:
 def content_format(template: str) -> ContentFormat:
     """OPENAI when some loop over a message's content reads its items' `type` (['type'], .type, or a
     selectattr('type', ...) on the loop's source); STRING otherwise, or when the template does not parse."""
-    try:
-        ast = jinja2.Environment().parse(template)
+    try:  # in the environment it renders in: a plain one refuses {% break %}, and the template with it
+        ast = chat_template_environment().parse(template)
     except jinja2.TemplateSyntaxError:
         return "string"
     for loop in ast.find_all(nodes.For):
@@ -60,6 +84,13 @@ def content_format(template: str) -> ContentFormat:
             if on_item and key == "type":
                 return "openai"
     return "string"
+
+
+def resolved_format(template: str | None, placeholder: ImagePlaceholder | None) -> ContentFormat:
+    """The form a model registered first, else its template's shape (tensorrt_llm/inputs/utils.py,
+    _resolve_content_format); no template: text."""
+    registered = placeholder.content_format if placeholder else None
+    return registered or (content_format(template) if template else "string")
 
 
 class ChatInputError(ValueError):

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
 from jinja2 import meta
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from hpc.runtime.engine.placeholders import image_placeholder
-from hpc.runtime.frontend.chat_content import content_format, message_content
+from hpc.runtime.frontend.chat_content import chat_template_environment, message_content, resolved_format
 
 
 class TextCodec:
@@ -27,8 +24,7 @@ class TextCodec:
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.eos_token_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
-        template = Path(chat_template_file).expanduser().read_text() if chat_template_file else \
-            find_chat_template(model_dir, cfg)
+        template = find_chat_template(model_dir, cfg, chat_template_file)
         env = chat_template_environment()
         self.template = env.from_string(template) if template else None
         # the names the template reads that no one defines inside it: what a request's template kwargs may set
@@ -38,8 +34,7 @@ class TextCodec:
             else {}
         vision = model_config.get("hpc_vision")
         self.image_placeholder = image_placeholder(model_config)  # for templates that print content as text
-        registered = self.image_placeholder.content_format if self.image_placeholder else None
-        self.content_format = registered or (content_format(template) if template else "string")
+        self.content_format = resolved_format(template, self.image_placeholder)
         self.image_token_id = vision["image_token_id"] if vision else None
         self.image_tokens = vision["num_image_tokens"] if vision else 0
 
@@ -94,30 +89,13 @@ def _token_text(value: Any) -> str:
     return value if isinstance(value, str) else ""
 
 
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def chat_template_environment() -> ImmutableSandboxedEnvironment:
-    """The environment checkpoints' chat templates are written for: transformers' (utils/chat_template_utils.py,
-    _compile_jinja_template). A missing key is falsy, not an error (`{% if message.tool_calls %}` on a message
-    without calls); {% break %} and {% continue %}; raise_exception() and strftime_now(); tojson that keeps
-    non-ASCII and does not HTML-escape < > & (Jinja's own does)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
-
-
-def find_chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> str | None:
-    """Where Hugging Face checkpoints keep it: tokenizer_config.json (a string, or named templates of which
-    "default" is the chat one), else the processor's chat_template.jinja or chat_template.json (vision models)."""
+def find_chat_template(model_dir: Path, tokenizer_config: dict[str, Any], chat_template_file: str | None = None
+                       ) -> str | None:
+    """The recipe's file (model.chat_template) if it gives one, else where Hugging Face checkpoints keep it:
+    tokenizer_config.json (a string, or named templates of which "default" is the chat one), else the processor's
+    chat_template.jinja or chat_template.json (vision models)."""
+    if chat_template_file:
+        return Path(chat_template_file).expanduser().read_text()
     found = tokenizer_config.get("chat_template")
     if isinstance(found, list):
         found = next((t.get("template") for t in found if isinstance(t, dict) and t.get("name") == "default"), None)

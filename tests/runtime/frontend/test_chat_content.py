@@ -36,6 +36,8 @@ WITH_IMAGE = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "
     (QWEN_VL_STYLE, "openai"),
     (LLAVA_NEXT_STYLE, "openai"),
     ("{% for c in message.content %}{{ c.type }}{% endfor %}", "openai"),
+    # read in the environment it renders in: {% break %} is no syntax error there
+    ("{% for c in message.content %}{% if c.type == 'image' %}<i>{% break %}{% endif %}{% endfor %}", "openai"),
     (CHAT_TEMPLATE, "string"),  # loops over messages, prints the content as text
     ("{% for c in message['content'] %}{{ c }}{% endfor %}", "string"),  # a loop that never asks a part's type
     ("{% for x in %}", "string"),  # does not parse
