@@ -58,8 +58,28 @@ EnvMap = Annotated[dict[str, str], AfterValidator(check_env_names)]
 
 
 def closest(word: str, choices: list[str]) -> str | None:
+    """The choice `word` was most likely meant to be: a close spelling, or the one choice it abbreviates the way
+    engines' flags do (tp, tp_size, moe_ep -> tensor_parallel_size, moe_expert_parallel_size)."""
     match = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
-    return match[0] if match else None
+    if match:
+        return match[0]
+    stem = word.lower().removesuffix("_size")
+    meant = [choice for choice in choices if stem in _abbreviations(choice)]
+    if len(meant) > 1 and stem != word.lower():  # pp_size: pipeline_parallel_size, not pp_partition
+        meant = [choice for choice in meant if choice.endswith("_size")]
+    return meant[0] if len(meant) == 1 else None
+
+
+def _abbreviations(name: str) -> set[str]:
+    """moe_expert_parallel_size -> {"meps", "mep", "moe_ep"}: initials, without the closing "size", and with
+    a leading word kept whole."""
+    words = [w for w in name.lower().split("_") if w]
+    if words and words[-1] == "size":
+        words = words[:-1]
+    forms = {"".join(w[0] for w in words), "".join(w[0] for w in words) + "s"}
+    if len(words) > 2:
+        forms.add(words[0] + "_" + "".join(w[0] for w in words[1:]))
+    return {form for form in forms if len(form) >= 2}
 
 
 def load_yaml(path: Path) -> dict[str, Any]:

@@ -25,6 +25,18 @@ def test_unknown_key_suggests_closest():
     assert "did you mean 'tensor_parallel_size'" in msg
 
 
+@pytest.mark.parametrize("key, meant", [("tp_size", "tensor_parallel_size"), ("moe_ep", "moe_expert_parallel_size"),
+                                       ("pp_size", "pipeline_parallel_size"), ("cp", "context_parallel_size")])
+def test_abbreviated_key_suggests_what_it_abbreviates(key, meant):
+    (msg,) = _messages({key: 2})
+    assert f"e.yaml: {key}: unknown TensorRT-LLM engine key" in msg and f"did you mean '{meant}'" in msg
+
+
+def test_ambiguous_abbreviation_suggests_nothing():
+    (msg,) = _messages({"pp": 2})  # pipeline_parallel_size or pp_partition
+    assert "did you mean" not in msg and "pipeline_parallel_size" in msg
+
+
 def test_nested_unknown_key_and_type_errors():
     msgs = _messages({"kv_cache_config": {"dtyp": "fp8", "free_gpu_memory_fraction": "lots"},
                       "max_batch_size": "8", "enable_chunked_prefill": "yes"})

@@ -34,6 +34,14 @@ def test_nested_unknown_key_lists_that_models_keys():
     assert "model.tokenzier" in str(err.value) and "did you mean 'tokenizer'" in str(err.value)
 
 
+@pytest.mark.parametrize("key, meant", [("tp", "tensor_parallel_size"), ("ep_size", "expert_parallel_size")])
+def test_role_key_abbreviation_suggests_the_full_key(key, meant):
+    data = {"name": "r", "model": {"path": "/m", "served_name": "m"}, "backend": "torch", "roles": {"agg": {key: 2}}}
+    with pytest.raises(UserError) as err:
+        parse_model(Recipe, data, file="r.yaml")
+    assert f"r.yaml: roles.agg.{key}: unknown key (did you mean '{meant}'?" in err.value.render()
+
+
 def test_wrong_enum_value_names_field():
     data = {"name": "r", "model": {"path": "/m", "served_name": "m"}, "backend": "vllm", "roles": {"agg": {}}}
     with pytest.raises(UserError, match="r.yaml: backend: .*'trtllm', 'torch' or 'mock'"):
