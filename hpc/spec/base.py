@@ -133,6 +133,11 @@ def parse_model(model: type[M], data: dict[str, Any], *, file: str) -> M:
                 guess = closest(str(loc[-1]), valid)
                 hint = (f"did you mean '{guess}'? " if guess else "") + f"valid keys: {', '.join(valid)}"
                 errors.append(UserError("unknown key", file=file, field=field, hint=hint))
+            elif err["type"] == "model_type" and (owner := _model_at(model, (*loc, "_"))) is not None:
+                got = err.get("input")
+                errors.append(UserError(f"expected a mapping, got {got!r}" if not isinstance(got, list) else
+                                        "expected a mapping, got a list", file=file, field=field,
+                                        hint=f"its keys: {', '.join(sorted(owner.model_fields))}"))
             elif err["type"] == "missing":
                 errors.append(UserError("required key is missing", file=file, field=field,
                                         hint="add it"))

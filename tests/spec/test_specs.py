@@ -42,6 +42,17 @@ def test_role_key_abbreviation_suggests_the_full_key(key, meant):
     assert f"r.yaml: roles.agg.{key}: unknown key (did you mean '{meant}'?" in err.value.render()
 
 
+@pytest.mark.parametrize("model, roles, line", [
+    (3, {"agg": {}}, "r.yaml: model: expected a mapping, got 3 (its keys: canned_completion, chat_template,"),
+    ({"path": "/m", "served_name": "m"}, {"agg": [1]},
+     "r.yaml: roles.agg: expected a mapping, got a list (its keys: count,"),
+])
+def test_scalar_where_a_section_belongs_lists_the_sections_keys(model, roles, line):
+    with pytest.raises(UserError) as err:
+        parse_model(Recipe, {"name": "r", "model": model, "backend": "torch", "roles": roles}, file="r.yaml")
+    assert err.value.render().startswith(line)
+
+
 def test_wrong_enum_value_names_field():
     data = {"name": "r", "model": {"path": "/m", "served_name": "m"}, "backend": "vllm", "roles": {"agg": {}}}
     with pytest.raises(UserError, match="r.yaml: backend: .*'trtllm', 'torch' or 'mock'"):
