@@ -15,7 +15,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import gpu_suite  # noqa: E402
-from _goals import GOALS, table, verdicts  # noqa: E402
+from _goals import GOALS, OWN_CALL, table, verdicts  # noqa: E402
 from e2e_throughput import stack_levels  # noqa: E402
 
 pytestmark = pytest.mark.unit
@@ -51,6 +51,8 @@ def all_met() -> dict[str, dict]:
                                                   "workers": workers("cuda:0", "cuda:1")}},
         "stack_vs_engine_agg": {**ok, "figures": kept({1: 0.96, 8: 0.97, 32: 1.0, 64: 1.1})},
         "stack_vs_engine_disagg": {**ok, "figures": kept({1: 1.02, 8: 1.2, 32: 1.5, 64: 2.0})},
+        "stack_vs_engine_agg_8b": {**ok, "figures": kept({1: 0.98, 8: 0.97, 32: 0.99, 64: 0.99})},
+        "stack_vs_engine_disagg_8b": {**ok, "figures": kept({1: 0.98, 8: 0.98, 32: 1.13, 64: 1.27})},
         "kv_handoff": {**ok, "figures": handoff(0.4)},
         "kv_handoff_gpu0_to_1": {**ok, "figures": handoff(0.95)},
         "gpu_check_8b": {**ok, "figures": {"summary": {"b1_of_roofline": {"TP=1": 0.86, "TP=2": 0.72},
@@ -79,7 +81,9 @@ def test_every_goal_is_met_by_figures_that_meet_it():
     ("stack_sweeps_disagg", {"first": sweep({1: 12_000, 64: 250_000}), "second": sweep({1: 12_000, 64: 235_000}),
                              "workers": workers("cuda:0", "cuda:1")}, "c=64 >= 20"),
     ("stack_vs_engine_agg", kept({1: 0.96, 8: 0.94, 32: 1.0, 64: 1.0}), "aggregated"),
-    ("stack_vs_engine_disagg", kept({1: 0.87, 8: 1.0, 32: 1.0, 64: 1.0}), "disaggregated"),
+    ("stack_vs_engine_disagg", kept({1: 0.87, 8: 1.0, 32: 1.0, 64: 1.0}), "disaggregated (tiny)"),
+    ("stack_vs_engine_agg_8b", kept({1: 0.98, 8: 0.97, 32: 0.99, 64: 0.93}), "aggregated (8B"),
+    ("stack_vs_engine_disagg_8b", kept({1: 0.94, 8: 0.98, 32: 1.1, 64: 1.2}), "disaggregated (8B"),
     ("kv_handoff", handoff(1.2), "same GPU"),
     ("kv_handoff_gpu0_to_1", handoff(0.5, counted="kv_fetched_bytes"), "GPU 0 -> 1"),  # only the bytes path ran
     ("gpu_check_8b", {"summary": {"b1_of_roofline": {"TP=1": 0.84, "TP=2": 0.72}, "tp2_fp32_same_as_tp1": True,
@@ -196,11 +200,22 @@ def test_a_step_that_did_not_run_or_wrote_nothing_is_not_measured():
     assert found["stack_sweeps_disagg"].met is True
 
 
+def test_the_8b_goals_left_out_of_the_default_run_say_how_to_run_them():
+    steps = {name: entry for name, entry in all_met().items() if name not in OWN_CALL}
+    found = {v.step: v for v in verdicts(steps)}
+    for step in OWN_CALL:
+        assert found[step].met is None
+        assert found[step].measured == (f"not measured: {step} did not run (a call of its own: "
+                                        "--only stack_vs_engine_agg_8b,stack_vs_engine_disagg_8b)")
+    assert all(v.met is True for v in found.values() if v.step not in OWN_CALL)
+
+
 def test_the_suite_runs_the_goals_steps_by_default_the_tests_last():
     every = gpu_suite.steps("mpirun", "/scratch", 2, "/scratch/profile")
     default = [name for name, *_ in gpu_suite.chosen(every, None, False)]
     assert default[0] == "engine_sweeps" and "cuda_tests" not in default
-    assert set(default) == {"engine_sweeps"} | {step for _, step, _ in GOALS}
+    assert set(default) == {"engine_sweeps"} | {step for _, step, _ in GOALS} - set(OWN_CALL)
+    assert set(OWN_CALL) < {step for _, step, _ in GOALS}  # goals still, run in a call of their own
     # every step the goals read from figures writes them
     figures = {name: json_file for name, _, json_file, _ in every}
     assert all(figures[step] for _, step, _ in GOALS if step != "parallel_layouts_nccl")
