@@ -210,6 +210,9 @@ class TorchEngine(ContextSteps, DecodeSteps, WarmUp):
         full = shard_state_dict(full, self.tp, experts_whole=self.ep.size > 1)
         model.load_state_dict(stage_state_dict(full, self.cfg, self.pipeline), assign=bool(seeded))
         self.model = model.to(self.device, self.dtype).eval().fuse_projections()
+        del full, model
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the unfused projections' blocks, for another worker sharing the GPU
         if fused_decode.available(self.cfg, self.device) and self.pipeline.size == 1:
             self.model.enable_fused_decode()
         log.info("torch engine on %s (%s), TP rank %d of %d, fused decode kernels: %s", self.device, self.dtype,
