@@ -140,11 +140,17 @@ def steps(mpiexec: str, scratch: str, gpus: int, profiles: str | None) -> list[S
                                  "1,8,32,64", "--rounds", "3", "--requests-per-user", "16", "--json",
                                  f"{scratch}/agg.json"], f"{scratch}/agg.json", 150),
         # the 8B shape (a call of their own, _goals.OWN_CALL): the hops against a 10 ms step, not the tiny model's
-        # 0.1 ms; 256 in / 128 out, as in session 26
+        # 0.1 ms; 256 in / 128 out, as in session 26. The stack's limits sized for them as the direct path's are
+        # (512 tokens, not the recipe's 2,048): on one GPU the direct pair and the stack's are four 8B engines
         *[(f"stack_vs_engine_{kind}_8b", [py, "benchmarks/e2e_throughput.py", "--recipe", f"llama8b-{kind}",
                                           "--input-tokens", "256", "--output-tokens", "128", "--concurrency",
-                                          "1,8,32,64", "--rounds", "2", "--json", f"{scratch}/{kind}_8b.json"],
+                                          "1,8,32,64", "--rounds", "2", "--set", "limits.max_input_tokens=320",
+                                          "--set", "limits.max_output_tokens=192",
+                                          "--json", f"{scratch}/{kind}_8b.json"],
            f"{scratch}/{kind}_8b.json", 290) for kind in ("agg", "disagg")],
+        # what one 8B engine holds once ready, by mode: weights, KV, and its allocator's cache beyond them
+        ("engine_memory_8b", [py, "benchmarks/engine_memory.py", "--json", f"{scratch}/memory.json"],
+         f"{scratch}/memory.json", 150),
         # the direct path: the stack's own prefill and decode engines in one process (e2e_throughput --direct auto)
         ("stack_vs_engine_disagg", [py, "benchmarks/e2e_throughput.py", "--recipe", "tiny-disagg",
                                     "--concurrency", "1,8,32,64", "--rounds", "3", "--requests-per-user", "16",
