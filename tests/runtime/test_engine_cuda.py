@@ -195,3 +195,25 @@ def test_an_engine_on_the_second_gpu_runs_its_triton_kernels_there(tmp_path) -> 
     tokens, engine = asyncio.run(main())
     assert len(tokens) == 8 and engine.cache[0].device == torch.device("cuda:1")
     assert engine.model.fused_decode is not None and engine.stats()["decode_steps_graphed"] >= 7
+
+
+def test_random_weights_leave_no_cached_blocks_a_worker_sharing_the_gpu_could_use(tmp_path) -> None:
+    """A generated model's weights are drawn in place in bf16: an fp32 draw cast afterwards left its freed block
+    pinned by the bf16 half that reused it (8.5 GiB for an 8B shape's worker, session 38)."""
+    from hpc.runtime.engine.tiny import LLAMA_8B_SHAPE, build_shaped
+
+    shape = {**LLAMA_8B_SHAPE, "num_hidden_layers": 2, "intermediate_size": 4096}  # 128,256 x 4,096 embeddings
+    model_dir = build_shaped(tmp_path / "m", shape, seed=1)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+    async def load() -> float:
+        # no graphs: their pools are reserved memory of their own, beside what this test is about
+        args = {"dtype": "bfloat16", "max_seq_len": 256, "max_batch_size": 2, "cuda_graph_config": None,
+                "torch_compile_config": None}
+        async with TorchEngine(model_dir, DisaggregationMode.PREFILL, args) as engine:
+            assert engine.model.model.embed_tokens.weight.dtype == torch.bfloat16
+            return (torch.cuda.memory_reserved() - torch.cuda.memory_allocated() - before) / 2**30
+
+    cached = asyncio.run(load())
+    assert cached < 0.5, f"{cached:.2f} GiB reserved beyond what the engine holds"  # the fp32 way: 2 x 0.98

@@ -8,7 +8,9 @@ import asyncio
 import json
 
 import pytest
+import torch
 
+from hpc.runtime.engine.llama import LlamaConfig, random_state
 from hpc.runtime.engine.tiny import LLAMA_8B_SHAPE, build_shaped
 from hpc.runtime.engine.torch_engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
@@ -40,6 +42,20 @@ def test_weights_made_at_load_are_the_same_everywhere_and_every_id_decodes(tmp_p
     assert codec.decode([5999]) == "~176f"  # a padded id is a token of its own
     assert codec.encode("def main():") == TextCodec(model).encode("def main():")
     assert max(codec.encode("the quick brown fox " * 20)) < 4096  # padding never changes how text encodes
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_random_weights_are_drawn_in_their_own_dtype_scaled_to_their_fan_in(dtype):
+    """Drawn in place (no fp32 draw cast afterwards, whose freed blocks a GPU's allocator kept pinned): each
+    weight in the engine's dtype, N(0, 1/fan_in), norms 1, the same from the same seed."""
+    cfg = LlamaConfig(**{k: v for k, v in SMALL.items() if k in LlamaConfig.__dataclass_fields__})
+    state = random_state(cfg, torch.device("cpu"), dtype, seed=3)
+    again = random_state(cfg, torch.device("cpu"), dtype, seed=3)
+    assert all(t.dtype == dtype for t in state.values()) and all(torch.equal(state[k], again[k]) for k in state)
+    assert not torch.equal(state["lm_head.weight"], random_state(cfg, torch.device("cpu"), dtype, 4)["lm_head.weight"])
+    up = state["model.layers.0.mlp.up_proj.weight"].float()  # [128, 64]: fan-in 64
+    assert abs(up.std().item() - 64 ** -0.5) < 0.01 and abs(up.mean().item()) < 0.01
+    assert torch.equal(state["model.norm.weight"], torch.ones(64, dtype=dtype))
 
 
 def test_the_8b_shape_is_llama_3_1_8b():
