@@ -34,9 +34,35 @@ def runs_root(cluster: Any = None) -> Path:
     return Path.cwd() / RUNS_DIR_NAME
 
 
+def known_roots_file() -> Path:
+    """This user's list of runs directories launches wrote to (XDG state): a profile given as a YAML path, or a
+    HPC_RUNS_DIR set only for the launch, is in no place search_roots would otherwise look."""
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "hpc" / "runs-roots"
+
+
+def known_roots() -> list[Path]:
+    try:
+        lines = known_roots_file().read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return []
+    return [Path(line) for line in dict.fromkeys(lines) if line.startswith("/")]
+
+
+def remember_root(root: Path) -> None:
+    """Adds `root` to known_roots; a list that cannot be written costs only that (the launch goes on)."""
+    if root in known_roots() or "\n" in str(root):
+        return
+    try:
+        known_roots_file().parent.mkdir(parents=True, exist_ok=True)
+        with open(known_roots_file(), "a", encoding="utf-8") as f:
+            f.write(f"{root}\n")
+    except OSError:
+        pass
+
+
 def search_roots() -> list[Path]:
     """Where status, logs and cancel look for runs (they name a run, not a cluster): HPC_RUNS_DIR alone, else
-    ./runs and every cluster profile's runs_dir."""
+    ./runs, every cluster profile's runs_dir and the runs directories earlier launches wrote to."""
     if "HPC_RUNS_DIR" in os.environ:
         return [runs_root()]
     from hpc.spec.base import load_yaml
@@ -50,6 +76,7 @@ def search_roots() -> list[Path]:
             continue
         if isinstance(value, str) and Path(value).expanduser() not in roots:
             roots.append(Path(value).expanduser())
+    roots += [root for root in known_roots() if root not in roots and root.is_dir()]
     return roots
 
 
@@ -173,6 +200,7 @@ def create(resolved: Resolved, script_renderer, root: Path | None = None,
     run = RunDir(path)
     run.update_run_info(run_id=path.name, recipe=resolved.recipe.name, cluster=resolved.cluster.name,
                         created=manifest.created, submitted=False)
+    remember_root(root)
     return run
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # Triton kernels run on CPU through its interpreter; it must be chosen before Triton is first imported.
 if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidiactl").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Launches remember their runs directories in the user's XDG state (hpc.rundir.known_roots): never the real one's.
+os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="hpc-tests-state-")
 
 # Values that would run commands if anything reached the shell unquoted.
 HOSTILE = [
@@ -49,6 +53,12 @@ def one_step_a_replay(monkeypatch) -> None:
     """Decode graphs that run one step a replay (HPC_DECODE_STEPS_PER_GRAPH=1): for tests that count an engine's
     steps or replays as tokens; tests/runtime/test_decode_multi_step.py covers several steps a replay."""
     monkeypatch.setenv("HPC_DECODE_STEPS_PER_GRAPH", "1")
+
+
+@pytest.fixture(autouse=True)
+def own_state_dir(tmp_path_factory, monkeypatch) -> None:
+    """Each test its own XDG state: runs directories one test's launches remember are not another's to find."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
 
 
 @pytest.fixture

@@ -3,6 +3,8 @@ logs and cancel find them again."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,37 @@ def test_a_profiles_runs_dir_holds_its_runs_and_status_finds_them_there(tmp_path
     monkeypatch.setenv("HPC_RUNS_DIR", str(tmp_path / "mine"))  # the environment wins over the profile
     assert main(["launch", "-c", "site", "-r", "deepseek-r1-disagg", "--dry-run"]) == 0
     assert len(list((tmp_path / "mine").iterdir())) == 1 and len(list(shared.iterdir())) == 1
+
+
+def test_runs_of_a_profile_given_as_a_path_are_found_by_status_logs_and_cancel_anywhere(tmp_path, monkeypatch,
+                                                                                       capsys):
+    """A profile outside clusters/ (-c path/to/mine.yaml): its runs_dir is in no place status would look, so the
+    launch remembers it (XDG state), once however many runs go there."""
+    monkeypatch.delenv("HPC_RUNS_DIR", raising=False)
+    profile = _site(tmp_path, str(tmp_path / "lustre"))
+    (tmp_path / "lustre").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        assert main(["launch", "-c", str(profile / "clusters" / "site.yaml"), "-r", "tiny-agg", "--dry-run"]) == 0
+    first, second = sorted((tmp_path / "lustre").iterdir())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert main(["status", first.name]) == 0 and f"run {first.name}" in capsys.readouterr().out
+    assert main(["status"]) == 0 and {first.name, second.name} <= set(capsys.readouterr().out.split())
+    assert (Path(os.environ["XDG_STATE_HOME"]) / "hpc" / "runs-roots").read_text() == f"{tmp_path / 'lustre'}\n"
+
+    shutil.rmtree(tmp_path / "lustre")  # a remembered directory that is gone is passed over
+    assert main(["status", first.name]) == 2 and "no run" in capsys.readouterr().err
+
+
+def test_a_launch_whose_state_cannot_be_written_still_launches(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "a-file"))
+    (tmp_path / "a-file").write_text("not a directory")
+    monkeypatch.setenv("HPC_RUNS_DIR", str(tmp_path / "runs"))
+    assert main(["launch", "-c", "eos", "-r", "deepseek-r1-disagg", "--dry-run"]) == 0
+    assert len(list((tmp_path / "runs").iterdir())) == 1
 
 
 @pytest.mark.parametrize("runs_dir, says", [
