@@ -41,9 +41,11 @@ def failed_for_good(states: dict[str, dict]) -> list[str]:
                   if data.get("phase") == "failed" and not data.get("restarting"))
 
 
-def _failed_component(manifest: Manifest) -> str | None:
-    failed = failed_for_good(RunDir(Path(manifest.run_dir)).component_states())
-    return failed[0] if failed else None
+def _failed_component(manifest: Manifest) -> tuple[str, str] | None:
+    """The first component that failed for good, and the error it reported ("" if none)."""
+    states = RunDir(Path(manifest.run_dir)).component_states()
+    failed = failed_for_good(states)
+    return (failed[0], str(states[failed[0]].get("error") or "")) if failed else None
 
 
 def _answers_200(url: str) -> bool:
@@ -78,8 +80,9 @@ def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float 
                 return True
             failed = _failed_component(manifest)
             if failed:
-                raise NotReady(f"{failed} failed while waiting for {stage}; last lines of its log:\n"
-                               f"{log_tail(manifest, failed.split('.rank')[0])}")
+                name, error = failed
+                raise NotReady(f"{name} failed while waiting for {stage}{': ' + error if error else ''}\n"
+                               f"  last lines of its log:\n{log_tail(manifest, name.split('.rank')[0])}")
             reason = abort()
             if reason:
                 raise NotReady(f"{reason} while waiting for {stage}; last lines of {culprit()}'s log:\n"

@@ -27,11 +27,14 @@ def test_stuck_stage_names_component_and_shows_its_log(run):
 
 
 def test_failed_component_is_reported_at_once(run):
-    write_json(run.state / "decode-0.json", {"phase": "failed", "error": "boom"})
-    run.log_path("decode-0").write_text("Traceback ...\nRuntimeError: CUDA out of memory\n")
+    write_json(run.state / "decode-0.json", {"phase": "failed", "error": "OutOfMemoryError: CUDA out of memory"})
+    run.log_path("decode-0").write_text("Traceback ...\nRuntimeError: the engine process failed\n")
     with pytest.raises(NotReady) as err:
         wait_ready(run.manifest(), timeout=30, progress=lambda s: None)
-    assert "decode-0 failed" in str(err.value) and "CUDA out of memory" in str(err.value)
+    # the error it reported first, on the verdict's line, then its log
+    assert str(err.value).startswith("decode-0 failed while waiting for etcd healthy: OutOfMemoryError: CUDA out of "
+                                     "memory\n  last lines of its log:\n")
+    assert "RuntimeError: the engine process failed" in str(err.value)
 
 
 def test_a_worker_its_policy_restarts_is_waited_for_and_one_failed_for_good_is_not(run):

@@ -21,7 +21,7 @@ import signal
 import socket
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 import msgspec
 
@@ -272,7 +272,35 @@ async def flush_releases(handoff: Any, stopped: asyncio.Event) -> None:
         handoff.flush_settled()
 
 
+def failure_line(exc: BaseException, limit: int = 400) -> str:
+    """An exception as one line for a worker's state and the launch's verdict: its type and its message's first
+    line (torch's out-of-memory message is one long line that says who holds the GPU's memory)."""
+    text = str(exc).strip().splitlines()
+    line = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+@contextlib.asynccontextmanager
+async def failures_told(sender: Any) -> AsyncIterator[None]:
+    """Building, loading, warming up or serving the engine failed: the worker is told why (Failed) before this
+    process exits, so that its state and the launch say "OutOfMemoryError: CUDA out of memory..." and not only an
+    exit code."""
+    try:
+        yield
+    except Exception as exc:
+        with contextlib.suppress(OSError):
+            sender.send(Failed(error=failure_line(exc)))
+        raise
+
+
 async def run(manifest: Manifest, role: str, index: int, device: str, requests_fd: int, outputs_fd: int) -> int:
+    sender = BlockingSender(socket.socket(fileno=outputs_fd))
+    async with failures_told(sender):
+        return await serve_engine(manifest, role, index, device, requests_fd, sender)
+
+
+async def serve_engine(manifest: Manifest, role: str, index: int, device: str, requests_fd: int,
+                       sender: BlockingSender) -> int:
     from hpc.runtime.engine.factory import build_engine
     from hpc.runtime.services.node import freeze_startup_objects, idle_spin_seconds, node_address, rpc_token, watch_gc
     from hpc.runtime.worker.handlers import Peers
@@ -280,7 +308,6 @@ async def run(manifest: Manifest, role: str, index: int, device: str, requests_f
 
     plan = manifest.plan.worker(role, index)
     host = node_address(manifest)
-    sender = BlockingSender(socket.socket(fileno=outputs_fd))
     peers = Peers(token=rpc_token(manifest))  # a decode engine's: to the prefill workers whose KV it takes
     handoff = KvHandoff(setting=manifest.recipe.runtime.kv_transport, device=device, host=host, engine=None,
                         peers=peers, counters={})

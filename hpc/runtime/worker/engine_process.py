@@ -40,6 +40,7 @@ log = logging.getLogger("hpc.worker")
 STATS_TIMEOUT_S = 2.0
 STOP_TIMEOUT_S = 15.0
 CLOSED_GRACE_S = 1.0
+EXIT_GRACE_S = 0.25  # an exit before ready: for the Failed message already in the link to be read (< CLOSED_GRACE_S)
 
 
 class _Stream:
@@ -93,7 +94,7 @@ class EngineProcess:
         self._exited: asyncio.Task | None = None
         self._handlers: dict[type, Callable[[Any], None]] = {  # what the engine process says, by message type
             Outputs: self._delivered, Stats: self._stats_arrived, Refused: self._refused, KvAnswer: self._kv_answered,
-            KvEvents: self._kv_events, Ready: self._is_ready, Failed: lambda message: self._fail(message.error),
+            KvEvents: self._kv_events, Ready: self._is_ready, Failed: self._failed,
             ReleaseKvs: lambda message: self.on_release_kvs(message)}
 
     @property
@@ -144,7 +145,15 @@ class EngineProcess:
 
     def _on_exit(self, task: asyncio.Task) -> None:
         code = task.result() if not task.cancelled() and task.exception() is None else None
+        if self._ready is not None and not self._ready.done() and code:
+            # its Failed message, sent before it exited, says more than the code: read it first if it is on its way
+            asyncio.get_running_loop().call_later(EXIT_GRACE_S, self._fail, f"the engine process exited (code {code})")
+            return
         self._fail(f"the engine process exited (code {code})")
+
+    def _failed(self, message: Failed) -> None:
+        self._fail(message.error if self._ready is None or self._ready.done()
+                   else f"the engine process failed: {message.error}")
 
     def _on_closed(self) -> None:
         # the process is exiting, most likely: its exit code (_on_exit) says more than this, if it comes soon
@@ -152,7 +161,7 @@ class EngineProcess:
 
     def _fail(self, error: str) -> None:
         if self._ready is not None and not self._ready.done():
-            self._ready.set_exception(RuntimeError(f"{error} before it was ready; its log says why"))
+            self._ready.set_exception(RuntimeError(f"before it was ready, {error}; its log says more"))
         if self.failure is None:
             self.failure = error
         streams, self._streams = self._streams, {}

@@ -567,10 +567,35 @@ def test_an_engine_process_that_cannot_start_says_so_and_leaves_nothing(tmp_path
 
     async def start() -> EngineProcess:
         engine = EngineProcess(str(missing), "decode", 0, "cpu", 60)
-        with pytest.raises(RuntimeError, match=r"the engine process exited \(code 1\) before it was ready"):
+        with pytest.raises(RuntimeError, match=r"before it was ready, the engine process exited \(code 1\)"):
             async with engine:
                 pass
         return engine
 
     engine = asyncio.run(start())
     assert engine.returncode == 1 and engine.failure  # reaped, and the worker would see why
+
+
+@pytest.mark.integration
+def test_an_engine_that_fails_to_load_tells_its_worker_why(tmp_path):
+    """The engine process sends its failure (Failed) before it exits: the worker's error, its state and the launch's
+    verdict say what went wrong (a CUDA out-of-memory, here a model directory without its config), not only
+    "exited (code 1)"."""
+    from hpc import rundir
+    from hpc.render.sbatch import render_sbatch
+    from hpc.resolve import resolve
+
+    empty = tmp_path / "no model here"
+    empty.mkdir()
+    run = rundir.create(resolve("local", "tiny-agg", ["model.generate=null", f"model.path={empty}"]), render_sbatch,
+                        root=tmp_path / "runs")
+
+    async def start() -> str:
+        with pytest.raises(RuntimeError) as err:
+            async with EngineProcess(str(run.manifest_path), "agg", 0, "cpu", 60):
+                pass
+        return str(err.value)
+
+    said = asyncio.run(start())
+    assert said.startswith("before it was ready, the engine process failed: FileNotFoundError: "), said
+    assert f"{empty}/config.json" in said
