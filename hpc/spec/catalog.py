@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +16,17 @@ from hpc.spec.recipe import Recipe
 
 
 def project_root() -> Path:
-    """The checkout holding clusters/, recipes/, engine_configs/ and templates/."""
-    return Path(__file__).resolve().parents[2]
+    """The folder holding clusters/, recipes/, engine_configs/ and templates/: the checkout hpc runs from, or
+    where a wheel installed them (<prefix>/share/hpc: pyproject.toml's data-files; a --user install's prefix
+    too)."""
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "templates").is_dir():
+        return checkout
+    schemes = {sysconfig.get_default_scheme(), sysconfig.get_preferred_scheme("user")}
+    for prefix in [Path(sys.prefix), *(Path(sysconfig.get_path("data", scheme)) for scheme in sorted(schemes))]:
+        if (prefix / "share" / "hpc" / "templates").is_dir():
+            return prefix / "share" / "hpc"
+    return checkout
 
 
 def search_dirs(kind: str) -> list[Path]:
