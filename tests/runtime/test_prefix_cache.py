@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from hpc.runtime.engine.prefix_cache import block_hashes, chain_hash
+from hpc.runtime.engine.block_hashes import block_hashes, chain_hash
 from hpc.runtime.engine.torch_engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
 

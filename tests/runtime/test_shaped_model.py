@@ -71,3 +71,19 @@ def test_the_model_command_offers_every_kind_the_builder_knows():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     kind = next(a for a in sub.choices["model"]._actions if a.dest == "kind")
     assert tuple(kind.choices) == KINDS
+
+
+def test_a_frontend_that_builds_the_model_first_does_so_in_a_child_and_never_imports_torch(tmp_path):
+    """ensure_model(apart=True): the frontend may be the job's first process to reach a missing generated model;
+    it builds it through `hpc model` in a child (under the same lock), so that it never holds torch itself."""
+    import subprocess
+    import sys
+
+    target = tmp_path / "m o d e l"
+    probe = ("import sys\n"
+             "from hpc.runtime.engine.tiny import ensure_model\n"
+             f"ensure_model({str(target)!r}, 'tiny', True)\n"
+             "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["False"], out.stdout + out.stderr
+    assert (target / "config.json").is_file() and (target / "tokenizer.json").is_file()

@@ -10,36 +10,18 @@ so one publisher and one router serve both engines.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict
 from typing import Callable
 
 import torch
 
+from hpc.runtime.engine.block_hashes import block_hashes
 from hpc.runtime.engine.decode_graphs import Capture
 from hpc.runtime.engine.kv_records import KvRecord
 from hpc.runtime.engine.llama import KvCache
 from hpc.runtime.engine.sampling import on_device, stage_into
 
 COPY_GRAPH_BYTES = 64 << 20  # the most a captured pool copy gathers (the 8B shape: 16 blocks of 32 tokens)
-
-
-def chain_hash(parent: int | None, tokens: list[int]) -> int:
-    """A block's hash from its parent's and its own tokens (63 bits: fits every JSON and msgpack integer). The
-    bytes hashed: the parent (8, signed) then each token (4), little-endian, packed at once (a 32-token block in
-    1.4 µs; 4.0 token by token, for every block of every prompt a prefill worker stores and a router looks up)."""
-    data = struct.pack(f"<q{len(tokens)}I", -1 if parent is None else parent, *tokens)
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
-
-
-def block_hashes(tokens: list[int], block: int) -> list[int]:
-    """The chained hashes of the full blocks of `tokens`."""
-    out, parent = [], None
-    for start in range(0, len(tokens) - block + 1, block):
-        parent = chain_hash(parent, tokens[start:start + block])
-        out.append(parent)
-    return out
 
 
 class PrefixCache:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import fcntl
 import json
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -150,10 +152,11 @@ def build_kind(out_dir: Path, kind: str) -> Path:
     return build_tiny(out_dir, multimodal=kind == "tiny-multimodal", moe=kind == "tiny-moe")
 
 
-def ensure_model(path: str, kind: str | None) -> Path:
+def ensure_model(path: str, kind: str | None, apart: bool = False) -> Path:
     """The model directory, built by the job's first process to get here when the recipe asks for a generated
     model that is missing. Every worker rank and the frontend call it; an exclusive lock inside the directory
-    makes one build while the others wait (the directory itself is what a container mounts)."""
+    makes one build while the others wait (the directory itself is what a container mounts). `apart`: build in a
+    child process (`hpc model`), for a caller that must not import torch (a frontend)."""
     model_dir = Path(path).expanduser()
     if not kind or (model_dir / "config.json").is_file():
         return model_dir
@@ -161,5 +164,9 @@ def ensure_model(path: str, kind: str | None) -> Path:
     with open(model_dir / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (model_dir / "config.json").is_file():
-            build_kind(model_dir, kind)
+            if apart:
+                subprocess.run([sys.executable, "-m", "hpc", "model", kind, "--out", str(model_dir)], check=True,
+                               stdout=subprocess.DEVNULL)
+            else:
+                build_kind(model_dir, kind)
     return model_dir

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable
 
-from hpc.runtime.engine.prefix_cache import block_hashes, chain_hash
+from hpc.runtime.engine.block_hashes import block_hashes, chain_hash
 
 log = logging.getLogger(__name__)
 

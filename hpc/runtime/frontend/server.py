@@ -34,7 +34,8 @@ async def serve(manifest: Manifest, bind: str | None = None, group: FrontendGrou
     if first:
         reporter.phase("started")
     # A generated model is built by the job (the launcher stays free of torch); the workers race for the same lock.
-    await asyncio.to_thread(ensure_model, manifest.recipe.model.path, manifest.recipe.model.generate)
+    # Built apart if this process gets there first: a frontend never holds torch (its tokenizer is all it reads).
+    await asyncio.to_thread(ensure_model, manifest.recipe.model.path, manifest.recipe.model.generate, True)
     model = manifest.recipe.model
     # the harmony parser reads gpt-oss's message markers, which are special tokens: keep them in the text
     codec = TextCodec(await asyncio.to_thread(model_dir, manifest), model.chat_template,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpc.runtime.engine.prefix_cache import block_hashes
+from hpc.runtime.engine.block_hashes import block_hashes
 from hpc.runtime.frontend.kv_index import KvIndex
 from hpc.runtime.frontend.router import Router
 from hpc.runtime.services.discovery import Instance
@@ -153,6 +153,9 @@ def test_a_shared_prefix_follows_its_worker_through_the_real_event_plane(stack, 
     indexed = health["router"]["indexed_blocks"]
     assert f"router: kv_aware, prompt blocks found cached 36/45 (80%), {indexed} blocks indexed" in out
     assert indexed >= 9 and "routed (5 requests)" in out
+    # the router hashed those prompts' blocks without torch: a frontend process never loads it
+    maps = open(f"/proc/{states['frontend']['pid']}/maps").read()
+    assert "libtorch" not in maps and "libc" in maps
 
 
 @pytest.mark.integration

@@ -158,3 +158,16 @@ def test_no_live_worker_asks_clients_to_retry_unless_the_workers_are_leaving():
     assert restarting.status == 503 and restarting.headers["retry-after"] == "1"
     leaving = _api_error(NoInstance("decode", draining=2)).response()
     assert leaving.status == 503 and "retry-after" not in leaving.headers
+
+
+def test_the_frontend_imports_no_torch():
+    """A frontend process (one to four a job) is HTTP, tokenizing and routing: torch would cost each 3-4 s to
+    start and hundreds of MB. The KV-aware index's block hashes come from a torch-free module."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\n"
+             "import hpc.runtime.frontend.server, hpc.runtime.frontend.app, hpc.runtime.frontend.kv_index\n"
+             "print('torch' in sys.modules, 'hpc.runtime.frontend.kv_index' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr
