@@ -459,8 +459,8 @@ def random_state(cfg: LlamaConfig, device: torch.device, dtype: torch.dtype, see
         if name.endswith("norm.weight"):
             state[name] = torch.ones(shape, device=device, dtype=dtype)
         else:
-            # drawn in place in the weights' own dtype: fp32 draws cast after left their blocks cached, each 2 GB
-            # block of an 8B shape's embeddings pinned by the bf16 half it held (12 GB no other worker could use)
+            # drawn in place in the weights' own dtype: fp32 draws cast after left their blocks cached, each 2 GiB
+            # block of an 8B shape's embeddings pinned by the bf16 half it held (8.5 GiB a worker, session 38)
             state[name] = torch.empty(shape, device=device, dtype=dtype).normal_(0.0, 1.0 / shape[-1] ** 0.5,
                                                                               generator=gen)
     return state
