@@ -83,6 +83,7 @@ def model_problem(manifest: dict) -> str | None:
         wanted += [(draft.get(key), f"the {role} engine config's speculative_config.{key}")
                    for key in ("speculative_model", "speculative_model_dir")]
     fix = ("mount it (the cluster profile's container.mounts)" if manifest["cluster"].get("container")
+           else "build or copy it there" if manifest["cluster"].get("scheduler") == "local"
            else "put it on a filesystem every node mounts")
     from hpc.checks.model_fit import is_local_path
 

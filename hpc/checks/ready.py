@@ -70,6 +70,12 @@ def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float 
         write_json(out, {"phase": stage, "seconds": phases, "ready": stage == "ready"})
         progress(f"  {stage:<28} {phases[stage]:7.2f} s")
 
+    def give_up(reason: str) -> NotReady:
+        """The readiness record says it gave up (the smoke job waiting on it ends at once), then the error."""
+        write_json(out, {"phase": next(reversed(phases), None), "seconds": phases, "ready": False,
+                         "gave_up": reason.splitlines()[0]})
+        return NotReady(reason)
+
     def until(stage: str, component: str | Callable[[], str], check: Callable[[], bool]) -> None:
         """One stage: done, or a failed component / an abort reason / the stage's time budget -> NotReady."""
         def culprit() -> str:
@@ -81,19 +87,19 @@ def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float 
             failed = _failed_component(manifest)
             if failed:
                 name, error = failed
-                raise NotReady(f"{name} failed while waiting for {stage}{': ' + error if error else ''}\n"
-                               f"  last lines of its log:\n{log_tail(manifest, name.split('.rank')[0])}")
+                raise give_up(f"{name} failed while waiting for {stage}{': ' + error if error else ''}\n"
+                              f"  last lines of its log:\n{log_tail(manifest, name.split('.rank')[0])}")
             reason = abort()
             if reason:
-                raise NotReady(f"{reason} while waiting for {stage}; last lines of {culprit()}'s log:\n"
-                               f"{log_tail(manifest, culprit())}")
+                raise give_up(f"{reason} while waiting for {stage}; last lines of {culprit()}'s log:\n"
+                              f"{log_tail(manifest, culprit())}")
             return None
         budget = max(0.0, min(stall_s, timeout - (time.monotonic() - start)))  # a stall is a stage without progress
         try:
             wait_until(look, budget, stage, backoff=POLL)
         except TimeoutError:
-            raise NotReady(f"stuck waiting for {stage} after {time.monotonic() - start:.0f} s; last lines of "
-                           f"{culprit()}'s log:\n{log_tail(manifest, culprit())}") from None
+            raise give_up(f"stuck waiting for {stage} after {time.monotonic() - start:.0f} s; last lines of "
+                          f"{culprit()}'s log:\n{log_tail(manifest, culprit())}") from None
 
     endpoints = Path(manifest.run_dir) / "endpoints"
     for service in ("etcd", "nats"):

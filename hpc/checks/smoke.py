@@ -180,12 +180,21 @@ def run_smoke(manifest_path: str) -> dict[str, Any]:
 
 
 def run_smoke_when_ready(manifest_path: str, wait_ready_s: float) -> dict[str, Any]:
-    """Wait (up to wait_ready_s) until readiness reports ready, then run the checks."""
+    """Wait (up to wait_ready_s) until readiness reports ready, then run the checks; no checks when it gave up (the
+    launch said why, and stopped waiting for this job)."""
     ready_file = Path(manifest_path).parent / "state" / "ready.json"
+    record: dict[str, Any] = {}
+
+    def decided() -> bool:
+        record.update(read_json(ready_file) or {})
+        return bool(record.get("ready") or record.get("gave_up"))
+
     try:
-        wait_until(lambda: (read_json(ready_file) or {}).get("ready") or None, wait_ready_s, "readiness")
+        wait_until(decided, wait_ready_s, "readiness")
     except TimeoutError:
         pass  # the checks themselves then say what is not there
+    if record.get("gave_up") and not record.get("ready"):
+        return {"passed": False, "checks": [], "not_ready": record["gave_up"]}
     return run_smoke(manifest_path)
 
 

@@ -135,6 +135,7 @@ def launch_resolved(r: Resolved, *, dry_run: bool = False, wait: bool = True, sm
         from hpc.launch.local import port_free
 
         _check_local_gpu(r)
+        _check_local_model(r)
         port = r.recipe.frontend.port
         if not port_free(port):
             raise UserError(f"port {port} is already in use on this machine", field="frontend.port",
@@ -158,6 +159,21 @@ def launch_resolved(r: Resolved, *, dry_run: bool = False, wait: bool = True, sm
     from hpc.launch.slurm import launch_slurm
 
     return launch_slurm(run, wait=wait, smoke=smoke), run
+
+
+def _check_local_model(r: Resolved) -> None:
+    """The model's directories, as the job's preflight checks them on a cluster's nodes: this machine is the node,
+    so a path that is not there, or a directory without config.json or tokenizer.json, is one line before any
+    server starts (not a frontend's traceback after etcd and NATS came up)."""
+    import datetime as dt
+    from pathlib import Path
+
+    from hpc.checks.preflight import model_problem
+
+    manifest = r.manifest(Path("/nonexistent/check"), "check", dt.datetime.now())
+    problem = model_problem(json.loads(manifest.model_dump_json()))
+    if problem:
+        raise UserError(problem, file=r.recipe_file)
 
 
 def _check_local_gpu(r: Resolved) -> None:

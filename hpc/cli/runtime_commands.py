@@ -252,7 +252,8 @@ def _readiness(ready: dict[str, Any]) -> str:
         head = f"ready in {seconds['ready']:.1f} s"
     else:
         head = f"not ready (last step reached: {ready.get('phase') or 'none'})"
-    return head + (f" ({steps})" if steps else "")
+    gave_up = f"; the launch gave up: {ready['gave_up']}" if ready.get("gave_up") and not ready.get("ready") else ""
+    return head + (f" ({steps})" if steps else "") + gave_up
 
 
 def status(args: argparse.Namespace) -> int:

@@ -66,12 +66,19 @@ def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: Non
                   file=sys.stderr)
             raise
         except NotReady as exc:
-            if smoke_job is not None:
-                smoke_job.cancel(check=False)
+            if smoke_job is not None and not m.cluster.is_local:  # a local one ends itself (readiness gave up):
+                smoke_job.cancel(check=False)  # its controller, cancelled, prints a KeyboardInterrupt traceback
             print(f"not ready: {exc}", file=sys.stderr)
             reason = preflight_failure(run)
             if reason:
                 print(f"preflight failed: {reason}", file=sys.stderr)
+            if m.cluster.is_local:
+                from hpc.launch.local import end_if_failed
+
+                if end_if_failed(run):
+                    print(f"inspect: hpc logs {ref}   (the run's other processes were stopped: a failed component "
+                          "ends the run, as it ends a Slurm job)", file=sys.stderr)
+                    return 1
             print(f"inspect: hpc logs {ref}   stop: hpc cancel {ref}", file=sys.stderr)
             return 1
         print(f"ready in {time.monotonic() - t0:.1f} s")

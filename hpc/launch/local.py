@@ -203,6 +203,19 @@ def launch_local(run: RunDir, wait: bool = True, smoke: bool = True) -> int:
     return follow_up(run, t0, wait=wait, smoke=smoke, abort=lambda: first_exited(pids))
 
 
+def end_if_failed(run: RunDir) -> bool:
+    """After a launch that did not get ready: a component that failed for good, or exited, ends the run as it ends
+    a Slurm job (its script's `wait -n`), so that etcd, NATS and the rest do not serve on, holding ports, with no
+    one watching. A run that is only stuck stays up to be inspected. Its logs stay either way."""
+    from hpc.checks.ready import failed_for_good
+
+    if not failed_for_good(run.component_states()) and not first_exited(local_pids(run)):
+        return False
+    stop_local(run, grace_s=5.0)
+    run.update_run_info(cancelled_at=time.time())
+    return True
+
+
 def first_exited(pids: dict[str, list[int]]) -> str | None:
     """Why to stop waiting for readiness: a component that exited (they all serve until stopped)."""
     for name, group in pids.items():

@@ -110,6 +110,27 @@ def test_an_8b_recipe_on_a_machine_without_a_gpu_stops_before_anything_is_writte
     assert main(["launch", "-r", "llama8b-agg", "-c", "eos", "--dry-run"]) == 0
 
 
+@pytest.mark.parametrize("layout, says", [
+    (None, "is not there; build or copy it there, or fix the path"),
+    ({}, "(recipe model.path) has no config.json"),
+    ({"config.json": "{}"}, "(recipe model.path) has no tokenizer.json"),
+])
+def test_a_local_launch_of_a_model_directory_that_lacks_its_files_stops_before_anything_starts(
+        tmp_path, monkeypatch, capsys, layout, says):
+    """This machine is the job's node: the preflight's model check runs at launch, one line, exit 2, no run
+    directory (before: etcd and NATS started, then the frontend's tokenizer traceback)."""
+    monkeypatch.setenv("HPC_RUNS_DIR", str(tmp_path / "runs"))
+    model = tmp_path / "my model $(x)"
+    if layout is not None:
+        model.mkdir()
+        for name, text in layout.items():
+            (model / name).write_text(text)
+    assert main(["launch", "-r", "tiny-agg", "--set", "model.generate=null", "--set", f"model.path={model}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "tiny-agg.yaml: " in err and f"{model} " in err and says in err, err
+    assert "Traceback" not in err and not (tmp_path / "runs").exists()
+
+
 def test_the_gpu_check_asks_only_what_needs_one(monkeypatch):
     from hpc.cli.commands import _check_local_gpu
     from hpc.errors import UserError

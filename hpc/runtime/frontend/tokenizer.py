@@ -18,7 +18,10 @@ class TextCodec:
         from tokenizers import Tokenizer
 
         self.skip_special_tokens = not keep_special_tokens
-        self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        try:
+            self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        except Exception as exc:  # the Rust library raises a bare Exception ("No such file", a parse error)
+            raise ValueError(f"{model_dir / 'tokenizer.json'} cannot be read as a fast tokenizer: {exc}") from None
         cfg_path = model_dir / "tokenizer_config.json"
         cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         self.bos_token = _token_text(cfg.get("bos_token"))

@@ -82,3 +82,9 @@ def test_text_that_may_start_a_stop_string_waits_until_it_cannot():
     assert held.feed("hello ST", final=False) == ("hello", False)  # " ST" may be the start of STOP
     assert held.feed("ILL here", final=False) == (" STILL h", False)  # the last 3 characters wait, as ever
     assert held.feed(" ST", final=True) == ("ere ST", False)  # the end: nothing can follow
+
+
+def test_a_tokenizer_file_that_does_not_parse_is_named_in_the_error(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("not json")
+    with pytest.raises(ValueError, match=r"tokenizer\.json cannot be read as a fast tokenizer: expected"):
+        TextCodec(tmp_path)
