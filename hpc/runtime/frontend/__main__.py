@@ -10,7 +10,7 @@ import socket
 import sys
 
 from hpc.manifest import Manifest
-from hpc.runtime.services.node import Reporter
+from hpc.runtime.services.node import Reporter, failure_line
 
 log = logging.getLogger("hpc.runtime.frontend")
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # where readiness and status look: the job's checks stop at once, not at a timeout
         if args.replica == 0:  # process 0 speaks for the frontend (it stops when another process fails)
             # a start its supervisor will follow with another is waited for, not the job's failure
-            Reporter(manifest, "frontend").phase("failed", error=f"{type(exc).__name__}: {exc}",
+            Reporter(manifest, "frontend").phase("failed", error=failure_line(exc),
                                                  restarting=(args.attempt or 0) < most)
         raise
 

@@ -53,6 +53,15 @@ def process_start_time() -> float:
         return time.time()
 
 
+def failure_line(exc: BaseException, limit: int = 400) -> str:
+    """An exception as one line for a component's state and the launch's verdict: its type and its message, lines
+    joined (a pydantic error names the field on its second line), at most `limit` characters (torch's
+    out-of-memory message alone is one long line that says who holds the GPU's memory)."""
+    text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+    line = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
 class Reporter:
     """Writes state/<component>.json: phase, times of each phase, node, pid. One writer per file."""
 

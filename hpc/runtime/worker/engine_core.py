@@ -272,14 +272,6 @@ async def flush_releases(handoff: Any, stopped: asyncio.Event) -> None:
         handoff.flush_settled()
 
 
-def failure_line(exc: BaseException, limit: int = 400) -> str:
-    """An exception as one line for a worker's state and the launch's verdict: its type and its message's first
-    line (torch's out-of-memory message is one long line that says who holds the GPU's memory)."""
-    text = str(exc).strip().splitlines()
-    line = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-    return line if len(line) <= limit else line[:limit - 3] + "..."
-
-
 @contextlib.asynccontextmanager
 async def failures_told(sender: Any) -> AsyncIterator[None]:
     """Building, loading, warming up or serving the engine failed: the worker is told why (Failed) before this
@@ -289,6 +281,8 @@ async def failures_told(sender: Any) -> AsyncIterator[None]:
         yield
     except Exception as exc:
         with contextlib.suppress(OSError):
+            from hpc.runtime.services.node import failure_line
+
             sender.send(Failed(error=failure_line(exc)))
         raise
 

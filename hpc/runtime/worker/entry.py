@@ -13,7 +13,7 @@ import time
 from typing import Any, Callable, Coroutine, NoReturn
 
 from hpc.manifest import Manifest
-from hpc.runtime.services.node import Reporter
+from hpc.runtime.services.node import Reporter, failure_line
 from hpc.spec.recipe import OnFailure
 
 log = logging.getLogger("hpc.worker")
@@ -61,7 +61,7 @@ def main_entry(manifest_path: str, role: str, index: int, supervise: bool, attem
         code = run_bounded(serve(manifest, role, index, manifest_path, restarting), on_exit=end_launcher_if_failed)
     except Exception as exc:  # report it where readiness and status look, then fail the step
         rank = _rank_suffix(plan.tasks)
-        Reporter(manifest, f"{role}-{index}{rank}").phase("failed", error=f"{type(exc).__name__}: {exc}",
+        Reporter(manifest, f"{role}-{index}{rank}").phase("failed", error=failure_line(exc),
                                                          restarting=restarting)
         end_launcher_if_failed(1)
         raise
