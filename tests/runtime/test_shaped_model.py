@@ -87,3 +87,23 @@ def test_a_frontend_that_builds_the_model_first_does_so_in_a_child_and_never_imp
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert out.stdout.split() == ["False"], out.stdout + out.stderr
     assert (target / "config.json").is_file() and (target / "tokenizer.json").is_file()
+
+
+def test_a_kv_cache_a_gpu_has_no_room_for_is_one_line_naming_what_sizes_it(monkeypatch):
+    """The torch engine preallocates (max_batch_size + 1) x max_seq_len positions of KV: checked against the GPU's
+    free memory first (here a GPU with 1 GiB free, asked for the 8B shape's 64 x 2,048: 16.25 GiB)."""
+    from hpc.runtime.engine.llama import LlamaForCausalLM
+
+    cfg = LlamaConfig(**{k: v for k, v in LLAMA_8B_SHAPE.items() if k in LlamaConfig.__dataclass_fields__})
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**30 - 2**20, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * 2**20)  # 1 MiB of it cached, free
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * 2**20)
+    with pytest.raises(ValueError) as err:
+        model.new_cache(65, 2048, torch.bfloat16, torch.device("cuda:0"))
+    assert str(err.value) == ("the KV cache (65 slots of 2048 positions, 16.25 GiB) does not fit in the 1.00 GiB free "
+                              "on cuda:0: lower max_batch_size or max_seq_len (a recipe's limits set it), or give the "
+                              "worker a GPU of its own")
+    cache = model.new_cache(2, 8, torch.float32, torch.device("cpu"))  # a CPU cache is not checked
+    assert cache.whole.shape == (32, 2, 2, 8, 8, 128)

@@ -321,10 +321,20 @@ class LlamaForCausalLM(nn.Module):
         return self._rope
 
     def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KvCache:
-        """Per layer: a [2, slots, kv_heads, max_len, head_dim] tensor, all of them views of one."""
+        """Per layer: a [2, slots, kv_heads, max_len, head_dim] tensor, all of them views of one. Preallocated
+        whole: on a GPU without room for it, one line that says which settings size it (not an out-of-memory)."""
         attn = self.model.layers[0].self_attn
-        return KvCache(torch.zeros(len(self.model.layers), 2, slots, attn.kv_heads, max_len, attn.head_dim,
-                                   dtype=dtype, device=device))
+        shape = (len(self.model.layers), 2, slots, attn.kv_heads, max_len, attn.head_dim)
+        if torch.device(device).type == "cuda":
+            need = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            # the driver's free memory and this process's own cached blocks, which the allocator would reuse
+            free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
+                torch.cuda.memory_allocated(device)
+            if need > free:
+                raise ValueError(f"the KV cache ({slots} slots of {max_len} positions, {need / 2**30:.2f} GiB) does "
+                                 f"not fit in the {free / 2**30:.2f} GiB free on {device}: lower max_batch_size or "
+                                 f"max_seq_len (a recipe's limits set it), or give the worker a GPU of its own")
+        return KvCache(torch.zeros(*shape, dtype=dtype, device=device))
 
     @torch.inference_mode()
     def forward_step(self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
