@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -22,10 +21,10 @@ def project_root() -> Path:
     checkout = Path(__file__).resolve().parents[2]
     if (checkout / "templates").is_dir():
         return checkout
-    schemes = {sysconfig.get_default_scheme(), sysconfig.get_preferred_scheme("user")}
-    for prefix in [Path(sys.prefix), *(Path(sysconfig.get_path("data", scheme)) for scheme in sorted(schemes))]:
-        if (prefix / "share" / "hpc" / "templates").is_dir():
-            return prefix / "share" / "hpc"
+    for scheme in (sysconfig.get_default_scheme(), sysconfig.get_preferred_scheme("user")):
+        shipped = Path(sysconfig.get_path("data", scheme)) / "share" / "hpc"  # the default's data is sys.prefix
+        if (shipped / "templates").is_dir():
+            return shipped
     return checkout
 
 

@@ -145,11 +145,12 @@ class EngineProcess:
 
     def _on_exit(self, task: asyncio.Task) -> None:
         code = task.result() if not task.cancelled() and task.exception() is None else None
+        error = f"the engine process exited (code {code})"
         if self._ready is not None and not self._ready.done() and code:
             # its Failed message, sent before it exited, says more than the code: read it first if it is on its way
-            asyncio.get_running_loop().call_later(EXIT_GRACE_S, self._fail, f"the engine process exited (code {code})")
+            asyncio.get_running_loop().call_later(EXIT_GRACE_S, self._fail, error)
             return
-        self._fail(f"the engine process exited (code {code})")
+        self._fail(error)
 
     def _failed(self, message: Failed) -> None:
         self._fail(message.error if self._ready is None or self._ready.done()
