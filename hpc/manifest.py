@@ -33,6 +33,8 @@ class Manifest(BaseModel):
     plan: Plan
     engine_args: dict[str, dict[str, Any]]  # role -> merged engine args
     engine_config_files: dict[str, str | None]
+    # the TensorRT-LLM versions the job was validated against (any of them passes the preflight); empty: unknown
+    trtllm_versions: list[str] = []
 
     @classmethod
     def load(cls, path: str | Path) -> "Manifest":

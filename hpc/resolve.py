@@ -17,7 +17,8 @@ from hpc.checks.model_fit import encode_problem, fit_problems, is_local_path, re
 from hpc.engine_args.flags import EngineArgFlags, apply_engine_flags
 from hpc.engine_args.precedence import (forced_values, merge_engine_args, overridden, prune_for_autodeploy,
                                         recipe_defaults)
-from hpc.engine_args.schema import check_engine_config
+from hpc.engine_args.schema import BASE_TABLE, check_engine_config
+from hpc.engine_args.version_rules import VersionCheck, check_version
 from hpc.engine_args.scheduling import ChunkingPolicy, max_num_tokens, tokens_per_block
 from hpc.errors import UserError, UserErrors
 from hpc.plan.placement import PORTS_PER_WORKER, WORKER_PORTS_START, Plan, plan
@@ -45,25 +46,29 @@ class Resolved(BaseModel):
     plan: Plan
     engine_args: dict[str, dict[str, Any]]
     engine_config_files: dict[str, str | None]
+    trtllm_versions: list[str] = []
     warnings: list[str] = []
 
     def manifest(self, run_dir: Path, run_id: str, created: _dt.datetime) -> Manifest:
         return Manifest(run_id=run_id, run_dir=str(run_dir), created=created.isoformat(timespec="seconds"),
                         cluster=self.cluster, recipe=self.recipe, plan=self.plan,
-                        engine_args=self.engine_args, engine_config_files=self.engine_config_files)
+                        engine_args=self.engine_args, engine_config_files=self.engine_config_files,
+                        trtllm_versions=self.trtllm_versions)
 
 
 def resolve(cluster_name: str, recipe_name: str, overrides: list[str] | None = None,
-            adjust_cluster=None, engine_flags: EngineArgFlags | None = None) -> Resolved:
+            adjust_cluster=None, engine_flags: EngineArgFlags | None = None,
+            trtllm_version: str | None = None) -> Resolved:
     cluster, cluster_path = load_cluster(cluster_name)
     if adjust_cluster is not None:
         cluster = adjust_cluster(cluster)
     recipe, recipe_path = load_recipe(recipe_name, overrides)
-    return resolve_specs(cluster, cluster_path, recipe, recipe_path, engine_flags)
+    return resolve_specs(cluster, cluster_path, recipe, recipe_path, engine_flags, trtllm_version)
 
 
 def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, recipe_path: Path,
-                  engine_flags: EngineArgFlags | None = None) -> Resolved:
+                  engine_flags: EngineArgFlags | None = None, trtllm_version: str | None = None) -> Resolved:
+    """`trtllm_version`: check against that TensorRT-LLM instead of the profile's (validate --trtllm-version)."""
     errors: list[UserError] = []
     warnings: list[str] = []
     rfile = str(recipe_path)
@@ -75,6 +80,12 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
     trtllm = recipe.backend is Backend.TRTLLM
     # the model's shape, where this machine can read it (a login node that mounts the models' filesystem)
     model_config = None if recipe.model.generate else read_model_config(recipe.model.path)
+    table_name, expected = BASE_TABLE, []
+    if trtllm:
+        version = _trtllm_version(cluster, str(cluster_path), recipe, model_config, trtllm_version)
+        errors += version.errors
+        warnings += version.warnings
+        table_name, expected = version.table_name, list(version.target.versions)
     engine_args: dict[str, dict[str, Any]] = {}
     config_files: dict[str, str | None] = {}
     for group in recipe.roles.groups():
@@ -94,11 +105,11 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
             except UserError as exc:
                 errors.append(exc)
                 continue
-            errors += check_engine_config(extra, file=efile)
+            errors += check_engine_config(extra, file=efile, table_name=table_name)
         if role.override_engine_args:
             source = (flag_sources.get(role_name.value) if group.pool is None else None) or \
                 f"{rfile}: {field}.override_engine_args"
-            errors += check_engine_config(role.override_engine_args, file=source)
+            errors += check_engine_config(role.override_engine_args, file=source, table_name=table_name)
         unforced = merge_engine_args(recipe_defaults(recipe, role, trtllm=trtllm), extra, role.override_engine_args, {})
         backend = str(unforced.get("backend", "pytorch"))
         forced = forced_values(publish_kv_events=recipe.runtime.publish_kv_events and trtllm, backend=backend)
@@ -158,7 +169,16 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
         raise errors[0] if len(errors) == 1 else UserErrors(errors)
     assert placement is not None
     return Resolved(cluster=cluster, cluster_file=str(cluster_path), recipe=recipe, recipe_file=rfile,
-                    plan=placement, engine_args=engine_args, engine_config_files=config_files, warnings=warnings)
+                    plan=placement, engine_args=engine_args, engine_config_files=config_files,
+                    trtllm_versions=expected, warnings=warnings)
+
+
+def _trtllm_version(cluster: ClusterProfile, cluster_file: str, recipe: Recipe, model_config: dict[str, Any] | None,
+                    asked: str | None) -> VersionCheck:
+    container = cluster.container
+    return check_version(container.trtllm_version if container else None, container.image if container else None,
+                         asked, cluster_file=cluster_file, encode_role=recipe.roles.encode is not None,
+                         disaggregated=recipe.disaggregated, model_config=model_config)
 
 
 def _group_field(recipe: Recipe, group: WorkerGroup) -> str:

@@ -72,6 +72,41 @@ def _launcher(manifest: dict) -> str | None:
             f"{several[0]['tasks']} ranks, which start under it); use an image with TensorRT-LLM's launcher")
 
 
+def installed_trtllm_version() -> str | None:
+    """The image's TensorRT-LLM version, without importing the package (its __init__ loads torch and the
+    bindings: seconds per node): the distribution's metadata, else its tensorrt_llm/version.py run on its own."""
+    found = _version("tensorrt_llm")
+    if found != "?":
+        return found
+    spec = importlib.util.find_spec("tensorrt_llm")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / "version.py"
+        if path.is_file():
+            module_spec = importlib.util.spec_from_file_location("_hpc_trtllm_version", path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+            return str(getattr(module, "__version__", "")) or None
+    return None
+
+
+def trtllm_version_problem(manifest: dict) -> str | None:
+    """The image holds another TensorRT-LLM than the one `hpc validate` checked the engine configs against: the
+    job ends here, before any server starts, instead of failing on a key or a field after loading weights."""
+    expected = manifest.get("trtllm_versions") or []
+    if manifest["recipe"]["backend"] != "trtllm" or not expected:
+        return None
+    found = installed_trtllm_version()
+    if found is not None and found.split("+", 1)[0] in expected:
+        return None
+    container = manifest["cluster"].get("container") or {}
+    image = container.get("image", "the nodes' environment")
+    how = ("container.trtllm_version" if container.get("trtllm_version")
+           else "what hpc knows of its tag (hpc/data/trtllm-versions.json)")
+    return (f"the image {image} holds TensorRT-LLM {found or '(no version found)'}, but the job was validated "
+            f"against {' or '.join(expected)} ({how}); set container.trtllm_version: \"{found}\" in the cluster "
+            f"profile and validate again, or use an image with {expected[-1]}")
+
+
 def model_problem(manifest: dict) -> str | None:
     """The model's directories as this node sees them (inside its container: after the mounts). A path that is
     not there fails here, in one line, instead of in a worker's traceback after etcd, NATS and the frontend
@@ -148,7 +183,8 @@ def check(manifest: dict) -> tuple[bool, str]:
             return False, (f"hpc preflight on {node}: {module} is not installed in the image ({why} needs it); "
                            "use an image that has it")
         versions[module] = _version(module)
-    missing = _binaries(manifest) or _launcher(manifest) or model_problem(manifest)
+    missing = trtllm_version_problem(manifest) or _binaries(manifest) or _launcher(manifest) or \
+        model_problem(manifest)
     if missing:
         return False, f"hpc preflight on {node}: {missing}"
     shown = " ".join(f"{k}={v}" for k, v in versions.items() if k in ("torch", "tensorrt_llm", "pydantic"))

@@ -32,7 +32,8 @@ def _resolve(args: argparse.Namespace, for_launch: bool = False) -> Resolved:
     from hpc.engine_args.flags import EngineArgFlags
 
     r = resolve(args.cluster, args.recipe, args.overrides, adjust_cluster=lambda c: _this_machine(c, for_launch),
-                engine_flags=EngineArgFlags(extra=args.extra_engine_args, override=args.override_engine_args))
+                engine_flags=EngineArgFlags(extra=args.extra_engine_args, override=args.override_engine_args),
+                trtllm_version=getattr(args, "trtllm_version", None))
     for warning in r.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     return r
@@ -45,6 +46,9 @@ def _title(r: Resolved) -> str:
 
 
 def validate(args: argparse.Namespace) -> int:
+    _check_version_flag(args.trtllm_version)
+    if args.trtllm_version == "all":
+        return _validate_versions(args)
     if args.all or args.recipe is None:
         return _validate_all(args)
     r = _resolve(args)
@@ -69,7 +73,8 @@ def _validate_all(args: argparse.Namespace) -> int:
     rows, failed = [], 0
     for name in available("recipes"):
         try:
-            r = resolve(args.cluster, name, adjust_cluster=lambda c: _this_machine(c, False))
+            r = resolve(args.cluster, name, adjust_cluster=lambda c: _this_machine(c, False),
+                        trtllm_version=args.trtllm_version)
         except UserError as exc:
             failed += 1
             rows.append([name, "FAIL", (exc.errors[0] if isinstance(exc, UserErrors) else exc).render()])
@@ -78,6 +83,59 @@ def _validate_all(args: argparse.Namespace) -> int:
                                      f"{len(r.plan.workers)} worker(s)"])
     print(table(["RECIPE", "", "DETAIL"], rows, width=terminal_width()))
     print(f"{len(rows) - failed} of {len(rows)} recipes validate on {args.cluster}")
+    return 2 if failed else 0
+
+
+def _check_version_flag(value: str | None) -> None:
+    from hpc.engine_args import trtllm_versions as tv
+
+    if value is None or value == "all":
+        return
+    known = [f.version for f in tv.known_versions()]
+    try:
+        tv.version_key(value)
+    except ValueError as exc:
+        raise UserError(str(exc), field="--trtllm-version", hint=f"known: {', '.join(known)}, or all") from None
+    if tv.facts(value) is None:
+        raise UserError(f"TensorRT-LLM {value} is not a version hpc knows", field="--trtllm-version",
+                        hint=f"known: {', '.join(known)}, or all")
+
+
+def version_matrix(cluster: str, recipes: list[str]) -> tuple[list[str], list[list[str]], int]:
+    """Each TensorRT-LLM recipe against each known version: 'ok', or the first problem's field and message."""
+    from hpc.engine_args import trtllm_versions as tv
+    from hpc.spec.catalog import load_recipe
+
+    versions = [f.version for f in tv.known_versions()]
+    rows, failed = [], 0
+    for name in recipes:
+        if load_recipe(name)[0].backend.value != "trtllm":
+            continue
+        row = [name]
+        for version in versions:
+            try:
+                resolve(cluster, name, adjust_cluster=lambda c: _this_machine(c, False), trtllm_version=version)
+            except UserError as exc:
+                first = exc.errors[0] if isinstance(exc, UserErrors) else exc
+                row.append(f"{first.field}: {first.message}")
+                failed += 1
+            else:
+                row.append("ok")
+        rows.append(row)
+    return versions, rows, failed
+
+
+def _validate_versions(args: argparse.Namespace) -> int:
+    if args.overrides or args.extra_engine_args or args.override_engine_args:
+        raise UserError("checks the recipes as they are", field="--trtllm-version",
+                        hint="drop --set and the engine-args flags, or name one version")
+    recipes = available("recipes") if args.all or args.recipe is None else [args.recipe]
+    versions, rows, failed = version_matrix(args.cluster, recipes)
+    print(table(["RECIPE", "TENSORRT-LLM", "VERDICT"], [[row[0], v, cell] for row in rows
+                                                         for v, cell in zip(versions, row[1:])],
+                width=terminal_width()))
+    print(f"{len(rows) * len(versions) - failed} of {len(rows) * len(versions)} recipe x version pairs validate "
+          f"on {args.cluster}")
     return 2 if failed else 0
 
 

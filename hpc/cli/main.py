@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="check a recipe against a cluster; nothing is written")
     _add_target(p, all_recipes=True)
+    p.add_argument("--trtllm-version", metavar="V",
+                   help="check against TensorRT-LLM V instead of the profile's image: what breaks if I move to V "
+                        "('all': every version hpc knows, a table)")
     p.set_defaults(func=commands.validate)
 
     p = sub.add_parser("plan", help="show which node runs what")

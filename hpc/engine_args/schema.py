@@ -23,15 +23,19 @@ _BOUNDS = {"PositiveInt": {"gt": 0}, "_StrictPositiveInt": {"gt": 0}, "NonNegati
            "_StrictNonNegativeInt": {"ge": 0}, "NonNegativeFloat": {"ge": 0}, "PositiveFloat": {"gt": 0}}
 
 
-@lru_cache(maxsize=1)
-def field_table() -> dict[str, Any]:
-    text = resources.files("hpc.data").joinpath("trtllm-llm-args.json").read_text()
+BASE_TABLE = "trtllm-llm-args.json"
+
+
+@lru_cache(maxsize=None)
+def field_table(name: str = BASE_TABLE) -> dict[str, Any]:
+    """A field table in hpc/data (hpc.engine_args.trtllm_versions says which version each was read from)."""
+    text = resources.files("hpc.data").joinpath(name).read_text()
     return json.loads(text)
 
 
 @lru_cache(maxsize=None)
-def _legacy_keys(model: str) -> frozenset[str]:
-    table = field_table()
+def _legacy_keys(model: str, table_name: str = BASE_TABLE) -> frozenset[str]:
+    table = field_table(table_name)
     speculative = table["unions"]["SpeculativeConfig"]["members"]
     keys = set()
     for owner, entries in table["accepted_legacy_keys"].items():
@@ -72,10 +76,11 @@ _BY_NAME = "case-insensitive member NAME"
 
 
 class _Checker:
-    def __init__(self, file: str) -> None:
+    def __init__(self, file: str, table_name: str = BASE_TABLE) -> None:
         self.file = file
         self.errors: list[UserError] = []
-        self.table = field_table()
+        self.table_name = table_name
+        self.table = field_table(table_name)
 
     def error(self, path: str, message: str, hint: str | None = None) -> None:
         self.errors.append(UserError(message, file=self.file, field=path, hint=hint))
@@ -85,7 +90,7 @@ class _Checker:
             self.error(path or "(top level)", f"expected a mapping ({name}), got {type(data).__name__}")
             return
         fields = self.table["models"][name]["fields"]
-        legacy = _legacy_keys(name)
+        legacy = _legacy_keys(name, self.table_name)
         for key, value in data.items():
             where = f"{path}.{key}" if path else str(key)
             spec = fields.get(key)
@@ -215,10 +220,11 @@ class _Checker:
         return all(checks.values())
 
 
-def check_engine_config(config: dict[str, Any], *, file: str) -> list[UserError]:
-    """Every problem in `config` (unknown keys, wrong types, bad enum values), as user errors."""
-    checker = _Checker(file)
-    checker.model(field_table()["top_level_model"], config, "")
+def check_engine_config(config: dict[str, Any], *, file: str, table_name: str = BASE_TABLE) -> list[UserError]:
+    """Every problem in `config` (unknown keys, wrong types, bad enum values), as user errors, against the field
+    table of the TensorRT-LLM version the job will run (trtllm_versions.table_for)."""
+    checker = _Checker(file, table_name)
+    checker.model(checker.table["top_level_model"], config, "")
     problem = cross_field_problem(config.get("cuda_graph_config")) if isinstance(config, dict) else None
     if problem:  # TensorRT-LLM's model validator would refuse it at engine start
         checker.error("cuda_graph_config", problem,

@@ -12,6 +12,9 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from hpc.spec.base import SingleLine, StrictModel, check_env_names
 
+# PEP 440 as TensorRT-LLM spells its releases: 1.3.0, 1.3.0rc11, 1.2.0rc6.post3 (hpc.engine_args.trtllm_versions)
+VERSION_PATTERN = r"[0-9]+\.[0-9]+\.[0-9]+(?:(?:a|b|rc)[0-9]+)?(?:\.post[0-9]+)?(?:\.dev[0-9]+)?"
+
 _TIME = re.compile(r"^(?:(\d+)-)?(\d{1,3}):(\d{2}):(\d{2})$")
 
 
@@ -58,6 +61,10 @@ class Container(StrictModel):
                            "every step, and later jobs, reuse; otherwise each step starts from the image itself")
     python_version: str = Field("3.12", pattern=r"^3\.[0-9]{1,2}$",
                                 description="the image's Python (major.minor): the runtime bundle is built for it")
+    trtllm_version: str | None = Field(
+        None, pattern=rf"^{VERSION_PATTERN}$",
+        description="the TensorRT-LLM the image ships (e.g. 1.3.0rc11): engine configs are checked against it and "
+                    "the job's preflight ends the job if the image holds another; known images need not say it")
 
 
 class Network(StrictModel):

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import io
 import json
 import logging
@@ -54,6 +55,31 @@ log = logging.getLogger(__name__)
 # How long one drain call of stats / KV events waits for data before it is called again.
 DRAIN_TIMEOUT_S = 2.0
 STATS_KEYS = ("numActiveRequests", "maxNumActiveRequests", "numQueuedRequests")
+# Global disaggregated request ids live in [2^40, 2^63), apart from the executor's local ids [0, 2^40)
+# (tensorrt_llm/llmapi/disagg_utils.py, MIN_GLOBAL_ID): one drawn below 2^40 could collide with a local one.
+MIN_GLOBAL_ID = 1 << 40
+# How long a decode whose client left waits for its KV cache to land before it is aborted anyway: an abort
+# mid-transfer can take the executor down (Dynamo defers it: request_handlers/handler_base.py, _DeferredAbort).
+ABORT_AFTER_TRANSFER_S = 60.0
+MROPE_FIELDS = ("mrope_position_ids_handle", "mrope_position_deltas_handle")
+
+
+def global_disagg_request_id() -> int:
+    return MIN_GLOBAL_ID + secrets.randbelow((1 << 63) - MIN_GLOBAL_ID)
+
+
+def disagg_params(cls: Any, **values: Any) -> Any:
+    """DisaggregatedParams with the fields the image's TensorRT-LLM has (a keyword-only slots dataclass: a field
+    it lacks is a TypeError). Optional extras it lacks are left out (disagg_request_id: the decode side then names
+    the context by ctx_request_id); a value the request cannot do without is a per-request error naming it."""
+    have = {f.name for f in dataclasses.fields(cls)}
+    needed = [k for k in ("multimodal_embedding_handles", *MROPE_FIELDS) if values.get(k) is not None and k not in have]
+    if needed:
+        from tensorrt_llm import __version__ as version
+
+        raise ValueError(f"TensorRT-LLM {version} has no DisaggregatedParams.{needed[0]}: this request cannot be "
+                         "handed between workers on it (hpc validate names the versions that can)")
+    return cls(**{k: v for k, v in values.items() if k in have and v is not None})
 
 
 def import_trtllm():
@@ -68,11 +94,31 @@ def import_trtllm():
     return tensorrt_llm, llmapi
 
 
+# Nested engine arguments the LLM API takes as its own config classes, converted from a YAML's dicts as upstream
+# converts them before LLM(...) sees them (tensorrt_llm/llmapi/llm_args.py, update_llm_args_with_extra_dict:
+# "some fields need to be converted manually"; Dynamo's update_llm_args_with_extra_options does the same). A class
+# the image's llmapi does not export stays a dict, as that version's own code would leave it.
+NESTED_CONFIGS = {"kv_cache_config": "KvCacheConfig", "cache_transceiver_config": "CacheTransceiverConfig",
+                  "moe_config": "MoeConfig", "lora_config": "LoraConfig", "peft_cache_config": "PeftCacheConfig",
+                  "quant_config": "QuantConfig", "calib_config": "CalibConfig",
+                  "extended_runtime_perf_knob_config": "ExtendedRuntimePerfKnobConfig"}
+
+
+def _speculative(config: dict[str, Any], llmapi: Any) -> Any:
+    """speculative_config by its decoding_type, as upstream's DecodingBaseConfig.from_dict picks the class."""
+    decoding = getattr(llmapi, "DecodingBaseConfig", None)
+    return config if decoding is None else decoding.from_dict(config)
+
+
 def llm_kwargs(args: dict[str, Any], llmapi: Any) -> dict[str, Any]:
     """The manifest's engine args as LLM(...) keyword arguments: nested dicts become the API's config classes."""
     kwargs = copy.deepcopy(args)
-    if isinstance(kwargs.get("kv_cache_config"), dict):
-        kwargs["kv_cache_config"] = llmapi.KvCacheConfig(**kwargs["kv_cache_config"])
+    for field, name in NESTED_CONFIGS.items():
+        cls = getattr(llmapi, name, None)
+        if isinstance(kwargs.get(field), dict) and cls is not None:
+            kwargs[field] = cls(**kwargs[field])
+    if isinstance(kwargs.get("speculative_config"), dict):
+        kwargs["speculative_config"] = _speculative(kwargs["speculative_config"], llmapi)
     scheduler = kwargs.get("scheduler_config")
     if isinstance(scheduler, dict):
         scheduler = dict(scheduler)
@@ -120,7 +166,8 @@ def trtllm_sampling(s: SamplingParams, sampling_cls: Any, guided_cls: Any = None
         ignore_eos=s.ignore_eos,
         logprobs=None if s.logprobs is None else max(1, s.logprobs),
         prompt_logprobs=None if s.prompt_logprobs is None else max(1, s.prompt_logprobs),
-        presence_penalty=s.presence_penalty or None, frequency_penalty=s.frequency_penalty or None)
+        presence_penalty=s.presence_penalty or None, frequency_penalty=s.frequency_penalty or None,
+        detokenize=False)  # the frontend detokenizes (as Dynamo's worker: the engine would do it twice)
 
 
 def token_logprobs(new: list[int], cumulative: list[dict], top: int) -> list[TokenLogprob]:
@@ -153,7 +200,8 @@ class TrtllmEngine:
         self.failure: str | None = None  # set when the executor died; the worker watches it
         self._failed: asyncio.Future | None = None
         self._counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "running": 0,
-                          "aborted": 0, "kv_events": 0, "stats_records": 0}
+                          "aborted": 0, "aborts_deferred": 0, "kv_events": 0, "stats_records": 0}
+        self._deferred: set[asyncio.Future] = set()  # aborts waiting for their KV transfer to land
 
     async def __aenter__(self) -> "TrtllmEngine":
         tensorrt_llm, llmapi = import_trtllm()
@@ -238,21 +286,29 @@ class TrtllmEngine:
             if p is None or p.trtllm is None:
                 raise ValueError("a TensorRT-LLM decode request needs the context phase's parameters")
             t = p.trtllm
-            dp = Disagg(request_type="generation_only", first_gen_tokens=list(t.first_gen_tokens),
-                        ctx_request_id=t.ctx_request_id, disagg_request_id=t.disagg_request_id,
-                        opaque_state=t.opaque_state,
-                        draft_tokens=t.draft_tokens, ctx_dp_rank=t.ctx_dp_rank, ctx_info_endpoint=t.ctx_info_endpoint)
+            dp = disagg_params(Disagg, request_type="generation_only", first_gen_tokens=list(t.first_gen_tokens),
+                               ctx_request_id=t.ctx_request_id, disagg_request_id=t.disagg_request_id,
+                               opaque_state=t.opaque_state, draft_tokens=t.draft_tokens, ctx_dp_rank=t.ctx_dp_rank,
+                               ctx_info_endpoint=t.ctx_info_endpoint,
+                               mrope_position_ids_handle=t.mrope_position_ids_handle,
+                               mrope_position_deltas_handle=t.mrope_position_deltas_handle)
             return list(t.prompt_token_ids), dp, len(t.first_gen_tokens)
+        media = request.media if request.media is not None and request.media.handles else None
+        request_type = "context_only" if self.mode is DisaggregationMode.PREFILL else \
+            "context_and_generation" if media is not None else None
         dp = None
-        if self.mode is DisaggregationMode.PREFILL:
-            # One id for both sides, so the decode engine finds this context whichever prefill worker ran it.
-            dp = Disagg(request_type="context_only", disagg_request_id=secrets.randbits(62))
+        if request_type is not None:
+            # One global id for both sides, so the decode engine finds this context whichever prefill worker ran
+            # it (a version without disagg_request_id names it by ctx_request_id, which the output carries).
+            dp = disagg_params(
+                Disagg, request_type=request_type,
+                disagg_request_id=global_disagg_request_id() if self.mode is DisaggregationMode.PREFILL else None,
+                multimodal_embedding_handles=media.handles if media else None,
+                multimodal_hashes=media.hashes if media else None,
+                mrope_position_ids_handle=media.mrope_position_ids_handle if media else None,
+                mrope_position_deltas_handle=media.mrope_position_deltas_handle if media else None)
         inputs: Any = list(request.token_ids)
-        if request.media is not None and request.media.handles:
-            if dp is None:
-                dp = Disagg(request_type="context_and_generation")
-            dp.multimodal_embedding_handles = request.media.handles
-            dp.multimodal_hashes = request.media.hashes
+        if media is not None:
             # The model's input processor expands the image placeholder in the text prompt itself.
             inputs = {"prompt": self._llm.tokenizer.decode(request.token_ids)}
         elif request.image:
@@ -316,9 +372,10 @@ class TrtllmEngine:
         self._counters["requests"] += 1
         self._counters["prompt_tokens"] += len(request.token_ids)
         self._counters["running"] += 1
-        sent_prompt_lp = False
+        sent_prompt_lp = landed = False
         try:
             async for out in self._until_failure(result):
+                landed = True
                 completion = out.outputs[0]
                 new = list(completion.token_ids[cursor:])
                 cursor = len(completion.token_ids)
@@ -341,20 +398,34 @@ class TrtllmEngine:
         finally:
             self._counters["running"] -= 1
             if not result.finished and not self.failure:
-                # The client left, the deadline passed, or the caller stopped reading: free the engine's slot.
-                result.abort()
+                # The client left, the deadline passed, or the caller stopped reading: free the engine's slot. A
+                # generation-only request whose KV cache is still arriving is aborted once it has landed.
                 self._counters["aborted"] += 1
+                if landed or dp is None or dp.request_type != "generation_only":
+                    result.abort()
+                else:
+                    self._counters["aborts_deferred"] += 1
+                    task = asyncio.ensure_future(self._abort_after_transfer(result))
+                    self._deferred.add(task)
+                    task.add_done_callback(self._deferred.discard)
+
+    async def _abort_after_transfer(self, result: Any) -> None:
+        try:
+            await asyncio.wait_for(result.__anext__(), ABORT_AFTER_TRANSFER_S)  # the first output: it has landed
+        except Exception:  # noqa: BLE001 - finished, failed or timed out: abort what is left all the same
+            pass
+        if not result.finished and not self.failure:
+            result.abort()
 
     def _handoff(self, request: GenerateRequest, out: Any, ctx: Any, sent: Any) -> DisaggregatedParams:
         if ctx is None or not ctx.first_gen_tokens:
             raise RuntimeError("the context phase returned no disaggregated params")
+        extra = {k: getattr(ctx, k, None) or getattr(sent, k, None)  # fields a version may not have
+                 for k in ("disagg_request_id", "ctx_dp_rank", "ctx_info_endpoint", *MROPE_FIELDS)}
         t = TrtllmContextParams(
             first_gen_tokens=list(ctx.first_gen_tokens), ctx_request_id=ctx.ctx_request_id,
-            disagg_request_id=getattr(ctx, "disagg_request_id", None) or sent.disagg_request_id,
-            opaque_state=ctx.opaque_state or None,
-            draft_tokens=ctx.draft_tokens, ctx_dp_rank=getattr(ctx, "ctx_dp_rank", None),
-            ctx_info_endpoint=getattr(ctx, "ctx_info_endpoint", None),
-            prompt_token_ids=list(out.prompt_token_ids or request.token_ids))
+            opaque_state=ctx.opaque_state or None, draft_tokens=ctx.draft_tokens,
+            prompt_token_ids=list(out.prompt_token_ids or request.token_ids), **extra)
         return DisaggregatedParams(request_handle="trtllm", prefill_address=self.self_address,
                                    first_token_id=t.first_gen_tokens[0], prompt_length=len(t.prompt_token_ids),
                                    trtllm=t)
@@ -369,7 +440,8 @@ class TrtllmEngine:
             raise RuntimeError("the multimodal encoder returned no embedding handles")
         self._counters["requests"] += 1
         return EncodedMedia(shape=list(handles[0].get("tensor_size", [])), handles=handles,
-                            hashes=getattr(dp, "multimodal_hashes", None))
+                            hashes=getattr(dp, "multimodal_hashes", None),
+                            **{k: getattr(dp, k, None) for k in MROPE_FIELDS})  # Qwen-VL's positions, on to prefill
 
     def take_handoff(self, handle: str, ipc: bool = False) -> tuple[KvMeta, bytes]:
         raise RuntimeError("with TensorRT-LLM the cache transceiver moves the KV cache, not hpc")

@@ -74,7 +74,10 @@ class TrtllmContextParams(Message):
     opaque_state: bytes | None = None
     draft_tokens: list[int] | None = None
     ctx_dp_rank: int | None = None
-    ctx_info_endpoint: str | None = None
+    ctx_info_endpoint: str | list[str] | None = None  # a list where the context side has several (upstream)
+    # Qwen-VL under EPD: the M-RoPE positions the encoder computed, for prefill and then decode
+    mrope_position_ids_handle: dict[str, Any] | None = None
+    mrope_position_deltas_handle: dict[str, Any] | None = None
 
 
 class DisaggregatedParams(Message):
@@ -98,6 +101,8 @@ class EncodedMedia(Message, tag="media"):
     data: bytes = b""
     handles: list[dict[str, Any]] | None = None
     hashes: list[list[int]] | None = None
+    mrope_position_ids_handle: dict[str, Any] | None = None  # Qwen-VL: upstream's DisaggregatedParams fields
+    mrope_position_deltas_handle: dict[str, Any] | None = None
 
 
 class GenerateRequest(Message, tag="generate"):

@@ -4,4 +4,4 @@ from tensorrt_llm.disaggregated_params import DisaggregatedParams  # noqa: F401
 from tensorrt_llm.llmapi.llm import LLM  # noqa: F401
 from tensorrt_llm.sampling_params import SamplingParams  # noqa: F401
 
-__version__ = "1.3.0rc29+hpcfake"
+from tensorrt_llm.version import __version__  # noqa: F401

@@ -26,6 +26,11 @@ def fields_of(model: str) -> set[str]:
     spec = table()["models"][model]["fields"]
     names = set(spec)
     names |= {f["alias"] for f in spec.values() if f.get("alias")}
+    names |= {a for f in spec.values() for a in (f.get("validation_alias") or [])}
+    speculative = table()["unions"]["SpeculativeConfig"]["members"]
+    for owner, entries in table()["accepted_legacy_keys"].items():  # keys upstream's validators still take
+        if owner == model or (owner.startswith("DecodingBaseConfig") and model in speculative):
+            names |= {k for k, text in entries.items() if not str(text).startswith("NOT accepted")}
     return names
 
 

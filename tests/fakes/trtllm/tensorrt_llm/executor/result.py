@@ -121,9 +121,13 @@ class GenerationResult:
             from tensorrt_llm.disaggregated_params import DisaggregatedParams
 
             cpp = response.context_phase_params
+            sent = self.disaggregated_params
+            # the encoder's M-RoPE handles go on to the generation phase with the context's parameters
+            mrope = {k: getattr(sent, k) for k in ("mrope_position_ids_handle", "mrope_position_deltas_handle")
+                     if getattr(sent, k, None) is not None}
             self.disaggregated_params = DisaggregatedParams(
                 request_type="context_only", first_gen_tokens=cpp.first_gen_tokens, ctx_request_id=cpp.req_id,
-                opaque_state=cpp.opaque_state, draft_tokens=cpp.draft_tokens)
+                opaque_state=cpp.opaque_state, draft_tokens=cpp.draft_tokens, **mrope)
         output = self._outputs[0]
         output.disaggregated_params = self.disaggregated_params
         output._last_token_ids_len = len(output.token_ids)

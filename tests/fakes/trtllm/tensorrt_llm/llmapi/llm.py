@@ -70,8 +70,28 @@ class CacheTransceiverConfig(StrictConfig):
     MODEL = "CacheTransceiverConfig"
 
 
+class MoeConfig(StrictConfig):
+    MODEL = "MoeConfig"
+
+
+class DecodingBaseConfig(StrictConfig):
+    """upstream DecodingBaseConfig.from_dict: the config class named by decoding_type (the SpeculativeConfig union)."""
+
+    MODEL = "DecodingBaseConfig"
+
+    @classmethod
+    def from_dict(cls, data: dict) -> StrictConfig:
+        from tensorrt_llm._fake_args import table
+
+        members = table()["speculative_decoding"]["decoding_type_values"]
+        name = members.get(data.get("decoding_type"))
+        if name is None:
+            raise ValueError(f"Invalid decoding type: {data.get('decoding_type')}")
+        return type(name, (StrictConfig,), {"MODEL": name})(**data)
+
+
 _NESTED = {"kv_cache_config": KvCacheConfig, "scheduler_config": SchedulerConfig,
-           "cache_transceiver_config": CacheTransceiverConfig}
+           "cache_transceiver_config": CacheTransceiverConfig, "moe_config": MoeConfig}
 
 
 def _log(event: str, **data: Any) -> None:
@@ -116,6 +136,23 @@ def check_image_placeholders(config: dict[str, Any], prompt: str, images: int) -
                          f"image(s)")
 
 
+# Qwen-VL's M-RoPE positions follow the image grid; under EPD they travel in DisaggregatedParams
+# (mrope_position_ids_handle / mrope_position_deltas_handle, upstream tests/unittest/_torch/multimodal/
+# test_mm_encoder_standalone.py) and a phase without them would place the image's tokens wrongly.
+MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+
+
+def has_mrope(dp: Any) -> bool:
+    return getattr(dp, "mrope_position_ids_handle", None) is not None and \
+        getattr(dp, "mrope_position_deltas_handle", None) is not None
+
+
+def require_mrope(config: dict[str, Any], dp: Any, phase: str) -> None:
+    if config.get("model_type") in MROPE_MODEL_TYPES and not has_mrope(dp):
+        raise ValueError(f"{config.get('model_type')}: {phase} needs mrope_position_ids_handle and "
+                         "mrope_position_deltas_handle from the encoder")
+
+
 class BaseLLM:
     ARGS_MODEL = "TorchLlmArgs"
     BACKEND = "pytorch"
@@ -149,7 +186,9 @@ class BaseLLM:
         session = create_session(tensor_parallel_size * int(kwargs.get("pipeline_parallel_size") or 1))
         self._executor = _Executor(self)
         self._shutdown = False
-        _log("init", cls=type(self).__name__, kwargs=sorted(kwargs), tp=tensor_parallel_size, **session)
+        _log("init", cls=type(self).__name__, kwargs=sorted(kwargs), tp=tensor_parallel_size,
+             nested={k: type(v).__name__ for k, v in kwargs.items() if isinstance(v, (dict, StrictConfig))},
+             **session)
 
     def _valid_keys(self) -> set[str]:
         return fields_of(self.ARGS_MODEL)
@@ -184,12 +223,13 @@ class BaseLLM:
         if not isinstance(inputs, dict):
             raise TypeError(f"The inputs must be type str or list of int, but got {type(inputs)}")
         digest = None
-        if dp is not None and dp.multimodal_embedding_handles is not None:
+        if dp is not None and getattr(dp, "multimodal_embedding_handles", None) is not None:
             if is_gen_only:
                 raise ValueError("Multimodal disaggregated inference is not supported for generation-only mode")
             if not inputs.get("prompt"):
                 raise ValueError("multimodal embeddings need the text prompt (the input processor expands it)")
             digest = "+".join(h["fake_digest"] for h in dp.multimodal_embedding_handles)
+            require_mrope(self._config, dp, "the context phase")
             check_image_placeholders(self._config, inputs["prompt"], len(dp.multimodal_embedding_handles))
             prompt_ids = self._tokenizer.encode(inputs["prompt"], add_special_tokens=sampling_params.add_special_tokens)
         elif "prompt_token_ids" in inputs:
@@ -256,6 +296,8 @@ class _Executor:
         self.tasks: dict[int, asyncio.Task] = {}
         self.error_queue: queue.Queue = queue.Queue()
         self.aborted: set[int] = set()
+        self.transferring: set[int] = set()  # generation-only requests whose KV cache has not landed yet
+        self.transfer_delay = float(os.environ.get("FAKE_TRTLLM_TRANSFER_MS", "2")) / 1000
         self.iteration = 0
         self.event_id = 0
         self.blocks_in_use = 0
@@ -268,13 +310,16 @@ class _Executor:
                digest: str | None) -> GenerationResult:
         own_id = next(BaseLLM._ids)
         self.submitted.append(sp)
-        request_id = dp.disagg_request_id if dp is not None and dp.disagg_request_id is not None else own_id
+        shared = getattr(dp, "disagg_request_id", None)
+        request_id = shared if shared is not None else own_id
         result = GenerationResult(own_id, prompt, sp, streaming, self, disaggregated_params=dp)
         context = None
         if dp is not None and dp.request_type == "generation_only":
             try:
                 context = self._receive_context(dp, prompt)
-            except RuntimeError as exc:  # the executor answers a failed KV transfer with an error response
+                if context.get("mrope"):  # the context ran with the encoder's positions: decode needs them too
+                    require_mrope(self.llm._config, dp, "the generation phase")
+            except (RuntimeError, ValueError) as exc:  # the executor answers a failed transfer with an error response
                 result.aqueue.put_nowait(Response(new_token_ids=[], decoding_iter=0, is_final=True, error=str(exc)))
                 return result
         trigger = os.environ.get("FAKE_TRTLLM_FAIL_FILE")
@@ -291,6 +336,12 @@ class _Executor:
     def abort_request(self, request_id: int) -> None:
         self.aborted.add(request_id)
         _log("abort", id=request_id)
+        if request_id in self.transferring:
+            # An abort that lands while a generation-only request's KV cache is still arriving takes the
+            # executor down (Dynamo defers such aborts until the first token for this reason: ai-dynamo/dynamo
+            # components/src/dynamo/trtllm/request_handlers/handler_base.py, _DeferredAbort)
+            _log("abort_during_transfer", id=request_id)
+            self.fail_in_background(RuntimeError("fake: a request was aborted while its KV cache was in transfer"))
 
     def shutdown(self) -> None:
         self.llm._shutdown = True
@@ -309,9 +360,10 @@ class _Executor:
             raise error
 
     # ---- the cache transceiver, between processes -------------------------------------------------------
-    def _send_context(self, request_id: int, prompt: list[int], digest: str | None, first: int) -> bytes:
+    def _send_context(self, request_id: int, prompt: list[int], digest: str | None, first: int,
+                      mrope: bool = False) -> bytes:
         opaque = f"fake-comm-state:{os.getpid()}:{request_id}".encode()
-        state = {"prompt": prompt, "digest": digest, "first": first, "opaque": opaque}
+        state = {"prompt": prompt, "digest": digest, "first": first, "opaque": opaque, "mrope": mrope}
         path = _transceiver_dir() / f"{request_id}.ctx"
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(pickle.dumps(state))
@@ -380,7 +432,13 @@ class _Executor:
         decoding_iter = 1 if gen_only else 0
         reason = None
         try:
-            if not gen_only:
+            if gen_only:  # the cache transceiver brings the context's KV cache in
+                self.transferring.add(own)
+                try:
+                    await asyncio.sleep(self.transfer_delay)
+                finally:
+                    self.transferring.discard(own)
+            else:
                 await asyncio.sleep(self.delay)  # the context phase
                 self._store_blocks(prompt)
             while reason is None:
@@ -410,7 +468,7 @@ class _Executor:
             if ctx_only:
                 from tensorrt_llm.disaggregated_params import ContextPhaseParams
 
-                opaque = self._send_context(request_id, prompt, digest, out[0])
+                opaque = self._send_context(request_id, prompt, digest, out[0], mrope=has_mrope(dp))
                 cpp = ContextPhaseParams(first_gen_tokens=[out[0]], req_id=request_id, opaque_state=opaque,
                                          draft_tokens=None, ctx_dp_rank=None, ctx_info_endpoint=None)
                 reason = "LENGTH"
