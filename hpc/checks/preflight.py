@@ -103,7 +103,8 @@ def trtllm_version_problem(manifest: dict) -> str | None:
     how = ("container.trtllm_version" if container.get("trtllm_version")
            else "what hpc knows of its tag (hpc/data/trtllm-versions.json)")
     return (f"the image {image} holds TensorRT-LLM {found or '(no version found)'}, but the job was validated "
-            f"against {' or '.join(expected)} ({how}); set container.trtllm_version: \"{found}\" in the cluster "
+            f"against {' or '.join(expected)} ({how}); set container.trtllm_version: "
+            f"\"{(found or '?').split('+', 1)[0]}\" in the cluster "
             f"profile and validate again, or use an image with {expected[-1]}")
 
 

@@ -23,7 +23,7 @@ from hpc.spec.recipe import Backend, Recipe, RoleSpec
 
 log = logging.getLogger(__name__)
 
-KV_EVENT_BUFFER_MAX_SIZE = 1024
+KV_EVENT_BUFFER_MAX_SIZE = 100_000  # as Dynamo's TensorRT-LLM worker: a busy engine's events between drains
 
 # Dynamo's TensorRT-LLM worker turns on dynamic batch tuning; so do we (the defaults layer, so users can change it).
 DYNAMIC_BATCH_CONFIG = {"enable_batch_size_tuning": True, "enable_max_num_tokens_tuning": False,

@@ -149,3 +149,37 @@ def test_trtllm_ranks_need_its_launcher_on_the_nodes(tmp_path, monkeypatch):
     one = _manifest(tmp_path, "dev", "tiny-agg", "backend=trtllm")  # one rank: no launcher needed
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     assert "trtllm-llmapi-launch" not in check(one)[1]
+
+
+FAKE_TRTLLM = __import__("pathlib").Path(__file__).resolve().parents[1] / "fakes" / "trtllm"
+
+
+@pytest.mark.parametrize("found, passes", [("1.3.0rc11", True), ("1.1.0rc5", False)])
+def test_an_image_with_another_trtllm_than_validated_ends_the_job_in_one_line(tmp_path, monkeypatch, found, passes):
+    """dev-containers with the profile declaring 1.3.0rc11; the fake TensorRT-LLM in the image says `found`."""
+    monkeypatch.syspath_prepend(str(FAKE_TRTLLM))
+    monkeypatch.setenv("FAKE_TRTLLM_VERSION", found)
+    m = _manifest(tmp_path, "dev-containers", "tiny-agg", "backend=trtllm")
+    m["trtllm_versions"] = ["1.3.0rc11"]
+    m["cluster"]["container"]["trtllm_version"] = "1.3.0rc11"
+    m["cluster"]["container"]["python_version"] = f"{sys.version_info.major}.{sys.version_info.minor}"
+    from hpc.checks.preflight import installed_trtllm_version, trtllm_version_problem
+
+    assert installed_trtllm_version() == f"{found}+hpcfake"  # read from its version.py, the package not imported
+    assert "tensorrt_llm" not in sys.modules
+    problem = trtllm_version_problem(m)
+    assert (problem is None) is passes
+    if not passes:
+        assert problem == (f"the image {m['cluster']['container']['image']} holds TensorRT-LLM 1.1.0rc5+hpcfake, "
+                           "but the job was validated against 1.3.0rc11 (container.trtllm_version); set "
+                           'container.trtllm_version: "1.1.0rc5" in the cluster profile and validate '
+                           "again, or use an image with 1.3.0rc11")
+        ok, line = check(m)
+        assert not ok and "\n" not in line and line.endswith(problem)
+
+
+def test_a_job_of_unknown_version_is_not_held_to_one(tmp_path):
+    m = _manifest(tmp_path, "dev-containers", "tiny-agg", "backend=trtllm")
+    from hpc.checks.preflight import trtllm_version_problem
+
+    assert m["trtllm_versions"] == [] and trtllm_version_problem(m) is None  # a squashfs of no known tag

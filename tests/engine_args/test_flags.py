@@ -79,4 +79,4 @@ def test_forced_values_that_replace_a_users_choice_are_warned_about(capsys):
                  '{"kv_cache_config": {"event_buffer_max_size": 0}, "cache_transceiver_config": {"backend": "UCX"}}'])
     captured = capsys.readouterr()
     assert code == 0
-    assert "warning: prefill: the runtime sets kv_cache_config.event_buffer_max_size: 0 -> 1024" in captured.err
+    assert "warning: prefill: the runtime sets kv_cache_config.event_buffer_max_size: 0 -> 100000" in captured.err

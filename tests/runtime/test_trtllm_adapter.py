@@ -27,16 +27,36 @@ AGG, PREFILL, DECODE, ENCODE = (DisaggregationMode.AGG, DisaggregationMode.PREFI
                                 DisaggregationMode.ENCODE)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fake_trtllm(tmp_path_factory):
-    import os
+# The contract in each version mode of the fake: the oldest and newest TensorRT-LLM hpc knows, eos's, the base
+# table's (the fake takes each version's DisaggregatedParams from hpc/data/trtllm-versions.json)
+VERSION_MODES = ("1.1.0rc5", "1.3.0rc11", "1.3.0rc27", "1.4.0rc4")
 
-    sys.path.insert(0, str(FAKE))
-    os.environ["FAKE_TRTLLM_TRANSCEIVER_DIR"] = str(tmp_path_factory.mktemp("transceiver"))
-    yield
-    sys.path.remove(str(FAKE))
+
+def _forget_fake() -> None:
     for name in [m for m in sys.modules if m == "tensorrt_llm" or m.startswith("tensorrt_llm.")]:
         del sys.modules[name]
+
+
+@pytest.fixture(scope="module", autouse=True, params=VERSION_MODES)
+def fake_trtllm(request, tmp_path_factory):
+    import os
+
+    os.environ["FAKE_TRTLLM_VERSION"] = request.param
+    _forget_fake()
+    sys.path.insert(0, str(FAKE))
+    os.environ["FAKE_TRTLLM_TRANSCEIVER_DIR"] = str(tmp_path_factory.mktemp("transceiver"))
+    yield request.param
+    sys.path.remove(str(FAKE))
+    os.environ.pop("FAKE_TRTLLM_VERSION", None)
+    _forget_fake()
+
+
+def needs_handles(version: str) -> None:
+    """EPD needs DisaggregatedParams.multimodal_embedding_handles, which some versions lack (validate refuses it)."""
+    from hpc.engine_args.trtllm_versions import facts
+
+    if facts(version).lacks("multimodal_embedding_handles"):
+        pytest.skip(f"TensorRT-LLM {version} has no multimodal_embedding_handles: no EPD (hpc validate says so)")
 
 
 def engine_args(backend: str = "pytorch") -> dict:
@@ -68,7 +88,7 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def test_disaggregated_greedy_equals_aggregated_and_sends_each_token_once(tiny):
+def test_disaggregated_greedy_equals_aggregated_and_sends_each_token_once(tiny, fake_trtllm):
     async def main():
         args = engine_args()
         async with TrtllmEngine(tiny, AGG, args) as agg, \
@@ -81,7 +101,8 @@ def test_disaggregated_greedy_equals_aggregated_and_sends_each_token_once(tiny):
                 assert rest[-1].finished and rest[-1].finish_reason == "length"
             params = [o async for o in pre.generate(request(streaming=False))][-1].disaggregated_params.trtllm
             # Everything the generation-only request needs from the context phase travelled along.
-            assert params.ctx_request_id is not None and params.disagg_request_id is not None
+            assert params.ctx_request_id is not None
+            assert (params.disagg_request_id is not None) is (fake_trtllm != "1.1.0rc5")  # not in 1.1.0rc5
             assert params.opaque_state and params.first_gen_tokens and params.prompt_token_ids
     run(main())
 
@@ -197,7 +218,8 @@ def _png(color) -> bytes:
     return buf.getvalue()
 
 
-def test_encode_prefill_decode_with_an_image_matches_the_image_in_one_engine(tiny_mm):
+def test_encode_prefill_decode_with_an_image_matches_the_image_in_one_engine(tiny_mm, fake_trtllm):
+    needs_handles(fake_trtllm)
     images = {"red": _png((200, 0, 0)), "blue": _png((0, 0, 200))}
 
     def loader(ref: str) -> bytes:
@@ -323,3 +345,142 @@ def test_the_prompts_logprobs_come_once_with_the_first_output(tiny):
     first = outs[0].prompt_logprobs
     assert [e.token_id for e in first] == [12, 13, 14, 15, 16] and all(len(e.top_ids) == 2 for e in first)
     assert all(o.prompt_logprobs is None for o in outs[1:])
+
+
+def test_disaggregated_params_carry_only_the_fields_the_images_version_has(tiny, fake_trtllm):
+    """A field the version lacks was a TypeError on every prefill (DisaggregatedParams is a kw-only slots
+    dataclass); without disagg_request_id the decode side names the context by ctx_request_id."""
+    import dataclasses
+
+    from tensorrt_llm import __version__
+    from tensorrt_llm.disaggregated_params import DisaggregatedParams
+
+    have = {f.name for f in dataclasses.fields(DisaggregatedParams)}
+    assert __version__.startswith(fake_trtllm)
+    assert ("disagg_request_id" in have) is (fake_trtllm != "1.1.0rc5")  # the mode really differs
+
+    async def main():
+        args = engine_args()
+        async with TrtllmEngine(tiny, AGG, args) as agg, TrtllmEngine(tiny, PREFILL, args, self_address="h:1") as pre, \
+                TrtllmEngine(tiny, DECODE, args) as dec:
+            req = request(max_tokens=6)
+            split, rest = await disaggregated(pre, dec, req)
+            return await tokens(agg, req), split, rest
+    whole, split, rest = run(main())
+    assert split == whole and len(whole) == 6
+
+
+def test_a_disagg_request_id_is_drawn_from_the_global_range(tiny, fake_trtllm):
+    """Upstream keeps local ids in [0, 2^40) and global disagg ids in [2^40, 2^63) (llmapi/disagg_utils.py)."""
+    from hpc.runtime.engine.trtllm_engine import MIN_GLOBAL_ID, global_disagg_request_id
+
+    assert all(MIN_GLOBAL_ID <= global_disagg_request_id() < 1 << 63 for _ in range(1000))
+
+    async def main():
+        async with TrtllmEngine(tiny, PREFILL, engine_args(), self_address="h:1") as pre:
+            outs = [o async for o in pre.generate(request(max_tokens=2, streaming=False))]
+            return outs[-1].disaggregated_params.trtllm
+    sent = run(main())
+    if fake_trtllm == "1.1.0rc5":
+        assert sent.disagg_request_id is None and sent.ctx_request_id is not None
+    else:
+        assert sent.disagg_request_id >= MIN_GLOBAL_ID
+
+
+def test_nested_engine_configs_reach_the_llm_as_its_config_classes(tiny, tmp_path, monkeypatch):
+    """speculative_config by decoding_type (DecodingBaseConfig.from_dict), moe_config and the cache transceiver's
+    as their classes, as upstream's update_llm_args_with_extra_dict converts them; they reached LLM(...) as dicts."""
+    import yaml
+
+    monkeypatch.setenv("FAKE_TRTLLM_LOG", str(tmp_path / "events.jsonl"))
+    root = Path(__file__).resolve().parents[2]
+    mtp = yaml.safe_load((root / "engine_configs/deepseek-r1/mtp-agg.yaml").read_text())
+    moe = yaml.safe_load((root / "engine_configs/deepseek-r1/wide-ep-decode.yaml").read_text())
+    args = {**engine_args(), "speculative_config": mtp["speculative_config"], "moe_config": moe["moe_config"],
+            "cache_transceiver_config": moe["cache_transceiver_config"]}
+
+    async def main():
+        async with TrtllmEngine(tiny, AGG, args):
+            pass
+    run(main())
+    (init,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()
+               if json.loads(line)["event"] == "init"]
+    assert init["nested"]["speculative_config"] == "MTPDecodingConfig"
+    assert init["nested"]["moe_config"] == "MoeConfig"
+    assert init["nested"]["cache_transceiver_config"] == "CacheTransceiverConfig"
+    assert init["nested"]["kv_cache_config"] == "KvCacheConfig"
+
+
+def test_200_clients_leaving_during_the_kv_transfer_leave_the_decode_engine_alive(tiny, tmp_path, monkeypatch):
+    """An abort that lands while a generation-only request's KV cache is in transfer takes the executor down
+    (the fake models it, as Dynamo's _DeferredAbort guards against it); the adapter aborts once it has landed."""
+    monkeypatch.setenv("FAKE_TRTLLM_LOG", str(tmp_path / "events.jsonl"))
+    monkeypatch.setenv("FAKE_TRTLLM_TRANSFER_MS", "30")
+
+    async def main():
+        args = engine_args()
+        async with TrtllmEngine(tiny, PREFILL, args, self_address="h:1") as pre, TrtllmEngine(tiny, DECODE, args) as dec:
+            handoffs = []
+            for i in range(200):
+                req = replace(request(max_tokens=50), token_ids=[11, 12, 13, i % 100 + 20])
+                outs = [o async for o in pre.generate(replace(req, streaming=False))]
+                handoffs.append(replace(req, disaggregated_params=outs[-1].disaggregated_params))
+
+            async def leave(req):  # the client goes away before the first decode token
+                stream = dec.generate(req)
+                task = asyncio.ensure_future(stream.__anext__())
+                await asyncio.sleep(0.005)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                await stream.aclose()
+            await asyncio.gather(*(leave(r) for r in handoffs))
+            await asyncio.sleep(0.3)
+            after, _ = await disaggregated(pre, dec, request(max_tokens=4))  # still serving
+            return dec.failure, dec.stats(), after
+    failure, stats, after = run(main())
+    assert failure is None, failure
+    assert stats["aborts_deferred"] >= 150 and stats["running"] == 0 and after
+    log = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert not [e for e in log if e["event"] == "abort_during_transfer"]
+    assert len([e for e in log if e["event"] == "abort"]) >= 150
+
+
+def test_sampling_leaves_detokenizing_to_the_frontend():
+    from tensorrt_llm import SamplingParams as Sampling
+    from tensorrt_llm.sampling_params import GuidedDecodingParams
+
+    assert trtllm_sampling(SamplingParams(max_tokens=3), Sampling, GuidedDecodingParams).detokenize is False
+
+
+def test_qwen_vl_epd_carries_the_mrope_handles_to_prefill_and_decode(tiny_mm, tmp_path, fake_trtllm):
+    """Qwen-VL's positions follow the image grid: the encoder's mrope handles go to the prefill request and on to
+    the decode request (upstream test_mm_encoder_standalone.py); the fake refuses a phase without them."""
+    import shutil
+
+    needs_handles(fake_trtllm)
+    model = tmp_path / "qwen-vl-shaped"
+    shutil.copytree(tiny_mm, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "qwen2_vl"}))
+
+    async def main():
+        args = engine_args()
+        async with TrtllmEngine(str(model), ENCODE, args, load_image_bytes=lambda ref: _png((200, 0, 0))) as enc, \
+                TrtllmEngine(str(model), PREFILL, args, self_address="h:1") as pre, \
+                TrtllmEngine(str(model), DECODE, args) as dec:
+            media = await enc.encode(enc.load_image(_png((200, 0, 0))))
+            ids = pre._llm.tokenizer.encode("<|image|>" * 16 + "What is it?", add_special_tokens=False)
+            req = replace(request(max_tokens=4), token_ids=ids, media=media)
+            outs = [o async for o in pre.generate(replace(req, streaming=False))]
+            handed = outs[-1].disaggregated_params
+            rest = [t async for o in dec.generate(replace(req, media=None, disaggregated_params=handed))
+                    for t in o.token_ids]
+            bare = replace(media, mrope_position_ids_handle=None, mrope_position_deltas_handle=None)
+            with pytest.raises(Exception, match="mrope"):
+                [o async for o in pre.generate(replace(req, media=bare, streaming=False))]
+            return media, handed, rest
+    media, handed, rest = run(main())
+    assert media.mrope_position_ids_handle and media.mrope_position_deltas_handle
+    assert handed.trtllm.mrope_position_ids_handle == media.mrope_position_ids_handle  # at prefill, on to decode
+    assert handed.trtllm.mrope_position_deltas_handle == media.mrope_position_deltas_handle
+    assert len(rest) == 3
