@@ -130,3 +130,13 @@ def test_a_slurm_that_does_not_answer_is_one_line_with_its_verdict(tmp_path, mon
     text = caught.value.render()
     assert "\n" not in text and "sinfo: fatal: Could not establish a configuration source" in text, text
     assert len(fake.calls) == 1 and not out.exists()
+
+
+@pytest.mark.parametrize("image, version", [("nvcr.io/nvidia/ai-dynamo/tensorrtllm-runtime:1.1.1", "1.3.0rc11"),
+                                            ("/images/trtllm.sqsh", None)])
+def test_a_known_images_trtllm_version_is_filled_in(image, version):
+    facts = probe(FakeCluster(DEV_SINFO), "debug")
+    text = cluster_command.profile_text(_args(image=image), facts)
+    profile = parse_model(ClusterProfile, yaml.safe_load(text), file="new.yaml")
+    assert profile.container.trtllm_version == version
+    assert version is not None or "# trtllm_version: X.Y.Z" in text  # to fill in, commented
