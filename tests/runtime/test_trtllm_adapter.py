@@ -484,3 +484,17 @@ def test_qwen_vl_epd_carries_the_mrope_handles_to_prefill_and_decode(tiny_mm, tm
     assert handed.trtllm.mrope_position_ids_handle == media.mrope_position_ids_handle  # at prefill, on to decode
     assert handed.trtllm.mrope_position_deltas_handle == media.mrope_position_deltas_handle
     assert len(rest) == 3
+
+
+def test_the_encode_worker_gets_only_the_encoders_arguments(tiny_mm, tmp_path, monkeypatch, fake_trtllm):
+    """As Dynamo's encode worker: the model and its batch, not the scheduler, KV-event or stats settings."""
+    needs_handles(fake_trtllm)
+    monkeypatch.setenv("FAKE_TRTLLM_LOG", str(tmp_path / "events.jsonl"))
+
+    async def main():
+        async with TrtllmEngine(tiny_mm, ENCODE, {**engine_args(), "max_batch_size": 4, "trust_remote_code": True}):
+            pass
+    run(main())
+    (init,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()
+               if json.loads(line)["event"] == "init"]
+    assert init["cls"] == "MultimodalEncoder" and set(init["kwargs"]) <= {"max_batch_size", "max_num_tokens"}

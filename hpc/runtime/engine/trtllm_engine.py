@@ -62,6 +62,8 @@ MIN_GLOBAL_ID = 1 << 40
 # mid-transfer can take the executor down (Dynamo defers it: request_handlers/handler_base.py, _DeferredAbort).
 ABORT_AFTER_TRANSFER_S = 60.0
 MROPE_FIELDS = ("mrope_position_ids_handle", "mrope_position_deltas_handle")
+# MultimodalEncoder's arguments (tensorrt_llm/llmapi/mm_encoder.py takes trust_remote_code by name)
+ENCODER_ARGS = ("max_batch_size", "trust_remote_code")
 
 
 def global_disagg_request_id() -> int:
@@ -211,7 +213,12 @@ class TrtllmEngine:
         self._request_error = RequestError
         self._failed = asyncio.get_running_loop().create_future()
         cls = engine_class(tensorrt_llm, llmapi, self.mode, self.backend)
-        kwargs = llm_kwargs(self.args, llmapi)
+        if self.mode is DisaggregationMode.ENCODE:
+            # The vision encoder takes what Dynamo's encode worker gives it (encode_helper.py: the model and its
+            # batch), not the language model's scheduler, KV cache, events or stats settings.
+            kwargs = {k: self.args[k] for k in ENCODER_ARGS if k in self.args}
+        else:
+            kwargs = llm_kwargs(self.args, llmapi)
         if self.backend != "_autodeploy" and self.mode is not DisaggregationMode.ENCODE:
             kwargs["backend"] = self.backend
         log.info("building %s for %s from %s", cls.__name__, self.mode.value, self.model_dir)
