@@ -175,10 +175,10 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
 
 def _trtllm_version(cluster: ClusterProfile, cluster_file: str, recipe: Recipe, model_config: dict[str, Any] | None,
                     asked: str | None) -> VersionCheck:
-    container = cluster.container
-    return check_version(container.trtllm_version if container else None, container.image if container else None,
-                         asked, cluster_file=cluster_file, encode_role=recipe.roles.encode is not None,
-                         disaggregated=recipe.disaggregated, model_config=model_config)
+    image = cluster.container.image if cluster.container else None
+    return check_version(cluster.trtllm_version, image, asked, cluster_file=cluster_file,
+                         encode_role=recipe.roles.encode is not None, disaggregated=recipe.disaggregated,
+                         model_config=model_config)
 
 
 def _group_field(recipe: Recipe, group: WorkerGroup) -> str:

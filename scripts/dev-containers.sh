@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # pyxis + enroot for hpc's dev cluster, and the local squashfs images its containers run.
 #
-#   dev-containers.sh build LAB          build enroot (glibc) and pyxis from ../shared/vendor into LAB/containers,
+#   dev-containers.sh build LAB          build enroot (glibc) and pyxis from vendor/ into LAB/containers,
 #                                        write the enroot config (per-node paths, PMI hook) and plugstack.conf
 #   dev-containers.sh images             build the images (cached in HPC_DEVCLUSTER_IMAGES, /var/cache/hpc/images):
 #                                          stock.sqsh     Debian 12 + Python 3.11 + torch (CPU) + transformers: what a
@@ -13,7 +13,8 @@
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
-VENDOR=${HPC_VENDOR_DIR:-$HERE/../../shared/vendor}
+# the sources travel with the repository (vendor/; a wheel's share/hpc/vendor)
+VENDOR=${HPC_VENDOR_DIR:-$HERE/../vendor}
 IMAGES=${HPC_DEVCLUSTER_IMAGES:-/var/cache/hpc/images}
 # The stock image: what TensorRT-LLM images carry that hpc uses (torch as CPU wheel here, pydantic, PyYAML).
 STOCK_PACKAGES=(torch==2.13.0+cpu "transformers>=4.45" "tokenizers>=0.20" "safetensors>=0.4" numpy pillow "pydantic>=2.5" PyYAML)
@@ -36,10 +37,11 @@ install_packages() {
 
 build() {
   local lab=$1 ct=$1/containers
-  [ -f "$VENDOR/enroot-8ea147d.tar.gz" ] && [ -f "$VENDOR/pyxis-0.24.0.tar.gz" ] || \
-    die "enroot/pyxis sources not found in $VENDOR (set HPC_VENDOR_DIR)"
   install_packages
   if [ ! -x "$ct/enroot/bin/enroot" ] || [ ! -f "$ct/pyxis/lib/slurm/spank_pyxis.so" ]; then
+    # the sources are needed only when there is no build yet
+    [ -f "$VENDOR/enroot-8ea147d.tar.gz" ] && [ -f "$VENDOR/pyxis-0.24.0.tar.gz" ] || \
+      die "enroot/pyxis sources not found in $VENDOR (the repository's vendor/; or set HPC_VENDOR_DIR)"
     rm -rf "$ct/src" && mkdir -p "$ct/src"
     tar xzf "$VENDOR/enroot-8ea147d.tar.gz" -C "$ct/src"
     tar xzf "$VENDOR/pyxis-0.24.0.tar.gz" -C "$ct/src"

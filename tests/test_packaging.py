@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = ("templates", "clusters", "recipes", "engine_configs", "scripts")
+SHIPPED = ("templates", "clusters", "recipes", "engine_configs", "scripts", "vendor")
 
 pytestmark = pytest.mark.integration
 

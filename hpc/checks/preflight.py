@@ -99,11 +99,11 @@ def trtllm_version_problem(manifest: dict) -> str | None:
     if found is not None and found.split("+", 1)[0] in expected:
         return None
     container = manifest["cluster"].get("container") or {}
-    image = container.get("image", "the nodes' environment")
-    how = ("container.trtllm_version" if container.get("trtllm_version")
-           else "what hpc knows of its tag (hpc/data/trtllm-versions.json)")
-    return (f"the image {image} holds TensorRT-LLM {found or '(no version found)'}, but the job was validated "
-            f"against {' or '.join(expected)} ({how}); set container.trtllm_version: "
+    where = f"the image {container['image']}" if container.get("image") else "the nodes' Python environment"
+    how = ("the profile's trtllm_version" if manifest["cluster"].get("trtllm_version")
+           else "what hpc knows of the image's tag (hpc/data/trtllm-versions.json)")
+    return (f"{where} holds TensorRT-LLM {found or '(no version found)'}, but the job was validated "
+            f"against {' or '.join(expected)} ({how}); set trtllm_version: "
             f"\"{(found or '?').split('+', 1)[0]}\" in the cluster "
             f"profile and validate again, or use an image with {expected[-1]}")
 

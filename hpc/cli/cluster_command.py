@@ -66,16 +66,17 @@ def _q(value: object) -> str:
     return json.dumps(value)  # a YAML scalar that keeps spaces, colons and quotes as they are
 
 
-def _trtllm_line(image: str) -> str:
+def _trtllm_line(image: str | None) -> str:
     """The image's TensorRT-LLM version where hpc knows its tag (validate checks engine configs against it, the
     preflight holds the job to it); otherwise a commented line to fill in."""
     from hpc.engine_args.trtllm_versions import versions_of_image
 
-    known = versions_of_image(image)
+    known = versions_of_image(image) if image else ()
     if len(known) == 1:
-        return f"  trtllm_version: {known[0]}  # the TensorRT-LLM its tag ships (hpc/data/trtllm-versions.json)"
+        return f"trtllm_version: {known[0]}  # the TensorRT-LLM the image's tag ships (hpc/data/trtllm-versions.json)"
     spans = f" (its tag ships one of {', '.join(known)})" if known else ""
-    return f"  # trtllm_version: X.Y.Z  # the image's TensorRT-LLM{spans}: validate checks against it, the job holds to it"
+    return (f"# trtllm_version: X.Y.Z  # the nodes' TensorRT-LLM{spans}: validate checks against it, the job holds "
+            "to it")
 
 
 def profile_text(args: argparse.Namespace, facts: ClusterFacts) -> str:
@@ -110,10 +111,10 @@ def profile_text(args: argparse.Namespace, facts: ClusterFacts) -> str:
         lines += ["container:  # pyxis: srun has --container-image",
                   f"  image: {_q(args.image)}",
                   f"  mounts: {_q(args.mount)}",
-                  "  python_version: \"3.12\"  # the image's Python: hpc's runtime is built for it (preflight checks)",
-                  _trtllm_line(args.image)]
+                  "  python_version: \"3.12\"  # the image's Python: hpc's runtime is built for it (preflight checks)"]
     elif facts.pyxis:
         lines.append("# container: {image: ..., mounts: [...]}  # pyxis is installed: srun has --container-image")
+    lines.append(_trtllm_line(args.image))
     if args.runs_dir:
         lines.append(f"runs_dir: {_q(args.runs_dir)}")
     else:

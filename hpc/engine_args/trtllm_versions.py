@@ -1,7 +1,7 @@
 """The TensorRT-LLM versions hpc knows: which image ships which, and what each version is known to take.
 
 A job meets the TensorRT-LLM of its image, not the one hpc was written against. The cluster profile declares it
-(container.trtllm_version) or hpc knows it from the image's tag (hpc/data/trtllm-versions.json: Dynamo's runtime
+(trtllm_version) or hpc knows it from the image's tag (hpc/data/trtllm-versions.json: Dynamo's runtime
 images, NGC's release images); `hpc validate` checks engine configs against that version's field table, and the
 job's preflight ends the job before any server starts when the image holds another version.
 """
@@ -123,7 +123,7 @@ class Target:
     """The TensorRT-LLM a job will meet, and how hpc knows it."""
 
     versions: tuple[str, ...]  # empty: not known
-    how: str  # "declared" (container.trtllm_version), "image tag", "asked" (--trtllm-version), "unknown"
+    how: str  # "declared" (the profile's trtllm_version), "image tag", "asked" (--trtllm-version), "unknown"
 
     @property
     def version(self) -> str | None:

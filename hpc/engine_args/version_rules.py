@@ -27,8 +27,8 @@ class VersionCheck:
 
 
 def _where(t: tv.Target) -> str:
-    return {"asked": "--trtllm-version", "declared": "container.trtllm_version",
-            "image tag": "container.image"}.get(t.how, "container.trtllm_version")
+    return {"asked": "--trtllm-version", "declared": "trtllm_version",
+            "image tag": "container.image"}.get(t.how, "trtllm_version")
 
 
 def check_version(declared: str | None, image: str | None, asked: str | None, *, cluster_file: str,
@@ -39,7 +39,7 @@ def check_version(declared: str | None, image: str | None, asked: str | None, *,
     known = ", ".join(f.version for f in tv.known_versions())
     if t.version is not None and tv.facts(t.version) is None:
         error = UserError(f"TensorRT-LLM {t.version} is not a version hpc knows", file=source, field=_where(t),
-                          hint=f"known: {known}; or leave container.trtllm_version out, and the job's image is "
+                          hint=f"known: {known}; or leave trtllm_version out, and the job's environment is "
                                f"taken as it is")
         return VersionCheck(t, *tv.table_for(None), errors=[error])
     table_name, table_version = tv.table_for(t.version)
@@ -47,7 +47,7 @@ def check_version(declared: str | None, image: str | None, asked: str | None, *,
     if t.version is None:
         check.warnings.append(
             f"the TensorRT-LLM version of {image or 'the nodes'} is not known: engine configs are checked against "
-            f"the field table of {table_version}; set container.trtllm_version in {cluster_file} to have it "
+            f"the field table of {table_version}; set trtllm_version in {cluster_file} to have it "
             f"checked, and held to, in the job")
         return check
     if table_version != t.version:

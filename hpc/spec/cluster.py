@@ -61,10 +61,6 @@ class Container(StrictModel):
                            "every step, and later jobs, reuse; otherwise each step starts from the image itself")
     python_version: str = Field("3.12", pattern=r"^3\.[0-9]{1,2}$",
                                 description="the image's Python (major.minor): the runtime bundle is built for it")
-    trtllm_version: str | None = Field(
-        None, pattern=rf"^{VERSION_PATTERN}$",
-        description="the TensorRT-LLM the image ships (e.g. 1.3.0rc11): engine configs are checked against it and "
-                    "the job's preflight ends the job if the image holds another; known images need not say it")
 
 
 class Network(StrictModel):
@@ -117,6 +113,11 @@ class ClusterProfile(StrictModel):
     exclusive: bool = False
     container: Container | None = None
     python_env: str | None = Field(None, description="a virtualenv/conda prefix to activate")
+    trtllm_version: str | None = Field(
+        None, pattern=rf"^{VERSION_PATTERN}$",
+        description="the TensorRT-LLM the job's environment holds (the container image's, or python_env's), e.g. "
+                    "1.3.0rc11: engine configs are checked against it and the job's preflight ends the job if the "
+                    "nodes hold another; an image of known tag need not say it")
     python: str = "python3"
     mpi: str = "pmix"
     network: Network = Field(default_factory=Network)

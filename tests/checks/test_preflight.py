@@ -161,7 +161,7 @@ def test_an_image_with_another_trtllm_than_validated_ends_the_job_in_one_line(tm
     monkeypatch.setenv("FAKE_TRTLLM_VERSION", found)
     m = _manifest(tmp_path, "dev-containers", "tiny-agg", "backend=trtllm")
     m["trtllm_versions"] = ["1.3.0rc11"]
-    m["cluster"]["container"]["trtllm_version"] = "1.3.0rc11"
+    m["cluster"]["trtllm_version"] = "1.3.0rc11"
     m["cluster"]["container"]["python_version"] = f"{sys.version_info.major}.{sys.version_info.minor}"
     from hpc.checks.preflight import installed_trtllm_version, trtllm_version_problem
 
@@ -171,8 +171,8 @@ def test_an_image_with_another_trtllm_than_validated_ends_the_job_in_one_line(tm
     assert (problem is None) is passes
     if not passes:
         assert problem == (f"the image {m['cluster']['container']['image']} holds TensorRT-LLM 1.1.0rc5+hpcfake, "
-                           "but the job was validated against 1.3.0rc11 (container.trtllm_version); set "
-                           'container.trtllm_version: "1.1.0rc5" in the cluster profile and validate '
+                           "but the job was validated against 1.3.0rc11 (the profile's trtllm_version); set "
+                           'trtllm_version: "1.1.0rc5" in the cluster profile and validate '
                            "again, or use an image with 1.3.0rc11")
         ok, line = check(m)
         assert not ok and "\n" not in line and line.endswith(problem)

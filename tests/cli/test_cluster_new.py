@@ -138,5 +138,5 @@ def test_a_known_images_trtllm_version_is_filled_in(image, version):
     facts = probe(FakeCluster(DEV_SINFO), "debug")
     text = cluster_command.profile_text(_args(image=image), facts)
     profile = parse_model(ClusterProfile, yaml.safe_load(text), file="new.yaml")
-    assert profile.container.trtllm_version == version
+    assert profile.trtllm_version == version
     assert version is not None or "# trtllm_version: X.Y.Z" in text  # to fill in, commented

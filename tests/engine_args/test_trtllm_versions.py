@@ -82,7 +82,7 @@ def test_a_profile_declaring_a_version_hpc_does_not_know_is_refused(tmp_path, ca
     path.write_text(profile)
     assert main(["validate", "-c", str(path), "-r", "deepseek-r1-disagg"]) == 2
     err = capsys.readouterr().err
-    assert "container.trtllm_version: TensorRT-LLM 1.9.0 is not a version hpc knows" in err
+    assert "eos.yaml" not in err and "mine.yaml: trtllm_version: TensorRT-LLM 1.9.0 is not a version hpc knows" in err
     path.write_text(profile.replace("trtllm_version: 1.9.0", "trtllm_version: latest"))
     assert main(["validate", "-c", str(path), "-r", "deepseek-r1-disagg"]) == 2
     assert "trtllm_version" in capsys.readouterr().err
