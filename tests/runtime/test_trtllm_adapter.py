@@ -454,7 +454,8 @@ def test_sampling_leaves_detokenizing_to_the_frontend():
 
 def test_qwen_vl_epd_carries_the_mrope_handles_to_prefill_and_decode(tiny_mm, tmp_path, fake_trtllm):
     """Qwen-VL's positions follow the image grid: the encoder's mrope handles go to the prefill request and on to
-    the decode request (upstream test_mm_encoder_standalone.py); the fake refuses a phase without them."""
+    the decode request (upstream test_mm_encoder_standalone.py); the fake refuses a phase without them, and
+    positions computed for another prompt than the request's (the encoder runs on the request's own text)."""
     import shutil
 
     needs_handles(fake_trtllm)
@@ -468,8 +469,11 @@ def test_qwen_vl_epd_carries_the_mrope_handles_to_prefill_and_decode(tiny_mm, tm
         async with TrtllmEngine(str(model), ENCODE, args, load_image_bytes=lambda ref: _png((200, 0, 0))) as enc, \
                 TrtllmEngine(str(model), PREFILL, args, self_address="h:1") as pre, \
                 TrtllmEngine(str(model), DECODE, args) as dec:
-            media = await enc.encode(enc.load_image(_png((200, 0, 0))))
             ids = pre._llm.tokenizer.encode("<|image|>" * 16 + "What is it?", add_special_tokens=False)
+            media = await enc.encode(enc.load_image(_png((200, 0, 0))), ids)  # on the request's own prompt
+            alone = await enc.encode(enc.load_image(_png((200, 0, 0))))  # on the placeholder alone
+            with pytest.raises(Exception, match="computed for another prompt"):
+                [o async for o in pre.generate(replace(request(max_tokens=4), token_ids=ids, media=alone))]
             req = replace(request(max_tokens=4), token_ids=ids, media=media)
             outs = [o async for o in pre.generate(replace(req, streaming=False))]
             handed = outs[-1].disaggregated_params

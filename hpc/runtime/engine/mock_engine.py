@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
                                       GenerateRequest, KvMeta, TokenLogprob)
@@ -81,7 +81,7 @@ class MockEngine:
         return [TokenLogprob(token_id=token, logprob=-0.6931, top_ids=top,
                              top_logprobs=[-0.6931 - i for i in range(k)])]
 
-    async def encode(self, pixels: Any) -> EncodedMedia:
+    async def encode(self, pixels: Any, prompt_token_ids: Sequence[int] = ()) -> EncodedMedia:
         self._counters["requests"] += 1
         return EncodedMedia(shape=[0, 0])
 

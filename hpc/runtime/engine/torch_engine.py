@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import torch
 
@@ -362,7 +362,8 @@ class TorchEngine(ContextSteps, DecodeSteps, WarmUp):
         if request.sampling.prompt_logprobs is not None and self.pipeline.size > 1:
             raise ValueError("the prompt's logprobs are not computed across pipeline stages")
 
-    async def encode(self, pixels: torch.Tensor) -> EncodedMedia:
+    async def encode(self, pixels: torch.Tensor, prompt_token_ids: Sequence[int] = ()) -> EncodedMedia:
+        """The image's embeddings (the vision tower reads no text: the prompt is not needed)."""
         if self.vision is None:
             raise RuntimeError("this model has no vision encoder")
         emb = await asyncio.to_thread(lambda: self.vision(pixels.to(self.device, self.dtype)).float().cpu())

@@ -43,7 +43,7 @@ import json
 import logging
 import secrets
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from hpc.runtime.engine.placeholders import encoder_prompt
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
@@ -437,9 +437,12 @@ class TrtllmEngine:
                                    first_token_id=t.first_gen_tokens[0], prompt_length=len(t.prompt_token_ids),
                                    trtllm=t)
 
-    async def encode(self, image: Any) -> EncodedMedia:
-        """One image (a PIL image from load_image) -> TensorRT-LLM's multimodal embedding handles."""
-        result = self._llm.generate_async({"prompt": self._encoder_prompt, "multi_modal_data": {"image": [image]}})
+    async def encode(self, image: Any, prompt_token_ids: Sequence[int] = ()) -> EncodedMedia:
+        """One image (a PIL image from load_image) -> TensorRT-LLM's multimodal embedding handles. The input
+        processor runs on the request's own prompt where it came along (Qwen-VL's M-RoPE positions span the whole
+        prompt), else on the model's placeholder alone."""
+        prompt = self._llm.tokenizer.decode(list(prompt_token_ids)) if prompt_token_ids else self._encoder_prompt
+        result = self._llm.generate_async({"prompt": prompt, "multi_modal_data": {"image": [image]}})
         await result.aresult()
         dp = result.disaggregated_params
         handles = getattr(dp, "multimodal_embedding_handles", None)

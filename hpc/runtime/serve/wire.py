@@ -181,6 +181,9 @@ class ReleaseKv(Message, tag="release_kv"):
 
 class EncodeImage(Message, tag="encode"):
     image: str  # URL or local path
+    # the request's prompt: an encoder whose input processor reads the text (TensorRT-LLM's, for Qwen-VL's M-RoPE
+    # positions) runs on the request's own, as Dynamo's EncodeHelper does
+    prompt_token_ids: list[int] = field(default_factory=list)
 
 
 class StatsQuery(Message, tag="stats"):

@@ -113,7 +113,8 @@ class HandlerBase:
         if self.deps.has_encode_role:
             address = await self.deps.peers.pick("encode")
             try:
-                media, _ = await self.deps.peers.client(address).call(EncodeImage(image=request.image))
+                media, _ = await self.deps.peers.client(address).call(
+                    EncodeImage(image=request.image, prompt_token_ids=list(request.token_ids)))
             except ConnectionError as exc:  # (PeerGone too) which peer: the client sees this worker's answer
                 raise RemoteError(f"encode worker at {address} failed: {exc}", 502) from None
             if not isinstance(media, EncodedMedia):
@@ -234,7 +235,7 @@ class EncodeHandler(HandlerBase):
     async def encode(self, call: EncodeImage, payload: bytes) -> AsyncIterator[Frame]:
         self.deps.counters["requests_total"] += 1
         pixels = await _load_pixels(self.deps, call.image)
-        yield await self.deps.engine.encode(pixels), b""
+        yield await self.deps.engine.encode(pixels, call.prompt_token_ids), b""
 
 
 class VideoHandler(HandlerBase):

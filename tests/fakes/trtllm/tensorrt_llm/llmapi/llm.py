@@ -147,10 +147,19 @@ def has_mrope(dp: Any) -> bool:
         getattr(dp, "mrope_position_deltas_handle", None) is not None
 
 
-def require_mrope(config: dict[str, Any], dp: Any, phase: str) -> None:
-    if config.get("model_type") in MROPE_MODEL_TYPES and not has_mrope(dp):
+def prompt_digest(prompt: str) -> str:
+    return hashlib.sha256(prompt.encode()).hexdigest()[:16]
+
+
+def require_mrope(config: dict[str, Any], dp: Any, phase: str, prompt: str | None = None) -> None:
+    if config.get("model_type") not in MROPE_MODEL_TYPES:
+        return
+    if not has_mrope(dp):
         raise ValueError(f"{config.get('model_type')}: {phase} needs mrope_position_ids_handle and "
                          "mrope_position_deltas_handle from the encoder")
+    if prompt is not None and dp.mrope_position_ids_handle.get("fake_prompt") != prompt_digest(prompt):
+        raise ValueError(f"{config.get('model_type')}: the encoder's M-RoPE positions were computed for another "
+                         "prompt than this request's")
 
 
 class BaseLLM:
@@ -229,7 +238,7 @@ class BaseLLM:
             if not inputs.get("prompt"):
                 raise ValueError("multimodal embeddings need the text prompt (the input processor expands it)")
             digest = "+".join(h["fake_digest"] for h in dp.multimodal_embedding_handles)
-            require_mrope(self._config, dp, "the context phase")
+            require_mrope(self._config, dp, "the context phase", inputs["prompt"])
             check_image_placeholders(self._config, inputs["prompt"], len(dp.multimodal_embedding_handles))
             prompt_ids = self._tokenizer.encode(inputs["prompt"], add_special_tokens=sampling_params.add_special_tokens)
         elif "prompt_token_ids" in inputs:

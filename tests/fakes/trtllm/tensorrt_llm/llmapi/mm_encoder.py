@@ -15,7 +15,8 @@ from typing import Any, Optional
 
 from tensorrt_llm.disaggregated_params import DisaggregatedParams
 from tensorrt_llm.executor.result import Response
-from tensorrt_llm.llmapi.llm import MROPE_MODEL_TYPES, BaseLLM, _log, check_image_placeholders, image_digest
+from tensorrt_llm.llmapi.llm import (MROPE_MODEL_TYPES, BaseLLM, _log, check_image_placeholders, image_digest,
+                                     prompt_digest)
 
 
 class MultimodalEncoder(BaseLLM):
@@ -35,8 +36,10 @@ class MultimodalEncoder(BaseLLM):
                    for img in images]
         result = super().generate_async({"prompt_token_ids": [1]}, sampling_params)
         mrope = {}
-        if self._config.get("model_type") in MROPE_MODEL_TYPES:  # the positions follow the image grid
-            mrope = {"mrope_position_ids_handle": {"tensor_size": [3, 1, 16], "fake_digest": handles[0]["fake_digest"]},
+        if self._config.get("model_type") in MROPE_MODEL_TYPES:
+            # the positions span the whole prompt, text and image grid: they hold for this prompt only
+            mrope = {"mrope_position_ids_handle": {"tensor_size": [3, 1, len(str(inputs.get("prompt", "")))],
+                                                   "fake_prompt": prompt_digest(str(inputs.get("prompt", "")))},
                      "mrope_position_deltas_handle": {"tensor_size": [1, 1]}}
         result.disaggregated_params = DisaggregatedParams(multimodal_embedding_handles=handles, **mrope)
         result.mm_embedding_handle = handles[0]
