@@ -8,7 +8,7 @@ import contextlib
 import time
 from typing import AsyncIterator
 
-from hpc.runtime.engine.types import GenerateOutput, GenerateRequest
+from hpc.runtime.engine.types import DisaggregatedParams, GenerateOutput, GenerateRequest
 from hpc.runtime.frontend.openai import RouteHints
 from hpc.runtime.frontend.pools import PoolRouter
 from hpc.runtime.frontend.router import NotStarted, Router
@@ -20,6 +20,16 @@ from hpc.spec.recipe import Recipe
 # that answer to the decode call's start (the first token's delivery), the decode call to its first and last output
 DISAGG_PHASES = ("prefill_call_seconds_total", "decode_handover_seconds_total", "decode_first_output_seconds_total",
                  "decode_call_seconds_total")
+
+
+def continue_from(params: DisaggregatedParams, token: int) -> DisaggregatedParams:
+    """A second prefill's handoff, made to go on from the first token the client already has: sampled again
+    (temperature > 0) it may differ, and TensorRT-LLM's generation phase starts from first_gen_tokens, not from
+    hpc's first_token_id (its draft tokens were drafted after the other token, so they go)."""
+    t = params.trtllm
+    if t is not None and t.first_gen_tokens[:1] != [token]:
+        t = replace(t, first_gen_tokens=[token], draft_tokens=None)
+    return replace(params, first_token_id=token, trtllm=t)
 
 
 class Orchestrator:
@@ -63,8 +73,7 @@ class Orchestrator:
             # the failed decode worker may have taken the prefilled KV with it: prefill again (the client has the
             # first token already, so the decode goes on from that one)
             again = await self._prefill(gen, deadline, prefill_pools)
-            return replace(decode_req, disaggregated_params=replace(again.disaggregated_params,
-                                                                    first_token_id=token))
+            return replace(decode_req, disaggregated_params=continue_from(again.disaggregated_params, token))
 
         decode_req = replace(gen, disaggregated_params=first.disaggregated_params, image=None, media=None)
         sent = time.perf_counter()
