@@ -23,3 +23,12 @@ def block_hashes(tokens: list[int], block: int) -> list[int]:
         parent = chain_hash(parent, tokens[start:start + block])
         out.append(parent)
     return out
+
+
+def with_mm_keys(block_hash: int, mm_keys: tuple[str, ...]) -> int:
+    """A block's chained hash with the images it covers folded in: every block after it differs too, as the KV
+    cache after an image depends on the image."""
+    if not mm_keys:
+        return block_hash
+    words = [int(h[i:i + 8], 16) for h in mm_keys for i in range(0, min(len(h), 64), 8) if h[i:i + 8].strip()]
+    return chain_hash(block_hash, words)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable
 
-from hpc.runtime.engine.block_hashes import block_hashes, chain_hash
+from hpc.runtime.engine.block_hashes import block_hashes, chain_hash, with_mm_keys
+from hpc.runtime.services.events import block_mm_keys
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +37,15 @@ class KvIndex:
             self.forget(worker)
             return
         if event == "held":
-            b, tokens = message["block"], message["tokens"]
+            b, tokens, mm = message["block"], message["tokens"], message.get("mm") or {}
             self._store(worker, message.get("parent_hash"),
-                        ((h, tokens[i * b:(i + 1) * b]) for i, h in enumerate(message["block_hashes"])))
+                        ((h, tokens[i * b:(i + 1) * b], tuple(mm.get(str(i), ())))
+                         for i, h in enumerate(message["block_hashes"])))
             return
         data = (message.get("record") or {}).get("data") or {}
         if data.get("type") == "stored":
             self._store(worker, data.get("parent_hash"),
-                        ((blk["block_hash"], [t["token_id"] for t in blk.get("tokens") or []])
+                        ((blk["block_hash"], [t["token_id"] for t in blk.get("tokens") or []], block_mm_keys(blk))
                          for blk in data.get("blocks") or []))
         elif data.get("type") == "removed":
             held = self.ours.get(worker, {})
@@ -52,16 +54,19 @@ class KvIndex:
                 if ours is not None:
                     self._release(ours, worker)
 
-    def _store(self, worker: str, engine_parent: int | None, blocks: Iterable[tuple[int, list[int]]]) -> None:
-        """A chain of blocks (engine hash, tokens) after the block `engine_parent` (None: a prompt's start)."""
+    def _store(self, worker: str, engine_parent: int | None,
+               blocks: Iterable[tuple[int, list[int], tuple[str, ...]]]) -> None:
+        """A chain of blocks (engine hash, tokens, the images' hashes) after the block `engine_parent` (None: a
+        prompt's start). A block with an image gets a hash no text prompt has (with_mm_keys): two images behind the
+        same placeholder tokens are two prefixes, not one cached one."""
         held = self.ours.setdefault(worker, {})
         parent = None if engine_parent is None else held.get(engine_parent)
         if engine_parent is not None and parent is None:
             return  # continues a chain whose start this index never saw: not reachable from a prompt
-        for engine_hash, tokens in blocks:
+        for engine_hash, tokens, mm_keys in blocks:
             if len(tokens) != self.block:
                 break  # a partial block is not reused
-            parent = chain_hash(parent, tokens)
+            parent = with_mm_keys(chain_hash(parent, tokens), mm_keys)
             held[engine_hash] = parent
             self.holders.setdefault(parent, set()).add(worker)
 

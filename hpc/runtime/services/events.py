@@ -32,6 +32,14 @@ _TOKEN_ID = operator.itemgetter("token_id")  # a third faster than a generator: 
 RESYNC_RECORD_TOKENS = 16384  # a resync record's tokens at most: ~100 kB of JSON, well under NATS's 1 MB limit
 
 
+def block_mm_keys(block: dict) -> tuple[str, ...]:
+    """The multimodal hashes TensorRT-LLM records with a stored block whose tokens belong to an image
+    (KVCacheEventSerializer: `mm_keys`, each {"type": "mm_key", "hash": hex, "start_offset": n}): an image's
+    placeholder tokens are the same for every image, its hash is what tells them apart."""
+    return tuple(str(k.get("hash", "")) for k in block.get("mm_keys") or () if k.get("type") == "mm_key" and k.get("hash"))
+
+
+
 class KvMirror:
     """The blocks a worker's engine holds, from the TensorRT-LLM-shaped records it published: engine block hash ->
     (its parent's hash, its tokens). Shapes as tensorrt_llm/_utils.py KVCacheEventSerializer writes them; its
@@ -39,6 +47,7 @@ class KvMirror:
 
     def __init__(self) -> None:
         self.blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}
+        self.mm: dict[int, tuple[str, ...]] = {}  # blocks that cover an image: its hashes (few; kept apart)
         self.window = 0
 
     def note(self, record: dict[str, Any]) -> None:
@@ -49,13 +58,17 @@ class KvMirror:
             self.window = record.get("window_size") or self.window
             for blk in data.get("blocks") or []:
                 self.blocks[blk["block_hash"]] = (parent, tuple(map(_TOKEN_ID, blk.get("tokens") or ())))
+                if blk.get("mm_keys"):
+                    self.mm[blk["block_hash"]] = block_mm_keys(blk)
                 parent = blk["block_hash"]
         elif kind == "removed":
             for engine_hash in data.get("block_hashes") or ():
                 self.blocks.pop(engine_hash, None)
+                self.mm.pop(engine_hash, None)
 
     def clear(self) -> None:
         self.blocks.clear()
+        self.mm.clear()
 
     def records(self) -> list[dict[str, Any]]:
         """Every block, each parent before its children, as "held" records: a chain that does not branch is one
@@ -75,8 +88,12 @@ class KvMirror:
                 h = children[h][0]
                 run.append(h)
             starts += [(h, child) for child in reversed(children.get(h, []))]
-            out.append({"parent_hash": parent, "block_hashes": run, "block": self.window,
-                        "tokens": [t for b in run for t in self.blocks[b][1]]})
+            record = {"parent_hash": parent, "block_hashes": run, "block": self.window,
+                      "tokens": [t for b in run for t in self.blocks[b][1]]}
+            mm = {str(i): list(self.mm[b]) for i, b in enumerate(run) if b in self.mm}
+            if mm:  # the images' hashes of the blocks that cover one, by position in the run
+                record["mm"] = mm
+            out.append(record)
         return out
 
 

@@ -233,3 +233,37 @@ def test_the_index_is_whole_again_after_nats_restarts(kv_stack):
     code, resp = post_json(kv_stack.url + "/v1/completions", {"model": "hpc/tiny", "prompt": prefix + [1],
                                                              "max_tokens": 2, "temperature": 0})
     assert code == 200 and resp["usage"]["prompt_tokens_details"]["cached_tokens"] == 288, resp
+
+
+def _with_images(record: dict, keys: dict[int, str]) -> dict:
+    """The record's blocks at these positions cover an image (upstream KVCacheEventSerializer's mm_keys)."""
+    for i, blk in enumerate(record["record"]["data"]["blocks"]):
+        blk["mm_keys"] = [{"type": "mm_key", "hash": keys[i], "start_offset": 0}] if i in keys else []
+    return record
+
+
+def test_two_images_behind_the_same_placeholder_tokens_are_two_prefixes():
+    """An image's placeholder tokens are the same for every image; the block's mm_keys tell them apart, so a prompt
+    with another image (or none) is not routed as if its prefix were cached."""
+    placeholders = [7] * 8 + [30, 31, 32, 33]  # two blocks of image tokens, then text
+    kv = KvIndex(BLOCK)
+    kv.apply("agg-0", _with_images(_stored([1, 2, 3], placeholders), {0: "aa" * 32, 1: "aa" * 32}))
+    kv.apply("agg-1", _with_images(_stored([4, 5, 6], placeholders), {0: "bb" * 32, 1: "bb" * 32}))
+    kv.apply("agg-2", _stored([8, 9], PROMPT[:8]))  # text only
+    assert kv.overlaps(placeholders) == (3, {})  # the tokens alone match neither image
+    assert kv.overlaps(PROMPT)[1] == {"agg-2": 2}  # text prefixes as before
+    assert len(kv.holders) == 3 + 3 + 2  # each image's chain apart (one chain, had mm_keys been ignored)
+
+
+def test_a_resync_keeps_the_images_of_the_blocks_it_resends():
+    from hpc.runtime.services.events import KvMirror
+
+    placeholders = [7] * 8
+    record = {**_with_images(_stored([1, 2], placeholders), {1: "cc" * 32})["record"], "window_size": BLOCK}
+    mirror, live, late = KvMirror(), KvIndex(BLOCK), KvIndex(BLOCK)
+    mirror.note(record)
+    live.apply("agg-0", {"event": "engine", "record": record})
+    (held,) = mirror.records()
+    assert held["mm"] == {"1": ["cc" * 32]}
+    late.apply("agg-0", {"event": "held", **held})
+    assert late.holders == live.holders
