@@ -455,7 +455,8 @@ def test_sampling_leaves_detokenizing_to_the_frontend():
 def test_qwen_vl_epd_carries_the_mrope_handles_to_prefill_and_decode(tiny_mm, tmp_path, fake_trtllm):
     """Qwen-VL's positions follow the image grid: the encoder's mrope handles go to the prefill request and on to
     the decode request (upstream test_mm_encoder_standalone.py); the fake refuses a phase without them, and
-    positions computed for another prompt than the request's (the encoder runs on the request's own text)."""
+    positions computed for another token sequence than the request's: the encoder runs on the request's own text,
+    tokenized as prefill tokenizes it (no second BOS: its text holds the template's special tokens)."""
     import shutil
 
     needs_handles(fake_trtllm)

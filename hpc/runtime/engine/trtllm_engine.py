@@ -441,8 +441,14 @@ class TrtllmEngine:
         """One image (a PIL image from load_image) -> TensorRT-LLM's multimodal embedding handles. The input
         processor runs on the request's own prompt where it came along (Qwen-VL's M-RoPE positions span the whole
         prompt), else on the model's placeholder alone."""
-        prompt = self._llm.tokenizer.decode(list(prompt_token_ids)) if prompt_token_ids else self._encoder_prompt
-        result = self._llm.generate_async({"prompt": prompt, "multi_modal_data": {"image": [image]}})
+        inputs = {"prompt": self._encoder_prompt, "multi_modal_data": {"image": [image]}}
+        params = None
+        if prompt_token_ids:
+            tensorrt_llm, _ = self._api
+            inputs["prompt"] = self._llm.tokenizer.decode(list(prompt_token_ids))
+            # the text holds the template's special tokens already, as the prefill request's does (no second BOS)
+            params = tensorrt_llm.SamplingParams(add_special_tokens=False)
+        result = self._llm.generate_async(inputs, sampling_params=params)
         await result.aresult()
         dp = result.disaggregated_params
         handles = getattr(dp, "multimodal_embedding_handles", None)

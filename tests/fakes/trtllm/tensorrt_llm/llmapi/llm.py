@@ -147,8 +147,17 @@ def has_mrope(dp: Any) -> bool:
         getattr(dp, "mrope_position_deltas_handle", None) is not None
 
 
-def prompt_digest(prompt: str) -> str:
-    return hashlib.sha256(prompt.encode()).hexdigest()[:16]
+def tokenize(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    """The input processor's tokenizer(text, add_special_tokens=...): a Llama-style tokenizer puts its BOS first
+    when asked, whether or not the text already starts with one (hence upstream's add_special_tokens=False for a
+    text that holds the chat template's special tokens)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    bos = tokenizer.bos_token_id
+    return [bos] + ids if add_special_tokens and bos is not None else ids
+
+
+def prompt_digest(prompt_ids: list[int]) -> str:
+    return hashlib.sha256(repr(list(prompt_ids)).encode()).hexdigest()[:16]
 
 
 def require_mrope(config: dict[str, Any], dp: Any, phase: str, prompt: str | None = None) -> None:
@@ -157,7 +166,7 @@ def require_mrope(config: dict[str, Any], dp: Any, phase: str, prompt: str | Non
     if not has_mrope(dp):
         raise ValueError(f"{config.get('model_type')}: {phase} needs mrope_position_ids_handle and "
                          "mrope_position_deltas_handle from the encoder")
-    if prompt is not None and dp.mrope_position_ids_handle.get("fake_prompt") != prompt_digest(prompt):
+    if prompt is not None and dp.mrope_position_ids_handle.get("fake_prompt") != prompt_digest(prompt):  # ids
         raise ValueError(f"{config.get('model_type')}: the encoder's M-RoPE positions were computed for another "
                          "prompt than this request's")
 
@@ -238,13 +247,13 @@ class BaseLLM:
             if not inputs.get("prompt"):
                 raise ValueError("multimodal embeddings need the text prompt (the input processor expands it)")
             digest = "+".join(h["fake_digest"] for h in dp.multimodal_embedding_handles)
-            require_mrope(self._config, dp, "the context phase", inputs["prompt"])
             check_image_placeholders(self._config, inputs["prompt"], len(dp.multimodal_embedding_handles))
-            prompt_ids = self._tokenizer.encode(inputs["prompt"], add_special_tokens=sampling_params.add_special_tokens)
+            prompt_ids = tokenize(self._tokenizer, inputs["prompt"], sampling_params.add_special_tokens)
+            require_mrope(self._config, dp, "the context phase", prompt_ids)
         elif "prompt_token_ids" in inputs:
             prompt_ids = list(inputs["prompt_token_ids"])
         elif "prompt" in inputs:  # the input processor tokenizes as the request asks (inputs/registry.py)
-            prompt_ids = self._tokenizer.encode(inputs["prompt"], add_special_tokens=sampling_params.add_special_tokens)
+            prompt_ids = tokenize(self._tokenizer, inputs["prompt"], sampling_params.add_special_tokens)
         else:
             raise TypeError(f"The inputs must be type str or list of int, but got {type(inputs)}")
         mm = inputs.get("multi_modal_data")

@@ -16,7 +16,7 @@ from typing import Any, Optional
 from tensorrt_llm.disaggregated_params import DisaggregatedParams
 from tensorrt_llm.executor.result import Response
 from tensorrt_llm.llmapi.llm import (MROPE_MODEL_TYPES, BaseLLM, _log, check_image_placeholders, image_digest,
-                                     prompt_digest)
+                                     prompt_digest, tokenize)
 
 
 class MultimodalEncoder(BaseLLM):
@@ -37,9 +37,11 @@ class MultimodalEncoder(BaseLLM):
         result = super().generate_async({"prompt_token_ids": [1]}, sampling_params)
         mrope = {}
         if self._config.get("model_type") in MROPE_MODEL_TYPES:
-            # the positions span the whole prompt, text and image grid: they hold for this prompt only
-            mrope = {"mrope_position_ids_handle": {"tensor_size": [3, 1, len(str(inputs.get("prompt", "")))],
-                                                   "fake_prompt": prompt_digest(str(inputs.get("prompt", "")))},
+            # the positions span the whole prompt as the input processor tokenized it, text and image grid: they
+            # hold for that token sequence only
+            ids = tokenize(self._tokenizer, str(inputs.get("prompt", "")),
+                           sampling_params.add_special_tokens if sampling_params is not None else True)
+            mrope = {"mrope_position_ids_handle": {"tensor_size": [3, 1, len(ids)], "fake_prompt": prompt_digest(ids)},
                      "mrope_position_deltas_handle": {"tensor_size": [1, 1]}}
         result.disaggregated_params = DisaggregatedParams(multimodal_embedding_handles=handles, **mrope)
         result.mm_embedding_handle = handles[0]
