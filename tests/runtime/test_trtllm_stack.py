@@ -89,6 +89,7 @@ def test_greedy_text_is_the_same_aggregated_and_disaggregated_stream_or_not(agg,
     assert _worker_metric(disagg, "decode-0", "hpc_worker_requests_total") >= before + 4  # the decode path ran
     # start-up objects (modules, the engine) were frozen out of the collector's view before the worker registered
     assert _worker_metric(disagg, "decode-0", "hpc_worker_gc_frozen_objects") > 10_000
+    assert _worker_metric(disagg, "decode-0", "hpc_worker_engine_load_seconds") > 0  # how long its engine took
 
 
 def test_a_client_disconnect_aborts_the_engine_request_within_a_second(disagg, fake_env):

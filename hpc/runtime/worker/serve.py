@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 import uuid
 from functools import partial
 from pathlib import Path
@@ -87,10 +88,14 @@ async def serve(manifest: Manifest, role: str, index: int, manifest_file: str, r
         reporter.phase("stopped")
         return 0
     handoff.engine = engine  # the prefill side answers from it
+    began = time.monotonic()
     async with engine:
-        reporter.phase("weights_loaded", **({"engine_pid": engine.pid} if isinstance(engine, EngineProcess) else {}))
+        load_s = time.monotonic() - began  # weights, warm-up, an engine's own ranks: what a restart costs
+        reporter.phase("weights_loaded", load_seconds=round(load_s, 2),
+                       **({"engine_pid": engine.pid} if isinstance(engine, EngineProcess) else {}))
         try:
-            code = await _serve_engine(manifest, role, index, engine, peers, host, reporter, handoff, restarting)
+            code = await _serve_engine(manifest, role, index, engine, peers, host, reporter, handoff, restarting,
+                                       load_s)
         finally:
             handoff.close()
         if tp is not None and not hasattr(engine, "generate_video"):  # the video engine stops its ranks itself
@@ -116,7 +121,8 @@ def planned_device(plan: WorkerPlan, rank: int, whole_node: bool = False) -> str
 
 
 async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers: Peers, host: str,
-                        reporter: Reporter, handoff: KvHandoff | EngineHandoff, restarting: bool = False) -> int:
+                        reporter: Reporter, handoff: KvHandoff | EngineHandoff, restarting: bool = False,
+                        load_s: float = 0.0) -> int:
     """Serve until stopped or the engine fails; `restarting`: the role's policy starts this worker again if so."""
     plan = manifest.plan.worker(role, index)
     recipe = manifest.recipe
@@ -164,6 +170,7 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
                        has_encode_role=recipe.roles.encode is not None and mode is not DisaggregationMode.ENCODE,
                        on_first_token=on_first_token, kv=handoff)
     handoff.counters = deps.counters  # what arrived by which transport shows in /metrics and stats
+    deps.counters["engine_load_seconds"] = round(load_s, 3)
     handler = make_handler(deps)
     rpc = RpcServer(handler.ops(), token=rpc_token(manifest), on_activity=idle_spin.calls)
     await rpc.start(host, plan.ports["rpc"])
