@@ -503,3 +503,31 @@ def test_the_encode_worker_gets_only_the_encoders_arguments(tiny_mm, tmp_path, m
     (init,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()
                if json.loads(line)["event"] == "init"]
     assert init["cls"] == "MultimodalEncoder" and set(init["kwargs"]) <= {"max_batch_size", "max_num_tokens"}
+
+
+def test_attention_dp_ranks_publish_their_own_events_and_take_the_routers_rank(tiny, tmp_path, monkeypatch):
+    """Each attention-DP rank has its own KV cache: its events carry attention_dp_rank (upstream
+    test_llm_kv_cache_events.py), the index keeps them apart, and a request routed to a rank is scheduled there
+    (SchedulingParams(attention_dp_rank, attention_dp_relax=False))."""
+    from hpc.runtime.frontend.kv_index import KvIndex
+
+    monkeypatch.setenv("FAKE_TRTLLM_LOG", str(tmp_path / "events.jsonl"))
+    records = []
+    args = {**engine_args(), "tensor_parallel_size": 4, "enable_attention_dp": True}
+    prompt = list(range(40, 40 + 64))
+
+    async def main():
+        async with TrtllmEngine(tiny, AGG, args) as agg:
+            agg.on_kv_event = records.append
+            assert agg.attention_dp_size() == 4
+            await tokens(agg, replace(request(max_tokens=2), token_ids=prompt, dp_rank=2))
+            await asyncio.sleep(2.5)  # a drain cycle
+    run(main())
+    log = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["dp_rank"] for e in log if e["event"] == "request"] == [2]
+    stored = [r for r in records if r["data"]["type"] == "stored"]
+    assert stored and {r["attention_dp_rank"] for r in stored} == {2}
+    kv = KvIndex(32)
+    for r in records:
+        kv.apply("agg-0", {"event": "engine", "record": r})
+    assert kv.overlaps(prompt)[1] == {"agg-0@2": 2}  # this rank's cache, not the worker's as a whole

@@ -371,9 +371,16 @@ class TrtllmEngine:
             # the text holds the chat template's special tokens already: a second BOS would change the prompt
             params.add_special_tokens = False
         streaming = request.streaming and self.mode is not DisaggregationMode.PREFILL
+        scheduling = None
+        if request.dp_rank is not None and self.attention_dp_size() > 1:
+            # the attention-DP rank whose KV cache holds the prefix (the router's pick), strictly: as Dynamo
+            # passes its router's dp_rank (request_handlers/handler_base.py)
+            from tensorrt_llm.scheduling_params import SchedulingParams
+
+            scheduling = SchedulingParams(attention_dp_rank=request.dp_rank, attention_dp_relax=False)
         try:
             result = self._llm.generate_async(inputs, sampling_params=params, streaming=streaming,
-                                              disaggregated_params=dp)
+                                              disaggregated_params=dp, scheduling_params=scheduling)
         except Exception as exc:
             raise self._fault(exc) from exc
         self._counters["requests"] += 1

@@ -17,6 +17,14 @@ from hpc.runtime.services.events import block_mm_keys
 log = logging.getLogger(__name__)
 
 
+RANK_MARK = "@"
+
+
+def holder(worker: str, rank: int | None) -> str:
+    """Who holds a block: a worker ("prefill-0"), or one attention-DP rank of it ("prefill-0@3")."""
+    return worker if rank is None else f"{worker}{RANK_MARK}{rank}"
+
+
 class KvIndex:
     def __init__(self, block: int) -> None:
         self.block = block
@@ -36,6 +44,8 @@ class KvIndex:
         if event == "cleared":
             self.forget(worker)
             return
+        rank = message.get("attention_dp_rank", (message.get("record") or {}).get("attention_dp_rank"))
+        worker = holder(worker, rank)
         if event == "held":
             b, tokens, mm = message["block"], message["tokens"], message.get("mm") or {}
             self._store(worker, message.get("parent_hash"),
@@ -71,8 +81,10 @@ class KvIndex:
             self.holders.setdefault(parent, set()).add(worker)
 
     def forget(self, worker: str) -> None:
-        for ours in self.ours.pop(worker, {}).values():
-            self._release(ours, worker)
+        """A worker's blocks, those of each of its attention-DP ranks too."""
+        for key in [k for k in self.ours if k == worker or k.startswith(worker + RANK_MARK)]:
+            for ours in self.ours.pop(key, {}).values():
+                self._release(ours, key)
 
     @property
     def indexed(self) -> int:

@@ -19,10 +19,11 @@ import random
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from hpc.runtime.frontend.kv_index import KvIndex
+from hpc.runtime.frontend.kv_index import KvIndex, holder
 from hpc.runtime.services.discovery import Instance, Snapshot
 from hpc.runtime.engine.types import GenerateOutput, GenerateRequest
 from hpc.runtime.serve.rpc import OpenAhead, PeerGone, RpcClient
+from hpc.runtime.serve.wire import replace
 from hpc.spec.recipe import RouterPolicy
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class Router:
         self._rr: dict[str, itertools.count] = {}  # one turn order per role
         self._ahead = OpenAhead("worker")
         self.synced = asyncio.Event()  # discovery answered once: "no live worker" means none, not "not asked yet"
+        self.picked_rank: int | None = None  # the attention-DP rank of the last pick (kv_aware), else None
 
     def update(self, snapshot: Snapshot, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -153,7 +155,8 @@ class Router:
     def pick(self, role: str, exclude: set[str], tokens: list[int] | None = None,
              pool: str | None = None) -> tuple[str, RpcClient, int]:
         """(instance key, its client, the prompt blocks it will compute: kv_aware's load on it); within `pool`
-        when given."""
+        when given. For an instance with attention-DP ranks, kv_aware picks the rank too (`picked_rank`)."""
+        self.picked_rank = None
         ours = [(k, i) for k, i in self.instances.items() if i.role == role and (pool is None or i.pool == pool)]
         keys = sorted(k for k, i in ours if k not in exclude and not i.draining)
         if not keys:
@@ -165,12 +168,13 @@ class Router:
                 and not self.kv.stale:
             total, held = self.kv.overlaps(tokens)
             weight = self.overlap_weight
+            ranks = {k: self._best_rank(k, held, turn) for k in keys}
 
             def cost(k: str) -> tuple[float, int]:
-                return weight * (total - held.get(_component(k), 0)) + self.inflight_blocks.get(k, 0), \
-                    self.inflight.get(k, 0)
+                return weight * (total - ranks[k][1]) + self.inflight_blocks.get(k, 0), self.inflight.get(k, 0)
             key = self._draw(keys, cost) if self.temperature > 0 else min(keys, key=cost)
-            new_blocks = total - held.get(_component(key), 0)
+            self.picked_rank, cached = ranks[key]
+            new_blocks = total - cached
             self.kv_blocks["prompt"] += total
             self.kv_blocks["overlap"] += total - new_blocks
         elif self.policy is RouterPolicy.ROUND_ROBIN:
@@ -179,6 +183,16 @@ class Router:
             key = min(keys, key=lambda k: self.inflight.get(k, 0))
         self.routed[key] = self.routed.get(key, 0) + 1
         return key, self._client(key), new_blocks
+
+    def _best_rank(self, key: str, held: dict[str, int], turn: int) -> tuple[int | None, int]:
+        """(the attention-DP rank of `key` holding most of the prompt, its blocks); ties go round the ranks.
+        (None, blocks) for an instance without ranks."""
+        size = self.instances[key].dp_size
+        if size == 1:
+            return None, held.get(_component(key), 0)
+        order = [(turn + r) % size for r in range(size)]
+        best = max(order, key=lambda r: held.get(holder(_component(key), r), 0))
+        return best, held.get(holder(_component(key), best), 0)
 
     def _client(self, key: str) -> RpcClient:
         client = self.clients.get(key)
@@ -234,6 +248,8 @@ class Router:
         tried: set[str] = set()
         while True:
             key, client, blocks = self.pick(role, tried, getattr(request, "token_ids", None), pool)
+            if self.picked_rank is not None:  # the engine schedules it on the rank whose cache holds its prefix
+                request = replace(request, dp_rank=self.picked_rank)
             started = False
             self.inflight[key] = self.inflight.get(key, 0) + 1
             self.inflight_blocks[key] = self.inflight_blocks.get(key, 0) + blocks

@@ -113,6 +113,7 @@ class GenerateRequest(Message, tag="generate"):
     disaggregated_params: DisaggregatedParams | None = None
     image: str | None = None  # URL or local path (prefill/encode in multimodal mode)
     media: EncodedMedia | None = None
+    dp_rank: int | None = None  # the attention-DP rank whose KV cache holds the prompt's prefix (the router's pick)
 
 
 class GenerateOutput(Message, tag="output"):

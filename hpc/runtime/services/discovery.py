@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from hpc.manifest import Manifest
 
@@ -33,6 +33,9 @@ class Instance(BaseModel):
     # Leaving: no new requests, but its connections stay for what it still serves (and for KV fetches and
     # releases of what it prefilled). A key that goes away instead is a worker gone or hung.
     draining: bool = False
+    # attention-DP ranks, each with a KV cache of its own (TensorRT-LLM's enable_attention_dp): a cache-aware
+    # router picks the rank too, and the engine schedules the request there
+    dp_size: int = Field(1, ge=1, le=1024)
 
     @property
     def key(self) -> str:

@@ -105,7 +105,9 @@ class EventPublisher:
         self.component = component
         self.nc = None
         self._task: asyncio.Task | None = None
-        self.mirror = KvMirror()
+        # what each attention-DP rank's cache holds (None: an engine without attention-DP); each rank hashes its
+        # blocks on its own (upstream tests/unittest/llmapi/test_llm_kv_cache_events.py: attention_dp_rank)
+        self.mirrors: dict[int | None, KvMirror] = {None: KvMirror()}
 
     async def connect(self, timeout: float = 30.0) -> "EventPublisher":
         import nats
@@ -118,12 +120,13 @@ class EventPublisher:
 
     def kv_event(self, event: str, **data: Any) -> None:
         if event == "cleared":
-            self.mirror.clear()
+            self.mirrors = {None: KvMirror()}
         self._publish("kv_events", {"event": event, "worker": self.component, "ts": time.time(), **data})
 
     def engine_kv_event(self, event: dict[str, Any]) -> None:
         """A record from TensorRT-LLM's get_kv_cache_events_async, as the engine gave it."""
-        self.mirror.note(event)  # noted even while NATS is away: it is what the engine holds
+        # noted even while NATS is away: it is what the engine holds
+        self.mirrors.setdefault(event.get("attention_dp_rank"), KvMirror()).note(event)
         self._publish("kv_events", {"event": "engine", "worker": self.component, "ts": time.time(), "record": event})
 
     async def _reconnected(self) -> None:
@@ -136,8 +139,10 @@ class EventPublisher:
         own subject, so every router applies them in order with the live ones."""
         now = time.time()
         self._publish("kv_events", {"event": "cleared", "worker": self.component, "ts": now, "resync": True})
-        for held in self.mirror.records():
-            self._publish("kv_events", {"event": "held", "worker": self.component, "ts": now, **held})
+        for rank, mirror in self.mirrors.items():
+            extra = {} if rank is None else {"attention_dp_rank": rank}
+            for held in mirror.records():
+                self._publish("kv_events", {"event": "held", "worker": self.component, "ts": now, **held, **extra})
 
     def engine_stats(self, stat: dict[str, Any]) -> None:
         """A record from TensorRT-LLM's get_stats_async (iteration stats)."""

@@ -105,6 +105,12 @@ async def serve(manifest: Manifest, role: str, index: int, manifest_file: str, r
     return code
 
 
+def attention_dp_ranks(args: dict) -> int:
+    """An engine with attention-DP runs one attention rank per TP rank, each with its own KV cache."""
+    tp = args.get("tensor_parallel_size", 1)
+    return tp if args.get("enable_attention_dp") and isinstance(tp, int) and tp > 1 else 1
+
+
 def planned_device(plan: WorkerPlan, rank: int, whole_node: bool = False) -> str:
     """This rank's device from the plan's rank -> GPU map (see device_for); `whole_node`: a local launch, whose
     processes see every GPU of the machine."""
@@ -209,7 +215,8 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
     else:
         watch_task = None
     instance = Instance(role=role, index=index, pool=plan.pool or "", instance_id=uuid.uuid4().hex[:12],
-                        host=host, rpc_port=plan.ports["rpc"], http_port=plan.ports["http"], node=os.uname().nodename)
+                        host=host, rpc_port=plan.ports["rpc"], http_port=plan.ports["http"], node=os.uname().nodename,
+                        dp_size=attention_dp_ranks(manifest.engine_args[plan.group or role]))
     frozen_objects = freeze_startup_objects()
     await discovery.register(instance)
     reporter.phase("registered", address=instance.address, http=f"http://{host}:{plan.ports['http']}")

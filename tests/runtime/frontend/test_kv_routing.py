@@ -267,3 +267,39 @@ def test_a_resync_keeps_the_images_of_the_blocks_it_resends():
     assert held["mm"] == {"1": ["cc" * 32]}
     late.apply("agg-0", {"event": "held", **held})
     assert late.holders == live.holders
+
+
+def test_kv_aware_picks_the_attention_dp_rank_that_holds_the_prefix_and_sends_the_request_there():
+    import asyncio
+
+    from hpc.runtime.engine.types import GenerateOutput, GenerateRequest
+
+    kv = KvIndex(BLOCK)
+    kv.stale = False
+    record = _stored([1, 2, 3], PROMPT)
+    record["record"]["attention_dp_rank"] = 2  # as TensorRT-LLM tags each rank's events
+    kv.apply("prefill-0", record)
+    router = Router(RouterPolicy.KV_AWARE, kv=kv)
+    adp = Instance(role="prefill", index=0, instance_id="p0", host="127.0.0.1", rpc_port=30000, http_port=31000,
+                   node="n0", dp_size=4)
+    plain = Instance(role="prefill", index=1, instance_id="p1", host="127.0.0.1", rpc_port=30001, http_port=31001,
+                     node="n0")
+    router.update({adp.key: adp, plain.key: plain}, now=0.0)
+    sent = []
+
+    class Client(Connected):
+        async def stream(self, request, deadline=None):
+            sent.append(request)
+            yield GenerateOutput(token_ids=[1], finished=True), b""
+
+    router.clients = {adp.key: Client(), plain.key: Client()}
+    assert router.pick("prefill", set(), PROMPT)[0] == "prefill/0" and router.picked_rank == 2
+    assert router.pick("prefill", set(), [5] * 12)[0] in ("prefill/0", "prefill/1")  # nothing cached: by load
+
+    async def main():
+        req = GenerateRequest(request_id="r", token_ids=PROMPT)
+        return [o async for o in router.generate("prefill", req)]
+    asyncio.run(main())
+    assert sent[-1].dp_rank == 2
+    kv.apply("prefill-0", {"event": "cleared"})  # a restarted worker forgets every rank's blocks
+    assert kv.overlaps(PROMPT)[1] == {} and not kv.ours

@@ -89,3 +89,25 @@ def test_cleared_empties_the_mirror():
     mirror, _ = _mirror_and_live(LIVE)
     mirror.clear()
     assert mirror.records() == []
+
+
+def test_a_resync_resends_each_attention_dp_ranks_blocks_as_that_rank():
+    import asyncio
+
+    publisher = events.EventPublisher.__new__(events.EventPublisher)
+    publisher.component, publisher.nc, publisher.mirrors = "decode-0", None, {None: KvMirror()}
+    sent = []
+    publisher._publish = lambda kind, data: sent.append(data)
+    for rank, tokens in ((0, PROMPTS[0]), (1, PROMPTS[2])):
+        publisher.engine_kv_event({**_stored(rank + 1, [10 * rank + 1, 10 * rank + 2], tokens[:8]),
+                                   "attention_dp_rank": rank})
+    live = KvIndex(BLOCK)
+    for data in sent:
+        live.apply("decode-0", data)
+    sent.clear()
+    asyncio.run(publisher._resync(None))
+    late = KvIndex(BLOCK)
+    for data in sent:
+        late.apply("decode-0", data)
+    assert late.holders == live.holders and {h for held in late.holders.values() for h in held} == {
+        "decode-0@0", "decode-0@1"}

@@ -270,7 +270,7 @@ class BaseLLM:
         if not self.kwargs.get("enable_chunked_prefill") and not is_gen_only and len(prompt_ids) > max_num_tokens:
             raise ValueError(f"The sum of prompt length ({len(prompt_ids)}) should not exceed max_num_tokens "
                              f"({max_num_tokens})")
-        return self._executor.submit(prompt_ids, sampling_params, streaming, dp, digest)
+        return self._executor.submit(prompt_ids, sampling_params, streaming, dp, digest, scheduling_params)
 
     def get_stats_async(self, timeout: Optional[float] = 2) -> IterationResult:
         return IterationResult(self._executor.stats, timeout)
@@ -317,16 +317,37 @@ class _Executor:
         self.transferring: set[int] = set()  # generation-only requests whose KV cache has not landed yet
         self.transfer_delay = float(os.environ.get("FAKE_TRTLLM_TRANSFER_MS", "2")) / 1000
         self.iteration = 0
+        # attention-DP: one attention rank per TP rank, each with its own KV cache and event stream (upstream
+        # tests/unittest/llmapi/test_llm_kv_cache_events.py: every event carries attention_dp_rank)
+        tp = int(llm.args.tensor_parallel_size or 1)
+        self.dp_size = tp if llm.kwargs.get("enable_attention_dp") and tp > 1 else 1
+        self.rank_of: dict[int, int | None] = {}
         self.event_id = 0
         self.blocks_in_use = 0
-        self.stored: list[int] = []  # block hashes, oldest first
+        self.stored: list[tuple[int | None, int]] = []  # (attention-DP rank, block hash), oldest first
         self.dropped_events = 0
         self.submitted: list[SamplingParams] = []  # what each request asked for (the tests read it back)
-        self._push_event({"type": "created", "num_blocks_per_cache_level": [4096, 0]})
+        for rank in self._ranks():
+            self._push_event({"type": "created", "num_blocks_per_cache_level": [4096, 0]}, rank)
+
+    def _ranks(self) -> list[int | None]:
+        return list(range(self.dp_size)) if self.dp_size > 1 else [None]
+
+    def _rank(self, own_id: int, scheduling: Any) -> int | None:
+        """The attention-DP rank that serves a request: the one it asks for strictly, else the engine's choice."""
+        if self.dp_size == 1:
+            return None
+        wanted = getattr(scheduling, "attention_dp_rank", None)
+        if wanted is not None and not getattr(scheduling, "attention_dp_relax", False):
+            if not 0 <= wanted < self.dp_size:
+                raise ValueError(f"attention_dp_rank {wanted} is not a rank of {self.dp_size}")
+            return wanted
+        return own_id % self.dp_size
 
     def submit(self, prompt: list[int], sp: SamplingParams, streaming: bool, dp: DisaggregatedParams | None,
-               digest: str | None) -> GenerationResult:
+               digest: str | None, scheduling: Any = None) -> GenerationResult:
         own_id = next(BaseLLM._ids)
+        rank = self._rank(own_id, scheduling)
         self.submitted.append(sp)
         shared = getattr(dp, "disagg_request_id", None)
         request_id = shared if shared is not None else own_id
@@ -345,7 +366,8 @@ class _Executor:
             os.unlink(trigger)
             _log("background_failure", id=own_id)
             self.fail_in_background(RuntimeError("fake: an MPI rank of the executor died"))
-        _log("request", id=own_id, type=getattr(dp, "request_type", None), prompt=len(prompt),
+        self.rank_of[own_id] = rank
+        _log("request", id=own_id, type=getattr(dp, "request_type", None), prompt=len(prompt), dp_rank=rank,
              max_tokens=sp.max_tokens, greedy=sp._greedy_decoding, streaming=streaming, stop=sp.stop)
         self.tasks[own_id] = asyncio.get_running_loop().create_task(
             self._run(result, request_id, prompt, sp, streaming, dp, digest, context))
@@ -458,7 +480,7 @@ class _Executor:
                     self.transferring.discard(own)
             else:
                 await asyncio.sleep(self.delay)  # the context phase
-                self._store_blocks(prompt)
+                self._store_blocks(prompt, self.rank_of.get(own))
             while reason is None:
                 if own in self.aborted:
                     reason = "CANCELLED"
@@ -519,32 +541,38 @@ class _Executor:
             self.stats.get_nowait()
         self.stats.put_nowait(json.dumps(stat))
 
-    def _push_event(self, data: dict) -> None:
+    def _push_event(self, data: dict, rank: int | None = None) -> None:
         if not self.event_buffer:
             return
         self.event_id += 1
         if self.kv_events.full():  # nobody drains it: the oldest event is lost
             self.kv_events.get_nowait()
             self.dropped_events += 1
-        self.kv_events.put_nowait(json.dumps({"event_id": self.event_id, "data": data, "window_size": self.block}))
+        record = {"event_id": self.event_id, "data": data, "window_size": self.block}
+        if rank is not None:
+            record["attention_dp_rank"] = rank
+        self.kv_events.put_nowait(json.dumps(record))
 
-    def _store_blocks(self, prompt: list[int]) -> None:
+    def _store_blocks(self, prompt: list[int], rank: int | None = None) -> None:
         parent = None
         blocks = []
         for start in range(0, len(prompt) - len(prompt) % self.block, self.block):
             chunk = prompt[start:start + self.block]
-            h = int.from_bytes(hashlib.sha256(repr((parent, chunk)).encode()).digest()[:8], "little")
+            h = int.from_bytes(hashlib.sha256(repr((rank, parent, chunk)).encode()).digest()[:8], "little")
             blocks.append({"type": "stored_block", "block_hash": h, "lora_id": None, "cache_level": 0,
                            "priority": 35, "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0}
                                                       for t in chunk]})
             parent = h
-            self.stored.append(h)
+            self.stored.append((rank, h))
         self.blocks_in_use += len(blocks)
         if blocks:
-            self._push_event({"type": "stored", "parent_hash": None, "blocks": blocks})
+            self._push_event({"type": "stored", "parent_hash": None, "blocks": blocks}, rank)
 
     def _evict(self, keep: int = 64) -> None:
         if len(self.stored) > keep:
             gone, self.stored = self.stored[:-keep], self.stored[-keep:]
             self.blocks_in_use = len(self.stored)
-            self._push_event({"type": "removed", "block_hashes": gone})
+            for rank in self._ranks():
+                hashes = [h for r, h in gone if r == rank]
+                if hashes:
+                    self._push_event({"type": "removed", "block_hashes": hashes}, rank)
