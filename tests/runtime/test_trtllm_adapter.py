@@ -531,3 +531,19 @@ def test_attention_dp_ranks_publish_their_own_events_and_take_the_routers_rank(t
     for r in records:
         kv.apply("agg-0", {"event": "engine", "record": r})
     assert kv.overlaps(prompt)[1] == {"agg-0@2": 2}  # this rank's cache, not the worker's as a whole
+
+
+def test_tensorrt_llms_own_metrics_come_from_its_iteration_stats(tiny):
+    """Named as TensorRT-LLM's MetricsCollector names them (tensorrt_llm/metrics/collector.py): gauges as the last
+    record has them, per-iteration counts summed."""
+    async def main():
+        async with TrtllmEngine(tiny, AGG, engine_args()) as agg:
+            for _ in range(4):  # each one's completion is counted in the next request's first iteration
+                await tokens(agg, request(max_tokens=4))
+            await asyncio.sleep(2.5)  # a drain cycle
+            return agg.stats()
+    stats = run(main())
+    assert stats["trtllm_max_num_active_requests"] > 0 and stats["trtllm_kv_cache_max_blocks"] == 4096
+    assert 0 < stats["trtllm_iteration_latency_seconds"] < 1 and stats["trtllm_gpu_memory_usage_bytes"] > 0
+    assert stats["trtllm_num_requests_completed_total"] == 3
+    assert 0 <= stats["trtllm_kv_cache_utilization"] <= 1

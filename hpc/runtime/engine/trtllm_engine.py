@@ -66,6 +66,54 @@ MROPE_FIELDS = ("mrope_position_ids_handle", "mrope_position_deltas_handle")
 ENCODER_ARGS = ("max_batch_size", "trust_remote_code")
 
 
+# TensorRT-LLM's own metrics from its iteration stats, named as its MetricsCollector names them
+# (tensorrt_llm/metrics/collector.py, log_iteration_stats): (metric, where in the record, scale)
+ITERATION_GAUGES = (
+    ("trtllm_num_requests_running", ("numActiveRequests",), 1.0),
+    ("trtllm_num_requests_waiting", ("numQueuedRequests",), 1.0),
+    ("trtllm_max_num_active_requests", ("maxNumActiveRequests",), 1.0),
+    ("trtllm_iteration_latency_seconds", ("iterLatencyMS",), 1e-3),
+    ("trtllm_gpu_memory_usage_bytes", ("gpuMemUsage",), 1.0),
+    ("trtllm_kv_cache_hit_rate", ("kvCacheStats", "cacheHitRate"), 1.0),
+    ("trtllm_kv_cache_max_blocks", ("kvCacheStats", "maxNumBlocks"), 1.0),
+    ("trtllm_kv_cache_free_blocks", ("kvCacheStats", "freeNumBlocks"), 1.0),
+    ("trtllm_kv_cache_used_blocks", ("kvCacheStats", "usedNumBlocks"), 1.0),
+    ("trtllm_kv_cache_tokens_per_block", ("kvCacheStats", "tokensPerBlock"), 1.0),
+    ("trtllm_num_context_requests", ("inflightBatchingStats", "numContextRequests"), 1.0),
+    ("trtllm_num_generation_requests", ("inflightBatchingStats", "numGenRequests"), 1.0),
+    ("trtllm_num_paused_requests", ("inflightBatchingStats", "numPausedRequests"), 1.0),
+)
+# per-iteration counts, summed into totals (the collector's counters)
+ITERATION_COUNTERS = (
+    ("trtllm_num_requests_completed_total", ("numCompletedRequests",)),
+    ("trtllm_spec_decode_num_draft_tokens_total", ("specDecodingStats", "numDraftTokens")),
+    ("trtllm_spec_decode_num_accepted_tokens_total", ("specDecodingStats", "numAcceptedTokens")),
+)
+
+
+def _field(record: dict, path: tuple[str, ...]) -> Any:
+    for key in path:
+        record = record.get(key) if isinstance(record, dict) else None
+    return record
+
+
+def trtllm_metrics(stat: dict, before: dict[str, float]) -> dict[str, float]:
+    """One iteration-stats record as TensorRT-LLM's metrics: gauges as they are now, counters summed onto
+    `before`'s totals; a field the version does not report is left out."""
+    out = {}
+    for name, path, scale in ITERATION_GAUGES:
+        value = _field(stat, path)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = float(value) * scale
+    used, most = _field(stat, ("kvCacheStats", "usedNumBlocks")), _field(stat, ("kvCacheStats", "maxNumBlocks"))
+    if isinstance(used, (int, float)) and isinstance(most, (int, float)) and most:
+        out["trtllm_kv_cache_utilization"] = used / most
+    for name, path in ITERATION_COUNTERS:
+        value = _field(stat, path)
+        out[name] = before.get(name, 0.0) + (float(value) if isinstance(value, (int, float)) and value > 0 else 0.0)
+    return out
+
+
 def global_disagg_request_id() -> int:
     return MIN_GLOBAL_ID + secrets.randbelow((1 << 63) - MIN_GLOBAL_ID)
 
@@ -259,7 +307,8 @@ class TrtllmEngine:
         kv = stat.get("kvCacheStats") or {}
         self._engine_stats = {**{k: float(stat.get(k, 0)) for k in STATS_KEYS},
                               "kv_used_blocks": float(kv.get("usedNumBlocks", 0)),
-                              "kv_max_blocks": float(kv.get("maxNumBlocks", 0))}
+                              "kv_max_blocks": float(kv.get("maxNumBlocks", 0)),
+                              **trtllm_metrics(stat, self._engine_stats)}
         if self.on_stats is not None:
             self.on_stats(stat)
 

@@ -314,6 +314,7 @@ class _Executor:
         self.tasks: dict[int, asyncio.Task] = {}
         self.error_queue: queue.Queue = queue.Queue()
         self.aborted: set[int] = set()
+        self.completed = 0
         self.transferring: set[int] = set()  # generation-only requests whose KV cache has not landed yet
         self.transfer_delay = float(os.environ.get("FAKE_TRTLLM_TRANSFER_MS", "2")) / 1000
         self.iteration = 0
@@ -520,6 +521,7 @@ class _Executor:
             result.aqueue.put_nowait(Response(new_token_ids=[], decoding_iter=decoding_iter, is_final=True,
                                               error=f"{type(exc).__name__}: {exc}"))
         finally:
+            self.completed += 1
             self.tasks.pop(own, None)
             self.aborted.discard(own)
             self._evict()
@@ -529,14 +531,17 @@ class _Executor:
         self.iteration += 1
         if not self.iter_stats:
             return
+        # the fields upstream's MetricsCollector.log_iteration_stats reads (tensorrt_llm/metrics/collector.py)
         stat = {"iter": self.iteration, "numActiveRequests": len(self.tasks), "maxNumActiveRequests": self.max_batch,
-                "numQueuedRequests": 0,
+                "numQueuedRequests": 0, "numCompletedRequests": self.completed, "iterLatencyMS": self.delay * 1000,
+                "gpuMemUsage": 1 << 30,
                 "inflightBatchingStats": {"numContextRequests": 0, "numGenRequests": len(self.tasks),
                                           "numPausedRequests": 0},
                 "kvCacheStats": {"usedNumBlocks": self.blocks_in_use, "maxNumBlocks": 4096,
                                  "freeNumBlocks": 4096 - self.blocks_in_use, "tokensPerBlock": self.block,
                                  "allocTotalBlocks": self.blocks_in_use, "allocNewBlocks": 0, "reusedBlocks": 0,
                                  "cacheHitRate": 0.0}}
+        self.completed = 0  # completed since the last record
         if self.stats.full():
             self.stats.get_nowait()
         self.stats.put_nowait(json.dumps(stat))
