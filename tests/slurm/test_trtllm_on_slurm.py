@@ -129,3 +129,36 @@ def test_a_failed_trtllm_worker_under_its_launcher_restarts_all_its_ranks(slurm_
     assert [(e["mpi_session"], e["n_workers"]) for e in inits] == [("comm", 2), ("comm", 2)]  # a whole new unit
     assert len({e["pid"] for e in _events(log) if e["event"] == "mgmn_worker_start"}) == 2
     _cancel_and_check_clean(run)
+
+
+@pytest.mark.parametrize("found, ends", [("1.1.0rc5", True), ("1.3.0rc11", False)])
+def test_an_image_with_another_trtllm_than_the_profile_declares_ends_the_job_in_its_preflight(
+        slurm_env, monkeypatch, tmp_path, capsys, found, ends):
+    """The profile says 1.3.0rc11; the nodes' TensorRT-LLM (the fake, run as `found`) says otherwise: one line,
+    before etcd, NATS or any worker starts. The same TensorRT-LLM serves."""
+    from tests.slurm.conftest import dev_cluster_file, frontend_port
+
+    _fake_trtllm(monkeypatch, tmp_path)
+    monkeypatch.setenv("FAKE_TRTLLM_VERSION", found)
+    monkeypatch.setenv("FAKE_TRTLLM_TRANSCEIVER_DIR", str(tmp_path / "transceiver"))
+    profile = dev_cluster_file(tmp_path, trtllm_version="1.3.0rc11")
+    args = ["launch", "-c", profile, "-r", "tiny-agg", "--set", "backend=trtllm", "--set", frontend_port(),
+            "--no-smoke"]
+    code = main(args)
+    err = capsys.readouterr().err
+    from hpc.rundir import list_runs
+
+    (run,) = list_runs()
+    if not ends:
+        try:
+            assert code == 0, err[-2000:]
+        finally:
+            main(["cancel", run.path.name, "--grace", "2"])
+        return
+    assert code == 1
+    lines = [ln for ln in err.splitlines() if ln.startswith("preflight failed: ")]
+    assert len(lines) == 1, err
+    assert "holds TensorRT-LLM 1.1.0rc5+hpcfake, but the job was validated against 1.3.0rc11 (the profile's " \
+           "trtllm_version); set trtllm_version: \"1.1.0rc5\"" in lines[0]
+    assert sorted(p.name for p in run.logs.iterdir()) == ["job.out", "preflight.log"]  # no server started
+    assert not (run.state / "etcd.json").exists()

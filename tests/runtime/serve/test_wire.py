@@ -26,7 +26,15 @@ CALLS = [
                     disaggregated_params=PARAMS, media=EncodedMedia(shape=[2, 4], data=bytes(range(32)))),
     FetchKv(handle="abc"), FetchKv(handle="abc", via="cuda_ipc"), FetchKv(handle="h", via="nixl", nixl_agent="p-1"),
     ReleaseKv(handle="abc"),
-    EncodeImage(image="file:///tmp/a b.png"), StatsQuery(), Hello(token="t"), Cancel(),
+    EncodeImage(image="file:///tmp/a b.png"), EncodeImage(image="x.png", prompt_token_ids=[1, 2, 3]), StatsQuery(),
+    Hello(token="t"), Cancel(),
+    # what TensorRT-LLM may hand over: a list of context endpoints, Qwen-VL's M-RoPE handles, an attention-DP rank
+    GenerateRequest(request_id="r-2", token_ids=[5], dp_rank=3, disaggregated_params=DisaggregatedParams(
+        request_handle="trtllm", prefill_address="p:1", first_token_id=5, prompt_length=1,
+        trtllm=TrtllmContextParams(first_gen_tokens=[5], prompt_token_ids=[5], disagg_request_id=(1 << 40) + 7,
+                                   ctx_info_endpoint=["tcp://10.0.0.1:5555", "tcp://10.0.0.2:5555"],
+                                   mrope_position_ids_handle={"tensor_size": [3, 1, 9]},
+                                   mrope_position_deltas_handle={"tensor_size": [1, 1]}))),
 ]
 REPLIES = [GenerateOutput(token_ids=[4], finished=True, finish_reason="stop", disaggregated_params=PARAMS),
            KvMeta(shape=[2, 2, 1, 3, 4], dtype="torch.float16"), EncodedMedia(handles=[{"tensor_size": [1, 2]}]),
