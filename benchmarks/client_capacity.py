@@ -28,7 +28,8 @@ from _stack import add_set_option  # noqa: E402
 
 def child(url: str, concurrency: int, requests: int, input_tokens: int, output_tokens: int, spread: int,
           seed: int) -> None:
-    from hpc.bench.loadgen import Level, run_level
+    from hpc.bench.clients import run_level
+    from hpc.bench.loadgen import Level
 
     level = Level(concurrency, input_tokens, output_tokens, requests, output_spread=spread)
     # warm, with prompts the level will not send again

@@ -5,7 +5,7 @@
 The server (a process of its own) answers each completion with chunked SSE as the frontend does — one HTTP chunk
 per event, `data: {...}` text_completion events, the usage event, `[DONE]` — writing one event to every open
 stream each `--step-ms` (a decode step of the whole batch). The client is the real load generator
-(`hpc.bench.loadgen.run_level`, one process, a closed loop); its process CPU time over the level divided by the
+(`hpc.bench.clients.run_level`, one process, a closed loop); its process CPU time over the level divided by the
 tokens it counted is the figure: at 20 µs a token one client process parses 50k tokens/s at most, and a level it
 keeps busy measures the client, not the stack (`hpc bench` spreads users over processes, hpc/bench/clients.py).
 """
@@ -79,7 +79,8 @@ def main() -> None:
         asyncio.run(serve(args.serve, args.step_ms / 1e3))
         return
     from hpc.bench.clients import run_client
-    from hpc.bench.loadgen import Level, run_level
+    from hpc.bench.clients import run_level
+    from hpc.bench.loadgen import Level
 
     port_file = f"/tmp/client_tokens.{os.getpid()}.port"
     server = subprocess.Popen([sys.executable, __file__, "--serve", port_file, "--step-ms", str(args.step_ms)])

@@ -291,7 +291,7 @@ def main() -> None:
                 return device_label(engine), direct, via, 0
             from _stack import local_stack
             from hpc.bench.clients import processes_for, run_apart
-            from hpc.bench.loadgen import run_level
+            from hpc.bench.clients import run_level
 
             with contextlib.redirect_stdout(io.StringIO()):
                 override = json.dumps({k: v for k, v in engine_args.items() if k != "max_seq_len"})

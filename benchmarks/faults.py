@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _stack import local_stack  # noqa: E402
 
-from hpc.bench.httpclient import Pool  # noqa: E402
+from hpc.net.httpclient import Pool  # noqa: E402
 from hpc.checks.probe import get_json  # noqa: E402
 from hpc.rundir import read_json  # noqa: E402
 

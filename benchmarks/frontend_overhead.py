@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _stack import local_stack  # noqa: E402
 
-from hpc.bench.httpclient import Pool  # noqa: E402
+from hpc.net.httpclient import Pool  # noqa: E402
 from hpc.runtime.services.node import rpc_token  # noqa: E402
 from hpc.runtime.serve.rpc import RpcClient  # noqa: E402
 from hpc.runtime.serve.wire import GenerateRequest, SamplingParams  # noqa: E402

@@ -27,7 +27,8 @@ import _profile  # noqa: E402
 from _stack import local_stack  # noqa: E402
 from stack_sweeps import group_cpu_seconds  # noqa: E402
 
-from hpc.bench.loadgen import Level, run_level  # noqa: E402
+from hpc.bench.clients import run_level  # noqa: E402
+from hpc.bench.loadgen import Level  # noqa: E402
 from hpc.launch.local import local_pids  # noqa: E402
 
 

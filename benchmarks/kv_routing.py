@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _stack import local_stack  # noqa: E402
 from _stack import counters, workers  # noqa: E402
 
-from hpc.bench.httpclient import Pool  # noqa: E402
+from hpc.net.httpclient import Pool  # noqa: E402
 
 
 def workload(args: argparse.Namespace) -> list[list[int]]:

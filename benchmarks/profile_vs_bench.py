@@ -26,7 +26,8 @@ from hpc.cli.main import main  # noqa: E402
 
 
 def bench(url: str, model: str, isl: int, osl: int, concurrency: list[int], requests: int) -> dict[int, dict]:
-    from hpc.bench.loadgen import Level, run_sweep
+    from hpc.bench.clients import run_sweep
+    from hpc.bench.loadgen import Level
 
     levels = [Level(c, isl, osl, max(requests, 4 * c)) for c in concurrency]
     return {lv["concurrency"]: lv for lv in run_sweep(url, model, levels, streaming=True, warmup=4)}

@@ -35,7 +35,8 @@ from _scheduler_clock import SCHEDULER_CLOCK, per_step, scheduler_cpu_speed, spe
 from _stack import add_set_option, counters, local_stack, workers  # noqa: E402
 
 from hpc.bench.clients import processes_for  # noqa: E402
-from hpc.bench.loadgen import REQUESTS_PER_USER, Level, run_level  # noqa: E402
+from hpc.bench.clients import run_level  # noqa: E402
+from hpc.bench.loadgen import REQUESTS_PER_USER, Level  # noqa: E402
 from hpc.runtime.frontend.orchestration import DISAGG_PHASES  # noqa: E402
 from hpc.launch.local import local_pids  # noqa: E402
 from hpc.spec.catalog import load_recipe  # noqa: E402

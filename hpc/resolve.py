@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from hpc.checks.chat_images import image_route_problem
-from hpc.checks.model_fit import encode_problem, fit_problems, is_local_path, read_model_config
+from hpc.model.fit import encode_problem, fit_problems, is_local_path, read_model_config
 from hpc.engine_args.flags import EngineArgFlags, apply_engine_flags
 from hpc.engine_args.precedence import (forced_values, merge_engine_args, overridden, prune_for_autodeploy,
                                         recipe_defaults)

@@ -16,11 +16,21 @@ from typing import Any
 
 import yaml
 
+from typing import TYPE_CHECKING
+
 from hpc.errors import UserError
 from hpc.manifest import Manifest
-from hpc.resolve import Resolved
+
+if TYPE_CHECKING:  # a Resolved is handed in; resolve sits above the run directory
+    from hpc.resolve import Resolved
 
 RUNS_DIR_NAME = "runs"
+
+
+def bundle_dir(runs_root: str | Path, python_version: str) -> Path:
+    """hpc's runtime for a container image: beside the run directories (a shared filesystem by necessity), one per
+    Python version (hpc.launch.bundle builds it)."""
+    return Path(runs_root) / ".hpc-runtime" / f"py{python_version}"
 SERVING_PHASES = ("registered", "first_token", "draining")  # a worker phase with requests it may hold
 
 

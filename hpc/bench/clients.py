@@ -14,6 +14,7 @@ one's end (perf_counter is the machine's monotonic clock).
 from __future__ import annotations
 
 import asyncio
+import os
 import json
 import sys
 import tempfile
@@ -21,7 +22,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from hpc.bench.loadgen import Level, Sample, collect, summarize
+from hpc.bench.engines import Snapshot
+from hpc.bench.loadgen import Level, Sample, bar, collect, summarize
 
 USERS_PER_PROCESS = 16  # `auto`: one client process per this many users
 
@@ -128,3 +130,43 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+async def run_level(url: str, model: str, level: Level, streaming: bool, warmup: int,
+                    progress: Callable[[int, int], None] = lambda done, total: None, seed: int | str = 0,
+                    processes: int = 1) -> dict[str, Any]:
+    """One level's figures. `processes` > 1: its users spread over that many client processes (hpc.bench.clients),
+    so that one process parsing every streamed event is not what the level measures."""
+    if processes > 1 and not level.rate:
+        return await run_apart(url, model, level, streaming, warmup, seed, processes, progress)
+    samples, t0, t1, peak = await collect(url, model, level, streaming, warmup, progress, seed)
+    return summarize(level, samples, t1 - t0, peak_inflight=None if level.rate else peak)
+
+
+def run_sweep(url: str, model: str, levels: list[Level], streaming: bool, warmup: int,
+              show_progress: bool = True, seed: int = 0, processes: int | str = 1,
+              engines: Callable[[], Snapshot] | None = None,
+              done: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Each level in turn on the same warm engines; level i's prompts come from seed + i, so no level sends the
+    prompts an earlier one sent (a prefix cache would find them all: one seed for every level made each level
+    begin with the previous level's prompts). `processes`: client processes per level, or auto
+    (hpc.bench.clients.processes_for). `engines`: the run's engine counters (hpc.bench.engines.EngineCounters), read
+    before and after each level for the engines' share of a request's time (`in_engines`). `done`: each level's
+    result is appended there as it ends, so that a sweep stopped midway (Ctrl-C) keeps the levels it finished."""
+    from hpc.bench.engines import share_in_engines
+
+    async def sweep() -> list[dict[str, Any]]:
+        out = done if done is not None else []
+        for i, lv in enumerate(levels):
+            spread = processes_for(processes, lv.concurrency, os.cpu_count() or 1)
+            label = f"c={lv.concurrency} in={lv.input_tokens} out={lv.output_tokens}"
+            before = engines() if engines else {}
+            result = await run_level(url, model, lv, streaming, warmup,
+                                     bar(label) if show_progress else (lambda d, t: None), seed=seed + i,
+                                     processes=spread)
+            if engines:
+                result["in_engines"] = share_in_engines(before, engines(), (result.get("e2e_s") or {}).get("mean"))
+            out.append(result)
+        return out
+
+    return asyncio.run(sweep())

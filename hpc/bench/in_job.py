@@ -10,25 +10,15 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
-from hpc.errors import UserError
 from hpc.rundir import RunDir
 from hpc.spec.cluster import time_to_minutes
 
 
-def bench_on_node(args: argparse.Namespace) -> int:
-    """What the job runs: `hpc bench` itself, on the node, with the run named by its path."""
-    from hpc.cli.bench_command import bench
-
-    sys.stdout.reconfigure(line_buffering=True)  # the submitting side relays it as it comes
-    try:
-        return bench(args)
-    except UserError as exc:
-        print(f"error: {exc.render()}", flush=True)
-        return 2
-
-
-def bench_in_job(args: argparse.Namespace, run: RunDir) -> int:
+def bench_in_job(args: argparse.Namespace, run: RunDir, on_node: Callable[[argparse.Namespace], int]) -> int:
+    """The sweep as a one-node job of the run's cluster (`on_node` runs there: hpc.bench.run.bench_on_node), its
+    output relayed as it comes."""
     from hpc.launch.smoke import executor_for
 
     remote = argparse.Namespace(**{**vars(args), "in_job": False, "run": str(run.path),
@@ -36,7 +26,7 @@ def bench_in_job(args: argparse.Namespace, run: RunDir) -> int:
     from submitit.core.utils import FailedJobError, UncompletedJobError
 
     cluster = run.manifest().cluster
-    job = executor_for(run, "bench-jobs", minutes=time_to_minutes(cluster.time_limit)).submit(bench_on_node, remote)
+    job = executor_for(run, "bench-jobs", minutes=time_to_minutes(cluster.time_limit)).submit(on_node, remote)
     print(f"load generator: job {job.job_id} on {cluster.name}; its output follows", flush=True)
 
     try:

@@ -8,7 +8,7 @@ import json
 import time
 from typing import Any
 
-from hpc.bench.httpclient import Pool
+from hpc.net.httpclient import Pool
 from hpc.bench.loadgen import MAX_FAILURE_RATE, percentiles
 
 

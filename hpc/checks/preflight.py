@@ -121,7 +121,7 @@ def model_problem(manifest: dict) -> str | None:
     fix = ("mount it (the cluster profile's container.mounts)" if manifest["cluster"].get("container")
            else "build or copy it there" if manifest["cluster"].get("scheduler") == "local"
            else "put it on a filesystem every node mounts")
-    from hpc.checks.model_fit import is_local_path
+    from hpc.model.fit import is_local_path
 
     for value, named in wanted:
         if not is_local_path(value):
@@ -142,9 +142,9 @@ def model_problem(manifest: dict) -> str | None:
 
 
 def _layout_problem(manifest: dict) -> str | None:
-    """A role's TP, PP or EP that the model's shape cannot take (hpc.checks.model_fit), as its engine would fail
+    """A role's TP, PP or EP that the model's shape cannot take (hpc.model.fit), as its engine would fail
     on it only after loading weights. `hpc validate` checks the same where the login node sees the model."""
-    from hpc.checks.model_fit import encode_problem, fit_problems, read_model_config
+    from hpc.model.fit import encode_problem, fit_problems, read_model_config
 
     model = manifest["recipe"]["model"]
     config = None if model.get("generate") else read_model_config(model.get("path"))

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from hpc.cli.show import plan_table, table, terminal_width
+from hpc.show import plan_table, table, terminal_width
 from hpc.errors import UserError, UserErrors
 from hpc.resolve import Resolved, resolve
 from hpc.spec.base import load_yaml
@@ -141,7 +141,7 @@ def _validate_versions(args: argparse.Namespace) -> int:
 
 def _model_line(r: Resolved) -> str | None:
     """Whether the layouts were checked against the model's shape here, or are left to the job's preflight."""
-    from hpc.checks.model_fit import is_local_path, language_model, read_model_config
+    from hpc.model.fit import is_local_path, language_model, read_model_config
 
     path = r.recipe.model.path
     if r.recipe.model.generate or not is_local_path(path) or r.recipe.modality == "video_diffusion":
@@ -263,8 +263,8 @@ def _ensure_runtime_bundle(r: Resolved) -> None:
     """hpc's runtime for the container image, beside the run directories (built once per version)."""
     import time
 
-    from hpc.launch.bundle import bundle_dir, ensure_bundle
-    from hpc.rundir import checked_root
+    from hpc.launch.bundle import ensure_bundle
+    from hpc.rundir import bundle_dir, checked_root
 
     version = r.cluster.container.python_version
     target = bundle_dir(checked_root(r), version)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpc.cli.show import table
+from hpc.show import table
 from hpc.errors import UserError
 from hpc.rundir import RunDir, find_run, list_runs, read_json
 

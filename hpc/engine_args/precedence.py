@@ -19,6 +19,7 @@ import copy
 import logging
 from typing import Any, Callable, Mapping
 
+from hpc.spec.base import deep_update  # noqa: F401 (this module's layers are merged with it)
 from hpc.spec.recipe import Backend, Recipe, RoleSpec
 
 log = logging.getLogger(__name__)
@@ -45,17 +46,6 @@ AUTODEPLOY_UNSUPPORTED = frozenset({
     "disable_overlap_scheduler", "cache_transceiver_config", "speculative_config", "moe_config",
     "scheduler_config", "enable_chunked_prefill", "torch_compile_config", "load_format",
 })
-
-
-def deep_update(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
-    """A new dict: `update` merged over `base`, recursing into mappings present in both."""
-    merged = copy.deepcopy(dict(base))
-    for key, value in update.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = deep_update(merged[key], value)
-        else:
-            merged[key] = copy.deepcopy(value)
-    return merged
 
 
 def recipe_defaults(recipe: Recipe, role: RoleSpec, trtllm: bool = False) -> dict[str, Any]:

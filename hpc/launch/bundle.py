@@ -30,11 +30,6 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x8
 STAMP = ".hpc-bundle"
 
 
-def bundle_dir(runs_root: str | Path, python_version: str) -> Path:
-    """Beside the run directories (a shared filesystem by necessity), one per Python version."""
-    return Path(runs_root) / ".hpc-runtime" / f"py{python_version}"
-
-
 def _package_root() -> Path:
     import hpc
 

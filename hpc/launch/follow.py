@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Callable
 
 from hpc.manifest import Manifest
 from hpc.rundir import RunDir, read_json
@@ -43,8 +44,10 @@ def timed_out(m: Manifest, state: str) -> str | None:
     return f"the job reached its time limit {m.time_limit}{drained}. For longer serving, set time_limit in the recipe{most}"
 
 
-def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: None) -> int:
-    """Shared by local and Slurm launches: readiness, smoke, and what to do next."""
+def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: None,
+              end_if_failed: Callable[[RunDir], bool] = lambda run: False) -> int:
+    """Shared by local and Slurm launches: readiness, smoke, and what to do next. `end_if_failed`: the backend's
+    way to end a run that did not get ready because a component failed (a Slurm job ends by its script)."""
     from hpc.checks.ready import NotReady, wait_ready
 
     m = run.manifest()
@@ -72,13 +75,10 @@ def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: Non
             reason = preflight_failure(run)
             if reason:
                 print(f"preflight failed: {reason}", file=sys.stderr)
-            if m.cluster.is_local:
-                from hpc.launch.local import end_if_failed
-
-                if end_if_failed(run):
-                    print(f"inspect: hpc logs {ref}   (the run's other processes were stopped: a failed component "
-                          "ends the run, as it ends a Slurm job)", file=sys.stderr)
-                    return 1
+            if end_if_failed(run):
+                print(f"inspect: hpc logs {ref}   (the run's other processes were stopped: a failed component "
+                      "ends the run, as it ends a Slurm job)", file=sys.stderr)
+                return 1
             print(f"inspect: hpc logs {ref}   stop: hpc cancel {ref}", file=sys.stderr)
             return 1
         print(f"ready in {time.monotonic() - t0:.1f} s")

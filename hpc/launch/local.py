@@ -200,7 +200,7 @@ def launch_local(run: RunDir, wait: bool = True, smoke: bool = True) -> int:
     print(f"started {m.recipe.name} locally: {run.path.name}")
     from hpc.launch.follow import follow_up
 
-    return follow_up(run, t0, wait=wait, smoke=smoke, abort=lambda: first_exited(pids))
+    return follow_up(run, t0, wait=wait, smoke=smoke, abort=lambda: first_exited(pids), end_if_failed=end_if_failed)
 
 
 def end_if_failed(run: RunDir) -> bool:

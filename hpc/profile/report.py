@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hpc.cli.show import table
+from hpc.show import table
 from hpc.profile.spec import ProfileRequest
 
 

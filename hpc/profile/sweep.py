@@ -42,7 +42,8 @@ def save(out: Path, results: dict[str, Any]) -> None:
 def measure(point: Point, req: ProfileRequest, url: str, model: str) -> dict[str, Any]:
     """One point through the frontend (the pool picked by priority): its TTFT or ITL and throughput."""
     from hpc.bench.clients import processes_for
-    from hpc.bench.loadgen import Level, run_level
+    from hpc.bench.clients import run_level
+    from hpc.bench.loadgen import Level
 
     level = Level(point.concurrency, point.isl, point.osl, requests_at(point, req), priority=point.priority,
                   same_prompt=point.phase == "decode")

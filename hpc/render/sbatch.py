@@ -10,7 +10,7 @@ from pathlib import Path
 import jinja2
 
 from hpc.errors import UserError
-from hpc.launch.bundle import bundle_dir
+from hpc.rundir import bundle_dir
 from hpc.plan.placement import WorkerPlan
 from hpc.manifest import Manifest
 from hpc.spec.catalog import project_root

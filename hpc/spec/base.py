@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
 from pathlib import Path
 import re
-from typing import Annotated, Any, TypeVar, get_args, get_origin
+from typing import Annotated, Any, Mapping, TypeVar, get_args, get_origin
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, model_validator
 
@@ -148,3 +149,14 @@ def parse_model(model: type[M], data: dict[str, Any], *, file: str) -> M:
                     msg += f", got {got!r}"
                 errors.append(UserError(msg, file=file, field=field))
         raise (errors[0] if len(errors) == 1 else UserErrors(errors)) from None
+
+
+def deep_update(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """A new dict: `update` merged over `base`, recursing into mappings present in both."""
+    merged = copy.deepcopy(dict(base))
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_update(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged

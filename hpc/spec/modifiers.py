@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Literal
 
-from hpc.engine_args.precedence import deep_update
+from hpc.spec.base import deep_update
 from hpc.spec.recipe import Recipe, Roles, RoleSpec
 
 Source = Literal["prefill", "decode"]

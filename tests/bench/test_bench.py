@@ -10,7 +10,8 @@ import threading
 import pytest
 from PIL import Image
 
-from hpc.bench.loadgen import Level, run_sweep
+from hpc.bench.clients import run_sweep
+from hpc.bench.loadgen import Level
 from hpc.cli.main import main
 from hpc.runtime.serve.http import HttpServer, Response, json_response
 from hpc.checks.probe import get_text, metric_values
@@ -293,17 +294,17 @@ def test_requests_per_user_sets_each_level_s_floor_and_a_bad_one_is_refused(tmp_
 
 @pytest.mark.unit
 def test_a_sweep_stopped_midway_keeps_the_levels_it_finished(tmp_path, monkeypatch, capsys):
-    from hpc.bench import loadgen
+    from hpc.bench import clients
 
     srv = FakeServer("good")
-    real = loadgen.run_level
+    real = clients.run_level
 
     async def until_the_second_level(url, model, level, *args, **kwargs):
         if level.concurrency == 4:
             raise KeyboardInterrupt  # Ctrl-C during the second level
         return await real(url, model, level, *args, **kwargs)
 
-    monkeypatch.setattr(loadgen, "run_level", until_the_second_level)
+    monkeypatch.setattr(clients, "run_level", until_the_second_level)
     code = main(["bench", "--url", f"http://127.0.0.1:{srv.port}", "--model", "m", "--concurrency", "1,4",
                  "--input-tokens", "8", "--output-tokens", "4", "--warmup", "0", "--out", str(tmp_path / "o")])
     assert code == 130

@@ -53,7 +53,7 @@ def test_a_job_that_did_not_finish_is_one_line_with_its_logs(tmp_path, monkeypat
     run = SimpleNamespace(path=tmp_path, manifest=lambda: SimpleNamespace(
         cluster=SimpleNamespace(name="eos", time_limit="01:00:00")))
     args = argparse.Namespace(in_job=True, run="77", out=None)
-    assert in_job.bench_in_job(args, run) == 1
+    assert in_job.bench_in_job(args, run, lambda args: 0) == 1
     err = capsys.readouterr().err
     assert err.startswith("the load generator's job 77 did not finish: Job 77 (task: 0) with path x; its logs: ")
     assert "Traceback" not in err

@@ -157,7 +157,7 @@ def test_status_gives_readiness_as_the_steps_in_the_order_they_came():
 
 
 def test_a_tables_rows_are_cut_to_a_terminals_width_and_whole_elsewhere():
-    from hpc.cli.show import table
+    from hpc.show import table
 
     rows = [["tiny-agg", "short"], ["tiny-pools", "a description far longer than the terminal is wide " * 3]]
     whole = table(["RECIPE", "DESCRIPTION"], rows)

@@ -201,7 +201,7 @@ def test_each_prefill_point_sends_prompts_no_earlier_point_began_with(monkeypatc
     rerun (a resumed profile measures what it would have)."""
     import random
 
-    from hpc.bench import loadgen
+    from hpc.bench import clients, loadgen
     from hpc.profile.plan import Point
     from hpc.profile.sweep import measure
 
@@ -214,7 +214,7 @@ def test_each_prefill_point_sends_prompts_no_earlier_point_began_with(monkeypatc
         return {"ttft_s": percentile, "tpot_s": percentile, "output_tokens_per_s": 1.0, "valid": True,
                 "invalid_reasons": []}
 
-    monkeypatch.setattr(loadgen, "run_level", fake_level)
+    monkeypatch.setattr(clients, "run_level", fake_level)
     req = ProfileRequest(isl=64, osl=16, ttft_ms=100, itl_ms=20, tps=[1])
     short, long = (Point("prefill", 1, "prefill-tp1", 0, isl, 1, 1) for isl in (32, 64))
     for point in (short, long, short):

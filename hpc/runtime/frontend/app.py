@@ -23,6 +23,7 @@ from hpc.runtime.frontend.router import NoInstance, Router
 from hpc.runtime.frontend.tokenizer import Detokenizer, StopStrings, TextCodec
 from hpc.runtime.serve.http import Request, Response, json_dumps, json_loads, json_response
 from hpc.runtime.serve.metrics import LatencyHistograms, prometheus, prometheus_family
+from hpc.runtime.serve.tasks import all_or_first_failure
 from hpc.runtime.serve.rpc import PeerGone, RemoteError
 from hpc.runtime.services.node import GcClock, IdleSpin, LoopLatency
 from hpc.runtime.serve.wire import Guide, GuidePiece, replace
@@ -392,12 +393,8 @@ class Frontend:
             if len(samples) == 1:
                 results = [await self._collect(body, gen)]
             else:
-                try:
-                    async with asyncio.TaskGroup() as group:  # one failed sample cancels the others
-                        tasks = [group.create_task(self._collect(body, g)) for g in samples]
-                except BaseExceptionGroup as failed:
-                    raise failed.exceptions[0] from None
-                results = [t.result() for t in tasks]
+                # one failed sample cancels the others
+                results = await all_or_first_failure(self._collect(body, g) for g in samples)
         except (NoInstance, PeerGone, RemoteError, asyncio.TimeoutError) as exc:
             raise self._failed(rid, exc) from None
         finally:
@@ -453,11 +450,9 @@ class Frontend:
 
         async def all_samples() -> None:
             try:
-                async with asyncio.TaskGroup() as group:
-                    for index, sample in enumerate(samples):
-                        group.create_task(run(index, sample))
-            except BaseExceptionGroup as exc:
-                queue.put_nowait(exc.exceptions[0])
+                await all_or_first_failure(run(index, sample) for index, sample in enumerate(samples))
+            except Exception as exc:  # noqa: BLE001 - handed to the reader, who raises it
+                queue.put_nowait(exc)
             finally:
                 queue.put_nowait(None)
 

@@ -18,7 +18,7 @@ import socket
 import sys
 from typing import Any, Awaitable, Callable
 
-from hpc.bench.httpclient import Connection
+from hpc.net.httpclient import Connection
 from hpc.runtime.frontend.dealer import Dealer, channel_pair
 from hpc.runtime.serve.http import HttpServer, Request, Response, json_response
 

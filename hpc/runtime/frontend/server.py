@@ -120,7 +120,7 @@ def model_dir(manifest: Manifest) -> Path:
     """The directory of the tokenizer's files: the recipe's own, or for a hub id (TensorRT-LLM fetches such a
     model's weights itself) those files alone, fetched as it fetches (huggingface_hub: HF_HOME's cache,
     HF_TOKEN, HF_HUB_OFFLINE)."""
-    from hpc.checks.model_fit import is_local_path
+    from hpc.model.fit import is_local_path
 
     ref = manifest.recipe.model.tokenizer or manifest.recipe.model.path
     if is_local_path(ref):

@@ -10,11 +10,9 @@ instead of a CUDA IPC handle.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Optional
 
 from tensorrt_llm.disaggregated_params import DisaggregatedParams
-from tensorrt_llm.executor.result import Response
 from tensorrt_llm.llmapi.llm import (MROPE_MODEL_TYPES, BaseLLM, _log, check_image_placeholders, image_digest,
                                      prompt_digest, tokenize)
 

@@ -1,4 +1,4 @@
-"""A role's TP / PP / EP against the model's shape (hpc.checks.model_fit), where `hpc validate` and the preflight
+"""A role's TP / PP / EP against the model's shape (hpc.model.fit), where `hpc validate` and the preflight
 can read its config.json: one line before any GPU is spent, not an assertion after the weights loaded."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hpc.checks.model_fit import fit_problems, read_model_config
+from hpc.model.fit import fit_problems, read_model_config
 from hpc.cli.main import main
 
 pytestmark = pytest.mark.unit

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from hpc.bench.httpclient import Connection, Pool
+from hpc.net.httpclient import Connection, Pool
 
 pytestmark = pytest.mark.unit
 

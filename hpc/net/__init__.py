@@ -1,0 +1,1 @@
+"""The HTTP clients both halves use: the load generator and the frontend group (keep-alive, async)."""
