@@ -1,6 +1,6 @@
 """`hpc recipe convert`: a recipe through the config modifiers (hpc.spec.modifiers), printed, never written.
 
-    hpc recipe convert -r deepseek-r1-disagg --to agg --role decode [--tp 8] [-c eos]
+    hpc recipe convert -r deepseek-r1-disagg --to agg --role decode [--tp 8 --ep 8] [-c eos]
     hpc recipe convert -r my-agg.yaml --to disagg --role decode
 
 Prints the converted recipe (YAML) and each role's merged engine arguments, after the same validation as
@@ -27,6 +27,8 @@ def add_parsers(sub) -> None:
                    help="the role converted (default: what an aggregated recipe says it came from, else decode)")
     c.add_argument("--pool", help="of a role with pools: the pool converted (--to agg)")
     c.add_argument("--tp", type=int, help="tensor-parallel size of the converted role (recipe and engine)")
+    c.add_argument("--ep", type=int, help="expert-parallel size of the converted role (a MoE model's: it must "
+                                          "divide TP x PP)")
     c.set_defaults(func=convert)
 
 
@@ -37,8 +39,9 @@ def convert(args: argparse.Namespace) -> int:
 
     recipe, path = load_recipe(args.recipe)
     cluster, cluster_path = load_cluster(args.cluster)
-    if args.tp is not None and args.tp < 1:
-        raise UserError(f"--tp {args.tp}: a tensor-parallel size is at least 1", hint="e.g. --tp 8")
+    for flag, value in (("--tp", args.tp), ("--ep", args.ep)):
+        if value is not None and not 1 <= value <= 4096:
+            raise UserError(f"{flag} {value}: a parallel size is from 1 to 4096", field=flag, hint=f"e.g. {flag} 8")
     if args.to == "agg":
         role = args.role or "decode"
         if recipe.roles.agg is not None or getattr(recipe.roles, role) is None:
@@ -54,8 +57,8 @@ def convert(args: argparse.Namespace) -> int:
                             hint="--to disagg takes an aggregated recipe")
         role = args.role or ("prefill" if "hpc_converted_from: prefill" in recipe.description else "decode")
         out, converted = to_disagg(recipe, role), role
-    if args.tp is not None:
-        out = with_parallel(out, converted, tp=args.tp)
+    if args.tp is not None or args.ep is not None:
+        out = with_parallel(out, converted, tp=args.tp, ep=args.ep)
     resolved = resolve_specs(cluster, cluster_path, out, path)  # relative engine_config paths stay the recipe's
     print(yaml.safe_dump(out.model_dump(mode="json", exclude_defaults=True), sort_keys=False).rstrip())
     for name, engine_args in resolved.engine_args.items():

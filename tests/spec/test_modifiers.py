@@ -71,3 +71,13 @@ def test_a_pool_converts_on_its_own_and_a_pooled_role_needs_its_name(capsys):
     assert main(["recipe", "convert", "-r", "tiny-pools", "--to", "agg", "-c", "local"]) == 2
     assert "roles.decode.pools: roles.decode has pools (decode-fast, decode-bulk); name the one to convert" in \
         capsys.readouterr().err
+
+
+def test_the_readmes_convert_example_runs_with_its_expert_parallel_size(capsys):
+    """DeepSeek-R1's decode is TP16 x EP16: at TP 8 the experts split 8 ways too, or validation refuses it."""
+    args = ["recipe", "convert", "-c", "eos", "-r", "deepseek-r1-disagg", "--to", "agg", "--role", "decode", "--tp", "8"]
+    assert main(args) == 2 and "expert-parallel size 16 does not divide TP x PP = 8" in capsys.readouterr().err
+    assert main([*args, "--ep", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor_parallel_size: 8" in out and "expert_parallel_size: 8" in out
+    assert main([*args, "--ep", "0"]) == 2 and "--ep 0: a parallel size is from 1 to 4096" in capsys.readouterr().err
