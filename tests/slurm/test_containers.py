@@ -106,3 +106,31 @@ def test_a_tp2_worker_runs_its_mpi_ranks_in_containers_on_two_nodes(slurm_env, m
         assert status == 200 and body["usage"]["completion_tokens"] == 4
     finally:
         main(["cancel", run.path.name, "--grace", "2"])
+
+
+def test_an_image_whose_trtllm_differs_from_the_profiles_ends_the_job_in_its_preflight(slurm_env, model_cache,
+                                                                                         tmp_path, capsys,
+                                                                                         monkeypatch):
+    """The stock image with the fake TensorRT-LLM mounted into its site-packages, run as 1.1.0rc5; the profile
+    declares 1.3.0rc11: one line from the preflight in the containers, before etcd, NATS or any worker."""
+    fake = Path(__file__).resolve().parents[1] / "fakes" / "trtllm" / "tensorrt_llm"
+    data = yaml.safe_load(Path(_profile(tmp_path, PROFILE["container"]["image"])).read_text())
+    data["container"]["mounts"] = [f"{fake}:/usr/local/lib/python3.11/dist-packages/tensorrt_llm:ro"]
+    data["trtllm_version"] = "1.3.0rc11"
+    path = tmp_path / "dev-trtllm.yaml"
+    path.write_text(yaml.safe_dump(data))
+    monkeypatch.setenv("FAKE_TRTLLM_VERSION", "1.1.0rc5")
+    t0 = time.monotonic()
+    code = main(["launch", "--cluster", str(path), "--recipe", "tiny-agg", "--set", "backend=trtllm",
+                 "--set", f"model.path={model_cache / 'tiny'}", "--set", "model.generate=null",
+                 "--set", frontend_port(), "--no-smoke"])
+    err = capsys.readouterr().err
+    run = list_runs()[0]
+    if code == 0:
+        main(["cancel", run.path.name, "--grace", "1"])
+    assert code == 1, err[-2000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("preflight failed: ")]
+    assert len(lines) == 1, err
+    assert "holds TensorRT-LLM 1.1.0rc5+hpcfake, but the job was validated against 1.3.0rc11" in lines[0]
+    assert not (run.state / "etcd.json").exists()  # nothing started after preflight
+    assert time.monotonic() - t0 < 60

@@ -155,6 +155,8 @@ def test_an_image_with_another_trtllm_than_the_profile_declares_ends_the_job_in_
         finally:
             main(["cancel", run.path.name, "--grace", "2"])
         return
+    if code == 0:  # it served after all: stop it before failing
+        main(["cancel", run.path.name, "--grace", "1"])
     assert code == 1
     lines = [ln for ln in err.splitlines() if ln.startswith("preflight failed: ")]
     assert len(lines) == 1, err
