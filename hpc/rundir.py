@@ -58,14 +58,21 @@ def known_roots() -> list[Path]:
     return [Path(line) for line in dict.fromkeys(lines) if line.startswith("/")]
 
 
+MAX_KNOWN_ROOTS = 32  # the most recent runs directories remembered; status, logs and cancel look in each
+
+
 def remember_root(root: Path) -> None:
-    """Adds `root` to known_roots; a list that cannot be written costs only that (the launch goes on)."""
-    if root in known_roots() or "\n" in str(root):
+    """Adds `root` to known_roots, the most recent last, dropping directories that are gone and all but the
+    newest MAX_KNOWN_ROOTS (the list grew by one a launch, forever); a list that cannot be written costs only that
+    (the launch goes on)."""
+    if "\n" in str(root):
+        return
+    before = known_roots()
+    kept = [r for r in before if r != root and r.is_dir()][-(MAX_KNOWN_ROOTS - 1):] + [root]
+    if kept == before:
         return
     try:
-        known_roots_file().parent.mkdir(parents=True, exist_ok=True)
-        with open(known_roots_file(), "a", encoding="utf-8") as f:
-            f.write(f"{root}\n")
+        write_atomic(known_roots_file(), "".join(f"{r}\n" for r in kept))
     except OSError:
         pass
 

@@ -124,3 +124,17 @@ def test_cancels_drain_tier_waits_only_for_workers_that_serve(tmp_path, monkeypa
     assert phases("drained", "failed") == []
     write_json(run.state / "frontend.json", {"component": "frontend", "phase": "ready"})  # not a worker
     assert run.workers_serving() == []
+
+
+def test_the_remembered_runs_directories_drop_the_gone_and_keep_the_newest(tmp_path):
+    from hpc import rundir
+
+    roots = [tmp_path / f"runs-{i}" for i in range(rundir.MAX_KNOWN_ROOTS + 8)]
+    for root in roots:
+        root.mkdir()
+        rundir.remember_root(root)
+    assert rundir.known_roots() == roots[-rundir.MAX_KNOWN_ROOTS:]  # bounded: the newest
+    roots[-2].rmdir()
+    rundir.remember_root(roots[0])  # remembered again: last now, the gone one dropped
+    kept = rundir.known_roots()
+    assert kept[-1] == roots[0] and roots[-2] not in kept and len(kept) <= rundir.MAX_KNOWN_ROOTS

@@ -63,7 +63,8 @@ def parse_squeue(stdout: str, job_id: str) -> JobState | None:
         start = parts[6].strip() if pending and len(parts) > 6 else ""
         left = parts[7].strip() if not pending and len(parts) > 7 else ""
         return JobState(job_id=job_id, state=parts[1].split()[0], elapsed=parts[2], nodes=parts[4],
-                        reason=parts[5].strip("()") if pending else "",
+                        # squeue says "(None)" while the scheduler has not given a reason yet
+                        reason=parts[5].strip("()") if pending and parts[5].strip("()") != "None" else "",
                         expected_start="" if start in ("N/A", "Unknown", "None") else start,
                         time_left="" if left in ("NOT_SET", "INVALID", "UNLIMITED") else left)
     return None

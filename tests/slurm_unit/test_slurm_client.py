@@ -205,3 +205,8 @@ def test_a_job_that_failed_without_its_log_is_told_to_put_runs_where_the_nodes_s
     assert _wait_running(SlurmClient(fake), "7", run) == 1
     err = capsys.readouterr().err
     assert "wrote no log" not in err and "see: hpc logs 7" in err
+
+
+def test_a_pending_job_with_no_reason_yet_shows_none_as_no_reason():
+    st = parse_squeue("7|PENDING|0:00|3||(None)|N/A\n", "7")
+    assert st.state == "PENDING" and st.reason == ""  # not "PENDING (None)"
