@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -256,12 +257,26 @@ def _check_runs_root(root: Path, file: str | None = None, field: str = "HPC_RUNS
                         hint=f"point {field} at a writable directory")
 
 
+# a run id (tiny-disagg-20261202-153443) or a Slurm job id (42, an array task 42_3, a het component 42+1)
+RUN_REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")
+
+
+def shown(text: str, most: int = 80) -> str:
+    """A user's string as an error message may quote it: control characters escaped, the length bounded."""
+    quoted = repr(text)[1:-1] if any(ord(c) < 32 or ord(c) == 127 for c in text) else text
+    return quoted if len(quoted) <= most else quoted[:most] + f"... ({len(text)} characters)"
+
+
 def find_run(ref: str | None) -> RunDir:
     """A run directory by path, run id, or Slurm job id; the newest run when `ref` is None."""
     from hpc.errors import UserError
 
-    if ref and Path(ref).is_dir() and (Path(ref) / "manifest.json").is_file():
+    if ref is not None and len(ref) <= 4096 and "\0" not in ref and Path(ref).is_dir() and \
+            (Path(ref) / "manifest.json").is_file():
         return RunDir(Path(ref).resolve())
+    if ref is not None and not RUN_REF.fullmatch(ref):
+        raise UserError(f"'{shown(ref)}' is not a run id, a job id or a run directory", field="RUN",
+                        hint="a run id or job id is letters, digits and . _ + - (at most 200); hpc status lists them")
     roots = search_roots()
     where = " or ".join(str(root) for root in roots)
     runs = list_runs(roots)
@@ -270,7 +285,8 @@ def find_run(ref: str | None) -> RunDir:
             raise UserError(f"no runs under {where}", hint="start one with: hpc launch --recipe tiny-disagg")
         return runs[0]
     for run in runs:  # a job id: the one hpc launch submitted, or one that started here later (plain sbatch)
-        if ref in (run.path.name, str(run.run_info().get("job_id")), str(run.job().get("job_id"))):
+        ids = (run.run_info().get("job_id"), run.job().get("job_id"))  # a local run has none: "None" matches nothing
+        if ref == run.path.name or ref in {str(i) for i in ids if i is not None}:
             return run
     raise UserError(f"no run '{ref}' under {where}", hint="hpc status lists recent runs")
 

@@ -138,3 +138,24 @@ def test_the_remembered_runs_directories_drop_the_gone_and_keep_the_newest(tmp_p
     rundir.remember_root(roots[0])  # remembered again: last now, the gone one dropped
     kept = rundir.known_roots()
     assert kept[-1] == roots[0] and roots[-2] not in kept and len(kept) <= rundir.MAX_KNOWN_ROOTS
+
+
+@pytest.mark.parametrize("ref, says", [("None", "no run 'None'"), ("x" * 10_000, "... (10000 characters)"),
+                                       ("42\nrm -rf /", "'42\\nrm -rf /' is not a run id"),
+                                       ("\x1b[31mred", "\\x1b[31mred"), ("", "is not a run id"),
+                                       ("../../etc", "is not a run id")])
+def test_a_malformed_or_unknown_run_id_is_one_line_and_never_matches_a_run_without_a_job(tmp_path, monkeypatch,
+                                                                                        ref, says):
+    from hpc.errors import UserError
+    from hpc.rundir import RunDir, find_run
+
+    monkeypatch.setenv("HPC_RUNS_DIR", str(tmp_path))
+    local = tmp_path / "tiny-disagg-20261202-000000"  # a local run: no Slurm job id ("job_id": null)
+    local.mkdir()
+    (local / "manifest.json").write_text("{}")
+    RunDir(local).update_run_info(scheduler="local", job_id=None)
+    with pytest.raises(UserError) as refused:
+        find_run(ref)
+    line = refused.value.render()
+    assert says in line and "\n" not in line and len(line) < 400
+    assert find_run(local.name).path == local

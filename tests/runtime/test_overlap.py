@@ -328,3 +328,21 @@ def test_the_walk_that_drops_a_cancelled_row_asks_for_no_other(tiny):
     assert not engine._still_running(cancelled) and cancelled.slot == -1 and engine._leaving == 0
     engine._release(finished)
     assert finished.slot == -1 and engine._leaving == 1
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_min_tokens_keeps_a_stop_token_from_ending_the_answer_before_it(tiny, overlap):
+    """min_tokens (vLLM's and TensorRT-LLM's extension, which AIPerf and MLPerf harnesses send): a stop token or
+    EOS met before that many tokens ends nothing; met after, it ends the answer as before."""
+    reference, _ = asyncio.run(_answers(tiny, {"disable_overlap_scheduler": True},
+                                        [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)]))
+    tokens = reference[0][0]
+    stop = tokens[1]  # met at the 2nd token
+    later = next(i for i, t in enumerate(tokens) if i >= 6 and t == stop) if stop in tokens[6:] else None
+    asked = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop]),
+             SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop], min_tokens=6)]
+    (plain,), _ = asyncio.run(_answers(tiny, {"disable_overlap_scheduler": not overlap}, asked[:1]))
+    (pinned,), _ = asyncio.run(_answers(tiny, {"disable_overlap_scheduler": not overlap}, asked[1:]))
+    assert plain == (tokens[:2], "stop")
+    assert pinned[0] == tokens[:len(pinned[0])] and len(pinned[0]) >= 6  # the same tokens, not stopped at 2
+    assert pinned == ((tokens[:later + 1], "stop") if later is not None else (tokens, "length"))

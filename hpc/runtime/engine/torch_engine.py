@@ -550,8 +550,9 @@ class TorchEngine(ContextSteps, DecodeSteps, WarmUp):
         guide), "length" (max_tokens, the cache's last position), or None (_emit_token, and a decode step's bare
         tokens: DecodeSteps._emit_inflight)."""
         p = seq.request.sampling
-        if (token == self.cfg.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids or \
-                (seq.guide is not None and seq.guide[0].complete(seq.guide[1])):  # the guide is complete
+        stops = generated >= p.min_tokens and ((token == self.cfg.eos_token_id and not p.ignore_eos)
+                                               or token in p.stop_token_ids)
+        if stops or (seq.guide is not None and seq.guide[0].complete(seq.guide[1])):  # the guide is complete
             return "stop"
         if generated >= p.max_tokens or seq.length + 1 >= self.max_len:
             return "length"

@@ -213,7 +213,7 @@ def trtllm_sampling(s: SamplingParams, sampling_cls: Any, guided_cls: Any = None
         seed=s.seed,
         stop=list(s.stop) or None,
         stop_token_ids=list(s.stop_token_ids) or None,
-        ignore_eos=s.ignore_eos,
+        ignore_eos=s.ignore_eos, min_tokens=s.min_tokens or None,
         logprobs=None if s.logprobs is None else max(1, s.logprobs),
         prompt_logprobs=None if s.prompt_logprobs is None else max(1, s.prompt_logprobs),
         presence_penalty=s.presence_penalty or None, frequency_penalty=s.frequency_penalty or None,

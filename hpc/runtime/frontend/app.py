@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from hpc.manifest import Manifest
 from hpc.runtime.engine.types import GenerateRequest, SamplingParams, TokenLogprob
 from hpc.runtime.frontend.openai import (REQUEST_ID_HEADER, ApiError, ChatRequest, CompletionRequest,
-                                         chat_logprobs, completion_logprobs, new_id, now, unsupported_param,
+                                         chat_logprobs, completion_logprobs, new_id, now, unknown_param, unsupported_param,
                                          upstream_error)
 from hpc.runtime.frontend.parsers import AnswerParser, json_answer_guide, tool_call_guide
 from hpc.runtime.frontend.chat_content import ChatInputError, template_kwargs, template_messages
@@ -198,6 +198,12 @@ class Frontend:
             raise ApiError(400, "request body is not valid JSON") from None
         if not isinstance(data, dict):
             raise ApiError(400, "request body must be a JSON object")
+        unknown = unknown_param(data, model)
+        if unknown is not None:
+            name, close = unknown
+            raise ApiError(400, f"Unrecognized request argument supplied: {name[:64]!r}"
+                                + (f" (did you mean '{close}'?)" if close else ""), param=name[:64],
+                           code="unknown_parameter")
         unsupported = unsupported_param(data, tool_parser=self.recipe.model.tool_call_parser is not None,
                                         chat=model is ChatRequest)
         if unsupported is not None:
@@ -227,8 +233,11 @@ class Frontend:
         if wanted > limits.max_output_tokens:
             raise ApiError(400, f"max_tokens {wanted} exceeds the limit {limits.max_output_tokens}",
                            param="max_tokens")
+        if body.min_tokens > wanted:
+            raise ApiError(400, f"min_tokens {body.min_tokens} exceeds max_tokens {wanted}", param="min_tokens")
         sampling = SamplingParams(max_tokens=wanted, temperature=body.temperature, top_p=body.top_p,
                                   top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos,
+                                  min_tokens=body.min_tokens,
                                   stop=body.stop_strings, logprobs=body.logprob_count,
                                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                   guide=Guide(pieces=guide) if guide else None)

@@ -70,6 +70,24 @@ TEMPLATE_ONLY = {"reasoning_effort": lambda v: v is not None, "chat_template_kwa
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 
 
+# OpenAI fields that describe the caller, not the answer: accepted, and they change nothing here
+DESCRIBES_THE_CALLER = frozenset({"user", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"})
+
+
+def unknown_param(data: dict[str, Any], model: type[BaseModel]) -> tuple[str, str | None] | None:
+    """(the first field of `data` that is neither OpenAI's nor one of hpc's extensions, the closest known one), as
+    OpenAI answers an unrecognized argument: a typo'd max_tokenz must not silently get the default length."""
+    import difflib
+
+    known = set(model.model_fields) | set(UNSUPPORTED) | set(TOOLS_WITHOUT_PARSER) | set(TEMPLATE_ONLY) | \
+        DESCRIBES_THE_CALLER
+    for name in data:
+        if name not in known:
+            close = difflib.get_close_matches(str(name), sorted(known), n=1, cutoff=0.75)
+            return str(name), close[0] if close else None
+    return None
+
+
 def unsupported_param(data: dict[str, Any], tool_parser: bool = False, chat: bool = True) -> str | None:
     """The first parameter of `data` that asks for something this server does not do."""
     refused = {**UNSUPPORTED, **(TOOLS_WITH_PARSER if tool_parser else TOOLS_WITHOUT_PARSER),
@@ -126,7 +144,10 @@ class _Request(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
     stop: str | list[str] | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # extension (vLLM, TensorRT-LLM): EOS does not end the answer
+    # extension (vLLM, TensorRT-LLM; AIPerf and MLPerf harnesses send it to pin output lengths): EOS and stop tokens
+    # do not end the answer before this many tokens
+    min_tokens: int = Field(0, ge=0, le=10_000_000)
     stream_options: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     extra_args: SlaTargets | None = None  # seed 003: {"ttft_target": ms, "itl_target": ms}

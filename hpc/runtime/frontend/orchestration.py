@@ -58,7 +58,8 @@ class Orchestrator:
         answered = time.perf_counter()
         phases["prefill_call_seconds_total"] += answered - began
         token = first.disaggregated_params.first_token_id
-        stop = (token == self.eos_token_id and not gen.sampling.ignore_eos) or token in gen.sampling.stop_token_ids
+        stop = gen.sampling.min_tokens <= 1 and ((token == self.eos_token_id and not gen.sampling.ignore_eos)
+                                                 or token in gen.sampling.stop_token_ids)
         done = stop or gen.sampling.max_tokens == 1
         yield GenerateOutput(token_ids=[token], finished=done, prompt_tokens=isl,
                              finish_reason=("stop" if stop else "length") if done else None,

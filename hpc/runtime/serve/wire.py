@@ -44,6 +44,7 @@ class SamplingParams(Message):
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)  # stop strings, for engines that stop on them themselves
     ignore_eos: bool = False
+    min_tokens: Annotated[int, Meta(ge=0, le=10_000_000)] = 0  # EOS and stop tokens end nothing before this many
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # None: none; k: the chosen token's + k best
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0  # OpenAI's: once a token appeared
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0  # OpenAI's: per time it appeared

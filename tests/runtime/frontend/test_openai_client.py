@@ -180,3 +180,24 @@ def test_penalties_echo_and_usage_details(agg):
                 if ch.choices]
     assert streamed[0].text == prompt and streamed[0].logprobs.token_logprobs == lp.token_logprobs[:n_prompt]
     assert [t for ch in streamed for t in ch.logprobs.tokens] == lp.tokens
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_an_unknown_field_is_a_400_naming_it_and_the_extensions_and_caller_fields_are_taken(agg, route):
+    """As OpenAI answers an unrecognized argument: a typo'd max_tokenz must not silently get the default length."""
+    c = client(agg)
+
+    def ask(**extra):
+        if route == "chat":
+            return c.chat.completions.create(model=agg.model, messages=MESSAGES, max_tokens=6, extra_body=extra)
+        return c.completions.create(model=agg.model, prompt="Once upon", max_tokens=6, extra_body=extra)
+    with pytest.raises(openai.BadRequestError) as refused:
+        ask(max_tokenz=9)
+    assert "Unrecognized request argument supplied: 'max_tokenz' (did you mean 'max_tokens'?)" in str(refused.value)
+    assert refused.value.body["param"] == "max_tokenz" and refused.value.body["code"] == "unknown_parameter"
+    with pytest.raises(openai.BadRequestError, match="min_tokens 9 exceeds max_tokens 6"):
+        ask(min_tokens=9)
+    # hpc's extensions (and Dynamo's nvext), and the fields that describe the caller, are taken
+    answer = ask(min_tokens=6, ignore_eos=False, top_k=5, nvext={"agent_hints": {"priority": 1}}, user="u-1",
+                 metadata={"team": "x"})
+    assert answer.usage.completion_tokens == 6  # min_tokens = max_tokens: exactly that many

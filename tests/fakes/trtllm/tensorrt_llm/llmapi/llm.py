@@ -451,6 +451,8 @@ class _Executor:
         return rng.randrange(100, self.vocab)
 
     def _stopped(self, out: list[int], sp: SamplingParams) -> str | None:
+        if len(out) < (sp.min_tokens or 0):  # sampling_params.py min_tokens: nothing ends the answer before
+            return None
         if not sp.ignore_eos and out and out[-1] == sp.end_id:
             return "END_ID"
         for _, words in sp._get_stop_reasons_and_words():
