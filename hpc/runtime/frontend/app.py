@@ -11,9 +11,9 @@ from pydantic import ValidationError
 
 from hpc.manifest import Manifest
 from hpc.runtime.engine.types import GenerateRequest, SamplingParams, TokenLogprob
-from hpc.runtime.frontend.openai import (REQUEST_ID_HEADER, ApiError, ChatRequest, CompletionRequest,
-                                         chat_logprobs, completion_logprobs, new_id, now, unknown_param, unsupported_param,
-                                         upstream_error)
+from hpc.runtime.frontend.openai import (MAX_CHOICES, REQUEST_ID_HEADER, ApiError, ChatRequest, CompletionRequest,
+                                         chat_logprobs, check_fields, completion_logprobs, merged_completions,
+                                         new_id, now, upstream_error)
 from hpc.runtime.frontend.parsers import AnswerParser, json_answer_guide, tool_call_guide
 from hpc.runtime.frontend.chat_content import ChatInputError, template_kwargs, template_messages
 from hpc.runtime.frontend.group import FrontendGroup, health_status, live_counts
@@ -198,17 +198,7 @@ class Frontend:
             raise ApiError(400, "request body is not valid JSON") from None
         if not isinstance(data, dict):
             raise ApiError(400, "request body must be a JSON object")
-        unknown = unknown_param(data, model)
-        if unknown is not None:
-            name, close = unknown
-            raise ApiError(400, f"Unrecognized request argument supplied: {name[:64]!r}"
-                                + (f" (did you mean '{close}'?)" if close else ""), param=name[:64],
-                           code="unknown_parameter")
-        unsupported = unsupported_param(data, tool_parser=self.recipe.model.tool_call_parser is not None,
-                                        chat=model is ChatRequest)
-        if unsupported is not None:
-            raise ApiError(400, f"'{unsupported}' = {str(data[unsupported])[:80]} is not supported by this server",
-                           param=unsupported, code="unsupported_parameter")
+        check_fields(data, model, tool_parser=self.recipe.model.tool_call_parser is not None)
         try:
             parsed = model.model_validate(data)
         except ValidationError as exc:
@@ -247,18 +237,33 @@ class Frontend:
 
     async def completions(self, req: Request) -> Response:
         body: CompletionRequest = self._parse(req, CompletionRequest)
-        if isinstance(body.prompt, str):
-            ids = await self._encode(body.prompt)
+        prompts = body.prompts
+        if len(prompts) == 1:
+            return await self._respond(body, *await self._completion(body, prompts[0]), chat=False)
+        if body.stream:
+            raise ApiError(400, f"{len(prompts)} prompts are answered in one response, not streamed; stream them "
+                                "one a request", param="stream")
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise ApiError(400, f"{len(prompts)} prompts x n {body.n} choices; at most {MAX_CHOICES}", param="n")
+        built = [await self._completion(body, p) for p in prompts]  # every prompt checked before any runs
+        answers = await all_or_first_failure(self._answer(body, gen, chat=False, echo=echo) for gen, echo in built)
+        merged = json_response(merged_completions(answers, body.n))
+        merged.headers[REQUEST_ID_HEADER] = answers[0]["id"]
+        return merged
+
+    async def _completion(self, body: CompletionRequest, prompt: str | list[int]) -> tuple[GenerateRequest, str]:
+        """One prompt's engine request, and the text an echo puts before its answer."""
+        if isinstance(prompt, str):
+            ids = await self._encode(prompt)
         else:
-            ids = list(body.prompt)
+            ids = list(prompt)
             if any((not isinstance(t, int)) or t < 0 for t in ids):
                 raise ApiError(400, "prompt token ids must be non-negative integers", param="prompt")
         guide = json_answer_guide(None) if body.json_object else None
         gen = self._build(body, ids, body.max_tokens, None, guide=guide)
         if body.echo and body.logprobs is not None:  # the echoed prompt comes with its own logprobs
             gen = replace(gen, sampling=replace(gen.sampling, prompt_logprobs=body.logprobs))
-        echo = (body.prompt if isinstance(body.prompt, str) else self.codec.decode(ids)) if body.echo else ""
-        return await self._respond(body, gen, chat=False, echo=echo)
+        return gen, (prompt if isinstance(prompt, str) else self.codec.decode(ids)) if body.echo else ""
 
     async def chat(self, req: Request) -> Response:
         body: ChatRequest = self._parse(req, ChatRequest)
@@ -383,19 +388,28 @@ class Frontend:
                 self.counters["retried_total"] += 1
         raise AssertionError("unreachable")
 
-    async def _respond(self, body: Any, gen: GenerateRequest, chat: bool,
-                       parsing: tuple[str | None, str | None] | None = None, echo: str = "") -> Response:
-        self.counters["requests_total"] += 1
-        self.counters["prompt_tokens_total"] += len(gen.token_ids)
-        rid = gen.request_id
+    async def _respond(self, body: Any, gen: GenerateRequest, echo: str = "", *, chat: bool,
+                       parsing: tuple[str | None, str | None] | None = None) -> Response:
         if body.stream:
+            self.counters["requests_total"] += 1
+            self.counters["prompt_tokens_total"] += len(gen.token_ids)
             # The headers wait for the stream's first event: a request that fails before it (no live worker, every
             # worker failing before its first token, its deadline) is an HTTP status that clients and load
             # balancers act on (503 with Retry-After, 504), not a 200 whose body is an error event.
-            events = self._sse(body, gen, chat, rid, parsing, echo)
+            events = self._sse(body, gen, chat, gen.request_id, parsing, echo)
             first = await anext(events, b"")
             return Response(content_type="text/event-stream", stream=_after(first, events),
-                            headers={REQUEST_ID_HEADER: rid})
+                            headers={REQUEST_ID_HEADER: gen.request_id})
+        answer = json_response(await self._answer(body, gen, chat=chat, parsing=parsing, echo=echo))
+        answer.headers[REQUEST_ID_HEADER] = gen.request_id
+        return answer
+
+    async def _answer(self, body: Any, gen: GenerateRequest, chat: bool,
+                      parsing: tuple[str | None, str | None] | None = None, echo: str = "") -> dict[str, Any]:
+        """A whole (not streamed) answer to one prompt, its `n` samples for choices."""
+        self.counters["requests_total"] += 1
+        self.counters["prompt_tokens_total"] += len(gen.token_ids)
+        rid = gen.request_id
         self.counters["inflight"] += 1
         try:
             samples = self._samples(body, gen)
@@ -430,11 +444,8 @@ class Frontend:
             else:
                 choices.append({"index": index, "text": echo + text, "logprobs": lp, "finish_reason": reason})
         usage = self._usage(len(gen.token_ids), tokens, max(r[4] for r in results))
-        answer = json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                                "created": now(), "model": self.model_name, "system_fingerprint": self.fingerprint,
-                                "choices": choices, "usage": usage})
-        answer.headers[REQUEST_ID_HEADER] = rid
-        return answer
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
+                "model": self.model_name, "system_fingerprint": self.fingerprint, "choices": choices, "usage": usage}
 
     def _failed(self, rid: str, exc: Exception) -> ApiError:
         """The client's error for a request the workers could not serve, with its id; logged, since the

@@ -88,6 +88,20 @@ def unknown_param(data: dict[str, Any], model: type[BaseModel]) -> tuple[str, st
     return None
 
 
+def check_fields(data: dict[str, Any], model: type[BaseModel], tool_parser: bool) -> None:
+    """A 400 for a field nobody knows, or one asking for what this server does not do (before validation)."""
+    unknown = unknown_param(data, model)
+    if unknown is not None:
+        name, close = unknown
+        raise ApiError(400, f"Unrecognized request argument supplied: {name[:64]!r}"
+                            + (f" (did you mean '{close}'?)" if close else ""), param=name[:64],
+                       code="unknown_parameter")
+    unsupported = unsupported_param(data, tool_parser=tool_parser, chat=model is ChatRequest)
+    if unsupported is not None:
+        raise ApiError(400, f"'{unsupported}' = {str(data[unsupported])[:80]} is not supported by this server",
+                       param=unsupported, code="unsupported_parameter")
+
+
 def unsupported_param(data: dict[str, Any], tool_parser: bool = False, chat: bool = True) -> str | None:
     """The first parameter of `data` that asks for something this server does not do."""
     refused = {**UNSUPPORTED, **(TOOLS_WITH_PARSER if tool_parser else TOOLS_WITHOUT_PARSER),
@@ -176,8 +190,12 @@ class _Request(BaseModel):
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
 
+MAX_CHOICES = 256  # prompts x n in one request: each is an engine request of its own
+
+
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int]
+    # every form OpenAI documents: a string, an array of strings, an array of tokens, an array of token arrays
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
@@ -185,15 +203,21 @@ class CompletionRequest(_Request):
     def logprob_count(self) -> int | None:
         return self.logprobs
 
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, one each: its choices are indexed prompt by prompt, n to a prompt."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
     @field_validator("prompt")
     @classmethod
-    def _single(cls, value: Any) -> Any:
-        if isinstance(value, list) and value and isinstance(value[0], str):
-            if len(value) != 1:
-                raise ValueError("only one prompt per request is supported")
-            return value[0]
-        if isinstance(value, list) and not value:
-            raise ValueError("prompt must not be empty")
+    def _prompts(cls, value: Any) -> Any:
+        if isinstance(value, list) and (not value or any(isinstance(v, list) and not v for v in value)):
+            raise ValueError("a prompt must not be empty")
+        if isinstance(value, list) and value and not isinstance(value[0], int) and len(value) > MAX_CHOICES:
+            raise ValueError(f"{len(value)} prompts in one request; at most {MAX_CHOICES}")
         return value
 
 
@@ -294,3 +318,23 @@ def upstream_error(exc: Exception) -> ApiError:
             return ApiError(400, str(exc))
         return ApiError(502 if exc.code >= 500 else exc.code, str(exc), "upstream_error")
     return ApiError(502, str(exc), "upstream_error")
+
+
+def merged_completions(answers: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """One text_completion for several prompts, as OpenAI answers an array of prompts: the choices of prompt i at
+    indexes i*n .. i*n + n-1, the usage summed (the first answer's id names the request)."""
+    merged = dict(answers[0])
+    merged["choices"] = [{**choice, "index": i * n + choice["index"]}
+                         for i, answer in enumerate(answers) for choice in answer["choices"]]
+    usage: dict[str, Any] = {}
+    for answer in answers:
+        for key, value in answer["usage"].items():
+            if isinstance(value, dict):
+                inner = usage.setdefault(key, {})
+                for k, v in value.items():
+                    inner[k] = inner.get(k, 0) + v
+            else:
+                usage[key] = usage.get(key, 0) + value
+    merged["usage"] = usage
+    return merged
+

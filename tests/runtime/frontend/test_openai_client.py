@@ -201,3 +201,27 @@ def test_an_unknown_field_is_a_400_naming_it_and_the_extensions_and_caller_field
     answer = ask(min_tokens=6, ignore_eos=False, top_k=5, nvext={"agent_hints": {"priority": 1}}, user="u-1",
                  metadata={"team": "x"})
     assert answer.usage.completion_tokens == 6  # min_tokens = max_tokens: exactly that many
+
+
+def test_every_prompt_form_openai_documents_is_answered_with_choices_prompt_by_prompt(agg):
+    """A string, an array of strings, an array of tokens, an array of token arrays (what lm-eval's
+    local-completions sends): the choices of prompt i at i*n .. i*n+n-1, usage summed, each answer the one that
+    prompt alone gets."""
+    c = client(agg)
+    ask = dict(model=agg.model, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    one = [c.completions.create(prompt=p, **ask).choices[0].text for p in ("Once upon", "The sea")]
+    both = c.completions.create(prompt=["Once upon", "The sea"], **ask)
+    assert [ch.index for ch in both.choices] == [0, 1] and [ch.text for ch in both.choices] == one
+    assert both.usage.completion_tokens == 8
+    ids = [[5, 6, 7, 8], [40, 41]]
+    alone = [c.completions.create(prompt=p, **ask).choices[0].text for p in ids]
+    batched = c.completions.create(prompt=ids, n=2, **ask)
+    assert [ch.index for ch in batched.choices] == [0, 1, 2, 3]
+    assert [ch.text for ch in batched.choices] == [alone[0], alone[0], alone[1], alone[1]]  # greedy: n alike
+    assert batched.usage.prompt_tokens == 4 + 2 and batched.usage.completion_tokens == 16  # a prompt counts once
+    scored = c.completions.create(prompt=ids, echo=True, logprobs=1, **ask)  # the loglikelihood request's shape
+    assert [len(ch.logprobs.token_logprobs) for ch in scored.choices] == [4 + 4, 2 + 4]
+    with pytest.raises(openai.BadRequestError, match="not streamed"):
+        c.completions.create(prompt=["a", "b"], stream=True, **ask)
+    with pytest.raises(openai.BadRequestError, match="a prompt must not be empty"):
+        c.completions.create(prompt=[[1, 2], []], **ask)
