@@ -238,6 +238,8 @@ class Frontend:
     async def completions(self, req: Request) -> Response:
         body: CompletionRequest = self._parse(req, CompletionRequest)
         prompts = body.prompts
+        if body.max_tokens == 0 and body.stream:
+            raise ApiError(400, "max_tokens 0 scores the prompt; that answer is not streamed", param="stream")
         if len(prompts) == 1:
             return await self._respond(body, *await self._completion(body, prompts[0]), chat=False)
         if body.stream:
@@ -260,7 +262,8 @@ class Frontend:
             if any((not isinstance(t, int)) or t < 0 for t in ids):
                 raise ApiError(400, "prompt token ids must be non-negative integers", param="prompt")
         guide = json_answer_guide(None) if body.json_object else None
-        gen = self._build(body, ids, body.max_tokens, None, guide=guide)
+        # max_tokens 0: the engines generate one token, which the answer leaves out (_answer)
+        gen = self._build(body, ids, 1 if body.max_tokens == 0 else body.max_tokens, None, guide=guide)
         if body.echo and body.logprobs is not None:  # the echoed prompt comes with its own logprobs
             gen = replace(gen, sampling=replace(gen.sampling, prompt_logprobs=body.logprobs))
         return gen, (prompt if isinstance(prompt, str) else self.codec.decode(ids)) if body.echo else ""
@@ -422,13 +425,16 @@ class Frontend:
             raise self._failed(rid, exc) from None
         finally:
             self.counters["inflight"] -= 1
+        if body.max_tokens == 0:  # the prompt scored (echo): the token made for it is left out
+            results = [("", "length", 0, [], cached, prompt) for _, _, _, _, cached, prompt in results]
         tokens = sum(r[2] for r in results)
         self.counters["completion_tokens_total"] += tokens
         choices = []
         for index, (text, reason, _, logprobs, _, prompt) in enumerate(results):
             lp = None
             if body.logprob_count is not None:
-                echoed = (gen.token_ids[0], prompt or []) if echo else None
+                # by the flag: a prompt of special tokens echoes as "" and still has its logprobs
+                echoed = (gen.token_ids[0], prompt or []) if not chat and body.echo else None
                 lp = self._logprobs(chat, logprobs, 0, echoed)
             if chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -528,8 +534,9 @@ class Frontend:
             return head + json_dumps(choice) + b"]}\n\n"
         try:
             # the prompt first, as OpenAI's echo sends it; with logprobs, once the engine scored it
-            echo_later = {i for i in range(body.n) if echo and body.logprob_count is not None}
-            for index in range(body.n if echo and not echo_later else 0):
+            echoing = not chat and body.echo  # by the flag: a prompt of special tokens echoes as ""
+            echo_later = {i for i in range(body.n) if echoing and body.logprob_count is not None}
+            for index in range(body.n if echoing and not echo_later else 0):
                 yield chunk(system_fingerprint=self.fingerprint, choices=[
                     {"index": index, "text": echo, "logprobs": None, "finish_reason": None}])
             async for index, piece in self._merged(body, gen):

@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from hpc.runtime.frontend.router import NoInstance
 from hpc.runtime.serve.http import Response, json_response
@@ -196,8 +196,16 @@ MAX_CHOICES = 256  # prompts x n in one request: each is an engine request of it
 class CompletionRequest(_Request):
     # every form OpenAI documents: a string, an array of strings, an array of tokens, an array of token arrays
     prompt: str | list[str] | list[int] | list[list[int]]
+    # 0 with echo: the prompt scored, nothing generated (the classic loglikelihood request, lm-eval's)
+    max_tokens: int | None = Field(None, ge=0, le=10_000_000)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+
+    @model_validator(mode="after")
+    def _zero_scores_the_prompt(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 generates nothing: it scores the prompt, with echo (and logprobs)")
+        return self
 
     @property
     def logprob_count(self) -> int | None:

@@ -225,3 +225,19 @@ def test_every_prompt_form_openai_documents_is_answered_with_choices_prompt_by_p
         c.completions.create(prompt=["a", "b"], stream=True, **ask)
     with pytest.raises(openai.BadRequestError, match="a prompt must not be empty"):
         c.completions.create(prompt=[[1, 2], []], **ask)
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_as_the_loglikelihood_request_asks(agg):
+    """lm-eval's loglikelihood request: the prompt echoed with its tokens' logprobs, nothing generated; the
+    logprobs equal those of the same prompt scored beside a generated answer."""
+    c = client(agg)
+    ids = [5, 6, 7, 8, 9]
+    scored = c.completions.create(model=agg.model, prompt=[ids, ids[:3]], max_tokens=0, echo=True, logprobs=1)
+    beside = c.completions.create(model=agg.model, prompt=ids, max_tokens=2, echo=True, logprobs=1, temperature=0)
+    first = scored.choices[0]
+    assert first.logprobs.token_logprobs[0] is None and len(first.logprobs.token_logprobs) == 5  # the prompt's only
+    assert first.logprobs.token_logprobs == pytest.approx(beside.choices[0].logprobs.token_logprobs[:5], abs=1e-5)
+    assert scored.usage.completion_tokens == 0 and len(scored.choices[1].logprobs.token_logprobs) == 3
+    assert first.text == beside.choices[0].text[:len(first.text)]  # the prompt's text alone
+    with pytest.raises(openai.BadRequestError, match="scores the prompt, with echo"):
+        c.completions.create(model=agg.model, prompt=ids, max_tokens=0)
