@@ -149,7 +149,7 @@ def test_kv_moved_by_nixl_gives_the_same_tokens(disagg, disagg_nixl, capsys):
     ({"model": "nope", "prompt": "x"}, 404, "does not exist"),
     ({"model": "hpc/tiny", "prompt": "word " * 2000}, 400, "limit"),
     ({"model": "hpc/tiny", "prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
-    ({"model": "hpc/tiny", "prompt": [1, -2]}, 400, "non-negative"),
+    ({"model": "hpc/tiny", "prompt": [1, -2]}, 400, "integers from 0 to 2^31 - 1"),
 ])
 def test_bad_requests_get_openai_errors(disagg, body, status, needle):
     code, resp = post_json(disagg.url + "/v1/completions", body)

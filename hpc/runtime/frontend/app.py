@@ -196,6 +196,8 @@ class Frontend:
             data = json_loads(req.body)
         except ValueError:
             raise ApiError(400, "request body is not valid JSON") from None
+        except RecursionError:  # the parser's own depth limit: refused, never a 500
+            raise ApiError(400, "request body nests too deeply to be a request") from None
         if not isinstance(data, dict):
             raise ApiError(400, "request body must be a JSON object")
         check_fields(data, model, tool_parser=self.recipe.model.tool_call_parser is not None)
@@ -259,8 +261,8 @@ class Frontend:
             ids = await self._encode(prompt)
         else:
             ids = list(prompt)
-            if any((not isinstance(t, int)) or t < 0 for t in ids):
-                raise ApiError(400, "prompt token ids must be non-negative integers", param="prompt")
+            if any((not isinstance(t, int)) or not 0 <= t < 2**31 for t in ids):
+                raise ApiError(400, "prompt token ids must be integers from 0 to 2^31 - 1", param="prompt")
         guide = json_answer_guide(None) if body.json_object else None
         # max_tokens 0: the engines generate one token, which the answer leaves out (_answer)
         gen = self._build(body, ids, 1 if body.max_tokens == 0 else body.max_tokens, None, guide=guide)

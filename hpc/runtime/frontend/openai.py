@@ -113,7 +113,7 @@ def unsupported_param(data: dict[str, Any], tool_parser: bool = False, chat: boo
 
 
 class _Loose(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class SlaTargets(_Loose):
@@ -143,7 +143,8 @@ class RouteHints(NamedTuple):
 class _Request(BaseModel):
     # Clients send many optional OpenAI fields; those without an effect here (user, metadata, ...) are ignored,
     # and those whose effect is not implemented are refused before validation (see UNSUPPORTED).
-    model_config = ConfigDict(extra="ignore")
+    # strict: "16" is not a max_tokens, true not a token id, "yes" not a stream (OpenAI refuses them too)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
     # Bounded here so that nothing out of an engine's range (a seed of 2**70 used to kill the scheduler thread)
@@ -230,7 +231,7 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: str
     content: str | list[dict[str, Any]] | None = None

@@ -241,3 +241,36 @@ def test_max_tokens_0_with_echo_scores_the_prompt_as_the_loglikelihood_request_a
     assert first.text == beside.choices[0].text[:len(first.text)]  # the prompt's text alone
     with pytest.raises(openai.BadRequestError, match="scores the prompt, with echo"):
         c.completions.create(model=agg.model, prompt=ids, max_tokens=0)
+
+
+def _raw(stack, body: bytes) -> tuple[int, dict]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(stack.url + "/v1/completions", data=body, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"max_tokens": "16"}, "max_tokens"), ({"max_tokens": True}, "max_tokens"), ({"n": "2"}, "n"),
+    ({"stream": "yes"}, "stream"), ({"temperature": "0.5"}, "temperature"), ({"prompt": [True, False]}, "prompt"),
+    ({"prompt": [2**64 + 1]}, "prompt"), ({"prompt": [2**31]}, "prompt"), ({"seed": 1.5}, "seed"),
+])
+def test_loose_types_and_out_of_range_token_ids_are_400s_naming_the_field(agg, fields, param):
+    import json
+
+    body = {"model": agg.model, "prompt": "Once upon", "max_tokens": 2, **fields}
+    status, answer = _raw(agg, json.dumps(body).encode())
+    assert status == 400 and answer["error"]["param"].split(".")[0] == param, answer
+
+
+def test_a_body_nested_too_deeply_is_a_400_and_the_server_answers_on(agg):
+    status, answer = _raw(agg, b"[" * 200_000 + b"]" * 200_000)
+    assert status == 400 and "nests too deeply" in answer["error"]["message"]
+    status, answer = _raw(agg, b'{"model": "' + agg.model.encode() + b'", "prompt": "x", "max_tokens": 1}')
+    assert status == 200 and answer["usage"]["completion_tokens"] == 1
