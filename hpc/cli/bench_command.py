@@ -5,15 +5,38 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hpc.cli.args import bounded_int
+
+
+MAX_LIST_VALUES = 64  # levels of a sweep, TP sizes of a profile: each one is a measurement to wait for
+MAX_LIST_VALUE = 1_000_000  # concurrency, lengths, TP: far past any real one, short of a MemoryError
+
 
 def positive_ints(text: str) -> list[int]:
+    """A comma-separated list of whole numbers from 1 to MAX_LIST_VALUE, at most MAX_LIST_VALUES of them."""
+    items = text.split(",")
+    if len(items) > MAX_LIST_VALUES:
+        raise argparse.ArgumentTypeError(f"{len(items)} values; at most {MAX_LIST_VALUES}")
+    if any(not item.strip() for item in items):
+        raise argparse.ArgumentTypeError(f"an empty value in {text[:40]!r}: write e.g. 1,4,16")
     try:
-        values = [int(v) for v in text.split(",") if v]
+        values = [int(v) for v in items]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError("values must be >= 1")
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text[:40]!r}") from None
+    if not all(1 <= v <= MAX_LIST_VALUE for v in values):
+        raise argparse.ArgumentTypeError(f"values must be from 1 to {MAX_LIST_VALUE:,}")
     return values
+
+
+def rate(text: str) -> float:
+    """Requests per second: finite and above 0 (nan and inf are floats too)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of requests/s, got {text[:40]!r}") from None
+    if not 0 < value <= 1e6:  # false for nan
+        raise argparse.ArgumentTypeError("must be above 0 and at most 1,000,000 requests/s")
+    return value
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -24,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=positive_ints, help="e.g. 1,4,16 (default: the recipe's)")
     p.add_argument("--input-tokens", type=positive_ints, help="input lengths, e.g. 128,1024")
     p.add_argument("--output-tokens", type=positive_ints, help="output lengths (paired with --input-tokens)")
-    p.add_argument("--requests", type=int, help="requests per level (default: the recipe's, at least 4 x concurrency)")
+    p.add_argument("--requests", type=bounded_int(1, 100_000_000), help="requests per level (default: the recipe's, at least 4 x concurrency)")
     p.add_argument("--requests-per-user", type=int, metavar="N",
                    help="requests per level at least N x concurrency (default 4; the recipe's number if larger). "
                         "Longer levels are steadier: on two H200 a c=64 level of 32 a user lasted 0.6 s, and two "
@@ -36,7 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="processes the load generator spreads each level's users over (default auto: one per 16 "
                         "users, at most half the cores; one process parsing every streamed event saturates its "
                         "core at tens of thousands of tokens/s, and the level would measure the client)")
-    p.add_argument("--rate", type=float, help="open loop: requests/s (Poisson) instead of a closed loop")
+    p.add_argument("--rate", type=rate, help="open loop: requests/s (Poisson) instead of a closed loop")
     p.add_argument("--warmup", type=int, help="warm-up requests per level")
     p.add_argument("--seed", type=int, default=0,
                    help="prompts of level i come from seed + i: no level repeats an earlier level's prompts, and "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import socket
 import sys
 import time
@@ -12,7 +13,8 @@ from typing import Any
 
 from hpc.show import table
 from hpc.errors import UserError
-from hpc.rundir import RunDir, find_run, list_runs, read_json
+from hpc.cli.args import bounded_int
+from hpc.rundir import RunDir, find_run, list_runs, read_json, shown
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -27,8 +29,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--component", help="etcd, nats, frontend, agg, prefill, decode, encode, job")
     p.add_argument("--index", type=int, default=0)
     p.add_argument("-f", "--follow", action="store_true")
-    p.add_argument("-n", "--lines", type=int, default=50)
-    p.add_argument("--request", metavar="ID",
+    p.add_argument("-n", "--lines", type=bounded_int(1, 10_000_000, "-1 would print all but one"), default=50,
+                   help="the last N lines (N from 1)")
+    p.add_argument("--request", metavar="ID", type=_request_id,
                    help="every component's lines that name this request (its x-request-id, the response's id)")
     p.set_defaults(func=logs)
 
@@ -339,6 +342,17 @@ def _follow(path: Path) -> None:
 def _log_files(run: RunDir) -> list[Path]:
     """The run's logs: each component's, then Slurm's job output."""
     return sorted(run.logs.glob("*.log")) + sorted(run.logs.glob("*.out"))
+
+
+REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{2,127}")
+
+
+def _request_id(text: str) -> str:
+    """A response's id (cmpl-..., chatcmpl-...): an empty or blank one would match every line."""
+    if not REQUEST_ID.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"'{shown(text, 60)}' is not a request id: letters, digits and . _ : -, "
+                                         "3 to 128 (the response's id, e.g. cmpl-3f2a...)")
+    return text
 
 
 def _request_lines(run: RunDir, request_id: str) -> int:

@@ -276,3 +276,25 @@ def test_validate_all_checks_every_recipe_against_one_cluster(capsys):
     assert main(["validate", "-c", "nope", "--all"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "unknown cluster" in err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["logs", "x", "--lines", "-1"], "--lines: must be from 1"),
+    (["logs", "x", "--lines", "0"], "--lines: must be from 1"),
+    (["logs", "x", "--request", ""], "is not a request id"),
+    (["logs", "x", "--request", " "], "is not a request id"),
+    (["logs", "x", "--request", "\x1b[2Jcmpl"], "\\x1b[2Jcmpl"),  # escaped, never echoed raw
+    (["bench", "--url", "http://x", "--model", "m", "--concurrency", "1,,2"], "an empty value"),
+    (["bench", "--url", "http://x", "--model", "m", "--concurrency", "1000000000"], "from 1 to 1,000,000"),
+    (["bench", "--url", "http://x", "--model", "m", "--concurrency", "1" + "0" * 23], "from 1 to 1,000,000"),
+    (["bench", "--url", "http://x", "--model", "m", "--concurrency", ",".join(["1"] * 20000)], "at most 64"),
+    (["bench", "--url", "http://x", "--model", "m", "--requests", "-5"], "--requests"),
+    (["bench", "--url", "http://x", "--model", "m", "--rate", "nan"], "--rate: must be above 0"),
+    (["bench", "--url", "http://x", "--model", "m", "--rate", "inf"], "--rate: must be above 0"),
+    (["profile", "-r", "tiny-disagg", "--isl", "8", "--osl", "8", "--ttft", "1", "--itl", "1", "--tp", "1,,2"],
+     "an empty value"),
+])
+def test_malformed_flags_are_one_line_and_exit_2(argv, says, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err and "\x1b" not in err
