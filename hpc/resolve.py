@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from hpc.checks.chat_images import image_route_problem
 from hpc.model.fit import encode_problem, fit_problems, is_local_path, read_model_config
+from hpc.model.generated import generated_config
 from hpc.engine_args.flags import EngineArgFlags, apply_engine_flags
 from hpc.engine_args.precedence import (forced_values, merge_engine_args, overridden, prune_for_autodeploy,
                                         recipe_defaults)
@@ -80,6 +81,7 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
     trtllm = recipe.backend is Backend.TRTLLM
     # the model's shape, where this machine can read it (a login node that mounts the models' filesystem)
     model_config = None if recipe.model.generate else read_model_config(recipe.model.path)
+    shape = model_config or generated_config(recipe.model.generate)  # a generated model's is known before it is
     table_name, expected = BASE_TABLE, []
     if trtllm:
         version = _trtllm_version(cluster, str(cluster_path), recipe, model_config, trtllm_version)
@@ -117,10 +119,10 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
                      "runtime.publish_kv_events: false turns that off)" for change in overridden(unforced, forced)]
         merged = merge_engine_args(unforced, None, None, forced)
         errors += _check_role(recipe, role_name, role, field, merged, rfile, efile)
-        if model_config is not None and role_name is not RoleName.ENCODE:  # the encoder's heads are the vision's
-            errors += [UserError(f"{problem} ({recipe.model.path}/config.json)", file=rfile,
-                                 field=f"{field}.{RECIPE_LAYOUT[key]}", hint=fix)
-                       for key, problem, fix in fit_problems(model_config, merged, recipe.backend.value)]
+        if shape is not None and role_name is not RoleName.ENCODE:  # the encoder's heads are the vision's
+            source = f"{recipe.model.path}/config.json" if model_config else f"model.generate {recipe.model.generate}"
+            errors += [UserError(f"{problem} ({source})", file=rfile, field=f"{field}.{RECIPE_LAYOUT[key]}", hint=fix)
+                       for key, problem, fix in fit_problems(shape, merged, recipe.backend.value)]
         if trtllm and backend == "_autodeploy":
             merged = prune_for_autodeploy(merged, warn=lambda w, r=group.key: warnings.append(f"{r}: {w}"))
         engine_args[group.key] = merged

@@ -228,8 +228,12 @@ def _check_local_model(r: Resolved) -> None:
 
     from hpc.checks.preflight import model_problem
 
+    from hpc.model.generated import build_place_problem
+
     manifest = r.manifest(Path("/nonexistent/check"), "check", dt.datetime.now())
     problem = model_problem(json.loads(manifest.model_dump_json()))
+    if r.recipe.model.generate and not problem:
+        problem = build_place_problem(r.recipe.model.path)
     if problem:
         raise UserError(problem, file=r.recipe_file)
 

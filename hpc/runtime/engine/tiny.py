@@ -11,15 +11,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hpc.model.generated import (LLAMA_8B_SHAPE, TINY_MOE_EXPERTS, TINY_MOE_TOP_K, TINY_SHAPE,  # noqa: F401
+                                 build_place_problem)
 from hpc.runtime.engine.tiny_tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, VOCAB_SIZE, train_tokenizer  # noqa: F401
 
 SEED = 1234
 
 
-MOE_EXPERTS, MOE_TOP_K = 4, 2
+MOE_EXPERTS, MOE_TOP_K = TINY_MOE_EXPERTS, TINY_MOE_TOP_K
 
 
-def build_tiny(out_dir: Path, multimodal: bool = False, hidden: int = 128, layers: int = 2,
+def build_tiny(out_dir: Path, multimodal: bool = False, hidden: int = 128, layers: int = TINY_SHAPE["num_hidden_layers"],
                moe: bool = False) -> Path:
     """`moe`: Mixtral-style sparse experts in place of the dense MLP (for expert parallelism)."""
     from safetensors.torch import save_file
@@ -37,7 +39,8 @@ def build_tiny(out_dir: Path, multimodal: bool = False, hidden: int = 128, layer
                   "num_image_tokens": 16}
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden,
                       intermediate_size=hidden if moe else hidden * 2 + hidden // 2 * 2,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=layers, num_attention_heads=TINY_SHAPE["num_attention_heads"],
+                      num_key_value_heads=TINY_SHAPE["num_key_value_heads"],
                       bos_token_id=tok.token_to_id("<|begin_of_text|>"),
                       eos_token_id=tok.token_to_id("<|end_of_text|>"), vision=vision,
                       num_local_experts=MOE_EXPERTS if moe else 0, num_experts_per_tok=MOE_TOP_K)
@@ -55,9 +58,7 @@ def build_tiny(out_dir: Path, multimodal: bool = False, hidden: int = 128, layer
     return out_dir
 
 
-LLAMA_8B_SHAPE = {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-                  "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192,
-                  "rope_theta": 500000.0}
+
 
 
 def build_shaped(out_dir: Path, shape: dict, seed: int = SEED) -> Path:
@@ -112,6 +113,9 @@ def ensure_model(path: str, kind: str | None, apart: bool = False) -> Path:
     model_dir = Path(path).expanduser()
     if not kind or (model_dir / "config.json").is_file():
         return model_dir
+    refused = build_place_problem(path)
+    if refused:  # the job's side of the launcher's check (a cluster's nodes)
+        raise RuntimeError(refused)
     model_dir.mkdir(parents=True, exist_ok=True)
     with open(model_dir / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
