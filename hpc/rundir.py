@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # a Resolved is handed in; resolve sits above the run directo
     from hpc.resolve import Resolved
 
 RUNS_DIR_NAME = "runs"
+SCRAPE_TARGETS = "prometheus-targets.json"
 
 
 def bundle_dir(runs_root: str | Path, python_version: str) -> Path:
@@ -158,6 +159,25 @@ class RunDir:
         info = self.run_info()
         info.update(fields)
         write_json(self.run_info_path, info)
+
+    def write_scrape_targets(self) -> Path:
+        """Prometheus file-SD targets (prometheus-targets.json): the frontend's and each worker's /metrics, one
+        group each, labelled by run and component, so that a Prometheus whose file_sd_configs globs the runs
+        directory (runs/*/prometheus-targets.json) scrapes every run as it comes up."""
+        from urllib.parse import urlsplit
+
+        found = []
+        frontend = read_json(self.path / "endpoints" / "frontend.json")
+        if isinstance(frontend, dict) and isinstance(frontend.get("url"), str):
+            found.append(("frontend", frontend["url"]))
+        found += [(name, state["http"]) for name, state in sorted(self.component_states().items())
+                  if isinstance(state.get("http"), str) and name != "frontend"]
+        groups = [{"targets": [urlsplit(url).netloc], "labels": {"job": "hpc", "run": self.path.name,
+                                                                  "component": name}}
+                  for name, url in found if urlsplit(url).netloc]
+        path = self.path / SCRAPE_TARGETS
+        write_json(path, groups)
+        return path
 
     def component_states(self) -> dict[str, dict[str, Any]]:
         states = {}

@@ -137,6 +137,7 @@ def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float 
         warm_handoffs(manifest, frontend["url"])
         record("handoffs warmed")
     record("ready")
+    RunDir(Path(manifest.run_dir)).write_scrape_targets()  # every component is up: Prometheus may scrape them
     return phases
 
 

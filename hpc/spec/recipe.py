@@ -272,6 +272,11 @@ class BenchmarkSpec(StrictModel):
 
 class RuntimeSpec(StrictModel):
     publish_kv_events: bool = True
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="every component's, and TensorRT-LLM's (TLLM_LOG_LEVEL)")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="json: one object a line (ts, level, run, component, logger, message, request_id), "
+                            "for a log stack")
     readiness_timeout_s: float = Field(1800.0, gt=0, le=7 * 86400, allow_inf_nan=False)
     allowed_local_media_path: str | None = None
     media_allowed_hosts: list[SingleLine] = Field(

@@ -10,6 +10,7 @@ import socket
 import sys
 
 from hpc.manifest import Manifest
+from hpc.runtime.services.logs import setup_component_logging
 from hpc.runtime.services.node import Reporter, failure_line
 
 log = logging.getLogger("hpc.runtime.frontend")
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     name = f"frontend[{args.replica}]" if args.replica else "frontend"
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     manifest = Manifest.load(args.manifest)
+    setup_component_logging(name, manifest)
     most = manifest.recipe.frontend.max_restarts
     if args.replica == 0 and args.attempt is None and most:
         return _supervise(manifest, args.manifest, most)

@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator, Callable
 import msgspec
 
 from hpc.manifest import Manifest
+from hpc.runtime.services.logs import setup_component_logging
 from hpc.runtime.engine.types import DisaggregationMode, GenerateOutput
 from hpc.runtime.serve.rpc import RemoteError
 from hpc.runtime.worker.engine_link import (
@@ -365,8 +366,9 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
 
         uvloop.install()
-    return asyncio.run(run(Manifest.load(args.manifest), args.role, args.index, args.device, args.requests_fd,
-                           args.outputs_fd))
+    manifest = Manifest.load(args.manifest)
+    setup_component_logging(f"{args.role}-{args.index}.engine", manifest)
+    return asyncio.run(run(manifest, args.role, args.index, args.device, args.requests_fd, args.outputs_fd))
 
 
 if __name__ == "__main__":

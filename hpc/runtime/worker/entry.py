@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable, Coroutine, NoReturn
 
 from hpc.manifest import Manifest
+from hpc.runtime.services.logs import setup_component_logging
 from hpc.runtime.services.node import Reporter, failure_line
 from hpc.spec.recipe import OnFailure
 
@@ -43,6 +44,7 @@ def main_entry(manifest_path: str, role: str, index: int, supervise: bool, attem
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}-{index} %(levelname)s %(message)s")
     manifest = Manifest.load(manifest_path)
+    setup_component_logging(f"{role}-{index}", manifest)
     plan = manifest.plan.worker(role, index)
     if supervise and manifest.processes_started(plan) == 1:
         return supervise_worker(manifest, manifest_path, role, index)
