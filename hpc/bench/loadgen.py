@@ -105,6 +105,7 @@ class _Events:
         *events, self.buffer = buffer.split(b"\n\n")
         now = time.perf_counter()
         sample = self.sample
+        later = 0  # text events after the first token in this read
         for event in events:
             if not event.startswith(b"data: ") or event == b"data: [DONE]":
                 continue
@@ -117,9 +118,16 @@ class _Events:
             if data.get("choices") and data["choices"][0].get("text"):
                 if sample.ttft is None:
                     sample.ttft = now - self.t0
-                elif self.last is not None:
-                    sample.itls.append(now - self.last)
-                self.last = now
+                    self.last = now
+                else:
+                    later += 1
+        if later:
+            # the events of one read share its time: the gap since the last read, spread over them (the same
+            # instant for each gave ITL 0.0 wherever several events came in one read, as at c=1)
+            share = (now - self.last) / later
+            sample.itls.extend([share] * later)
+        if later or (sample.ttft is not None and self.last is None):
+            self.last = now
 
 
 async def one_request(pool: Pool, model: str, level: Level, streaming: bool, rng: random.Random) -> Sample:

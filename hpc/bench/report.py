@@ -19,7 +19,10 @@ SHORT_LEVEL_S = 1.0
 
 
 def _share(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0%}"
+    """A share of a request's time: past 100 % only by the two clocks' disagreement, so shown as 100 %*."""
+    if value is None:
+        return "-"
+    return "100%*" if value > 1.0 else f"{value:.0%}"
 
 
 def _ms(value: float | None) -> float | None:
@@ -48,11 +51,13 @@ def write(results: dict[str, Any], out_dir: Path) -> list[Path]:
 def table(results: dict[str, Any]) -> str:
     head = f"{'conc':>5} {'in':>5} {'out':>5} {'out/req':>7} {'ok':>6} {'fail%':>6} {'tok/s':>9} {'req/s':>8} " \
            f"{'TTFT p50':>9} {'ITL p50':>8} {'TPOT p50':>9} {'e2e p50':>8} {'e2e p99':>8}  valid"
+    units = f"{'users':>5} {'tok':>5} {'tok':>5} {'tok':>7} {'req':>6} {'':>6} {'out tok/s':>9} {'':>8} " \
+            f"{'ms':>9} {'ms':>8} {'ms':>9} {'ms':>8} {'ms':>8}"
     # the engines' share of a request's time (hpc.bench.engines): a run's levels have it, a bare URL's do not
     engines = any(lv.get("in_engines") is not None for lv in results["levels"])
     if engines:
         head = head.replace("  valid", " in eng  valid")
-    lines = [head]
+    lines = [head, units]
     for lv in results["levels"]:
         f = flat(lv)
         fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
@@ -69,7 +74,8 @@ def table(results: dict[str, Any]) -> str:
         lines.append("client processes (the load generator's users spread over them): " + ", ".join(spread))
     if engines:
         lines.append("in eng: of a request's mean time at the client, the share inside the engines (each from its "
-                     "inbox to its last output); the rest went to the client, the frontend, the workers, their links")
+                     "inbox to its last output); the rest went to the client, the frontend, the workers, their links "
+                     "(100%*: the engines' clock and the client's disagree by more than the rest)")
     short = [f"c={lv['concurrency']}: {lv['duration_s']:.2f} s" for lv in results["levels"]
              if lv.get("duration_s") is not None and lv["duration_s"] < SHORT_LEVEL_S]
     if short:

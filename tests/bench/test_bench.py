@@ -313,3 +313,25 @@ def test_a_sweep_stopped_midway_keeps_the_levels_it_finished(tmp_path, monkeypat
     assert [lv["concurrency"] for lv in saved["levels"]] == [1] and first["completed"] == first["requests"] > 0
     assert saved["valid"] is False and saved["interrupted"] == "after 1 of 2 levels"
     assert "interrupted after 1 of 2 levels" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_events_read_together_share_the_gap_since_the_last_read(monkeypatch):
+    """Several SSE events in one read got one timestamp, so ITL p50 read 0.0 at c=1 where the stack's tokens come
+    several to a read; the gap since the last read is spread over them."""
+    import json as _json
+
+    from hpc.bench import loadgen
+
+    clock = iter([1.0, 1.3, 1.9])
+    monkeypatch.setattr(loadgen.time, "perf_counter", lambda: next(clock))
+    sample = loadgen.Sample(ok=False)
+    events = loadgen._Events(sample, t0=0.5)
+
+    def ev(text):
+        return b"data: " + _json.dumps({"choices": [{"text": text}]}).encode() + b"\n\n"
+    events.feed(ev("a"))  # the first token at 1.0
+    events.feed(ev("b") + ev("c") + ev("d"))  # three at 1.3: 0.1 each
+    events.feed(ev("e") + ev("f"))  # two at 1.9: 0.3 each
+    assert sample.ttft == pytest.approx(0.5)
+    assert sample.itls == pytest.approx([0.1, 0.1, 0.1, 0.3, 0.3])

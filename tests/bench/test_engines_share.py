@@ -53,8 +53,11 @@ def test_the_table_has_the_engines_column_only_when_a_level_has_the_share():
              "completed": 32, "failure_rate": 0.0, "output_tokens_per_s": 1000.0, "requests_per_s": 15.6,
              "valid": True, "invalid_reasons": [], "duration_s": 2.0}
     shown = table({"levels": [{**level, "in_engines": 0.79}, {**level, "concurrency": 1, "in_engines": None}]})
-    head, first, second, legend = shown.splitlines()
+    head, units, first, second, legend = shown.splitlines()
     assert head.endswith("in eng  valid") and first.endswith("   79%  yes") and second.endswith("     -  yes")
+    assert units.split()[-5:] == ["ms"] * 5 and "out tok/s" in units  # every figure's unit
+    over = table({"levels": [{**level, "in_engines": 1.05}]}).splitlines()[2]
+    assert over.endswith(" 100%*  yes")  # past 100 % only by the clocks' disagreement
     assert legend.startswith("in eng: of a request's mean time at the client, the share inside the engines")
     assert "in eng" not in table({"levels": [level]})
 
