@@ -85,6 +85,9 @@ class Frontend:
             return await route(req)
         except ApiError as exc:
             self.counters["errors_total"] += 1
+            if exc.status < 500:  # the client's mistake, one bounded line (a 5xx was logged where it failed)
+                log.info("%s %s -> %d %s param=%s: %s", req.method, req.path[:80], exc.status,
+                         exc.request_id or "-", (exc.param or "-")[:64], exc.message[:200])
             return exc.response()
 
     # ---- info routes -----------------------------------------------------------------------------
@@ -208,7 +211,8 @@ class Frontend:
             param = ".".join(str(p) for p in err["loc"])
             raise ApiError(400, f"{param}: {err['msg']}", param=param) from None
         if parsed.model != self.model_name:
-            raise ApiError(404, f"model '{parsed.model}' does not exist; this server serves '{self.model_name}'",
+            asked = parsed.model if len(parsed.model) <= 80 else parsed.model[:80] + f"... ({len(parsed.model)} chars)"
+            raise ApiError(404, f"model {asked!r} does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
         return parsed
 

@@ -274,3 +274,15 @@ def test_a_body_nested_too_deeply_is_a_400_and_the_server_answers_on(agg):
     assert status == 400 and "nests too deeply" in answer["error"]["message"]
     status, answer = _raw(agg, b'{"model": "' + agg.model.encode() + b'", "prompt": "x", "max_tokens": 1}')
     assert status == 200 and answer["usage"]["completion_tokens"] == 1
+
+
+def test_a_4xx_is_one_bounded_line_of_the_frontends_log_and_a_long_model_name_is_not_echoed_whole(agg):
+    import json
+
+    status, answer = _raw(agg, json.dumps({"model": "m" * 1_000_000, "prompt": "x"}).encode())
+    assert status == 404 and len(answer["error"]["message"]) < 300 and "(1000000 chars)" in answer["error"]["message"]
+    status, _ = _raw(agg, json.dumps({"model": agg.model, "prompt": "x", "max_tokenz": 1}).encode())
+    assert status == 400
+    log = (agg.run.logs / "frontend.log").read_text().splitlines()
+    lines = [line for line in log if "-> 400" in line and "param=max_tokenz" in line]
+    assert lines and all(len(line) < 600 for line in log if "-> 40" in line)
