@@ -83,10 +83,10 @@ def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: Non
             return 1
         print(f"ready in {time.monotonic() - t0:.1f} s")
         if smoke_job is not None:
-            from hpc.launch.smoke import finish_smoke
+            from hpc.launch.smoke import finish_smoke, verdict_limit
             from hpc.checks.smoke import print_verdict
 
-            verdict = finish_smoke(smoke_job)
+            verdict = finish_smoke(smoke_job, verdict_limit(run))
             print_verdict(verdict)
             print(f"smoke passed {time.monotonic() - t0:.1f} s after submission" if verdict["passed"] else "")
             if not verdict["passed"]:

@@ -49,13 +49,30 @@ def start_smoke(run: RunDir, wait_ready_s: float | None = None):
     return job
 
 
-def finish_smoke(job, poll_s: float = 0.05) -> dict[str, Any]:
-    """The verdict; polls for submitit's result file itself (its own polling adds seconds)."""
+# How long a smoke job may wait in the queue beside its own smoke.timeout_s: past both, the launch stops waiting
+# for its verdict (a job stuck in the queue held hpc launch forever)
+QUEUE_ALLOWANCE_S = 900.0
+
+
+def finish_smoke(job, limit_s: float = math.inf, poll_s: float = 0.05) -> dict[str, Any]:
+    """The verdict; polls for submitit's result file itself (its own polling adds seconds). Past `limit_s`, the job
+    is cancelled and the verdict says so."""
     result_file = job.paths.result_pickle
-    wait_until(lambda: result_file.exists() or job.done(), math.inf, "the smoke verdict",
-               backoff=Backoff(first_s=poll_s, factor=1.0, cap_s=poll_s))
+    try:
+        wait_until(lambda: result_file.exists() or job.done(), limit_s, "the smoke verdict",
+                   backoff=Backoff(first_s=poll_s, factor=1.0, cap_s=poll_s))
+    except TimeoutError:
+        job.cancel(check=False)
+        return {"passed": False, "checks": [{
+            "name": "verdict", "ok": False,
+            "detail": f"the smoke job {job.job_id} gave no verdict within {limit_s:g} s (smoke.timeout_s and "
+                      f"{QUEUE_ALLOWANCE_S:g} s in the queue) and was cancelled; hpc smoke RUN runs it again"}]}
     return job.result()
 
 
+def verdict_limit(run: RunDir) -> float:
+    return run.manifest().recipe.smoke.timeout_s + QUEUE_ALLOWANCE_S
+
+
 def submit_smoke(run: RunDir) -> dict[str, Any]:
-    return finish_smoke(start_smoke(run))
+    return finish_smoke(start_smoke(run), verdict_limit(run))
