@@ -179,8 +179,7 @@ def _trtllm_version(cluster: ClusterProfile, cluster_file: str, recipe: Recipe, 
                     asked: str | None) -> VersionCheck:
     image = cluster.container.image if cluster.container else None
     return check_version(cluster.trtllm_version, image, asked, cluster_file=cluster_file,
-                         encode_role=recipe.roles.encode is not None, disaggregated=recipe.disaggregated,
-                         model_config=model_config)
+                         encode_role=recipe.roles.encode is not None, model_config=model_config)
 
 
 def _group_field(recipe: Recipe, group: WorkerGroup) -> str:

@@ -15,8 +15,6 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
-from hpc.spec.cluster import VERSION_PATTERN  # noqa: F401 (the profile's field and this module spell it once)
-
 # a +local part (1.3.0rc11+cu130) is ignored
 _PARTS = re.compile(r"^([0-9]+)\.([0-9]+)\.([0-9]+)(?:(a|b|rc)([0-9]+))?(?:\.post([0-9]+))?(?:\.dev([0-9]+))?$")
 _PRE = {"a": 0, "b": 1, "rc": 2, None: 3}

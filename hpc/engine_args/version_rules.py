@@ -32,7 +32,7 @@ def _where(t: tv.Target) -> str:
 
 
 def check_version(declared: str | None, image: str | None, asked: str | None, *, cluster_file: str,
-                  encode_role: bool, disaggregated: bool, model_config: dict[str, Any] | None) -> VersionCheck:
+                  encode_role: bool, model_config: dict[str, Any] | None) -> VersionCheck:
     """The target version, the field table its engine configs are checked against, and what it cannot run."""
     t = tv.target(declared, image, asked)
     source = "--trtllm-version" if t.how == "asked" else cluster_file
