@@ -136,6 +136,8 @@ class RunDir:
     run_info_path = property(lambda self: self.path / "run.json")
     job_path = property(lambda self: self.path / "job.json")  # the running job's own record (checks/jobstart)
     secrets = property(lambda self: self.path / "secrets")
+    # a job whose preflight left nodes out resubmitted itself (preflight.on_bad_node: exclude; job.sbatch.j2)
+    resubmitted_path = property(lambda self: self.path / "resubmitted.json")
 
     def manifest(self) -> Manifest:
         return Manifest.load(self.manifest_path)
@@ -148,9 +150,23 @@ class RunDir:
         return read_json(self.job_path) or {}
 
     def job_id(self) -> str | None:
-        """The run's job: the one that last started here (a plain sbatch too), else the one hpc launch submitted."""
-        job_id = self.job().get("job_id") or self.run_info().get("job_id")
+        """The run's job: the one that last started here (a plain sbatch too), else the one a job's preflight
+        resubmitted after it (not started yet), else the one hpc launch submitted."""
+        job, again = self.job(), self.resubmitted()
+        if again.get("job_id") and _number(again.get("at")) >= _number(job.get("started_at")):
+            return str(again["job_id"])
+        job_id = job.get("job_id") or self.run_info().get("job_id")
         return None if job_id is None else str(job_id)
+
+    def resubmitted(self) -> dict[str, Any]:
+        """from_job, job_id, excluded (the nodes, comma-separated), at: written by the job script."""
+        found = read_json(self.resubmitted_path)
+        return found if isinstance(found, dict) else {}
+
+    def preflight(self, job_id: str | None) -> dict[str, Any]:
+        """That job's preflight on every node (hpc.checks.node_health): nodes, bad_nodes, seconds."""
+        found = read_json(self.path / "preflight" / f"{job_id}.json") if job_id else None
+        return found if isinstance(found, dict) else {}
 
     def submitted(self) -> bool:
         return bool(self.run_info().get("submitted") or self.job().get("job_id"))
@@ -195,6 +211,10 @@ class RunDir:
 
     def log_path(self, component: str) -> Path:
         return self.logs / f"{component}.log"
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) else 0.0
 
 
 def new_run_id(recipe_name: str, now: _dt.datetime) -> str:

@@ -16,6 +16,7 @@ import os
 import shutil
 import socket
 import sys
+import time
 from pathlib import Path
 
 EXIT_FAILED = 3
@@ -192,7 +193,26 @@ def check(manifest: dict) -> tuple[bool, str]:
     return True, f"hpc preflight on {node}: ok (Python {here} {shown})".rstrip()
 
 
+def _with_hardware(manifest: dict, ok: bool, line: str, t0: float) -> tuple[bool, str]:
+    """The hardware and fabric checks (hpc.checks.node_health) after the software ones: each failure one line
+    (the last is what the script and hpc launch show); their figures join the node's ok line."""
+    from hpc.checks.node_health import run_checks
+
+    found, _ = run_checks(manifest, ok, line, t0)
+    failed = [f for f in found if not f.ok]
+    if not ok:
+        return ok, line
+    node = socket.gethostname()
+    for finding in failed[:-1]:
+        print(f"hpc preflight on {node}: {finding.line()}", flush=True)
+    if failed:
+        return False, f"hpc preflight on {node}: {failed[-1].line()}"
+    figures = "; ".join(f"{f.check} {f.figure}" for f in found)
+    return True, line[:-1] + (f"; {figures})" if figures else ")")
+
+
 def main(argv: list[str] | None = None) -> int:
+    t0 = time.monotonic()
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m hpc.checks.preflight MANIFEST", file=sys.stderr)
@@ -205,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
               "mounted in the container?", flush=True)
         return EXIT_FAILED
     ok, line = check(manifest)
+    if (manifest["cluster"].get("preflight") or {}).get("hardware", True):
+        ok, line = _with_hardware(manifest, ok, line, t0)
     print(line, flush=True)
     if ok and os.environ.get("SLURM_PROCID", "0") == "0":
         # the job's first step as well (hpc.checks.jobstart), here where a container is up already

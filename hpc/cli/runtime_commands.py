@@ -195,12 +195,40 @@ def collect_status(run: RunDir) -> dict[str, Any]:
     # queued again after it had started (preemption, a failed node, scontrol requeue): a new start will record
     # itself and move these states under previous/; until then they are its last start's
     scheduler["requeued"] = scheduler["state"] == "PENDING" and bool(run.job().get("started_at"))
+    job_id = run.job_id()
+    again = run.resubmitted()
     return {"run": run.path.name, "run_dir": str(run.path), "recipe": m.recipe.name, "cluster": m.cluster.name,
-            "job_id": run.job_id(), "scheduler": scheduler, "endpoint": endpoint,
+            "job_id": job_id, "scheduler": scheduler, "endpoint": endpoint,
+            "preflight": _preflight_summary(run.preflight(job_id)),
+            "resubmitted": None if str(again.get("job_id")) != job_id else {
+                **again, "bad_nodes": run.preflight(str(again.get("from_job"))).get("bad_nodes", {})},
             "ready": ready, "roles": roles, "components": components, "router": frontend_view.get("router"),
             "failed_logs": failed,
             "smoke": None if smoke is None else {"passed": smoke["passed"],
                                                  "failed": [c["name"] for c in smoke["checks"] if not c["ok"]]}}
+
+
+def _preflight_summary(found: dict[str, Any]) -> dict[str, Any] | None:
+    """A job's preflight on its nodes (hpc.checks.node_health): how long, how many nodes, which were bad."""
+    if not found:
+        return None
+    return {"seconds": found.get("seconds"), "nodes": len(found.get("nodes") or {}),
+            "bad_nodes": found.get("bad_nodes") or {}}
+
+
+def _preflight_lines(data: dict[str, Any]) -> list[str]:
+    lines = []
+    again = data.get("resubmitted")
+    if again:
+        why = "; ".join(f"{node}: {line}" for node, line in sorted(again["bad_nodes"].items()))
+        lines.append(f"resubmitted: job {again['from_job']}'s preflight left out {again['excluded']}"
+                     + (f" ({why})" if why else "") + f"; this is job {again['job_id']} "
+                     "(preflight.on_bad_node: exclude)")
+    pre = data.get("preflight")
+    if pre:
+        bad = "; ".join(f"{node}: {line}" for node, line in sorted(pre["bad_nodes"].items()))
+        lines.append(f"preflight: {pre['nodes']} nodes in {pre['seconds']} s, " + (f"failed ({bad})" if bad else "ok"))
+    return lines
 
 
 def _print_status(data: dict[str, Any]) -> None:
@@ -216,6 +244,8 @@ def _print_status(data: dict[str, Any]) -> None:
     if sch.get("requeued"):
         print("requeued: Slurm put the job back in its queue after it had started (preemption, a failed node, "
               "scontrol requeue); it starts again from the top, and what follows is its last start")
+    for line in _preflight_lines(data):
+        print(line)
     if data["endpoint"]:
         print(f"endpoint: {data['endpoint']}/v1")
     if data["ready"]:

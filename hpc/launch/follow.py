@@ -105,5 +105,6 @@ def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: Non
         drain = (f"; its workers drain from {m.recipe.drain_before_end_s} s before (drain_before_end_s)"
                  if m.recipe.drain_before_end_s else "")
         print(f"serves:   until the time limit {m.time_limit}{drain}")
+    ref = run.run_info().get("job_id", ref)  # a job its preflight resubmitted is the one serving
     print(f"next:     hpc status {ref}   hpc logs {ref} --component frontend   hpc cancel {ref}")
     return 0

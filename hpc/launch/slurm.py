@@ -40,15 +40,36 @@ def launch_slurm(run: RunDir, wait: bool = True, smoke: bool = True, runner: Run
         state = _wait_running(client, job_id, run)
         if state is not None:
             return state
+        job_id = str(run.run_info().get("job_id", job_id))  # a resubmission's (resubmission below)
     throttle = Throttle(SLURM)
 
     def job_ended() -> str | None:
+        nonlocal job_id
         if not throttle.due():  # readiness files are read fast; the controller is asked on a backoff
             return None
         st = client.status(job_id)
-        return f"job {job_id} ended {st.state}" if st is not None and st.finished else None
+        if st is None or not st.finished:
+            return None
+        following = resubmission(run, job_id)
+        if following is None:
+            return f"job {job_id} ended {st.state}"
+        job_id = following  # its preflight left bad nodes out and resubmitted it: readiness is that job's now
+        return None
 
     return follow_up(run, t0, wait=wait, smoke=smoke, abort=job_ended)
+
+
+def resubmission(run: RunDir, job_id: str) -> str | None:
+    """The job that `job_id`'s preflight resubmitted without its bad nodes (preflight.on_bad_node: exclude), said
+    once and recorded in run.json; None if it did not."""
+    again = run.resubmitted()
+    if again.get("from_job") != job_id or not again.get("job_id"):
+        return None
+    why = "; ".join(f"{node}: {line}" for node, line in sorted(run.preflight(job_id).get("bad_nodes", {}).items()))
+    print(f"  job {job_id}'s preflight left out {again.get('excluded')} ({why or 'see hpc logs'}); it resubmitted "
+          f"itself as job {again['job_id']} on the other nodes (preflight.on_bad_node: exclude)", flush=True)
+    run.update_run_info(job_id=str(again["job_id"]), resubmitted_from=job_id)
+    return str(again["job_id"])
 
 
 class _JobStart:
@@ -89,6 +110,9 @@ def _wait_running(client: SlurmClient, job_id: str, run: RunDir) -> int | None:
 
     failed = preflight_failure(run)
     unseen = unseen_run_dir(run, start.status.state)
+    following = resubmission(run, job_id)
+    if following is not None:
+        return _wait_running(client, following, run)
     if failed:
         print(f"preflight failed: {failed}", file=sys.stderr)
     elif unseen:

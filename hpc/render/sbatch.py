@@ -88,11 +88,13 @@ class View:
     workers: list[Step] = field(default_factory=list)
     ready_command: list[str] = field(default_factory=list)
     smoke_command: list[str] | None = None
-    # the job's first step: records its job id in the run directory, moves an earlier job's states aside (in a
-    # container job, the preflight's first task does it)
+    # the preflight's command (its first task records the job id in the run directory, moves an earlier job's
+    # states aside)
     start_command: list[str] = field(default_factory=list)
-    # With a container: the checks run inside it too (the host needs no hpc), after a preflight step.
+    # on every node (in its container, where there is one); its first task records the job
     preflight: Step | None = None
+    exclude_bad_nodes: bool = False  # preflight.on_bad_node: exclude
+    in_container: bool = False
     preflight_log: str = ""
     generated_model: str | None = None  # created before the containers mount it
     ready_step: Step | None = None
@@ -196,24 +198,25 @@ def build_view(m: Manifest) -> View:
     workers = [_worker_step(m, w, logs) for w in plan.workers]
     smoke = [*py, "hpc.checks.smoke", manifest] if m.recipe.smoke.enabled else None
     ready = [*py, "hpc.checks.ready", manifest]
-    start = [*py, "hpc.checks.preflight", manifest]  # on the batch node; a container job runs it in srun below
+    start = [*py, "hpc.checks.preflight", manifest]
     title = f"recipe {m.recipe.name} on cluster {c.name}, {plan.job_nodes} node(s), {plan.total_gpus} GPU(s)"
     view = View(title=title, sbatch_flags=flags, env=env, secrets=secrets, python_env=c.python_env,
                 slurm_conf=c.slurm_conf,
                 run_dir=run_dir, manifest=manifest, python=c.python, services=services, workers=workers,
                 ready_command=ready, smoke_command=smoke, start_command=start, preflight_log=f"{logs}/preflight.log",
                 common_flags=[*container, *c.srun_args])
-    if not c.container:
-        return view
-
     def check_step(name: str, command: list[str], nodes: list[int]) -> Step:
         return Step(name=name, comment=name, nodelist=_nodelist(nodes), command=command, srun_flags=[
             "--overlap", f"--job-name={name}", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",
             "--ntasks-per-node=1", f"--output={logs}/{name}.log"])
-    every_node = list(range(plan.job_nodes))
+    # every node checks itself (software, GPUs, the model's read, the nodes reaching each other), with or
+    # without a container
+    view = replace(view, preflight=check_step("preflight", start, list(range(plan.job_nodes))),
+                   exclude_bad_nodes=c.preflight.hardware and c.preflight.on_bad_node == "exclude")
+    if not c.container:
+        return view
     generated = str(Path(m.recipe.model.path).expanduser()) if m.recipe.model.generate else None
-    return replace(view, generated_model=generated, preflight=check_step("preflight", start, every_node),
-                   ready_step=check_step("ready", ready, [0]),
+    return replace(view, in_container=True, generated_model=generated, ready_step=check_step("ready", ready, [0]),
                    smoke_step=check_step("smoke", smoke, [0]) if smoke else None)
 
 

@@ -70,6 +70,26 @@ class Network(StrictModel):
     address_family: Literal["ipv4", "ipv6"] = "ipv4"
 
 
+class Preflight(StrictModel):
+    """The hardware and fabric checks of the job's first step, on every node before any server
+    (hpc.checks.node_health); each is skipped where it cannot apply (no nvidia-smi, no weight files)."""
+
+    hardware: bool = Field(True, description="GPUs, their memory and ECC state, the model's read speed, scratch "
+                                             "space and the nodes reaching each other; false: software checks only")
+    on_bad_node: Literal["fail", "exclude"] = Field(
+        "fail", description="a node failing a hardware check: end the job (fail), or resubmit it once with "
+                            "sbatch --exclude of the bad nodes (exclude)")
+    gpu_memory_used_max_mib: int = Field(
+        1024, ge=0, le=1_000_000, description="memory a GPU may hold before any server (more: a stale process)")
+    model_read_mb: int = Field(256, ge=1, le=65536, description="how much of the largest weight file is read")
+    min_read_mb_s: float | None = Field(None, gt=0, description="a slower read of the model fails the node")
+    min_free_gb: float = Field(1.0, ge=0, description="free space the run directory and TMPDIR must have")
+    peer_timeout_s: float = Field(5.0, gt=0, le=120, description="a connection from one node to another")
+    gather_timeout_s: float = Field(
+        120.0, gt=0, le=3600, description="how long a node waits for the others to report (their containers may "
+                                          "still be unpacking)")
+
+
 class SecretRef(StrictModel):
     """A secret named, not written: the job reads it at start, so it is in no script or manifest."""
 
@@ -121,6 +141,7 @@ class ClusterProfile(StrictModel):
     python: str = "python3"
     mpi: str = "pmix"
     network: Network = Field(default_factory=Network)
+    preflight: Preflight = Field(default_factory=Preflight)
     port_base: int = Field(20000, ge=1024, le=65000)
     discovery: Literal["etcd", "file"] = "etcd"
     sbatch_args: list[SingleLine] = Field(default_factory=list)

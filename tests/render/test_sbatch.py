@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import shutil
 import subprocess
@@ -14,7 +15,7 @@ from hpc.errors import UserError
 from hpc.render.sbatch import render_sbatch
 from hpc.resolve import resolve
 from hpc.spec.base import parse_model
-from hpc.spec.catalog import available, load_recipe
+from hpc.spec.catalog import available, load_cluster, load_recipe
 from hpc.spec.cluster import ClusterProfile
 from hpc.resolve import resolve_specs
 from tests.conftest import HOSTILE
@@ -182,30 +183,72 @@ def test_secrets_by_reference_never_reach_the_script(tmp_path, monkeypatch):
     assert done.returncode != 0 and "set MY_HF_TOKEN in the shell that submits this job" in done.stderr
 
 
-def test_a_bare_jobs_batch_node_runs_the_preflight_which_records_the_job_before_any_service_starts(tmp_path):
-    script = render_sbatch(resolve("dev", "tiny-agg").manifest(tmp_path / "run", "run", FIXED_TIME))
+def _failing_preflight(bin_dir: Path, line: str, bad_nodes: str = "") -> None:
+    """srun as a failing preflight step: `line` in its --output, the bad nodes in the job's list, exit 3."""
+    srun = bin_dir / "srun"
+    srun.write_text(srun.read_text() + f"""
+if [[ " $* " == *" --job-name=preflight "* ]]; then
+  for a in "$@"; do [[ $a == --output=* ]] && echo {line!r} > "${{a#--output=}}"; done
+  run=$(dirname "${{@: -1}}")  # the manifest's directory
+  mkdir -p "$run/preflight" && printf {bad_nodes!r} > "$run/preflight/$SLURM_JOB_ID.bad-nodes"
+  exit 3
+fi
+""")
+
+
+def test_a_bare_job_runs_the_preflight_on_every_node_before_any_service_starts(tmp_path):
+    script = render_sbatch(resolve("dev", "tiny-disagg").manifest(tmp_path / "run", "run", FIXED_TIME))
     path = tmp_path / "job.sbatch"
     path.write_text(script)
     (tmp_path / "run" / "logs").mkdir(parents=True)
     calls = _run_script(path, tmp_path)
-    # the batch host's python runs it (no container, no srun): before the first srun
-    started = [c for c in calls if c[0] == "python3" and "hpc.checks.preflight" in c]
-    assert len(started) == 1 and started[0][-1] == str(tmp_path / "run" / "manifest.json")
+    first = min((c for c in calls if c[0] == "srun"), key=lambda c: script.index(c[2]))
+    assert first[:6] == ["srun", "--overlap", "--job-name=preflight", "--nodes=3", "--ntasks=3", "--ntasks-per-node=1"]
+    assert first[-2:] == ["hpc.checks.preflight", str(tmp_path / "run" / "manifest.json")]
     assert script.index("hpc.checks.preflight") < script.index("--service etcd")
-    assert "srun --overlap --job-name=preflight" not in script
 
     # a failed preflight: its last line on the job's stderr, exit 3, and no service started
-    fake_python = tmp_path / "bin" / "python3"
-    fake_python.write_text(fake_python.read_text() + "echo 'hpc preflight on node1: the model directory /m is not "
-                                                      "there'\nexit 3\n")
+    _failing_preflight(tmp_path / "bin", "hpc preflight on node2: gpus: 1 visible, the plan puts 2 on this node")
     before = set((tmp_path / "calls").iterdir())
     done = subprocess.run(["bash", str(path)], cwd=tmp_path / "work", capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
                                "SLURM_JOB_NODELIST": "x", "SLURM_JOB_ID": "1"})
-    assert done.returncode == 3 and "preflight failed, nothing was started: hpc preflight on node1: the model " \
-        "directory /m is not there" in done.stderr
-    (after,) = set((tmp_path / "calls").iterdir()) - before  # the preflight alone: no srun, no service
-    assert after.read_text().split("\0")[:2] == ["python3", "-m"] and "hpc.checks.preflight" in after.read_text()
+    assert done.returncode == 3 and "preflight failed, nothing was started: hpc preflight on node2: gpus: 1 " \
+        "visible" in done.stderr
+    (after,) = set((tmp_path / "calls").iterdir()) - before  # the preflight alone: no service
+    assert "--job-name=preflight" in after.read_text()
+
+
+def test_bad_nodes_are_left_out_of_one_resubmission(tmp_path):
+    """preflight.on_bad_node: exclude: the script resubmits itself with sbatch --exclude of the nodes the
+    preflight named, records it in resubmitted.json, and a job that is such a resubmission already fails."""
+    cluster, cluster_path = load_cluster("dev")
+    cluster = cluster.model_copy(update={"preflight": cluster.preflight.model_copy(update={"on_bad_node": "exclude"})})
+    recipe, recipe_path = load_recipe("tiny-disagg")
+    m = resolve_specs(cluster, cluster_path, recipe, recipe_path).manifest(tmp_path / "run", "run", FIXED_TIME)
+    path = tmp_path / "run" / "job.sbatch"
+    (tmp_path / "run" / "logs").mkdir(parents=True)
+    path.write_text(render_sbatch(m))
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    if _shellcheck():
+        subprocess.run([_shellcheck(), "-s", "bash", "-e", "SC2016", str(path)], check=True)
+    bin_dir = _fake_bin(tmp_path)
+    _failing_preflight(bin_dir, "hpc preflight on node3: ecc: GPU 1 reports 2 uncorrected ECC errors", "node3\n")
+    (bin_dir / "sbatch").write_text("#!/bin/bash\necho \"$HPC_EXCLUDED_NODES $*\" > \"$(dirname \"$0\")/../sbatch-call\"\n"
+                                    "echo '4242;debug'\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "x", "SLURM_JOB_ID": "41"}
+    (tmp_path / "work").mkdir()
+    done = subprocess.run(["bash", str(path)], cwd=tmp_path / "work", capture_output=True, text=True, env=env)
+    assert done.returncode == 3 and "left out node3; resubmitted as job 4242" in done.stderr
+    assert (tmp_path / "sbatch-call").read_text().split() == ["node3", "--parsable", "--exclude=node3", str(path)]
+    record = json.loads((tmp_path / "run" / "resubmitted.json").read_text())
+    assert record["from_job"] == "41" and record["job_id"] == "4242" and record["excluded"] == "node3"
+
+    (tmp_path / "sbatch-call").unlink()
+    done = subprocess.run(["bash", str(path)], cwd=tmp_path / "work", capture_output=True, text=True,
+                          env={**env, "HPC_EXCLUDED_NODES": "node3"})
+    assert done.returncode == 3 and not (tmp_path / "sbatch-call").exists()  # once, not a loop
 
 
 def test_a_restarted_units_log_keeps_every_attempt_of_this_job(tmp_path):

@@ -3,27 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import gc
 import os
 import platform
 import socket
 import sys
-import struct
 import time
 from pathlib import Path
 from typing import Any
 
 from hpc.manifest import Manifest
+from hpc.net.addresses import advertised_address
 from hpc.waiting import wait_until
 from hpc.rundir import read_json, write_json
-
-
-def interface_address(name: str) -> str:
-    """IPv4 address of a network interface (SIOCGIFADDR)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
-    return socket.inet_ntoa(packed[20:24])
 
 
 def node_address(manifest: Manifest) -> str:
@@ -31,15 +23,7 @@ def node_address(manifest: Manifest) -> str:
     cluster = manifest.cluster
     if cluster.is_local:
         return "127.0.0.1"
-    if cluster.network.interface:
-        return interface_address(cluster.network.interface)
-    family = socket.AF_INET6 if cluster.network.address_family == "ipv6" else socket.AF_INET
-    host = socket.gethostname()
-    for info in socket.getaddrinfo(host, None, family, socket.SOCK_STREAM):
-        addr = info[4][0]
-        if not addr.startswith("127.") and addr != "::1":
-            return addr
-    return socket.getaddrinfo(host, None, family)[0][4][0]
+    return advertised_address(cluster.network.interface, cluster.network.address_family)
 
 
 def process_start_time() -> float:

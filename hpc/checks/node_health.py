@@ -1,0 +1,358 @@
+"""The hardware and fabric preflight: on every node of the job, in the preflight step (hpc.checks.preflight),
+before any server starts, what real clusters break and a software check cannot see:
+
+- the GPUs the plan puts on this node are visible, hold no memory yet (a stale process from an earlier job keeps
+  its memory for as long as it lives) and report no uncorrected ECC error or pending page retirement (nvidia-smi);
+- the model's largest weight file reads, at how many MB/s (a bounded read: a slow shared filesystem shows here,
+  not as a load timeout twenty minutes later);
+- the run directory's and TMPDIR's filesystems have room;
+- every other node of the job is reachable at the address its servers will publish (a route or firewall that
+  drops traffic between two nodes, or a hostname that resolves to 127.0.1.1, is what makes disaggregated requests
+  hang while aggregated ones work).
+
+Each check is skipped where it cannot apply (no nvidia-smi, no GPU planned on the node, a model the job builds).
+Every failure is one line naming the node, the check, the figure and the fix. The nodes meet through files in the
+run directory (RUN/preflight/JOB/), the filesystem they share by necessity; the first task gathers every node's
+result into RUN/preflight/JOB.json, and the nodes to leave out into RUN/preflight/JOB.bad-nodes, which the
+script reads when the profile says `preflight.on_bad_node: exclude`.
+
+Standard library only: it runs before the packages it checks for are known to be there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from hpc.net.addresses import advertised_address
+
+GPU_QUERY = "index,uuid,memory.used,memory.total,ecc.errors.uncorrected.volatile.total,retired_pages.pending"
+SMI_TIMEOUT_S = 15.0
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+READ_CHUNK = 8 << 20
+READ_TIME_LIMIT_S = 10.0  # a read this slow has said what it needed to
+HELLO = b"hpc-preflight "
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str
+    ok: bool
+    figure: str
+    fix: str = ""
+
+    def line(self) -> str:
+        return f"{self.check}: {self.figure}" + (f"; {self.fix}" if self.fix and not self.ok else "")
+
+
+def leave_out(node: str) -> str:
+    return (f"drain {node} (scontrol update NodeName={node} State=DRAIN Reason=hpc-preflight) or set "
+            "preflight.on_bad_node: exclude in the cluster profile")
+
+
+def gpus_needed(manifest: dict, node_index: int) -> int:
+    """The GPUs the plan puts on this node (the mock engine uses none)."""
+    if manifest["recipe"]["backend"] == "mock":
+        return 0
+    return max((w["gpu_offset"] + w["gpus_per_node"] for w in manifest["plan"]["workers"]
+                if node_index in w["nodes"]), default=0)
+
+
+def _job_gpu_indices() -> set[str] | None:
+    """The GPUs Slurm gave this job on this node, where it says (a node shared with other jobs has GPUs whose
+    memory is not ours to judge); None: all of them."""
+    for name in ("SLURM_STEP_GPUS", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_GPUS"):
+        value = os.environ.get(name, "").strip()
+        if value and all(part.strip().isdigit() for part in value.split(",")):
+            return {part.strip() for part in value.split(",")}
+    return None
+
+
+def _number(text: str) -> int:
+    try:
+        return int(float(text))
+    except ValueError:  # [N/A], [Not Supported]: the GPU does not report it
+        return 0
+
+
+def gpu_findings(needed: int, node: str, max_used_mib: int,
+                 run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> list[Finding]:
+    if needed == 0:
+        return []
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return [Finding("gpus", True, "no nvidia-smi here, GPU checks skipped")]
+    try:
+        done = run([smi, f"--query-gpu={GPU_QUERY}", "--format=csv,noheader,nounits"], capture_output=True,
+                   text=True, timeout=SMI_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return [Finding("gpus", False, f"nvidia-smi did not answer in {SMI_TIMEOUT_S:.0f} s (a wedged GPU or "
+                                       "driver)", leave_out(node))]
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).strip().splitlines()
+        return [Finding("gpus", False, f"nvidia-smi failed (exit {done.returncode}): "
+                                       f"{said[-1][:200] if said else 'no message'}", leave_out(node))]
+    rows = [[cell.strip() for cell in line.split(",")] for line in done.stdout.splitlines() if line.strip()]
+    rows = [row for row in rows if len(row) >= 6]
+    ours = _job_gpu_indices()
+    if ours is not None and len(ours) >= needed:
+        rows = [row for row in rows if row[0] in ours] or rows
+    if len(rows) < needed:
+        return [Finding("gpus", False, f"{len(rows)} visible, the plan puts {needed} on this node", leave_out(node))]
+    bad = []
+    for index, _uuid, used, total, ecc, pending, *_ in rows:
+        if _number(ecc) > 0:
+            bad.append(Finding("ecc", False, f"GPU {index} reports {_number(ecc)} uncorrected ECC errors",
+                               leave_out(node)))
+        if pending.lower() == "yes":
+            bad.append(Finding("ecc", False, f"GPU {index} has retired pages pending (it needs a reset)",
+                               leave_out(node)))
+        if _number(used) > max_used_mib:
+            bad.append(Finding("gpu memory", False, f"GPU {index} holds {_number(used)} MiB of {_number(total)} "
+                                                    "before any server started (a stale process)",
+                               "end it (nvidia-smi --query-compute-apps=pid,used_memory --format=csv) or "
+                               + leave_out(node)))
+    return bad or [Finding("gpus", True, f"{len(rows)} GPUs free, no ECC errors")]
+
+
+def _largest_weight_file(folder: Path) -> Path | None:
+    found = [p for pattern in ("*", "*/*") for p in folder.glob(pattern)
+             if p.suffix in WEIGHT_SUFFIXES and p.is_file()]
+    return max(found, key=lambda p: p.stat().st_size, default=None)
+
+
+def model_read_finding(manifest: dict, node: str, read_mb: int, min_mb_s: float | None) -> Finding | None:
+    """A bounded read of the largest weight file; None where there is none to read (a model the job builds,
+    a hub id, a directory that is not there, which the software check reports)."""
+    model = manifest["recipe"]["model"]
+    path = model.get("path")
+    if model.get("generate") or not path or not path.startswith(("/", "~", ".")):
+        return None
+    folder = Path(path).expanduser()
+    try:
+        largest = _largest_weight_file(folder) if folder.is_dir() else None
+    except OSError:
+        largest = None
+    if largest is None:
+        return None
+    wanted, got = read_mb << 20, 0
+    t0 = time.monotonic()
+    try:
+        with open(largest, "rb", buffering=0) as f:
+            while got < wanted and time.monotonic() - t0 < READ_TIME_LIMIT_S:
+                chunk = f.read(min(READ_CHUNK, wanted - got))
+                if not chunk:
+                    break
+                got += len(chunk)
+    except OSError as exc:
+        return Finding("model read", False, f"cannot read {largest}: {exc.strerror or exc}",
+                       "check the mount and its permissions on this node, or " + leave_out(node))
+    seconds = max(time.monotonic() - t0, 1e-6)
+    speed = got / 1e6 / seconds
+    figure = f"{largest.name} {got / 1e6:.0f} MB in {seconds:.2f} s, {speed:.0f} MB/s"
+    if min_mb_s is not None and speed < min_mb_s:
+        return Finding("model read", False, f"{figure}, under the profile's floor {min_mb_s:g} MB/s",
+                       "copy the model to a faster filesystem (node-local NVMe, a Lustre stripe) or " + leave_out(node))
+    return Finding("model read", True, figure)
+
+
+def scratch_findings(run_dir: str, min_free_gb: float) -> list[Finding]:
+    seen, found = set(), []
+    for label, path in (("run directory", run_dir), ("TMPDIR", os.environ.get("TMPDIR") or "/tmp")):
+        try:
+            device = os.stat(path).st_dev
+            free = shutil.disk_usage(path).free / 1e9
+        except OSError:
+            continue
+        if device in seen:
+            continue
+        seen.add(device)
+        if free < min_free_gb:
+            found.append(Finding("scratch", False, f"{label} {path} has {free:.1f} GB free, under "
+                                                   f"{min_free_gb:g} GB", "free space there or set "
+                                                   "preflight.min_free_gb in the cluster profile"))
+    return found
+
+
+class Mesh:
+    """Every node listens at the address its servers will publish and connects to every other node's."""
+
+    def __init__(self, folder: Path, node: str, index: int, address: str, expected: int,
+                 peer_timeout_s: float, gather_timeout_s: float) -> None:
+        self.folder, self.node, self.index, self.address = folder, node, index, address
+        self.expected, self.peer_timeout_s, self.gather_timeout_s = expected, peer_timeout_s, gather_timeout_s
+        self.listener: socket.socket | None = None
+        self.heard: set[str] = set()
+
+    def open(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        family = socket.AF_INET6 if ":" in self.address else socket.AF_INET
+        self.listener = socket.socket(family, socket.SOCK_STREAM)
+        self.listener.bind((self.address, 0))
+        self.listener.listen(64)
+        threading.Thread(target=self._answer, daemon=True).start()
+        _write(self.folder / f"{self.node}.addr.json",
+               {"node": self.node, "index": self.index, "address": self.address,
+                "port": self.listener.getsockname()[1]})
+
+    def _answer(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(self.peer_timeout_s)
+                try:
+                    hello = conn.recv(256)
+                    if hello.startswith(HELLO):
+                        self.heard.add(hello[len(HELLO):].decode(errors="replace").strip())
+                        conn.sendall(b"ok\n")
+                except OSError:
+                    pass
+
+    def probe(self) -> tuple[Finding, list[str]]:
+        found = _gather(self.folder, ".addr.json", self.expected, self.gather_timeout_s)
+        others = [rec for name, rec in sorted(found.items(), key=lambda kv: kv[1]["index"]) if name != self.node]
+        failed, slowest = [], 0.0
+        for rec in others:
+            t0 = time.monotonic()
+            try:
+                with socket.create_connection((rec["address"], rec["port"]), timeout=self.peer_timeout_s) as s:
+                    s.sendall(HELLO + self.node.encode() + b"\n")
+                    if not s.recv(16).startswith(b"ok"):
+                        raise OSError("no answer")
+                slowest = max(slowest, time.monotonic() - t0)
+            except OSError as exc:
+                reason = "timed out" if isinstance(exc, socket.timeout) else (exc.strerror or str(exc))
+                failed.append((rec, f"{reason} after {time.monotonic() - t0:.1f} s"))
+        missing = self.expected - len(found)
+        if failed:
+            rec, why = failed[0]
+            more = f" (and {len(failed) - 1} more nodes)" if len(failed) > 1 else ""
+            return Finding("peers", False, f"cannot reach {rec['node']} at {rec['address']}:{rec['port']} "
+                                           f"({why}){more}",
+                           f"check the route and firewall between the nodes (ip route get {rec['address']} on "
+                           f"{self.node}) and the profile's network.interface"), [r["node"] for r, _ in failed]
+        if missing > 0:
+            return Finding("peers", False, f"{missing} of {self.expected} nodes did not report in "
+                                           f"{self.gather_timeout_s:.0f} s",
+                           "see logs/preflight.log for the nodes that did not start their check"), []
+        return Finding("peers", True, f"{len(others)}/{len(others)} nodes reachable, slowest "
+                                      f"{slowest * 1000:.0f} ms"), []
+
+    def close(self) -> None:
+        if self.listener is not None:
+            try:  # wakes the thread blocked in accept(), which close() alone would not
+                self.listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.listener.close()
+
+
+def _write(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(data, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _gather(folder: Path, suffix: str, expected: int, timeout_s: float) -> dict[str, dict]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = {}
+        for path in folder.glob(f"*{suffix}"):
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            found[record["node"]] = record
+        if len(found) >= expected or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.1)
+
+
+def bad_nodes(results: dict[str, dict], expected: int) -> dict[str, str]:
+    """node -> why it should be left out: its own failed checks; for nodes that cannot reach each other, the one
+    in most failed pairs (of a pair alone, the later one: the first node holds the job's services). A node that
+    did not report is left out too."""
+    bad = {name: (rec.get("problems") or rec["lines"])[0] for name, rec in results.items() if rec.get("local_failed")}
+    pairs: dict[str, set[str]] = {}
+    for name, rec in results.items():
+        for peer in rec.get("unreachable", []):
+            pairs.setdefault(name, set()).add(peer)
+            pairs.setdefault(peer, set()).add(name)
+    if pairs:
+        most = max(len(p) for p in pairs.values())
+        index = {name: rec.get("index", 0) for name, rec in results.items()}
+        worst = sorted((n for n, p in pairs.items() if len(p) == most), key=lambda n: index.get(n, 0))
+        for name in (worst if len(worst) != 2 else worst[-1:]):
+            bad.setdefault(name, f"cannot reach {', '.join(sorted(pairs[name]))}")
+    if len(results) < expected:
+        bad.setdefault("?", f"{expected - len(results)} nodes did not report")
+    return bad
+
+
+def node_findings(manifest: dict, node: str, index: int) -> list[Finding]:
+    """This node's own checks (no other node involved)."""
+    settings = manifest["cluster"].get("preflight") or {}
+    found = gpu_findings(gpus_needed(manifest, index), node, settings.get("gpu_memory_used_max_mib", 1024))
+    read = model_read_finding(manifest, node, settings.get("model_read_mb", 256), settings.get("min_read_mb_s"))
+    found += [read] if read else []
+    return found + scratch_findings(manifest["run_dir"], settings.get("min_free_gb", 1.0))
+
+
+def run_checks(manifest: dict, software_ok: bool, software_line: str,
+               t0: float | None = None) -> tuple[list[Finding], dict]:
+    """This node's findings and, on the first task, the whole job's record (RUN/preflight/JOB.json); `t0`: when
+    the preflight started (time.monotonic), for the seconds it took."""
+    settings = manifest["cluster"].get("preflight") or {}
+    t0 = time.monotonic() if t0 is None else t0
+    node = socket.gethostname()
+    index = int(os.environ.get("SLURM_NODEID", "0"))
+    expected = int(os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+    job = os.environ.get("SLURM_JOB_ID", "nojob")
+    folder = Path(manifest["run_dir"]) / "preflight" / job
+    network = manifest["cluster"].get("network") or {}
+    mesh = None
+    if expected > 1:
+        mesh = Mesh(folder, node, index, advertised_address(network.get("interface"),
+                                                            network.get("address_family", "ipv4")),
+                    expected, settings.get("peer_timeout_s", 5.0), settings.get("gather_timeout_s", 120.0))
+        mesh.open()
+    found = node_findings(manifest, node, index)
+    local_failed = not software_ok or any(not f.ok for f in found)
+    unreachable: list[str] = []
+    if mesh is not None:
+        peers, unreachable = mesh.probe()
+        found.append(peers)
+    lines = ([] if software_ok else [software_line]) + [f.line() for f in found if not f.ok]
+    problems = ([] if software_ok else [software_line.split(": ", 1)[-1]]) + [
+        f"{f.check}: {f.figure}" for f in found if not f.ok]  # without the fixes, for the lists of bad nodes
+    folder.mkdir(parents=True, exist_ok=True)
+    _write(folder / f"{node}.result.json", {"node": node, "index": index, "local_failed": local_failed,
+                                             "unreachable": unreachable, "lines": lines or ["ok"], "problems": problems,
+                                             "findings": [asdict(f) for f in found],
+                                             "seconds": round(time.monotonic() - t0, 2)})
+    record: dict = {}
+    if os.environ.get("SLURM_PROCID", "0") == "0":
+        results = _gather(folder, ".result.json", expected, settings.get("gather_timeout_s", 120.0) + 10)
+        record = {"job_id": job, "nodes": results, "expected": expected,
+                  "bad_nodes": bad_nodes(results, expected), "seconds": round(time.monotonic() - t0, 2)}
+        _write(folder.parent / f"{job}.json", record)
+        named = sorted(n for n in record["bad_nodes"] if n != "?")
+        (folder.parent / f"{job}.bad-nodes").write_text("".join(f"{n}\n" for n in named))
+    elif mesh is not None:  # stay reachable until the first task has heard from every node
+        deadline = time.monotonic() + settings.get("gather_timeout_s", 120.0) + 10
+        while not (folder.parent / f"{job}.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    if mesh is not None:
+        mesh.close()
+    return found, record
