@@ -165,8 +165,13 @@ class RunDir:
 
     def preflight(self, job_id: str | None) -> dict[str, Any]:
         """That job's preflight on every node (hpc.checks.node_health): nodes, bad_nodes, seconds."""
-        found = read_json(self.path / "preflight" / f"{job_id}.json") if job_id else None
-        return found if isinstance(found, dict) else {}
+        if not job_id:
+            return {}
+        # a requeued job's later starts: JOB-rN.json (the script's HPC_PREFLIGHT_KEY); the last start's counts
+        starts = [self.path / "preflight" / f"{job_id}.json"] + sorted(
+            (self.path / "preflight").glob(f"{job_id}-r*.json"), key=lambda p: _number_in(p.stem.rsplit("-r", 1)[1]))
+        found = next((data for data in map(read_json, reversed(starts)) if isinstance(data, dict)), None)
+        return found or {}
 
     def submitted(self) -> bool:
         return bool(self.run_info().get("submitted") or self.job().get("job_id"))
@@ -211,6 +216,10 @@ class RunDir:
 
     def log_path(self, component: str) -> Path:
         return self.logs / f"{component}.log"
+
+
+def _number_in(text: str) -> int:
+    return int(text) if text.isdigit() else -1
 
 
 def _number(value: Any) -> float:

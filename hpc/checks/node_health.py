@@ -309,17 +309,41 @@ def node_findings(manifest: dict, node: str, index: int) -> list[Finding]:
     return found + scratch_findings(manifest["run_dir"], settings.get("min_free_gb", 1.0))
 
 
+@dataclass(frozen=True)
+class JobNode:
+    """This node among the job's: its Slurm name (what --exclude takes; the hostname may be another), its place
+    and how many there are. HPC_JOB_NODES is the script's NODES array, exported: a heterogeneous job runs its
+    preflight as a step per component, whose own SLURM_NODEID and node counts are the component's."""
+
+    name: str
+    index: int
+    count: int
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+
+def job_node() -> JobNode:
+    name = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    listed = os.environ.get("HPC_JOB_NODES", "").split()
+    if name in listed:
+        return JobNode(name, listed.index(name), len(listed))
+    count = int(os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+    return JobNode(name, int(os.environ.get("SLURM_NODEID", "0")), count)
+
+
 def run_checks(manifest: dict, software_ok: bool, software_line: str,
                t0: float | None = None) -> tuple[list[Finding], dict]:
     """This node's findings and, on the first task, the whole job's record (RUN/preflight/JOB.json); `t0`: when
     the preflight started (time.monotonic), for the seconds it took."""
     settings = manifest["cluster"].get("preflight") or {}
     t0 = time.monotonic() if t0 is None else t0
-    node = socket.gethostname()
-    index = int(os.environ.get("SLURM_NODEID", "0"))
-    expected = int(os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+    here = job_node()
+    node, index, expected = here.name, here.index, here.count
     job = os.environ.get("SLURM_JOB_ID", "nojob")
-    folder = Path(manifest["run_dir"]) / "preflight" / job
+    key = os.environ.get("HPC_PREFLIGHT_KEY") or job  # the script's: the job id, and its restart count if requeued
+    folder = Path(manifest["run_dir"]) / "preflight" / key
     network = manifest["cluster"].get("network") or {}
     mesh = None
     if expected > 1:
@@ -342,16 +366,16 @@ def run_checks(manifest: dict, software_ok: bool, software_line: str,
                                              "findings": [asdict(f) for f in found],
                                              "seconds": round(time.monotonic() - t0, 2)})
     record: dict = {}
-    if os.environ.get("SLURM_PROCID", "0") == "0":
+    if here.first:
         results = _gather(folder, ".result.json", expected, settings.get("gather_timeout_s", 120.0) + 10)
         record = {"job_id": job, "nodes": results, "expected": expected,
                   "bad_nodes": bad_nodes(results, expected), "seconds": round(time.monotonic() - t0, 2)}
-        _write(folder.parent / f"{job}.json", record)
+        _write(folder.parent / f"{key}.json", record)
         named = sorted(n for n in record["bad_nodes"] if n != "?")
-        (folder.parent / f"{job}.bad-nodes").write_text("".join(f"{n}\n" for n in named))
+        (folder.parent / f"{key}.bad-nodes").write_text("".join(f"{n}\n" for n in named))
     elif mesh is not None:  # stay reachable until the first task has heard from every node
         deadline = time.monotonic() + settings.get("gather_timeout_s", 120.0) + 10
-        while not (folder.parent / f"{job}.json").exists() and time.monotonic() < deadline:
+        while not (folder.parent / f"{key}.json").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
     if mesh is not None:
         mesh.close()

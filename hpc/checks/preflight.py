@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import importlib.util
-import os
 import shutil
 import socket
 import sys
@@ -228,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     if (manifest["cluster"].get("preflight") or {}).get("hardware", True):
         ok, line = _with_hardware(manifest, ok, line, t0)
     print(line, flush=True)
-    if ok and os.environ.get("SLURM_PROCID", "0") == "0":
+    from hpc.checks.node_health import job_node
+
+    if ok and job_node().first:
         # the job's first step as well (hpc.checks.jobstart), here where a container is up already
         from hpc.checks.jobstart import start_job
 

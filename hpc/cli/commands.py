@@ -181,10 +181,12 @@ def render(args: argparse.Namespace) -> int:
 
 def launch(args: argparse.Namespace) -> int:
     r = _resolve(args, for_launch=not args.dry_run)
-    return launch_resolved(r, dry_run=args.dry_run, wait=not args.no_wait, smoke=not args.no_smoke)[0]
+    return launch_resolved(r, dry_run=args.dry_run, wait=not args.no_wait, smoke=not args.no_smoke,
+                           in_allocation=args.in_allocation)[0]
 
 
-def launch_resolved(r: Resolved, *, dry_run: bool = False, wait: bool = True, smoke: bool = True):
+def launch_resolved(r: Resolved, *, dry_run: bool = False, wait: bool = True, smoke: bool = True,
+                    in_allocation: bool = False):
     """Check what only a launch needs, write the run directory, submit, wait: (exit code, the run)."""
     from hpc import rundir
     from hpc.render.sbatch import render_sbatch
@@ -198,6 +200,18 @@ def launch_resolved(r: Resolved, *, dry_run: bool = False, wait: bool = True, sm
         if not port_free(port):
             raise UserError(f"port {port} is already in use on this machine", field="frontend.port",
                             hint=f"pick another: --set frontend.port={port + 1}")
+    allocation = None
+    if in_allocation and not dry_run:
+        from hpc.launch.allocation import current_allocation
+
+        if r.cluster.is_local:
+            raise UserError("--in-allocation runs in a Slurm allocation; this cluster profile has no Slurm",
+                            file=r.cluster_file, field="scheduler", hint="use a Slurm cluster profile")
+        if r.recipe.placement == "hetjob":
+            raise UserError("--in-allocation runs in one allocation; placement: hetjob asks Slurm for a "
+                            "heterogeneous job of its own", file=r.recipe_file, field="placement",
+                            hint="--set placement=spread, or launch without --in-allocation")
+        allocation = current_allocation(r.plan.job_nodes)
     if not r.cluster.is_local and not dry_run:
         _check_slurm_reachable(r)
     if not dry_run:
@@ -214,6 +228,10 @@ def launch_resolved(r: Resolved, *, dry_run: bool = False, wait: bool = True, sm
         from hpc.launch.local import launch_local
 
         return launch_local(run, wait=wait, smoke=smoke), run
+    if allocation is not None:
+        from hpc.launch.allocation import launch_in_allocation
+
+        return launch_in_allocation(run, allocation, wait=wait, smoke=smoke), run
     from hpc.launch.slurm import launch_slurm
 
     return launch_slurm(run, wait=wait, smoke=smoke), run

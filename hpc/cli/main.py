@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="write the run directory and stop")
     p.add_argument("--no-wait", action="store_true", help="return after submission")
     p.add_argument("--no-smoke", action="store_true", help="skip the smoke tests after readiness")
+    p.add_argument("--in-allocation", action="store_true",
+                   help="run in the allocation this shell holds (salloc, SLURM_JOB_ID) instead of submitting a job; "
+                        "hpc cancel then ends the run's steps, not the allocation")
     p.set_defaults(func=commands.launch)
 
     p = sub.add_parser("recipes", help="list recipes")

@@ -94,7 +94,12 @@ def _slurm_state(run: RunDir) -> dict[str, Any]:
                if s.state in ("FAILED", "NODE_FAIL", "OUT_OF_MEMORY") or s.exit_code]
     from hpc.launch.follow import timed_out, unseen_run_dir
 
-    return {"state": st.state, "elapsed": st.elapsed, "time_left": st.time_left, "nodes": st.nodes,
+    state = st.state
+    if info.get("in_allocation"):  # the allocation's state is not the run's: its script is
+        from hpc.launch.allocation import script_alive
+
+        state = f"{'RUNNING' if script_alive(run) else 'ENDED'} in allocation {run.job_id()} ({st.state})"
+    return {"state": state, "elapsed": st.elapsed, "time_left": st.time_left, "nodes": st.nodes,
             "reason": st.reason, "expected_start": st.expected_start,
             "exit_code": st.exit_code, "failed_steps": failing,
             "why": unseen_run_dir(run, st.state) or timed_out(run.manifest(), st.state),
@@ -446,6 +451,14 @@ def cancel(args: argparse.Namespace) -> int:
     from hpc.slurm.client import SlurmClient
 
     job_id = run.job_id()
+    if info.get("in_allocation"):
+        from hpc.launch.allocation import cancel_in_allocation
+
+        left = cancel_in_allocation(run, runner_for(run), args.grace, drain)
+        run.update_run_info(cancelled_at=time.time())
+        print(f"run {run.path.name}: " + (f"steps still running in allocation {job_id}: {', '.join(left)}" if left
+              else f"its steps ended; allocation {job_id} goes on") + drain.summary(args.grace))
+        return 1 if left else 0
     state = SlurmClient(runner_for(run)).cancel(job_id, grace_s=args.grace, drained=drain)
     run.update_run_info(cancelled_at=time.time())
     print(f"job {job_id}: {state.state if state else 'gone'}{drain.summary(args.grace)}")

@@ -101,7 +101,9 @@ def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: Non
         print(f"try:      curl {url}/v1/chat/completions -H 'content-type: application/json' "
               f"-d '{{\"model\": \"{m.recipe.model.served_name}\", \"messages\": [{{\"role\": \"user\", "
               f"\"content\": \"Hello\"}}], \"max_tokens\": 16}}'")
-    if not m.cluster.is_local:
+    if run.run_info().get("in_allocation"):
+        print(f"serves:   until hpc cancel, or the end of allocation {run.run_info().get('job_id')}")
+    elif not m.cluster.is_local:
         drain = (f"; its workers drain from {m.recipe.drain_before_end_s} s before (drain_before_end_s)"
                  if m.recipe.drain_before_end_s else "")
         print(f"serves:   until the time limit {m.time_limit}{drain}")

@@ -139,7 +139,7 @@ def plan(cluster: ClusterProfile, recipe: Recipe) -> Plan:
     serial = 0
     next_index: dict[RoleName, int] = {}
     for role_name, pool, role in recipe.roles.groups():
-        if used_on_node and not local and recipe.placement == "spread":
+        if used_on_node and not local and recipe.placement in ("spread", "hetjob"):
             node, used_on_node = node + 1, 0  # spread: each role (each pool) starts on a node of its own
         tasks = role.gpus_per_worker
         first_index = next_index.get(role_name, 0)
@@ -187,6 +187,27 @@ def plan(cluster: ClusterProfile, recipe: Recipe) -> Plan:
     order = [s.name for s in services if s.name != "frontend"] + ["frontend"] + [w.name for w in workers]
     return Plan(job_nodes=job_nodes, gpus_per_node=gpn, services=services, workers=workers,
                 readiness_order=order)
+
+
+def het_components(p: Plan) -> list[list[int]]:
+    """placement: hetjob's components: consecutive nodes that run the same things (the services' node; each
+    role's, or pool's, nodes), each a component of the heterogeneous job that Slurm places on its own."""
+    owners: dict[int, set[str]] = {}
+    for s in p.services:
+        owners.setdefault(s.node, set()).add("services")
+    for w in p.workers:
+        for n in w.nodes:
+            owners.setdefault(n, set()).add(f"{w.role.value}/{w.pool or ''}")
+    components: list[list[int]] = []
+    previous = None
+    for n in range(p.job_nodes):
+        owner = frozenset(owners.get(n, ()))
+        if components and owner == previous:
+            components[-1].append(n)
+        else:
+            components.append([n])
+        previous = owner
+    return components
 
 
 def device_for(plan: WorkerPlan, rank: int, visible: int, whole_node: bool = False) -> tuple[str, bool]:

@@ -11,7 +11,7 @@ import jinja2
 
 from hpc.errors import UserError
 from hpc.rundir import bundle_dir
-from hpc.plan.placement import WorkerPlan
+from hpc.plan.placement import WorkerPlan, het_components
 from hpc.manifest import Manifest
 from hpc.spec.catalog import project_root
 from hpc.spec.cluster import GpuRequest, SecretRef, time_to_minutes
@@ -60,6 +60,7 @@ class Step:
     unit_restarts: int = 0
     unit_continue: bool = False
     log: str = ""  # its --output: a restarted unit's attempts append to it, so the failed one's lines stay
+    nodes: tuple[int, ...] = ()  # the plan's node indices it runs on
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,10 @@ class View:
     # the preflight's command (its first task records the job id in the run directory, moves an earlier job's
     # states aside)
     start_command: list[str] = field(default_factory=list)
-    # on every node (in its container, where there is one); its first task records the job
-    preflight: Step | None = None
+    # on every node (in its container, where there is one), a step per component of a heterogeneous job; the
+    # first node records the job
+    preflight: list[Step] = field(default_factory=list)
+    het_components: int = 0  # placement: hetjob
     exclude_bad_nodes: bool = False  # preflight.on_bad_node: exclude
     in_container: bool = False
     preflight_log: str = ""
@@ -101,6 +104,39 @@ class View:
     smoke_step: Step | None = None
     # flags every step shares (the container's, the profile's srun_args): written once, as the SRUN_COMMON array
     common_flags: list[str] = field(default_factory=list)
+
+
+def _sbatch_flags(m: Manifest, logs: str, components: list[list[int]] | None) -> list[str]:
+    """The #SBATCH lines; a heterogeneous job's as components separated by `hetjob`, the job's name, log and
+    signal on the first (Slurm propagates them), nodes, tasks, GPUs and the partition's flags on each."""
+    c, plan = m.cluster, m.plan
+    job = [f"--job-name={m.job_name}"]
+    logged = [f"--output={logs}/job.out", f"--error={logs}/job.out"]
+    if m.recipe.drain_before_end_s:  # every step gets it (not the batch shell): the workers drain, the rest ignore it
+        logged.append(f"--signal=USR1@{m.recipe.drain_before_end_s}")
+    uses_gpus = bool(plan.gpus_per_node and any(w.tasks for w in plan.workers) and m.recipe.backend.value != "mock")
+    rest = [f"--{key}={getattr(c, key)}" for key in ("partition", "account", "qos") if getattr(c, key)]
+    rest += [f"--mem={c.memory}"] if c.memory else []
+    rest += ["--exclusive"] if c.exclusive else []
+    rest += list(c.sbatch_args)
+    time = f"--time={time_to_minutes(m.time_limit)}"
+    if components is None:
+        gpus = _gpu_flag(c.gpu_request, plan.gpus_per_node) if uses_gpus else []
+        return [*job, f"--nodes={plan.job_nodes}", f"--ntasks-per-node={plan.tasks_per_node}", time, *logged,
+                *gpus, *rest]
+    flags = [*job, *logged]
+    for i, nodes in enumerate(components):
+        holds_workers = any(n in w.nodes for w in plan.workers for n in nodes)
+        gpus = _gpu_flag(c.gpu_request, plan.gpus_per_node) if uses_gpus and holds_workers else []
+        flags += (["hetjob"] if i else []) + [f"--nodes={len(nodes)}", f"--ntasks-per-node={plan.tasks_per_node}",
+                                               time, *gpus, *rest]
+    return flags
+
+
+def _in_component(step: Step, components: list[list[int]]) -> Step:
+    """A heterogeneous job's step runs in the component that holds its nodes (srun --het-group)."""
+    group = next(i for i, nodes in enumerate(components) if step.nodes[0] in nodes)
+    return replace(step, srun_flags=[f"--het-group={group}", *step.srun_flags])
 
 
 def _nodelist(nodes: list[int]) -> str:
@@ -163,21 +199,8 @@ def build_view(m: Manifest) -> View:
                         hint="use a runs directory (runs_dir or HPC_RUNS_DIR) without spaces or * ? [")
     logs = f"{run_dir}/logs"
     manifest = f"{run_dir}/manifest.json"
-    flags = [f"--job-name={m.job_name}", f"--nodes={plan.job_nodes}", f"--ntasks-per-node={plan.tasks_per_node}",
-             f"--time={time_to_minutes(m.time_limit)}",
-             f"--output={logs}/job.out", f"--error={logs}/job.out"]
-    if m.recipe.drain_before_end_s:  # every step gets it (not the batch shell): the workers drain, the rest ignore it
-        flags.append(f"--signal=USR1@{m.recipe.drain_before_end_s}")
-    if plan.gpus_per_node and any(w.tasks for w in plan.workers) and m.recipe.backend.value != "mock":
-        flags += _gpu_flag(c.gpu_request, plan.gpus_per_node)
-    for key in ("partition", "account", "qos"):
-        if getattr(c, key):
-            flags.append(f"--{key}={getattr(c, key)}")
-    if c.memory:
-        flags.append(f"--mem={c.memory}")
-    if c.exclusive:
-        flags.append("--exclusive")
-    flags += list(c.sbatch_args)
+    components = het_components(plan) if m.recipe.placement == "hetjob" and not c.is_local else None
+    flags = _sbatch_flags(m, logs, components)
 
     container = container_flags(m)
     env = {k: v for k, v in c.env.items() if isinstance(v, str)}
@@ -194,7 +217,7 @@ def build_view(m: Manifest) -> View:
             srun_flags=["--overlap", f"--job-name={s.name}", "--nodes=1", "--ntasks=1",
                         *([f"--cpus-per-task={s.processes}"] if s.processes > 1 else []),
                         f"--output={logs}/{s.name}.log"],
-            nodelist=_nodelist([s.node]), command=service_argv(m, s.name, c.python)))
+            nodelist=_nodelist([s.node]), nodes=(s.node,), command=service_argv(m, s.name, c.python)))
     workers = [_worker_step(m, w, logs) for w in plan.workers]
     smoke = [*py, "hpc.checks.smoke", manifest] if m.recipe.smoke.enabled else None
     ready = [*py, "hpc.checks.ready", manifest]
@@ -205,19 +228,28 @@ def build_view(m: Manifest) -> View:
                 run_dir=run_dir, manifest=manifest, python=c.python, services=services, workers=workers,
                 ready_command=ready, smoke_command=smoke, start_command=start, preflight_log=f"{logs}/preflight.log",
                 common_flags=[*container, *c.srun_args])
-    def check_step(name: str, command: list[str], nodes: list[int]) -> Step:
-        return Step(name=name, comment=name, nodelist=_nodelist(nodes), command=command, srun_flags=[
-            "--overlap", f"--job-name={name}", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",
-            "--ntasks-per-node=1", f"--output={logs}/{name}.log"])
+    def check_step(name: str, command: list[str], nodes: list[int], append: bool = False) -> Step:
+        return Step(name=name, comment=name, nodelist=_nodelist(nodes), nodes=tuple(nodes), command=command,
+                    srun_flags=["--overlap", f"--job-name={name}", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",
+                                "--ntasks-per-node=1", f"--output={logs}/{name}.log",
+                                *(["--open-mode=append"] if append else [])])
     # every node checks itself (software, GPUs, the model's read, the nodes reaching each other), with or
-    # without a container
-    view = replace(view, preflight=check_step("preflight", start, list(range(plan.job_nodes))),
+    # without a container; a heterogeneous job's components side by side, a step each
+    preflight = [check_step("preflight", start, nodes, append=True) for nodes in components] if components else \
+        [check_step("preflight", start, list(range(plan.job_nodes)))]
+    view = replace(view, preflight=preflight, het_components=len(components or []),
                    exclude_bad_nodes=c.preflight.hardware and c.preflight.on_bad_node == "exclude")
-    if not c.container:
+    if c.container:
+        generated = str(Path(m.recipe.model.path).expanduser()) if m.recipe.model.generate else None
+        view = replace(view, in_container=True, generated_model=generated, ready_step=check_step("ready", ready, [0]),
+                       smoke_step=check_step("smoke", smoke, [0]) if smoke else None)
+    if not components:
         return view
-    generated = str(Path(m.recipe.model.path).expanduser()) if m.recipe.model.generate else None
-    return replace(view, in_container=True, generated_model=generated, ready_step=check_step("ready", ready, [0]),
-                   smoke_step=check_step("smoke", smoke, [0]) if smoke else None)
+    return replace(view, services=[_in_component(s, components) for s in view.services],
+                   workers=[_in_component(w, components) for w in view.workers],
+                   preflight=[_in_component(s, components) for s in view.preflight],
+                   ready_step=view.ready_step and _in_component(view.ready_step, components),
+                   smoke_step=view.smoke_step and _in_component(view.smoke_step, components))
 
 
 def container_flags(m: Manifest) -> list[str]:
@@ -268,7 +300,7 @@ def _worker_step(m: Manifest, w: WorkerPlan, logs: str) -> Step:
         name=w.name, comment=f"{w.name}: TPxPP={w.tasks} on nodes {w.nodes} ({ranks})" + (
             f"; the worker starts {launcher}, which runs it on rank 0 and TensorRT-LLM's own loop on the others"
             if launcher else ""),
-        srun_flags=flags, nodelist=_nodelist(w.nodes),
+        srun_flags=flags, nodelist=_nodelist(w.nodes), nodes=tuple(w.nodes),
         command=worker_argv(m, w, c.python),
         unit_restarts=restarts, unit_continue=as_unit and policy.on_failure.value == "continue",
         log=f"{logs}/{w.name}.log")

@@ -53,6 +53,16 @@ class SlurmClient:
                 states[job_id] = record or live
         return states
 
+    def steps(self, job_id: str) -> list[tuple[str, str, str]]:
+        """The job's running steps as (step id, name, start time): squeue -s, without its batch and extern steps."""
+        result = self.runner.run(["squeue", "-s", "-h", "-j", job_id, "-o", "%i|%j|%S"])
+        found = []
+        for line in result.stdout.splitlines() if result.returncode == 0 else []:
+            parts = line.strip().split("|")
+            if len(parts) == 3 and parts[0].split(".")[-1].isdigit():
+                found.append((parts[0], parts[1], parts[2]))
+        return found
+
     def cancel(self, job_id: str, grace_s: float = 10.0, poll_s: float = 0.2,
                drained: Callable[[], bool] = lambda: True) -> JobState | None:
         """Tiered, by job id only: USR1 asks every step to drain (leave routing, finish in-flight work);

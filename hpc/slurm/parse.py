@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import replace, dataclass, field
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
             "BOOT_FAIL", "DEADLINE", "REVOKED"}
@@ -54,20 +54,30 @@ def parse_sbatch(stdout: str) -> str:
     return m.group(1)
 
 
+def _is_job(jid: str, job_id: str) -> bool:
+    """The job's own line, or a heterogeneous job's component's (`ID+N`: one line each, the first leads)."""
+    return jid == job_id or (jid.startswith(job_id + "+") and jid[len(job_id) + 1:].isdigit())
+
+
 def parse_squeue(stdout: str, job_id: str) -> JobState | None:
+    found = None
+    nodes: list[str] = []
     for line in stdout.splitlines():
         parts = line.strip().split("|")
-        if len(parts) < 6 or parts[0] != job_id:
+        if len(parts) < 6 or not _is_job(parts[0], job_id):
+            continue
+        nodes += [parts[4]] if parts[4] and parts[4] not in nodes else []
+        if found is not None:
             continue
         pending = parts[1] == "PENDING"
         start = parts[6].strip() if pending and len(parts) > 6 else ""
         left = parts[7].strip() if not pending and len(parts) > 7 else ""
-        return JobState(job_id=job_id, state=parts[1].split()[0], elapsed=parts[2], nodes=parts[4],
-                        # squeue says "(None)" while the scheduler has not given a reason yet
-                        reason=parts[5].strip("()") if pending and parts[5].strip("()") != "None" else "",
-                        expected_start="" if start in ("N/A", "Unknown", "None") else start,
-                        time_left="" if left in ("NOT_SET", "INVALID", "UNLIMITED") else left)
-    return None
+        found = JobState(job_id=job_id, state=parts[1].split()[0], elapsed=parts[2], nodes=parts[4],
+                         # squeue says "(None)" while the scheduler has not given a reason yet
+                         reason=parts[5].strip("()") if pending and parts[5].strip("()") != "None" else "",
+                         expected_start="" if start in ("N/A", "Unknown", "None") else start,
+                         time_left="" if left in ("NOT_SET", "INVALID", "UNLIMITED") else left)
+    return None if found is None else replace(found, nodes=",".join(nodes))
 
 
 def _exit(code: str) -> tuple[int, int]:
@@ -85,12 +95,15 @@ def parse_sacct(stdout: str, job_id: str) -> JobState | None:
             continue
         jid, name, state, code, elapsed, nodes = parts[:6]
         state = state.split()[0]  # "CANCELLED by 0" -> CANCELLED
-        if jid == job_id:
-            job = [state, code, elapsed, nodes]
-        elif jid.startswith(job_id + "."):
+        if _is_job(jid, job_id):
+            if job is None:  # a heterogeneous job's first component leads
+                job = [state, code, elapsed, nodes]
+            else:
+                job[3] = f"{job[3]},{nodes}"
+        elif _is_job(jid.split(".", 1)[0], job_id) and "." in jid:
             ec, sig = _exit(code)
-            steps.append(StepState(step_id=jid[len(job_id) + 1:], name=name, state=state, exit_code=ec, signal=sig,
-                                   nodes=nodes))
+            steps.append(StepState(step_id=jid[len(job_id):].lstrip("."), name=name, state=state, exit_code=ec,
+                                   signal=sig, nodes=nodes))
     if job is None:
         return None
     ec, _ = _exit(job[1])

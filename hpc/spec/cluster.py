@@ -57,8 +57,10 @@ class Container(StrictModel):
     workdir: str | None = None
     writable: bool = False
     reuse: bool = Field(
-        False, description="unpack the image once per node into a named container (hpc-<hash of the image>) that "
-                           "every step, and later jobs, reuse; otherwise each step starts from the image itself")
+        True, description="unpack the image once per node, in the job's first step (the preflight), into a named "
+                          "container (hpc-<hash of the image>) that every later step reuses (and later jobs, where "
+                          "pyxis keeps containers: container_scope=global); false: each step starts from the image "
+                          "itself (a multi-GB image unpacked once per step)")
     python_version: str = Field("3.12", pattern=r"^3\.[0-9]{1,2}$",
                                 description="the image's Python (major.minor): the runtime bundle is built for it")
 

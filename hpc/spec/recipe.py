@@ -331,9 +331,11 @@ class Recipe(StrictModel):
     frontend: FrontendSpec = Field(default_factory=FrontendSpec)
     infra: InfraSpec = Field(default_factory=InfraSpec)
     roles: Roles
-    placement: Literal["pack", "spread"] = Field(
+    placement: Literal["pack", "spread", "hetjob"] = Field(
         "pack", description="pack: workers of different roles share a node when its GPUs allow (each GPU "
-                            "held by one worker); spread: each role starts on a node of its own")
+                            "held by one worker); spread: each role starts on a node of its own; hetjob: as "
+                            "spread, as a heterogeneous Slurm job, one component per role (#SBATCH hetjob, srun "
+                            "--het-group), so Slurm may place each role's nodes apart")
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
     limits: Limits = Field(default_factory=Limits)
     mock: MockSpec = Field(default_factory=MockSpec)

@@ -55,8 +55,10 @@ def test_the_entry_point_exits_3_with_one_line(tmp_path):
     assert missing.returncode == 3 and "cannot read the manifest" in missing.stdout
 
 
-@pytest.mark.parametrize("procid, records", [("0", True), ("1", False)])
-def test_the_first_task_records_the_job_once_its_checks_passed(tmp_path, monkeypatch, capsys, procid, records):
+@pytest.mark.parametrize("node, records", [("n0", True), ("n1", False)])
+def test_the_first_node_records_the_job_once_its_checks_passed(tmp_path, monkeypatch, capsys, node, records):
+    """The first of the job's nodes (the script's NODES, exported as HPC_JOB_NODES: a heterogeneous job's
+    preflight is a step per component, each with a task 0 of its own)."""
     from hpc import rundir
     from hpc.checks.preflight import main
     from hpc.render.sbatch import render_sbatch
@@ -64,8 +66,11 @@ def test_the_first_task_records_the_job_once_its_checks_passed(tmp_path, monkeyp
     run = rundir.create(resolve("dev-containers", "tiny-disagg"), render_sbatch, root=tmp_path)
     m = json.loads(run.manifest_path.read_text())
     m["cluster"]["container"]["python_version"] = f"{sys.version_info.major}.{sys.version_info.minor}"
+    m["cluster"]["preflight"]["hardware"] = False  # no peer to meet here
     run.manifest_path.write_text(json.dumps(m))
-    monkeypatch.setenv("SLURM_PROCID", procid)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("HPC_JOB_NODES", "n0 n1")
+    monkeypatch.setenv("SLURMD_NODENAME", node)
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     assert main([str(run.manifest_path)]) == 0
     assert (run.job_id() == "77") is records and run.job_path.is_file() is records

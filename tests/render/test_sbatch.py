@@ -75,10 +75,10 @@ def _fake_bin(tmp_path: Path) -> Path:
     return bin_dir
 
 
-def _run_script(path: Path, tmp_path: Path) -> list[list[str]]:
+def _run_script(path: Path, tmp_path: Path, **extra_env: str) -> list[list[str]]:
     """Run a generated script against the fake srun/scontrol/python; the argv of every call they got."""
     env = {**os.environ, "PATH": f"{_fake_bin(tmp_path)}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "x",
-           "SLURM_JOB_ID": "1"}
+           "SLURM_JOB_ID": "1", **extra_env}
     work = tmp_path / "work"
     work.mkdir()
     run = subprocess.run(["bash", str(path)], cwd=work, env=env, capture_output=True, text=True, timeout=60)
@@ -296,3 +296,27 @@ def test_trtllm_ranks_start_under_its_launcher_through_the_worker_and_a_path_it_
             render_sbatch(resolved.manifest(tmp_path / name, "run", FIXED_TIME))
     # the torch engine's ranks are ours: any path works
     render_sbatch(resolve("eos", "tiny-agg").manifest(tmp_path / "with space", "run", FIXED_TIME))
+
+
+def test_a_hetjob_has_a_component_per_role_and_each_step_runs_in_its_own(tmp_path):
+    script = render_sbatch(resolve("dev", "tiny-disagg", ["placement=hetjob"]).manifest(tmp_path / "run", "run",
+                                                                                       FIXED_TIME))
+    headers = [line[len("#SBATCH "):] for line in script.splitlines() if line.startswith("#SBATCH ")]
+    parts = " ".join(headers).split(" hetjob ")
+    assert len(parts) == 3 and parts[0].startswith("--job-name=") and "--output=" in parts[0]
+    assert all("--nodes=1" in part and "--time=20" in part for part in parts)
+    assert "--gres=gpu:2" not in parts[0] and all("--gres=gpu:2" in part for part in parts[1:])  # services: no GPU
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    if _shellcheck():
+        subprocess.run([_shellcheck(), "-s", "bash", "-e", "SC2016", str(path)], check=True)
+    (tmp_path / "run" / "logs").mkdir(parents=True)
+    het = {f"SLURM_JOB_NODELIST_HET_GROUP_{g}": f"n{g}" for g in range(3)}
+    calls = [c for c in _run_script(path, tmp_path, **het) if c[0] == "srun"]
+    group = {next(a for a in c if a.startswith("--job-name=")).split("=")[1]: c[1] for c in calls
+             if "--job-name=preflight" not in c}
+    assert group == {"etcd": "--het-group=0", "nats": "--het-group=0", "frontend": "--het-group=0",
+                     "prefill-0": "--het-group=1", "decode-0": "--het-group=2"}
+    preflights = sorted(c[1] for c in calls if "--job-name=preflight" in c)
+    assert preflights == ["--het-group=0", "--het-group=1", "--het-group=2"]  # a step per component

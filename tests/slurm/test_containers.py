@@ -60,6 +60,15 @@ def test_tiny_disagg_runs_every_component_in_a_container(slurm_env, model_cache,
         assert run.job() | {"started_at": 0} == {"job_id": run.run_info()["job_id"], "started_at": 0,
                                                  "submitted_by": "hpc launch"}
         assert preflight.count("hpc: job ") == 1
+        # the image unpacked at most once per node, by the preflight (the first step; none when an earlier job
+        # left the named container: pyxis's container_scope global), every later step reusing it
+        job = run.run_info()["job_id"]
+        for node in ("node1", "node2", "node3"):
+            lines = [ln for ln in (LAB / "log" / f"slurmd-{node}.log").read_text().splitlines() if f"[{job}." in ln]
+            created = [ln for ln in lines if "pyxis: creating container filesystem" in ln]
+            reused = [ln for ln in lines if "pyxis: reusing existing container filesystem" in ln]
+            assert len(created) <= 1 and all(f"[{job}.0]" in ln for ln in created), (node, created)
+            assert len(reused) >= 1 + (node == "node1") - len(created), node  # node1: etcd, nats, frontend too
         url = json.loads((run.path / "endpoints" / "frontend.json").read_text())["url"]
         status, body = post_json(url + "/v1/completions", {"model": "hpc/tiny", "prompt": "Hello", "temperature": 0, "max_tokens": 5})
         assert status == 200 and body["usage"]["completion_tokens"] == 5

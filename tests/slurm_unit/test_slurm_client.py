@@ -210,3 +210,18 @@ def test_a_job_that_failed_without_its_log_is_told_to_put_runs_where_the_nodes_s
 def test_a_pending_job_with_no_reason_yet_shows_none_as_no_reason():
     st = parse_squeue("7|PENDING|0:00|3||(None)|N/A\n", "7")
     assert st.state == "PENDING" and st.reason == ""  # not "PENDING (None)"
+
+
+def test_a_heterogeneous_jobs_components_are_one_job():
+    """squeue and sacct list a hetjob as ID+0, ID+1, ...; its steps as ID+N.STEP: one state, every node."""
+    squeue = ("50+0|RUNNING|0:05|1|node1|None|2026-12-03T11:00:00|19:55\n"
+              "50+1|RUNNING|0:05|1|node2|None|2026-12-03T11:00:00|19:55\n"
+              "500|RUNNING|0:05|1|node3|None|2026-12-03T11:00:00|19:55\n")
+    st = parse_squeue(squeue, "50")
+    assert st.state == "RUNNING" and st.nodes == "node1,node2"
+    sacct = ("50+0|hpc-x|RUNNING|0:0|00:00:05|node1\n50+1|hpc-x|RUNNING|0:0|00:00:05|node2\n"
+             "50+0.0|preflight|COMPLETED|0:0|00:00:01|node1\n50+1.2|prefill-0|FAILED|1:0|00:00:02|node2\n"
+             "500|other|RUNNING|0:0|00:00:05|node3\n")
+    st = parse_sacct(sacct, "50")
+    assert st.nodes == "node1,node2" and [(s.step_id, s.name, s.exit_code) for s in st.steps] == [
+        ("+0.0", "preflight", 0), ("+1.2", "prefill-0", 1)]
