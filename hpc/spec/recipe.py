@@ -287,6 +287,11 @@ class RuntimeSpec(StrictModel):
         "auto", description="how the torch engine's KV moves prefill -> decode. auto: CUDA IPC on one node's GPUs, "
                             "NIXL between GPUs of different nodes when installed, else bytes over the RPC "
                             "connection; nixl: always NIXL (host or GPU memory, any two nodes); bytes: always bytes")
+    kv_transfer_min_s: float = Field(
+        10.0, gt=0, le=3600, allow_inf_nan=False,
+        description="a KV transfer prefill -> decode may take this long plus its size at kv_transfer_floor_gb_s; "
+                    "past it the request fails with a 504 naming the prefill worker (counted per worker)")
+    kv_transfer_floor_gb_s: float = Field(0.5, gt=0, le=10_000, allow_inf_nan=False)
     engine_process: Literal["auto", "own", "worker"] = Field(
         "auto", description="where the torch engine of an aggregated, prefill or decode worker of one rank runs "
                             "(text only). own: a process of its own beside the worker's RPC and HTTP servers, so the "

@@ -299,13 +299,15 @@ async def serve_engine(manifest: Manifest, role: str, index: int, device: str, r
     from hpc.runtime.engine.factory import build_engine
     from hpc.runtime.services.node import freeze_startup_objects, idle_spin_seconds, node_address, rpc_token, watch_gc
     from hpc.runtime.worker.handlers import Peers
-    from hpc.runtime.worker.kv_handoff import KvHandoff, open_nixl
+    from hpc.runtime.worker.kv_handoff import KvHandoff, TransferDeadline, open_nixl
 
     plan = manifest.plan.worker(role, index)
     host = node_address(manifest)
     peers = Peers(token=rpc_token(manifest))  # a decode engine's: to the prefill workers whose KV it takes
     handoff = KvHandoff(setting=manifest.recipe.runtime.kv_transport, device=device, host=host, engine=None,
-                        peers=peers, counters={})
+                        peers=peers, counters={},
+                        deadline=TransferDeadline(manifest.recipe.runtime.kv_transfer_min_s,
+                                                  manifest.recipe.runtime.kv_transfer_floor_gb_s))
     if DisaggregationMode(role) in (DisaggregationMode.PREFILL, DisaggregationMode.DECODE):
         handoff.nixl = open_nixl(manifest.recipe.runtime.kv_transport, device.startswith("cuda"), plan.name)
     engine = build_engine(manifest, role, self_address=f"{host}:{plan.ports['rpc']}", fetch_kv=handoff.fetch,

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Coroutine, Literal
 
 from hpc.runtime.serve.rpc import RemoteError
@@ -99,12 +100,38 @@ class Releases:
             await asyncio.wait(list(self._tasks), timeout=5)
 
 
+@dataclass(frozen=True)
+class TransferDeadline:
+    """How long a KV transfer may take (runtime.kv_transfer_min_s, kv_transfer_floor_gb_s): a fixed part plus its
+    size at a floor bandwidth. Past it the request fails cleanly (504) instead of hanging until a harness times
+    out hours later: a transfer wedged on a route or an engine that stopped answering."""
+
+    min_s: float = 10.0
+    floor_gb_s: float = 0.5
+
+    def seconds(self, size_bytes: int = 0) -> float:
+        return self.min_s + size_bytes / (self.floor_gb_s * 1e9)
+
+
+def _nbytes(meta: Any) -> int:
+    """A KV's size from its layout (KvMeta: shape and dtype), 0 where it does not say."""
+    shape, dtype = getattr(meta, "shape", None), str(getattr(meta, "dtype", ""))
+    if not shape:
+        return 0
+    count = 1
+    for n in shape:
+        count *= int(n)
+    size = {"float32": 4, "int32": 4, "float64": 8, "int8": 1, "uint8": 1}.get(dtype.removeprefix("torch."))
+    return count * (size or (1 if "float8" in dtype else 2))
+
+
 class KvHandoff:
     """Both ends of the handoff for one worker process."""
 
     def __init__(self, *, setting: TransportSetting, device: str, host: str, engine: Any, peers: Any,
-                 counters: dict[str, float], nixl: Any = None) -> None:
-        self.setting, self.device, self.host = setting, device, host
+                 counters: dict[str, float], nixl: Any = None, deadline: TransferDeadline = TransferDeadline()) -> None:
+        self.setting, self.device, self.host, self.deadline = setting, device, host, deadline
+        self.timeouts_by_prefill: dict[str, int] = {}  # each prefill worker's transfers that passed their deadline
         self.engine, self.peers, self.counters, self.nixl = engine, peers, counters, nixl
         self.releases = Releases()
         # an engine process's: the released KVs to its worker, (prefill addresses, handles), from any thread
@@ -132,7 +159,13 @@ class KvHandoff:
         via = self._via(address)
         known = self.nixl.known_agent(address) if self.nixl is not None else ""
         asked = time.perf_counter()
-        meta, data = await prefill.call(FetchKv(handle=params.request_handle, via=via, nixl_agent=known))
+        expected = _nbytes(params.kv) if params.kv is not None else 0
+        try:
+            meta, data = await asyncio.wait_for(
+                prefill.call(FetchKv(handle=params.request_handle, via=via, nixl_agent=known)),
+                self.deadline.seconds(expected))
+        except asyncio.TimeoutError:
+            raise self._timed_out(prefill, address, params.request_handle, expected, "its answer") from None
         answered = time.perf_counter()
         self._add("kv_ask_seconds_total", answered - asked)  # the round trip, bytes included on that path
         if not isinstance(meta, KvMeta):
@@ -145,12 +178,28 @@ class KvHandoff:
         try:
             if self.nixl is None:
                 raise RemoteError("the prefill worker lent its KV over NIXL, which this worker lacks", 502)
-            kv = await asyncio.to_thread(self.nixl.read, address, meta, self.device, dtype_of(meta))
+            try:
+                kv = await asyncio.wait_for(asyncio.to_thread(self.nixl.read, address, meta, self.device,
+                                                              dtype_of(meta)), self.deadline.seconds(_nbytes(meta)))
+            except asyncio.TimeoutError:
+                raise self._timed_out(None, address, params.request_handle, _nbytes(meta), "the NIXL read") from None
             self._count("kv_fetched_nixl")
             self._add("kv_move_seconds_total", time.perf_counter() - answered)  # the read
         finally:
             self._start_release(prefill, params.request_handle, None)  # read (or failed): the prefill may free it
         return kv
+
+    def _timed_out(self, prefill: Any, address: str, handle: str, size: int, waited_for: str) -> RemoteError:
+        """Counted (in all, and per prefill worker for status), the prefill's KV released, the request failed."""
+        self._count("kv_transfer_timeouts_total")
+        self.timeouts_by_prefill[address] = self.timeouts_by_prefill.get(address, 0) + 1
+        if prefill is not None:  # the NIXL path releases in its own finally
+            self._start_release(prefill, handle, None)
+        took = self.deadline.seconds(size)
+        log.warning("KV transfer from %s passed its deadline: %s took over %.1f s", address, waited_for, took)
+        return RemoteError(f"the KV transfer from prefill worker {address} passed its deadline ({waited_for} took "
+                           f"over {took:.1f} s: runtime.kv_transfer_min_s {self.deadline.min_s:g} plus "
+                           f"{size / 1e6:.0f} MB at kv_transfer_floor_gb_s {self.deadline.floor_gb_s:g})", 504)
 
     def fetch_now(self, params: Any, loop: asyncio.AbstractEventLoop) -> Any:
         """fetch() where nothing need be asked, from any thread: a KV shared over CUDA IPC with the prefill's

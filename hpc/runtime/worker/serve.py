@@ -29,7 +29,7 @@ from hpc.runtime.services.node import (IdleSpin, LoopLatency, Reporter, freeze_s
 from hpc.runtime.serve.rpc import RpcServer
 from hpc.runtime.worker.handlers import HandlerDeps, Peers, make_handler
 from hpc.runtime.worker.engine_process import EngineHandoff, EngineProcess, engine_in_own_process, engine_stats
-from hpc.runtime.worker.kv_handoff import KvHandoff, open_nixl
+from hpc.runtime.worker.kv_handoff import KvHandoff, TransferDeadline, open_nixl
 
 log = logging.getLogger("hpc.worker")
 
@@ -74,7 +74,9 @@ async def serve(manifest: Manifest, role: str, index: int, manifest_file: str, r
         handoff = EngineHandoff(engine, peers)
     else:
         handoff = KvHandoff(setting=recipe.runtime.kv_transport, device=device, host=host, engine=None, peers=peers,
-                            counters={})
+                            counters={},
+                            deadline=TransferDeadline(recipe.runtime.kv_transfer_min_s,
+                                                      recipe.runtime.kv_transfer_floor_gb_s))
         if rank == 0 and DisaggregationMode(role) in (DisaggregationMode.PREFILL, DisaggregationMode.DECODE) \
                 and recipe.backend is Backend.TORCH:
             handoff.nixl = open_nixl(recipe.runtime.kv_transport, device.startswith("cuda"), name)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
+import time
 import sys
 
 import msgspec
@@ -520,3 +522,55 @@ def test_a_prefill_shares_its_kv_with_the_answer_only_when_it_is_complete_on_a_g
     assert (meta is not None) == shared and (engine.taken_while_copying is False if shared else
                                             engine.taken_while_copying is None)
     assert handoff.counters.get("kv_shared_with_answer", 0) == int(shared)
+
+
+class _SilentPrefill:
+    """A prefill worker whose KV never comes (a wedged transfer, a route that drops the answer)."""
+
+    def __init__(self) -> None:
+        self.released: list[str] = []
+
+    async def call(self, message):
+        from hpc.runtime.serve.wire import ReleaseKv
+
+        if isinstance(message, ReleaseKv):
+            self.released.append(message.handle)
+            return None, b""
+        await asyncio.sleep(3600)
+
+
+@pytest.mark.unit
+def test_a_kv_transfer_past_its_deadline_fails_its_request_counted_and_released():
+    from types import SimpleNamespace
+
+    from hpc.runtime.serve.rpc import RemoteError
+    from hpc.runtime.worker.kv_handoff import KvHandoff, TransferDeadline
+
+    prefill = _SilentPrefill()
+    peers = SimpleNamespace(client=lambda address: prefill)
+    counters: dict[str, float] = {}
+    handoff = KvHandoff(setting="bytes", device="cpu", host="10.0.0.2", engine=None, peers=peers, counters=counters,
+                        deadline=TransferDeadline(min_s=0.3, floor_gb_s=1.0))
+    params = SimpleNamespace(prefill_address="10.0.0.1:7000", request_handle="h1", kv=None)
+
+    async def fetch():
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError) as failed:
+            await handoff.fetch(params)
+        await handoff.settle()
+        return time.monotonic() - t0, failed.value
+    took, error = asyncio.run(fetch())
+    assert 0.3 <= took < 2.0  # its deadline, not the hour the prefill would take
+    assert error.code == 504 and "prefill worker 10.0.0.1:7000 passed its deadline" in str(error)
+    assert "runtime.kv_transfer_min_s 0.3" in str(error)
+    assert counters["kv_transfer_timeouts_total"] == 1 and handoff.timeouts_by_prefill == {"10.0.0.1:7000": 1}
+    assert prefill.released == ["h1"]  # the prefill may free what it held for it
+
+
+@pytest.mark.unit
+def test_a_transfers_deadline_grows_with_its_size():
+    from hpc.runtime.worker.kv_handoff import TransferDeadline, _nbytes
+
+    meta = KvMeta(shape=[32, 2, 8, 1024, 128], dtype="bfloat16")
+    assert _nbytes(meta) == 32 * 2 * 8 * 1024 * 128 * 2
+    assert TransferDeadline(10.0, 0.5).seconds(_nbytes(meta)) == pytest.approx(10.0 + 134217728 / 0.5e9)
