@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -138,8 +139,10 @@ def test_a_model_directory_the_nodes_lack_stops_the_job_before_any_server_with_o
     assert main(["launch", "-c", "dev", "-r", "tiny-agg", "--set", "model.generate=null",
                  "--set", f"model.path={missing}"]) == 1
     err = capsys.readouterr().err
-    assert f"preflight failed: hpc preflight on node1: the model directory {missing} (recipe model.path) is not " \
-           "there; put it on a filesystem every node mounts, or fix the path" in err
+    # every node checks it (the services' node1 and the worker's node2): the launch shows one node's line
+    assert re.search(f"preflight failed: hpc preflight on node[12]: the model directory {re.escape(str(missing))} "
+                     r"\(recipe model.path\) is not there; put it on a filesystem every node mounts, or fix the "
+                     "path", err), err
     (run,) = list_runs()
     assert sorted(p.name for p in run.logs.iterdir()) == ["job.out", "preflight.log"]  # no server started
     assert time.monotonic() - t0 < 30
