@@ -36,17 +36,17 @@ def current_allocation(nodes_needed: int) -> Allocation:
     """This shell's allocation, checked against the plan's node count before anything is written."""
     job_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID")
     if not job_id:
-        raise UserError("--in-allocation: this shell holds no Slurm allocation (no SLURM_JOB_ID)",
+        raise UserError("this shell holds no Slurm allocation (no SLURM_JOB_ID)",
                         field="--in-allocation",
                         hint=f"run it inside one: salloc -N {nodes_needed} (with the GPUs the profile asks for), "
                              "or launch without --in-allocation to submit a job")
     nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 0)
     nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST") or ""
     if not nodelist or nodes < 1:
-        raise UserError(f"--in-allocation: allocation {job_id} does not say its nodes (SLURM_JOB_NODELIST, "
+        raise UserError(f"allocation {job_id} does not say its nodes (SLURM_JOB_NODELIST, "
                         "SLURM_JOB_NUM_NODES)", field="--in-allocation", hint="run hpc launch in salloc's shell")
     if nodes < nodes_needed:
-        raise UserError(f"--in-allocation: allocation {job_id} has {nodes} node(s); the plan needs {nodes_needed}",
+        raise UserError(f"allocation {job_id} has {nodes} node(s); the plan needs {nodes_needed}",
                         field="--in-allocation", hint=f"salloc -N {nodes_needed}, or a recipe that fits")
     return Allocation(job_id=job_id, nodes=nodes, nodelist=nodelist)
 
