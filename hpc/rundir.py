@@ -218,6 +218,11 @@ class RunDir:
         return self.logs / f"{component}.log"
 
 
+def bad_nodes_text(bad_nodes: dict[str, str]) -> str:
+    """A preflight's bad nodes (RunDir.preflight's bad_nodes) as one line: `node2: ecc: ...; node3: ...`."""
+    return "; ".join(f"{node}: {why}" for node, why in sorted(bad_nodes.items()))
+
+
 def _number_in(text: str) -> int:
     return int(text) if text.isdigit() else -1
 

@@ -302,11 +302,11 @@ def bad_nodes(results: dict[str, dict], expected: int) -> dict[str, str]:
 
 def node_findings(manifest: dict, node: str, index: int) -> list[Finding]:
     """This node's own checks (no other node involved)."""
-    settings = manifest["cluster"].get("preflight") or {}
-    found = gpu_findings(gpus_needed(manifest, index), node, settings.get("gpu_memory_used_max_mib", 1024))
-    read = model_read_finding(manifest, node, settings.get("model_read_mb", 256), settings.get("min_read_mb_s"))
+    settings = manifest["cluster"]["preflight"]  # every field is in the manifest: its defaults are the profile's
+    found = gpu_findings(gpus_needed(manifest, index), node, settings["gpu_memory_used_max_mib"])
+    read = model_read_finding(manifest, node, settings["model_read_mb"], settings["min_read_mb_s"])
     found += [read] if read else []
-    return found + scratch_findings(manifest["run_dir"], settings.get("min_free_gb", 1.0))
+    return found + scratch_findings(manifest["run_dir"], settings["min_free_gb"])
 
 
 @dataclass(frozen=True)
@@ -337,7 +337,7 @@ def run_checks(manifest: dict, software_ok: bool, software_line: str,
                t0: float | None = None) -> tuple[list[Finding], dict]:
     """This node's findings and, on the first task, the whole job's record (RUN/preflight/JOB.json); `t0`: when
     the preflight started (time.monotonic), for the seconds it took."""
-    settings = manifest["cluster"].get("preflight") or {}
+    settings = manifest["cluster"]["preflight"]
     t0 = time.monotonic() if t0 is None else t0
     here = job_node()
     node, index, expected = here.name, here.index, here.count
@@ -349,7 +349,7 @@ def run_checks(manifest: dict, software_ok: bool, software_line: str,
     if expected > 1:
         mesh = Mesh(folder, node, index, advertised_address(network.get("interface"),
                                                             network.get("address_family", "ipv4")),
-                    expected, settings.get("peer_timeout_s", 5.0), settings.get("gather_timeout_s", 120.0))
+                    expected, settings["peer_timeout_s"], settings["gather_timeout_s"])
         mesh.open()
     found = node_findings(manifest, node, index)
     local_failed = not software_ok or any(not f.ok for f in found)
@@ -366,15 +366,16 @@ def run_checks(manifest: dict, software_ok: bool, software_line: str,
                                              "findings": [asdict(f) for f in found],
                                              "seconds": round(time.monotonic() - t0, 2)})
     record: dict = {}
+    gather_s = settings["gather_timeout_s"] + 10  # the others' results come after their own gathering
     if here.first:
-        results = _gather(folder, ".result.json", expected, settings.get("gather_timeout_s", 120.0) + 10)
+        results = _gather(folder, ".result.json", expected, gather_s)
         record = {"job_id": job, "nodes": results, "expected": expected,
                   "bad_nodes": bad_nodes(results, expected), "seconds": round(time.monotonic() - t0, 2)}
         _write(folder.parent / f"{key}.json", record)
         named = sorted(n for n in record["bad_nodes"] if n != "?")
         (folder.parent / f"{key}.bad-nodes").write_text("".join(f"{n}\n" for n in named))
     elif mesh is not None:  # stay reachable until the first task has heard from every node
-        deadline = time.monotonic() + settings.get("gather_timeout_s", 120.0) + 10
+        deadline = time.monotonic() + gather_s
         while not (folder.parent / f"{key}.json").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
     if mesh is not None:

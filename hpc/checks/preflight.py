@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
               "mounted in the container?", flush=True)
         return EXIT_FAILED
     ok, line = check(manifest)
-    if (manifest["cluster"].get("preflight") or {}).get("hardware", True):
+    if manifest["cluster"]["preflight"]["hardware"]:
         ok, line = _with_hardware(manifest, ok, line, t0)
     print(line, flush=True)
     from hpc.checks.node_health import job_node

@@ -14,7 +14,7 @@ from typing import Any
 from hpc.show import table
 from hpc.errors import UserError
 from hpc.cli.args import bounded_int
-from hpc.rundir import RunDir, find_run, list_runs, read_json, shown
+from hpc.rundir import RunDir, bad_nodes_text, find_run, list_runs, read_json, shown
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -225,13 +225,13 @@ def _preflight_lines(data: dict[str, Any]) -> list[str]:
     lines = []
     again = data.get("resubmitted")
     if again:
-        why = "; ".join(f"{node}: {line}" for node, line in sorted(again["bad_nodes"].items()))
+        why = bad_nodes_text(again["bad_nodes"])
         lines.append(f"resubmitted: job {again['from_job']}'s preflight left out {again['excluded']}"
                      + (f" ({why})" if why else "") + f"; this is job {again['job_id']} "
                      "(preflight.on_bad_node: exclude)")
     pre = data.get("preflight")
     if pre:
-        bad = "; ".join(f"{node}: {line}" for node, line in sorted(pre["bad_nodes"].items()))
+        bad = bad_nodes_text(pre["bad_nodes"])
         lines.append(f"preflight: {pre['nodes']} nodes in {pre['seconds']} s, " + (f"failed ({bad})" if bad else "ok"))
     return lines
 

@@ -6,7 +6,7 @@ import math
 import sys
 import time
 
-from hpc.rundir import RunDir, read_json
+from hpc.rundir import RunDir, bad_nodes_text, read_json
 from hpc.slurm.client import SlurmClient, SubmitError
 from hpc.slurm.runner import LocalRunner, Runner
 from hpc.waiting import SLURM, Backoff, Throttle, wait_until
@@ -65,7 +65,7 @@ def resubmission(run: RunDir, job_id: str) -> str | None:
     again = run.resubmitted()
     if again.get("from_job") != job_id or not again.get("job_id"):
         return None
-    why = "; ".join(f"{node}: {line}" for node, line in sorted(run.preflight(job_id).get("bad_nodes", {}).items()))
+    why = bad_nodes_text(run.preflight(job_id).get("bad_nodes", {}))
     print(f"  job {job_id}'s preflight left out {again.get('excluded')} ({why or 'see hpc logs'}); it resubmitted "
           f"itself as job {again['job_id']} on the other nodes (preflight.on_bad_node: exclude)", flush=True)
     run.update_run_info(job_id=str(again["job_id"]), resubmitted_from=job_id)

@@ -13,6 +13,7 @@ The prefill side answers with what it can (no GPU or no NIXL there: bytes); the 
 from __future__ import annotations
 
 import asyncio
+import math
 import logging
 import threading
 import time
@@ -113,16 +114,10 @@ class TransferDeadline:
         return self.min_s + size_bytes / (self.floor_gb_s * 1e9)
 
 
-def _nbytes(meta: Any) -> int:
-    """A KV's size from its layout (KvMeta: shape and dtype), 0 where it does not say."""
-    shape, dtype = getattr(meta, "shape", None), str(getattr(meta, "dtype", ""))
-    if not shape:
-        return 0
-    count = 1
-    for n in shape:
-        count *= int(n)
-    size = {"float32": 4, "int32": 4, "float64": 8, "int8": 1, "uint8": 1}.get(dtype.removeprefix("torch."))
-    return count * (size or (1 if "float8" in dtype else 2))
+def _nbytes(meta: KvMeta) -> int:
+    """A KV's size from its layout."""
+    size = {"float32": 4, "int32": 4, "float64": 8, "int8": 1, "uint8": 1}.get(meta.dtype.removeprefix("torch."))
+    return math.prod(meta.shape) * (size or (1 if "float8" in meta.dtype else 2))
 
 
 class KvHandoff:
