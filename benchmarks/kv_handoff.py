@@ -31,16 +31,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from hpc.runtime.engine import kv as kvpack  # noqa: E402
 from hpc.runtime.engine.kv_nixl import NixlTransport, nixl_available  # noqa: E402
 from hpc.runtime.serve.rpc import RpcServer  # noqa: E402
-from hpc.runtime.engine.types import DisaggregationMode  # noqa: E402
+from hpc.runtime.engine.types import DisaggregationMode, EngineBase, EngineTraits  # noqa: E402
 from hpc.runtime.worker.handlers import HandlerDeps, Peers, make_handler  # noqa: E402
 from hpc.runtime.worker.kv_handoff import KvHandoff  # noqa: E402
 
 HOST = "127.0.0.1"
 
 
-class HeldKv:
+class HeldKv(EngineBase):
     """The prefill engine's side of the handoff (take / lend / release), as TorchEngine keeps it: each KV is made
     when its fetch comes (a prefill just ran) and dropped at release, so the allocator reuses memory as in serving."""
+
+    traits = EngineTraits(lends_kv=True)
 
     def __init__(self, base: torch.Tensor) -> None:
         self.base = base

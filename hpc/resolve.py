@@ -91,43 +91,81 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
     engine_args: dict[str, dict[str, Any]] = {}
     config_files: dict[str, str | None] = {}
     for group in recipe.roles.groups():
-        role_name, role = group.role, group.spec
-        field = _group_field(recipe, group)
-        extra: dict[str, Any] = {}
-        efile = None
-        if role.engine_config:
-            path = resolve_config_path(role.engine_config, recipe_path)
-            efile = str(path)
-            if not path.is_file():
-                errors.append(UserError(f"engine config not found: {path}", file=rfile,
-                                        field=f"{field}.engine_config", hint="fix the path (relative to the recipe or the project)"))
-                continue
-            try:
-                extra = load_yaml(path)
-            except UserError as exc:
-                errors.append(exc)
-                continue
-            errors += check_engine_config(extra, file=efile, table_name=table_name)
-        if role.override_engine_args:
-            source = (flag_sources.get(role_name.value) if group.pool is None else None) or \
-                f"{rfile}: {field}.override_engine_args"
-            errors += check_engine_config(role.override_engine_args, file=source, table_name=table_name)
-        unforced = merge_engine_args(recipe_defaults(recipe, role, trtllm=trtllm), extra, role.override_engine_args, {})
-        backend = str(unforced.get("backend", "pytorch"))
-        forced = forced_values(publish_kv_events=recipe.runtime.publish_kv_events and trtllm, backend=backend)
-        warnings += [f"{group.key}: the runtime sets {change} (KV events and metrics are published; "
-                     "runtime.publish_kv_events: false turns that off)" for change in overridden(unforced, forced)]
-        merged = merge_engine_args(unforced, None, None, forced)
-        errors += _check_role(recipe, role_name, role, field, merged, rfile, efile)
-        if shape is not None and role_name is not RoleName.ENCODE:  # the encoder's heads are the vision's
-            source = f"{recipe.model.path}/config.json" if model_config else f"model.generate {recipe.model.generate}"
-            errors += [UserError(f"{problem} ({source})", file=rfile, field=f"{field}.{RECIPE_LAYOUT[key]}", hint=fix)
-                       for key, problem, fix in fit_problems(shape, merged, recipe.backend.value)]
-        if trtllm and backend == "_autodeploy":
-            merged = prune_for_autodeploy(merged, warn=lambda w, r=group.key: warnings.append(f"{r}: {w}"))
-        engine_args[group.key] = merged
-        config_files[group.key] = efile
+        merged, efile, problems = _group_engine_args(recipe, recipe_path, group, flag_sources, table_name, shape,
+                                                     model_config, warnings)
+        errors += problems
+        if merged is not None:
+            engine_args[group.key] = merged
+            config_files[group.key] = efile
     errors += _check_disagg_pair(recipe, engine_args, config_files, rfile)
+    errors += _check_model_use(cluster, recipe, model_config, rfile)
+    errors += _check_time(cluster, recipe, str(cluster_path), rfile)
+    too_big = _check_size(cluster, recipe, rfile)
+    if too_big:  # before planning: a billion workers must not be built to find out they do not fit
+        raise too_big
+    placement = None
+    try:
+        placement = plan(cluster, recipe)
+    except UserError as exc:
+        errors.append(UserError(exc.message, file=rfile, field=exc.field, hint=exc.hint))
+    if placement is not None:
+        errors += _check_fit(cluster, recipe, placement, str(cluster_path), rfile)
+    if errors:
+        raise errors[0] if len(errors) == 1 else UserErrors(errors)
+    assert placement is not None
+    return Resolved(cluster=cluster, cluster_file=str(cluster_path), recipe=recipe, recipe_file=rfile,
+                    plan=placement, engine_args=engine_args, engine_config_files=config_files,
+                    trtllm_versions=expected, warnings=warnings)
+
+
+def _group_engine_args(recipe: Recipe, recipe_path: Path, group: Any, flag_sources: dict[str, str], table_name: str,
+                       shape: dict[str, Any] | None, model_config: dict[str, Any] | None,
+                       warnings: list[str]) -> tuple[dict[str, Any] | None, str | None, list[UserError]]:
+    """One role's (or pool's) merged engine arguments, its engine config file, and what is wrong with them (None
+    for the arguments where its engine config cannot be read)."""
+    rfile = str(recipe_path)
+    trtllm = recipe.backend is Backend.TRTLLM
+    errors: list[UserError] = []
+    role_name, role = group.role, group.spec
+    field = _group_field(recipe, group)
+    extra: dict[str, Any] = {}
+    efile = None
+    if role.engine_config:
+        path = resolve_config_path(role.engine_config, recipe_path)
+        efile = str(path)
+        if not path.is_file():
+            return None, efile, [UserError(f"engine config not found: {path}", file=rfile,
+                                           field=f"{field}.engine_config",
+                                           hint="fix the path (relative to the recipe or the project)")]
+        try:
+            extra = load_yaml(path)
+        except UserError as exc:
+            return None, efile, [exc]
+        errors += check_engine_config(extra, file=efile, table_name=table_name)
+    if role.override_engine_args:
+        source = (flag_sources.get(role_name.value) if group.pool is None else None) or \
+            f"{rfile}: {field}.override_engine_args"
+        errors += check_engine_config(role.override_engine_args, file=source, table_name=table_name)
+    unforced = merge_engine_args(recipe_defaults(recipe, role, trtllm=trtllm), extra, role.override_engine_args, {})
+    backend = str(unforced.get("backend", "pytorch"))
+    forced = forced_values(publish_kv_events=recipe.runtime.publish_kv_events and trtllm, backend=backend)
+    warnings += [f"{group.key}: the runtime sets {change} (KV events and metrics are published; "
+                 "runtime.publish_kv_events: false turns that off)" for change in overridden(unforced, forced)]
+    merged = merge_engine_args(unforced, None, None, forced)
+    errors += _check_role(recipe, role_name, role, field, merged, rfile, efile)
+    if shape is not None and role_name is not RoleName.ENCODE:  # the encoder's heads are the vision's
+        source = f"{recipe.model.path}/config.json" if model_config else f"model.generate {recipe.model.generate}"
+        errors += [UserError(f"{problem} ({source})", file=rfile, field=f"{field}.{RECIPE_LAYOUT[key]}", hint=fix)
+                   for key, problem, fix in fit_problems(shape, merged, recipe.backend.value)]
+    if trtllm and backend == "_autodeploy":
+        merged = prune_for_autodeploy(merged, warn=lambda w, r=group.key: warnings.append(f"{r}: {w}"))
+    return merged, efile, errors
+
+
+def _check_model_use(cluster: ClusterProfile, recipe: Recipe, model_config: dict[str, Any] | None,
+                     rfile: str) -> list[UserError]:
+    """What the recipe asks of its model and engine that they cannot do."""
+    errors: list[UserError] = []
     if recipe.model.canned_completion and recipe.backend is not Backend.TORCH:
         errors.append(UserError("a test knob of the torch engine only", file=rfile,
                                 field="model.canned_completion", hint="remove it, or use backend: torch"))
@@ -156,23 +194,7 @@ def resolve_specs(cluster: ClusterProfile, cluster_path: Path, recipe: Recipe, r
     if recipe.roles.encode is not None and not recipe.model.multimodal:
         errors.append(UserError("an encode role needs a multimodal model", file=rfile, field="roles.encode",
                                 hint="set model.multimodal: true or remove roles.encode"))
-    errors += _check_time(cluster, recipe, str(cluster_path), rfile)
-    too_big = _check_size(cluster, recipe, rfile)
-    if too_big:  # before planning: a billion workers must not be built to find out they do not fit
-        raise too_big
-    placement = None
-    try:
-        placement = plan(cluster, recipe)
-    except UserError as exc:
-        errors.append(UserError(exc.message, file=rfile, field=exc.field, hint=exc.hint))
-    if placement is not None:
-        errors += _check_fit(cluster, recipe, placement, str(cluster_path), rfile)
-    if errors:
-        raise errors[0] if len(errors) == 1 else UserErrors(errors)
-    assert placement is not None
-    return Resolved(cluster=cluster, cluster_file=str(cluster_path), recipe=recipe, recipe_file=rfile,
-                    plan=placement, engine_args=engine_args, engine_config_files=config_files,
-                    trtllm_versions=expected, warnings=warnings)
+    return errors
 
 
 def _trtllm_version(cluster: ClusterProfile, cluster_file: str, recipe: Recipe, model_config: dict[str, Any] | None,

@@ -19,14 +19,14 @@ from hpc.spec.cluster import time_to_minutes
 def bench_in_job(args: argparse.Namespace, run: RunDir, on_node: Callable[[argparse.Namespace], int]) -> int:
     """The sweep as a one-node job of the run's cluster (`on_node` runs there: hpc.bench.run.bench_on_node), its
     output relayed as it comes."""
-    from hpc.launch.smoke import executor_for
+    from hpc.launch.backends import of_run
 
     remote = argparse.Namespace(**{**vars(args), "in_job": False, "run": str(run.path),
                                    "out": args.out.resolve() if args.out else None})
     from submitit.core.utils import FailedJobError, UncompletedJobError
 
     cluster = run.manifest().cluster
-    job = executor_for(run, "bench-jobs", minutes=time_to_minutes(cluster.time_limit)).submit(on_node, remote)
+    job = of_run(run).executor(run, "bench-jobs", time_to_minutes(cluster.time_limit)).submit(on_node, remote)
     print(f"load generator: job {job.job_id} on {cluster.name}; its output follows", flush=True)
 
     try:

@@ -55,60 +55,70 @@ def _answers_200(url: str) -> bool:
     return answer is not None and answer[0] == 200
 
 
-def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float | None = None,
-               progress: Callable[[str], None] = print,
-               abort: Callable[[], str | None] = lambda: None) -> dict[str, float]:
-    """Block until ready; `abort` may return a reason to give up (e.g. the Slurm job ended)."""
-    timeout = timeout or manifest.recipe.runtime.readiness_timeout_s
-    stall_s = stall_s or timeout
-    start = time.monotonic()
-    phases: dict[str, float] = {}
-    out = Path(manifest.run_dir) / "state" / "ready.json"
+class _Stages:
+    """Readiness stage by stage, each recorded in RUN/state/ready.json as it is reached, each bounded."""
 
-    def record(stage: str) -> None:
-        phases[stage] = round(time.monotonic() - start, 3)
-        write_json(out, {"phase": stage, "seconds": phases, "ready": stage == "ready"})
-        progress(f"  {stage:<28} {phases[stage]:7.2f} s")
+    def __init__(self, manifest: Manifest, timeout: float, stall_s: float, progress: Callable[[str], None],
+                 abort: Callable[[], str | None]) -> None:
+        self.manifest, self.timeout, self.stall_s, self.progress, self.abort = manifest, timeout, stall_s, progress, abort
+        self.start = time.monotonic()
+        self.phases: dict[str, float] = {}
+        self.out = Path(manifest.run_dir) / "state" / "ready.json"
 
-    def give_up(reason: str) -> NotReady:
+    def record(self, stage: str) -> None:
+        self.phases[stage] = round(time.monotonic() - self.start, 3)
+        write_json(self.out, {"phase": stage, "seconds": self.phases, "ready": stage == "ready"})
+        self.progress(f"  {stage:<28} {self.phases[stage]:7.2f} s")
+
+    def give_up(self, reason: str) -> NotReady:
         """The readiness record says it gave up (the smoke job waiting on it ends at once), then the error."""
-        write_json(out, {"phase": next(reversed(phases), None), "seconds": phases, "ready": False,
-                         "gave_up": reason.splitlines()[0]})
+        write_json(self.out, {"phase": next(reversed(self.phases), None), "seconds": self.phases, "ready": False,
+                              "gave_up": reason.splitlines()[0]})
         return NotReady(reason)
 
-    def until(stage: str, component: str | Callable[[], str], check: Callable[[], bool]) -> None:
-        """One stage: done, or a failed component / an abort reason / the stage's time budget -> NotReady."""
+    def until(self, stage: str, component: str | Callable[[], str], check: Callable[[], bool],
+              record: bool = True) -> None:
+        """One stage (recorded when `record`): done, or a failed component / an abort reason / the stage's time budget -> NotReady."""
         def culprit() -> str:
             return component() if callable(component) else component
 
         def look() -> bool | None:
             if check():
                 return True
-            failed = _failed_component(manifest)
+            failed = _failed_component(self.manifest)
             if failed:
                 name, error = failed
-                raise give_up(f"{name} failed while waiting for {stage}{': ' + error if error else ''}\n"
-                              f"  last lines of its log:\n{log_tail(manifest, name.split('.rank')[0])}")
-            reason = abort()
+                raise self.give_up(f"{name} failed while waiting for {stage}{': ' + error if error else ''}\n"
+                                   f"  last lines of its log:\n{log_tail(self.manifest, name.split('.rank')[0])}")
+            reason = self.abort()
             if reason:
-                raise give_up(f"{reason} while waiting for {stage}; last lines of {culprit()}'s log:\n"
-                              f"{log_tail(manifest, culprit())}")
+                raise self.give_up(f"{reason} while waiting for {stage}; last lines of {culprit()}'s log:\n"
+                                   f"{log_tail(self.manifest, culprit())}")
             return None
-        budget = max(0.0, min(stall_s, timeout - (time.monotonic() - start)))  # a stall is a stage without progress
+        elapsed = time.monotonic() - self.start
+        budget = max(0.0, min(self.stall_s, self.timeout - elapsed))  # a stall is a stage without progress
         try:
             wait_until(look, budget, stage, backoff=POLL)
         except TimeoutError:
-            raise give_up(f"stuck waiting for {stage} after {time.monotonic() - start:.0f} s; last lines of "
-                          f"{culprit()}'s log:\n{log_tail(manifest, culprit())}") from None
+            raise self.give_up(f"stuck waiting for {stage} after {time.monotonic() - self.start:.0f} s; last lines "
+                               f"of {culprit()}'s log:\n{log_tail(self.manifest, culprit())}") from None
+        if record:
+            self.record(stage)
 
+
+def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float | None = None,
+               progress: Callable[[str], None] = print,
+               abort: Callable[[], str | None] = lambda: None) -> dict[str, float]:
+    """Block until ready; `abort` may return a reason to give up (e.g. the Slurm job ended)."""
+    timeout = timeout or manifest.recipe.runtime.readiness_timeout_s
+    stages = _Stages(manifest, timeout, stall_s or timeout, progress, abort)
     endpoints = Path(manifest.run_dir) / "endpoints"
     for service in ("etcd", "nats"):
         if any(s.name == service for s in manifest.plan.services):
             def healthy(service=service) -> bool:
                 ep = read_json(endpoints / f"{service}.json")
                 return bool(ep) and _answers_200(ep["health"])
-            until(f"{service} healthy", service, healthy)
-            record(f"{service} healthy")
+            stages.until(f"{service} healthy", service, healthy)
     frontend: dict = {}
 
     def frontend_up() -> bool:
@@ -117,8 +127,7 @@ def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float 
             frontend.update(ep)
             return _answers_200(ep["url"] + "/live")
         return False
-    until("frontend up", "frontend", frontend_up)
-    record("frontend up")
+    stages.until("frontend up", "frontend", frontend_up)
     names = {w.name for w in manifest.plan.workers}
     seen: set[str] = set()
 
@@ -129,16 +138,16 @@ def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float 
                 name = f"{role}-{item['index']}"
                 if name in names and name not in seen:
                     seen.add(name)
-                    record(f"{name} registered")
+                    stages.record(f"{name} registered")
         return seen == names
     # a stuck stage names the first worker that has not registered yet
-    until("workers registered", lambda: min(names - seen, default="frontend"), registered)
+    stages.until("workers registered", lambda: min(names - seen, default="frontend"), registered, record=False)
     if manifest.recipe.disaggregated:
         warm_handoffs(manifest, frontend["url"])
-        record("handoffs warmed")
-    record("ready")
+        stages.record("handoffs warmed")
+    stages.record("ready")
     RunDir(Path(manifest.run_dir)).write_scrape_targets()  # every component is up: Prometheus may scrape them
-    return phases
+    return stages.phases
 
 
 WARM_REQUESTS_MAX = 64

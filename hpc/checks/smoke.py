@@ -66,81 +66,73 @@ def _worker_requests(manifest: Manifest) -> dict[str, float]:
     return totals
 
 
-def run_smoke(manifest_path: str) -> dict[str, Any]:
-    manifest = Manifest.load(manifest_path)
-    recipe = manifest.recipe
-    ep = read_json(Path(manifest.run_dir) / "endpoints" / "frontend.json") or {}
-    url = ep.get("url", "")
-    checks: list[dict[str, Any]] = []
+class _Checks:
+    """The smoke checks against one run's frontend; each returns its detail or raises what failed."""
 
-    def check(name: str, fn: Callable[[], str]) -> None:
-        t0 = time.monotonic()
-        try:
-            detail, ok = fn(), True
-        except Exception as exc:  # a failed check is data for the verdict, not a crash
-            detail, ok = f"{type(exc).__name__}: {exc}", False
-        checks.append({"name": name, "ok": ok, "detail": detail, "seconds": round(time.monotonic() - t0, 3)})
+    def __init__(self, recipe: Any, url: str) -> None:
+        self.recipe, self.url = recipe, url
+        self.model, self.n = recipe.model.served_name, recipe.smoke.max_tokens
 
-    def health() -> str:
-        status, body = get_json(url + "/health")
-        expected = {role.value: spec.total_count for role, spec in recipe.roles.items()}
+    def health(self) -> str:
+        status, body = get_json(self.url + "/health")
+        expected = {role.value: spec.total_count for role, spec in self.recipe.roles.items()}
         require(status == 200 and body["live"] == expected, f"live {body and body.get('live')} != {expected}")
         return f"live instances {body['live']}"
 
-    def models() -> str:
-        _, body = get_json(url + "/v1/models")
+    def models(self) -> str:
+        _, body = get_json(self.url + "/v1/models")
         ids = [m["id"] for m in body["data"]]
-        require(recipe.model.served_name in ids, f"{ids}")
+        require(self.model in ids, f"{ids}")
         return f"models {ids}"
 
-    model = recipe.model.served_name
-    n = recipe.smoke.max_tokens
+    def _completion_body(self, stream: bool) -> dict[str, Any]:
+        return {"model": self.model, "prompt": self.recipe.smoke.prompt, "max_tokens": self.n, "ignore_eos": True,
+                **({"stream": True} if stream else {})}
 
-    def completion() -> str:
-        status, body = post_json(url + "/v1/completions", {"model": model, "prompt": recipe.smoke.prompt,
-                                                            "max_tokens": n, "ignore_eos": True})
+    def completion(self) -> str:
+        status, body = post_json(self.url + "/v1/completions", self._completion_body(False))
         text = body["choices"][0]["text"]
         require(status == 200 and text, f"status {status}, empty text")
         return f"{body['usage']['completion_tokens']} tokens: {text[:40]!r}"
 
-    def completion_stream() -> str:
-        events = list(post_sse(url + "/v1/completions", {"model": model, "prompt": recipe.smoke.prompt,
-                                                         "max_tokens": n, "stream": True, "ignore_eos": True}))
+    def completion_stream(self) -> str:
+        events = list(post_sse(self.url + "/v1/completions", self._completion_body(True)))
         require(not any("error" in e for e in events), events[-1] if events else "no events")
         text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
         require(text, "empty streamed text")
         return f"{len(events)} events: {text[:40]!r}"
 
-    def chat_body(stream: bool) -> dict[str, Any]:
+    def _chat_body(self, stream: bool) -> dict[str, Any]:
         content: Any = "Say hello."
-        if recipe.model.multimodal:
+        if self.recipe.model.multimodal:
             content = [{"type": "text", "text": "Describe"},
-                       {"type": "image_url", "image_url": {"url": recipe.smoke.image or _tiny_png()}}]
-        return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": n,
+                       {"type": "image_url", "image_url": {"url": self.recipe.smoke.image or _tiny_png()}}]
+        return {"model": self.model, "messages": [{"role": "user", "content": content}], "max_tokens": self.n,
                 "stream": stream, "ignore_eos": True}
 
-    def chat() -> str:
-        status, body = post_json(url + "/v1/chat/completions", chat_body(False))
+    def chat(self) -> str:
+        status, body = post_json(self.url + "/v1/chat/completions", self._chat_body(False))
         text = body["choices"][0]["message"]["content"]
         require(status == 200 and text, f"status {status}: {body}")
         return f"{text[:40]!r}"
 
-    def chat_stream() -> str:
-        events = list(post_sse(url + "/v1/chat/completions", chat_body(True)))
+    def chat_stream(self) -> str:
+        events = list(post_sse(self.url + "/v1/chat/completions", self._chat_body(True)))
         require(not any("error" in e for e in events), events[-1] if events else "no events")
         text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e.get("choices"))
         require(text, "empty streamed text")
         return f"{len(events)} events"
 
-    def video(response_format: str) -> Callable[[], str]:
+    def video(self, response_format: str) -> Callable[[], str]:
         """A short video, decoded back: its frame count, size and frame rate must be what was asked."""
         def run() -> str:
-            d = recipe.diffusion
+            d = self.recipe.diffusion
             frames = min(d.default_num_frames, 5)  # 5 = 1 + 4: a length every video VAE here makes
-            body = {"model": model, "prompt": recipe.smoke.prompt, "size": f"{d.default_width}x{d.default_height}",
-                    "num_frames": frames, "num_inference_steps": min(d.default_num_inference_steps, 4), "fps": 8,
-                    "seed": 1, "response_format": response_format}
-            status, resp = post_json(url + "/v1/videos", body, timeout=recipe.smoke.timeout_s)
+            body = {"model": self.model, "prompt": self.recipe.smoke.prompt,
+                    "size": f"{d.default_width}x{d.default_height}", "num_frames": frames,
+                    "num_inference_steps": min(d.default_num_inference_steps, 4), "fps": 8, "seed": 1,
+                    "response_format": response_format}
+            status, resp = post_json(self.url + "/v1/videos", body, timeout=self.recipe.smoke.timeout_s)
             require(status == 200 and resp.get("status") == "completed", f"status {status}: {resp}")
             item = resp["data"][0]
             if response_format == "b64_json":
@@ -156,14 +148,30 @@ def run_smoke(manifest_path: str) -> dict[str, Any]:
             return f"{len(data)} bytes: {shape[0]} frames of {shape[2]}x{shape[1]} at {fps:g} fps"
         return run
 
+    def steps(self) -> tuple[tuple[str, Callable[[], str]], ...]:
+        if self.recipe.modality == "video_diffusion":
+            return (("health", self.health), ("models", self.models), ("video_url", self.video("url")),
+                    ("video_b64_json", self.video("b64_json")))
+        return (("health", self.health), ("models", self.models), ("completion", self.completion),
+                ("completion_stream", self.completion_stream), ("chat", self.chat), ("chat_stream", self.chat_stream))
+
+
+def run_smoke(manifest_path: str) -> dict[str, Any]:
+    manifest = Manifest.load(manifest_path)
+    ep = read_json(Path(manifest.run_dir) / "endpoints" / "frontend.json") or {}
+    url = ep.get("url", "")
+    checks: list[dict[str, Any]] = []
+
+    def check(name: str, fn: Callable[[], str]) -> None:
+        t0 = time.monotonic()
+        try:
+            detail, ok = fn(), True
+        except Exception as exc:  # a failed check is data for the verdict, not a crash
+            detail, ok = f"{type(exc).__name__}: {exc}", False
+        checks.append({"name": name, "ok": ok, "detail": detail, "seconds": round(time.monotonic() - t0, 3)})
+
     before = _worker_requests(manifest)
-    if recipe.modality == "video_diffusion":
-        steps = (("health", health), ("models", models), ("video_url", video("url")),
-                 ("video_b64_json", video("b64_json")))
-    else:
-        steps = (("health", health), ("models", models), ("completion", completion),
-                 ("completion_stream", completion_stream), ("chat", chat), ("chat_stream", chat_stream))
-    for name, fn in steps:
+    for name, fn in _Checks(manifest.recipe, url).steps():
         check(name, fn)
     after = _worker_requests(manifest)
 

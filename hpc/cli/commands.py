@@ -189,84 +189,22 @@ def launch_resolved(r: Resolved, *, dry_run: bool = False, wait: bool = True, sm
                     in_allocation: bool = False):
     """Check what only a launch needs, write the run directory, submit, wait: (exit code, the run)."""
     from hpc import rundir
+    from hpc.launch.backends import for_launch
     from hpc.render.sbatch import render_sbatch
 
-    if r.cluster.is_local and not dry_run:
-        from hpc.launch.local import port_free
-
-        _check_local_gpu(r)
-        _check_local_model(r)
-        port = r.recipe.frontend.port
-        if not port_free(port):
-            raise UserError(f"port {port} is already in use on this machine", field="frontend.port",
-                            hint=f"pick another: --set frontend.port={port + 1}")
-    allocation = None
-    if in_allocation and not dry_run:
-        from hpc.launch.allocation import current_allocation
-
-        if r.cluster.is_local:
-            raise UserError("--in-allocation runs in a Slurm allocation; this cluster profile has no Slurm",
-                            file=r.cluster_file, field="scheduler", hint="use a Slurm cluster profile")
-        if r.recipe.placement == "hetjob":
-            raise UserError("--in-allocation runs in one allocation; placement: hetjob asks Slurm for a "
-                            "heterogeneous job of its own", file=r.recipe_file, field="placement",
-                            hint="--set placement=spread, or launch without --in-allocation")
-        allocation = current_allocation(r.plan.job_nodes)
-    if not r.cluster.is_local and not dry_run:
-        _check_slurm_reachable(r)
+    backend = for_launch(r.cluster.is_local, in_allocation)
     if not dry_run:
+        backend.check(r)
         _check_secrets(r)
-    if r.cluster.container is not None and not dry_run:
-        _ensure_runtime_bundle(r)
+        if r.cluster.container is not None:
+            _ensure_runtime_bundle(r)
     run = rundir.create(r, render_sbatch)
     print(plan_table(r.plan, _title(r)))
     print(f"run directory: {run.path}")
     if dry_run:
         print(f"dry run: nothing submitted. Submit it yourself with: sbatch {run.script_path}")
         return 0, run
-    if r.cluster.is_local:
-        from hpc.launch.local import launch_local
-
-        return launch_local(run, wait=wait, smoke=smoke), run
-    if allocation is not None:
-        from hpc.launch.allocation import launch_in_allocation
-
-        return launch_in_allocation(run, allocation, wait=wait, smoke=smoke), run
-    from hpc.launch.slurm import launch_slurm
-
-    return launch_slurm(run, wait=wait, smoke=smoke), run
-
-
-def _check_local_model(r: Resolved) -> None:
-    """The model's directories, as the job's preflight checks them on a cluster's nodes: this machine is the node,
-    so a path that is not there, or a directory without config.json or tokenizer.json, is one line before any
-    server starts (not a frontend's traceback after etcd and NATS came up)."""
-    import datetime as dt
-    from pathlib import Path
-
-    from hpc.checks.preflight import model_problem
-
-    from hpc.model.generated import build_place_problem
-
-    manifest = r.manifest(Path("/nonexistent/check"), "check", dt.datetime.now())
-    problem = model_problem(json.loads(manifest.model_dump_json()))
-    if r.recipe.model.generate and not problem:
-        problem = build_place_problem(r.recipe.model.path)
-    if problem:
-        raise UserError(problem, file=r.recipe_file)
-
-
-def _check_local_gpu(r: Resolved) -> None:
-    """A recipe whose generated model needs a GPU, launched on a machine without one: one line now, instead of
-    workers building the weights on the CPU until they run out of memory or time."""
-    from hpc.launch.local import visible_gpus
-    from hpc.spec.recipe import GPU_ONLY_MODELS
-
-    needs = GPU_ONLY_MODELS.get(r.recipe.model.generate or "")
-    if needs and r.recipe.backend.value != "mock" and visible_gpus() == 0:
-        raise UserError(f"{r.recipe.model.generate} needs a GPU ({needs}) and this machine shows none",
-                        file=r.recipe_file, field="model.generate",
-                        hint="launch it on a GPU machine or a Slurm cluster, or try tiny-agg / tiny-disagg here")
+    return backend.submit(run, wait=wait, smoke=smoke), run
 
 
 def _check_secrets(r: Resolved) -> None:
@@ -294,26 +232,6 @@ def _ensure_runtime_bundle(r: Resolved) -> None:
     ensure_bundle(target, version)
     if time.monotonic() - t0 > 1:
         print(f"built hpc's runtime for the image's Python {version}: {target} ({time.monotonic() - t0:.0f} s)")
-
-
-def _check_slurm_reachable(r: Resolved) -> None:
-    """Before writing anything: can this machine submit to the cluster at all?"""
-    import shutil
-    from pathlib import Path
-
-    if shutil.which("sbatch") is None:
-        raise UserError("sbatch is not on PATH: submit from a Slurm login node", file=r.cluster_file,
-                        hint="or use --dry-run to write the run directory and submit it later")
-    hint = "start it: hpc dev-cluster up" if r.cluster.name == "dev" else "check the cluster profile"
-    if r.cluster.slurm_conf and not Path(r.cluster.slurm_conf).is_file():
-        raise UserError(f"{r.cluster.slurm_conf} does not exist", file=r.cluster_file, field="slurm_conf",
-                        hint=hint)
-    from hpc.slurm.client import SlurmClient
-    from hpc.slurm.runner import LocalRunner
-
-    problem = SlurmClient(LocalRunner({"SLURM_CONF": r.cluster.slurm_conf} if r.cluster.slurm_conf else None)).ping()
-    if problem:
-        raise UserError(f"the Slurm controller does not answer ({problem})", file=r.cluster_file, hint=hint)
 
 
 def _describe(kind: str) -> list[list[str]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import socket
 import sys
 import time
 from pathlib import Path
@@ -69,54 +68,26 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 # ---- status ------------------------------------------------------------------------------------------
 def _slurm_state(run: RunDir) -> dict[str, Any]:
+    """The scheduler's view of the run, from its backend (local processes, a Slurm job, an allocation's steps)."""
+    from hpc.launch.backends import of_run
+
     info = run.run_info()
     if not run.submitted():
         return {"state": "NOT SUBMITTED" if "submit_error" not in info else "SUBMIT FAILED"}
-    if info.get("scheduler") == "local":
-        from hpc.launch.local import alive, local_pids
-
-        pids = local_pids(run)
-        up = sum(1 for ps in pids.values() for p in ps if alive(p))
-        total = sum(len(ps) for ps in pids.values())
-        state = "RUNNING" if up == total and total else ("DEGRADED" if up else "STOPPED")
-        # a stopped run's clock stops when it was cancelled (or, killed some other way, is not known)
-        end = info.get("cancelled_at") if state == "STOPPED" else time.time()
-        elapsed = f"{end - info.get('submitted_at', end):.0f}s" if end else "-"
-        return {"state": state, "processes": f"{up}/{total}", "elapsed": elapsed,
-                "nodes": socket.gethostname()}  # as the components' NODE column names it
-    from hpc.launch.slurm import runner_for
-    from hpc.slurm.client import SlurmClient
-
-    st = SlurmClient(runner_for(run)).status(run.job_id())
-    if st is None:
-        return {"state": "UNKNOWN"}
-    failing = [f"{s.step_id}:{s.name} exit {s.exit_code}" for s in st.steps
-               if s.state in ("FAILED", "NODE_FAIL", "OUT_OF_MEMORY") or s.exit_code]
-    from hpc.launch.follow import timed_out, unseen_run_dir
-
-    state = st.state
-    if info.get("in_allocation"):  # the allocation's state is not the run's: its script is
-        from hpc.launch.allocation import script_alive
-
-        state = f"{'RUNNING' if script_alive(run) else 'ENDED'} in allocation {run.job_id()} ({st.state})"
-    return {"state": state, "elapsed": st.elapsed, "time_left": st.time_left, "nodes": st.nodes,
-            "reason": st.reason, "expected_start": st.expected_start,
-            "exit_code": st.exit_code, "failed_steps": failing,
-            "why": unseen_run_dir(run, st.state) or timed_out(run.manifest(), st.state),
-            "steps": [{"id": s.step_id, "name": s.name, "state": s.state, "exit_code": s.exit_code}
-                      for s in st.steps]}
+    return of_run(run).status(run)
 
 
 def _listed_states(runs: list[RunDir]) -> dict[Path, str]:
     """The list's STATE column: every Slurm job of a cluster in one squeue and one sacct (sacct alone can take
     a second on a busy cluster: twenty runs asked one by one took twenty), local runs from their processes."""
+    from hpc.launch.backends import of_run
     from hpc.launch.slurm import runner_for_conf
     from hpc.slurm.client import SlurmClient
 
     states: dict[Path, str] = {}
     by_cluster: dict[str | None, list[RunDir]] = {}
     for run in runs:
-        if run.submitted() and run.run_info().get("scheduler") != "local":
+        if run.submitted() and of_run(run).name == "slurm":
             by_cluster.setdefault(run.manifest().cluster.slurm_conf, []).append(run)
         else:
             states[run.path] = _slurm_state(run)["state"]
@@ -433,41 +404,21 @@ class DrainWatch:
 
 
 def cancel(args: argparse.Namespace) -> int:
+    from hpc.launch.backends import of_run
+
     run = find_run(args.run)
-    info = run.run_info()
     if not run.submitted():
         raise UserError(f"run {run.path.name} was never submitted; nothing to cancel")
     drain = DrainWatch(run)
-    if info.get("scheduler") == "local":
-        from hpc.launch.local import stop_local
-
-        left = stop_local(run, args.grace, drain)
-        run.update_run_info(cancelled_at=time.time())
-        print(f"stopped {run.path.name}" + (f"; still alive: {left}" if left else "") + drain.summary(args.grace))
-        if not left and args.remove:
-            _remove(run)
-        return 1 if left else 0
-    from hpc.launch.slurm import runner_for
-    from hpc.slurm.client import SlurmClient
-
-    job_id = run.job_id()
-    if info.get("in_allocation"):
-        from hpc.launch.allocation import cancel_in_allocation
-
-        left = cancel_in_allocation(run, runner_for(run), args.grace, drain)
-        run.update_run_info(cancelled_at=time.time())
-        print(f"run {run.path.name}: " + (f"steps still running in allocation {job_id}: {', '.join(left)}" if left
-              else f"its steps ended; allocation {job_id} goes on") + drain.summary(args.grace))
-        return 1 if left else 0
-    state = SlurmClient(runner_for(run)).cancel(job_id, grace_s=args.grace, drained=drain)
+    done = of_run(run).cancel(run, args.grace, drain)
     run.update_run_info(cancelled_at=time.time())
-    print(f"job {job_id}: {state.state if state else 'gone'}{drain.summary(args.grace)}")
+    print(done.line + drain.summary(args.grace))
     if args.remove:
-        if state is None or state.finished:
+        if done.stopped:
             _remove(run)
         else:
-            print(f"kept {run.path}: job {job_id} has not stopped yet")
-    return 0
+            print(f"kept {run.path}: it has not stopped yet")
+    return 1 if done.left else 0
 
 
 def _remove(run) -> None:
@@ -479,11 +430,12 @@ def _remove(run) -> None:
 
 
 def smoke(args: argparse.Namespace) -> int:
+    from hpc.launch.backends import of_run
     from hpc.launch.smoke import submit_smoke
     from hpc.checks.smoke import print_verdict
 
     run = find_run(args.run)
-    verdict = submit_smoke(run)
+    verdict = submit_smoke(run, of_run(run))
     print_verdict(verdict)
     return 0 if verdict["passed"] else 1
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from hpc.errors import UserError
+from hpc.launch.backend import Cancelled
+from hpc.launch.slurm import SlurmBackend, check_slurm_reachable, runner_for
 from hpc.rundir import RunDir, read_json
 from hpc.slurm.client import SlurmClient
 from hpc.slurm.runner import Runner
@@ -52,6 +54,13 @@ def current_allocation(nodes_needed: int) -> Allocation:
 
 
 def launch_in_allocation(run: RunDir, allocation: Allocation, wait: bool = True, smoke: bool = True) -> int:
+    backend = AllocationBackend()
+    backend.allocation = allocation
+    return backend.submit(run, wait=wait, smoke=smoke)
+
+
+def _launch_in_allocation(backend: "AllocationBackend", run: RunDir, allocation: Allocation, wait: bool,
+                          smoke: bool) -> int:
     from hpc.launch.follow import follow_up
 
     t0 = time.monotonic()
@@ -69,7 +78,7 @@ def launch_in_allocation(run: RunDir, allocation: Allocation, wait: bool = True,
         code = script.poll()
         return None if code is None else f"the run's script ended (exit {code}); see {run.logs / 'job.out'}"
 
-    code = follow_up(run, t0, wait=wait, smoke=False, abort=script_ended)
+    code = follow_up(run, t0, backend, wait=wait, smoke=False, abort=script_ended)
     if code != 0 or not wait or not smoke or not run.manifest().recipe.smoke.enabled:
         return code
     return _smoke_verdict(run, script_ended)
@@ -143,3 +152,45 @@ def cancel_in_allocation(run: RunDir, runner: Runner, grace_s: float, drained: C
     except TimeoutError:
         pass
     return run_steps(client, run)
+
+
+class AllocationBackend(SlurmBackend):
+    """An allocation this shell holds (salloc): the run's script runs here with bash, its steps are the
+    allocation's; cancel ends the run's steps and script, never the allocation."""
+
+    name = "allocation"
+
+    def __init__(self, runner: Runner | None = None) -> None:
+        super().__init__(runner)
+        self.allocation: Allocation | None = None
+
+    def check(self, r) -> None:
+        if r.cluster.is_local:
+            raise UserError("--in-allocation runs in a Slurm allocation; this cluster profile has no Slurm",
+                            file=r.cluster_file, field="scheduler", hint="use a Slurm cluster profile")
+        if r.recipe.placement == "hetjob":
+            raise UserError("--in-allocation runs in one allocation; placement: hetjob asks Slurm for a "
+                            "heterogeneous job of its own", file=r.recipe_file, field="placement",
+                            hint="--set placement=spread, or launch without --in-allocation")
+        self.allocation = current_allocation(r.plan.job_nodes)
+        check_slurm_reachable(r)
+
+    def submit(self, run: RunDir, *, wait: bool, smoke: bool) -> int:
+        assert self.allocation is not None, "check() finds the allocation first"
+        return _launch_in_allocation(self, run, self.allocation, wait, smoke)
+
+    def _state(self, run: RunDir, job_state: str) -> str:
+        # the allocation's state is not the run's: its script's is
+        return f"{'RUNNING' if script_alive(run) else 'ENDED'} in allocation {run.job_id()} ({job_state})"
+
+    def cancel(self, run: RunDir, grace_s: float, drained: Callable[[], bool]) -> Cancelled:
+        job_id = run.job_id()
+        left = cancel_in_allocation(run, self.runner or runner_for(run), grace_s, drained)
+        return Cancelled(line=f"run {run.path.name}: " + (f"steps still running in allocation {job_id}: "
+                                                            f"{', '.join(left)}" if left
+                                                            else f"its steps ended; allocation {job_id} goes on"),
+                         left=left, stopped=not left)
+
+    def serves_until(self, run: RunDir) -> str | None:
+        return f"until hpc cancel, or the end of allocation {run.run_info().get('job_id')}"
+

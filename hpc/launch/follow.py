@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from hpc.manifest import Manifest
 from hpc.rundir import RunDir, read_json
+
+if TYPE_CHECKING:
+    from hpc.launch.backend import Backend
 
 
 def preflight_failure(run: RunDir) -> str | None:
@@ -44,10 +47,9 @@ def timed_out(m: Manifest, state: str) -> str | None:
     return f"the job reached its time limit {m.time_limit}{drained}. For longer serving, set time_limit in the recipe{most}"
 
 
-def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: None,
-              end_if_failed: Callable[[RunDir], bool] = lambda run: False) -> int:
-    """Shared by local and Slurm launches: readiness, smoke, and what to do next. `end_if_failed`: the backend's
-    way to end a run that did not get ready because a component failed (a Slurm job ends by its script)."""
+def follow_up(run: RunDir, t0: float, backend: "Backend", wait: bool, smoke: bool,
+              abort: Callable[[], str | None] = lambda: None) -> int:
+    """Every backend's launch after the start: readiness, smoke, and what to do next."""
     from hpc.checks.ready import NotReady, wait_ready
 
     m = run.manifest()
@@ -57,7 +59,7 @@ def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: Non
         if smoke and m.recipe.smoke.enabled:
             from hpc.launch.smoke import start_smoke
 
-            smoke_job = start_smoke(run, wait_ready_s=m.recipe.runtime.readiness_timeout_s)
+            smoke_job = start_smoke(run, backend, wait_ready_s=m.recipe.runtime.readiness_timeout_s)
         print("waiting for readiness:")
         try:
             wait_ready(m, progress=lambda s: print(s, flush=True), abort=abort)
@@ -69,13 +71,13 @@ def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: Non
                   file=sys.stderr)
             raise
         except NotReady as exc:
-            if smoke_job is not None and not m.cluster.is_local:  # a local one ends itself (readiness gave up):
-                smoke_job.cancel(check=False)  # its controller, cancelled, prints a KeyboardInterrupt traceback
+            if smoke_job is not None and not backend.smoke_ends_itself:
+                smoke_job.cancel(check=False)
             print(f"not ready: {exc}", file=sys.stderr)
             reason = preflight_failure(run)
             if reason:
                 print(f"preflight failed: {reason}", file=sys.stderr)
-            if end_if_failed(run):
+            if backend.end_if_failed(run):
                 print(f"inspect: hpc logs {ref}   (the run's other processes were stopped: a failed component "
                       "ends the run, as it ends a Slurm job)", file=sys.stderr)
                 return 1
@@ -101,12 +103,9 @@ def follow_up(run: RunDir, t0: float, wait: bool, smoke: bool, abort=lambda: Non
         print(f"try:      curl {url}/v1/chat/completions -H 'content-type: application/json' "
               f"-d '{{\"model\": \"{m.recipe.model.served_name}\", \"messages\": [{{\"role\": \"user\", "
               f"\"content\": \"Hello\"}}], \"max_tokens\": 16}}'")
-    if run.run_info().get("in_allocation"):
-        print(f"serves:   until hpc cancel, or the end of allocation {run.run_info().get('job_id')}")
-    elif not m.cluster.is_local:
-        drain = (f"; its workers drain from {m.recipe.drain_before_end_s} s before (drain_before_end_s)"
-                 if m.recipe.drain_before_end_s else "")
-        print(f"serves:   until the time limit {m.time_limit}{drain}")
+    until = backend.serves_until(run)
+    if until:
+        print(f"serves:   {until}")
     ref = run.run_info().get("job_id", ref)  # a job its preflight resubmitted is the one serving
     print(f"next:     hpc status {ref}   hpc logs {ref} --component frontend   hpc cancel {ref}")
     return 0

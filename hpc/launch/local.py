@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from hpc.errors import UserError
+from hpc.launch.backend import Cancelled
 from hpc.manifest import Manifest
 from hpc.plan.placement import WorkerPlan, device_for
 from hpc.render.sbatch import service_argv, worker_argv
@@ -189,6 +190,10 @@ def gpu_sharing(workers: list, gpus: int) -> str | None:
 
 
 def launch_local(run: RunDir, wait: bool = True, smoke: bool = True) -> int:
+    return LocalBackend().submit(run, wait=wait, smoke=smoke)
+
+
+def _launch_local(backend: "LocalBackend", run: RunDir, wait: bool, smoke: bool) -> int:
     m = run.manifest()
     if m.recipe.backend.value != "mock":
         note = gpu_sharing(m.plan.workers, visible_gpus())
@@ -200,7 +205,7 @@ def launch_local(run: RunDir, wait: bool = True, smoke: bool = True) -> int:
     print(f"started {m.recipe.name} locally: {run.path.name}")
     from hpc.launch.follow import follow_up
 
-    return follow_up(run, t0, wait=wait, smoke=smoke, abort=lambda: first_exited(pids), end_if_failed=end_if_failed)
+    return follow_up(run, t0, backend, wait=wait, smoke=smoke, abort=lambda: first_exited(pids))
 
 
 def end_if_failed(run: RunDir) -> bool:
@@ -222,3 +227,80 @@ def first_exited(pids: dict[str, list[int]]) -> str | None:
         if not all(alive(pid) for pid in group):
             return f"{name} exited"
     return None
+
+
+class LocalBackend:
+    """The local profile: every component a process group on this machine, pids in RUN/local.json."""
+
+    name = "local"
+    smoke_ends_itself = True
+
+    def check(self, r) -> None:
+        check_local_gpu(r)
+        check_local_model(r)
+        port = r.recipe.frontend.port
+        if not port_free(port):
+            raise UserError(f"port {port} is already in use on this machine", field="frontend.port",
+                            hint=f"pick another: --set frontend.port={port + 1}")
+
+    def submit(self, run: RunDir, *, wait: bool, smoke: bool) -> int:
+        return _launch_local(self, run, wait, smoke)
+
+    def status(self, run: RunDir) -> dict:
+        info = run.run_info()
+        pids = local_pids(run)
+        up = sum(1 for ps in pids.values() for p in ps if alive(p))
+        total = sum(len(ps) for ps in pids.values())
+        state = "RUNNING" if up == total and total else ("DEGRADED" if up else "STOPPED")
+        # a stopped run's clock stops when it was cancelled (or, killed some other way, is not known)
+        end = info.get("cancelled_at") if state == "STOPPED" else time.time()
+        elapsed = f"{end - info.get('submitted_at', end):.0f}s" if end else "-"
+        return {"state": state, "processes": f"{up}/{total}", "elapsed": elapsed,
+                "nodes": socket.gethostname()}  # as the components' NODE column names it
+
+    def cancel(self, run: RunDir, grace_s: float, drained: Callable[[], bool]) -> Cancelled:
+        left = [str(pid) for pid in stop_local(run, grace_s, drained)]
+        return Cancelled(line=f"stopped {run.path.name}" + (f"; still alive: {left}" if left else ""), left=left,
+                         stopped=not left)
+
+    def end_if_failed(self, run: RunDir) -> bool:
+        return end_if_failed(run)
+
+    def executor(self, run: RunDir, what: str, minutes: int):
+        import submitit
+
+        executor = submitit.LocalExecutor(folder=run.path / what)
+        executor.update_parameters(timeout_min=minutes)
+        return executor
+
+    def serves_until(self, run: RunDir) -> str | None:
+        return None
+
+
+def check_local_model(r) -> None:
+    """The model's directories, as the job's preflight checks them on a cluster's nodes: this machine is the node,
+    so a path that is not there, or a directory without config.json or tokenizer.json, is one line before any
+    server starts (not a frontend's traceback after etcd and NATS came up)."""
+    import datetime as dt
+
+    from hpc.checks.preflight import model_problem
+    from hpc.model.generated import build_place_problem
+
+    manifest = r.manifest(Path("/nonexistent/check"), "check", dt.datetime.now())
+    problem = model_problem(json.loads(manifest.model_dump_json()))
+    if r.recipe.model.generate and not problem:
+        problem = build_place_problem(r.recipe.model.path)
+    if problem:
+        raise UserError(problem, file=r.recipe_file)
+
+
+def check_local_gpu(r) -> None:
+    """A recipe whose generated model needs a GPU, launched on a machine without one: one line now, instead of
+    workers building the weights on the CPU until they run out of memory or time."""
+    from hpc.spec.recipe import GPU_ONLY_MODELS
+
+    needs = GPU_ONLY_MODELS.get(r.recipe.model.generate or "")
+    if needs and r.recipe.backend.value != "mock" and visible_gpus() == 0:
+        raise UserError(f"{r.recipe.model.generate} needs a GPU ({needs}) and this machine shows none",
+                        file=r.recipe_file, field="model.generate",
+                        hint="launch it on a GPU machine or a Slurm cluster, or try tiny-agg / tiny-disagg here")

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
+from typing import Any, Callable
 
+from hpc.errors import UserError
+from hpc.launch.backend import Cancelled
 from hpc.rundir import RunDir, bad_nodes_text, read_json
 from hpc.slurm.client import SlurmClient, SubmitError
 from hpc.slurm.runner import LocalRunner, Runner
@@ -22,8 +26,13 @@ def runner_for_conf(slurm_conf: str | None) -> Runner:
 
 
 def launch_slurm(run: RunDir, wait: bool = True, smoke: bool = True, runner: Runner | None = None) -> int:
+    return SlurmBackend(runner).submit(run, wait=wait, smoke=smoke)
+
+
+def _launch_slurm(backend: "SlurmBackend", run: RunDir, wait: bool, smoke: bool) -> int:
     from hpc.launch.follow import follow_up
-    client = SlurmClient(runner or runner_for(run))
+
+    client = backend.client(run)
     # hpc launch runs the smoke checks through submitit; the script's own smoke stage then stands aside.
     run.update_run_info(smoke_via="none" if not smoke else "submitit" if wait else "job")
     t0 = time.monotonic()
@@ -56,7 +65,7 @@ def launch_slurm(run: RunDir, wait: bool = True, smoke: bool = True, runner: Run
         job_id = following  # its preflight left bad nodes out and resubmitted it: readiness is that job's now
         return None
 
-    return follow_up(run, t0, wait=wait, smoke=smoke, abort=job_ended)
+    return follow_up(run, t0, backend, wait=wait, smoke=smoke, abort=job_ended)
 
 
 def resubmission(run: RunDir, job_id: str) -> str | None:
@@ -120,3 +129,90 @@ def _wait_running(client: SlurmClient, job_id: str, run: RunDir) -> int | None:
     print(f"job {job_id} ended {start.status.state} before it was ready" +
           ("" if unseen else f"; see: hpc logs {job_id}"), file=sys.stderr)
     return 1
+
+
+class SlurmBackend:
+    """A Slurm job of its own: sbatch of the run's script; Slurm's commands as this machine runs them."""
+
+    name = "slurm"
+    smoke_ends_itself = False
+
+    def __init__(self, runner: Runner | None = None) -> None:
+        self.runner = runner
+
+    def client(self, run: RunDir) -> SlurmClient:
+        return SlurmClient(self.runner or runner_for(run))
+
+    def check(self, r) -> None:
+        check_slurm_reachable(r)
+
+    def submit(self, run: RunDir, *, wait: bool, smoke: bool) -> int:
+        return _launch_slurm(self, run, wait, smoke)
+
+    def status(self, run: RunDir) -> dict[str, Any]:
+        from hpc.launch.follow import timed_out, unseen_run_dir
+
+        st = self.client(run).status(run.job_id())
+        if st is None:
+            return {"state": "UNKNOWN"}
+        failing = [f"{s.step_id}:{s.name} exit {s.exit_code}" for s in st.steps
+                   if s.state in ("FAILED", "NODE_FAIL", "OUT_OF_MEMORY") or s.exit_code]
+        return {"state": self._state(run, st.state), "elapsed": st.elapsed, "time_left": st.time_left,
+                "nodes": st.nodes, "reason": st.reason, "expected_start": st.expected_start,
+                "exit_code": st.exit_code, "failed_steps": failing,
+                "why": unseen_run_dir(run, st.state) or timed_out(run.manifest(), st.state),
+                "steps": [{"id": s.step_id, "name": s.name, "state": s.state, "exit_code": s.exit_code}
+                          for s in st.steps]}
+
+    def _state(self, run: RunDir, job_state: str) -> str:
+        return job_state
+
+    def cancel(self, run: RunDir, grace_s: float, drained: Callable[[], bool]) -> Cancelled:
+        job_id = run.job_id()
+        state = self.client(run).cancel(job_id, grace_s=grace_s, drained=drained)
+        return Cancelled(line=f"job {job_id}: {state.state if state else 'gone'}", left=[],
+                         stopped=state is None or state.finished)
+
+    def end_if_failed(self, run: RunDir) -> bool:
+        return False  # a Slurm job ends by its script (wait -n)
+
+    def executor(self, run: RunDir, what: str, minutes: int):
+        import submitit
+
+        from hpc.spec.cluster import time_to_minutes
+
+        m = run.manifest()
+        if m.cluster.slurm_conf:
+            os.environ.setdefault("SLURM_CONF", m.cluster.slurm_conf)  # submitit runs sbatch/sacct itself
+        executor = submitit.AutoExecutor(folder=run.path / what, cluster="slurm")
+        params: dict[str, Any] = {"timeout_min": min(minutes, time_to_minutes(m.cluster.time_limit)),
+                                  "nodes": 1, "tasks_per_node": 1, "slurm_job_name": f"{m.job_name}-{what}"}
+        if m.cluster.partition:
+            params["slurm_partition"] = m.cluster.partition
+        if m.cluster.account:
+            params["slurm_account"] = m.cluster.account
+        executor.update_parameters(**params)
+        return executor
+
+    def serves_until(self, run: RunDir) -> str | None:
+        m = run.manifest()
+        drain = (f"; its workers drain from {m.recipe.drain_before_end_s} s before (drain_before_end_s)"
+                 if m.recipe.drain_before_end_s else "")
+        return f"until the time limit {m.time_limit}{drain}"
+
+
+def check_slurm_reachable(r) -> None:
+    """Before writing anything: can this machine submit to the cluster at all?"""
+    import shutil
+    from pathlib import Path
+
+    if shutil.which("sbatch") is None:
+        raise UserError("sbatch is not on PATH: submit from a Slurm login node", file=r.cluster_file,
+                        hint="or use --dry-run to write the run directory and submit it later")
+    hint = "start it: hpc dev-cluster up" if r.cluster.name == "dev" else "check the cluster profile"
+    if r.cluster.slurm_conf and not Path(r.cluster.slurm_conf).is_file():
+        raise UserError(f"{r.cluster.slurm_conf} does not exist", file=r.cluster_file, field="slurm_conf",
+                        hint=hint)
+    problem = SlurmClient(runner_for_conf(r.cluster.slurm_conf)).ping()
+    if problem:
+        raise UserError(f"the Slurm controller does not answer ({problem})", file=r.cluster_file, hint=hint)

@@ -48,8 +48,8 @@ def test_the_relay_passes_whole_lines_and_leaves_out_submitits_own(tmp_path):
 def test_a_job_that_did_not_finish_is_one_line_with_its_logs(tmp_path, monkeypatch, capsys):
     ended = UncompletedJobError("Job 77 (task: 0) with path x\nhas not produced any output")
     job = FakeJob(tmp_path, [b"c=1\n"], ended)
-    monkeypatch.setattr("hpc.launch.smoke.executor_for", lambda run, what, minutes: SimpleNamespace(
-        submit=lambda fn, args: job))
+    monkeypatch.setattr("hpc.launch.backends.of_run", lambda run: SimpleNamespace(
+        executor=lambda run, what, minutes: SimpleNamespace(submit=lambda fn, args: job)))
     run = SimpleNamespace(path=tmp_path, manifest=lambda: SimpleNamespace(
         cluster=SimpleNamespace(name="eos", time_limit="01:00:00")))
     args = argparse.Namespace(in_job=True, run="77", out=None)

@@ -132,16 +132,16 @@ def test_a_local_launch_of_a_model_directory_that_lacks_its_files_stops_before_a
 
 
 def test_the_gpu_check_asks_only_what_needs_one(monkeypatch):
-    from hpc.cli.commands import _check_local_gpu
+    from hpc.launch.local import check_local_gpu
     from hpc.errors import UserError
     from hpc.resolve import resolve
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with pytest.raises(UserError, match="llama-8b-shape needs a GPU"):
-        _check_local_gpu(resolve("local", "llama8b-disagg"))
-    _check_local_gpu(resolve("local", "tiny-disagg"))  # the tiny model runs on the CPU
+        check_local_gpu(resolve("local", "llama8b-disagg"))
+    check_local_gpu(resolve("local", "tiny-disagg"))  # the tiny model runs on the CPU
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    _check_local_gpu(resolve("local", "llama8b-disagg"))
+    check_local_gpu(resolve("local", "llama8b-disagg"))
 
 
 def test_status_gives_readiness_as_the_steps_in_the_order_they_came():

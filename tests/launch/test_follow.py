@@ -8,6 +8,7 @@ import pytest
 
 from hpc import rundir
 from hpc.launch.follow import follow_up
+from hpc.launch.local import LocalBackend
 from hpc.render.sbatch import render_sbatch
 from hpc.resolve import resolve
 
@@ -25,14 +26,14 @@ def test_ctrl_c_while_waiting_names_the_run_cancels_the_smoke_and_leaves_the_run
     run = rundir.create(resolve("local", "tiny-agg"), render_sbatch, root=tmp_path)
     run.update_run_info(submitted=True, scheduler="local", job_id=run.path.name)
     smoke = _Smoke()
-    monkeypatch.setattr("hpc.launch.smoke.start_smoke", lambda run, wait_ready_s: smoke)
+    monkeypatch.setattr("hpc.launch.smoke.start_smoke", lambda run, backend, wait_ready_s: smoke)
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr("hpc.checks.ready.wait_ready", interrupted)
     with pytest.raises(KeyboardInterrupt):  # main() turns it into exit 130
-        follow_up(run, time.monotonic(), wait=True, smoke=True)
+        follow_up(run, time.monotonic(), LocalBackend(), wait=True, smoke=True)
     err = capsys.readouterr().err
     assert f"hpc status {run.path.name}" in err and f"hpc cancel {run.path.name}" in err
     assert smoke.cancelled and run.path.is_dir()

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 from hpc.manifest import Manifest
-from hpc.runtime.engine.types import DisaggregationMode
+from hpc.runtime.engine.types import DisaggregationMode, Engine
 from hpc.spec.recipe import Backend
 
 
 def build_engine(manifest: Manifest, role: str, *, self_address: str, tp=None,
-                 fetch_kv: Callable[..., Any] | None = None, device: str | None = None, group: str | None = None):
+                 fetch_kv: Callable[..., Any] | None = None, device: str | None = None,
+                 group: str | None = None) -> Engine:
     """`group`: the worker's pool when its role has pools (WorkerPlan.group), else the role."""
     recipe = manifest.recipe
     mode = DisaggregationMode(role)
@@ -27,6 +29,7 @@ def build_engine(manifest: Manifest, role: str, *, self_address: str, tp=None,
             engine_class = TrtllmVideoEngine
         elif recipe.backend is not Backend.TORCH:
             raise RuntimeError("video diffusion runs on the torch or trtllm backend, not mock")
+        assert recipe.diffusion is not None, "the recipe's validation gives a video recipe its diffusion block"
         return engine_class(recipe.model.path, recipe.diffusion, device=device or "cpu", rank=rank, world=world)
     if recipe.backend is Backend.MOCK:
         from hpc.runtime.engine.mock_engine import MockEngine
@@ -35,7 +38,7 @@ def build_engine(manifest: Manifest, role: str, *, self_address: str, tp=None,
     if recipe.backend is Backend.TORCH:
         from hpc.runtime.engine.torch_engine import TorchEngine
 
-        return TorchEngine(recipe.model.path, mode, args, device=device, tp=tp, fetch_kv=fetch_kv,
+        return TorchEngine(Path(recipe.model.path), mode, args, device=device, tp=tp, fetch_kv=fetch_kv,
                            self_address=self_address, canned_completion=recipe.model.canned_completion,
                            pipeline=spec.pipeline_parallel_size > 1,
                            expert_parallel=spec.expert_parallel_size > 1)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator, Sequence
 
-from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
-                                      GenerateRequest, KvMeta, TokenLogprob)
+from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, EngineBase,
+                                      GenerateOutput, GenerateRequest, KvMeta, TokenLogprob)
 
 
-class MockEngine:
+class MockEngine(EngineBase):
     def __init__(self, mode: DisaggregationMode, prefill_delay_ms: float = 0.0, per_token_delay_ms: float = 0.0,
                  self_address: str = "", vocab_size: int = 4096) -> None:
         self.mode = mode

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import queue
@@ -24,6 +23,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import torch
 
+from hpc.model.info import ModelInfo
 from hpc.engine_args.cuda_graphs import decode_graph_sizes, prefill_graph_tokens
 from hpc.engine_args.scheduling import chunking_policy, tokens_per_block
 from hpc.runtime.engine import fused_decode
@@ -43,8 +43,8 @@ from hpc.runtime.engine.decode_steps import DecodeSteps
 from hpc.runtime.engine.warmup import WarmUp
 from hpc.runtime.engine.overlap import FirstTokens, HostCopies, InflightStep
 from hpc.runtime.engine.sequence import BatchWait, Seq, chunkable
-from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
-                                      GenerateRequest, KvMeta, TokenLogprob)
+from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, EngineBase, EngineTraits,
+                                      GenerateOutput, GenerateRequest, KvMeta, TokenLogprob)
 from hpc.runtime.engine.sampling import pick_in_graph, prepare_pinned_copies
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,9 @@ def decode_steps_a_replay() -> int:
     return int(steps) if steps.isdigit() and int(steps) > 0 else DECODE_STEPS_PER_GRAPH
 
 
-class TorchEngine(ContextSteps, DecodeSteps, WarmUp):
+class TorchEngine(ContextSteps, DecodeSteps, WarmUp, EngineBase):
+    traits = EngineTraits(direct_stream=True, lends_kv=True, pulls_requests=True, kv_events=True)
+
     def __init__(self, model_dir: Path, mode: DisaggregationMode, engine_args: dict[str, Any], *,
                  device: str | None = None, tp: TensorParallel | None = None,
                  fetch_kv: Callable[[DisaggregatedParams], Any] | None = None,
@@ -183,6 +185,18 @@ class TorchEngine(ContextSteps, DecodeSteps, WarmUp):
         with self.on_device():
             self._load()
 
+    def follow(self) -> None:
+        """Ranks > 0: run every forward pass rank 0 broadcasts, until it says stop."""
+        from hpc.runtime.engine.tp import follow
+
+        follow(self)
+
+    def stop_followers(self) -> None:
+        if self.world.size > 1:
+            from hpc.runtime.engine.tp import broadcast_stop
+
+            broadcast_stop(self.world, self.device)
+
     def _load(self) -> None:
         from safetensors.torch import load_file
 
@@ -198,7 +212,7 @@ class TorchEngine(ContextSteps, DecodeSteps, WarmUp):
         if self.ep.size > 1 and not self.cfg.moe:
             raise ValueError(f"expert parallelism {self.ep.size} needs a mixture-of-experts model; "
                              f"{self.model_dir}/config.json has no num_local_experts")
-        seeded = (json.loads((self.model_dir / "config.json").read_text()).get("hpc_random_weights") or {})
+        seeded = ModelInfo.read(self.model_dir).random_weights
         if seeded:  # a model of real shapes whose weights are made here, on the device (hpc model llama-8b-shape)
             with torch.device("meta"):
                 model = LlamaForCausalLM(self.cfg, self.tp, self.pipeline, self.ep)

@@ -39,15 +39,15 @@ import asyncio
 import copy
 import dataclasses
 import io
-import json
 import logging
 import secrets
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Sequence
 
+from hpc.model.info import ModelInfo
 from hpc.runtime.engine.placeholders import encoder_prompt
-from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, GenerateOutput,
-                                      GenerateRequest, KvMeta, SamplingParams, TokenLogprob,
+from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, EngineBase, EngineTraits,
+                                      GenerateOutput, GenerateRequest, KvMeta, SamplingParams, TokenLogprob,
                                       TrtllmContextParams)
 
 log = logging.getLogger(__name__)
@@ -233,7 +233,9 @@ def token_logprobs(new: list[int], cumulative: list[dict], top: int) -> list[Tok
     return out
 
 
-class TrtllmEngine:
+class TrtllmEngine(EngineBase):
+    traits = EngineTraits(own_image_loader=True, kv_events=True)
+
     def __init__(self, model_dir: str, mode: DisaggregationMode, engine_args: dict[str, Any],
                  self_address: str = "", load_image_bytes: Callable[[str], bytes] | None = None) -> None:
         self.model_dir = str(Path(model_dir).expanduser())
@@ -272,8 +274,7 @@ class TrtllmEngine:
         log.info("building %s for %s from %s", cls.__name__, self.mode.value, self.model_dir)
         self._llm = await asyncio.to_thread(lambda: cls(model=self.model_dir, **kwargs))
         if self.mode is DisaggregationMode.ENCODE:  # what encode() sends beside each image
-            config = Path(self.model_dir) / "config.json"
-            self._encoder_prompt = encoder_prompt(json.loads(config.read_text()) if config.is_file() else {})
+            self._encoder_prompt = encoder_prompt(dict(ModelInfo.read(self.model_dir).config))
         else:
             self._drains = [asyncio.create_task(self._drain(self._llm.get_stats_async, self._stat)),
                             asyncio.create_task(self._drain(self._llm.get_kv_cache_events_async, self._kv_event))]

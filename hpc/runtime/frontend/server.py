@@ -7,6 +7,7 @@ import asyncio
 import logging
 from pathlib import Path
 import signal
+from typing import Any
 
 from hpc.engine_args.scheduling import tokens_per_block
 from hpc.manifest import Manifest
@@ -36,26 +37,10 @@ async def serve(manifest: Manifest, bind: str | None = None, group: FrontendGrou
     # A generated model is built by the job (the launcher stays free of torch); the workers race for the same lock.
     # Built apart if this process gets there first: a frontend never holds torch (its tokenizer is all it reads).
     await asyncio.to_thread(ensure_model, manifest.recipe.model.path, manifest.recipe.model.generate, True)
-    model = manifest.recipe.model
-    # the harmony parser reads gpt-oss's message markers, which are special tokens: keep them in the text
-    codec = TextCodec(await asyncio.to_thread(model_dir, manifest), model.chat_template,
-                      keep_special_tokens=bool({model.reasoning_parser, model.tool_call_parser} & set(HARMONY)))
-    spec = manifest.recipe.frontend
-    kv = KvIndex(_block_size(manifest)) if spec.router is RouterPolicy.KV_AWARE else None
-    router = Router(spec.router, token=rpc_token(manifest), kv=kv, overlap_weight=spec.kv_overlap_weight,
-                    temperature=spec.router_temperature)
-    kv_feed = await _follow_kv_events(manifest, kv) if kv is not None else None
-    app = Frontend(manifest, router, codec)
-    app.gc_clock = watch_gc()
-    app.loop_latency = LoopLatency().start()
-    app.idle_spin = IdleSpin(idle_spin_seconds(manifest.recipe.runtime.idle_spin_us))
+    app, router, kv_feed = await _frontend_app(manifest)
     host = bind or node_address(manifest)
     port = manifest.plan.service("frontend").ports["http"]
-    http = manifest.recipe.frontend.http
-    server = HttpServer(app.handle, HttpLimits(
-        max_body_bytes=int(http.max_request_body_mb * 1024 * 1024), header_timeout_s=http.header_timeout_s,
-        body_timeout_s=http.body_timeout_s, keepalive_timeout_s=http.keepalive_timeout_s,
-        max_concurrent=http.max_concurrent_requests), on_activity=app.idle_spin.calls)
+    server = _http_server(manifest, app)
     share: Taker | Dealer | None = None
     if group is None:
         await server.start(host, port)
@@ -109,6 +94,32 @@ async def serve(manifest: Manifest, bind: str | None = None, group: FrontendGrou
     if first:
         reporter.phase("stopped")
     return 0
+
+
+async def _frontend_app(manifest: Manifest) -> tuple[Frontend, Router, Any]:
+    """The OpenAI frontend with its tokenizer and router, and the KV events' feed of a kv_aware router (or None)."""
+    model = manifest.recipe.model
+    # the harmony parser reads gpt-oss's message markers, which are special tokens: keep them in the text
+    codec = TextCodec(await asyncio.to_thread(model_dir, manifest), model.chat_template,
+                      keep_special_tokens=bool({model.reasoning_parser, model.tool_call_parser} & set(HARMONY)))
+    spec = manifest.recipe.frontend
+    kv = KvIndex(_block_size(manifest)) if spec.router is RouterPolicy.KV_AWARE else None
+    router = Router(spec.router, token=rpc_token(manifest), kv=kv, overlap_weight=spec.kv_overlap_weight,
+                    temperature=spec.router_temperature)
+    kv_feed = await _follow_kv_events(manifest, kv) if kv is not None else None
+    app = Frontend(manifest, router, codec)
+    app.gc_clock = watch_gc()
+    app.loop_latency = LoopLatency().start()
+    app.idle_spin = IdleSpin(idle_spin_seconds(manifest.recipe.runtime.idle_spin_us))
+    return app, router, kv_feed
+
+
+def _http_server(manifest: Manifest, app: Frontend) -> HttpServer:
+    http = manifest.recipe.frontend.http
+    return HttpServer(app.handle, HttpLimits(
+        max_body_bytes=int(http.max_request_body_mb * 1024 * 1024), header_timeout_s=http.header_timeout_s,
+        body_timeout_s=http.body_timeout_s, keepalive_timeout_s=http.keepalive_timeout_s,
+        max_concurrent=http.max_concurrent_requests), on_activity=app.idle_spin.calls)
 
 
 # what the frontend reads of a checkpoint (TextCodec): the fast tokenizer, its config and the chat templates

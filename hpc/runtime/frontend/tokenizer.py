@@ -8,6 +8,7 @@ from typing import Any
 
 from jinja2 import meta
 
+from hpc.model.info import ModelInfo
 from hpc.runtime.engine.placeholders import image_placeholder
 from hpc.runtime.frontend.chat_content import chat_template_environment, message_content, resolved_format
 
@@ -33,8 +34,7 @@ class TextCodec:
         # the names the template reads that no one defines inside it: what a request's template kwargs may set
         self.template_variables = frozenset(meta.find_undeclared_variables(env.parse(template))) if template \
             else frozenset()
-        model_config = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").is_file() \
-            else {}
+        model_config = dict(ModelInfo.read(model_dir).config)
         vision = model_config.get("hpc_vision")
         self.image_placeholder = image_placeholder(model_config)  # for templates that print content as text
         self.content_format = resolved_format(template, self.image_placeholder)

@@ -325,7 +325,7 @@ async def serve_engine(manifest: Manifest, role: str, index: int, device: str, r
     try:
         async with engine:
             requests_sock = socket.socket(fileno=requests_fd)
-            if hasattr(engine, "set_intake"):
+            if engine.traits.pulls_requests:
                 core.start_intake(Poller(requests_sock, ToEngine,
                                          idle_spin_seconds(manifest.recipe.runtime.idle_spin_us, role)), loop)
                 requests = None

@@ -26,7 +26,8 @@ from typing import Any, AsyncIterator, Callable
 
 from hpc.runtime.engine.kv_records import publish_each
 from hpc.runtime.engine.outputs import rows_tokens
-from hpc.runtime.engine.types import DisaggregationMode, GenerateOutput, GenerateRequest, KvMeta
+from hpc.runtime.engine.types import (DisaggregationMode, Engine, EngineBase, EngineTraits, GenerateOutput, GenerateRequest,
+                                      KvMeta)
 from hpc.runtime.serve.rpc import RemoteError
 from hpc.runtime.serve.wire import FetchKv
 from hpc.runtime.worker.engine_link import (
@@ -61,15 +62,16 @@ def engine_in_own_process(setting: str, backend: Backend, modality: str, mode: D
     return setting == "own" or on_gpu
 
 
-async def engine_stats(engine: Any) -> dict[str, float]:
+async def engine_stats(engine: Engine) -> dict[str, float]:
     """The engine's figures now (an engine process is asked; one in this process just answers)."""
-    fresh = getattr(engine, "fresh_stats", None)
-    return await fresh() if fresh is not None else engine.stats()
+    return await engine.fresh_stats()
 
 
-class EngineProcess:
+class EngineProcess(EngineBase):
     """Opened with `async with` (the engine process is loaded and warm when it returns); stream(), generate(),
     stats() and failure as TorchEngine has them."""
+
+    traits = EngineTraits(direct_stream=True, kv_events=True)
 
     def __init__(self, manifest_file: str, role: str, index: int, device: str, ready_timeout_s: float) -> None:
         self.mode = DisaggregationMode(role)

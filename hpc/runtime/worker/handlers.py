@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from hpc.runtime.engine.types import DisaggregationMode, EncodedMedia, GenerateRequest
+from hpc.runtime.engine.types import DisaggregationMode, EncodedMedia, Engine, GenerateRequest
 from hpc.runtime.engine.media import MediaError, read_image_bytes, to_pixels
 from hpc.runtime.serve.rpc import OpenAhead, RemoteError, RpcClient, StreamHandler, current_sink
 from hpc.runtime.worker.engine_process import engine_stats
@@ -81,7 +81,7 @@ class Peers:
 class HandlerDeps:
     """Everything a handler needs, in one typed bundle."""
 
-    engine: Any
+    engine: Engine
     mode: DisaggregationMode
     peers: Peers
     allowed_local_media_path: str | None
@@ -120,7 +120,7 @@ class HandlerBase:
             if not isinstance(media, EncodedMedia):
                 raise RemoteError("the encode worker answered without embeddings", 502)
             return replace(request, media=media)
-        if hasattr(self.deps.engine, "load_image"):
+        if self.deps.engine.traits.own_image_loader:
             return request  # the engine takes the image with the prompt (TensorRT-LLM's input processor)
         pixels = await _load_pixels(self.deps, request.image)
         return replace(request, media=await self.deps.engine.encode(pixels))
@@ -128,9 +128,9 @@ class HandlerBase:
     async def generate(self, request: GenerateRequest, payload: bytes) -> AsyncIterator[Frame]:
         request = await self._media(request)
         self.deps.counters["requests_total"] += 1
-        sink, stream = current_sink(), getattr(self.deps.engine, "stream", None)
+        sink, direct = current_sink(), self.deps.engine.traits.direct_stream
         with self._counted() as tally:
-            if sink is not None and stream is not None:  # each output written as it arrives, nothing yielded
+            if sink is not None and direct:  # each output written as it arrives, nothing yielded
                 self.deps.counters["requests_streamed_direct"] = \
                     self.deps.counters.get("requests_streamed_direct", 0) + 1
 
@@ -140,7 +140,7 @@ class HandlerBase:
                     if out.finished:  # the end in the same frame: the caller's stream is over now, not a loop
                         sink.end()  # pass later (a frontend waits for a prefill's end before the decode)
 
-                await stream(request, deliver)
+                await self.deps.engine.stream(request, deliver)
                 return
             async for out in self.deps.engine.generate(request):
                 tally(out)
@@ -179,14 +179,14 @@ class _Tally:
 
 async def _load_pixels(deps: HandlerDeps, image: str):
     """The image in the form the engine encodes: its own loader (TensorRT-LLM), else a pixel tensor."""
-    own_loader = getattr(deps.engine, "load_image", None)
-    if deps.image_size is None and own_loader is None:
+    own_loader = deps.engine.traits.own_image_loader
+    if deps.image_size is None and not own_loader:
         raise RemoteError("this model takes no images", 400)
     try:
         data = await asyncio.to_thread(read_image_bytes, image, allowed_local_path=deps.allowed_local_media_path,
                                        max_file_size_mb=deps.max_file_size_mb, allowed_hosts=deps.media_allowed_hosts)
-        if own_loader is not None:
-            return await asyncio.to_thread(own_loader, data)
+        if own_loader:
+            return await asyncio.to_thread(deps.engine.load_image, data)
         return await asyncio.to_thread(to_pixels, data, deps.image_size)
     except (MediaError, ValueError) as exc:
         raise RemoteError(str(exc), 400) from None
@@ -283,6 +283,6 @@ HANDLERS: dict[DisaggregationMode, type[HandlerBase]] = {
 
 
 def make_handler(deps: HandlerDeps) -> HandlerBase:
-    if hasattr(deps.engine, "generate_video"):  # a video-diffusion worker (modality video_diffusion)
+    if deps.engine.traits.video:  # a video-diffusion worker (modality video_diffusion)
         return VideoHandler(deps)
     return HANDLERS[deps.mode](deps)

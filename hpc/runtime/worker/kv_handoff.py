@@ -288,11 +288,10 @@ class KvHandoff:
         """The KV under `handle` shared over CUDA IPC (KvMeta), to go with the prefill's answer — or None: not on a
         GPU, a transport other than auto chosen, or its copy not complete yet (never waited for here: the decode
         worker then fetches it as before)."""
-        ready = getattr(self.engine, "handoff_ready", None)
-        if self.setting != "auto" or ready is None or not self.device.startswith("cuda"):
+        if self.setting != "auto" or not self.engine.traits.lends_kv or not self.device.startswith("cuda"):
             return None
         try:
-            event = ready(handle)
+            event = self.engine.handoff_ready(handle)
             if event is None or not event.query():
                 return None
             meta, _ = self.engine.take_handoff(handle, ipc=True)
@@ -305,13 +304,12 @@ class KvHandoff:
         return meta
 
     async def answer(self, call: FetchKv) -> tuple[KvMeta, bytes]:
-        lend = getattr(self.engine, "lend_handoff", None)
-        ready = getattr(self.engine, "handoff_ready", None)
+        lends = self.engine.traits.lends_kv
         try:
-            if ready is not None and call.via in ("cuda_ipc", "nixl"):  # the copy that made the KV, finished
-                await completed(ready(call.handle))
-            if call.via == "nixl" and self.nixl is not None and lend is not None:
-                kv = lend(call.handle)
+            if lends and call.via in ("cuda_ipc", "nixl"):  # the copy that made the KV, finished
+                await completed(self.engine.handoff_ready(call.handle))
+            if call.via == "nixl" and self.nixl is not None and lends:
+                kv = self.engine.lend_handoff(call.handle)
                 meta = await asyncio.to_thread(self.nixl.lend, call.handle, kv, call.nixl_agent)
                 self._count("kv_lent_nixl")
                 return meta, b""
@@ -322,9 +320,7 @@ class KvHandoff:
     def release(self, handle: str) -> None:
         if self.nixl is not None:
             self.nixl.withdraw(handle)
-        release = getattr(self.engine, "release_handoff", None)
-        if release is not None:
-            release(handle)
+        self.engine.release_handoff(handle)
 
     async def settle(self) -> None:
         """Wait for the releases still on their way (before the connections close)."""

@@ -12,7 +12,6 @@ import os
 import signal
 import time
 import uuid
-from functools import partial
 from pathlib import Path
 
 from hpc.manifest import Manifest
@@ -21,22 +20,23 @@ from hpc.runtime.engine.tiny import ensure_model
 from hpc.spec.recipe import Backend
 from hpc.runtime.services.discovery import Instance, open_discovery
 from hpc.runtime.engine.factory import build_engine
-from hpc.runtime.engine.types import DisaggregationMode
-from hpc.runtime.serve.http import HttpServer, Request, Response, json_response
-from hpc.runtime.serve.metrics import prometheus
+from hpc.model.info import ModelInfo
+from hpc.runtime.engine.types import DisaggregationMode, Engine
+from hpc.runtime.serve.http import HttpServer
 from hpc.runtime.services.node import (IdleSpin, LoopLatency, Reporter, freeze_startup_objects, idle_spin_seconds,
                                        node_address, publish_endpoint, rpc_token, wait_endpoint, watch_gc)
 from hpc.runtime.serve.rpc import RpcServer
 from hpc.runtime.worker.handlers import HandlerDeps, Peers, make_handler
-from hpc.runtime.worker.engine_process import EngineHandoff, EngineProcess, engine_in_own_process, engine_stats
+from hpc.runtime.worker.engine_process import EngineHandoff, EngineProcess, engine_in_own_process
 from hpc.runtime.worker.kv_handoff import KvHandoff, TransferDeadline, open_nixl
+from hpc.runtime.worker.lifecycle import Opened, WorkerHttp, until_stopped
 
 log = logging.getLogger("hpc.worker")
 
 
 async def serve(manifest: Manifest, role: str, index: int, manifest_file: str, restarting: bool = False) -> int:
     """`restarting`: the role's failure policy starts this worker again if it fails (entry.restarts_left)."""
-    from hpc.runtime.engine.tp import broadcast_stop, follow, init_group, world_rank
+    from hpc.runtime.engine.tp import init_group, world_rank
 
     plan = manifest.plan.worker(role, index)
     name = plan.name
@@ -86,10 +86,11 @@ async def serve(manifest: Manifest, role: str, index: int, manifest_file: str, r
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         await asyncio.to_thread(engine.load)
         reporter.phase("weights_loaded")
-        await asyncio.to_thread(engine.follow if hasattr(engine, "generate_video") else partial(follow, engine))
+        await asyncio.to_thread(engine.follow)
         reporter.phase("stopped")
         return 0
-    handoff.engine = engine  # the prefill side answers from it
+    if isinstance(handoff, KvHandoff):
+        handoff.engine = engine  # the prefill side answers from it
     began = time.monotonic()
     async with engine:
         load_s = time.monotonic() - began  # weights, warm-up, an engine's own ranks: what a restart costs
@@ -100,8 +101,7 @@ async def serve(manifest: Manifest, role: str, index: int, manifest_file: str, r
                                        load_s)
         finally:
             handoff.close()
-        if tp is not None and not hasattr(engine, "generate_video"):  # the video engine stops its ranks itself
-            broadcast_stop(tp, engine.device)
+        engine.stop_followers()
     if code == 0:
         reporter.phase("stopped")
     return code
@@ -128,7 +128,7 @@ def planned_device(plan: WorkerPlan, rank: int, whole_node: bool = False) -> str
     return device
 
 
-async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers: Peers, host: str,
+async def _serve_engine(manifest: Manifest, role: str, index: int, engine: Engine, peers: Peers, host: str,
                         reporter: Reporter, handoff: KvHandoff | EngineHandoff, restarting: bool = False,
                         load_s: float = 0.0) -> int:
     """Serve until stopped or the engine fails; `restarting`: the role's policy starts this worker again if so."""
@@ -143,34 +143,71 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
     apart = isinstance(engine, EngineProcess)
     idle_spin = IdleSpin(idle_spin_seconds(recipe.runtime.idle_spin_us, role if apart else ""),
                          through_calls=apart)
-    events = None
-    if recipe.infra.nats and recipe.runtime.publish_kv_events:
-        from hpc.runtime.services.events import EventPublisher
+    events = await _open_events(manifest, plan.name, engine)
+    deps = _handler_deps(manifest, mode, engine, peers, handoff, _FirstToken(reporter))
+    deps.counters["engine_load_seconds"] = round(load_s, 3)
+    rpc = RpcServer(make_handler(deps).ops(), token=rpc_token(manifest), on_activity=idle_spin.calls)
+    await rpc.start(host, plan.ports["rpc"])
+    http = WorkerHttp(engine, deps.counters, role, index, {"role": role, "index": str(index), "run": manifest.run_id},
+                      inflight=lambda: rpc.inflight, clocks=[gc_clock, loop_latency, idle_spin])
+    web = HttpServer(http)
+    await web.start(host, plan.ports["http"])
+    discovery = open_discovery(manifest)
+    opened = Opened(rpc=rpc, web=web, discovery=discovery, peers=peers, handoff=handoff, events=events)
+    if recipe.roles.encode is not None or mode is DisaggregationMode.DECODE:
+        def keep(snapshot):
+            peers.update(snapshot)  # a request that needs a role not listed yet waits for it (Peers.pick)
+            peers.preconnect(("prefill", "encode"))  # the first handoff or image does not connect
 
-        try:
-            events = await EventPublisher(manifest, plan.name).connect()
-        except Exception as exc:  # the event plane is optional for serving
-            log.warning("NATS unavailable, no events: %s", exc)
-    first_token_seen = False
+        opened.watch_task = asyncio.create_task(discovery.watch(keep))
+    instance = Instance(role=role, index=index, pool=plan.pool or "", instance_id=uuid.uuid4().hex[:12],
+                        host=host, rpc_port=plan.ports["rpc"], http_port=plan.ports["http"], node=os.uname().nodename,
+                        dp_size=attention_dp_ranks(manifest.engine_args[plan.group or role]))
+    http.frozen_objects = freeze_startup_objects()
+    await discovery.register(instance)
+    reporter.phase("registered", address=instance.address, http=f"http://{host}:{plan.ports['http']}")
+    if events is not None:
+        events.start_load_reports(lambda: {**engine.stats(), **deps.counters})
+    return await until_stopped(engine, opened, http, reporter, restarting)
 
-    def on_first_token() -> None:
-        nonlocal first_token_seen
-        if not first_token_seen:
-            first_token_seen = True
-            reporter.phase("first_token")
 
-    if events is not None and hasattr(engine, "on_kv_event"):  # the engines report per-block KV events
+class _FirstToken:
+    """The worker's first token, reported once."""
+
+    def __init__(self, reporter: Reporter) -> None:
+        self.reporter, self.seen = reporter, False
+
+    def __call__(self) -> None:
+        if not self.seen:
+            self.seen = True
+            self.reporter.phase("first_token")
+
+
+async def _open_events(manifest: Manifest, name: str, engine: Engine):
+    """The worker's publisher of KV events and load on NATS, wired to the engine; None without NATS."""
+    recipe = manifest.recipe
+    if not (recipe.infra.nats and recipe.runtime.publish_kv_events):
+        return None
+    from hpc.runtime.services.events import EventPublisher
+
+    try:
+        events = await EventPublisher(manifest, name).connect()
+    except Exception as exc:  # the event plane is optional for serving
+        log.warning("NATS unavailable, no events: %s", exc)
+        return None
+    if engine.traits.kv_events:
         events.kv_event("cleared")  # a (re)started worker holds nothing: routers forget what it held before
         engine.on_kv_event = events.engine_kv_event
-        if hasattr(engine, "on_stats"):
-            engine.on_stats = events.engine_stats
+        engine.on_stats = events.engine_stats
+    return events
 
-    model_dir = Path(recipe.model.path).expanduser()
+
+def _handler_deps(manifest: Manifest, mode: DisaggregationMode, engine: Engine, peers: Peers,
+                  handoff: KvHandoff | EngineHandoff, on_first_token) -> HandlerDeps:
+    recipe = manifest.recipe
     vision = None
-    if recipe.model.multimodal and (model_dir / "config.json").is_file():
-        import json
-
-        vision = (json.loads((model_dir / "config.json").read_text()).get("hpc_vision") or {}).get("image_size")
+    if recipe.model.multimodal:
+        vision = ModelInfo.read(Path(recipe.model.path).expanduser()).image_size
     deps = HandlerDeps(engine=engine, mode=mode, peers=peers,
                        allowed_local_media_path=recipe.runtime.allowed_local_media_path,
                        media_allowed_hosts=list(recipe.runtime.media_allowed_hosts),
@@ -178,100 +215,4 @@ async def _serve_engine(manifest: Manifest, role: str, index: int, engine, peers
                        has_encode_role=recipe.roles.encode is not None and mode is not DisaggregationMode.ENCODE,
                        on_first_token=on_first_token, kv=handoff)
     handoff.counters = deps.counters  # what arrived by which transport shows in /metrics and stats
-    deps.counters["engine_load_seconds"] = round(load_s, 3)
-    handler = make_handler(deps)
-    rpc = RpcServer(handler.ops(), token=rpc_token(manifest), on_activity=idle_spin.calls)
-    await rpc.start(host, plan.ports["rpc"])
-    labels = {"role": role, "index": str(index), "run": manifest.run_id}
-    draining = False
-    frozen_objects = 0  # start-up's objects out of the collector's view, counted once (freeze_startup_objects)
-
-    async def http(req: Request) -> Response:
-        if req.path in ("/health", "/live"):
-            failure = getattr(engine, "failure", None)
-            if failure:
-                return json_response({"status": "failed", "error": failure, "role": role, "index": index}, 503)
-            status = "draining" if draining else "ready"
-            counted = {**engine.stats(), **deps.counters}  # an engine process fetches the KV itself
-            fetched = {key.removeprefix("kv_fetched_"): int(n) for key, n in counted.items()
-                       if key.startswith("kv_fetched_") and n}  # which transport the KV came by, so far
-            return json_response({"status": status, "role": role, "index": index, **({"kv_fetched": fetched}
-                                                                                     if fetched else {})},
-                                 503 if draining else 200)
-        if req.path == "/metrics":
-            stats = {**await engine_stats(engine), **deps.counters, "inflight": rpc.inflight,
-                     "gc_frozen_objects": frozen_objects, **gc_clock.stats("worker_"),
-                     **loop_latency.stats("worker_"), **idle_spin.stats("worker_")}
-            return Response(body=prometheus("hpc_worker", stats, labels), content_type="text/plain; version=0.0.4")
-        return json_response({"error": {"message": "not found", "code": 404}}, 404)
-
-    web = HttpServer(http)
-    await web.start(host, plan.ports["http"])
-    discovery = open_discovery(manifest)
-    if recipe.roles.encode is not None or mode is DisaggregationMode.DECODE:
-        def keep(snapshot):
-            peers.update(snapshot)  # a request that needs a role not listed yet waits for it (Peers.pick)
-            peers.preconnect(("prefill", "encode"))  # the first handoff or image does not connect
-
-        watch_task = asyncio.create_task(discovery.watch(keep))
-    else:
-        watch_task = None
-    instance = Instance(role=role, index=index, pool=plan.pool or "", instance_id=uuid.uuid4().hex[:12],
-                        host=host, rpc_port=plan.ports["rpc"], http_port=plan.ports["http"], node=os.uname().nodename,
-                        dp_size=attention_dp_ranks(manifest.engine_args[plan.group or role]))
-    frozen_objects = freeze_startup_objects()
-    await discovery.register(instance)
-    reporter.phase("registered", address=instance.address, http=f"http://{host}:{plan.ports['http']}")
-    if events is not None:
-        events.start_load_reports(lambda: {**engine.stats(), **deps.counters})
-    stop, drain = asyncio.Event(), asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    # SIGUSR1 (hpc cancel's first tier): leave routing, finish what is in flight, then wait for TERM.
-    loop.add_signal_handler(signal.SIGUSR1, drain.set)
-
-    async def engine_failed() -> None:
-        while not getattr(engine, "failure", None):
-            await asyncio.sleep(0.2)
-
-    failed = asyncio.create_task(engine_failed())
-    await asyncio.wait([asyncio.create_task(stop.wait()), asyncio.create_task(drain.wait()), failed],
-                       return_when=asyncio.FIRST_COMPLETED)
-
-    async def close_all() -> None:
-        if watch_task:
-            watch_task.cancel()
-        await handoff.settle()  # KV releases on their way to prefill workers leave before the connections close
-        await rpc.close()
-        await web.close()
-        await discovery.close()
-        await peers.close()
-        if events is not None:
-            await events.close()
-
-    if failed.done():
-        # A dead engine must not look alive: leave routing, report, and exit non-zero so the role's failure
-        # policy (restart / continue / fail the job) applies.
-        log.error("engine failed: %s", engine.failure)
-        reporter.phase("failed", error=f"engine failed: {engine.failure}", restarting=restarting)
-        await discovery.deregister()
-        await close_all()
-        return 1
-    failed.cancel()
-    draining = True
-    reporter.phase("draining")
-    try:  # no new requests are routed here; what is in flight keeps its connections
-        await discovery.set_draining()
-    except Exception as exc:  # discovery unreachable: leave it, at the cost of the frontends' connections
-        log.warning("could not mark this worker draining (%s): deregistering", exc)
-        await discovery.deregister()
-    # "drained" only once nothing is in flight: hpc cancel's grace period (or the job's end) bounds the wait, and a
-    # stream longer than any fixed limit here must not be reported finished while it still runs
-    while rpc.inflight and not stop.is_set():
-        await asyncio.sleep(0.05)
-    if not stop.is_set():
-        reporter.phase("drained")
-        await stop.wait()
-    await close_all()
-    return 0
+    return deps

@@ -6,6 +6,8 @@ import asyncio
 
 import pytest
 
+from hpc.runtime.engine.types import EngineBase, EngineTraits
+
 pytestmark = pytest.mark.unit
 
 
@@ -125,9 +127,11 @@ def test_closing_the_server_ends_open_connections_by_their_reads_not_by_cancelli
     asyncio.run(main())
 
 
-class _Engine:
+class _Engine(EngineBase):
     """A torch engine's stream() as the worker's handler uses it: each output to `deliver` on the loop; the last
     one finished, and the call returns a while later (its scheduler's bookkeeping), as the real one may."""
+
+    traits = EngineTraits(direct_stream=True)
 
     def __init__(self) -> None:
         self.returned = asyncio.Event()

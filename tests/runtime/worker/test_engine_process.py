@@ -14,6 +14,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
+
+from hpc.runtime.engine.types import EngineBase, EngineTraits
 import torch
 
 from hpc.checks.probe import get_text, metric_values, post_json
@@ -157,8 +159,10 @@ def test_a_decode_engines_completed_copies_are_released_by_its_worker():
     assert calls == [("10.0.0.1:7000", ReleaseKv(handle="h-1")), ("10.0.0.2:7000", ReleaseKv(handle="h-$(x)`y`"))]
 
 
-class _IntakeEngine:
+class _IntakeEngine(EngineBase):
     """What Core's intake uses of a TorchEngine: submit_now records the thread it ran on; a bad prompt refused."""
+
+    traits = EngineTraits(pulls_requests=True)
 
     def __init__(self) -> None:
         self.submitted: list[tuple[int, object, int]] = []

@@ -9,6 +9,8 @@ import sys
 
 import msgspec
 import pytest
+
+from hpc.runtime.engine.types import EngineBase, EngineTraits
 import torch
 
 from hpc.runtime.engine.kv_nixl import nixl_available
@@ -426,8 +428,10 @@ def test_a_decode_worker_connects_to_the_prefill_workers_it_learns_of_before_the
     assert asyncio.run(main()) == (1, True, True)  # the prefill connected ahead; the other decode worker not
 
 
-class _PrefillEngine:
+class _PrefillEngine(EngineBase):
     """The prefill engine's handoff calls as KvHandoff.answer makes them; its KV's copy completes after 3 polls."""
+
+    traits = EngineTraits(lends_kv=True)
 
     def __init__(self) -> None:
         self.copy = _CopyEvent(pending=3)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from hpc.runtime.engine.video.dit import Parallel, load_tiny_video
 from hpc.runtime.engine.video.pipeline import Cancelled, Stats, VideoJob, generate
+from hpc.runtime.engine.types import EngineBase, EngineTraits
 from hpc.runtime.serve.wire import VideoRequest, VideoResult
 from hpc.spec.diffusion import DiffusionSpec
 
@@ -47,7 +48,9 @@ def parallel_groups(rank: int, world: int, spec: DiffusionSpec) -> Parallel:
     return par
 
 
-class VideoEngine:
+class VideoEngine(EngineBase):
+    traits = EngineTraits(video=True)
+
     def __init__(self, model_path: str, spec: DiffusionSpec, device: str = "cpu", rank: int = 0, world: int = 1,
                  dtype: torch.dtype = torch.float32) -> None:
         self.model_path = Path(model_path).expanduser()
