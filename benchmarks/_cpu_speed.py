@@ -15,14 +15,14 @@ import sys
 import threading
 import time
 
-from hpc.runtime.engine.cpu_reference import reference_seconds
+from hpc.runtime.engine.torch.cpu_reference import reference_seconds
 
 MIN_CPUS = 8
 _REPEATS = 20  # reference runs per line: their best, so that an interrupt does not read as a slow machine
 
 
 def reference_us() -> float:
-    """The engine's CPU reference (hpc/runtime/engine/cpu_reference.py), 2,000 rounds, in µs: a step's time over
+    """The engine's CPU reference (hpc/runtime/engine/torch/cpu_reference.py), 2,000 rounds, in µs: a step's time over
     this one compares across machines and across the minutes in which a VM's vCPUs change speed."""
     return reference_seconds(2000) * 1e6
 

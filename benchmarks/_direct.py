@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 import torch
 
-from hpc.runtime.engine.kv import copy_stream
-from hpc.runtime.engine.torch_engine import TorchEngine
+from hpc.runtime.engine.kv.pack import copy_stream
+from hpc.runtime.engine.torch.engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode, GenerateOutput, GenerateRequest
 from hpc.runtime.serve.wire import replace
 

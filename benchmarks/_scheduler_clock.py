@@ -58,7 +58,7 @@ def per_decode_step(clock: dict[str, float]) -> str:
 
 def scheduler_cpu_speed(per_level: dict[int, list[dict[str, dict[str, float]]]]) -> str:
     """Each engine's scheduler thread's CPU at each level of each sweep, from the reference it times on itself
-    (hpc/runtime/engine/cpu_reference.py): the engine's fastest level's mean over this level's, so 100 % is its
+    (hpc/runtime/engine/torch/cpu_reference.py): the engine's fastest level's mean over this level's, so 100 % is its
     fastest and 50 % a CPU half as fast. `per_level`: level -> per sweep -> engine -> a SCHEDULER_CLOCK difference."""
     means: dict[str, dict[int, list[float | None]]] = {}
     for level, sweeps in per_level.items():

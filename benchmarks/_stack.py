@@ -74,6 +74,6 @@ def local_stack(recipe: str, *overrides: str, cluster: str | None = None) -> Ite
             yield run, url
         finally:
             if cluster:
-                main(["cancel", str(run.run_info().get("job_id", run.path.name)), "--grace", "2"])
+                main(["cancel", str((run.run_info().job_id or run.path.name)), "--grace", "2"])
             else:
                 stop_local(run, 5)

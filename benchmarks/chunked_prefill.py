@@ -27,8 +27,8 @@ from e2e_throughput import device_label  # noqa: E402
 
 from hpc.bench.loadgen import percentiles  # noqa: E402
 from hpc.engine_args.precedence import TORCH_ENGINE_DEFAULTS, deep_update  # noqa: E402
-from hpc.runtime.engine.tiny import ensure_model  # noqa: E402
-from hpc.runtime.engine.torch_engine import TorchEngine  # noqa: E402
+from hpc.runtime.engine.builds import ensure_model  # noqa: E402
+from hpc.runtime.engine.torch.engine import TorchEngine  # noqa: E402
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams  # noqa: E402
 
 

@@ -24,9 +24,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from decode_graph_paths import parse_sizes  # noqa: E402
 from e2e_throughput import device_label, direct_engine_args  # noqa: E402
 
-from hpc.runtime.engine.decode_graphs import replay_seconds  # noqa: E402
-from hpc.runtime.engine.tiny import ensure_model  # noqa: E402
-from hpc.runtime.engine.torch_engine import TorchEngine  # noqa: E402
+from hpc.runtime.engine.torch.decode_graphs import replay_seconds  # noqa: E402
+from hpc.runtime.engine.builds import ensure_model  # noqa: E402
+from hpc.runtime.engine.torch.engine import TorchEngine  # noqa: E402
 from hpc.runtime.engine.types import DisaggregationMode  # noqa: E402
 
 NAME_WIDTH = 48

@@ -22,9 +22,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from e2e_throughput import device_label, direct_engine_args  # noqa: E402
 
-from hpc.runtime.engine.fused_decode import MAX_BATCH, PATHS  # noqa: E402
-from hpc.runtime.engine.tiny import ensure_model  # noqa: E402
-from hpc.runtime.engine.torch_engine import TorchEngine  # noqa: E402
+from hpc.runtime.engine.kernels.fused_decode import MAX_BATCH, PATHS  # noqa: E402
+from hpc.runtime.engine.builds import ensure_model  # noqa: E402
+from hpc.runtime.engine.torch.engine import TorchEngine  # noqa: E402
 from hpc.runtime.engine.types import DisaggregationMode  # noqa: E402
 
 

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from hpc.runtime.engine.overlap import HostCopies
+from hpc.runtime.engine.torch.overlap import HostCopies
 
 
 def new_event_each_step(rows: int):

@@ -31,9 +31,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _cpu_speed import reference_us  # noqa: E402
 from hpc.engine_args.cuda_graphs import GraphSizes, generated_sizes  # noqa: E402
-from hpc.runtime.engine.decode_graphs import DecodeGraphs  # noqa: E402
-from hpc.runtime.engine.tiny import ensure_model  # noqa: E402
-from hpc.runtime.engine.torch_engine import TorchEngine  # noqa: E402
+from hpc.runtime.engine.torch.decode_graphs import DecodeGraphs  # noqa: E402
+from hpc.runtime.engine.builds import ensure_model  # noqa: E402
+from hpc.runtime.engine.torch.engine import TorchEngine  # noqa: E402
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams  # noqa: E402
 from hpc.runtime.worker.engine_core import Keyed, LinkEmitter  # noqa: E402
 

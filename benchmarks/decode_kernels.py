@@ -20,7 +20,7 @@ from triton.testing import do_bench  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from hpc.runtime.engine import decode_kernels as dk  # noqa: E402
+from hpc.runtime.engine.kernels import decode_kernels as dk  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, CONTEXT = 2048, 16, 8, 128, 5632, 32000, 512
 

@@ -26,9 +26,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 
 import gpu_check  # noqa: E402
-from hpc.runtime.engine import decode_kernels, fused_decode, peer_reduce  # noqa: E402
-from hpc.runtime.engine.llama import TensorParallel  # noqa: E402
-from hpc.runtime.engine.tp import world_rank  # noqa: E402
+from hpc.runtime.engine.kernels import decode_kernels, fused_decode, peer_reduce  # noqa: E402
+from hpc.runtime.engine.models.llama import TensorParallel  # noqa: E402
+from hpc.runtime.engine.torch.tp import world_rank  # noqa: E402
 
 KNOBS = {"early": (decode_kernels, "GEMV_EARLY_TRIGGER"), "chunk": (decode_kernels, "ATTN_CHUNK"),
          "chunk_batched": (decode_kernels, "ATTN_CHUNK_BATCHED"),

@@ -51,8 +51,8 @@ from _stack import add_set_option, counters, workers  # noqa: E402
 from stack_sweeps import frontend_latency  # noqa: E402
 from hpc.bench.loadgen import REQUESTS_PER_USER, Level, prompt_ids  # noqa: E402
 from hpc.engine_args.precedence import TORCH_ENGINE_DEFAULTS, deep_update  # noqa: E402
-from hpc.runtime.engine.tiny import ensure_model  # noqa: E402
-from hpc.runtime.engine.torch_engine import TorchEngine  # noqa: E402
+from hpc.runtime.engine.builds import ensure_model  # noqa: E402
+from hpc.runtime.engine.torch.engine import TorchEngine  # noqa: E402
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams  # noqa: E402
 
 WARMUP = 2

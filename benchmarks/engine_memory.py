@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from hpc.engine_args.precedence import TORCH_ENGINE_DEFAULTS, deep_update
-from hpc.runtime.engine.tiny import ensure_model
-from hpc.runtime.engine.torch_engine import TorchEngine
+from hpc.runtime.engine.builds import ensure_model
+from hpc.runtime.engine.torch.engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode
 
 GIB = 2**30
@@ -47,7 +47,7 @@ async def held(model: Any, mode: str, engine_args: dict[str, Any]) -> dict[str, 
 
 async def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="llama-8b-shape", help="a generated model kind (hpc.runtime.engine.tiny)")
+    parser.add_argument("--model", default="llama-8b-shape", help="a generated model kind (hpc.runtime.engine.models.tiny)")
     parser.add_argument("--modes", default="prefill,decode,agg")
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--max-batch-size", type=int, default=64)

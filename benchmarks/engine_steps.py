@@ -25,8 +25,8 @@ from client_capacity import engine_line  # noqa: E402
 from e2e_throughput import device_label, direct_engine_args, engine_level, level_request  # noqa: E402
 
 from hpc.bench.loadgen import Level  # noqa: E402
-from hpc.runtime.engine.tiny import ensure_model  # noqa: E402
-from hpc.runtime.engine.torch_engine import TorchEngine  # noqa: E402
+from hpc.runtime.engine.builds import ensure_model  # noqa: E402
+from hpc.runtime.engine.torch.engine import TorchEngine  # noqa: E402
 from hpc.runtime.engine.types import DisaggregationMode  # noqa: E402
 
 

@@ -35,9 +35,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from hpc.runtime.engine.llama import (LlamaConfig, LlamaForCausalLM, TensorParallel, random_state,  # noqa: E402
+from hpc.runtime.engine.models.llama import (LlamaConfig, LlamaForCausalLM, TensorParallel, random_state,  # noqa: E402
                                       shard_state_dict)
-from hpc.runtime.engine.tp import init_group, world_rank  # noqa: E402
+from hpc.runtime.engine.torch.tp import init_group, world_rank  # noqa: E402
 
 SHAPES = {
     "1b": LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
@@ -227,7 +227,7 @@ def run_rank(tp_size: int, out_path: str) -> None:
         bf16.fused_decode = fused
     if os.environ.get("HPC_GPU_CHECK_PROFILE") == "1":
         result["profile_b1"] = profile_step(bf16, device)
-        from hpc.runtime.engine.decode_kernels import tuned_configs
+        from hpc.runtime.engine.kernels.decode_kernels import tuned_configs
 
         result["tuned"] = tuned_configs()
     if os.environ.get("HPC_GPU_CHECK_TORCH_B1") == "1":

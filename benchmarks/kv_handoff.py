@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from hpc.runtime.engine import kv as kvpack  # noqa: E402
-from hpc.runtime.engine.kv_nixl import NixlTransport, nixl_available  # noqa: E402
+from hpc.runtime.engine.kv import pack as kvpack  # noqa: E402
+from hpc.runtime.engine.kv.nixl import NixlTransport, nixl_available  # noqa: E402
 from hpc.runtime.serve.rpc import RpcServer  # noqa: E402
 from hpc.runtime.engine.types import DisaggregationMode, EngineBase, EngineTraits  # noqa: E402
 from hpc.runtime.worker.handlers import HandlerDeps, Peers, make_handler  # noqa: E402

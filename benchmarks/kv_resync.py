@@ -15,7 +15,7 @@ import time
 
 import msgspec
 
-from hpc.runtime.engine.kv_records import KvRecord
+from hpc.runtime.engine.torch.kv_records import KvRecord
 from hpc.runtime.frontend.kv_index import KvIndex
 from hpc.runtime.services.events import KvMirror
 

@@ -41,13 +41,13 @@ def one(cluster: str, recipe: str) -> dict[str, float]:
         load = max(states[w]["phases"]["weights_loaded"] - states[w]["phases"]["process_start"] for w in workers)
         first_start = min(s["phases"]["process_start"] for s in states.values() if "phases" in s)
         smoke = json.loads((run.path / "smoke.json").read_text())
-        return {"submit_to_smoke": smoke["finished"] - info["submitted_at"],
+        return {"submit_to_smoke": smoke["finished"] - info.submitted_at,
                 "smoke_s": sum(c["seconds"] for c in smoke["checks"]), "queue_to_first_step":
-                first_start - info["submitted_at"], "worker_load": load,
-                "overhead": smoke["finished"] - info["submitted_at"] - load, "cli_total": t_done - t0}
+                first_start - info.submitted_at, "worker_load": load,
+                "overhead": smoke["finished"] - info.submitted_at - load, "cli_total": t_done - t0}
     finally:
         with contextlib.redirect_stdout(io.StringIO()):
-            hpc(["cancel", str(run.run_info().get("job_id", run.path.name)), "--grace", "2"])
+            hpc(["cancel", str((run.run_info().job_id or run.path.name)), "--grace", "2"])
 
 
 def main() -> None:

@@ -25,10 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_throughput import device_label, direct_engine_args  # noqa: E402
 
 from hpc.bench.loadgen import prompt_ids  # noqa: E402
-from hpc.runtime.engine.sampling import on_device  # noqa: E402
-from hpc.runtime.engine.sequence import Seq  # noqa: E402
-from hpc.runtime.engine.tiny import ensure_model  # noqa: E402
-from hpc.runtime.engine.torch_engine import TorchEngine  # noqa: E402
+from hpc.runtime.engine.torch.sampling import on_device  # noqa: E402
+from hpc.runtime.engine.torch.sequence import Seq  # noqa: E402
+from hpc.runtime.engine.builds import ensure_model  # noqa: E402
+from hpc.runtime.engine.torch.engine import TorchEngine  # noqa: E402
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams  # noqa: E402
 
 

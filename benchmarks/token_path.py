@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from hpc.runtime.engine.llama import LlamaConfig
-from hpc.runtime.engine.overlap import InflightStep
-from hpc.runtime.engine.picking import TokenPicker
-from hpc.runtime.engine.torch_engine import TorchEngine
+from hpc.runtime.engine.models.llama import LlamaConfig
+from hpc.runtime.engine.torch.overlap import InflightStep
+from hpc.runtime.engine.torch.picking import TokenPicker
+from hpc.runtime.engine.torch.engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode
 from hpc.runtime.serve import rpc
 from hpc.runtime.serve.wire import GenerateRequest, SamplingParams

@@ -12,8 +12,9 @@ import re
 import secrets
 import shutil
 import tempfile
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -125,6 +126,50 @@ def read_json(path: Path) -> Any:
         return None
 
 
+@dataclass(frozen=True)
+class RunInfo:
+    """run.json: what hpc made of a run and did with it (the job's own record is job.json). Written by the
+    launcher only; read once into this record, so a field's name and type are checked where it is written."""
+
+    run_id: str = ""
+    recipe: str = ""
+    cluster: str = ""
+    created: str = ""
+    submitted: bool = False
+    scheduler: Literal["local", "slurm"] | None = None  # the backend that started it (launch/backends.of_run)
+    job_id: str | None = None  # a local run's is its run id
+    submitted_at: float | None = None
+    submit_error: str | None = None  # sbatch refused it
+    cancelled_at: float | None = None
+    smoke_via: Literal["none", "submitit", "job"] | None = None  # who runs its smoke checks
+    smoke_job_id: str | None = None
+    in_allocation: bool = False  # its script runs in an allocation the user holds
+    script_pid: int | None = None  # that script's process (in_allocation)
+    resubmitted_from: str | None = None  # its job's preflight left bad nodes out and resubmitted it
+
+    @classmethod
+    def from_json(cls, data: Any) -> "RunInfo":
+        """A run.json as read; keys this hpc does not know (a newer one wrote it) are left out, and a job id is
+        always a string."""
+        if not isinstance(data, dict):
+            return cls()
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        for key in ("job_id", "smoke_job_id", "resubmitted_from"):
+            if values.get(key) is not None:
+                values[key] = str(values[key])
+        return cls(**values)
+
+    def with_fields(self, **changes: Any) -> "RunInfo":
+        unknown = set(changes) - {f.name for f in fields(self)}
+        if unknown:
+            raise TypeError(f"run.json has no field {', '.join(sorted(unknown))}")
+        return replace(self, **changes)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 class RunDir:
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -142,8 +187,8 @@ class RunDir:
     def manifest(self) -> Manifest:
         return Manifest.load(self.manifest_path)
 
-    def run_info(self) -> dict[str, Any]:
-        return read_json(self.run_info_path) or {}
+    def run_info(self) -> RunInfo:
+        return RunInfo.from_json(read_json(self.run_info_path))
 
     def job(self) -> dict[str, Any]:
         """What the job that last started here recorded of itself: job_id, started_at, submitted_by."""
@@ -155,7 +200,7 @@ class RunDir:
         job, again = self.job(), self.resubmitted()
         if again.get("job_id") and _number(again.get("at")) >= _number(job.get("started_at")):
             return str(again["job_id"])
-        job_id = job.get("job_id") or self.run_info().get("job_id")
+        job_id = job.get("job_id") or self.run_info().job_id
         return None if job_id is None else str(job_id)
 
     def resubmitted(self) -> dict[str, Any]:
@@ -174,12 +219,10 @@ class RunDir:
         return found or {}
 
     def submitted(self) -> bool:
-        return bool(self.run_info().get("submitted") or self.job().get("job_id"))
+        return bool(self.run_info().submitted or self.job().get("job_id"))
 
-    def update_run_info(self, **fields: Any) -> None:
-        info = self.run_info()
-        info.update(fields)
-        write_json(self.run_info_path, info)
+    def update_run_info(self, **changes: Any) -> None:
+        write_json(self.run_info_path, self.run_info().with_fields(**changes).to_json())
 
     def write_scrape_targets(self) -> Path:
         """Prometheus file-SD targets (prometheus-targets.json): the frontend's and each worker's /metrics, one
@@ -339,7 +382,7 @@ def find_run(ref: str | None) -> RunDir:
             raise UserError(f"no runs under {where}", hint="start one with: hpc launch --recipe tiny-disagg")
         return runs[0]
     for run in runs:  # a job id: the one hpc launch submitted, or one that started here later (plain sbatch)
-        ids = (run.run_info().get("job_id"), run.job().get("job_id"))  # a local run has none: "None" matches nothing
+        ids = (run.run_info().job_id, run.job().get("job_id"))  # a local run has none: "None" matches nothing
         if ref == run.path.name or ref in {str(i) for i in ids if i is not None}:
             return run
     raise UserError(f"no run '{ref}' under {where}", hint="hpc status lists recent runs")

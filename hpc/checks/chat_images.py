@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hpc.runtime.engine.placeholders import image_placeholder
+from hpc.model.placeholders import image_placeholder
 from hpc.runtime.frontend.chat_content import resolved_format
 from hpc.runtime.frontend.tokenizer import find_chat_template
 

@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from hpc.rundir import RunDir, write_json
+from hpc.rundir import RunDir, RunInfo, write_json
 
 # what a job writes into its run directory as it runs (logs are rewritten by each step's srun --output)
 LEFT_BY_A_JOB = ("state", "endpoints", "smoke.json", "job.json")
@@ -40,12 +40,12 @@ def start(run: RunDir, job_id: str | None, now: float | None = None) -> Path | N
     return moved_to
 
 
-def _submitted_by(launched: dict, job_id: str | None) -> str:
+def _submitted_by(launched: RunInfo, job_id: str | None) -> str:
     """hpc launch writes run.json's smoke choice before it calls sbatch and the job id once sbatch returned, which
     may be after this job started: a run.json with the choice and no id (nor a failed submission) is launch's."""
-    if launched.get("job_id") is not None:
-        return "hpc launch" if str(launched["job_id"]) == job_id else "sbatch"
-    return "hpc launch" if "smoke_via" in launched and "submit_error" not in launched else "sbatch"
+    if launched.job_id is not None:
+        return "hpc launch" if launched.job_id == job_id else "sbatch"
+    return "hpc launch" if launched.smoke_via is not None and launched.submit_error is None else "sbatch"
 
 
 def _has_content(path: Path) -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hpc.manifest import Manifest
-from hpc.rundir import read_json, write_json
+from hpc.rundir import RunDir, read_json, write_json
 from hpc.waiting import wait_until
 from hpc.checks.probe import get_json, get_text, metric_values, post_json, post_sse
 
@@ -217,11 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("manifest")
     parser.add_argument("--force", action="store_true", help="run even when hpc launch runs them via submitit")
     args = parser.parse_args(argv)
-    info = read_json(Path(args.manifest).parent / "run.json") or {}
-    job = read_json(Path(args.manifest).parent / "job.json") or {}
+    run = RunDir(Path(args.manifest).parent)
+    via = run.run_info().smoke_via
     # hpc launch's choice holds for the job it submitted, not for one submitted again with plain sbatch
-    if info.get("smoke_via") in ("submitit", "none") and job.get("submitted_by") != "sbatch" and not args.force:
-        print(f"hpc: in-job smoke stage skipped (smoke: {info['smoke_via']}, set by hpc launch)", flush=True)
+    if via in ("submitit", "none") and run.job().get("submitted_by") != "sbatch" and not args.force:
+        print(f"hpc: in-job smoke stage skipped (smoke: {via}, set by hpc launch)", flush=True)
         return 0
     verdict = run_smoke(args.manifest)
     print_verdict(verdict, lambda s: print(s, flush=True))

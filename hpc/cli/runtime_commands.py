@@ -51,7 +51,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("model", help="build a random-weight model offline (tiny ones; the 8B shape's weights are "
                                      "made by the engine at load)")
     p.add_argument("kind", choices=["tiny", "tiny-multimodal", "tiny-moe", "tiny-video", "llama-8b-shape"])
-    # the choices are hpc.runtime.engine.tiny.KINDS (not imported here: the CLI stays free of torch)
+    # the choices are hpc.runtime.engine.builds.KINDS (not imported here: the CLI stays free of torch)
     p.add_argument("--out", required=True, type=Path)
     p.set_defaults(func=model)
 
@@ -73,7 +73,7 @@ def _slurm_state(run: RunDir) -> dict[str, Any]:
 
     info = run.run_info()
     if not run.submitted():
-        return {"state": "NOT SUBMITTED" if "submit_error" not in info else "SUBMIT FAILED"}
+        return {"state": "NOT SUBMITTED" if info.submit_error is None else "SUBMIT FAILED"}
     return of_run(run).status(run)
 
 
@@ -273,7 +273,7 @@ def status(args: argparse.Namespace) -> int:
         for run in runs:
             info = run.run_info()
             smoke = read_json(run.path / "smoke.json")
-            rows.append([run.path.name, info.get("cluster", "?"), run.job_id() or "-",
+            rows.append([run.path.name, info.cluster or "?", run.job_id() or "-",
                          states[run.path], "-" if smoke is None else ("pass" if smoke["passed"] else "FAIL")])
         print(table(["RUN", "CLUSTER", "JOB", "STATE", "SMOKE"], rows) if rows else "no runs yet")
         return 0
@@ -441,7 +441,7 @@ def smoke(args: argparse.Namespace) -> int:
 
 
 def model(args: argparse.Namespace) -> int:
-    from hpc.runtime.engine.tiny import build_kind
+    from hpc.runtime.engine.builds import build_kind
 
     t0 = time.monotonic()
     out = build_kind(args.out, args.kind)

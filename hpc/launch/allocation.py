@@ -105,7 +105,7 @@ def _smoke_verdict(run: RunDir, script_ended: Callable[[], str | None]) -> int:
 def script_alive(run: RunDir) -> bool:
     from hpc.launch.local import alive
 
-    pid = run.run_info().get("script_pid")
+    pid = run.run_info().script_pid
     return isinstance(pid, int) and alive(pid)
 
 
@@ -113,7 +113,7 @@ def run_steps(client: SlurmClient, run: RunDir) -> list[str]:
     """The allocation's steps that are this run's: named as its steps are, started once it was launched."""
     m = run.manifest()
     names = {s.name for s in m.plan.services} | {w.name for w in m.plan.workers} | {"preflight", "ready", "smoke"}
-    since = dt.datetime.fromtimestamp(float(run.run_info().get("submitted_at", 0)) - 1)
+    since = dt.datetime.fromtimestamp((run.run_info().submitted_at or 0.0) - 1)
     found = []
     for step_id, name, start in client.steps(str(run.job_id())):
         try:
@@ -136,7 +136,7 @@ def cancel_in_allocation(run: RunDir, runner: Runner, grace_s: float, drained: C
             wait_until(drained, grace_s, "the run's workers draining", Backoff(first_s=0.2, factor=1.0, cap_s=0.2))
         except TimeoutError:
             pass
-    pid = run.run_info().get("script_pid")
+    pid = run.run_info().script_pid
     if isinstance(pid, int) and script_alive(run):
         try:
             os.killpg(pid, signal.SIGTERM)  # the script and its srun clients: nothing new starts
@@ -192,5 +192,5 @@ class AllocationBackend(SlurmBackend):
                          left=left, stopped=not left)
 
     def serves_until(self, run: RunDir) -> str | None:
-        return f"until hpc cancel, or the end of allocation {run.run_info().get('job_id')}"
+        return f"until hpc cancel, or the end of allocation {run.run_info().job_id}"
 

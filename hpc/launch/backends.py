@@ -17,10 +17,10 @@ def for_launch(cluster_is_local: bool, in_allocation: bool) -> Backend:
 
 def of_run(run: RunDir) -> Backend:
     info = run.run_info()
-    if info.get("scheduler") == "local":
+    if info.scheduler == "local":
         return LocalBackend()
-    if info.get("in_allocation"):
+    if info.in_allocation:
         return AllocationBackend()
-    if info.get("scheduler") == "slurm":
+    if info.scheduler == "slurm":
         return SlurmBackend()
     return LocalBackend() if run.manifest().cluster.is_local else SlurmBackend()  # not submitted yet

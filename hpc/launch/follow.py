@@ -53,7 +53,7 @@ def follow_up(run: RunDir, t0: float, backend: "Backend", wait: bool, smoke: boo
     from hpc.checks.ready import NotReady, wait_ready
 
     m = run.manifest()
-    ref = run.run_info().get("job_id", run.path.name)
+    ref = run.run_info().job_id or run.path.name
     if wait:
         smoke_job = None
         if smoke and m.recipe.smoke.enabled:
@@ -106,6 +106,6 @@ def follow_up(run: RunDir, t0: float, backend: "Backend", wait: bool, smoke: boo
     until = backend.serves_until(run)
     if until:
         print(f"serves:   {until}")
-    ref = run.run_info().get("job_id", ref)  # a job its preflight resubmitted is the one serving
+    ref = run.run_info().job_id or ref  # a job its preflight resubmitted is the one serving
     print(f"next:     hpc status {ref}   hpc logs {ref} --component frontend   hpc cancel {ref}")
     return 0

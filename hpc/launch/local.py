@@ -253,8 +253,9 @@ class LocalBackend:
         total = sum(len(ps) for ps in pids.values())
         state = "RUNNING" if up == total and total else ("DEGRADED" if up else "STOPPED")
         # a stopped run's clock stops when it was cancelled (or, killed some other way, is not known)
-        end = info.get("cancelled_at") if state == "STOPPED" else time.time()
-        elapsed = f"{end - info.get('submitted_at', end):.0f}s" if end else "-"
+        end = info.cancelled_at if state == "STOPPED" else time.time()
+        began = info.submitted_at if info.submitted_at is not None else end
+        elapsed = f"{end - began:.0f}s" if end else "-"
         return {"state": state, "processes": f"{up}/{total}", "elapsed": elapsed,
                 "nodes": socket.gethostname()}  # as the components' NODE column names it
 

@@ -49,7 +49,7 @@ def _launch_slurm(backend: "SlurmBackend", run: RunDir, wait: bool, smoke: bool)
         state = _wait_running(client, job_id, run)
         if state is not None:
             return state
-        job_id = str(run.run_info().get("job_id", job_id))  # a resubmission's (resubmission below)
+        job_id = run.run_info().job_id or job_id  # a resubmission's (resubmission below)
     throttle = Throttle(SLURM)
 
     def job_ended() -> str | None:

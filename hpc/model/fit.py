@@ -8,7 +8,7 @@ rules, from its PyTorch backend:
   `num_heads % tp_size == 0` is asserted; KV heads are rounded up per rank (replicated), so they need not divide.
 - tensorrt_llm/_torch/modules/fused_moe/interface.py, MoE._init_load_balancer: without a load balancer
   `num_experts % ep_size == 0` is asserted (with one, its slots are spread instead).
-The torch reference engine (hpc/runtime/engine/llama.py) splits the KV heads as well.
+The torch reference engine (hpc/runtime/engine/models/llama.py) splits the KV heads as well.
 """
 
 from __future__ import annotations

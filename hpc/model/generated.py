@@ -1,6 +1,6 @@
 """The shapes of the models hpc generates (`model.generate`): what their config.json will say, known before they
 are built, so that a layout they cannot take is refused at validate as a real model's is. The builder
-(hpc.runtime.engine.tiny) makes them from these same numbers."""
+(hpc.runtime.engine.models.tiny) makes them from these same numbers."""
 
 from __future__ import annotations
 

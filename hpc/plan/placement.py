@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict
 
 from hpc.errors import UserError
@@ -19,7 +21,7 @@ class _Frozen(BaseModel):
 
 
 class ServicePlan(_Frozen):
-    name: str  # etcd | nats | frontend
+    name: Literal["etcd", "nats", "frontend"]
     node: int
     ports: dict[str, int]
     processes: int = 1  # the frontend's, on one port (its Slurm step gets a CPU for each)

@@ -4,9 +4,67 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace, dataclass, field
+from enum import Enum
 
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
-            "BOOT_FAIL", "DEADLINE", "REVOKED"}
+
+class SlurmState(str, Enum):
+    """A job's or step's state as squeue and sacct spell it (squeue(1), JOB STATE CODES); compares equal to it."""
+
+    BOOT_FAIL = "BOOT_FAIL"
+    CANCELLED = "CANCELLED"
+    COMPLETED = "COMPLETED"
+    COMPLETING = "COMPLETING"
+    CONFIGURING = "CONFIGURING"
+    DEADLINE = "DEADLINE"
+    FAILED = "FAILED"
+    NODE_FAIL = "NODE_FAIL"
+    OUT_OF_MEMORY = "OUT_OF_MEMORY"
+    PENDING = "PENDING"
+    PREEMPTED = "PREEMPTED"
+    REQUEUED = "REQUEUED"
+    REQUEUE_FED = "REQUEUE_FED"
+    REQUEUE_HOLD = "REQUEUE_HOLD"
+    RESIZING = "RESIZING"
+    RESV_DEL_HOLD = "RESV_DEL_HOLD"
+    REVOKED = "REVOKED"
+    RUNNING = "RUNNING"
+    SIGNALING = "SIGNALING"
+    SPECIAL_EXIT = "SPECIAL_EXIT"
+    STAGE_OUT = "STAGE_OUT"
+    STOPPED = "STOPPED"
+    SUSPENDED = "SUSPENDED"
+    TIMEOUT = "TIMEOUT"
+    UNKNOWN = "UNKNOWN"  # a state this table does not list (a newer Slurm's)
+
+    __str__ = str.__str__  # printed and formatted as Slurm prints it
+    __format__ = str.__format__
+
+    @classmethod
+    def of(cls, text: str) -> "SlurmState":
+        """`CANCELLED by 1000` -> CANCELLED; a state not in the table -> UNKNOWN."""
+        word = text.split()[0] if text.split() else ""
+        try:
+            return cls(word)
+        except ValueError:
+            return cls.UNKNOWN
+
+    @property
+    def phase(self) -> str:
+        """queued | running | ended (torchx's SLURM_STATES, coarser): what hpc waits on."""
+        return STATES[self]
+
+
+STATES: dict[SlurmState, str] = {
+    **{s: "queued" for s in (SlurmState.PENDING, SlurmState.CONFIGURING, SlurmState.REQUEUED,
+                             SlurmState.REQUEUE_FED, SlurmState.REQUEUE_HOLD, SlurmState.RESV_DEL_HOLD,
+                             SlurmState.SPECIAL_EXIT, SlurmState.SUSPENDED, SlurmState.STOPPED,
+                             SlurmState.UNKNOWN)},
+    **{s: "running" for s in (SlurmState.RUNNING, SlurmState.COMPLETING, SlurmState.RESIZING,
+                              SlurmState.SIGNALING, SlurmState.STAGE_OUT)},
+    **{s: "ended" for s in (SlurmState.BOOT_FAIL, SlurmState.CANCELLED, SlurmState.COMPLETED, SlurmState.DEADLINE,
+                            SlurmState.FAILED, SlurmState.NODE_FAIL, SlurmState.OUT_OF_MEMORY,
+                            SlurmState.PREEMPTED, SlurmState.REVOKED, SlurmState.TIMEOUT)},
+}
 
 # squeue/sacct format strings the parsers below expect.
 SQUEUE_FORMAT = "%i|%T|%M|%D|%N|%R|%S|%L"  # %S: a pending job's expected start (backfill); %L: time left
@@ -21,7 +79,7 @@ class ParseError(ValueError):
 class StepState:
     step_id: str
     name: str
-    state: str
+    state: SlurmState
     exit_code: int
     signal: int
     nodes: str
@@ -30,7 +88,7 @@ class StepState:
 @dataclass(frozen=True)
 class JobState:
     job_id: str
-    state: str  # PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, ...
+    state: SlurmState
     elapsed: str = ""
     nodes: str = ""
     reason: str = ""
@@ -41,7 +99,7 @@ class JobState:
 
     @property
     def finished(self) -> bool:
-        return self.state in TERMINAL
+        return self.state.phase == "ended"
 
 
 def parse_sbatch(stdout: str) -> str:
@@ -72,7 +130,7 @@ def parse_squeue(stdout: str, job_id: str) -> JobState | None:
         pending = parts[1] == "PENDING"
         start = parts[6].strip() if pending and len(parts) > 6 else ""
         left = parts[7].strip() if not pending and len(parts) > 7 else ""
-        found = JobState(job_id=job_id, state=parts[1].split()[0], elapsed=parts[2], nodes=parts[4],
+        found = JobState(job_id=job_id, state=SlurmState.of(parts[1]), elapsed=parts[2], nodes=parts[4],
                          # squeue says "(None)" while the scheduler has not given a reason yet
                          reason=parts[5].strip("()") if pending and parts[5].strip("()") != "None" else "",
                          expected_start="" if start in ("N/A", "Unknown", "None") else start,
@@ -102,9 +160,10 @@ def parse_sacct(stdout: str, job_id: str) -> JobState | None:
                 job[3] = f"{job[3]},{nodes}"
         elif _is_job(jid.split(".", 1)[0], job_id) and "." in jid:
             ec, sig = _exit(code)
-            steps.append(StepState(step_id=jid[len(job_id):].lstrip("."), name=name, state=state, exit_code=ec,
+            steps.append(StepState(step_id=jid[len(job_id):].lstrip("."), name=name, state=SlurmState.of(state),
+                                   exit_code=ec,
                                    signal=sig, nodes=nodes))
     if job is None:
         return None
     ec, _ = _exit(job[1])
-    return JobState(job_id=job_id, state=job[0], elapsed=job[2], nodes=job[3], exit_code=ec, steps=steps)
+    return JobState(job_id=job_id, state=SlurmState.of(job[0]), elapsed=job[2], nodes=job[3], exit_code=ec, steps=steps)

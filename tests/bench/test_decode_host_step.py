@@ -16,7 +16,7 @@ pytestmark = pytest.mark.unit
 
 
 def test_the_steps_take_the_decode_workers_path_and_send_every_token(model_cache):
-    from hpc.runtime.engine.tiny import ensure_model
+    from hpc.runtime.engine.builds import ensure_model
 
     engine, sent = decode_host_step.engine_with_stand_in_graphs(ensure_model(str(model_cache / "tiny"), "tiny"))
     running = decode_host_step.rows_of(engine, 5)  # a padded size: the graph for 8 rows
@@ -28,7 +28,7 @@ def test_the_steps_take_the_decode_workers_path_and_send_every_token(model_cache
 
 
 def test_with_four_steps_a_replay_each_launch_sends_four_tokens_a_row(model_cache):
-    from hpc.runtime.engine.tiny import ensure_model
+    from hpc.runtime.engine.builds import ensure_model
 
     engine, sent = decode_host_step.engine_with_stand_in_graphs(ensure_model(str(model_cache / "tiny"), "tiny"), 4)
     running = decode_host_step.rows_of(engine, 5)

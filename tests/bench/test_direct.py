@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from _direct import DirectPair, on_device_apart, pair_devices  # noqa: E402
 
-from hpc.runtime.engine.kv import copy_stream  # noqa: E402
+from hpc.runtime.engine.kv.pack import copy_stream  # noqa: E402
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.unit
@@ -23,7 +23,7 @@ ARGS = {"max_seq_len": 128, "max_batch_size": 4, "dtype": "float32"}  # fp32: gr
 
 @pytest.fixture(scope="module")
 def tiny(model_cache) -> str:
-    from hpc.runtime.engine.tiny import ensure_model
+    from hpc.runtime.engine.builds import ensure_model
 
     return str(ensure_model(str(model_cache / "tiny"), "tiny"))
 
@@ -36,7 +36,7 @@ def _request(i: int, max_tokens: int) -> GenerateRequest:
 def test_the_pair_prefills_on_one_engine_and_decodes_on_the_other_as_one_engine_would(tiny):
     import torch
 
-    from hpc.runtime.engine.torch_engine import TorchEngine
+    from hpc.runtime.engine.torch.engine import TorchEngine
 
     async def tokens(engine, requests) -> list[list[int]]:
         async def one(req):

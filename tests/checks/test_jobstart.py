@@ -33,7 +33,7 @@ def test_a_dry_run_submitted_with_plain_sbatch_is_found_by_its_job_id(run, monke
     assert find_run("4242").path == run.path  # hpc status / logs / cancel 4242
     assert "job 4242 serves" in capsys.readouterr().out
     assert not (run.path / "previous").exists()  # a fresh directory: nothing to move
-    assert run.run_info()["submitted"] is False  # run.json stays the launcher's
+    assert run.run_info().submitted is False  # run.json stays the launcher's
 
 
 def test_an_earlier_jobs_states_and_endpoints_move_aside(run):

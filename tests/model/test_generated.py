@@ -18,7 +18,7 @@ def test_a_generated_models_layout_is_checked_at_validate_as_a_real_ones(capsys)
 
 
 def test_the_shapes_are_the_ones_the_builder_writes(tmp_path):
-    from hpc.runtime.engine.tiny import build_kind
+    from hpc.runtime.engine.builds import build_kind
 
     import json
 

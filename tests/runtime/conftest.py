@@ -85,7 +85,7 @@ def stack_fixture(recipe: str, *extra: str, env: dict[str, str] | None = None):
 @pytest.fixture(scope="session")
 def tiny(model_cache) -> str:
     """The tiny random-weight model's directory, built once."""
-    from hpc.runtime.engine.tiny import ensure_model
+    from hpc.runtime.engine.builds import ensure_model
 
     return str(ensure_model(str(model_cache / "tiny"), "tiny"))
 
@@ -93,6 +93,6 @@ def tiny(model_cache) -> str:
 @pytest.fixture(scope="session")
 def tiny_mm(model_cache) -> str:
     """The tiny model with its vision encoder and <|image|> marker, built once."""
-    from hpc.runtime.engine.tiny import ensure_model
+    from hpc.runtime.engine.builds import ensure_model
 
     return str(ensure_model(str(model_cache / "tiny-mm"), "tiny-multimodal"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpc.runtime.engine.llama import Attention, LlamaConfig, TensorParallel, rope_tables
+from hpc.runtime.engine.models.llama import Attention, LlamaConfig, TensorParallel, rope_tables
 
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                          reason="needs a CUDA GPU")])

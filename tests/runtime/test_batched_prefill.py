@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from hpc.runtime.engine.torch_engine import TorchEngine
+from hpc.runtime.engine.torch.engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.unit

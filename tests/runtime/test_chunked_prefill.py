@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from hpc.engine_args.scheduling import ChunkingPolicy
-from hpc.runtime.engine.sequence import context_work
-from hpc.runtime.engine.torch_engine import TorchEngine
+from hpc.runtime.engine.torch.sequence import context_work
+from hpc.runtime.engine.torch.engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.unit

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from hpc.engine_args.cuda_graphs import GraphSizes
-from hpc.runtime.engine.decode_graphs import DecodeGraphs
-from hpc.runtime.engine.llama import LlamaConfig, LlamaForCausalLM, init_weights
+from hpc.runtime.engine.torch.decode_graphs import DecodeGraphs
+from hpc.runtime.engine.models.llama import LlamaConfig, LlamaForCausalLM, init_weights
 from tests.fakes.graphs import RecordedGraph
 
 pytestmark = pytest.mark.unit
@@ -86,7 +86,7 @@ def test_without_padding_a_size_with_no_graph_is_left_to_the_eager_step() -> Non
 
 
 def test_a_graph_that_picks_gives_its_logits_argmax_at_temperature_zero() -> None:
-    from hpc.runtime.engine.sampling import pick_in_graph
+    from hpc.runtime.engine.torch.sampling import pick_in_graph
 
     model = _model()
     cache = model.new_cache(SLOTS + 1, 32, torch.float32, DEVICE)
@@ -115,7 +115,7 @@ def test_a_graph_that_picks_gives_its_logits_argmax_at_temperature_zero() -> Non
 def test_rows_going_on_take_the_last_picks_inside_the_graph_by_their_index() -> None:
     """run_picking's `sources`: a row's token is the pick of its row in the last replay that picked (still on the
     device), or the host's where its source is -1 — the logits of an eager step given those tokens."""
-    from hpc.runtime.engine.sampling import pick_in_graph
+    from hpc.runtime.engine.torch.sampling import pick_in_graph
 
     model = _model()
     gen = torch.Generator().manual_seed(3)
@@ -148,7 +148,7 @@ def test_graphs_that_make_their_own_copies_give_the_same_steps() -> None:
     """copies_in_graph (the engine's default): a graph per size and staging buffer copies its inputs in and its
     picks out itself; the steps equal the eager ones, tokens handed in on the device go in by index, and the host
     copy of the picks holds them."""
-    from hpc.runtime.engine.sampling import pick_in_graph
+    from hpc.runtime.engine.torch.sampling import pick_in_graph
 
     model = _model()
     gen = torch.Generator().manual_seed(4)
@@ -185,7 +185,7 @@ def test_graphs_that_make_their_own_copies_give_the_same_steps() -> None:
 
 
 def test_a_replay_runs_as_many_steps_as_keep_the_largest_batch_s_replay_short() -> None:
-    from hpc.runtime.engine.decode_graphs import SEVERAL_STEPS_BELOW_S, SEVERAL_STEPS_REPLAY_S, steps_for
+    from hpc.runtime.engine.torch.decode_graphs import SEVERAL_STEPS_BELOW_S, SEVERAL_STEPS_REPLAY_S, steps_for
 
     assert SEVERAL_STEPS_REPLAY_S == 2e-3 and SEVERAL_STEPS_BELOW_S == 0.5e-3
     # the tiny model's 128 rows on an H200 (0.143 ms): the most; then fewer as a step grows; one past the gate
@@ -197,8 +197,8 @@ def test_a_replay_of_several_steps_runs_each_from_the_picks_of_the_one_before() 
     """steps=3: a second graph per size and buffer runs three steps, each from the one before's picks at the next
     position; the host copy holds every step's picks, the cache what three eager steps write. Where the largest
     batch's one-step replay is slow (the device bounds the step), only the one-step graphs are captured."""
-    from hpc.runtime.engine import decode_graphs
-    from hpc.runtime.engine.sampling import pick_in_graph
+    from hpc.runtime.engine.torch import decode_graphs
+    from hpc.runtime.engine.torch.sampling import pick_in_graph
 
     model = _model()
     gen = torch.Generator().manual_seed(6)
@@ -247,7 +247,7 @@ def test_each_size_keeps_the_graphs_of_its_faster_path() -> None:
     """Past MAX_BATCH rows a step may take the GEMVs or the batched matmuls (fused_decode.PATHS): each is captured
     and replayed, and the faster one's graphs are kept, for every staging buffer; a size with one path is captured
     once per buffer. The kept graphs step as the eager path does."""
-    from hpc.runtime.engine.sampling import pick_in_graph
+    from hpc.runtime.engine.torch.sampling import pick_in_graph
 
     model = _model()
     fused = model.fused_decode

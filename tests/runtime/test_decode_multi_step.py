@@ -13,8 +13,10 @@ import asyncio
 
 import pytest
 
-from hpc.runtime.engine import decode_graphs, warmup
-from hpc.runtime.engine.torch_engine import TorchEngine
+from hpc.runtime.engine.torch import decode_graphs
+
+from hpc.runtime.engine.torch import warmup
+from hpc.runtime.engine.torch.engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
 from tests.fakes.graphs import RecordedGraph
 from tests.runtime.staggered import staggered as _staggered

@@ -14,9 +14,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("one_step_a_replay")]
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from hpc.runtime.engine import fused_decode  # noqa: E402
-from hpc.runtime.engine.tiny import build_tiny  # noqa: E402
-from hpc.runtime.engine.torch_engine import TorchEngine  # noqa: E402
+from hpc.runtime.engine.kernels import fused_decode  # noqa: E402
+from hpc.runtime.engine.models.tiny import build_tiny  # noqa: E402
+from hpc.runtime.engine.torch.engine import TorchEngine  # noqa: E402
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams  # noqa: E402
 
 PROMPTS = [[5, 17, 300, 41, 9], [7, 7, 1200], [99, 3, 3, 3, 250, 11, 64]]
@@ -163,7 +163,7 @@ def test_sampled_rows_are_drawn_inside_the_decode_graphs_with_fresh_noise_each_s
 
 
 def test_the_scheduler_thread_makes_its_pinned_buffers_before_the_engine_serves(tmp_path) -> None:
-    from hpc.runtime.engine.sampling import _PinnedRing
+    from hpc.runtime.engine.torch.sampling import _PinnedRing
 
     model_dir = build_tiny(tmp_path / "tiny", hidden=256, layers=4)
 
@@ -200,7 +200,7 @@ def test_an_engine_on_the_second_gpu_runs_its_triton_kernels_there(tmp_path) -> 
 def test_random_weights_leave_no_cached_blocks_a_worker_sharing_the_gpu_could_use(tmp_path) -> None:
     """A generated model's weights are drawn in place in bf16: an fp32 draw cast afterwards left its freed block
     pinned by the bf16 half that reused it (8.5 GiB for an 8B shape's worker, session 38)."""
-    from hpc.runtime.engine.tiny import LLAMA_8B_SHAPE, build_shaped
+    from hpc.runtime.engine.models.tiny import LLAMA_8B_SHAPE, build_shaped
 
     shape = {**LLAMA_8B_SHAPE, "num_hidden_layers": 2, "intermediate_size": 4096}  # 128,256 x 4,096 embeddings
     model_dir = build_shaped(tmp_path / "m", shape, seed=1)

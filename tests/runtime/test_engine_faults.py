@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from hpc.runtime.engine.torch_engine import TorchEngine
+from hpc.runtime.engine.torch.engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.unit

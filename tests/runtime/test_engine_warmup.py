@@ -6,15 +6,15 @@ import asyncio
 
 import pytest
 
-from hpc.runtime.engine import fused_decode
-from hpc.runtime.engine.torch_engine import TorchEngine
+from hpc.runtime.engine.kernels import fused_decode
+from hpc.runtime.engine.torch.engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.unit
 
 
 def test_warm_up_covers_prefill_and_every_decode_path_before_the_first_request(tiny, monkeypatch):
-    from hpc.runtime.engine import warmup
+    from hpc.runtime.engine.torch import warmup
 
     steps = []
     sampled = []  # (rows, top_k) of each sampling kernel run: their modules load before the first request

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from hpc.runtime.engine.llama import LlamaConfig, LlamaForCausalLM, init_weights
+from hpc.runtime.engine.models.llama import LlamaConfig, LlamaForCausalLM, init_weights
 
 pytestmark = pytest.mark.unit
 
@@ -47,7 +47,7 @@ def test_decode_steps_match_the_reference(slots: list[int], forced: str | None, 
     """Either path past MAX_BATCH rows (a graph is captured on the faster: DecodeGraphs.capture)."""
     import contextlib
 
-    from hpc.runtime.engine import decode_kernels, fused_decode
+    from hpc.runtime.engine.kernels import decode_kernels, fused_decode
 
     monkeypatch.setattr(decode_kernels, "ATTN_CHUNK", chunk)  # positions 0..13 span up to 4 chunks of 4
     monkeypatch.setattr(decode_kernels, "ATTN_CHUNK_BATCHED", chunk)  # the same past MAX_BATCH rows
@@ -88,7 +88,7 @@ def test_decode_steps_match_the_reference(slots: list[int], forced: str | None, 
 def test_few_rows_attend_in_wide_chunks_and_batches_in_narrow_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     """Up to MAX_BATCH rows (the GEMV path) ATTN_CHUNK positions per program, past it ATTN_CHUNK_BATCHED: wide
     chunks were faster at batch 1 on an H200, narrow ones at batch 64 (benchmarks/decode_knobs.py)."""
-    from hpc.runtime.engine import decode_kernels, fused_decode
+    from hpc.runtime.engine.kernels import decode_kernels, fused_decode
 
     chunks = []
     attention = decode_kernels.decode_attention
@@ -108,7 +108,7 @@ def test_few_rows_attend_in_wide_chunks_and_batches_in_narrow_ones(monkeypatch: 
 
 def test_attention_merges_in_its_own_launch_or_in_a_second_one_alike(monkeypatch: pytest.MonkeyPatch) -> None:
     """With arrival counts the last chunk of each head merges; without (or too few counts), a merge kernel."""
-    from hpc.runtime.engine import decode_kernels
+    from hpc.runtime.engine.kernels import decode_kernels
 
     merges = []
     kernel = decode_kernels._attention_merge_kernel
@@ -142,7 +142,7 @@ def test_prefill_keeps_the_torch_path_and_every_decode_batch_the_triton_attentio
 
 
 def test_gemv_prologues_and_epilogue() -> None:
-    from hpc.runtime.engine.decode_kernels import gemv
+    from hpc.runtime.engine.kernels.decode_kernels import gemv
 
     gen = torch.Generator().manual_seed(1)
     device = _device()
@@ -160,8 +160,8 @@ def test_gemv_prologues_and_epilogue() -> None:
 
 
 def test_a_gemv_is_tuned_for_its_rows_class_and_each_row_count_computes_the_same() -> None:
-    from hpc.runtime.engine import decode_kernels
-    from hpc.runtime.engine.decode_kernels import gemv, row_class
+    from hpc.runtime.engine.kernels import decode_kernels
+    from hpc.runtime.engine.kernels.decode_kernels import gemv, row_class
 
     assert [row_class(r) for r in (1, 2, 16, 17, 64, 65)] == [1, 16, 16, 64, 64, 64]
     gen = torch.Generator().manual_seed(3)
@@ -177,7 +177,7 @@ def test_a_gemv_is_tuned_for_its_rows_class_and_each_row_count_computes_the_same
 def test_a_gemv_over_several_slices_of_k_with_each_prologue() -> None:
     """K = 520 spans several BLOCK_K slices of any config (the interpreter's takes 256), so the loop over K runs;
     20 rows and 70 outputs, not a multiple of any tile."""
-    from hpc.runtime.engine.decode_kernels import gemv
+    from hpc.runtime.engine.kernels.decode_kernels import gemv
 
     gen = torch.Generator().manual_seed(5)
     device = _device()
@@ -196,7 +196,7 @@ def test_a_gemv_over_several_slices_of_k_with_each_prologue() -> None:
 
 
 def test_add_residual_rounds_once() -> None:
-    from hpc.runtime.engine.decode_kernels import add_residual
+    from hpc.runtime.engine.kernels.decode_kernels import add_residual
 
     gen = torch.Generator().manual_seed(2)
     partial = torch.randn(2, 3000, generator=gen).to(_device())

@@ -85,7 +85,7 @@ def test_the_ebnf_grammar_accepts_what_the_automaton_accepts(name):
 
 def test_the_engine_answers_inside_the_guide_and_stops_when_it_is_complete(tiny):
     """The random-weight model, sampled and greedy, still produces a JSON object and a well-formed forced call."""
-    from hpc.runtime.engine.torch_engine import TorchEngine
+    from hpc.runtime.engine.torch.engine import TorchEngine
     from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
 
     call = tool_call_guide(None, "hermes", ["get_weather", "get_time"])

@@ -10,8 +10,8 @@ import msgspec
 import pytest
 import torch
 
-from hpc.runtime.engine import kv as kvpack
-from hpc.runtime.engine.cuda_ipc import OpenAllocations
+from hpc.runtime.engine.kv import pack as kvpack
+from hpc.runtime.engine.kv.cuda_ipc import OpenAllocations
 from hpc.runtime.serve.wire import KvMeta
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 # after each ReleaseKv), then a fourth while the third is still held.
 CHILD = """
 import sys, msgspec, torch
-from hpc.runtime.engine import kv
+from hpc.runtime.engine.kv import pack as kv
 base = (torch.arange(2 * 2 * 8 * 1600 * 128, device="cuda", dtype=torch.float32) % 251).reshape(2, 2, 8, 1600, 128)
 base = base[:, :, :, 1:1537]  # 12.6 MB in bf16: the allocator's large blocks, as a real KV
 for i in range(3):

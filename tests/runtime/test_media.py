@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from hpc.runtime.engine.media import UNREACHABLE, MediaError, address_allowed, read_image_bytes
+from hpc.runtime.worker.media import UNREACHABLE, MediaError, address_allowed, read_image_bytes
 
 pytestmark = pytest.mark.unit
 

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from hpc.runtime.engine.torch_engine import TorchEngine
+from hpc.runtime.engine.torch.engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
 from tests.runtime.staggered import staggered as _staggered
 
@@ -99,7 +99,7 @@ def test_sampling_a_step_does_not_wait_for_the_device():
 
     import torch
 
-    from hpc.runtime.engine.sampling import sample_rows
+    from hpc.runtime.engine.torch.sampling import sample_rows
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(64, 4096, device="cuda")
@@ -125,7 +125,7 @@ def test_small_copies_to_the_device_neither_wait_for_it_nor_reuse_a_buffer_too_s
 
     import torch
 
-    from hpc.runtime.engine.sampling import _PinnedRing, on_device
+    from hpc.runtime.engine.torch.sampling import _PinnedRing, on_device
 
     device = torch.device("cuda")
     on_device([0], device)
@@ -161,7 +161,8 @@ def test_a_completed_event_is_not_waited_for_so_the_gil_is_kept():
     pinned copy's slot and a KV handoff wait only for an event still running."""
     import torch
 
-    from hpc.runtime.engine.overlap import InflightStep, finish
+    from hpc.runtime.engine.host_wait import finish
+    from hpc.runtime.engine.torch.overlap import InflightStep
 
     done, running = _Event(True), _Event(False)
     finish(done)
@@ -216,7 +217,7 @@ def test_a_steps_copy_to_the_host_is_complete_when_its_event_says_so_with_events
 
     import torch
 
-    from hpc.runtime.engine.overlap import HostCopies, InflightStep
+    from hpc.runtime.engine.torch.overlap import HostCopies, InflightStep
 
     copies = HostCopies(8, torch.device("cuda"))
     steps = []

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hpc.runtime.engine.torch_engine import TorchEngine
+from hpc.runtime.engine.torch.engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
 
 ARGS = {"max_seq_len": 128, "max_batch_size": 4, "dtype": "float32"}
@@ -49,7 +49,7 @@ def _held(engine: TorchEngine) -> dict:
 
 
 def _rank(rank: int, port: int, model_dir: str, layout: str, out: str, device_type: str) -> None:
-    from hpc.runtime.engine.tp import broadcast_stop, follow, init_group
+    from hpc.runtime.engine.torch.tp import broadcast_stop, follow, init_group
 
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     world = init_group(rank, 2, f"127.0.0.1:{port}", device)  # NCCL on GPUs, gloo on CPU, as a worker does
@@ -98,7 +98,7 @@ def test_two_nccl_ranks_on_two_gpus_give_the_single_rank_tokens(model_cache, tmp
 
 
 def _check_layout(model_cache, tmp_path, layout: str, device_type: str) -> None:
-    from hpc.runtime.engine.tiny import ensure_model
+    from hpc.runtime.engine.builds import ensure_model
 
     kind = LAYOUTS[layout][0]
     model_dir = str(ensure_model(str(model_cache / kind), kind))

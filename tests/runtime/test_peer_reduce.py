@@ -25,7 +25,7 @@ def test_two_ranks_sum_in_rank_order_and_clear_each_others_words() -> None:
     into rank 0's buffer and its word set in rank 0's pad, as if it had arrived earlier; then rank 0 runs whole
     (pushes, sets its word, takes rank 1's), then rank 1 (finds rank 0's word). Six calls alternate the two
     slots, as attention's and the MLP's all-reduces do, with one row (two programs) or two (three)."""
-    from hpc.runtime.engine.peer_reduce import BLOCK, MAX_PROGRAMS, SLOTS, PeerReduce
+    from hpc.runtime.engine.kernels.peer_reduce import BLOCK, MAX_PROGRAMS, SLOTS, PeerReduce
 
     assert WIDTH % BLOCK, "one row's last program partly masked"
     world = 2
@@ -62,8 +62,8 @@ def test_two_ranks_sum_in_rank_order_and_clear_each_others_words() -> None:
 def _rank(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from hpc.runtime.engine import decode_kernels
-    from hpc.runtime.engine.peer_reduce import PeerReduce
+    from hpc.runtime.engine.kernels import decode_kernels
+    from hpc.runtime.engine.kernels.peer_reduce import PeerReduce
 
     device = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -137,7 +137,7 @@ def _connect_rank(rank: int, port: int, case: str, out: str) -> None:
     import socket as sockets
     import torch.distributed as dist
 
-    from hpc.runtime.engine import peer_reduce
+    from hpc.runtime.engine.kernels import peer_reduce
 
     if case == "turned-off-on-one-rank" and rank == 1:
         os.environ["HPC_PEER_REDUCE"] = "0"

@@ -10,9 +10,9 @@ import threading
 
 import pytest
 
-from hpc.runtime.engine import kv as kvpack
-from hpc.runtime.engine.sequence import Seq
-from hpc.runtime.engine.torch_engine import TorchEngine
+from hpc.runtime.engine.kv import pack as kvpack
+from hpc.runtime.engine.torch.sequence import Seq
+from hpc.runtime.engine.torch.engine import TorchEngine
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, GenerateRequest,
                                       SamplingParams)
 

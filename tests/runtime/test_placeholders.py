@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpc.runtime.engine.placeholders import encoder_prompt, image_placeholder
+from hpc.model.placeholders import encoder_prompt, image_placeholder
 
 pytestmark = pytest.mark.unit
 

@@ -12,10 +12,10 @@ import asyncio
 import pytest
 import torch
 
-from hpc.runtime.engine import warmup
-from hpc.runtime.engine.llama import LlamaConfig, LlamaForCausalLM, init_weights
-from hpc.runtime.engine.prefill_graphs import PrefillGraphs
-from hpc.runtime.engine.torch_engine import TorchEngine
+from hpc.runtime.engine.torch import warmup
+from hpc.runtime.engine.models.llama import LlamaConfig, LlamaForCausalLM, init_weights
+from hpc.runtime.engine.torch.prefill_graphs import PrefillGraphs
+from hpc.runtime.engine.torch.engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
 from tests.fakes.graphs import RecordedGraph
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hpc.runtime.engine.block_hashes import block_hashes, chain_hash
-from hpc.runtime.engine.torch_engine import TorchEngine
+from hpc.runtime.engine.torch.engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -123,8 +123,8 @@ def test_a_prefill_steps_records_leave_together_where_the_listener_takes_several
 
 
 def test_stored_blocks_hold_their_kv_even_from_a_prompt_longer_than_the_pool():
-    from hpc.runtime.engine.llama import KvCache
-    from hpc.runtime.engine.prefix_cache import PrefixCache
+    from hpc.runtime.engine.models.llama import KvCache
+    from hpc.runtime.engine.torch.prefix_cache import PrefixCache
 
     block, layers = 4, 3
     cache = KvCache(torch.randn(layers, 2, 2, 2, 32, 8))  # per layer [2, slots, kv heads, max_len, dim]
@@ -148,9 +148,9 @@ def test_stored_blocks_hold_their_kv_even_from_a_prompt_longer_than_the_pool():
 def test_a_steps_prompts_are_stored_together_as_one_by_one(monkeypatch):
     """store_all of a prefill step's prompts (two sharing a block, max_len not a whole number of blocks) leaves
     the pool, the index and the records as storing them one by one does, in one copy for all of them."""
-    from hpc.runtime.engine import prefix_cache
-    from hpc.runtime.engine.llama import KvCache
-    from hpc.runtime.engine.prefix_cache import PrefixCache
+    from hpc.runtime.engine.torch import prefix_cache
+    from hpc.runtime.engine.models.llama import KvCache
+    from hpc.runtime.engine.torch.prefix_cache import PrefixCache
 
     block = 4
     whole = torch.randn(3, 2, 4, 2, 30, 8)  # [layers, 2, slots, kv heads, max_len 30 (7 blocks and 2), dim]
@@ -187,8 +187,8 @@ def test_graphed_pool_copies_store_what_the_eager_copy_does_their_padding_only_i
     """capture_copies: a store of n blocks replays the graph of the next power of two (the padding copies slot 0's
     first block into the spare row), and one past the largest graph copies eagerly; the pool's blocks are the
     eager copy's either way. On a GPU the engine captures them (test_a_shared_prefix_is_reused...)."""
-    from hpc.runtime.engine.llama import KvCache
-    from hpc.runtime.engine.prefix_cache import PrefixCache
+    from hpc.runtime.engine.models.llama import KvCache
+    from hpc.runtime.engine.torch.prefix_cache import PrefixCache
     from tests.fakes.graphs import RecordedGraph
 
     block = 4

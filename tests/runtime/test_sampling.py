@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from hpc.runtime.engine.torch_engine import TorchEngine
+from hpc.runtime.engine.torch.engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -32,7 +32,7 @@ def test_penalised_greedy_picks_are_reported_with_the_models_logprobs(tiny):
 def test_batched_sampling_keeps_each_rows_temperature_top_k_and_top_p():
     import torch
 
-    from hpc.runtime.engine.sampling import sample_rows
+    from hpc.runtime.engine.torch.sampling import sample_rows
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]] * 4)
@@ -53,7 +53,7 @@ def test_batched_sampling_keeps_each_rows_temperature_top_k_and_top_p():
 def test_picks_in_a_decode_graph_are_greedy_at_zero_and_drawn_at_each_rows_temperature(device):
     import torch
 
-    from hpc.runtime.engine.sampling import graph_temperature, graph_temperatures, pick_in_graph
+    from hpc.runtime.engine.torch.sampling import graph_temperature, graph_temperatures, pick_in_graph
 
     torch.manual_seed(0)  # the graph draws from the default generator
     # on a GPU one argmax covers both kinds of row: a greedy row's over its logits, a hot row's over its race
@@ -81,7 +81,7 @@ def test_picks_in_a_decode_graph_are_greedy_at_zero_and_drawn_at_each_rows_tempe
 def test_a_decode_step_samples_unseeded_rows_in_one_batch(tiny, monkeypatch):
     """At temperature 1 (the OpenAI default) unseeded rows take the batched sampler; the per-row path, with
     its host round trip per row, is only for seeded, penalised or logprob rows."""
-    from hpc.runtime.engine import picking
+    from hpc.runtime.engine.torch import picking
 
     per_row, batched = [], []
     real_sample, real_rows = picking.sample, picking.sample_rows
@@ -110,7 +110,7 @@ def test_rows_of_one_temperature_draw_as_rows_of_their_own_temperatures_do():
     # tempered softmax gives, from the same random stream
     import torch
 
-    from hpc.runtime.engine.sampling import draw, sample_rows
+    from hpc.runtime.engine.torch.sampling import draw, sample_rows
 
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
     for temperatures in ([0.3] * 6, [1.0] * 6, [2.5] * 6, [0.3, 1.0, 2.5, 0.3, 1.0, 2.5]):
@@ -125,7 +125,7 @@ def test_the_cpu_draw_follows_the_distribution_and_never_picks_an_impossible_tok
     draw cost more than the tiny model's decode step there)."""
     import torch
 
-    from hpc.runtime.engine.sampling import draw
+    from hpc.runtime.engine.torch.sampling import draw
 
     gen = torch.Generator().manual_seed(3)
     probs = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3, 0.0]]).repeat(20000, 1)  # masked tokens first, between, last

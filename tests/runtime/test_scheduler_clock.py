@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from hpc.runtime.engine.torch_engine import TorchEngine
+from hpc.runtime.engine.torch.engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
 from hpc.runtime.serve.metrics import prometheus
 
@@ -60,7 +60,7 @@ def test_idle_admit_and_decode_seconds_add_up_to_the_scheduler_time(tiny) -> Non
 
 
 def test_the_cpu_reference_is_timed_on_the_scheduler_thread_while_it_decodes_only(tiny, monkeypatch) -> None:
-    from hpc.runtime.engine.cpu_reference import CpuReference
+    from hpc.runtime.engine.torch.cpu_reference import CpuReference
 
     monkeypatch.setattr(CpuReference, "EVERY_S", 0.0)  # at every chance: what ran is countable
 

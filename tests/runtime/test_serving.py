@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hpc.checks.probe import get_json, get_text, metric_values, post_json, post_sse
-from hpc.runtime.engine.kv_nixl import nixl_available
+from hpc.runtime.engine.kv.nixl import nixl_available
 from tests.runtime.conftest import stack_fixture
 
 pytestmark = pytest.mark.integration

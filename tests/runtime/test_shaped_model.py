@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
-from hpc.runtime.engine.llama import LlamaConfig, random_state
-from hpc.runtime.engine.tiny import LLAMA_8B_SHAPE, build_shaped
-from hpc.runtime.engine.torch_engine import TorchEngine
+from hpc.runtime.engine.models.llama import LlamaConfig, random_state
+from hpc.runtime.engine.models.tiny import LLAMA_8B_SHAPE, build_shaped
+from hpc.runtime.engine.torch.engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
 from hpc.runtime.frontend.tokenizer import TextCodec
 
@@ -66,7 +66,7 @@ def test_the_8b_shape_is_llama_3_1_8b():
 
 def test_the_model_command_offers_every_kind_the_builder_knows():
     from hpc.cli.main import build_parser
-    from hpc.runtime.engine.tiny import KINDS
+    from hpc.runtime.engine.builds import KINDS
 
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     kind = next(a for a in sub.choices["model"]._actions if a.dest == "kind")
@@ -81,7 +81,7 @@ def test_a_frontend_that_builds_the_model_first_does_so_in_a_child_and_never_imp
 
     target = tmp_path / "m o d e l"
     probe = ("import sys\n"
-             "from hpc.runtime.engine.tiny import ensure_model\n"
+             "from hpc.runtime.engine.builds import ensure_model\n"
              f"ensure_model({str(target)!r}, 'tiny', True)\n"
              "print('torch' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
@@ -92,7 +92,7 @@ def test_a_frontend_that_builds_the_model_first_does_so_in_a_child_and_never_imp
 def test_a_kv_cache_a_gpu_has_no_room_for_is_one_line_naming_what_sizes_it(monkeypatch):
     """The torch engine preallocates (max_batch_size + 1) x max_seq_len positions of KV: checked against the GPU's
     free memory first (here a GPU with 1 GiB free, asked for the 8B shape's 64 x 2,048: 16.25 GiB)."""
-    from hpc.runtime.engine.llama import LlamaForCausalLM
+    from hpc.runtime.engine.models.llama import LlamaForCausalLM
 
     cfg = LlamaConfig(**{k: v for k, v in LLAMA_8B_SHAPE.items() if k in LlamaConfig.__dataclass_fields__})
     with torch.device("meta"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hpc.runtime.engine.llama import TensorParallel, shard_state_dict
+from hpc.runtime.engine.models.llama import TensorParallel, shard_state_dict
 
 pytestmark = pytest.mark.unit
 
@@ -59,7 +59,7 @@ def test_one_rank_keeps_the_checkpoint_as_is() -> None:
 ], ids=["none", "open-mpi", "pmix", "mpich", "slurm", "hpc-local"])
 def test_world_rank_from_each_launcher(env: dict[str, str], want: tuple[int, int, int],
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpc.runtime.engine.tp import world_rank
+    from hpc.runtime.engine.torch.tp import world_rank
 
     for name in list(os.environ):
         if name.startswith(("OMPI_", "PMIX_", "PMI_", "MPI_", "SLURM_", "HPC_RANK", "HPC_WORLD", "HPC_LOCAL")):

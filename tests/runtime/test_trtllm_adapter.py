@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from hpc.engine_args.precedence import forced_values, merge_engine_args, prune_for_autodeploy, recipe_defaults
-from hpc.runtime.engine.trtllm_engine import TrtllmEngine, llm_kwargs, trtllm_sampling
+from hpc.runtime.engine.trtllm import TrtllmEngine, llm_kwargs, trtllm_sampling
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
 from hpc.runtime.serve.wire import replace
 from hpc.spec.recipe import Recipe
@@ -372,7 +372,7 @@ def test_disaggregated_params_carry_only_the_fields_the_images_version_has(tiny,
 
 def test_a_disagg_request_id_is_drawn_from_the_global_range(tiny, fake_trtllm):
     """Upstream keeps local ids in [0, 2^40) and global disagg ids in [2^40, 2^63) (llmapi/disagg_utils.py)."""
-    from hpc.runtime.engine.trtllm_engine import MIN_GLOBAL_ID, global_disagg_request_id
+    from hpc.runtime.engine.trtllm import MIN_GLOBAL_ID, global_disagg_request_id
 
     assert all(MIN_GLOBAL_ID <= global_disagg_request_id() < 1 << 63 for _ in range(1000))
 

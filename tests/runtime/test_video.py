@@ -25,7 +25,7 @@ JOB = VideoJob(prompt_ids=[5, 6, 7, 8], negative_ids=[9], height=64, width=64, f
 
 @pytest.fixture(scope="module")
 def video_model(model_cache):
-    from hpc.runtime.engine.tiny import ensure_model
+    from hpc.runtime.engine.builds import ensure_model
 
     return ensure_model(str(model_cache / "tiny-video"), "tiny-video")
 

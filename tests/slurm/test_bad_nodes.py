@@ -87,7 +87,7 @@ def test_on_bad_node_exclude_comes_back_on_the_good_nodes_and_serves(slurm_env, 
     out = capsys.readouterr().out
     (run,) = list_runs()
     info = run.run_info()
-    first, second = info["resubmitted_from"], info["job_id"]
+    first, second = info.resubmitted_from, info.job_id
     assert f"job {first}'s preflight left out node2 (node2: ecc: GPU 0 reports 1 uncorrected ECC errors" in out
     assert "smoke: PASSED" in out or "smoke passed" in out
     client = SlurmClient(slurm_env)

@@ -57,12 +57,12 @@ def test_tiny_disagg_runs_every_component_in_a_container(slurm_env, model_cache,
         preflight = (run.logs / "preflight.log").read_text()
         assert preflight.count(": ok (Python 3.11") == 3  # one per node, before anything started
         # its first task recorded the job hpc launch submitted, inside the container, before the services
-        assert run.job() | {"started_at": 0} == {"job_id": run.run_info()["job_id"], "started_at": 0,
+        assert run.job() | {"started_at": 0} == {"job_id": run.run_info().job_id, "started_at": 0,
                                                  "submitted_by": "hpc launch"}
         assert preflight.count("hpc: job ") == 1
         # the image unpacked at most once per node, by the preflight (the first step; none when an earlier job
         # left the named container: pyxis's container_scope global), every later step reusing it
-        job = run.run_info()["job_id"]
+        job = run.run_info().job_id
         for node in ("node1", "node2", "node3"):
             lines = [ln for ln in (LAB / "log" / f"slurmd-{node}.log").read_text().splitlines() if f"[{job}." in ln]
             created = [ln for ln in lines if "pyxis: creating container filesystem" in ln]

@@ -17,7 +17,7 @@ from hpc.cli.main import main
 from hpc.rundir import RunDir, list_runs, read_json
 from hpc.waiting import wait_until
 from hpc.checks.probe import get_json, get_text, metric_values, post_json, post_sse
-from hpc.runtime.engine.kv_nixl import nixl_available
+from hpc.runtime.engine.kv.nixl import nixl_available
 from tests.slurm.conftest import DEV, dev_cluster_file, frontend_port
 
 pytestmark = pytest.mark.slurm
@@ -83,7 +83,7 @@ def test_tiny_disagg_as_planned_with_smoke_and_clean_cancel(slurm_env, tmp_path)
     run = _launch("-c", "dev", "-r", "tiny-disagg")
     smoke = json.loads((run.path / "smoke.json").read_text())
     assert smoke["passed"], smoke
-    assert run.run_info().get("smoke_job_id")  # it ran as a submitit job
+    assert run.run_info().smoke_job_id  # it ran as a submitit job
     states = run.component_states()
     assert {states[c]["node"] for c in ("etcd", "nats", "frontend")} == {"node1"}
     assert states["prefill-0"]["node"] == "node2" and states["decode-0"]["node"] == "node3"
@@ -320,7 +320,7 @@ def test_a_rank_killed_while_the_job_comes_up_is_restarted_not_the_jobs_failure(
         assert "restarting all its ranks (1 of 2)" in (run.logs / "job.out").read_text()
         assert _complete(_url(run), "hpc/tiny", "after the restart", 8)
     except BaseException:
-        main(["cancel", run.run_info()["job_id"], "--grace", "1"])  # nothing left to hold the next test's ports
+        main(["cancel", run.run_info().job_id, "--grace", "1"])  # nothing left to hold the next test's ports
         raise
     _cancel_and_check_clean(run)
 

@@ -49,7 +49,7 @@ def test_every_step_runs_on_its_planned_node_and_gpus(slurm_env, tmp_path):
     t0 = time.monotonic()
     run = _submit_probe(tmp_path)
     client = SlurmClient(slurm_env)
-    job_id = run.run_info()["job_id"]
+    job_id = run.run_info().job_id
     st, seen = _wait_finished(client, job_id)
     # COMPLETING is Slurm's passing state while steps are torn down; a poll may or may not see it.
     assert st.state == "COMPLETED" and seen[-1] == "COMPLETED" and \
@@ -76,7 +76,7 @@ def test_every_step_runs_on_its_planned_node_and_gpus(slurm_env, tmp_path):
 def test_failed_step_shows_failed_with_step_and_exit_code(slurm_env, tmp_path, capsys):
     run = _submit_probe(tmp_path, fail="decode-0")
     client = SlurmClient(slurm_env)
-    job_id = run.run_info()["job_id"]
+    job_id = run.run_info().job_id
     st, _ = _wait_finished(client, job_id)
     assert st.state == "FAILED"
     (step,) = [s for s in st.steps if s.exit_code == 3 and s.step_id != "batch"]
@@ -94,7 +94,7 @@ def test_submit_failure_prints_slurms_message_and_marks_run(slurm_env, tmp_path,
     assert "invalid partition" in err.lower()
     (run,) = list_runs()
     info = run.run_info()
-    assert info["submitted"] is False and "partition" in info["submit_error"].lower()
+    assert info.submitted is False and "partition" in (info.submit_error or "").lower()
 
 
 def test_mpi4py_over_pmix_spans_two_nodes(slurm_env, tmp_path):

@@ -9,7 +9,7 @@ processor with no place for the image. Two kinds of chat template (tensorrt_llm/
 - STRING: the template prints `message['content']` as text, or the model registered this form whatever its
   template (utils.py, _resolve_content_format); the placeholder the model registered goes where the image was,
   joined to the text by the model's separator (utils.py, interleave_mm_placeholders; the placeholders in
-  hpc/runtime/engine/placeholders.py).
+  hpc/model/placeholders.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import jinja2
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from hpc.runtime.engine.placeholders import ImagePlaceholder
+from hpc.model.placeholders import ImagePlaceholder
 
 ContentFormat = Literal["openai", "string"]
 

@@ -1,6 +1,6 @@
 """Which worker holds which prompt prefixes, built from the workers' KV events (the cache-aware router's view).
 
-Workers publish TensorRT-LLM-shaped records (see hpc.runtime.engine.prefix_cache): per-block "stored" with the
+Workers publish TensorRT-LLM-shaped records (see hpc.runtime.engine.torch.prefix_cache): per-block "stored" with the
 block's tokens and its parent's hash, "removed" with block hashes, and a worker-level "cleared" when it starts.
 The index re-hashes each stored block from its tokens with the chain the engines' prompts are cut by, so the
 engine's own hash values (TensorRT-LLM's are internal) need only map to ours, per worker.

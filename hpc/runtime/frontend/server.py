@@ -19,7 +19,7 @@ from hpc.runtime.frontend.router import SETTLE_S, Router
 from hpc.runtime.frontend.kv_index import KvIndex
 from hpc.runtime.frontend.parsers import HARMONY
 from hpc.runtime.frontend.tokenizer import TextCodec
-from hpc.runtime.engine.tiny import ensure_model
+from hpc.runtime.engine.builds import ensure_model
 from hpc.runtime.serve.http import HttpLimits, HttpServer
 from hpc.runtime.services.node import (IdleSpin, LoopLatency, Reporter, freeze_startup_objects, idle_spin_seconds,
                                        node_address, publish_endpoint, rpc_token, watch_gc)

@@ -9,7 +9,7 @@ from typing import Any
 from jinja2 import meta
 
 from hpc.model.info import ModelInfo
-from hpc.runtime.engine.placeholders import image_placeholder
+from hpc.model.placeholders import image_placeholder
 from hpc.runtime.frontend.chat_content import chat_template_environment, message_content, resolved_format
 
 

@@ -146,7 +146,7 @@ class FetchKv(Message, tag="fetch_kv"):
 
 class CudaIpc(Message):
     """A GPU allocation shared with another process on the node: its CUDA IPC handle (the driver's 64 bytes) and
-    where in it the KV lies (hpc.runtime.engine.cuda_ipc)."""
+    where in it the KV lies (hpc.runtime.engine.kv.cuda_ipc)."""
 
     device: int
     handle: bytes

@@ -296,7 +296,7 @@ async def run(manifest: Manifest, role: str, index: int, device: str, requests_f
 
 async def serve_engine(manifest: Manifest, role: str, index: int, device: str, requests_fd: int,
                        sender: BlockingSender) -> int:
-    from hpc.runtime.engine.factory import build_engine
+    from hpc.runtime.worker.engines import build_engine
     from hpc.runtime.services.node import freeze_startup_objects, idle_spin_seconds, node_address, rpc_token, watch_gc
     from hpc.runtime.worker.handlers import Peers
     from hpc.runtime.worker.kv_handoff import KvHandoff, TransferDeadline, open_nixl

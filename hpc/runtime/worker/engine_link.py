@@ -20,7 +20,7 @@ from typing import Any, Callable, Union
 import msgspec
 from msgspec import Struct
 
-from hpc.runtime.engine.kv_records import KvRecord
+from hpc.runtime.engine.torch.kv_records import KvRecord
 from hpc.runtime.engine.types import GenerateOutput, GenerateRequest, KvMeta
 from hpc.runtime.serve.wire import FetchKv
 

@@ -24,8 +24,8 @@ import sys
 import time
 from typing import Any, AsyncIterator, Callable
 
-from hpc.runtime.engine.kv_records import publish_each
-from hpc.runtime.engine.outputs import rows_tokens
+from hpc.runtime.engine.torch.kv_records import publish_each
+from hpc.runtime.engine.torch.outputs import rows_tokens
 from hpc.runtime.engine.types import (DisaggregationMode, Engine, EngineBase, EngineTraits, GenerateOutput, GenerateRequest,
                                       KvMeta)
 from hpc.runtime.serve.rpc import RemoteError

@@ -121,7 +121,7 @@ def restarts_left(manifest: Manifest, role: str, index: int, attempt: int) -> bo
 
 
 def _rank_suffix(tasks: int) -> str:
-    from hpc.runtime.engine.tp import world_rank
+    from hpc.runtime.engine.torch.tp import world_rank
 
     rank = world_rank()[0] if tasks > 1 else 0
     return f".rank{rank}" if rank else ""

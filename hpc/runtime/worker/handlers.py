@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from hpc.runtime.engine.types import DisaggregationMode, EncodedMedia, Engine, GenerateRequest
-from hpc.runtime.engine.media import MediaError, read_image_bytes, to_pixels
+from hpc.runtime.worker.media import MediaError, read_image_bytes, to_pixels
 from hpc.runtime.serve.rpc import OpenAhead, RemoteError, RpcClient, StreamHandler, current_sink
 from hpc.runtime.worker.engine_process import engine_stats
 from hpc.runtime.serve.wire import (

@@ -54,7 +54,7 @@ def open_nixl(setting: TransportSetting, on_gpu: bool, name: str):
     need = wants_nixl(setting, on_gpu)
     if need is False:
         return None
-    from hpc.runtime.engine.kv_nixl import NixlTransport, NixlUnavailable, nixl_available
+    from hpc.runtime.engine.kv.nixl import NixlTransport, NixlUnavailable, nixl_available
 
     if need is None and not nixl_available():
         log.info("NIXL is not installed: KV between nodes moves as bytes over the RPC connection")
@@ -144,7 +144,7 @@ class KvHandoff:
     # ---- decode: fetch the KV a prefill worker holds ----------------------------------------------------------------
     async def fetch(self, params: Any):
         """The prefill's KV for `params` (DisaggregatedParams), on this worker's device or the host."""
-        from hpc.runtime.engine.kv import dtype_of, unpack
+        from hpc.runtime.engine.kv.pack import dtype_of, unpack
 
         taken = self.fetch_now(params, asyncio.get_running_loop())
         if taken is not None:
@@ -214,10 +214,10 @@ class KvHandoff:
         the prefill may free the KV once that copy has completed. Tried and dropped before (two H200, c=64): the
         copy queued on the event loop's thread (0.21-0.29 ms each, GIL hand-offs with the busy scheduler); a turn's
         arrivals gathered into one call at the loop's next turn (1.05 ms)."""
-        from hpc.runtime.engine.kv import PendingCopy
+        from hpc.runtime.engine.kv.pack import PendingCopy
 
         if self._opened is None:
-            from hpc.runtime.engine.cuda_ipc import OpenAllocations
+            from hpc.runtime.engine.kv.cuda_ipc import OpenAllocations
 
             self._opened = OpenAllocations()
         self._count("kv_fetched_cuda_ipc")

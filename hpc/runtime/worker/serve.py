@@ -16,10 +16,10 @@ from pathlib import Path
 
 from hpc.manifest import Manifest
 from hpc.plan.placement import WorkerPlan, device_for
-from hpc.runtime.engine.tiny import ensure_model
+from hpc.runtime.engine.builds import ensure_model
 from hpc.spec.recipe import Backend
 from hpc.runtime.services.discovery import Instance, open_discovery
-from hpc.runtime.engine.factory import build_engine
+from hpc.runtime.worker.engines import build_engine
 from hpc.model.info import ModelInfo
 from hpc.runtime.engine.types import DisaggregationMode, Engine
 from hpc.runtime.serve.http import HttpServer
@@ -36,7 +36,7 @@ log = logging.getLogger("hpc.worker")
 
 async def serve(manifest: Manifest, role: str, index: int, manifest_file: str, restarting: bool = False) -> int:
     """`restarting`: the role's failure policy starts this worker again if it fails (entry.restarts_left)."""
-    from hpc.runtime.engine.tp import init_group, world_rank
+    from hpc.runtime.engine.torch.tp import init_group, world_rank
 
     plan = manifest.plan.worker(role, index)
     name = plan.name

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc.runtime.engine.tiny import CHAT_TEMPLATE
-from hpc.runtime.engine.placeholders import ImagePlaceholder
+from hpc.runtime.engine.models.tiny import CHAT_TEMPLATE
+from hpc.model.placeholders import ImagePlaceholder
 from hpc.runtime.frontend.chat_content import ChatInputError, content_format, message_content
 from hpc.runtime.frontend.tokenizer import TextCodec
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpc.runtime.engine.kv_records import KvRecord
+from hpc.runtime.engine.torch.kv_records import KvRecord
 from hpc.runtime.frontend.kv_index import KvIndex
 from hpc.runtime.services import events
 from hpc.runtime.services.events import KvMirror

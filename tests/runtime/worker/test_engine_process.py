@@ -19,7 +19,7 @@ from hpc.runtime.engine.types import EngineBase, EngineTraits
 import torch
 
 from hpc.checks.probe import get_text, metric_values, post_json
-from hpc.runtime.engine.kv_records import KvRecord
+from hpc.runtime.engine.torch.kv_records import KvRecord
 from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode, GenerateOutput, GenerateRequest
 from hpc.runtime.worker.engine_core import Keyed, LinkEmitter
 from hpc.runtime.worker.engine_link import (FromEngine, KvEvents, Outputs, Receiver, Refused, Submit, ToEngine,
@@ -69,7 +69,7 @@ def test_a_decode_steps_outputs_leave_as_one_message_and_others_at_once():
 def test_a_steps_bare_tokens_cross_as_ints_and_become_the_outputs_the_engine_would_send():
     """A step's bare tokens (Emitter.send_tokens) leave as two lists of ints beside its whole outputs; the worker
     makes each one's output from what its request's earlier output carried (cached tokens) and its prompt."""
-    from hpc.runtime.engine.sequence import Seq
+    from hpc.runtime.engine.torch.sequence import Seq
     from hpc.runtime.worker.engine_process import _Stream
 
     sent = []
@@ -468,7 +468,7 @@ def test_the_decode_worker_serves_from_an_engine_process_of_its_own(apart, tiny)
     assert frontend_spun + 0.003 <= _frontend_spin(apart) < frontend_spun + 1.0
 
     # the same greedy text as an aggregated engine in this process (fp32 on CPU, bf16 on a GPU, as the stack's)
-    from hpc.runtime.engine.torch_engine import TorchEngine
+    from hpc.runtime.engine.torch.engine import TorchEngine
     from hpc.runtime.engine.types import SamplingParams
     from hpc.runtime.frontend.tokenizer import TextCodec
 

@@ -13,7 +13,7 @@ import pytest
 from hpc.runtime.engine.types import EngineBase, EngineTraits
 import torch
 
-from hpc.runtime.engine.kv_nixl import nixl_available
+from hpc.runtime.engine.kv.nixl import nixl_available
 from hpc.runtime.serve.wire import KvMeta
 from hpc.runtime.worker.kv_handoff import choose_via, wants_nixl
 
@@ -48,7 +48,7 @@ def _kv(length: int) -> torch.Tensor:
 @pytest.mark.unit
 @needs_nixl
 def test_a_lent_kv_is_read_whole_and_metadata_travels_once():
-    from hpc.runtime.engine.kv_nixl import NixlTransport
+    from hpc.runtime.engine.kv.nixl import NixlTransport
 
     prefill, decode = NixlTransport("prefill 'x'"), NixlTransport("decode $(x)")
     try:
@@ -71,7 +71,7 @@ def test_a_lent_kv_is_read_whole_and_metadata_travels_once():
 
 CHILD = """
 import sys, msgspec, torch
-from hpc.runtime.engine.kv_nixl import NixlTransport
+from hpc.runtime.engine.kv.nixl import NixlTransport
 torch.manual_seed(0)
 kv = torch.randn(4, 2, 2, 2000, 16)
 lender = NixlTransport("child")
@@ -91,7 +91,7 @@ def _tagged(child: subprocess.Popen, tag: str) -> str:
 @pytest.mark.unit
 @needs_nixl
 def test_another_process_reads_the_lent_kv():
-    from hpc.runtime.engine.kv_nixl import NixlTransport
+    from hpc.runtime.engine.kv.nixl import NixlTransport
 
     child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     reader = NixlTransport("reader")
@@ -113,7 +113,7 @@ def test_another_process_reads_the_lent_kv():
 @pytest.mark.unit
 def test_a_cuda_ipc_handle_keeps_every_byte():
     """The driver's 64-byte handle is mostly NULs: a char array would cut it at the first one."""
-    from hpc.runtime.engine.cuda_ipc import _Handle
+    from hpc.runtime.engine.kv.cuda_ipc import _Handle
 
     raw = b"\x00\x01" + b"\x00" * 30 + bytes(range(32))
     assert bytes(_Handle.of(raw).reserved) == raw
@@ -140,7 +140,7 @@ class FakeDriver:
 
 @pytest.mark.unit
 def test_open_allocations_are_reused_and_the_oldest_or_idle_ones_closed(monkeypatch):
-    from hpc.runtime.engine import cuda_ipc
+    from hpc.runtime.engine.kv import cuda_ipc
     from hpc.runtime.serve.wire import CudaIpc
 
     driver = FakeDriver()
@@ -176,14 +176,14 @@ def test_open_allocations_are_reused_and_the_oldest_or_idle_ones_closed(monkeypa
 def test_a_process_with_a_nixl_agent_exits_cleanly():
     """UCX's ib module, loaded on a machine without InfiniBand, made every such process die at exit (SIGSEGV in the
     wheel's libnl): a worker's exit status must say how its work went, not that."""
-    code = "from hpc.runtime.engine.kv_nixl import NixlTransport; NixlTransport('exit-check')"
+    code = "from hpc.runtime.engine.kv.nixl import NixlTransport; NixlTransport('exit-check')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
 
 
 @pytest.mark.unit
 def test_held_kv_is_taken_once_lent_until_released_and_expires():
-    from hpc.runtime.engine.kv import HeldKv, unpack
+    from hpc.runtime.engine.kv.pack import HeldKv, unpack
 
     held = HeldKv(ttl_s=60.0)
     a, b, c = _kv(3), _kv(4), _kv(5)
@@ -257,7 +257,7 @@ class _CopyEvent:
 def test_a_cuda_ipc_fetch_returns_at_once_and_releases_the_prefills_kv_only_after_the_copy(monkeypatch):
     import asyncio
 
-    from hpc.runtime.engine import kv as kvmod
+    from hpc.runtime.engine.kv import pack as kvmod
     from hpc.runtime.serve.wire import DisaggregatedParams
     from hpc.runtime.worker.kv_handoff import KvHandoff
 
@@ -374,7 +374,7 @@ def test_an_engine_process_passes_completed_copies_to_its_worker_without_waking_
 def test_a_kv_whose_request_ended_before_admission_is_released_without_a_copy(monkeypatch):
     import asyncio
 
-    from hpc.runtime.engine import kv as kvmod
+    from hpc.runtime.engine.kv import pack as kvmod
     from hpc.runtime.serve.wire import DisaggregatedParams
     from hpc.runtime.worker.kv_handoff import KvHandoff
 
@@ -477,7 +477,7 @@ def test_a_prefill_answers_a_cuda_ipc_fetch_once_its_copy_completed_without_bloc
 def test_a_kv_shared_with_the_prefills_answer_is_copied_without_asking_and_released_after_the_copy(monkeypatch):
     import asyncio
 
-    from hpc.runtime.engine import kv as kvmod
+    from hpc.runtime.engine.kv import pack as kvmod
     from hpc.runtime.serve.wire import CudaIpc, DisaggregatedParams
     from hpc.runtime.worker.kv_handoff import KvHandoff
 

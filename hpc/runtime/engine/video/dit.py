@@ -219,8 +219,8 @@ def build_tiny_video(out_dir: Path, seed: int = 4321) -> Path:
     """The tokenizer (shared with the tiny LLM), a random-weight DiT and decoder, then config.json last."""
     from safetensors.torch import save_file
 
-    from hpc.runtime.engine.llama import init_weights
-    from hpc.runtime.engine.tiny_tokenizer import train_tokenizer
+    from hpc.runtime.engine.models.llama import init_weights
+    from hpc.runtime.engine.models.tiny_tokenizer import train_tokenizer
 
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = VideoDitConfig(vocab_size=train_tokenizer(out_dir))

@@ -7,8 +7,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from hpc.runtime.engine.llama import KvCache, TensorParallel
-from hpc.runtime.engine.sampling import on_device
+from hpc.runtime.engine.models.llama import KvCache, TensorParallel
+from hpc.runtime.engine.torch.sampling import on_device
 
 _STOP, _PREFILL, _DECODE, _EXPORT_KV, _IMPORT_KV = 0, 1, 2, 3, 4
 _KINDS = {"prefill": _PREFILL, "decode": _DECODE}

@@ -26,26 +26,26 @@ import torch
 from hpc.model.info import ModelInfo
 from hpc.engine_args.cuda_graphs import decode_graph_sizes, prefill_graph_tokens
 from hpc.engine_args.scheduling import chunking_policy, tokens_per_block
-from hpc.runtime.engine import fused_decode
-from hpc.runtime.engine import kv as kvpack
-from hpc.runtime.engine.decode_graphs import DecodeGraphs
-from hpc.runtime.engine.llama import (LlamaConfig, LlamaForCausalLM, Pipeline, TensorParallel, VisionEncoder,
+from hpc.runtime.engine.kernels import fused_decode
+from hpc.runtime.engine.kv import pack as kvpack
+from hpc.runtime.engine.torch.decode_graphs import DecodeGraphs
+from hpc.runtime.engine.models.llama import (LlamaConfig, LlamaForCausalLM, Pipeline, TensorParallel, VisionEncoder,
                                       random_state, shard_state_dict, stage_state_dict)
-from hpc.runtime.engine.moe import ExpertParallel, expert_state_dict
-from hpc.runtime.engine.outputs import Direct, Emitter
-from hpc.runtime.engine.picking import TokenPicker
-from hpc.runtime.engine.prefix_cache import PrefixCache
-from hpc.runtime.engine.kv_records import KvRecord
-from hpc.runtime.engine.prefill_graphs import PrefillGraphs
-from hpc.runtime.engine.context_steps import ContextSteps
-from hpc.runtime.engine.cpu_reference import CpuReference
-from hpc.runtime.engine.decode_steps import DecodeSteps
-from hpc.runtime.engine.warmup import WarmUp
-from hpc.runtime.engine.overlap import FirstTokens, HostCopies, InflightStep
-from hpc.runtime.engine.sequence import BatchWait, Seq, chunkable
+from hpc.runtime.engine.models.moe import ExpertParallel, expert_state_dict
+from hpc.runtime.engine.torch.outputs import Direct, Emitter
+from hpc.runtime.engine.torch.picking import TokenPicker
+from hpc.runtime.engine.torch.prefix_cache import PrefixCache
+from hpc.runtime.engine.torch.kv_records import KvRecord
+from hpc.runtime.engine.torch.prefill_graphs import PrefillGraphs
+from hpc.runtime.engine.torch.context_steps import ContextSteps
+from hpc.runtime.engine.torch.cpu_reference import CpuReference
+from hpc.runtime.engine.torch.decode_steps import DecodeSteps
+from hpc.runtime.engine.torch.warmup import WarmUp
+from hpc.runtime.engine.torch.overlap import FirstTokens, HostCopies, InflightStep
+from hpc.runtime.engine.torch.sequence import BatchWait, Seq, chunkable
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, EngineBase, EngineTraits,
                                       GenerateOutput, GenerateRequest, KvMeta, TokenLogprob)
-from hpc.runtime.engine.sampling import pick_in_graph, prepare_pinned_copies
+from hpc.runtime.engine.torch.sampling import pick_in_graph, prepare_pinned_copies
 
 log = logging.getLogger(__name__)
 HANDOFF_TTL_S = 120.0
@@ -187,13 +187,13 @@ class TorchEngine(ContextSteps, DecodeSteps, WarmUp, EngineBase):
 
     def follow(self) -> None:
         """Ranks > 0: run every forward pass rank 0 broadcasts, until it says stop."""
-        from hpc.runtime.engine.tp import follow
+        from hpc.runtime.engine.torch.tp import follow
 
         follow(self)
 
     def stop_followers(self) -> None:
         if self.world.size > 1:
-            from hpc.runtime.engine.tp import broadcast_stop
+            from hpc.runtime.engine.torch.tp import broadcast_stop
 
             broadcast_stop(self.world, self.device)
 
@@ -539,7 +539,7 @@ class TorchEngine(ContextSteps, DecodeSteps, WarmUp, EngineBase):
 
     def _forward(self, kind: str, embeds, positions, slots, last_only: bool = True, last=None) -> torch.Tensor:
         if self.world.size > 1:
-            from hpc.runtime.engine.tp import broadcast_step
+            from hpc.runtime.engine.torch.tp import broadcast_step
 
             broadcast_step(self.world, kind, embeds, positions, slots)
         return self.model.forward_step(embeds, positions, slots, self.cache, last_only=last_only, last=last)

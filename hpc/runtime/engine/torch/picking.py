@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hpc.runtime.engine.guided import vocabulary_texts
-from hpc.runtime.engine.sampling import guided_order, on_device, sample, sample_rows, token_logprob
+from hpc.runtime.engine.torch.sampling import guided_order, on_device, sample, sample_rows, token_logprob
 from hpc.runtime.engine.types import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
-    from hpc.runtime.engine.sequence import Seq
+    from hpc.runtime.engine.torch.sequence import Seq
 
 
 class TokenPicker:

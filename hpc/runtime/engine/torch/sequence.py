@@ -10,7 +10,7 @@ import torch
 from msgspec.structs import replace
 
 from hpc.engine_args.scheduling import ChunkingPolicy
-from hpc.runtime.engine.sampling import graph_temperature
+from hpc.runtime.engine.torch.sampling import graph_temperature
 from hpc.runtime.engine.types import GenerateOutput, GenerateRequest, TokenLogprob
 
 

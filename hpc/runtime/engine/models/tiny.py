@@ -5,15 +5,12 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from hpc.model.generated import (LLAMA_8B_SHAPE, TINY_MOE_EXPERTS, TINY_MOE_TOP_K, TINY_SHAPE,  # noqa: F401
                                  build_place_problem)
-from hpc.runtime.engine.tiny_tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, VOCAB_SIZE, train_tokenizer  # noqa: F401
+from hpc.runtime.engine.models.tiny_tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, VOCAB_SIZE, train_tokenizer  # noqa: F401
 
 SEED = 1234
 
@@ -26,7 +23,7 @@ def build_tiny(out_dir: Path, multimodal: bool = False, hidden: int = 128, layer
     """`moe`: Mixtral-style sparse experts in place of the dense MLP (for expert parallelism)."""
     from safetensors.torch import save_file
 
-    from hpc.runtime.engine.llama import LlamaConfig, LlamaForCausalLM, VisionEncoder, init_weights
+    from hpc.runtime.engine.models.llama import LlamaConfig, LlamaForCausalLM, VisionEncoder, init_weights
 
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab = train_tokenizer(out_dir)
@@ -65,7 +62,7 @@ def build_shaped(out_dir: Path, shape: dict, seed: int = SEED) -> Path:
     """A model of real shapes without weight files: config.json says `hpc_random_weights`, and the engine makes
     the weights where it runs (seconds on a GPU; 16 GB for the 8B shape would take longer to write than to make).
     The tokenizer is the tiny one's, its vocabulary padded to the model's so every id the model emits decodes."""
-    from hpc.runtime.engine.llama import LlamaConfig
+    from hpc.runtime.engine.models.llama import LlamaConfig
 
     out_dir.mkdir(parents=True, exist_ok=True)
     trained = train_tokenizer(out_dir)
@@ -89,40 +86,3 @@ def _pad_vocab(path: Path, have: int, want: int) -> None:
     for i in range(have, want):
         vocab[f"~{i:x}"] = i
     path.write_text(json.dumps(data))
-
-
-KINDS = ("tiny", "tiny-multimodal", "tiny-moe", "tiny-video", "llama-8b-shape")
-
-
-def build_kind(out_dir: Path, kind: str) -> Path:
-    """One of KINDS: the dense tiny model, with a vision encoder, or with sparse experts; or the video DiT."""
-    if kind == "tiny-video":
-        from hpc.runtime.engine.video.dit import build_tiny_video
-
-        return build_tiny_video(out_dir)
-    if kind == "llama-8b-shape":
-        return build_shaped(out_dir, LLAMA_8B_SHAPE)
-    return build_tiny(out_dir, multimodal=kind == "tiny-multimodal", moe=kind == "tiny-moe")
-
-
-def ensure_model(path: str, kind: str | None, apart: bool = False) -> Path:
-    """The model directory, built by the job's first process to get here when the recipe asks for a generated
-    model that is missing. Every worker rank and the frontend call it; an exclusive lock inside the directory
-    makes one build while the others wait (the directory itself is what a container mounts). `apart`: build in a
-    child process (`hpc model`), for a caller that must not import torch (a frontend)."""
-    model_dir = Path(path).expanduser()
-    if not kind or (model_dir / "config.json").is_file():
-        return model_dir
-    refused = build_place_problem(path)
-    if refused:  # the job's side of the launcher's check (a cluster's nodes)
-        raise RuntimeError(refused)
-    model_dir.mkdir(parents=True, exist_ok=True)
-    with open(model_dir / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (model_dir / "config.json").is_file():
-            if apart:
-                subprocess.run([sys.executable, "-m", "hpc", "model", kind, "--out", str(model_dir)], check=True,
-                               stdout=subprocess.DEVNULL)
-            else:
-                build_kind(model_dir, kind)
-    return model_dir

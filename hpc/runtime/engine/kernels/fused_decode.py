@@ -43,7 +43,7 @@ def available(cfg, device: torch.device) -> bool:
 
 class FusedDecoder:
     def __init__(self, model) -> None:
-        from hpc.runtime.engine import decode_kernels
+        from hpc.runtime.engine.kernels import decode_kernels
 
         self.kernels = decode_kernels
         self.model = model
@@ -53,7 +53,7 @@ class FusedDecoder:
         self.peer = None  # the all-reduce over peer memory, where the TP ranks share a node (peer_reduce)
         self.forced: str | None = None  # the path every step takes while set (path())
         if model.tp.size > 1 and model.lm_head.weight.is_cuda:
-            from hpc.runtime.engine.peer_reduce import PeerReduce
+            from hpc.runtime.engine.kernels.peer_reduce import PeerReduce
 
             self.peer = PeerReduce.connect(model.tp.group, model.lm_head.weight.device, MAX_BATCH,
                                            model.cfg.hidden_size)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from torch import nn
 
-from hpc.runtime.engine.moe import ExpertParallel, SparseMoE
+from hpc.runtime.engine.models.moe import ExpertParallel, SparseMoE
 
 
 class KvCache(list):
@@ -307,7 +307,7 @@ class LlamaForCausalLM(nn.Module):
 
     def enable_fused_decode(self) -> "LlamaForCausalLM":
         """Route every one-token step through the Triton decode kernels (needs Triton; see fused_decode)."""
-        from hpc.runtime.engine.fused_decode import FusedDecoder
+        from hpc.runtime.engine.kernels.fused_decode import FusedDecoder
 
         self.fused_decode = FusedDecoder(self.fuse_projections())
         return self

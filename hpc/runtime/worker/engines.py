@@ -32,18 +32,18 @@ def build_engine(manifest: Manifest, role: str, *, self_address: str, tp=None,
         assert recipe.diffusion is not None, "the recipe's validation gives a video recipe its diffusion block"
         return engine_class(recipe.model.path, recipe.diffusion, device=device or "cpu", rank=rank, world=world)
     if recipe.backend is Backend.MOCK:
-        from hpc.runtime.engine.mock_engine import MockEngine
+        from hpc.runtime.engine.mock import MockEngine
 
         return MockEngine(mode, recipe.mock.prefill_delay_ms, recipe.mock.per_token_delay_ms, self_address)
     if recipe.backend is Backend.TORCH:
-        from hpc.runtime.engine.torch_engine import TorchEngine
+        from hpc.runtime.engine.torch.engine import TorchEngine
 
         return TorchEngine(Path(recipe.model.path), mode, args, device=device, tp=tp, fetch_kv=fetch_kv,
                            self_address=self_address, canned_completion=recipe.model.canned_completion,
                            pipeline=spec.pipeline_parallel_size > 1,
                            expert_parallel=spec.expert_parallel_size > 1)
-    from hpc.runtime.engine.trtllm_engine import TrtllmEngine
-    from hpc.runtime.engine.media import read_image_bytes
+    from hpc.runtime.engine.trtllm import TrtllmEngine
+    from hpc.runtime.worker.media import read_image_bytes
 
     def load_image_bytes(ref: str) -> bytes:
         return read_image_bytes(ref, allowed_local_path=recipe.runtime.allowed_local_media_path,

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from hpc.runtime.engine.overlap import finish
+from hpc.runtime.engine.host_wait import finish
 from hpc.runtime.engine.types import SamplingParams, TokenLogprob
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hpc.runtime.engine.kv import handoff_buffer
+from hpc.runtime.engine.kv.pack import handoff_buffer
 from hpc.runtime.serve.wire import KvMeta, NixlKv
 
 # How long a lent KV stays registered without its reader's ReleaseKv (the engine's own handoff TTL).

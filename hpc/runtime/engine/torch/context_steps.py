@@ -14,13 +14,13 @@ import uuid
 import torch
 
 from hpc.engine_args.scheduling import max_num_tokens, tokens_per_block
-from hpc.runtime.engine import kv as kvpack
+from hpc.runtime.engine.kv import pack as kvpack
 from hpc.runtime.engine.guided import Automaton
-from hpc.runtime.engine.kv_records import KvRecord, publish_each
-from hpc.runtime.engine.prefix_cache import PrefixCache
-from hpc.runtime.engine.sampling import make_generator, on_device, prompt_logprobs
-from hpc.runtime.engine.sequence import Seq, context_work, prefill_groups, remaining, wanted_prompt_logprobs
-from hpc.runtime.engine.tp import gather_kvs, scatter_kv
+from hpc.runtime.engine.torch.kv_records import KvRecord, publish_each
+from hpc.runtime.engine.torch.prefix_cache import PrefixCache
+from hpc.runtime.engine.torch.sampling import make_generator, on_device, prompt_logprobs
+from hpc.runtime.engine.torch.sequence import Seq, context_work, prefill_groups, remaining, wanted_prompt_logprobs
+from hpc.runtime.engine.torch.tp import gather_kvs, scatter_kv
 from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode, TokenLogprob
 
 log = logging.getLogger(__name__)

@@ -22,16 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hpc.runtime.engine.host_wait import finish
+
 if TYPE_CHECKING:
-    from hpc.runtime.engine.sequence import Seq
-
-
-def finish(event: Any) -> None:
-    """Wait on the host for a CUDA event (or None) unless it has completed: `Event.synchronize` gives the GIL up even
-    then (torch/csrc/cuda/Event.cpp releases it around the wait; `query` keeps it), and getting it back from a busy
-    event loop can take Python's whole switch interval (5 ms)."""
-    if event is not None and not event.query():
-        event.synchronize()
+    from hpc.runtime.engine.torch.sequence import Seq
 
 
 @dataclass

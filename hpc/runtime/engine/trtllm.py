@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from hpc.model.info import ModelInfo
-from hpc.runtime.engine.placeholders import encoder_prompt
+from hpc.model.placeholders import encoder_prompt
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, EngineBase, EngineTraits,
                                       GenerateOutput, GenerateRequest, KvMeta, SamplingParams, TokenLogprob,
                                       TrtllmContextParams)

@@ -7,9 +7,9 @@ import time
 
 import torch
 
-from hpc.runtime.engine import fused_decode
-from hpc.runtime.engine.decode_graphs import cuda_capture
-from hpc.runtime.engine.sampling import prompt_logprobs, sample_rows
+from hpc.runtime.engine.kernels import fused_decode
+from hpc.runtime.engine.torch.decode_graphs import cuda_capture
+from hpc.runtime.engine.torch.sampling import prompt_logprobs, sample_rows
 from hpc.runtime.engine.types import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -8,9 +8,9 @@ import logging
 
 import torch
 
-from hpc.runtime.engine.overlap import InflightStep, carry_over, next_inputs, startable
-from hpc.runtime.engine.sampling import graph_temperatures, on_device
-from hpc.runtime.engine.sequence import Seq
+from hpc.runtime.engine.torch.overlap import InflightStep, carry_over, next_inputs, startable
+from hpc.runtime.engine.torch.sampling import graph_temperatures, on_device
+from hpc.runtime.engine.torch.sequence import Seq
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from typing import Callable
 import torch
 
 from hpc.runtime.engine.block_hashes import block_hashes
-from hpc.runtime.engine.decode_graphs import Capture
-from hpc.runtime.engine.kv_records import KvRecord
-from hpc.runtime.engine.llama import KvCache
-from hpc.runtime.engine.sampling import on_device, stage_into
+from hpc.runtime.engine.torch.decode_graphs import Capture
+from hpc.runtime.engine.torch.kv_records import KvRecord
+from hpc.runtime.engine.models.llama import KvCache
+from hpc.runtime.engine.torch.sampling import on_device, stage_into
 
 COPY_GRAPH_BYTES = 64 << 20  # the most a captured pool copy gathers (the 8B shape: 16 blocks of 32 tokens)
 

@@ -94,7 +94,7 @@ class PeerReduce:
     def connect(cls, group, device: torch.device, rows: int, width: int) -> "PeerReduce | None":
         """Collective over `group` (CUDA ranks): a PeerReduce on every rank, or None on every rank where peer
         memory is not for this group (ranks on several nodes, GPUs without peer access, HPC_PEER_REDUCE=0)."""
-        from hpc.runtime.engine.decode_kernels import _use_pdl
+        from hpc.runtime.engine.kernels.decode_kernels import _use_pdl
 
         try:
             import torch.distributed._symmetric_memory as symm_mem

@@ -22,8 +22,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from hpc.runtime.engine.decode_graphs import Capture
-from hpc.runtime.engine.sampling import stage_into
+from hpc.runtime.engine.torch.decode_graphs import Capture
+from hpc.runtime.engine.torch.sampling import stage_into
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from typing import Callable
 
 import torch
 
-from hpc.runtime.engine.cuda_ipc import OpenAllocations, export
-from hpc.runtime.engine.overlap import finish
+from hpc.runtime.engine.kv.cuda_ipc import OpenAllocations, export
+from hpc.runtime.engine.host_wait import finish
 from hpc.runtime.serve.wire import KvMeta
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16)}

@@ -1,5 +1,5 @@
 """The tiny models' tokenizer: byte-level BPE trained offline on the standard library's sources, with the chat
-template and special tokens both the tiny LLM and the tiny video model use (hpc.runtime.engine.tiny builds the
+template and special tokens both the tiny LLM and the tiny video model use (hpc.runtime.engine.models.tiny builds the
 models, hpc.runtime.engine.video.dit the video one)."""
 
 from __future__ import annotations

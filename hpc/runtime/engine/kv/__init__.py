@@ -1,0 +1,1 @@
+"""A KV cache leaving its engine: packed bytes, CUDA IPC, NIXL."""

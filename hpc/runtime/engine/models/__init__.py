@@ -1,0 +1,1 @@
+"""The models the torch engine runs (Llama, Mixtral's MoE) and the tiny random-weight ones hpc builds."""

@@ -1,0 +1,1 @@
+"""The torch reference engine: its scheduler and the parts of a step."""
