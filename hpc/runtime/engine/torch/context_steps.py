@@ -24,6 +24,9 @@ from hpc.runtime.engine.torch.tp import gather_kvs, scatter_kv
 from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode, TokenLogprob
 
 log = logging.getLogger(__name__)
+
+# rows this long on average (tokens) are prefilled in one eager step rather than in graphed ones
+EAGER_ROW_TOKENS = 512
 Picked = tuple[int, TokenLogprob | None]
 ON_DEVICE = object()  # a prompt's first token, picked and left on the device (overlap.FirstTokens)
 STORE_AFTER_PROMPTS = 64  # a busy prefill worker stores its prompts at the latest once this many wait (_store_due)
@@ -123,12 +126,19 @@ class ContextSteps:
 
     def _context_step(self, running: list[Seq]) -> None:
         """This iteration's prompt tokens (whole prompts and chunks), prefilled together where their padded width
-        allows: within max_num_tokens and, with prefill graphs, within the largest (two graphed steps beat an
-        eager one: 64 prompts of 64 tokens take 12 ms eagerly on an H100). A prompt whose last token is in picks
-        its first new token and decodes (or, on a prefill worker, is handed over)."""
+        allows: within max_num_tokens and, with prefill graphs, within the largest where all of it fits there or
+        its rows are short (two graphed steps beat an eager one: 64 prompts of 64 tokens took 12 ms eagerly on an
+        H100). A prompt whose last token is in picks its first new token and decodes (or, on a prefill worker, is
+        handed over)."""
         self._prefilling = [s for s in self._prefilling if self._still_running(s)]
         work = context_work(self._prefilling, self._token_budget() - len(running), self.chunking, self.chunk_unit)
-        budget = self._token_budget() if self.prefill_graphs is None else self.prefill_graphs.token_counts[-1]
+        budget = self._token_budget()
+        if self.prefill_graphs is not None:
+            largest, tokens = self.prefill_graphs.token_counts[-1], sum(n for _, n in work)
+            # long rows go in one eager step, compute-bound either way: graphed steps of the largest size, each a
+            # packed row under a block mask, made 8 x 1,024 three steps at 0.66x transformers' one forward (H200)
+            if tokens <= largest or tokens < EAGER_ROW_TOKENS * len(work):
+                budget = largest
         for group in prefill_groups(work, budget, pipeline=self.pipeline.size > 1):
             stored_before = set(self._unstored)
             try:
