@@ -127,6 +127,30 @@ def read_json(path: Path) -> Any:
 
 
 @dataclass(frozen=True)
+class RunLayout:
+    """Where a run's files are: one spelling for the launcher, the job's checks and the runtime."""
+
+    root: Path
+
+    state = property(lambda self: self.root / "state")  # state/<component>.json: each component's phase
+    endpoints = property(lambda self: self.root / "endpoints")  # endpoints/<service>.json: where it listens
+    logs = property(lambda self: self.root / "logs")
+    ready = property(lambda self: self.root / "state" / "ready.json")  # the readiness stage's record
+    smoke = property(lambda self: self.root / "smoke.json")  # the smoke verdict
+    local_pids = property(lambda self: self.root / "local.json")  # a local run's process groups
+
+    @classmethod
+    def of(cls, run_dir: str | Path) -> "RunLayout":
+        return cls(Path(run_dir))
+
+    def component_state(self, component: str) -> Path:
+        return self.state / f"{component}.json"
+
+    def endpoint(self, service: str) -> Path:
+        return self.endpoints / f"{service}.json"
+
+
+@dataclass(frozen=True)
 class RunInfo:
     """run.json: what hpc made of a run and did with it (the job's own record is job.json). Written by the
     launcher only; read once into this record, so a field's name and type are checked where it is written."""
@@ -173,11 +197,12 @@ class RunInfo:
 class RunDir:
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.layout = RunLayout(path)
 
     manifest_path = property(lambda self: self.path / "manifest.json")
     script_path = property(lambda self: self.path / "job.sbatch")
-    logs = property(lambda self: self.path / "logs")
-    state = property(lambda self: self.path / "state")
+    logs = property(lambda self: self.layout.logs)
+    state = property(lambda self: self.layout.state)
     run_info_path = property(lambda self: self.path / "run.json")
     job_path = property(lambda self: self.path / "job.json")  # the running job's own record (checks/jobstart)
     secrets = property(lambda self: self.path / "secrets")

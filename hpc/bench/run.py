@@ -97,7 +97,7 @@ def _target(args: argparse.Namespace):
 
     run = find_run(args.run)
     m = run.manifest()
-    ep = read_json(run.path / "endpoints" / "frontend.json")
+    ep = read_json(run.layout.endpoint("frontend"))
     if not ep:
         raise UserError(f"run {run.path.name} has no frontend endpoint yet", hint=f"hpc status {run.path.name}")
     return ep["url"], args.model or m.recipe.model.served_name, run

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from hpc.manifest import Manifest
-from hpc.rundir import RunDir, read_json, write_json
+from hpc.rundir import RunDir, RunLayout, read_json, write_json
 from hpc.checks.probe import reach_json
 from hpc.waiting import Backoff, wait_until
 
@@ -63,7 +63,7 @@ class _Stages:
         self.manifest, self.timeout, self.stall_s, self.progress, self.abort = manifest, timeout, stall_s, progress, abort
         self.start = time.monotonic()
         self.phases: dict[str, float] = {}
-        self.out = Path(manifest.run_dir) / "state" / "ready.json"
+        self.out = RunLayout.of(manifest.run_dir).ready
 
     def record(self, stage: str) -> None:
         self.phases[stage] = round(time.monotonic() - self.start, 3)
@@ -112,17 +112,17 @@ def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float 
     """Block until ready; `abort` may return a reason to give up (e.g. the Slurm job ended)."""
     timeout = timeout or manifest.recipe.runtime.readiness_timeout_s
     stages = _Stages(manifest, timeout, stall_s or timeout, progress, abort)
-    endpoints = Path(manifest.run_dir) / "endpoints"
+    layout = RunLayout.of(manifest.run_dir)
     for service in ("etcd", "nats"):
         if any(s.name == service for s in manifest.plan.services):
             def healthy(service=service) -> bool:
-                ep = read_json(endpoints / f"{service}.json")
+                ep = read_json(layout.endpoint(service))
                 return bool(ep) and _answers_200(ep["health"])
             stages.until(f"{service} healthy", service, healthy)
     frontend: dict = {}
 
     def frontend_up() -> bool:
-        ep = read_json(endpoints / "frontend.json")
+        ep = read_json(layout.endpoint("frontend"))
         if ep:
             frontend.update(ep)
             return _answers_200(ep["url"] + "/live")

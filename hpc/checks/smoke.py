@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hpc.manifest import Manifest
-from hpc.rundir import RunDir, read_json, write_json
+from hpc.rundir import RunDir, RunLayout, read_json, write_json
 from hpc.waiting import wait_until
 from hpc.checks.probe import get_json, get_text, metric_values, post_json, post_sse
 
@@ -54,7 +54,7 @@ def _worker_requests(manifest: Manifest) -> dict[str, float]:
     """Requests each role's workers served so far, read from their own /metrics."""
     totals: dict[str, float] = {}
     for w in manifest.plan.workers:
-        state = read_json(Path(manifest.run_dir) / "state" / f"{w.name}.json") or {}
+        state = read_json(RunLayout.of(manifest.run_dir).component_state(w.name)) or {}
         url = state.get("http")
         value = 0.0
         if url:
@@ -158,7 +158,7 @@ class _Checks:
 
 def run_smoke(manifest_path: str) -> dict[str, Any]:
     manifest = Manifest.load(manifest_path)
-    ep = read_json(Path(manifest.run_dir) / "endpoints" / "frontend.json") or {}
+    ep = read_json(RunLayout.of(manifest.run_dir).endpoint("frontend")) or {}
     url = ep.get("url", "")
     checks: list[dict[str, Any]] = []
 
@@ -183,14 +183,14 @@ def run_smoke(manifest_path: str) -> dict[str, Any]:
 
     check("every_role_served", every_role_served)
     verdict = {"passed": all(c["ok"] for c in checks), "checks": checks, "finished": time.time(), "url": url}
-    write_json(Path(manifest.run_dir) / "smoke.json", verdict)
+    write_json(RunLayout.of(manifest.run_dir).smoke, verdict)
     return verdict
 
 
 def run_smoke_when_ready(manifest_path: str, wait_ready_s: float) -> dict[str, Any]:
     """Wait (up to wait_ready_s) until readiness reports ready, then run the checks; no checks when it gave up (the
     launch said why, and stopped waiting for this job)."""
-    ready_file = Path(manifest_path).parent / "state" / "ready.json"
+    ready_file = RunLayout.of(Path(manifest_path).parent).ready
     record: dict[str, Any] = {}
 
     def decided() -> bool:

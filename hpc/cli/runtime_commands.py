@@ -118,7 +118,7 @@ def _health(url: str | None) -> str:
 def collect_status(run: RunDir) -> dict[str, Any]:
     m = run.manifest()
     states = run.component_states()
-    endpoint = (read_json(run.path / "endpoints" / "frontend.json") or {}).get("url")
+    endpoint = (read_json(run.layout.endpoint("frontend")) or {}).get("url")
     frontend_view: dict[str, Any] = {}
     frontend_health = "-"
     if endpoint:  # one probe of the frontend serves its own row, the workers' routing and the roles
@@ -160,8 +160,8 @@ def collect_status(run: RunDir) -> dict[str, Any]:
         roles[role.value] = {"live": n, "expected": spec.total_count, "draining": leaving,
                              "state": "ok" if n >= spec.total_count else
                              "degraded" if n else "draining" if leaving else "down"}
-    smoke = read_json(run.path / "smoke.json")
-    ready = read_json(run.state / "ready.json")
+    smoke = read_json(run.layout.smoke)
+    ready = read_json(run.layout.ready)
     from hpc.checks.ready import failed_for_good, log_tail
 
     # what a component that failed for good said last; a worker's ranks share one log
@@ -272,7 +272,7 @@ def status(args: argparse.Namespace) -> int:
         rows = []
         for run in runs:
             info = run.run_info()
-            smoke = read_json(run.path / "smoke.json")
+            smoke = read_json(run.layout.smoke)
             rows.append([run.path.name, info.cluster or "?", run.job_id() or "-",
                          states[run.path], "-" if smoke is None else ("pass" if smoke["passed"] else "FAIL")])
         print(table(["RUN", "CLUSTER", "JOB", "STATE", "SMOKE"], rows) if rows else "no runs yet")

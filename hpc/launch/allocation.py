@@ -90,7 +90,7 @@ def _smoke_verdict(run: RunDir, script_ended: Callable[[], str | None]) -> int:
 
     limit = run.manifest().recipe.smoke.timeout_s + 60
     try:
-        verdict = wait_until(lambda: read_json(run.path / "smoke.json") or (script_ended() and {}), limit,
+        verdict = wait_until(lambda: read_json(run.layout.smoke) or (script_ended() and {}), limit,
                              "the smoke verdict", Backoff(first_s=0.2, factor=1.5, cap_s=2.0))
     except TimeoutError:
         print(f"no smoke verdict in {limit} s; see hpc logs {run.path.name} --component job", file=sys.stderr)

@@ -93,7 +93,7 @@ def follow_up(run: RunDir, t0: float, backend: "Backend", wait: bool, smoke: boo
             print(f"smoke passed {time.monotonic() - t0:.1f} s after submission" if verdict["passed"] else "")
             if not verdict["passed"]:
                 return 1
-    ep = read_json(run.path / "endpoints" / "frontend.json") or {}
+    ep = read_json(run.layout.endpoint("frontend")) or {}
     url = ep.get("url", f"http://<frontend node>:{m.recipe.frontend.port}")
     print(f"\nendpoint: {url}/v1")
     if m.recipe.modality == "video_diffusion":

@@ -89,7 +89,7 @@ def start_processes(run: RunDir) -> dict[str, list[int]]:
     for w in m.plan.workers:
         pids[w.name] = [spawn(name, argv, extra) for name, argv, extra in
                         worker_processes(m, w, py, os.environ.get("CUDA_VISIBLE_DEVICES"))]
-    write_json(run.path / "local.json", {"pids": pids, "started": time.time()})
+    write_json(run.layout.local_pids, {"pids": pids, "started": time.time()})
     return pids
 
 
@@ -128,7 +128,7 @@ def alive(pid: int) -> bool:
 
 
 def local_pids(run: RunDir) -> dict[str, list[int]]:
-    return (read_json(run.path / "local.json") or {}).get("pids", {})
+    return (read_json(run.layout.local_pids) or {}).get("pids", {})
 
 
 def stop_local(run: RunDir, grace_s: float = 10.0, drained: Callable[[], bool] | None = None) -> list[int]:

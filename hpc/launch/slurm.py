@@ -103,7 +103,7 @@ class _JobStart:
             self.printed = seen
         if st is not None and st.finished:
             return "ended"
-        if read_json(self.run.state / "ready.json") is not None or (st is not None and st.state == "RUNNING"):
+        if read_json(self.run.layout.ready) is not None or (st is not None and st.state == "RUNNING"):
             return "running"
         return None
 

@@ -15,7 +15,7 @@ from typing import Any
 from hpc.manifest import Manifest
 from hpc.net.addresses import advertised_address
 from hpc.waiting import wait_until
-from hpc.rundir import read_json, write_json
+from hpc.rundir import RunLayout, read_json, write_json
 
 
 def node_address(manifest: Manifest) -> str:
@@ -50,7 +50,7 @@ class Reporter:
     """Writes state/<component>.json: phase, times of each phase, node, pid. One writer per file."""
 
     def __init__(self, manifest: Manifest, component: str) -> None:
-        self.path = Path(manifest.run_dir) / "state" / f"{component}.json"
+        self.path = RunLayout.of(manifest.run_dir).component_state(component)
         previous = read_json(self.path) or {}
         self.data: dict[str, Any] = {
             "component": component, "node": socket.gethostname(), "pid": os.getpid(), "phase": "starting",
@@ -68,7 +68,7 @@ class Reporter:
 
 
 def endpoint_path(manifest: Manifest, name: str) -> Path:
-    return Path(manifest.run_dir) / "endpoints" / f"{name}.json"
+    return RunLayout.of(manifest.run_dir).endpoint(name)
 
 
 def publish_endpoint(manifest: Manifest, name: str, **data: Any) -> None:
