@@ -133,20 +133,23 @@ def decode_speed(model: LlamaForCausalLM, device: torch.device, batch: int, cont
     return batch * steps / (time.perf_counter() - t0)
 
 
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes/s of a device-to-device copy (each byte read once and written once)."""
+def copy_bandwidth(device: torch.device, best_of: int = 1) -> float:
+    """Bytes/s of a device-to-device copy (each byte read once and written once); the best of `best_of` timings
+    (one timing varied from 2.7 to 4.3 TB/s within a call on an H200)."""
     n = 1 << 30
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    reps = 20
-    for _ in range(reps):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 2 * n * reps / (time.perf_counter() - t0)
+    reps, best = 20, 0.0
+    for _ in range(best_of):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dst.copy_(src)
+        torch.cuda.synchronize()
+        best = max(best, 2 * n * reps / (time.perf_counter() - t0))
+    return best
 
 
 def weight_bytes(model: LlamaForCausalLM) -> int:

@@ -29,6 +29,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_check import copy_bandwidth, weight_bytes  # noqa: E402
 
 from hpc.engine_args.precedence import TORCH_ENGINE_DEFAULTS, deep_update  # noqa: E402
 from hpc.model.info import ModelInfo  # noqa: E402
@@ -37,25 +39,6 @@ from hpc.runtime.engine.torch.engine import TorchEngine  # noqa: E402
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams  # noqa: E402
 
 ROUNDS = 5
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a device-to-device copy (each byte read once and written once), the best of five timings (one
-    call's figure varied from 2.7 to 4.3 TB/s on an H200)."""
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    best = 0.0
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(10):
-            dst.copy_(src)
-        torch.cuda.synchronize()
-        best = max(best, 2 * n * 10 / (time.perf_counter() - t0))
-    return best
 
 
 @torch.inference_mode()
@@ -114,7 +97,7 @@ async def _decode_round(engine: TorchEngine, batch: int, prompt: int, steps: int
     stamps: list[list[float]] = [[] for _ in range(batch)]
 
     async def one(i: int) -> None:
-        ids = [100 + (7 * i + j) % 5000 for j in range(prompt)]
+        ids = [100 + (7 * i + j) % min(5000, engine.cfg.vocab_size - 100) for j in range(prompt)]
         async for out in engine.generate(_request(i, ids, steps)):
             stamps[i].extend([time.perf_counter()] * len(out.token_ids))
 
@@ -126,7 +109,7 @@ async def _decode_round(engine: TorchEngine, batch: int, prompt: int, steps: int
 
 def decode_bound(engine: TorchEngine, bandwidth: float, batch: int, context: int) -> float:
     """Tokens/s if a step only read its bytes at copy speed: the weights (no embeddings) and each row's KV."""
-    weights = sum(p.numel() * p.element_size() for n, p in engine.model.named_parameters() if "embed_tokens" not in n)
+    weights = weight_bytes(engine.model)
     cfg = engine.cfg
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
     return batch * bandwidth / (weights + kv * batch * context)
@@ -136,9 +119,10 @@ async def engine_figures(model_dir, args, extra: dict) -> dict:
     engine_args = deep_update(TORCH_ENGINE_DEFAULTS, {"dtype": "bfloat16", "max_seq_len": 2048,
                                                       "max_batch_size": max(64, args.prompts), **extra})
     rng = random.Random(0)
+    vocab = int(ModelInfo.read(model_dir).config["vocab_size"])
 
     def fresh() -> list[list[int]]:  # new prompts each round: a prompt seen before would come from the prefix cache
-        return [[rng.randrange(100, 100000) for _ in range(args.prompt_tokens)] for _ in range(args.prompts)]
+        return [[rng.randrange(100, vocab) for _ in range(args.prompt_tokens)] for _ in range(args.prompts)]
 
     out: dict = {}
     async with TorchEngine(model_dir, DisaggregationMode.AGGREGATED, engine_args) as engine:
@@ -147,7 +131,7 @@ async def engine_figures(model_dir, args, extra: dict) -> dict:
         out["prefill_s"] = statistics.median(r[0] for r in rounds)
         out["prefill_steps"] = statistics.median(r[1] for r in rounds)
         if args.decode:
-            bandwidth = copy_bandwidth()
+            bandwidth = copy_bandwidth(torch.device("cuda"), best_of=5)
             for batch in (32, 64):
                 await _decode_round(engine, batch, args.decode_prompt, 16)  # warm
                 tok_s = statistics.median([await _decode_round(engine, batch, args.decode_prompt,

@@ -53,14 +53,8 @@ def current_allocation(nodes_needed: int) -> Allocation:
     return Allocation(job_id=job_id, nodes=nodes, nodelist=nodelist)
 
 
-def launch_in_allocation(run: RunDir, allocation: Allocation, wait: bool = True, smoke: bool = True) -> int:
-    backend = AllocationBackend()
-    backend.allocation = allocation
-    return backend.submit(run, wait=wait, smoke=smoke)
-
-
-def _launch_in_allocation(backend: "AllocationBackend", run: RunDir, allocation: Allocation, wait: bool,
-                          smoke: bool) -> int:
+def launch_in_allocation(backend: "AllocationBackend", run: RunDir, allocation: Allocation, wait: bool,
+                         smoke: bool) -> int:
     from hpc.launch.follow import follow_up
 
     t0 = time.monotonic()
@@ -177,7 +171,7 @@ class AllocationBackend(SlurmBackend):
 
     def submit(self, run: RunDir, *, wait: bool, smoke: bool) -> int:
         assert self.allocation is not None, "check() finds the allocation first"
-        return _launch_in_allocation(self, run, self.allocation, wait, smoke)
+        return launch_in_allocation(self, run, self.allocation, wait, smoke)
 
     def _state(self, run: RunDir, job_state: str) -> str:
         # the allocation's state is not the run's: its script's is

@@ -189,11 +189,7 @@ def gpu_sharing(workers: list, gpus: int) -> str | None:
             f"has {gpus}: workers share them ({where})")
 
 
-def launch_local(run: RunDir, wait: bool = True, smoke: bool = True) -> int:
-    return LocalBackend().submit(run, wait=wait, smoke=smoke)
-
-
-def _launch_local(backend: "LocalBackend", run: RunDir, wait: bool, smoke: bool) -> int:
+def launch_local(backend: "LocalBackend", run: RunDir, wait: bool, smoke: bool) -> int:
     m = run.manifest()
     if m.recipe.backend.value != "mock":
         note = gpu_sharing(m.plan.workers, visible_gpus())
@@ -244,7 +240,7 @@ class LocalBackend:
                             hint=f"pick another: --set frontend.port={port + 1}")
 
     def submit(self, run: RunDir, *, wait: bool, smoke: bool) -> int:
-        return _launch_local(self, run, wait, smoke)
+        return launch_local(self, run, wait, smoke)
 
     def status(self, run: RunDir) -> dict:
         info = run.run_info()

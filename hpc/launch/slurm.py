@@ -25,11 +25,7 @@ def runner_for_conf(slurm_conf: str | None) -> Runner:
     return LocalRunner({"SLURM_CONF": slurm_conf} if slurm_conf else None)
 
 
-def launch_slurm(run: RunDir, wait: bool = True, smoke: bool = True, runner: Runner | None = None) -> int:
-    return SlurmBackend(runner).submit(run, wait=wait, smoke=smoke)
-
-
-def _launch_slurm(backend: "SlurmBackend", run: RunDir, wait: bool, smoke: bool) -> int:
+def launch_slurm(backend: "SlurmBackend", run: RunDir, wait: bool, smoke: bool) -> int:
     from hpc.launch.follow import follow_up
 
     client = backend.client(run)
@@ -147,7 +143,7 @@ class SlurmBackend:
         check_slurm_reachable(r)
 
     def submit(self, run: RunDir, *, wait: bool, smoke: bool) -> int:
-        return _launch_slurm(self, run, wait, smoke)
+        return launch_slurm(self, run, wait, smoke)
 
     def status(self, run: RunDir) -> dict[str, Any]:
         from hpc.launch.follow import timed_out, unseen_run_dir

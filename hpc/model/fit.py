@@ -13,9 +13,9 @@ The torch reference engine (hpc/runtime/engine/models/llama.py) splits the KV he
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
+
+from hpc.model.info import ModelInfo
 
 # DeepSeek, Qwen3-MoE, and Mixtral / Llama 4 / gpt-oss name their routed experts so
 EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
@@ -28,13 +28,8 @@ def is_local_path(value: Any) -> bool:
 
 def read_model_config(path: str | None) -> dict[str, Any] | None:
     """The model's config.json as a dict, or None when this machine cannot read it (not mounted here, a hub id)."""
-    if not is_local_path(path):
-        return None
-    try:
-        data = json.loads((Path(path).expanduser() / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+    info = ModelInfo.load(path) if is_local_path(path) else None
+    return None if info is None else dict(info.config)
 
 
 def language_model(config: dict[str, Any]) -> dict[str, Any]:

@@ -20,19 +20,19 @@ class ModelInfo:
     config: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def read(cls, model_dir: str | Path) -> "ModelInfo":
-        """The directory's config.json; an empty record where there is none or it is not a JSON object (a hub id,
-        a path this machine does not mount)."""
+    def load(cls, model_dir: str | Path) -> "ModelInfo | None":
+        """The directory's config.json; None where there is none or it is not a JSON object (a hub id, a path this
+        machine does not mount)."""
         try:
             data = json.loads((Path(model_dir).expanduser() / "config.json").read_text())
         except (OSError, ValueError):
-            data = {}
-        return cls(MappingProxyType(_mapping(data)))
+            return None
+        return cls(MappingProxyType(data)) if isinstance(data, dict) else None
 
-    @property
-    def model_type(self) -> str | None:
-        value = self.config.get("model_type")
-        return value if isinstance(value, str) else None
+    @classmethod
+    def read(cls, model_dir: str | Path) -> "ModelInfo":
+        """As load(), with an empty record where the directory says nothing."""
+        return cls.load(model_dir) or cls()
 
     @property
     def vision(self) -> Mapping[str, Any]:

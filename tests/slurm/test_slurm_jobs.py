@@ -116,13 +116,13 @@ def test_a_run_directory_its_nodes_cannot_open_fails_with_that_reason(slurm_env,
     to read, so the launch and hpc status say where runs must live instead."""
     import shutil
 
-    from hpc.launch.slurm import launch_slurm
+    from hpc.launch.slurm import SlurmBackend
 
     assert main(["launch", "-c", "dev", "-r", "tiny-agg", "--dry-run"]) == 0
     (run,) = list_runs()
     shutil.rmtree(run.logs)
     capsys.readouterr()
-    assert launch_slurm(run, smoke=False) == 1
+    assert SlurmBackend().submit(run, wait=True, smoke=False) == 1
     err = capsys.readouterr().err
     assert "the job wrote no log" in err and "runs_dir, or HPC_RUNS_DIR" in err
     assert f"job {run.job_id()} ended FAILED before it was ready" in err

@@ -26,8 +26,8 @@ from typing import Any, AsyncIterator, Callable
 
 from hpc.runtime.engine.torch.kv_records import publish_each
 from hpc.runtime.engine.torch.outputs import rows_tokens
-from hpc.runtime.engine.types import (DisaggregationMode, Engine, EngineBase, EngineTraits, GenerateOutput, GenerateRequest,
-                                      KvMeta)
+from hpc.runtime.engine.types import (DisaggregationMode, Engine, EngineBase, EngineTraits, GenerateOutput,
+                                      GenerateRequest, KvMeta)
 from hpc.runtime.serve.rpc import RemoteError
 from hpc.runtime.serve.wire import FetchKv
 from hpc.runtime.worker.engine_link import (
