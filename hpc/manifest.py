@@ -19,6 +19,19 @@ from hpc.spec.recipe import Recipe
 MANIFEST_NAME = "manifest.json"
 
 
+class ChainLink(BaseModel):
+    """This job's place in a chain of jobs that serves one service past the time limit (hpc launch --chain N):
+    link `index` of `links`, in the chain directory `root` (rundir.ChainDir). The next link is queued
+    `handover_s` before this job's end and takes over once its smoke checks pass."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    root: str
+    index: int
+    links: int
+    handover_s: int
+
+
 class Manifest(BaseModel):
     """Everything a component needs, in one file: the only input of `python -m hpc.*` entry points."""
 
@@ -35,6 +48,7 @@ class Manifest(BaseModel):
     engine_config_files: dict[str, str | None]
     # the TensorRT-LLM versions the job was validated against (any of them passes the preflight); empty: unknown
     trtllm_versions: list[str] = []
+    chain: ChainLink | None = None
 
     @classmethod
     def load(cls, path: str | Path) -> "Manifest":

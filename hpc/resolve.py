@@ -29,7 +29,7 @@ from hpc.spec.cluster import ClusterProfile, time_to_minutes
 from hpc.spec.diffusion import TORCH_PARALLEL, check_sizes, model_facts
 from hpc.spec.global_router import load_global_router, parse_global_router
 from hpc.spec.recipe import Backend, Recipe, RoleName, RoleSpec, WorkerGroup
-from hpc.manifest import Manifest
+from hpc.manifest import ChainLink, Manifest
 
 
 # an engine's layout key -> the recipe role's field that sets it (the two are checked to agree)
@@ -50,11 +50,11 @@ class Resolved(BaseModel):
     trtllm_versions: list[str] = []
     warnings: list[str] = []
 
-    def manifest(self, run_dir: Path, run_id: str, created: _dt.datetime) -> Manifest:
+    def manifest(self, run_dir: Path, run_id: str, created: _dt.datetime, chain: ChainLink | None = None) -> Manifest:
         return Manifest(run_id=run_id, run_dir=str(run_dir), created=created.isoformat(timespec="seconds"),
                         cluster=self.cluster, recipe=self.recipe, plan=self.plan,
                         engine_args=self.engine_args, engine_config_files=self.engine_config_files,
-                        trtllm_versions=self.trtllm_versions)
+                        trtllm_versions=self.trtllm_versions, chain=chain)
 
 
 def resolve(cluster_name: str, recipe_name: str, overrides: list[str] | None = None,

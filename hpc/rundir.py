@@ -21,7 +21,7 @@ import yaml
 from typing import TYPE_CHECKING
 
 from hpc.errors import UserError
-from hpc.manifest import Manifest
+from hpc.manifest import ChainLink, Manifest
 
 if TYPE_CHECKING:  # a Resolved is handed in; resolve sits above the run directory
     from hpc.resolve import Resolved
@@ -34,6 +34,7 @@ def bundle_dir(runs_root: str | Path, python_version: str) -> Path:
     """hpc's runtime for a container image: beside the run directories (a shared filesystem by necessity), one per
     Python version (hpc.launch.bundle builds it)."""
     return Path(runs_root) / ".hpc-runtime" / f"py{python_version}"
+QUEUED = "queued.json"  # a chain link's: the job the link before queued for it (ChainDir)
 SERVING_PHASES = ("registered", "first_token", "draining")  # a worker phase with requests it may hold
 
 
@@ -212,6 +213,18 @@ class RunDir:
     def manifest(self) -> Manifest:
         return Manifest.load(self.manifest_path)
 
+    @property
+    def name(self) -> str:
+        """The run's id as hpc shows it: the directory's name, or CHAIN.K for link K of a chain."""
+        chain = self.chain()
+        return f"{chain.path.name}.{self.path.name}" if chain is not None else self.path.name
+
+    def chain(self) -> "ChainDir | None":
+        """The chain this run is a link of (hpc launch --chain), from where it lies: CHAIN/links/K/."""
+        if self.path.parent.name == ChainDir.LINKS and (self.path.parent.parent / ChainDir.RECORD).is_file():
+            return ChainDir(self.path.parent.parent)
+        return None
+
     def run_info(self) -> RunInfo:
         return RunInfo.from_json(read_json(self.run_info_path))
 
@@ -225,7 +238,8 @@ class RunDir:
         job, again = self.job(), self.resubmitted()
         if again.get("job_id") and _number(again.get("at")) >= _number(job.get("started_at")):
             return str(again["job_id"])
-        job_id = job.get("job_id") or self.run_info().job_id
+        # a chain's later link: the job the link before queued for it (ChainDir), until it starts
+        job_id = job.get("job_id") or self.run_info().job_id or (read_json(self.path / QUEUED) or {}).get("job_id")
         return None if job_id is None else str(job_id)
 
     def resubmitted(self) -> dict[str, Any]:
@@ -244,7 +258,7 @@ class RunDir:
         return found or {}
 
     def submitted(self) -> bool:
-        return bool(self.run_info().submitted or self.job().get("job_id"))
+        return bool(self.run_info().submitted or self.job_id())
 
     def update_run_info(self, **changes: Any) -> None:
         write_json(self.run_info_path, self.run_info().with_fields(**changes).to_json())
@@ -286,6 +300,56 @@ class RunDir:
         return self.logs / f"{component}.log"
 
 
+@dataclass(frozen=True)
+class ChainDir:
+    """A chain of jobs serving one service past the time limit (hpc launch --chain N): chain.json (the launcher's
+    record), links/K/ (each an ordinary run directory, its script rendered at launch), serving.json (the link that
+    serves now: written by that link's job once its smoke checks passed; hpc endpoint follows it), links/K/queued.json
+    (the job the link before queued for it) and `cancelled` (hpc cancel: no further link is queued)."""
+
+    path: Path
+    RECORD = "chain.json"
+    LINKS = "links"
+
+    @property
+    def record(self) -> dict[str, Any]:
+        found = read_json(self.path / self.RECORD)
+        return found if isinstance(found, dict) else {}
+
+    def link(self, index: int) -> RunDir:
+        return RunDir(self.path / self.LINKS / str(index))
+
+    def links(self) -> list[RunDir]:
+        return [self.link(k) for k in range(1, int(self.record.get("links") or 0) + 1)]
+
+    def serving(self) -> dict[str, Any]:
+        """link, job_id, at: the link that serves now (none before the first is ready)."""
+        found = read_json(self.path / "serving.json")
+        return found if isinstance(found, dict) and isinstance(found.get("link"), int) else {}
+
+    def queued(self, link: RunDir) -> dict[str, Any]:
+        """job_id, from_job, at: the job the link before queued for `link` (written by that job's script)."""
+        found = read_json(link.path / QUEUED)
+        return found if isinstance(found, dict) else {}
+
+    def job_ids(self, link: RunDir) -> list[str]:
+        """Every job id `link` has had: hpc launch's, the one the link before queued, the one that started."""
+        ids = [link.run_info().job_id, self.queued(link).get("job_id"), link.job().get("job_id")]
+        return list(dict.fromkeys(str(i) for i in ids if i))
+
+    def current(self) -> RunDir:
+        """The link that serves, else the newest one queued or started, else the first."""
+        serving = self.serving()
+        if serving:
+            return self.link(serving["link"])
+        begun = [link for link in self.links() if self.job_ids(link)]
+        return begun[-1] if begun else self.link(1)
+
+    @property
+    def cancelled_path(self) -> Path:
+        return self.path / "cancelled"
+
+
 def bad_nodes_text(bad_nodes: dict[str, str]) -> str:
     """A preflight's bad nodes (RunDir.preflight's bad_nodes) as one line: `node2: ecc: ...; node3: ...`."""
     return "; ".join(f"{node}: {why}" for node, why in sorted(bad_nodes.items()))
@@ -304,22 +368,27 @@ def new_run_id(recipe_name: str, now: _dt.datetime) -> str:
 
 
 def create(resolved: Resolved, script_renderer, root: Path | None = None,
-           now: _dt.datetime | None = None) -> RunDir:
+           now: _dt.datetime | None = None, link: "tuple[ChainDir, int, int, int] | None" = None) -> RunDir:
     """Write a new run directory; render first, write under a temporary name and rename at the end, so an error
-    (a render problem, a full disk) leaves nothing behind."""
+    (a render problem, a full disk) leaves nothing behind. `link` (chain, index, links, handover_s): link `index`
+    of a chain, at CHAIN/links/INDEX (create_chain)."""
     now = now or _dt.datetime.now()
-    if root is None:
-        root = checked_root(resolved)
+    chain = None
+    if link is not None:
+        chain_dir, index, links, handover_s = link
+        root, path = chain_dir.path / ChainDir.LINKS, chain_dir.path / ChainDir.LINKS / str(index)
+        root.mkdir(exist_ok=True)
+        run_id = f"{chain_dir.path.name}.{index}"
+        chain = ChainLink(root=str(chain_dir.path), index=index, links=links, handover_s=handover_s)
     else:
-        root = root.resolve()
-        _check_runs_root(root)
-    run_id = new_run_id(resolved.recipe.name, now)
-    path = root / run_id
-    suffix = 1
-    while path.exists():
-        suffix += 1
-        path = root / f"{run_id}-{suffix}"
-    manifest = resolved.manifest(path, path.name, now)
+        if root is None:
+            root = checked_root(resolved)
+        else:
+            root = root.resolve()
+            _check_runs_root(root)
+        path = unique_path(root, new_run_id(resolved.recipe.name, now))
+        run_id = path.name
+    manifest = resolved.manifest(path, run_id, now, chain)
     script = script_renderer(manifest)
     partial = root / f".{path.name}.partial"
     try:
@@ -338,10 +407,40 @@ def create(resolved: Resolved, script_renderer, root: Path | None = None,
         raise UserError(f"cannot write the run directory {path}: {exc.strerror or exc}", field="HPC_RUNS_DIR",
                         hint="point HPC_RUNS_DIR at a writable directory with free space") from None
     run = RunDir(path)
-    run.update_run_info(run_id=path.name, recipe=resolved.recipe.name, cluster=resolved.cluster.name,
+    run.update_run_info(run_id=run_id, recipe=resolved.recipe.name, cluster=resolved.cluster.name,
                         created=manifest.created, submitted=False)
-    remember_root(root)
+    if link is None:
+        remember_root(root)
     return run
+
+
+def unique_path(root: Path, name: str) -> Path:
+    path, suffix = root / name, 1
+    while path.exists():
+        suffix += 1
+        path = root / f"{name}-{suffix}"
+    return path
+
+
+def create_chain(resolved: Resolved, script_renderer, links: int, handover_s: int,
+                 now: _dt.datetime | None = None) -> ChainDir:
+    """A chain's directory with all its links written (each link's script queues the next: a plain sbatch of the
+    first link's job.sbatch runs the whole chain); nothing is left behind when one cannot be written."""
+    now = now or _dt.datetime.now()
+    root = checked_root(resolved)
+    chain = ChainDir(unique_path(root, new_run_id(resolved.recipe.name, now)))
+    try:
+        chain.path.mkdir(mode=0o700)
+        write_json(chain.path / ChainDir.RECORD, {"links": links, "handover_s": handover_s,
+                                                  "recipe": resolved.recipe.name, "cluster": resolved.cluster.name,
+                                                  "created": now.isoformat(timespec="seconds")})
+        for index in range(1, links + 1):
+            create(resolved, script_renderer, now=now, link=(chain, index, links, handover_s))
+    except BaseException:
+        shutil.rmtree(chain.path, ignore_errors=True)
+        raise
+    remember_root(root)
+    return chain
 
 
 def checked_root(resolved: Resolved) -> Path:
@@ -393,9 +492,11 @@ def find_run(ref: str | None) -> RunDir:
     """A run directory by path, run id, or Slurm job id; the newest run when `ref` is None."""
     from hpc.errors import UserError
 
-    if ref is not None and len(ref) <= 4096 and "\0" not in ref and Path(ref).is_dir() and \
-            (Path(ref) / "manifest.json").is_file():
-        return RunDir(Path(ref).resolve())
+    if ref is not None and len(ref) <= 4096 and "\0" not in ref and Path(ref).is_dir():
+        if (Path(ref) / "manifest.json").is_file():
+            return RunDir(Path(ref).resolve())
+        if (Path(ref) / ChainDir.RECORD).is_file():
+            return ChainDir(Path(ref).resolve()).current()
     if ref is not None and not RUN_REF.fullmatch(ref):
         raise UserError(f"'{shown(ref)}' is not a run id, a job id or a run directory", field="RUN",
                         hint="a run id or job id is letters, digits and . _ + - (at most 200); hpc status lists them")
@@ -408,7 +509,11 @@ def find_run(ref: str | None) -> RunDir:
         return runs[0]
     for run in runs:  # a job id: the one hpc launch submitted, or one that started here later (plain sbatch)
         ids = (run.run_info().job_id, run.job().get("job_id"))  # a local run has none: "None" matches nothing
-        if ref == run.path.name or ref in {str(i) for i in ids if i is not None}:
+        chain = run.chain()
+        if chain is not None and ref == chain.path.name:
+            return chain.current()
+        if ref == run.name or ref in {str(i) for i in ids if i is not None} or (
+                chain is not None and ref in chain.job_ids(run)):
             return run
     raise UserError(f"no run '{ref}' under {where}", hint="hpc status lists recent runs")
 
@@ -416,5 +521,9 @@ def find_run(ref: str | None) -> RunDir:
 def list_runs(roots: list[Path] | None = None) -> list[RunDir]:
     """Newest first, from every root that exists."""
     runs = [RunDir(p) for root in (search_roots() if roots is None else roots) if root.is_dir()
-            for p in root.iterdir() if not p.name.startswith(".") and (p / "manifest.json").is_file()]
+            for top in root.iterdir() if not top.name.startswith(".")
+            for p in ([top] if (top / "manifest.json").is_file() else
+                      sorted((top / ChainDir.LINKS).glob("*"), key=lambda p: _number_in(p.name), reverse=True)
+                      if (top / ChainDir.RECORD).is_file() else [])
+            if (p / "manifest.json").is_file()]
     return sorted(runs, key=lambda r: r.manifest_path.stat().st_mtime, reverse=True)

@@ -180,31 +180,50 @@ def render(args: argparse.Namespace) -> int:
 
 
 def launch(args: argparse.Namespace) -> int:
+    if args.chain is None and args.handover is not None:
+        raise UserError("--handover is the handover of a chain of jobs", field="--handover",
+                        hint="add --chain N, or leave --handover out")
     r = _resolve(args, for_launch=not args.dry_run)
     return launch_resolved(r, dry_run=args.dry_run, wait=not args.no_wait, smoke=not args.no_smoke,
-                           in_allocation=args.in_allocation)[0]
+                           in_allocation=args.in_allocation, chain=args.chain, handover_s=args.handover)[0]
 
 
 def launch_resolved(r: Resolved, *, dry_run: bool = False, wait: bool = True, smoke: bool = True,
-                    in_allocation: bool = False):
+                    in_allocation: bool = False, chain: int | None = None, handover_s: int | None = None):
     """Check what only a launch needs, write the run directory, submit, wait: (exit code, the run)."""
     from hpc import rundir
     from hpc.launch.backends import for_launch
     from hpc.render.sbatch import render_sbatch
 
     backend = for_launch(r.cluster.is_local, in_allocation)
+    if chain is not None:
+        from hpc.launch.chain import check_chain
+
+        handover_s = check_chain(r, chain, handover_s, in_allocation)
     if not dry_run:
         backend.check(r)
         _check_secrets(r)
         if r.cluster.container is not None:
             _ensure_runtime_bundle(r)
-    run = rundir.create(r, render_sbatch)
+    if chain is not None:
+        chained = rundir.create_chain(r, render_sbatch, chain, handover_s or 0)
+        run = chained.link(1)
+        for later in chained.links()[1:]:  # nobody follows them from here: each runs its own smoke stage
+            later.update_run_info(smoke_via="job" if smoke else "none")
+        where = f"chain directory: {chained.path} ({chain} jobs, handover {handover_s} s before each end)"
+    else:
+        run = rundir.create(r, render_sbatch)
+        where = f"run directory: {run.path}"
     print(plan_table(r.plan, _title(r)))
-    print(f"run directory: {run.path}")
+    print(where)
     if dry_run:
         print(f"dry run: nothing submitted. Submit it yourself with: sbatch {run.script_path}")
         return 0, run
-    return backend.submit(run, wait=wait, smoke=smoke), run
+    code = backend.submit(run, wait=wait, smoke=smoke)
+    if chain is not None and code == 0:
+        print(f"one address for the whole chain: hpc endpoint {chained.path.name} --port PORT "
+              "(on a host the clients reach; it follows each handover)")
+    return code, run
 
 
 def _check_secrets(r: Resolved) -> None:

@@ -9,6 +9,7 @@ import argparse
 import logging
 import sys
 
+from hpc.cli.args import bounded_int
 from hpc.errors import UserError
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USER = 0, 1, 2
@@ -69,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--in-allocation", action="store_true",
                    help="run in the allocation this shell holds (salloc, SLURM_JOB_ID) instead of submitting a job; "
                         "hpc cancel then ends the run's steps, not the allocation")
+    p.add_argument("--chain", type=bounded_int(2, 1000, "a chain is 2 or more jobs"), metavar="N",
+                   help="serve past the time limit: N jobs one after another, each queued --handover seconds "
+                        "before the last one's end; hpc endpoint RUN is their one address")
+    p.add_argument("--handover", type=bounded_int(1, 7 * 86400, "seconds"), metavar="SECONDS",
+                   help="with --chain: how long before a job's end the next one is queued (default 600, at most "
+                        "a quarter of the time limit)")
     p.set_defaults(func=commands.launch)
 
     p = sub.add_parser("recipes", help="list recipes")

@@ -44,6 +44,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep", action="store_true", help=argparse.SUPPRESS)  # the default now; older scripts pass it
     p.set_defaults(func=cancel)
 
+    p = sub.add_parser("endpoint", help="one address for a run, or for a chain of jobs across its handovers "
+                                        "(forwards each request to the frontend of the job serving now)")
+    p.add_argument("run", help="run or chain id, job id or run directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=bounded_int(0, 65535), default=8000, help="port to listen on (0: any free one)")
+    p.add_argument("--retry", type=bounded_int(0, 3600), default=30, metavar="SECONDS",
+                   help="how long a request that got no answer yet is sent again to the job serving by then")
+    p.set_defaults(func=endpoint)
+
     p = sub.add_parser("smoke", help="run the smoke checks of a running job through submitit")
     p.add_argument("run", nargs="?")
     p.set_defaults(func=smoke)
@@ -173,7 +182,8 @@ def collect_status(run: RunDir) -> dict[str, Any]:
     scheduler["requeued"] = scheduler["state"] == "PENDING" and bool(run.job().get("started_at"))
     job_id = run.job_id()
     again = run.resubmitted()
-    return {"run": run.path.name, "run_dir": str(run.path), "recipe": m.recipe.name, "cluster": m.cluster.name,
+    return {"run": run.name, "chain": _chain_lines(run), "run_dir": str(run.path), "recipe": m.recipe.name,
+            "cluster": m.cluster.name,
             "job_id": job_id, "scheduler": scheduler, "endpoint": endpoint,
             "preflight": _preflight_summary(run.preflight(job_id)),
             "resubmitted": None if str(again.get("job_id")) != job_id else {
@@ -182,6 +192,20 @@ def collect_status(run: RunDir) -> dict[str, Any]:
             "failed_logs": failed,
             "smoke": None if smoke is None else {"passed": smoke["passed"],
                                                  "failed": [c["name"] for c in smoke["checks"] if not c["ok"]]}}
+
+
+def _chain_lines(run: RunDir) -> list[str]:
+    """A chain's links, each job's state asked of Slurm in one query."""
+    chain = run.chain()
+    if chain is None:
+        return []
+    from hpc.launch.chain import chain_lines
+    from hpc.launch.slurm import runner_for
+    from hpc.slurm.client import SlurmClient
+
+    ids = [job for link in chain.links() for job in chain.job_ids(link)[-1:]]
+    found = SlurmClient(runner_for(run)).statuses(ids) if ids else {}
+    return chain_lines(run, lambda job_id: getattr(found.get(job_id), "state", None))
 
 
 def _preflight_summary(found: dict[str, Any]) -> dict[str, Any] | None:
@@ -220,7 +244,7 @@ def _print_status(data: dict[str, Any]) -> None:
     if sch.get("requeued"):
         print("requeued: Slurm put the job back in its queue after it had started (preemption, a failed node, "
               "scontrol requeue); it starts again from the top, and what follows is its last start")
-    for line in _preflight_lines(data):
+    for line in [*data["chain"], *_preflight_lines(data)]:
         print(line)
     if data["endpoint"]:
         print(f"endpoint: {data['endpoint']}/v1")
@@ -273,7 +297,7 @@ def status(args: argparse.Namespace) -> int:
         for run in runs:
             info = run.run_info()
             smoke = read_json(run.layout.smoke)
-            rows.append([run.path.name, info.cluster or "?", run.job_id() or "-",
+            rows.append([run.name, info.cluster or "?", run.job_id() or "-",
                          states[run.path], "-" if smoke is None else ("pass" if smoke["passed"] else "FAIL")])
         print(table(["RUN", "CLUSTER", "JOB", "STATE", "SMOKE"], rows) if rows else "no runs yet")
         return 0
@@ -408,25 +432,58 @@ def cancel(args: argparse.Namespace) -> int:
 
     run = find_run(args.run)
     if not run.submitted():
-        raise UserError(f"run {run.path.name} was never submitted; nothing to cancel")
-    drain = DrainWatch(run)
-    done = of_run(run).cancel(run, args.grace, drain)
-    run.update_run_info(cancelled_at=time.time())
-    print(done.line + drain.summary(args.grace))
+        raise UserError(f"run {run.name} was never submitted; nothing to cancel")
+
+    def cancel_one(link: RunDir):
+        drain = DrainWatch(link)
+        done = of_run(link).cancel(link, args.grace, drain)
+        link.update_run_info(cancelled_at=time.time())
+        print(done.line + drain.summary(args.grace))
+        return done
+
+    chain = run.chain()
+    if chain is None:
+        ended = [cancel_one(run)]
+    else:  # all of it: no link queues another, and every link with a job ends
+        from hpc.launch.chain import cancel_chain
+
+        ended = cancel_chain(chain, cancel_one)
+    stopped = all(done.stopped for done in ended)
     if args.remove:
-        if done.stopped:
-            _remove(run)
+        where = run.path if chain is None else chain.path
+        if stopped:
+            _remove(where)
         else:
-            print(f"kept {run.path}: it has not stopped yet")
-    return 1 if done.left else 0
+            print(f"kept {where}: it has not stopped yet")
+    return 1 if any(done.left for done in ended) else 0
 
 
-def _remove(run) -> None:
+def _remove(path: Path) -> None:
     """Only when asked (--remove): a run directory holds the job's logs and every bench result of the run."""
     import shutil
 
-    shutil.rmtree(run.path, ignore_errors=True)
-    print(f"removed {run.path}")
+    shutil.rmtree(path, ignore_errors=True)
+    print(f"removed {path}")
+
+
+def endpoint(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from hpc.launch.endpoint import serve
+
+    run = find_run(args.run)
+    target = run.chain() or run
+
+    def started(port: int, _endpoint) -> None:
+        what = f"the chain {target.path.name}, whichever job serves" if target is not run else f"run {run.name}"
+        print(f"hpc endpoint: http://{args.host}:{port}/v1 -> {what} (Ctrl-C stops it)", flush=True)
+
+    try:
+        asyncio.run(serve(target, args.host, args.port, float(args.retry), started))
+    except OSError as exc:
+        raise UserError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", field="--port",
+                        hint="choose a free port, or --port 0 for any") from None
+    return 0
 
 
 def smoke(args: argparse.Namespace) -> int:

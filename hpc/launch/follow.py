@@ -44,7 +44,7 @@ def timed_out(m: Manifest, state: str) -> str | None:
     drained = (f"; its workers drained from {m.recipe.drain_before_end_s} s before the end"
                if m.recipe.drain_before_end_s else "")
     most = f" (the partition allows {m.cluster.max_time_limit})" if m.cluster.max_time_limit else ""
-    return f"the job reached its time limit {m.time_limit}{drained}. For longer serving, set time_limit in the recipe{most}"
+    return f"the job reached its time limit {m.time_limit}{drained}. For longer serving, set time_limit in the recipe{most}, or chain jobs: hpc launch --chain N"
 
 
 def follow_up(run: RunDir, t0: float, backend: "Backend", wait: bool, smoke: bool,

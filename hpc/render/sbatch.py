@@ -10,7 +10,7 @@ from pathlib import Path
 import jinja2
 
 from hpc.errors import UserError
-from hpc.rundir import bundle_dir
+from hpc.rundir import SERVING_PHASES, ChainDir, RunLayout, bundle_dir
 from hpc.plan.placement import WorkerPlan, het_components
 from hpc.manifest import Manifest
 from hpc.spec.catalog import project_root
@@ -73,6 +73,23 @@ class Secret:
 
 
 @dataclass(frozen=True)
+class ChainView:
+    """A chain link's part of the script (hpc launch --chain; rundir.ChainDir has the files it writes)."""
+
+    index: int
+    links: int
+    handover_s: int
+    serving: str  # CHAIN/serving.json: this link serves once its checks passed
+    cancelled: str  # CHAIN/cancelled: hpc cancel ended the chain, queue nothing more
+    next_script: str | None  # the next link's job.sbatch (None: the last link)
+    next_queued: str | None  # where the job queued for it is recorded
+    worker_states: list[str]  # this link's workers' state files, read to see them drained
+    serving_pattern: str  # a worker state's phase while it may hold requests (grep -E)
+    next_serves: str  # serving.json once the next link serves (grep)
+    drain_s: int  # the longest its workers are given to finish what they hold after the handover
+
+
+@dataclass(frozen=True)
 class View:
     """The small view-model the template sees."""
 
@@ -104,6 +121,7 @@ class View:
     smoke_step: Step | None = None
     # flags every step shares (the container's, the profile's srun_args): written once, as the SRUN_COMMON array
     common_flags: list[str] = field(default_factory=list)
+    chain: ChainView | None = None
 
 
 def _sbatch_flags(m: Manifest, logs: str, components: list[list[int]] | None) -> list[str]:
@@ -238,7 +256,8 @@ def build_view(m: Manifest) -> View:
     preflight = [check_step("preflight", start, nodes, append=True) for nodes in components] if components else \
         [check_step("preflight", start, list(range(plan.job_nodes)))]
     view = replace(view, preflight=preflight, het_components=len(components or []),
-                   exclude_bad_nodes=c.preflight.hardware and c.preflight.on_bad_node == "exclude")
+                   exclude_bad_nodes=c.preflight.hardware and c.preflight.on_bad_node == "exclude",
+                   chain=_chain_view(m))
     if c.container:
         generated = str(Path(m.recipe.model.path).expanduser()) if m.recipe.model.generate else None
         view = replace(view, in_container=True, generated_model=generated, ready_step=check_step("ready", ready, [0]),
@@ -250,6 +269,25 @@ def build_view(m: Manifest) -> View:
                    preflight=[_in_component(s, components) for s in view.preflight],
                    ready_step=view.ready_step and _in_component(view.ready_step, components),
                    smoke_step=view.smoke_step and _in_component(view.smoke_step, components))
+
+
+HANDOVER_DRAIN_MIN_S = 30
+
+
+def _chain_view(m: Manifest) -> ChainView | None:
+    link = m.chain
+    if link is None:
+        return None
+    chain = ChainDir(Path(link.root))
+    following = chain.link(link.index + 1).path if link.index < link.links else None
+    return ChainView(index=link.index, links=link.links, handover_s=link.handover_s,
+                     serving=str(chain.path / "serving.json"), cancelled=str(chain.cancelled_path),
+                     next_script=following and str(following / "job.sbatch"),
+                     next_queued=following and str(following / "queued.json"),
+                     worker_states=[str(RunLayout.of(m.run_dir).component_state(w.name)) for w in m.plan.workers],
+                     serving_pattern=f'"phase": "({"|".join(SERVING_PHASES)})"',
+                     next_serves=f'"link": {link.index + 1},',
+                     drain_s=max(m.recipe.drain_before_end_s, HANDOVER_DRAIN_MIN_S))
 
 
 def container_flags(m: Manifest) -> list[str]:
