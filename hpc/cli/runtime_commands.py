@@ -261,6 +261,11 @@ def _print_status(data: dict[str, Any]) -> None:
                      + (f", {router['indexed_blocks']} blocks indexed" if "indexed_blocks" in router else "")
                      + (", index stale (routing by load)" if router["stale"] else ""))
         print(line)
+        for pair in router.get("kv_pairs") or []:  # KV transfers past their deadline, by pair
+            print(f"  kv transfers {pair['prefill']} -> {pair['decode']}: {pair['timeouts']} timed out, "
+                  f"{pair['retried']} retried on another pair"
+                  + (f"; out of routing for {pair['benched_s']:.0f} s more" if pair["benched_s"] else
+                     "; serving again" if not pair.get("in_a_row") else ""))
         for pool in router.get("pools") or []:  # the global router: where requests went, and why
             why = ", ".join(f"{reason} {n}" for reason, n in sorted(pool["chosen_by"].items())) or "-"
             print(f"  pool {pool['role']}/{pool['pool']}: live {pool['live']}, routed {pool['routed']}, "

@@ -292,6 +292,16 @@ class RuntimeSpec(StrictModel):
         description="a KV transfer prefill -> decode may take this long plus its size at kv_transfer_floor_gb_s; "
                     "past it the request fails with a 504 naming the prefill worker (counted per worker)")
     kv_transfer_floor_gb_s: float = Field(0.5, gt=0, le=10_000, allow_inf_nan=False)
+    kv_transfer_retries: int = Field(
+        1, ge=0, le=8, description="a request whose KV transfer passed its deadline is prefilled again and decoded "
+                                   "on another prefill -> decode pair, this many times, before it fails (504)")
+    kv_pair_bench_after: int = Field(
+        2, ge=1, le=1000, description="timed-out transfers in a row after which a prefill -> decode pair leaves "
+                                      "routing (that decode is not picked for that prefill's KV)")
+    kv_pair_cooldown_s: float = Field(
+        30.0, gt=0, le=3600, allow_inf_nan=False,
+        description="how long such a pair sits out before one request tries it again (doubled each time it fails "
+                    "again, up to 600 s; a success puts it back)")
     engine_process: Literal["auto", "own", "worker"] = Field(
         "auto", description="where the torch engine of an aggregated, prefill or decode worker of one rank runs "
                             "(text only). own: a process of its own beside the worker's RPC and HTTP servers, so the "

@@ -125,6 +125,10 @@ class Frontend:
                         cached_blocks=blocks["overlap"], indexed_blocks=kv.indexed, resyncs=kv.resyncs)
         if self.pools is not None:
             view["pools"] = self.pool_view()
+        if self.recipe.disaggregated:  # KV transfers that passed their deadline, by pair (frontend/pairs.py)
+            view["kv_pairs"] = [{**pair, "prefill": pair["prefill"].replace("/", "-"),
+                                 "decode": pair["decode"].replace("/", "-")}
+                                for pair in self.orchestrator.pairs.view()]
         return view
 
     def pool_view(self) -> list[dict[str, Any]]:
@@ -191,6 +195,13 @@ class Frontend:
             body += prometheus_family("hpc_frontend_pool_decisions_total", [
                 ({**lb, "reason": reason}, n) for lb, r in zip(labels, rows)
                 for reason, n in sorted(r["chosen_by"].items())])
+        if self.recipe.disaggregated:
+            pairs = self.router_view()["kv_pairs"]
+            labels = [{"run": self.manifest.run_id, "prefill": p["prefill"], "decode": p["decode"]} for p in pairs]
+            body += prometheus_family("hpc_frontend_kv_pair_timeouts_total",
+                                      [(lb, p["timeouts"]) for lb, p in zip(labels, pairs)])
+            body += prometheus_family("hpc_frontend_kv_pair_benched",
+                                      [(lb, int(p["benched_s"] > 0)) for lb, p in zip(labels, pairs)])
         return body + self.latency.exposition()
 
     # ---- generation routes -----------------------------------------------------------------------

@@ -63,8 +63,23 @@ def merge_health(views: list[dict[str, Any]]) -> dict[str, Any]:
                       resyncs=sum(v["router"]["resyncs"] for v in views))
     if "pools" in router:
         router["pools"] = [_merge_pool([v["router"]["pools"][k] for v in views]) for k in range(len(router["pools"]))]
+    if "kv_pairs" in router:
+        router["kv_pairs"] = merge_pairs([v["router"].get("kv_pairs", []) for v in views])
     return {**first, "status": health_status(live, first["expected"]), "live": live, "instances": instances,
             "router": router, "processes": len(views)}
+
+
+def merge_pairs(views: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each process's KV-transfer timeouts by pair, summed; a pair sits out where any process benched it."""
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for pairs in views:
+        for p in pairs:
+            row = merged.setdefault((p["prefill"], p["decode"]), {**p, "timeouts": 0, "retried": 0, "in_a_row": 0,
+                                                                     "benched_s": 0.0})
+            row.update(timeouts=row["timeouts"] + p["timeouts"], retried=row["retried"] + p["retried"],
+                       in_a_row=max(row.get("in_a_row", 0), p.get("in_a_row", 0)),
+                       benched_s=max(row["benched_s"], p["benched_s"]))
+    return [merged[key] for key in sorted(merged)]
 
 
 def _merge_pool(rows: list[dict[str, Any]]) -> dict[str, Any]:

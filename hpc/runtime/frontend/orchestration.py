@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
-from typing import AsyncIterator
+from collections.abc import Set
+from typing import AsyncGenerator, AsyncIterator
 
 from hpc.runtime.engine.types import DisaggregatedParams, GenerateOutput, GenerateRequest
 from hpc.runtime.frontend.openai import RouteHints
+from hpc.runtime.frontend.pairs import PairHealth
 from hpc.runtime.frontend.pools import PoolRouter
 from hpc.runtime.frontend.router import NotStarted, Router
-from hpc.runtime.serve.rpc import RemoteError
+from hpc.runtime.serve.rpc import KV_TRANSFER_TIMEOUT, RemoteError
 from hpc.runtime.serve.wire import replace
 from hpc.spec.recipe import Recipe
+
+log = logging.getLogger(__name__)
 
 # a disaggregated request's phases, summed (seconds) in the frontend's counters: the prefill call to its answer,
 # that answer to the decode call's start (the first token's delivery), the decode call to its first and last output
@@ -37,7 +42,9 @@ class Orchestrator:
                  counters: dict[str, float]) -> None:
         self.recipe, self.router, self.pools, self.eos_token_id = recipe, router, pools, eos_token_id
         self.phases = counters
-        counters.update(dict.fromkeys(DISAGG_PHASES, 0.0), disagg_requests_total=0)
+        counters.update(dict.fromkeys(DISAGG_PHASES, 0.0), disagg_requests_total=0, kv_transfer_retries_total=0)
+        runtime = recipe.runtime
+        self.pairs = PairHealth(runtime.kv_pair_bench_after, runtime.kv_pair_cooldown_s)
 
     async def outputs(self, gen: GenerateRequest, hints: RouteHints) -> AsyncIterator[GenerateOutput]:
         """Aggregated, or prefill (first token + KV handle) then decode, all within the request's deadline
@@ -54,10 +61,11 @@ class Orchestrator:
             return
         prefill_pools = pools.prefill(isl, hints) if pools else None
         phases, began = self.phases, time.perf_counter()
-        first = await self._prefill(gen, deadline, prefill_pools)
+        first_chosen: list[str] = []
+        first, handoff = await self._prefill(gen, deadline, prefill_pools, chosen=first_chosen)
         answered = time.perf_counter()
         phases["prefill_call_seconds_total"] += answered - began
-        token = first.disaggregated_params.first_token_id
+        token = handoff.first_token_id
         stop = gen.sampling.min_tokens <= 1 and ((token == self.eos_token_id and not gen.sampling.ignore_eos)
                                                  or token in gen.sampling.stop_token_ids)
         done = stop or gen.sampling.max_tokens == 1
@@ -68,35 +76,91 @@ class Orchestrator:
         if done:
             return
 
+        phases["decode_handover_seconds_total"] += time.perf_counter() - answered
+        decode_req = replace(gen, disaggregated_params=handoff, image=None, media=None)
+        async with contextlib.aclosing(self._decode(gen, decode_req, token, (first_chosen or [""])[-1], deadline,
+                                                    prefill_pools, pools.decode(isl, hints) if pools else None)) as outs:
+            async for out in outs:
+                yield out
+
+    async def _decode(self, gen: GenerateRequest, decode_req: GenerateRequest, token: int, prefill_key: str,
+                      deadline: float, prefill_pools: list[str] | None,
+                      decode_pools: list[str] | None) -> AsyncGenerator[GenerateOutput, None]:
+        """The decode from the prefill's KV; a transfer past its deadline goes on another pair (kv_transfer_retries),
+        and a pair whose transfers keep timing out sits out (frontend/pairs.py)."""
+        phases = self.phases
+
         async def prefill_again(failure: Exception, decode_req: GenerateRequest) -> GenerateRequest:
             if not isinstance(failure, NotStarted):  # the pool had no worker: the KV still waits where it was
                 return decode_req
             # the failed decode worker may have taken the prefilled KV with it: prefill again (the client has the
             # first token already, so the decode goes on from that one)
-            again = await self._prefill(gen, deadline, prefill_pools)
-            return replace(decode_req, disaggregated_params=continue_from(again.disaggregated_params, token))
+            _, again = await self._prefill(gen, deadline, prefill_pools)
+            return replace(decode_req, disaggregated_params=continue_from(again, token))
 
-        decode_req = replace(gen, disaggregated_params=first.disaggregated_params, image=None, media=None)
-        sent = time.perf_counter()
-        phases["decode_handover_seconds_total"] += sent - answered
-        waiting_first = True
-        async with contextlib.aclosing(self.router.generate("decode", decode_req, deadline, pools.decode(
-                isl, hints) if pools else None, prefill_again)) as outs:
-            async for out in outs:
-                if waiting_first or out.finished:
-                    got = time.perf_counter() - sent
-                    if waiting_first:
-                        phases["decode_first_output_seconds_total"] += got
-                        waiting_first = False
-                    if out.finished:
-                        phases["decode_call_seconds_total"] += got
-                        phases["disagg_requests_total"] += 1
-                yield out
+        timed_out: set[str] = set()
+        for attempt in range(self.recipe.runtime.kv_transfer_retries + 1):
+            chosen: list[str] = []
+            sent, waiting_first = time.perf_counter(), True
+            try:
+                async with contextlib.aclosing(self.router.generate(
+                        "decode", decode_req, deadline, decode_pools, prefill_again,
+                        self._avoid("decode", self.pairs.benched(prefill_key), timed_out), chosen)) as outs:
+                    async for out in outs:
+                        if waiting_first or out.finished:
+                            got = time.perf_counter() - sent
+                            if waiting_first:
+                                phases["decode_first_output_seconds_total"] += got
+                                if chosen:
+                                    self.pairs.succeeded(prefill_key, chosen[-1])
+                                waiting_first = False
+                            if out.finished:
+                                phases["decode_call_seconds_total"] += got
+                                phases["disagg_requests_total"] += 1
+                        yield out
+                return
+            except RemoteError as exc:
+                # the KV did not arrive in time: the pair's route, not the request, is at fault; the client has the
+                # first token only, so another pair (a fresh prefill, another decode) goes on from it
+                if exc.code != KV_TRANSFER_TIMEOUT or not waiting_first or not chosen:
+                    raise
+                last = attempt == self.recipe.runtime.kv_transfer_retries or not self._another_pair(
+                    prefill_key, timed_out | {chosen[-1]})
+                if self.pairs.failed(prefill_key, chosen[-1], retried=not last):
+                    log.warning("KV transfers %s -> %s keep passing their deadline: the pair leaves routing for "
+                                "%.0f s", prefill_key, chosen[-1], self.pairs.pairs[(prefill_key, chosen[-1])].cooldown_s)
+                if last:
+                    raise
+                timed_out.add(chosen[-1])
+                phases["kv_transfer_retries_total"] += 1
+                again_chosen: list[str] = []
+                _, again = await self._prefill(gen, deadline, prefill_pools, self._avoid("prefill", {prefill_key}),
+                                            again_chosen)
+                prefill_key = (again_chosen or [""])[-1]
+                decode_req = replace(decode_req, disaggregated_params=continue_from(again, token))
 
-    async def _prefill(self, gen: GenerateRequest, deadline: float, pools: list[str] | None) -> GenerateOutput:
+    def _another_pair(self, prefill: str, decodes_failed: set[str]) -> bool:
+        """Whether a pair other than the ones that timed out is live: another prefill, or another decode."""
+        live = [(key, inst.role) for key, inst in self.router.instances.items() if not inst.draining]
+        return any(role == "prefill" and key != prefill or role == "decode" and key not in decodes_failed
+                   for key, role in live)
+
+    def _avoid(self, role: str, rather_not: Set[str], never: Set[str] = frozenset()) -> set[str]:
+        """Instances of `role` to leave out: `never` and `rather_not`, unless that leaves none of the live ones, then
+        `never` alone, unless that leaves none either (trying the one there is beats failing without trying)."""
+        live = {key for key, inst in self.router.instances.items() if inst.role == role and not inst.draining}
+        for avoid in (set(rather_not) | set(never), set(never)):
+            if live - avoid:
+                return avoid
+        return set()
+
+    async def _prefill(self, gen: GenerateRequest, deadline: float, pools: list[str] | None,
+                       avoid: Set[str] = frozenset(),
+                       chosen: list[str] | None = None) -> tuple[GenerateOutput, DisaggregatedParams]:
         first: GenerateOutput | None = None
-        async for out in self.router.generate("prefill", replace(gen, streaming=False), deadline, pools):
+        async for out in self.router.generate("prefill", replace(gen, streaming=False), deadline, pools,
+                                              avoid=avoid, chosen=chosen):
             first = out
         if first is None or first.disaggregated_params is None:
             raise RemoteError("prefill worker returned no KV handle", 502)
-        return first
+        return first, first.disaggregated_params

@@ -17,6 +17,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Set
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from hpc.runtime.frontend.kv_index import KvIndex, holder
@@ -217,12 +218,14 @@ class Router:
     async def generate(self, role: str, request: GenerateRequest, deadline: float | None = None,
                        pools: list[str] | None = None,
                        before_next_pool: Callable[[Exception, Any], Awaitable[Any]] | None = None,
+                       avoid: Set[str] = frozenset(), chosen: list[str] | None = None,
                        ) -> AsyncIterator[GenerateOutput]:
         """Stream from one instance of `role`. A request that produced nothing yet is retried elsewhere: on other
         instances, and with `pools` (the global router's order: the chosen pool, then the faster ones to retry on)
         in the next pool when its own has no live worker or all that were tried failed before the first byte.
         `before_next_pool(failure, request)` gives the request the next pool gets (a decode whose KV may have gone
-        with the failed worker needs a fresh prefill)."""
+        with the failed worker needs a fresh prefill). Instances in `avoid` are not picked; each one picked is
+        appended to `chosen`."""
         if not self.synced.is_set():  # a frontend started again takes requests before it has read discovery
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.synced.wait(), SYNC_WAIT_S)
@@ -231,7 +234,8 @@ class Router:
             if pool is not None:
                 self.pool_routed[(role, pool)] = self.pool_routed.get((role, pool), 0) + 1
             try:
-                async with contextlib.aclosing(self._generate_in(role, request, deadline, pool)) as outs:
+                async with contextlib.aclosing(self._generate_in(role, request, deadline, pool, avoid,
+                                                                 chosen)) as outs:
                     async for out in outs:
                         yield out
                 return
@@ -244,10 +248,13 @@ class Router:
                     request = await before_next_pool(exc, request)
 
     async def _generate_in(self, role: str, request: GenerateRequest, deadline: float | None,
-                           pool: str | None) -> AsyncIterator[GenerateOutput]:
+                           pool: str | None, avoid: Set[str],
+                           chosen: list[str] | None) -> AsyncIterator[GenerateOutput]:
         tried: set[str] = set()
         while True:
-            key, client, blocks = self.pick(role, tried, getattr(request, "token_ids", None), pool)
+            key, client, blocks = self.pick(role, tried | set(avoid), getattr(request, "token_ids", None), pool)
+            if chosen is not None:
+                chosen.append(key)
             if self.picked_rank is not None:  # the engine schedules it on the rank whose cache holds its prefix
                 request = replace(request, dp_rank=self.picked_rank)
             started = False

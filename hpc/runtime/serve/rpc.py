@@ -28,6 +28,9 @@ def _named(body: object) -> str:
     return f"{rid} ({type(body).__name__})" if rid else type(body).__name__
 
 
+KV_TRANSFER_TIMEOUT = 504  # a decode's RemoteError code when the prefill's KV did not arrive within its deadline
+
+
 class RemoteError(Exception):
     """The peer answered with an error (code 400 = the request's fault, else the peer's)."""
 

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Coroutine, Literal
 
-from hpc.runtime.serve.rpc import RemoteError
+from hpc.runtime.serve.rpc import KV_TRANSFER_TIMEOUT, RemoteError
 from hpc.runtime.serve.wire import FetchKv, KvMeta, KvVia, ReleaseKv, replace
 
 log = logging.getLogger("hpc.worker")
@@ -194,7 +194,8 @@ class KvHandoff:
         log.warning("KV transfer from %s passed its deadline: %s took over %.1f s", address, waited_for, took)
         return RemoteError(f"the KV transfer from prefill worker {address} passed its deadline ({waited_for} took "
                            f"over {took:.1f} s: runtime.kv_transfer_min_s {self.deadline.min_s:g} plus "
-                           f"{size / 1e6:.0f} MB at kv_transfer_floor_gb_s {self.deadline.floor_gb_s:g})", 504)
+                           f"{size / 1e6:.0f} MB at kv_transfer_floor_gb_s {self.deadline.floor_gb_s:g})",
+                           KV_TRANSFER_TIMEOUT)
 
     def fetch_now(self, params: Any, loop: asyncio.AbstractEventLoop) -> Any:
         """fetch() where nothing need be asked, from any thread: a KV shared over CUDA IPC with the prefill's

@@ -10,6 +10,7 @@ from hpc.runtime.engine.types import DisaggregatedParams, GenerateOutput, Genera
 from hpc.runtime.frontend.orchestration import Orchestrator
 from hpc.runtime.frontend.openai import RouteHints
 from hpc.runtime.frontend.router import NotStarted
+from hpc.runtime.serve.rpc import KV_TRANSFER_TIMEOUT, RemoteError
 from hpc.runtime.serve.wire import TrtllmContextParams
 from hpc.spec.recipe import Recipe
 
@@ -24,7 +25,9 @@ class Workers:
         self.first_tokens = iter([5, 9])
         self.decoded: list[GenerateRequest] = []
 
-    async def generate(self, role, request, deadline=None, pools=None, before_next_pool=None):
+    instances: dict = {}
+
+    async def generate(self, role, request, deadline=None, pools=None, before_next_pool=None, avoid=(), chosen=None):
         if role == "prefill":
             token = next(self.first_tokens)
             t = TrtllmContextParams(first_gen_tokens=[token], prompt_token_ids=list(request.token_ids),
@@ -52,3 +55,85 @@ def test_a_second_prefill_goes_on_from_the_first_token_the_client_already_has():
     params = decode.disaggregated_params
     assert params.first_token_id == 5 and params.trtllm.ctx_request_id == 9  # the second prefill's KV...
     assert params.trtllm.first_gen_tokens == [5] and params.trtllm.draft_tokens is None  # ...from the client's token
+
+
+class Instance:
+    def __init__(self, role: str) -> None:
+        self.role, self.draining = role, False
+
+
+class Route:
+    """Two prefill and two decode workers; transfers prefill/0 -> decode/0 never arrive (the decode's 504, as
+    kv_handoff raises it past the deadline); every other pair works. Picks the first instance not avoided."""
+
+    def __init__(self) -> None:
+        self.instances = {k: Instance(k.split("/")[0]) for k in ("prefill/0", "prefill/1", "decode/0", "decode/1")}
+        self.calls: list[tuple[str, str]] = []
+        self.prefill_from: dict[int, str] = {}
+
+    async def generate(self, role, request, deadline=None, pools=None, before_next_pool=None, avoid=(), chosen=None):
+        key = sorted(k for k, i in self.instances.items() if i.role == role and k not in avoid)[0]
+        chosen.append(key)
+        self.calls.append((role, key))
+        if role == "prefill":
+            token = 40 + len(self.calls)
+            self.prefill_from[token] = key
+            yield GenerateOutput(token_ids=[token], finished=True, disaggregated_params=DisaggregatedParams(
+                request_handle=f"h{token}", prefill_address=key, first_token_id=token, prompt_length=3))
+            return
+        prefill = request.disaggregated_params.prefill_address
+        if (prefill, key) == ("prefill/0", "decode/0"):
+            raise RemoteError(f"the KV transfer from prefill worker {prefill} passed its deadline", KV_TRANSFER_TIMEOUT)
+        yield GenerateOutput(token_ids=[7], finished=True, finish_reason="length")
+
+
+def _pair_recipe(**runtime):
+    return Recipe.model_validate({"name": "t", "model": {"path": "/m", "served_name": "m"}, "backend": "torch",
+                                  "roles": {"prefill": {"count": 2}, "decode": {"count": 2}}, "runtime": runtime})
+
+
+def _run(orchestrator, n: int = 1):
+    gen = GenerateRequest(request_id="r", token_ids=[11, 12, 13], sampling=SamplingParams(max_tokens=4))
+
+    async def main():
+        runs = []
+        for _ in range(n):
+            runs.append([out async for out in orchestrator.outputs(gen, RouteHints())])
+        return runs
+    return asyncio.run(main())
+
+
+def test_a_timed_out_kv_transfer_goes_on_another_pair_and_a_pair_that_keeps_failing_sits_out():
+    route, counters = Route(), {}
+    clock = [0.0]
+    orchestrator = Orchestrator(_pair_recipe(kv_pair_bench_after=2, kv_pair_cooldown_s=30), route, None,
+                                eos_token_id=2, counters=counters)
+    orchestrator.pairs.clock = lambda: clock[0]
+    (outs,) = _run(orchestrator)
+    assert [t for o in outs for t in o.token_ids] == [41, 7]  # the client's first token, then the retried decode's
+    assert route.calls == [("prefill", "prefill/0"), ("decode", "decode/0"),  # timed out
+                           ("prefill", "prefill/1"), ("decode", "decode/1")]  # another pair, both ends
+    assert counters["kv_transfer_retries_total"] == 1
+    assert orchestrator.pairs.view() == [{"prefill": "prefill/0", "decode": "decode/0", "timeouts": 1,
+                                          "in_a_row": 1, "retried": 1, "benched_s": 0.0}]
+
+    route.calls.clear()
+    _run(orchestrator)  # the second timeout in a row: the pair sits out
+    assert orchestrator.pairs.benched("prefill/0") == {"decode/0"}
+    route.calls.clear()
+    _run(orchestrator)
+    assert route.calls == [("prefill", "prefill/0"), ("decode", "decode/1")]  # not tried on the benched pair
+    assert orchestrator.pairs.view()[0]["benched_s"] == 30.0
+
+    clock[0] = 31.0  # the cooldown is over: one request tries the pair again, fails, and it sits out twice as long
+    route.calls.clear()
+    _run(orchestrator)
+    assert ("decode", "decode/0") == route.calls[1]
+    assert orchestrator.pairs.view()[0]["benched_s"] == 60.0
+
+
+def test_with_no_retry_left_the_request_fails_with_the_decodes_504():
+    orchestrator = Orchestrator(_pair_recipe(kv_transfer_retries=0), Route(), None, eos_token_id=2, counters={})
+    with pytest.raises(RemoteError) as failed:
+        _run(orchestrator)
+    assert failed.value.code == KV_TRANSFER_TIMEOUT and "prefill/0" in str(failed.value)
