@@ -8,7 +8,10 @@ before any server starts, what real clusters break and a software check cannot s
 - the run directory's and TMPDIR's filesystems have room;
 - every other node of the job is reachable at the address its servers will publish (a route or firewall that
   drops traffic between two nodes, or a hostname that resolves to 127.0.1.1, is what makes disaggregated requests
-  hang while aggregated ones work).
+  hang while aggregated ones work);
+- each planned prefill -> decode pair of nodes moves `transfer_mb` as KV moves, prefill to decode, at the same
+  addresses: a link that connects but drops large frames (jumbo frames on one side only) passes a hello and hangs
+  on the first KV; a link far slower than it should be shows its MB/s.
 
 Each check is skipped where it cannot apply (no nvidia-smi, no GPU planned on the node, a model the job builds).
 Every failure is one line naming the node, the check, the figure and the fix. The nodes meet through files in the
@@ -40,6 +43,9 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 READ_CHUNK = 8 << 20
 READ_TIME_LIMIT_S = 10.0  # a read this slow has said what it needed to
 HELLO = b"hpc-preflight "
+SEND = b"hpc-send "  # then a number of bytes: the listener sends that many, as a prefill sends its KV
+SEND_CHUNK = 1 << 20
+CRAWL_MB_S = 10.0  # the kv path's transfer ends by peer_timeout_s plus its size at this rate
 
 
 @dataclass(frozen=True)
@@ -191,6 +197,7 @@ class Mesh:
         self.expected, self.peer_timeout_s, self.gather_timeout_s = expected, peer_timeout_s, gather_timeout_s
         self.listener: socket.socket | None = None
         self.heard: set[str] = set()
+        self.peers: dict[str, dict] = {}  # every node's listener, once probe() gathered them
 
     def open(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -209,18 +216,28 @@ class Mesh:
                 conn, _ = self.listener.accept()
             except OSError:
                 return
-            with conn:
-                conn.settimeout(self.peer_timeout_s)
-                try:
-                    hello = conn.recv(256)
-                    if hello.startswith(HELLO):
-                        self.heard.add(hello[len(HELLO):].decode(errors="replace").strip())
-                        conn.sendall(b"ok\n")
-                except OSError:
-                    pass
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(self.peer_timeout_s)
+            try:
+                hello = conn.recv(256)
+                if hello.startswith(HELLO):
+                    self.heard.add(hello[len(HELLO):].decode(errors="replace").strip())
+                    conn.sendall(b"ok\n")
+                elif hello.startswith(SEND) and hello[len(SEND):].strip().isdigit():
+                    left = min(int(hello[len(SEND):].strip()), 1024 * SEND_CHUNK)
+                    block = bytes(SEND_CHUNK)
+                    while left > 0:
+                        conn.sendall(block[:left])
+                        left -= min(left, SEND_CHUNK)
+            except OSError:
+                pass
 
     def probe(self) -> tuple[Finding, list[str]]:
         found = _gather(self.folder, ".addr.json", self.expected, self.gather_timeout_s)
+        self.peers = found
         others = [rec for name, rec in sorted(found.items(), key=lambda kv: kv[1]["index"]) if name != self.node]
         failed, slowest = [], 0.0
         for rec in others:
@@ -248,6 +265,48 @@ class Mesh:
                            "see logs/preflight.log for the nodes that did not start their check"), []
         return Finding("peers", True, f"{len(others)}/{len(others)} nodes reachable, slowest "
                                       f"{slowest * 1000:.0f} ms"), []
+
+    def fetch(self, peers: dict[str, dict], sources: list[str], mb: int,
+              min_mb_s: float | None) -> tuple[Finding | None, list[str]]:
+        """`mb` from each node in `sources` (the prefill nodes this decode node takes KV from), timed; a stall
+        past peer_timeout_s or a rate under `min_mb_s` fails the pair."""
+        failed, rates = [], []
+        for name in sources:
+            rec = peers.get(name)
+            if rec is None:
+                continue  # not reported: the peers check says so
+            want, got, t0 = mb * SEND_CHUNK, 0, time.monotonic()
+            deadline = t0 + self.peer_timeout_s + mb / CRAWL_MB_S  # a crawl is bounded too, not only a stall
+            try:
+                with socket.create_connection((rec["address"], rec["port"]), timeout=self.peer_timeout_s) as s:
+                    s.sendall(SEND + str(want).encode() + b"\n")
+                    while got < want:
+                        s.settimeout(max(0.01, min(self.peer_timeout_s, deadline - time.monotonic())))
+                        if time.monotonic() >= deadline:
+                            raise socket.timeout()
+                        chunk = s.recv(min(SEND_CHUNK, want - got))
+                        if not chunk:
+                            raise OSError("the sender closed early")
+                        got += len(chunk)
+            except OSError as exc:
+                why = "stalled" if isinstance(exc, socket.timeout) else (exc.strerror or str(exc))
+                failed.append((name, f"{got / SEND_CHUNK:.1f} of {mb} MB from {name} ({why} after "
+                                     f"{time.monotonic() - t0:.1f} s)"))
+                continue
+            rate = mb / max(time.monotonic() - t0, 1e-6)
+            rates.append(rate)
+            if min_mb_s is not None and rate < min_mb_s:
+                failed.append((name, f"{mb} MB from {name} at {rate:.0f} MB/s, under min_transfer_mb_s "
+                                     f"{min_mb_s:g}"))
+        if failed:
+            more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+            return Finding("kv path", False, failed[0][1] + more,
+                           "a link that connects but stalls on bulk data drops large frames: check that both "
+                           "nodes' interfaces have the same MTU (ip link), and the profile's network.interface"), \
+                [name for name, _ in failed]
+        if not rates:
+            return None, []
+        return Finding("kv path", True, f"{mb} MB from {len(rates)} prefill node(s), slowest {min(rates):.0f} MB/s"), []
 
     def close(self) -> None:
         if self.listener is not None:
@@ -298,6 +357,14 @@ def bad_nodes(results: dict[str, dict], expected: int) -> dict[str, str]:
     if len(results) < expected:
         bad.setdefault("?", f"{expected - len(results)} nodes did not report")
     return bad
+
+
+def kv_sources(manifest: dict, index: int) -> list[int]:
+    """The nodes (plan indices) whose prefill workers send KV to a decode worker on node `index`, not itself."""
+    workers = manifest["plan"]["workers"]
+    if not any(index in w["nodes"] for w in workers if w["role"] == "decode"):
+        return []
+    return sorted({n for w in workers if w["role"] == "prefill" for n in w["nodes"]} - {index})
 
 
 def node_findings(manifest: dict, node: str, index: int) -> list[Finding]:
@@ -357,6 +424,13 @@ def run_checks(manifest: dict, software_ok: bool, software_line: str,
     if mesh is not None:
         peers, unreachable = mesh.probe()
         found.append(peers)
+        sources = kv_sources(manifest, index)
+        if sources and settings.get("transfer_mb"):
+            names = {rec["index"]: name for name, rec in mesh.peers.items()}
+            kv, stalled = mesh.fetch(mesh.peers, [names[i] for i in sources if i in names],
+                                     settings["transfer_mb"], settings.get("min_transfer_mb_s"))
+            found += [kv] if kv else []
+            unreachable += [n for n in stalled if n not in unreachable]
     lines = ([] if software_ok else [software_line]) + [f.line() for f in found if not f.ok]
     problems = ([] if software_ok else [software_line.split(": ", 1)[-1]]) + [
         f"{f.check}: {f.figure}" for f in found if not f.ok]  # without the fixes, for the lists of bad nodes

@@ -87,6 +87,11 @@ class Preflight(StrictModel):
     min_read_mb_s: float | None = Field(None, gt=0, description="a slower read of the model fails the node")
     min_free_gb: float = Field(1.0, ge=0, description="free space the run directory and TMPDIR must have")
     peer_timeout_s: float = Field(5.0, gt=0, le=120, description="a connection from one node to another")
+    transfer_mb: int = Field(
+        16, ge=0, le=1024, description="MB each decode worker's node fetches from each prefill worker's node, as "
+                                       "KV moves (over TCP at the published addresses; 0: off): a link that "
+                                       "connects but drops large frames (an MTU mismatch) or crawls shows here")
+    min_transfer_mb_s: float | None = Field(None, gt=0, description="a slower transfer fails the pair")
     gather_timeout_s: float = Field(
         120.0, gt=0, le=3600, description="how long a node waits for the others to report (their containers may "
                                           "still be unpacking)")

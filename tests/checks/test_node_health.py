@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from hpc.checks import node_health
-from hpc.checks.node_health import Mesh, bad_nodes, gpu_findings, model_read_finding, scratch_findings
+from hpc.checks.node_health import (Mesh, bad_nodes, gpu_findings, kv_sources, model_read_finding,
+                                     scratch_findings)
 
 pytestmark = pytest.mark.unit
 
@@ -172,3 +174,34 @@ def test_which_nodes_are_left_out():
     assert bad_nodes({"a": rec(0, ["b"]), "b": rec(1, ["a"]), "c": rec(2)}, 3) == {"b": "cannot reach a"}
     # all well
     assert bad_nodes({"a": rec(0), "b": rec(1)}, 2) == {}
+
+
+def test_each_decode_node_takes_kv_from_the_prefill_nodes_but_not_its_own():
+    plan = {"plan": {"workers": [{"role": "prefill", "nodes": [1]}, {"role": "prefill", "nodes": [2]},
+                                 {"role": "decode", "nodes": [2, 3]}, {"role": "agg", "nodes": [0]}]}}
+    assert kv_sources(plan, 2) == [1] and kv_sources(plan, 3) == [1, 2]
+    assert kv_sources(plan, 1) == [] and kv_sources(plan, 0) == []  # not a decode node
+
+
+def test_the_kv_path_moves_its_megabytes_and_names_a_sender_that_stalls(tmp_path):
+    meshes = _meshes(tmp_path, ["n1", "n2", "n3"])
+    for m in meshes:
+        m.open()
+    _probe_all(meshes)
+    finding, stalled = meshes[2].fetch(meshes[2].peers, ["n1", "n2"], 8, None)
+    assert finding.ok and finding.figure.startswith("8 MB from 2 prefill node(s), slowest ") and stalled == []
+    floor, slow = meshes[2].fetch(meshes[2].peers, ["n1"], 8, 1e9)  # no link moves 1 PB/s
+    assert not floor.ok and "under min_transfer_mb_s 1e+09" in floor.figure and slow == ["n1"]
+
+    mute = socket.socket()  # a node whose handshake passes and whose bulk data never comes: an MTU blackhole
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(4)
+    peers = {**meshes[2].peers, "n1": {**meshes[2].peers["n1"], "port": mute.getsockname()[1]}}
+    t0 = time.monotonic()
+    finding, stalled = meshes[2].fetch(peers, ["n1"], 8, None)
+    assert time.monotonic() - t0 < 3  # peer_timeout_s (1 s), not forever
+    assert not finding.ok and finding.figure.startswith("0.0 of 8 MB from n1 (stalled after 1.0 s)")
+    assert "MTU" in finding.fix and stalled == ["n1"]
+    mute.close()
+    for m in meshes:
+        m.close()

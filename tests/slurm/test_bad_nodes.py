@@ -80,6 +80,39 @@ def test_a_node_that_drops_traffic_to_its_decode_peer_is_named(slurm_env, tmp_pa
     assert list(record["bad_nodes"]) == ["node3"]  # of a pair alone, the later node
 
 
+def test_a_link_that_drops_large_frames_passes_the_hello_and_is_named_on_the_kv_path(slurm_env, capsys):
+    """node2's namespace sends node3 nothing over about 1000 bytes (a token bucket whose burst no full segment
+    fits: what an MTU mismatch on a switch port between them does). The handshake and the peers' hello are small and pass; the first bulk
+    data, as a prefill sends its KV, never arrives, and no ICMP says why, so TCP would wait forever."""
+    tc = ["tc", "-n", "hpc-node2"]
+    for rule in (["qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "10"],
+                 ["class", "add", "dev", "eth0", "parent", "1:", "classid", "1:10", "htb", "rate", "10gbit"],
+                 ["class", "add", "dev", "eth0", "parent", "1:", "classid", "1:20", "htb", "rate", "10gbit"],
+                 # towards node3 only (Slurm's own traffic goes on): nothing over 1000 bytes gets through
+                 ["qdisc", "add", "dev", "eth0", "parent", "1:20", "tbf", "rate", "1gbit", "burst", "1000",
+                  "latency", "50ms"],
+                 ["filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match",
+                  "ip", "dst", "10.77.0.13/32", "flowid", "1:20"]):
+        subprocess.run([*tc, *rule], check=True, capture_output=True)
+    try:
+        t0 = time.monotonic()
+        assert main(["launch", "-c", "dev", "-r", "tiny-disagg", "--no-smoke", "--set", frontend_port()]) == 1
+        elapsed = time.monotonic() - t0
+    finally:
+        subprocess.run([*tc, "qdisc", "del", "dev", "eth0", "root"], check=True)
+    err = capsys.readouterr().err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("preflight failed: ")]
+    assert line.startswith("preflight failed: hpc preflight on node3: kv path: 0.0 of 16 MB from node2 (stalled"), line
+    assert "same MTU" in line
+    assert elapsed < 30, elapsed
+    (run,) = list_runs()
+    _nothing_left(slurm_env, run)
+    record = run.preflight(run.job_id())
+    checks = {f["check"]: f for f in record["nodes"]["node3"]["findings"]}
+    assert checks["peers"]["ok"] and not checks["kv path"]["ok"]  # the hello passed: only bulk data shows it
+    assert list(record["bad_nodes"]) == ["node3"]
+
+
 def test_on_bad_node_exclude_comes_back_on_the_good_nodes_and_serves(slurm_env, tmp_path, capsys, faults):
     faults({"node2": {"ecc": 1}})
     cluster = dev_cluster_file(tmp_path, preflight={"on_bad_node": "exclude"})
