@@ -321,10 +321,21 @@ class Frontend:
                         "timeout", code="timeout")
 
     async def _encode(self, text: str) -> list[int]:
-        """Tokenize; a long prompt goes to a thread so the event loop keeps serving everyone else meanwhile."""
+        """Bound, then tokenize: a prompt with more characters than its token limit can hold is refused before
+        any work; a long one goes to a thread that lets go of the GIL (encode_bounded), so the event loop keeps
+        serving everyone else meanwhile."""
+        limit = self.recipe.limits.max_input_tokens
+        if len(text) > self.codec.most_chars(limit):
+            raise ApiError(400, f"prompt has {len(text):,} characters, more than {limit} tokens can hold (at most "
+                                f"{self.codec.max_token_chars} characters a token); the limit is {limit} tokens",
+                           param="prompt", code="context_length_exceeded")
         if len(text) < OFF_LOOP_CHARS:
             return self.codec.encode(text)
-        return await asyncio.to_thread(self.codec.encode, text)
+        ids = await asyncio.to_thread(self.codec.encode_bounded, text, limit)
+        if isinstance(ids, int):
+            raise ApiError(400, f"prompt has {ids} tokens; the limit is {limit}", param="prompt",
+                           code="context_length_exceeded")
+        return ids
 
     async def _events(self, body: Any, gen: GenerateRequest) -> AsyncIterator[Piece]:
         """Text deltas with their finish reason, the tokens so far and the logprobs of the tokens they carry,

@@ -286,3 +286,26 @@ def test_a_4xx_is_one_bounded_line_of_the_frontends_log_and_a_long_model_name_is
     log = (agg.run.logs / "frontend.log").read_text().splitlines()
     lines = [line for line in log if "-> 400" in line and "param=max_tokenz" in line]
     assert lines and all(len(line) < 600 for line in log if "-> 40" in line)
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_a_prompt_too_long_for_its_tokens_is_refused_before_tokenizing_and_one_just_under_after(agg, route):
+    """tiny-agg takes 512 prompt tokens; its tokenizer's longest piece is max_token_chars characters: 600 KB of
+    text cannot fit and is refused on its length alone; 20,000 characters might and are tokenized, in a thread
+    that lets go of the GIL, then refused by their count."""
+    c = client(agg)
+
+    def ask(text: str):
+        if route == "chat":
+            return c.chat.completions.create(model=agg.model, messages=[{"role": "user", "content": text}],
+                                             max_tokens=4)
+        return c.completions.create(model=agg.model, prompt=text, max_tokens=4)
+    with pytest.raises(openai.BadRequestError) as refused:
+        ask("the sea " * 75_000)
+    body = refused.value.body
+    assert "more than 512 tokens can hold" in body["message"] and "characters a token" in body["message"]
+    assert body["param"] == "prompt" and body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as counted:
+        ask("the sea " * 2_500)
+    assert "tokens; the limit is 512" in counted.value.body["message"]
+    assert ask("the sea").usage.completion_tokens > 0  # and it serves on

@@ -4,6 +4,8 @@ decoded at once, and never a half UTF-8 character on the way."""
 from __future__ import annotations
 
 import random
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -88,3 +90,32 @@ def test_a_tokenizer_file_that_does_not_parse_is_named_in_the_error(tmp_path):
     (tmp_path / "tokenizer.json").write_text("not json")
     with pytest.raises(ValueError, match=r"tokenizer\.json cannot be read as a fast tokenizer: expected"):
         TextCodec(tmp_path)
+
+
+def test_a_bounded_encode_gives_the_ids_or_past_the_limit_only_their_count(codec):
+    text = "the sea is calm tonight " * 40
+    ids = codec.encode(text)
+    assert codec.encode_bounded(text, len(ids)) == ids
+    assert codec.encode_bounded(text, len(ids) - 1) == len(ids)  # a count, not a list
+    # no text longer than this fits the tokens, whatever it says: every piece is at most max_token_chars long
+    assert all(len(codec.decode([i])) <= codec.max_token_chars for i in range(codec.tok.get_vocab_size()))
+    assert codec.most_chars(512) == 512 * codec.max_token_chars
+
+
+def test_a_long_encode_in_a_thread_leaves_the_rest_of_the_process_running(codec):
+    """encode holds the GIL for the whole prompt (a 10 MB one froze the frontend for 15 s); encode_bounded does
+    not. Counted, not timed: how often this thread got to run while the other tokenized."""
+    text = "alpha beta gamma delta " * 50_000  # 1.1 MB
+    done = threading.Event()
+    ran = 0
+
+    def tokenize():
+        codec.encode_bounded(text, 10)
+        done.set()
+    worker = threading.Thread(target=tokenize)
+    worker.start()
+    while not done.is_set():
+        time.sleep(0.001)
+        ran += 1
+    worker.join()
+    assert ran > 50, ran  # encode in its place: a handful (it held the GIL throughout)
