@@ -220,7 +220,10 @@ class Frontend:
         except ValidationError as exc:
             err = exc.errors()[0]
             param = ".".join(str(p) for p in err["loc"])
-            raise ApiError(400, f"{param}: {err['msg']}", param=param) from None
+            raise ApiError(400, f"{param}: {err['msg']}"[:500], param=param[:200]) from None
+        problem = parsed.problem()
+        if problem is not None:
+            raise ApiError(400, f"{problem[0]}: {problem[1]}", param=problem[0])
         if parsed.model != self.model_name:
             asked = parsed.model if len(parsed.model) <= 80 else parsed.model[:80] + f"... ({len(parsed.model)} chars)"
             raise ApiError(404, f"model {asked!r} does not exist; this server serves '{self.model_name}'",
@@ -296,7 +299,7 @@ class Frontend:
         if len(images) > 1:
             raise ApiError(400, "at most one image per request is supported", param="messages")
         try:
-            tools = body.tools if body.tool_choice != "none" else None
+            tools = body.tool_dicts()
             prompt = self.codec.apply_chat_template(messages, tools, variables)
         except Exception as exc:
             raise ApiError(400, f"chat template failed: {exc}", param="messages") from None

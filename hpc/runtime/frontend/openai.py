@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from typing import Any, Literal, NamedTuple
@@ -67,7 +66,6 @@ TOOLS_WITHOUT_PARSER = {"tools": lambda v: bool(v), "tool_choice": lambda v: v n
 TOOLS_WITH_PARSER = {"tool_choice": lambda v: v not in (None, "none", "auto") and not _forced_tool(v)}
 # for a chat template to read (ChatRequest); a completion has none
 TEMPLATE_ONLY = {"reasoning_effort": lambda v: v is not None, "chat_template_kwargs": lambda v: bool(v)}
-TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 
 
 # OpenAI fields that describe the caller, not the answer: accepted, and they change nothing here
@@ -140,6 +138,55 @@ class RouteHints(NamedTuple):
     priority: int | None = None
 
 
+class _StrictPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_StrictPart):
+    include_usage: bool = False
+    include_obfuscation: bool = False  # OpenAI's: padding against length side channels; nothing to pad here
+
+
+class FunctionDefinition(_StrictPart):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: str | None = Field(None, max_length=65_536)
+    parameters: dict[str, Any] | None = None  # a JSON Schema of an object (OpenAI's function parameters)
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return value
+        if value.get("type", "object") != "object":
+            raise ValueError(f"a function's parameters are a JSON Schema of an object (type 'object'), not "
+                             f"{str(value.get('type'))[:40]!r}")
+        properties, required = value.get("properties", {}), value.get("required", [])
+        if not isinstance(properties, dict) or not all(isinstance(p, dict) for p in properties.values()):
+            raise ValueError("parameters.properties must map each argument's name to its schema (an object)")
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ValueError("parameters.required must be a list of argument names")
+        return value
+
+
+class Tool(_StrictPart):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_StrictPart):
+    name: str = Field(max_length=64)
+
+
+class NamedToolChoice(_StrictPart):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+MAX_STOPS = 32  # OpenAI takes 4; evaluation harnesses send more (lm-eval's "until" lists)
+MAX_TOOLS = 128  # OpenAI's
+
+
 class _Request(BaseModel):
     # Clients send many optional OpenAI fields; those without an effect here (user, metadata, ...) are ignored,
     # and those whose effect is not implemented are refused before validation (see UNSUPPORTED).
@@ -163,7 +210,7 @@ class _Request(BaseModel):
     # extension (vLLM, TensorRT-LLM; AIPerf and MLPerf harnesses send it to pin output lengths): EOS and stop tokens
     # do not end the answer before this many tokens
     min_tokens: int = Field(0, ge=0, le=10_000_000)
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     response_format: dict[str, Any] | None = None
     extra_args: SlaTargets | None = None  # seed 003: {"ttft_target": ms, "itl_target": ms}
     nvext: NvExt | None = None  # Dynamo's spelling: nvext.router.{ttft,itl}_target, nvext.agent_hints.priority
@@ -188,7 +235,23 @@ class _Request(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"{len(stops)} stop sequences; at most {MAX_STOPS}")
+        if any(not 1 <= len(stop) <= 4096 for stop in stops):
+            raise ValueError("each stop sequence is 1 to 4096 characters")
+        return value
+
+    def problem(self) -> tuple[str, str] | None:
+        """(field, why) for fields valid alone that do not go together, as OpenAI refuses them."""
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options is only allowed when stream is true"
+        return None
 
 
 MAX_CHOICES = 256  # prompts x n in one request: each is an engine request of its own
@@ -233,7 +296,7 @@ class CompletionRequest(_Request):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool's answer
@@ -245,8 +308,8 @@ class ChatRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1, le=10_000_000)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # for the model's chat template: vLLM's, SGLang's and trtllm-serve's extension ({"enable_thinking": false}
     # for Qwen3), and OpenAI's reasoning_effort, which gpt-oss's template reads
     chat_template_kwargs: dict[str, Any] | None = None
@@ -256,15 +319,24 @@ class ChatRequest(_Request):
         """The functions the answer must call one of (tool_choice required / named), None when not forced."""
         if self.tool_choice in (None, "none", "auto"):
             return None
-        offered = [t.get("function", {}).get("name") for t in self.tools or [] if isinstance(t, dict)]
-        if not offered or not all(isinstance(n, str) and TOOL_NAME.fullmatch(n) for n in offered):
-            raise ValueError("tools: forcing a call needs tools whose function names match [A-Za-z0-9_-]{1,64}")
+        offered = [t.function.name for t in self.tools or []]
         if self.tool_choice == "required":
             return sorted(set(offered))
-        name = self.tool_choice["function"]["name"]
+        name = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else ""
         if name not in offered:
             raise ValueError(f"tool_choice names function {name!r}, which is not among the tools offered")
         return [name]
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template reads them (OpenAI's JSON), unless tool_choice is none."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def problem(self) -> tuple[str, str] | None:
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            return "tool_choice", "tool_choice forces a call, which is only allowed when tools are given"
+        return super().problem()
 
     @field_validator("top_logprobs")
     @classmethod

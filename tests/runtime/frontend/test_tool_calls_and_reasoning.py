@@ -5,6 +5,8 @@ tool_calls, streamed and not."""
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -139,3 +141,55 @@ def test_harmony_reasoning_and_tool_call_whole_and_streamed(harmony_stack):
             reasoning += (ch.delta.model_extra or {}).get("reasoning_content") or ""
             calls += ch.delta.tool_calls or []
     assert reasoning == "Weather needs a lookup." and [t.function.name for t in calls] == ["get_weather"]
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("fields, param, says", [
+    ({"tools": [{"type": "function"}]}, "tools.0.function", "Field required"),
+    ({"tools": [{"type": "retrieval", "function": WEATHER["function"]}]}, "tools.0.type", "'function'"),
+    ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {"type": "string"}}}]},
+     "tools.0.function.parameters", "JSON Schema of an object"),
+    ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {"properties": ["city"]}}}]},
+     "tools.0.function.parameters", "properties must map"),
+    ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {"required": "city"}}}]},
+     "tools.0.function.parameters", "required must be a list"),
+    ({"tools": [{"type": "function", "function": {"name": "$(id)"}}]}, "tools.0.function.name", "pattern"),
+    ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]}, "tools.0.function.name", "pattern"),
+    ({"tools": [{**WEATHER, "extra": 1}]}, "tools.0.extra", "Extra inputs"),
+    ({"tools": [WEATHER] * 129}, "tools", "at most 128"),
+    ({"tool_choice": "required"}, "tool_choice", "only allowed when tools are given"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
+     "only allowed when tools are given"),
+    ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice", ""),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice",
+     "not among the tools offered"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice", ""),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage", "boolean"),
+    ({"stream": True, "stream_options": {"include_usge": True}}, "stream_options.include_usge", "Extra inputs"),
+    ({"stream": True, "stream_options": ["include_usage"]}, "stream_options", ""),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", "'system'"),
+    ({"messages": [{"role": None, "content": "hi"}]}, "messages.0.role", ""),
+    ({"stop": ["x"] * 33}, "stop", "at most 32"),
+    ({"stop": [""]}, "stop", "1 to 4096 characters"),
+    ({"stop": "s" * 5000}, "stop", "1 to 4096 characters"),
+])
+def test_a_request_whose_tools_stream_options_roles_or_stops_are_not_openais_is_a_400_naming_the_field(
+        guided_stack, fields, param, says):
+    body = {"model": guided_stack.model, "messages": ASK, "max_tokens": 2, **fields}
+    request = urllib.request.Request(guided_stack.url + "/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    answer = json.loads(refused.value.read())["error"]
+    assert refused.value.code == 400 and answer["param"].startswith(param), answer
+    assert says in answer["message"] and len(answer["message"]) < 600, answer
+    ok = {"model": guided_stack.model, "messages": ASK, "max_tokens": 2, "tools": [WEATHER], "tool_choice": "auto",
+          "stream": True, "stream_options": {"include_usage": True}}
+    with urllib.request.urlopen(urllib.request.Request(guided_stack.url + "/v1/chat/completions",
+                                                       json.dumps(ok).encode(),
+                                                       {"Content-Type": "application/json"}), timeout=30) as served:
+        assert served.status == 200 and b'"usage"' in served.read()  # the well-formed one is served on
