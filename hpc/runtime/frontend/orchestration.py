@@ -15,7 +15,7 @@ from hpc.runtime.frontend.openai import RouteHints
 from hpc.runtime.frontend.pairs import PairHealth
 from hpc.runtime.frontend.pools import PoolRouter
 from hpc.runtime.frontend.router import NotStarted, Router
-from hpc.runtime.serve.rpc import KV_TRANSFER_TIMEOUT, RemoteError
+from hpc.runtime.serve.rpc import KV_GONE, KV_TRANSFER_TIMEOUT, RemoteError
 from hpc.runtime.serve.wire import replace
 from hpc.spec.recipe import Recipe
 
@@ -42,7 +42,8 @@ class Orchestrator:
                  counters: dict[str, float]) -> None:
         self.recipe, self.router, self.pools, self.eos_token_id = recipe, router, pools, eos_token_id
         self.phases = counters
-        counters.update(dict.fromkeys(DISAGG_PHASES, 0.0), disagg_requests_total=0, kv_transfer_retries_total=0)
+        counters.update(dict.fromkeys(DISAGG_PHASES, 0.0), disagg_requests_total=0, kv_transfer_retries_total=0,
+                        kv_gone_retries_total=0)
         runtime = recipe.runtime
         self.pairs = PairHealth(runtime.kv_pair_bench_after, runtime.kv_pair_cooldown_s)
 
@@ -120,10 +121,20 @@ class Orchestrator:
                         yield out
                 return
             except RemoteError as exc:
-                # the KV did not arrive in time: the pair's route, not the request, is at fault; the client has the
-                # first token only, so another pair (a fresh prefill, another decode) goes on from it
-                if exc.code != KV_TRANSFER_TIMEOUT or not waiting_first or not chosen:
+                # the KV did not arrive in time (the pair's route is at fault, not the request), or it is gone (a
+                # decode worker that took it died, and the router sent the request on to another): the client has
+                # the first token only, so a fresh prefill and another decode go on from it
+                if exc.code not in (KV_TRANSFER_TIMEOUT, KV_GONE) or not waiting_first or not chosen:
                     raise
+                if exc.code == KV_GONE:
+                    if attempt == self.recipe.runtime.kv_transfer_retries:
+                        raise
+                    phases["kv_gone_retries_total"] += 1
+                    again_chosen: list[str] = []
+                    _, again = await self._prefill(gen, deadline, prefill_pools, chosen=again_chosen)
+                    prefill_key = (again_chosen or [prefill_key])[-1]
+                    decode_req = replace(decode_req, disaggregated_params=continue_from(again, token))
+                    continue
                 last = attempt == self.recipe.runtime.kv_transfer_retries or not self._another_pair(
                     prefill_key, timed_out | {chosen[-1]})
                 if self.pairs.failed(prefill_key, chosen[-1], retried=not last):
@@ -133,7 +144,7 @@ class Orchestrator:
                     raise
                 timed_out.add(chosen[-1])
                 phases["kv_transfer_retries_total"] += 1
-                again_chosen: list[str] = []
+                again_chosen = []
                 _, again = await self._prefill(gen, deadline, prefill_pools, self._avoid("prefill", {prefill_key}),
                                             again_chosen)
                 prefill_key = (again_chosen or [""])[-1]

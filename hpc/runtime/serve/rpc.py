@@ -29,6 +29,7 @@ def _named(body: object) -> str:
 
 
 KV_TRANSFER_TIMEOUT = 504  # a decode's RemoteError code when the prefill's KV did not arrive within its deadline
+KV_GONE = 404  # a prefill's when no KV waits under the handle (taken by a decode that then died, or expired)
 
 
 class RemoteError(Exception):

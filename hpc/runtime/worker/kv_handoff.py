@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Coroutine, Literal
 
-from hpc.runtime.serve.rpc import KV_TRANSFER_TIMEOUT, RemoteError
+from hpc.runtime.serve.rpc import KV_GONE, KV_TRANSFER_TIMEOUT, RemoteError
 from hpc.runtime.serve.wire import FetchKv, KvMeta, KvVia, ReleaseKv, replace
 
 log = logging.getLogger("hpc.worker")
@@ -316,7 +316,7 @@ class KvHandoff:
                 return meta, b""
             return self.engine.take_handoff(call.handle, ipc=call.via == "cuda_ipc")
         except KeyError:
-            raise RemoteError(f"no KV cache waiting under handle {call.handle!r}", 404) from None
+            raise RemoteError(f"no KV cache waiting under handle {call.handle!r}", KV_GONE) from None
 
     def release(self, handle: str) -> None:
         if self.nixl is not None:

@@ -10,7 +10,7 @@ from hpc.runtime.engine.types import DisaggregatedParams, GenerateOutput, Genera
 from hpc.runtime.frontend.orchestration import Orchestrator
 from hpc.runtime.frontend.openai import RouteHints
 from hpc.runtime.frontend.router import NotStarted
-from hpc.runtime.serve.rpc import KV_TRANSFER_TIMEOUT, RemoteError
+from hpc.runtime.serve.rpc import KV_GONE, KV_TRANSFER_TIMEOUT, RemoteError
 from hpc.runtime.serve.wire import TrtllmContextParams
 from hpc.spec.recipe import Recipe
 
@@ -73,7 +73,8 @@ class Route:
 
     async def generate(self, role, request, deadline=None, pools=None, before_next_pool=None, avoid=(), chosen=None):
         key = sorted(k for k, i in self.instances.items() if i.role == role and k not in avoid)[0]
-        chosen.append(key)
+        if chosen is not None:
+            chosen.append(key)
         self.calls.append((role, key))
         if role == "prefill":
             token = 40 + len(self.calls)
@@ -137,3 +138,27 @@ def test_with_no_retry_left_the_request_fails_with_the_decodes_504():
     with pytest.raises(RemoteError) as failed:
         _run(orchestrator)
     assert failed.value.code == KV_TRANSFER_TIMEOUT and "prefill/0" in str(failed.value)
+
+
+class Churn(Route):
+    """decode/0 took the KV and died; the router sent the request on to decode/1, whose fetch finds no KV under
+    the handle (the prefill's 404): what a kill -9 of a decode worker under load did to clients."""
+
+    async def generate(self, role, request, deadline=None, pools=None, before_next_pool=None, avoid=(), chosen=None):
+        if role == "decode" and len(self.calls) == 1:
+            chosen.append("decode/1")
+            self.calls.append(("decode", "decode/1"))
+            raise RemoteError(f"no KV cache waiting under handle {request.disaggregated_params.request_handle!r}",
+                              KV_GONE)
+        async for out in super().generate(role, request, deadline, pools, before_next_pool, avoid, chosen):
+            yield out
+
+
+def test_a_kv_gone_with_a_dead_decode_worker_is_prefilled_again_not_a_404():
+    route, counters = Churn(), {}
+    route.instances.pop("prefill/0")  # the one prefill left: the request goes on from its fresh KV
+    orchestrator = Orchestrator(_pair_recipe(), route, None, eos_token_id=2, counters=counters)
+    (outs,) = _run(orchestrator)
+    assert [t for o in outs for t in o.token_ids][1:] == [7]
+    assert route.calls[2][0] == "prefill" and counters["kv_gone_retries_total"] == 1
+    assert orchestrator.pairs.view() == []  # the pair did nothing wrong
