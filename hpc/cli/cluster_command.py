@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import yaml
@@ -26,7 +27,7 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("cluster", help="make a cluster profile (see: hpc cluster new -h)")
     verbs = p.add_subparsers(dest="verb", required=True)
     n = verbs.add_parser("new", help="a cluster profile from sinfo, srun and scontrol, run here (a login node)")
-    n.add_argument("name", help="the profile's name (hpc launch -c NAME once it is in clusters/)")
+    n.add_argument("name", type=_profile_name, help="the profile's name (hpc launch -c NAME once it is in clusters/)")
     n.add_argument("--partition", "-p", required=True)
     n.add_argument("--account", "-A")
     n.add_argument("--qos")
@@ -38,6 +39,17 @@ def add_parsers(sub) -> None:
     n.set_defaults(func=new)
 
 
+def _profile_name(text: str) -> str:
+    """As recipes' names: it becomes a file name in clusters/ and a field of every run."""
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", text):
+        raise argparse.ArgumentTypeError(
+            f"{text[:64]!r} is not a profile name: letters, digits and . _ - (at most 64), starting with a letter "
+            "or digit")
+    return text
+
+
 def new(args: argparse.Namespace) -> int:
     from hpc.slurm.probe import probe
     from hpc.slurm.runner import LocalRunner
@@ -45,9 +57,8 @@ def new(args: argparse.Namespace) -> int:
     from hpc.spec.cluster import ClusterProfile
 
     out = Path(args.out) if args.out else None
-    if out is not None and out.exists():
-        raise UserError(f"{out} exists; hpc cluster new does not overwrite", field="--out",
-                        hint="pick another path, or remove it first")
+    if out is not None:
+        _check_out(out)
     facts = probe(LocalRunner(), args.partition)
     if args.image and not facts.pyxis:
         raise UserError("this cluster's srun has no --container-image (pyxis is not installed)", field="--image",
@@ -57,9 +68,34 @@ def new(args: argparse.Namespace) -> int:
     if out is None:
         print(text, end="")
     else:
-        out.write_text(text)
+        _write_new(out, text)
         print(f"wrote {out}; check it with: hpc validate -c {out} -r tiny-agg")
     return 0
+
+
+def _check_out(out: Path) -> None:
+    """Before probing: a path that can be a new file in a directory that exists."""
+    from hpc.rundir import shown
+
+    if len(str(out)) > 4096 or len(out.name) > 255:
+        raise UserError(f"--out {shown(str(out))} is too long for a path", field="--out", hint="a shorter path")
+    if out.is_symlink() or out.exists():
+        raise UserError(f"{shown(str(out))} exists; hpc cluster new does not overwrite (nor write through a link)",
+                        field="--out", hint="pick another path, or remove it first")
+    if not out.parent.is_dir():
+        raise UserError(f"{shown(str(out.parent))} is not a directory", field="--out",
+                        hint="make the directory first, or write the profile elsewhere")
+
+
+def _write_new(out: Path, text: str) -> None:
+    """A new file or nothing: O_EXCL refuses anything already there, O_NOFOLLOW a link put there meanwhile."""
+    try:
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        raise UserError(f"cannot create {out}: {exc.strerror or exc}", field="--out",
+                        hint="pick another path") from None
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
 
 
 def _q(value: object) -> str:

@@ -44,6 +44,10 @@ class GpuRequest(str, Enum):
     NONE = "none"  # the cluster hands out whole nodes; ask for no GPUs
 
 
+MOUNT_PART = re.compile(r"[^,\s\x00-\x1f\x7f]+")
+MOUNT_FLAGS = re.compile(r"[A-Za-z0-9_=.+-]+")  # ro, rw, nosuid, x-create=dir, ...
+
+
 class Container(StrictModel):
     """A pyxis/enroot container for every step (--container-* flags).
 
@@ -52,8 +56,8 @@ class Container(StrictModel):
     hpc/launch/bundle.py), built for the image's Python; a preflight step checks both before any server starts.
     """
 
-    image: str
-    mounts: list[str] = Field(default_factory=list, description="src:dst[:flags]")
+    image: SingleLine = Field(min_length=1, max_length=4096)
+    mounts: list[str] = Field(default_factory=list, description="src:dst[:flags], both absolute paths")
     workdir: str | None = None
     writable: bool = False
     reuse: bool = Field(
@@ -63,6 +67,19 @@ class Container(StrictModel):
                           "itself (a multi-GB image unpacked once per step)")
     python_version: str = Field("3.12", pattern=r"^3\.[0-9]{1,2}$",
                                 description="the image's Python (major.minor): the runtime bundle is built for it")
+
+    @field_validator("mounts")
+    @classmethod
+    def _pyxis_mounts(cls, mounts: list[str]) -> list[str]:
+        """pyxis takes them as one comma-separated list of SRC:DST[:FLAGS]: a comma, a missing side or a relative
+        path would mount something else than written, or fail every step of the job."""
+        for mount in mounts:
+            parts = mount.split(":")
+            if len(parts) not in (2, 3) or not all(p.startswith("/") for p in parts[:2]) or \
+                    not MOUNT_PART.fullmatch(mount) or (len(parts) == 3 and not MOUNT_FLAGS.fullmatch(parts[2])):
+                raise ValueError(f"mount {mount[:120]!r} is not SRC:DST[:FLAGS] with both paths absolute and no "
+                                 "comma or whitespace (e.g. /lustre/models:/models:ro)")
+        return mounts
 
 
 class Network(StrictModel):
@@ -124,7 +141,8 @@ ClusterEnv = Annotated[dict[str, str | SecretRef], AfterValidator(check_env_name
 
 
 class ClusterProfile(StrictModel):
-    name: SingleLine = Field(min_length=1, max_length=128)
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64,
+                      description="what hpc launch -c takes, a file name in clusters/ and a field of every run")
     description: str = ""
     scheduler: Scheduler = Scheduler.SLURM
     partition: SingleLine | None = None
