@@ -278,7 +278,13 @@ class Mesh:
             want, got, t0 = mb * SEND_CHUNK, 0, time.monotonic()
             deadline = t0 + self.peer_timeout_s + mb / CRAWL_MB_S  # a crawl is bounded too, not only a stall
             try:
-                with socket.create_connection((rec["address"], rec["port"]), timeout=self.peer_timeout_s) as s:
+                conn = socket.create_connection((rec["address"], rec["port"]), timeout=self.peer_timeout_s)
+            except OSError as exc:
+                why = "timed out" if isinstance(exc, socket.timeout) else (exc.strerror or str(exc))
+                failed.append((name, f"cannot connect to {name} for its {mb} MB ({why})"))
+                continue
+            try:
+                with conn as s:
                     s.sendall(SEND + str(want).encode() + b"\n")
                     while got < want:
                         s.settimeout(max(0.01, min(self.peer_timeout_s, deadline - time.monotonic())))
@@ -427,7 +433,8 @@ def run_checks(manifest: dict, software_ok: bool, software_line: str,
         sources = kv_sources(manifest, index)
         if sources and settings.get("transfer_mb"):
             names = {rec["index"]: name for name, rec in mesh.peers.items()}
-            kv, stalled = mesh.fetch(mesh.peers, [names[i] for i in sources if i in names],
+            # a node the peers check could not reach is named there already: not twice, and not as a stall
+            kv, stalled = mesh.fetch(mesh.peers, [names[i] for i in sources if i in names and names[i] not in unreachable],
                                      settings["transfer_mb"], settings.get("min_transfer_mb_s"))
             found += [kv] if kv else []
             unreachable += [n for n in stalled if n not in unreachable]

@@ -1,7 +1,8 @@
-"""Worker churn under load, on this machine: a decode worker killed with SIGKILL while 16 clients send
+"""Worker churn under load, on this machine: a decode worker (and, apart, a prefill worker) killed with SIGKILL
+while 16 clients send
 non-streamed requests, five times, with two CPU hogs beside it (the 404s came on a busy machine). The client has seen nothing of such an answer, so nothing they see may fail: a request
 whose decode died mid-way runs again, and one whose KV that decode had taken is prefilled again (it was a 404,
-"no KV cache waiting under handle", before). The killed worker is restarted (policy restart) and routed again."""
+"no KV cache waiting under handle", before), as is one whose prefill worker died holding its KV. The killed worker is restarted (policy restart) and routed again."""
 
 from __future__ import annotations
 
@@ -20,16 +21,33 @@ from tests.runtime.conftest import stack_fixture
 
 pytestmark = pytest.mark.integration
 
-churn = stack_fixture("tiny-disagg", "--set", "roles.decode.count=2", "--set", "roles.decode.failure.on_failure=restart",
-                      "--set", "roles.decode.failure.max_restarts=10")
+churn = stack_fixture("tiny-disagg", "--set", "roles.decode.count=2", "--set", "roles.prefill.count=2",
+                      *[flag for role in ("prefill", "decode") for flag in (
+                          "--set", f"roles.{role}.failure.on_failure=restart",
+                          "--set", f"roles.{role}.failure.max_restarts=10")])
 KILLS = 5
 
 
-def _decode_pid(stack, name: str) -> int:
+def _pid(stack, name: str) -> int:
     return json.loads((stack.run.state / f"{name}.json").read_text())["pid"]
 
 
-def test_a_decode_worker_killed_under_load_fails_no_request_and_is_routed_again(churn):
+def _kill(stack, name: str) -> int:
+    """SIGKILL the worker's serving process, as its state names it (a restart rewrites it: read again if gone)."""
+    deadline = time.monotonic() + 20
+    while True:
+        pid = _pid(stack, name)
+        try:
+            os.kill(pid, signal.SIGKILL)
+            return pid
+        except ProcessLookupError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_worker_killed_under_load_fails_no_request_and_is_routed_again(churn, role):
     body = {"model": churn.model, "prompt": "the sea at night", "max_tokens": 24, "ignore_eos": True}
     results: list[int] = []
     stop = threading.Event()
@@ -46,13 +64,12 @@ def test_a_decode_worker_killed_under_load_fails_no_request_and_is_routed_again(
     back: list[float | None] = []
     try:
         time.sleep(2)
-        for _ in range(KILLS):
-            victim = _decode_pid(churn, "decode-1")
-            os.kill(victim, signal.SIGKILL)
+        for _ in range(KILLS if role == "decode" else 3):
+            victim = _kill(churn, f"{role}-1")
             killed, took = time.monotonic(), None
-            while time.monotonic() - killed < 60:
+            while time.monotonic() - killed < 90:
                 health = get_json(churn.url + "/health")[1]
-                if health["live"].get("decode") == 2 and _decode_pid(churn, "decode-1") != victim:
+                if health["live"].get(role) == 2 and _pid(churn, f"{role}-1") != victim:
                     took = time.monotonic() - killed
                     break
                 time.sleep(0.2)
@@ -66,8 +83,8 @@ def test_a_decode_worker_killed_under_load_fails_no_request_and_is_routed_again(
             t.join(60)
     failed = [code for code in results if code != 200]
     assert failed == [], (len(results), failed[:10])
-    assert None not in back, f"decode-1 was not restarted and routed again: {back}"
-    print(f"{len(results)} requests, 0 failed; decode-1 routed again after each kill in",
+    assert None not in back, f"{role}-1 was not restarted and routed again: {back}"
+    print(f"{len(results)} requests, 0 failed; {role}-1 routed again after each kill in",
           ", ".join(f"{t:.1f}" for t in back), "s")
     text = get_text(churn.url + "/metrics")
     again = {name: metric_values(text, f"hpc_frontend_{name}") for name in ("retried_total", "kv_gone_retries_total")}

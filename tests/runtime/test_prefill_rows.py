@@ -71,3 +71,16 @@ def test_a_row_going_on_from_its_cache_beside_a_fresh_one_sees_its_cached_tokens
     assert calls == [(False, True)] * CFG.num_hidden_layers  # the masked path over the cache
     torch.testing.assert_close(together[0], _alone(model, prefix + rest), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(together[1], _alone(model, fresh), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tokens, params, eager", [
+    (64 * 64, 7_500_000_000, True),  # the 8B shape, 64 prompts of 64: 130 ms eager against 174 ms graphed (H200)
+    (16 * 256, 7_500_000_000, True),  # 127 against 171
+    (8 * 1024, 7_500_000_000, True),
+    (64 * 64, 917_504, False),  # the tiny model: 11.5 ms eager against 8.5 ms graphed, its steps all launches
+    (2048, 7_500_000_000, False),  # fits the largest graph: one replay
+])
+def test_work_past_the_largest_graph_goes_eager_once_its_matmuls_outweigh_the_launches(tokens, params, eager):
+    from hpc.runtime.engine.torch.context_steps import one_eager_step
+
+    assert one_eager_step(tokens, 2048, params) is eager

@@ -161,6 +161,10 @@ class KvHandoff:
                 self.deadline.seconds(expected))
         except asyncio.TimeoutError:
             raise self._timed_out(prefill, address, params.request_handle, expected, "its answer") from None
+        except (ConnectionError, OSError) as exc:  # the prefill worker died holding it: the KV is gone with it
+            self._count("kv_prefill_gone_total")
+            raise RemoteError(f"the prefill worker {address} holding the KV is gone ({type(exc).__name__}: {exc})",
+                              KV_GONE) from None
         answered = time.perf_counter()
         self._add("kv_ask_seconds_total", answered - asked)  # the round trip, bytes included on that path
         if not isinstance(meta, KvMeta):

@@ -578,3 +578,29 @@ def test_a_transfers_deadline_grows_with_its_size():
     meta = KvMeta(shape=[32, 2, 8, 1024, 128], dtype="bfloat16")
     assert _nbytes(meta) == 32 * 2 * 8 * 1024 * 128 * 2
     assert TransferDeadline(10.0, 0.5).seconds(_nbytes(meta)) == pytest.approx(10.0 + 134217728 / 0.5e9)
+
+
+class _DeadPrefill:
+    """A prefill worker killed after it answered with the KV's handle: its connection is gone."""
+
+    async def call(self, message):
+        from hpc.runtime.serve.rpc import PeerGone
+
+        raise PeerGone("connection to 10.0.0.1:7000 lost")
+
+
+@pytest.mark.unit
+def test_a_fetch_from_a_prefill_worker_that_died_says_the_kv_is_gone_so_the_frontend_prefills_again():
+    from types import SimpleNamespace
+
+    from hpc.runtime.serve.rpc import KV_GONE, RemoteError
+    from hpc.runtime.worker.kv_handoff import KvHandoff
+
+    counters: dict[str, float] = {}
+    handoff = KvHandoff(setting="bytes", device="cpu", host="10.0.0.2", engine=None,
+                        peers=SimpleNamespace(client=lambda address: _DeadPrefill()), counters=counters)
+    params = SimpleNamespace(prefill_address="10.0.0.1:7000", request_handle="h1", kv=None)
+    with pytest.raises(RemoteError) as failed:
+        asyncio.run(handoff.fetch(params))
+    assert failed.value.code == KV_GONE and "prefill worker 10.0.0.1:7000 holding the KV is gone" in str(failed.value)
+    assert counters["kv_prefill_gone_total"] == 1

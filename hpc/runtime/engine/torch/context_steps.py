@@ -25,14 +25,26 @@ from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode, To
 
 log = logging.getLogger(__name__)
 
-# rows this long on average (tokens) are prefilled in one eager step rather than in graphed ones
-EAGER_ROW_TOKENS = 512
+# work past the largest prefill graph goes in one eager step once its matmuls are this many GFLOP: then they
+# outweigh the launches graphs save. H200 (benchmarks/reference_engine.py, session 42): the 8B shape's 64 x 64
+# prompts took 130 ms in one eager step against 174 ms in two graphed ones (16 x 256: 127 against 171); the tiny
+# model's 64 x 64 took 11.5 ms eagerly against 8.5 ms graphed, its steps all launches
+EAGER_MIN_GFLOP = 1000.0
+
+
+def one_eager_step(tokens: int, largest_graph: int, matmul_params: int) -> bool:
+    """Whether this much prompt work goes in one eager step rather than graphed steps of the largest size."""
+    return tokens > largest_graph and 2 * matmul_params * tokens >= EAGER_MIN_GFLOP * 1e9
+
+
 Picked = tuple[int, TokenLogprob | None]
 ON_DEVICE = object()  # a prompt's first token, picked and left on the device (overlap.FirstTokens)
 STORE_AFTER_PROMPTS = 64  # a busy prefill worker stores its prompts at the latest once this many wait (_store_due)
 
 
 class ContextSteps:
+    matmul_params: int  # this rank's weights a step multiplies by (TorchEngine sets it at load)
+
     def _admit(self, seqs: list[Seq], running: list[Seq]) -> None:
         """A slot for each; KV handed over from a prefill worker goes in as it is (the ones shared over CUDA IPC
         copied together first), prompts wait for their prefill."""
@@ -126,18 +138,17 @@ class ContextSteps:
 
     def _context_step(self, running: list[Seq]) -> None:
         """This iteration's prompt tokens (whole prompts and chunks), prefilled together where their padded width
-        allows: within max_num_tokens and, with prefill graphs, within the largest where all of it fits there or
-        its rows are short (two graphed steps beat an eager one: 64 prompts of 64 tokens took 12 ms eagerly on an
-        H100). A prompt whose last token is in picks its first new token and decodes (or, on a prefill worker, is
+        allows: within max_num_tokens and, with prefill graphs, within the largest unless the work needs more than
+        one replay and is large enough for its matmuls to outweigh the launches (one_eager_step). A prompt whose last token is in picks its first new token and decodes (or, on a prefill worker, is
         handed over)."""
         self._prefilling = [s for s in self._prefilling if self._still_running(s)]
         work = context_work(self._prefilling, self._token_budget() - len(running), self.chunking, self.chunk_unit)
         budget = self._token_budget()
         if self.prefill_graphs is not None:
             largest, tokens = self.prefill_graphs.token_counts[-1], sum(n for _, n in work)
-            # long rows go in one eager step, compute-bound either way: graphed steps of the largest size, each a
-            # packed row under a block mask, made 8 x 1,024 three steps at 0.66x transformers' one forward (H200)
-            if tokens <= largest or tokens < EAGER_ROW_TOKENS * len(work):
+            # graphed steps of the largest size are packed rows under a block mask: for a large model one eager
+            # step (SDPA's fused causal kernel) beats several of them; for a small one the launches they save win
+            if not one_eager_step(tokens, largest, self.matmul_params):
                 budget = largest
         for group in prefill_groups(work, budget, pipeline=self.pipeline.size > 1):
             stored_before = set(self._unstored)

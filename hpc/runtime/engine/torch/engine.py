@@ -246,6 +246,8 @@ class TorchEngine(ContextSteps, DecodeSteps, WarmUp, EngineBase):
         copies = os.environ.get("HPC_DECODE_GRAPH_COPIES", "1") != "0"
         self.graphs = DecodeGraphs(self._decode_logits, sizes, self.max_batch, self.device, pick=pick_in_graph,
                                    copies_in_graph=copies, steps=decode_steps_a_replay()) if sizes else None
+        # this rank's weights that a step multiplies by (the embeddings are looked up): a prefill step's FLOPs
+        self.matmul_params = sum(p.numel() for n, p in self.model.named_parameters() if "embed_tokens" not in n)
         counts = prefill_graph_tokens(self.args, self._token_budget()) if self._graphable(prefill=True) else None
         self.prefill_graphs = PrefillGraphs(self._packed_logits, counts, self.max_batch, self.max_batch,
                                             self.max_len, self.device) if counts else None
