@@ -92,6 +92,10 @@ def test_run_dir_with_newline_is_a_user_error(weird_tmp_path):
         render_sbatch(resolved.manifest(weird_tmp_path, "run", FIXED_TIME))
 
 
+# a mount pyxis can read (a newline or comma in one is refused when the profile loads) with shell in both paths
+MOUNT = "/m/$(touch${IFS}PWNED_mount)`touch${IFS}PWNED_tick2`:/d;touch${IFS}PWNED_semi2:ro"
+
+
 def test_hostile_values_render_inert(tmp_path):
     weird = tmp_path / "we ird 'q' \"dq\" $(touch PWNED) `x` ;y"
     weird.mkdir()
@@ -99,7 +103,7 @@ def test_hostile_values_render_inert(tmp_path):
     cluster = parse_model(ClusterProfile, {
         "name": "h", "nodes_available": 4, "gpus_per_node": 8, "partition": HOSTILE[3], "account": HOSTILE[4],
         "env": {"HOSTILE": hostile}, "srun_args": [HOSTILE[5]],
-        "container": {"image": HOSTILE[1], "mounts": [HOSTILE[6]], "workdir": HOSTILE[2]}}, file="c.yaml")
+        "container": {"image": HOSTILE[1], "mounts": [MOUNT], "workdir": HOSTILE[2]}}, file="c.yaml")
     recipe, recipe_path = load_recipe("tiny-disagg", [f"model.path={HOSTILE[3]}"])
     resolved = resolve_specs(cluster, Path("c.yaml"), recipe, recipe_path)
     script = render_sbatch(resolved.manifest(weird, "run", FIXED_TIME))
@@ -117,7 +121,7 @@ def test_hostile_values_render_inert(tmp_path):
     # Each hostile value arrives as exactly one argument, byte for byte.
     assert all(f"--container-image={HOSTILE[1]}" in c for c in srun_calls)
     mounts = [a for c in srun_calls for a in c if a.startswith("--container-mounts=")]
-    assert len(mounts) == 8 and all(a.startswith(f"--container-mounts={HOSTILE[6]},{weird}:{weird},") for a in mounts)
+    assert len(mounts) == 8 and all(a.startswith(f"--container-mounts={MOUNT},{weird}:{weird},") for a in mounts)
     assert all(HOSTILE[5] in c for c in srun_calls)
     manifest_arg = str(weird / "manifest.json")
     assert all(manifest_arg in c for c in calls)
