@@ -91,13 +91,17 @@ class Orchestrator:
         and a pair whose transfers keep timing out sits out (frontend/pairs.py)."""
         phases = self.phases
 
+        async def fresh_kv(decode_req: GenerateRequest, avoid: Set[str] = frozenset()) -> tuple[str, GenerateRequest]:
+            """Prefill again (on a worker not in `avoid` where one is left): the client has the first token already,
+            so the decode goes on from that one. (the prefill worker, the decode request)"""
+            picked: list[str] = []
+            _, again = await self._prefill(gen, deadline, prefill_pools, self._avoid("prefill", avoid), picked)
+            return (picked or [prefill_key])[-1], replace(decode_req, disaggregated_params=continue_from(again, token))
+
         async def prefill_again(failure: Exception, decode_req: GenerateRequest) -> GenerateRequest:
             if not isinstance(failure, NotStarted):  # the pool had no worker: the KV still waits where it was
                 return decode_req
-            # the failed decode worker may have taken the prefilled KV with it: prefill again (the client has the
-            # first token already, so the decode goes on from that one)
-            _, again = await self._prefill(gen, deadline, prefill_pools)
-            return replace(decode_req, disaggregated_params=continue_from(again, token))
+            return (await fresh_kv(decode_req))[1]  # the failed decode worker may have taken the KV with it
 
         timed_out: set[str] = set()
         for attempt in range(self.recipe.runtime.kv_transfer_retries + 1):
@@ -130,10 +134,7 @@ class Orchestrator:
                     if attempt == self.recipe.runtime.kv_transfer_retries:
                         raise
                     phases["kv_gone_retries_total"] += 1
-                    again_chosen: list[str] = []
-                    _, again = await self._prefill(gen, deadline, prefill_pools, chosen=again_chosen)
-                    prefill_key = (again_chosen or [prefill_key])[-1]
-                    decode_req = replace(decode_req, disaggregated_params=continue_from(again, token))
+                    prefill_key, decode_req = await fresh_kv(decode_req)
                     continue
                 last = attempt == self.recipe.runtime.kv_transfer_retries or not self._another_pair(
                     prefill_key, timed_out | {chosen[-1]})
@@ -144,11 +145,7 @@ class Orchestrator:
                     raise
                 timed_out.add(chosen[-1])
                 phases["kv_transfer_retries_total"] += 1
-                again_chosen = []
-                _, again = await self._prefill(gen, deadline, prefill_pools, self._avoid("prefill", {prefill_key}),
-                                            again_chosen)
-                prefill_key = (again_chosen or [""])[-1]
-                decode_req = replace(decode_req, disaggregated_params=continue_from(again, token))
+                prefill_key, decode_req = await fresh_kv(decode_req, {prefill_key})
 
     def _another_pair(self, prefill: str, decodes_failed: set[str]) -> bool:
         """Whether a pair other than the ones that timed out is live: another prefill, or another decode."""
