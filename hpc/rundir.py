@@ -239,8 +239,19 @@ class RunDir:
         if again.get("job_id") and _number(again.get("at")) >= _number(job.get("started_at")):
             return str(again["job_id"])
         # a chain's later link: the job the link before queued for it (ChainDir), until it starts
-        job_id = job.get("job_id") or self.run_info().job_id or (read_json(self.path / QUEUED) or {}).get("job_id")
+        job_id = job.get("job_id") or self.run_info().job_id or self.queued().get("job_id")
         return None if job_id is None else str(job_id)
+
+    def queued(self) -> dict[str, Any]:
+        """job_id, from_job, at: the job the link before queued for this link of a chain (its script wrote it)."""
+        found = read_json(self.path / QUEUED)
+        return found if isinstance(found, dict) else {}
+
+    def frontend_url(self) -> str | None:
+        """Where the run's frontend listens, once it has said so (endpoints/frontend.json)."""
+        found = read_json(self.layout.endpoint("frontend"))
+        url = found.get("url") if isinstance(found, dict) else None
+        return url if isinstance(url, str) else None
 
     def resubmitted(self) -> dict[str, Any]:
         """from_job, job_id, excluded (the nodes, comma-separated), at: written by the job script."""
@@ -270,9 +281,9 @@ class RunDir:
         from urllib.parse import urlsplit
 
         found = []
-        frontend = read_json(self.path / "endpoints" / "frontend.json")
-        if isinstance(frontend, dict) and isinstance(frontend.get("url"), str):
-            found.append(("frontend", frontend["url"]))
+        frontend = self.frontend_url()
+        if frontend is not None:
+            found.append(("frontend", frontend))
         found += [(name, state["http"]) for name, state in sorted(self.component_states().items())
                   if isinstance(state.get("http"), str) and name != "frontend"]
         groups = [{"targets": [urlsplit(url).netloc], "labels": {"job": "hpc", "run": self.path.name,
@@ -324,17 +335,12 @@ class ChainDir:
 
     def serving(self) -> dict[str, Any]:
         """link, job_id, at: the link that serves now (none before the first is ready)."""
-        found = read_json(self.path / "serving.json")
+        found = read_json(self.serving_path)
         return found if isinstance(found, dict) and isinstance(found.get("link"), int) else {}
-
-    def queued(self, link: RunDir) -> dict[str, Any]:
-        """job_id, from_job, at: the job the link before queued for `link` (written by that job's script)."""
-        found = read_json(link.path / QUEUED)
-        return found if isinstance(found, dict) else {}
 
     def job_ids(self, link: RunDir) -> list[str]:
         """Every job id `link` has had: hpc launch's, the one the link before queued, the one that started."""
-        ids = [link.run_info().job_id, self.queued(link).get("job_id"), link.job().get("job_id")]
+        ids = [link.run_info().job_id, link.queued().get("job_id"), link.job().get("job_id")]
         return list(dict.fromkeys(str(i) for i in ids if i))
 
     def current(self) -> RunDir:
@@ -344,6 +350,10 @@ class ChainDir:
             return self.link(serving["link"])
         begun = [link for link in self.links() if self.job_ids(link)]
         return begun[-1] if begun else self.link(1)
+
+    @property
+    def serving_path(self) -> Path:
+        return self.path / "serving.json"
 
     @property
     def cancelled_path(self) -> Path:

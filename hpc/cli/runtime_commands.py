@@ -127,7 +127,7 @@ def _health(url: str | None) -> str:
 def collect_status(run: RunDir) -> dict[str, Any]:
     m = run.manifest()
     states = run.component_states()
-    endpoint = (read_json(run.layout.endpoint("frontend")) or {}).get("url")
+    endpoint = run.frontend_url()
     frontend_view: dict[str, Any] = {}
     frontend_health = "-"
     if endpoint:  # one probe of the frontend serves its own row, the workers' routing and the roles
@@ -205,7 +205,7 @@ def _chain_lines(run: RunDir) -> list[str]:
 
     ids = [job for link in chain.links() for job in chain.job_ids(link)[-1:]]
     found = SlurmClient(runner_for(run)).statuses(ids) if ids else {}
-    return chain_lines(run, lambda job_id: getattr(found.get(job_id), "state", None))
+    return chain_lines(chain, lambda job_id: getattr(found.get(job_id), "state", None))
 
 
 def _preflight_summary(found: dict[str, Any]) -> dict[str, Any] | None:

@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from hpc.errors import UserError
-from hpc.rundir import ChainDir, RunDir, read_json
+from hpc.rundir import ChainDir, RunDir
 from hpc.spec.cluster import time_to_minutes
 
 if TYPE_CHECKING:
@@ -52,11 +52,8 @@ def check_chain(r: "Resolved", links: int, handover_s: int | None, in_allocation
     return handover_s
 
 
-def chain_lines(run: RunDir, job_state: Callable[[str], str | None]) -> list[str]:
-    """`chain: link 2 of 3 serves (job 45); link 1 job 44 COMPLETED, link 3 queued as job 47`: for hpc status."""
-    chain = run.chain()
-    if chain is None:
-        return []
+def chain_lines(chain: ChainDir, job_state: Callable[[str], str | None]) -> list[str]:
+    """`chain: ...` then `  link 1 job 44 COMPLETED`, `  link 2 job 45 RUNNING (serving)`: for hpc status."""
     serving = chain.serving()
     parts = []
     for k, link in enumerate(chain.links(), start=1):
@@ -78,14 +75,3 @@ def cancel_chain(chain: ChainDir, cancel_link: Callable[[RunDir], Any]) -> list[
     chain.cancelled_path.write_text(f"{time.time()}\n")
     return [cancel_link(link) for link in chain.links() if chain.job_ids(link)]
 
-
-def upstream(run_or_chain: RunDir | ChainDir) -> str | None:
-    """The frontend URL requests go to now: the serving link's for a chain, the run's own otherwise."""
-    if isinstance(run_or_chain, ChainDir):
-        serving = run_or_chain.serving()
-        if not serving:
-            return None
-        run_or_chain = run_or_chain.link(serving["link"])
-    found = read_json(run_or_chain.layout.endpoint("frontend"))
-    url = found.get("url") if isinstance(found, dict) else None
-    return url if isinstance(url, str) else None

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from hpc.launch.chain import upstream
 from hpc.rundir import ChainDir, RunDir
 
 log = logging.getLogger("hpc.endpoint")
@@ -61,14 +60,15 @@ class Follow:
         self._run: RunDir | None = target if isinstance(target, RunDir) else None
         self._seen: tuple[Path, int] | None = None
         self._url: str | None = None
+        self._name = "-"
 
     def serving_name(self) -> str:
         """The run (a chain's link: CHAIN.K) requests go to now, for the answer's X-Hpc-Run header."""
-        return self._run.name if self._run is not None else "-"
+        return self._name
 
     def url(self) -> str | None:
         if isinstance(self.target, ChainDir):
-            stamp = _mtime(self.target.path / "serving.json")
+            stamp = _mtime(self.target.serving_path)
             if stamp != self._serving:
                 self._serving = stamp
                 serving = self.target.serving()
@@ -77,7 +77,7 @@ class Follow:
             return None
         seen = (self._run.path, _mtime(self._run.layout.endpoint("frontend")))
         if seen != self._seen:
-            self._seen, self._url = seen, upstream(self._run)
+            self._seen, self._url, self._name = seen, self._run.frontend_url(), self._run.name
         return self._url
 
 

@@ -281,7 +281,7 @@ def _chain_view(m: Manifest) -> ChainView | None:
     chain = ChainDir(Path(link.root))
     following = chain.link(link.index + 1).path if link.index < link.links else None
     return ChainView(index=link.index, links=link.links, handover_s=link.handover_s,
-                     serving=str(chain.path / "serving.json"), cancelled=str(chain.cancelled_path),
+                     serving=str(chain.serving_path), cancelled=str(chain.cancelled_path),
                      next_script=following and str(following / "job.sbatch"),
                      next_queued=following and str(following / "queued.json"),
                      worker_states=[str(RunLayout.of(m.run_dir).component_state(w.name)) for w in m.plan.workers],

@@ -9,7 +9,8 @@ import subprocess
 import pytest
 
 from hpc.cli.main import main
-from hpc.launch.chain import chain_lines, upstream
+from hpc.launch.chain import chain_lines
+from hpc.launch.endpoint import Follow
 from hpc.rundir import ChainDir, find_run, list_runs
 
 pytestmark = pytest.mark.unit
@@ -74,11 +75,11 @@ def test_status_cancel_and_the_endpoint_find_the_link_that_serves(runs, capsys):
     assert find_run(chain_path.name).path == one.path
     assert find_run(f"{chain_path.name}.2").path == two.path
 
-    assert upstream(chain) is None  # link 1 serves, but its frontend has not said where it listens
+    assert Follow(chain).url() is None  # link 1 serves, but its frontend has not said where it listens
     (one.path / "endpoints").mkdir()
     (one.path / "endpoints" / "frontend.json").write_text(json.dumps({"url": "http://10.0.0.1:8000"}))
-    assert upstream(chain) == "http://10.0.0.1:8000"
+    assert Follow(chain).url() == "http://10.0.0.1:8000"
 
-    lines = chain_lines(two, {"41": "RUNNING", "42": "PENDING"}.get)
+    lines = chain_lines(chain, {"41": "RUNNING", "42": "PENDING"}.get)
     assert lines[0] == "chain: chain of 3 jobs, handover 300 s before each end"
     assert lines[1:] == ["  link 1 job 41 RUNNING (serving)", "  link 2 job 42 PENDING", "  link 3 not queued yet"]

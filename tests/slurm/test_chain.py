@@ -84,7 +84,7 @@ def test_a_chain_of_three_jobs_serves_through_both_handovers_without_a_failed_re
     for link in (one, two):
         wait_until(lambda: client_.status(link.job_id()).finished, 60, f"job {link.job_id()} to end")
         assert client_.status(link.job_id()).state == "COMPLETED"
-    assert two.job()["job_id"] == chain.queued(two)["job_id"] and chain.queued(two)["from_job"] == jobs[0]
+    assert two.job()["job_id"] == two.queued()["job_id"] and two.queued()["from_job"] == jobs[0]
 
     assert main(["status", chain.path.name]) == 0
     status = capsys.readouterr().out
