@@ -142,3 +142,29 @@ def test_the_cpu_draw_follows_the_distribution_and_never_picks_an_impossible_tok
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor([[0.0], [1 - 2 ** -24]]))
     assert draw(edge, gen).tolist() == [1, 3]
     monkeypatch.setattr(torch, "rand", rand)
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    """HF's and vLLM's definition, over the prompt and the answer so far (TensorRT-LLM's repetition_penalty)."""
+    from types import SimpleNamespace
+
+    from hpc.runtime.engine.torch.picking import repetition_penalised
+
+    logits = torch.tensor([2.0, -2.0, 1.0, 0.5, 3.0])
+    seq = SimpleNamespace(request=SimpleNamespace(token_ids=[0, 1]), counts={4: 2})
+    out = repetition_penalised(logits, seq, 2.0)  # type: ignore[arg-type]
+    assert out.tolist() == [1.0, -4.0, 1.0, 0.5, 1.5]
+    assert logits.tolist() == [2.0, -2.0, 1.0, 0.5, 3.0]  # a copy: logprobs report the model's own
+
+
+def test_repetition_penalty_changes_greedy_picks_and_leaves_the_batched_path(tiny):
+    async def main(penalty: float) -> list[int]:
+        async with TorchEngine(tiny, DisaggregationMode.AGG, {"max_seq_len": 256}) as engine:
+            sampling = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, repetition_penalty=penalty)
+            assert engine.picker.batchable(sampling) is (penalty == 1.0)
+            req = GenerateRequest(request_id="r", token_ids=[5, 6, 7, 5, 6, 7], sampling=sampling)
+            return [t for out in [o async for o in engine.generate(req)] for t in out.token_ids]
+
+    plain, penalised = asyncio.run(main(1.0)), asyncio.run(main(10.0))
+    assert len(plain) == len(penalised) == 32
+    assert len(set(penalised)) > len(set(plain))  # fewer repeats: the penalty reached the pick
+    assert not {5, 6, 7} & set(penalised[:1])  # the prompt's tokens count as seen from the first pick

@@ -218,11 +218,15 @@ def test_status_and_logs_on_the_local_profile(disagg, capsys):
     assert main(["logs", ref, "--component", "nope"]) == 2
 
 
-@pytest.mark.parametrize("field, value", [("seed", 2**70), ("seed", -1), ("top_k", 10**12), ("max_tokens", 10**9)])
+@pytest.mark.parametrize("field, value", [("seed", 2**70), ("seed", -1), ("top_k", 10**12), ("max_tokens", 10**9),
+                                          ("repetition_penalty", 0), ("repetition_penalty", 11.0),
+                                          ("repetition_penalty", "1.2")])
 def test_out_of_range_sampling_is_a_400_and_serving_goes_on(disagg, field, value):
     status, body = _complete(disagg, **{field: value})
     assert status == 400 and body["error"]["param"] == field
     status, body = _complete(disagg, seed=2**63 - 1, temperature=0.8)  # the largest seed still works
+    assert status == 200 and body["usage"]["completion_tokens"] == 12
+    status, body = _complete(disagg, repetition_penalty=1.3)  # honoured on the decode worker, off the batched path
     assert status == 200 and body["usage"]["completion_tokens"] == 12
 
 

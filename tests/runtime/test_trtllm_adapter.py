@@ -121,6 +121,8 @@ def test_temperature_zero_is_greedy_and_sampling_is_not(tiny):
     assert greedy._greedy_decoding and greedy.top_k == 1 and greedy.temperature is None
     sampled = trtllm_sampling(SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=3), Real)
     assert not sampled._greedy_decoding and (sampled.temperature, sampled.top_p, sampled.top_k) == (0.7, 0.9, 40)
+    assert sampled.repetition_penalty is None  # 1, none: left to the image's default
+    assert trtllm_sampling(SamplingParams(repetition_penalty=1.3), Real).repetition_penalty == 1.3
 
 
 def test_stop_strings_stop_the_engine(tiny):

@@ -217,6 +217,7 @@ def trtllm_sampling(s: SamplingParams, sampling_cls: Any, guided_cls: Any = None
         logprobs=None if s.logprobs is None else max(1, s.logprobs),
         prompt_logprobs=None if s.prompt_logprobs is None else max(1, s.prompt_logprobs),
         presence_penalty=s.presence_penalty or None, frequency_penalty=s.frequency_penalty or None,
+        repetition_penalty=None if s.repetition_penalty == 1.0 else s.repetition_penalty,
         detokenize=False)  # the frontend detokenizes (as Dynamo's worker: the engine would do it twice)
 
 

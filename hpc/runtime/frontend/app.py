@@ -250,6 +250,7 @@ class Frontend:
                                   min_tokens=body.min_tokens,
                                   stop=body.stop_strings, logprobs=body.logprob_count,
                                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                                  repetition_penalty=body.repetition_penalty,
                                   guide=Guide(pieces=guide) if guide else None)
         # the response's id: the workers' logs name a request as the client's x-request-id does
         return GenerateRequest(request_id=new_id("chatcmpl" if isinstance(body, ChatRequest) else "cmpl"),

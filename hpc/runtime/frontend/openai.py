@@ -42,7 +42,6 @@ REQUEST_ID_HEADER = "x-request-id"
 UNSUPPORTED: dict[str, Any] = {
     "best_of": lambda v: v not in (None, 1),
     "suffix": lambda v: v not in (None, ""),
-    "repetition_penalty": lambda v: v not in (None, 1, 1.0),
     "modalities": lambda v: v not in (None, ["text"]), "audio": lambda v: v is not None,
     "prediction": lambda v: v is not None, "web_search_options": lambda v: v is not None,
     "parallel_tool_calls": lambda v: v is False,  # one call at most cannot be enforced without constrained decoding
@@ -201,6 +200,8 @@ class _Request(BaseModel):
     n: int = Field(1, ge=1, le=128)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # extension (vLLM, TensorRT-LLM): over the prompt's and the answer's tokens, > 1 discourages repeats
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=1_000_000)
     seed: int | None = Field(None, ge=0, lt=2**63)

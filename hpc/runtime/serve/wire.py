@@ -48,6 +48,9 @@ class SamplingParams(Message):
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # None: none; k: the chosen token's + k best
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0  # OpenAI's: once a token appeared
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0  # OpenAI's: per time it appeared
+    # vLLM's and TensorRT-LLM's (HF's definition): a token of the prompt or the answer has its logit divided by
+    # this when positive, multiplied when negative; 1 is none
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
     guide: Guide | None = None
     prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # also the prompt's (echo with logprobs)
 

@@ -1,6 +1,6 @@
 """How the torch engine chooses a sequence's next token from its logits.
 
-Per row, in order: presence/frequency penalties, the canned-answer test knob, the guide, then greedy or sampling;
+Per row, in order: the repetition penalty, presence/frequency penalties, the canned-answer test knob, the guide, then greedy or sampling;
 logprobs report the model's own distribution (before penalties and masks). Rows that need none of this take the
 step's batched path instead (`batchable`: one argmax or one sampling kernel for all of them).
 """
@@ -39,7 +39,7 @@ class TokenPicker:
 
     def batchable(self, p: SamplingParams) -> bool:
         return p.logprobs is None and p.seed is None and self.canned is None and p.guide is None \
-            and not (p.presence_penalty or p.frequency_penalty)
+            and not (p.presence_penalty or p.frequency_penalty) and p.repetition_penalty == 1.0
 
     def pick_rows(self, seqs: list["Seq"], logits: torch.Tensor,
                   sampler: torch.Generator) -> list[tuple[int, TokenLogprob | None]]:
@@ -73,11 +73,13 @@ class TokenPicker:
     def pick(self, seq: "Seq", logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
         raw = logits
         p = seq.request.sampling
+        if p.repetition_penalty != 1.0:
+            logits = repetition_penalised(logits, seq, p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and seq.counts:
             # OpenAI's definition: logit - frequency * count - presence * (count > 0), over generated tokens
             ids = torch.tensor(list(seq.counts), device=logits.device)
             times = torch.tensor(list(seq.counts.values()), dtype=logits.dtype, device=logits.device)
-            logits = logits.clone()
+            logits = logits if logits is not raw else logits.clone()
             logits[ids] -= p.frequency_penalty * times + p.presence_penalty
         if self.canned is not None:
             step = seq.generated
@@ -105,3 +107,14 @@ class TokenPicker:
         if self._texts is None:  # built on the first guided request
             self._texts = vocabulary_texts(self.tokenizer())
         return self._texts
+
+
+def repetition_penalised(logits: torch.Tensor, seq: "Seq", penalty: float) -> torch.Tensor:
+    """vLLM's and Hugging Face's repetition penalty (TensorRT-LLM's `repetition_penalty`): every token of the
+    prompt or the answer so far has its logit divided by `penalty` where positive and multiplied where negative,
+    so > 1 makes any repeat less likely, whatever its sign. A copy: logprobs report the model's own."""
+    ids = torch.tensor(sorted({*seq.request.token_ids, *seq.counts}), device=logits.device)
+    seen = logits[ids]
+    out = logits.clone()
+    out[ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
+    return out
