@@ -76,16 +76,26 @@ def compare(lock: dict[str, str]) -> list[tuple[str, str, str]]:
     return rows
 
 
+def unlocked(lock: dict[str, str]) -> list[tuple[str, str]]:
+    """(name, installed) for each installed package the lock does not name: a dependency a newer release added."""
+    installed = {canonical(d.metadata["Name"]): public(d.version) for d in metadata.distributions()}
+    return sorted((n, v) for n, v in installed.items() if n not in lock and n not in ("hpc", "pip"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compare", action="store_true", help="show what the installed versions change")
     args = parser.parse_args(argv)
     if args.compare:
         rows = compare(read_lock())
-        print(f"latest: {len(rows)} of the locked packages differ from {LOCK.relative_to(ROOT)}")
-        width = max([len(n) for n, _, _ in rows] + [7])
+        new = unlocked(read_lock())
+        print(f"latest: {len(rows)} of the locked packages differ from {LOCK.relative_to(ROOT)}, "
+              f"{len(new)} installed are not in it")
+        width = max([len(r[0]) for r in rows + new] + [7])  # type: ignore[operator]
         for name, locked, installed in rows:
             print(f"  {name:<{width}}  {locked:>14} -> {installed}")
+        for name, installed in new:
+            print(f"  {name:<{width}}  {'(not locked)':>14} -> {installed}")
         return 0
     write_lock(resolve())
     print(f"wrote {LOCK.relative_to(ROOT)}: {len(read_lock())} packages")

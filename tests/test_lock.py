@@ -67,3 +67,10 @@ def test_compare_names_each_package_the_latest_install_changed():
     pins = lock.read_lock()
     assert ("pytest", "0.0.1", lock.public(metadata.version("pytest"))) in lock.compare({**pins, "pytest": "0.0.1"})
     assert ("no-such-package", "1.0", "-") in lock.compare({"no-such-package": "1.0"})
+
+
+def test_a_package_the_lock_does_not_name_is_listed():
+    lock = _lock_module()
+    pins = lock.read_lock()
+    without_pytest = {n: v for n, v in pins.items() if n != "pytest"}
+    assert ("pytest", lock.public(metadata.version("pytest"))) in lock.unlocked(without_pytest)

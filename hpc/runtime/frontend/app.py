@@ -605,7 +605,11 @@ class Frontend:
                 else:
                     choice = {"index": index, "text": piece.delta, "logprobs": lp, "finish_reason": piece.reason}
                 started.add(index)
-                yield choice_chunk(choice)
+                if body.continuous_usage:
+                    yield chunk(system_fingerprint=self.fingerprint, choices=[choice],
+                                usage=self._usage(len(gen.token_ids), sum(tokens), max(cached)))
+                else:
+                    yield choice_chunk(choice)
             if body.include_usage:
                 yield chunk(choices=[], usage=self._usage(len(gen.token_ids), sum(tokens), max(cached)))
             yield b"data: [DONE]\n\n"

@@ -144,6 +144,7 @@ class _StrictPart(BaseModel):
 class StreamOptions(_StrictPart):
     include_usage: bool = False
     include_obfuscation: bool = False  # OpenAI's: padding against length side channels; nothing to pad here
+    continuous_usage_stats: bool = False  # vLLM's (GuideLLM asks for it): the usage so far in every chunk
 
 
 class FunctionDefinition(_StrictPart):
@@ -237,6 +238,10 @@ class _Request(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     @field_validator("stop")
     @classmethod

@@ -309,3 +309,21 @@ def test_a_prompt_too_long_for_its_tokens_is_refused_before_tokenizing_and_one_j
         ask("the sea " * 2_500)
     assert "tokens; the limit is 512" in counted.value.body["message"]
     assert ask("the sea").usage.completion_tokens > 0  # and it serves on
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(agg):
+    """vLLM's stream_options.continuous_usage_stats, which GuideLLM sends with every request (refused by name
+    before: GuideLLM's 100 requests all failed)."""
+    c = client(agg)
+    stream = c.chat.completions.create(model=agg.model, messages=MESSAGES, max_tokens=6, stream=True,
+                                       stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                       extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    with_choices = [ch for ch in chunks if ch.choices]
+    assert with_choices and all(ch.usage is not None for ch in with_choices)
+    counts = [ch.usage.completion_tokens for ch in with_choices]
+    assert counts == sorted(counts) and counts[-1] == 6 and chunks[-1].usage.completion_tokens == 6
+    assert all(ch.usage.prompt_tokens == with_choices[0].usage.prompt_tokens > 0 for ch in with_choices)
+    plain = c.chat.completions.create(model=agg.model, messages=MESSAGES, max_tokens=3, stream=True,
+                                      stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    assert [ch.usage is None for ch in plain if ch.choices] == [True] * 3  # only the last chunk, as OpenAI's
