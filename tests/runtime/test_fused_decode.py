@@ -230,3 +230,52 @@ def test_bf16_fused_logits_are_as_close_to_fp32_as_the_torch_path() -> None:
             errors[name].append(float((got - want).norm() / want.norm()))
     assert max(errors["fused"]) < 5e-2, errors  # bf16 keeps ~3 significant digits
     assert sum(errors["fused"]) <= 1.5 * sum(errors["torch"]), errors
+
+
+def test_grouped_attention_reads_each_kv_head_once_and_answers_as_per_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    """grouped: one program per KV head's query group (8B: 8 programs a row and chunk instead of 32), the same
+    outputs and the same new K/V in the cache, merged in its own launch or by the merge kernel."""
+    from hpc.runtime.engine.kernels import decode_kernels
+
+    grids = []
+    kernel = decode_kernels._attention_chunk_kernel
+    monkeypatch.setattr(decode_kernels, "_attention_chunk_kernel",
+                        type("Counted", (), {"__getitem__": lambda _, grid: grids.append(grid) or kernel[grid]})())
+    device = _device()
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, dim, rows = 8, 2, 16, 3
+    cache = [torch.randn(4, kv_heads, 200, dim, generator=gen).to(device) for _ in range(2)]
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(device)
+    slots, positions = torch.tensor([2, 0, 3], device=device), torch.tensor([130, 5, 64], device=device)
+    cos, sin = (torch.randn(200, dim, generator=gen).to(device) for _ in range(2))
+    results = {}
+    for grouped in (False, True):
+        for counts in (None, torch.zeros(rows * heads, dtype=torch.int32, device=device)):
+            caches = [c.clone() for c in cache]
+            out = decode_kernels.decode_attention(qkv, *caches, slots, positions, cos, sin, heads, kv_heads, counts,
+                                                  chunk=32, grouped=grouped)
+            assert counts is None or counts.count_nonzero() == 0
+            results[grouped, counts is None] = (out, caches)
+    want_out, want_caches = results[False, True]
+    for out, caches in results.values():
+        torch.testing.assert_close(out, want_out, rtol=1e-6, atol=1e-6)
+        for got, want in zip(caches, want_caches):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    chunks = 200 // 32 + 1
+    assert grids == [(rows, heads, chunks)] * 2 + [(rows, kv_heads, chunks)] * 2
+
+
+def test_the_batched_path_attends_grouped_and_the_gemv_path_per_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpc.runtime.engine.kernels import decode_kernels, fused_decode
+
+    calls = []
+    attention = decode_kernels.decode_attention
+    monkeypatch.setattr(decode_kernels, "decode_attention",
+                        lambda *a, **k: calls.append(k.get("grouped", False)) or attention(*a, **k))
+    _, fused = _models(_device(), torch.float32)
+    cache = fused.new_cache(8, 32, torch.float32, _device())
+    for rows in (1, fused_decode.MAX_BATCH + 1):
+        ids = torch.randint(2, CFG.vocab_size, (rows, 1)).to(_device())
+        fused.forward_step(fused.embed(ids), torch.full((rows, 1), 3, device=_device()),
+                           torch.arange(rows, device=_device()), cache)
+    assert calls == [False] * CFG.num_hidden_layers + [True] * CFG.num_hidden_layers

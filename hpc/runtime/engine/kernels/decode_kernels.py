@@ -8,7 +8,8 @@ token pays a launch-and-drain gap for. These kernels fold the element-wise work 
   prologue (the MLP's activation) and an optional residual epilogue;
 - `decode_attention`: RoPE on q and k, the new K/V written into the cache slot, and attention over the
   cached positions split into chunks of `ATTN_CHUNK` (one program per query head and chunk, so a single
-  token's attention still spreads over the whole GPU); the last chunk of each head to finish merges them.
+  token's attention still spreads over the whole GPU; past a few rows one program per KV head's query group and
+  chunk, which reads its K/V once for the group); the last chunk of each head (or group) to finish merges them.
 
 Per layer: norm+qkv, rope+kv-write+attention(+merge), o+residual, norm+gate/up, act+down+residual.
 On Hopper and later the kernels use programmatic dependent launch: each one is launched while the
@@ -48,6 +49,10 @@ if _INTERPRET:  # the CPU interpreter has nothing to time: one config
 # 128 with the early trigger, 244.9 tok/s at TP=1 against 239.3 with chunks of 64 and the trigger after the loads
 ATTN_CHUNK = 128  # cached positions per attention program
 ATTN_CHUNK_BATCHED = 64  # past the GEMVs' few rows (fused_decode.MAX_BATCH), where programs are many anyway
+ATTN_GROUPED_BATCHED = True  # past them too: a program per KV head's query group (decode_attention's `grouped`)
+# A grouped program's warps. The 8B shape at 64 rows, chunks of 64, one H200 (benchmarks/decode_profile.py): 2 warps
+# 5,415 tok/s, 4 warps 4,646, 8 warps 3,084; chunks of 32 or 128 were slower, 128 x 2 and 256 x 4 spill registers.
+ATTN_WARPS_BATCHED = 2
 ATTN_WARPS = 4  # 8 with chunks of 128: 240.1
 # The next kernel may launch as soon as every program of a GEMV has started, not once each has issued its last
 # loads: its programs take the SMs the GEMV's last wave leaves and fetch their first weights during its tail.
@@ -173,19 +178,22 @@ def _attention_chunk_kernel(qkv_ptr, k_cache, v_cache, part_acc, part_stat, slot
                             counts_ptr, out_ptr, stride_qkv, stride_slot, stride_head, stride_pos, scale, chunks,
                             HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                             CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr, MERGE: tl.constexpr,
-                            USE_PDL: tl.constexpr):
-    """Program (row, head, chunk): softmax statistics and weighted values over one chunk of positions.
+                            GROUPED: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (row, head, chunk): softmax statistics and weighted values over one chunk of positions; GROUPED,
+    program (row, kv head, chunk) for every query head of the KV head's group, which then read its cached K/V
+    once instead of once per query head (at 64 rows the ungrouped reads were 4x the KV, and the step's largest
+    kernel).
 
     Chunk 0 also takes the new token (from registers) and its head-group leader writes the new K/V into
     the cache; other chunks read only positions before it, so nothing reads what this launch writes.
-    With MERGE the last of a head's chunks to finish (an arrival count per row and head, which it sets back
-    to 0) merges them all and writes the head's output: no merge kernel, one launch and one wait fewer.
+    With MERGE the last of a head's (or group's) chunks to finish (an arrival count per row and program, which it
+    sets back to 0) merges them all and writes the output: no merge kernel, one launch and one wait fewer.
     """
     row = tl.program_id(0)
-    head = tl.program_id(1)
+    which = tl.program_id(1)
     chunk = tl.program_id(2)
     group: tl.constexpr = HEADS // KV_HEADS
-    kv_head = head // group
+    kv_head = which if GROUPED else which // group
     if USE_PDL:  # one wave of small programs: let the merge kernel take its place at once
         tl.extra.cuda.gdc_launch_dependents()
     # Positions, slots, the RoPE tables and the cached K/V are not written by the kernel before this one
@@ -208,36 +216,55 @@ def _attention_chunk_kernel(qkv_ptr, k_cache, v_cache, part_acc, part_stat, slot
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
         base = qkv_ptr + row * stride_qkv
-        q = _rope(base + head * HEAD_DIM, d, rotated, sign, cos, sin) * scale
-        scores = tl.where(l_mask, tl.sum(keys * q[None, :], axis=1), float("-inf"))
+        first = kv_head * group if GROUPED else which
         if chunk == 0:  # the new token joins chunk 0, as the cache will keep it
             k_new = _rope(base + (HEADS + kv_head) * HEAD_DIM, d, rotated, sign, cos, sin).to(k_cache.dtype.element_ty)
             v_new = tl.load(base + (HEADS + KV_HEADS + kv_head) * HEAD_DIM + d)
-            if head % group == 0:
+            if GROUPED or which % group == 0:
                 tl.store(k_cache + cache_row + pos * stride_pos + d, k_new)
                 tl.store(v_cache + cache_row + pos * stride_pos + d, v_new.to(v_cache.dtype.element_ty))
-            score_new = tl.sum(q * k_new.to(tl.float32), axis=0)
-            best = tl.maximum(tl.max(scores, axis=0), score_new)
-            p = tl.exp(scores - best)
-            p_new = tl.exp(score_new - best)
-            total = tl.sum(p, axis=0) + p_new
-            acc = tl.sum(p[:, None] * values, axis=0) + p_new * v_new.to(tl.float32)
+            for g in tl.static_range(group if GROUPED else 1):  # pyright: ignore[reportGeneralTypeIssues]
+                _head_partial(base, first + g, keys, values, l_mask, d, rotated, sign, cos, sin, scale,
+                              k_new.to(tl.float32), v_new.to(tl.float32), part_acc, part_stat,
+                              (row * HEADS + first + g) * chunks + chunk, HEAD_DIM, tl.constexpr(True))
         else:
-            best = tl.max(scores, axis=0)
-            p = tl.exp(scores - best)
-            total = tl.sum(p, axis=0)
-            acc = tl.sum(p[:, None] * values, axis=0)
-        at = (row * HEADS + head) * chunks + chunk
-        tl.store(part_acc + at * HEAD_DIM + d, acc)
-        tl.store(part_stat + at * 2, best)
-        tl.store(part_stat + at * 2 + 1, total)
+            for g in tl.static_range(group if GROUPED else 1):  # pyright: ignore[reportGeneralTypeIssues]
+                _head_partial(base, first + g, keys, values, l_mask, d, rotated, sign, cos, sin, scale, cos, cos,
+                              part_acc, part_stat, (row * HEADS + first + g) * chunks + chunk, HEAD_DIM,
+                              tl.constexpr(False))
         if MERGE:
             tl.debug_barrier()  # every thread's stores are issued before the count says this chunk is done
             used = tl.maximum(tl.cdiv(pos, CHUNK), 1)  # the chunks that take part: 0, and those before pos
-            count = counts_ptr + row * HEADS + head
+            count = counts_ptr + row * (KV_HEADS if GROUPED else HEADS) + which
             if tl.atomic_add(count, 1, sem="acq_rel") == used - 1:  # the last one: the others' stores are seen
-                _merge_chunks(part_acc, part_stat, out_ptr, row, head, used, chunks, HEADS, HEAD_DIM, MAX_CHUNKS)
+                for g in tl.static_range(group if GROUPED else 1):  # pyright: ignore[reportGeneralTypeIssues]
+                    _merge_chunks(part_acc, part_stat, out_ptr, row, first + g, used, chunks, HEADS, HEAD_DIM,
+                                  MAX_CHUNKS)
                 tl.store(count, 0)
+
+
+@triton.jit
+def _head_partial(base, head, keys, values, l_mask, d, rotated, sign, cos, sin, scale, k_new, v_new, part_acc,
+                  part_stat, at, HEAD_DIM: tl.constexpr, WITH_NEW: tl.constexpr):
+    """One query head's softmax statistics and weighted values over a chunk's keys and values (and, WITH_NEW,
+    the new token's k_new / v_new, fp32), stored at partial index `at`."""
+    q = _rope(base + head * HEAD_DIM, d, rotated, sign, cos, sin) * scale
+    scores = tl.where(l_mask, tl.sum(keys * q[None, :], axis=1), float("-inf"))
+    if WITH_NEW:
+        score_new = tl.sum(q * k_new, axis=0)
+        best = tl.maximum(tl.max(scores, axis=0), score_new)
+        p = tl.exp(scores - best)
+        p_new = tl.exp(score_new - best)
+        total = tl.sum(p, axis=0) + p_new
+        acc = tl.sum(p[:, None] * values, axis=0) + p_new * v_new
+    else:
+        best = tl.max(scores, axis=0)
+        p = tl.exp(scores - best)
+        total = tl.sum(p, axis=0)
+        acc = tl.sum(p[:, None] * values, axis=0)
+    tl.store(part_acc + at * HEAD_DIM + d, acc)
+    tl.store(part_stat + at * 2, best)
+    tl.store(part_stat + at * 2 + 1, total)
 
 
 @triton.jit
@@ -273,7 +300,8 @@ def _attention_merge_kernel(part_acc, part_stat, pos_ptr, out_ptr, chunks, HEADS
 
 def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                      positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                     kv_heads: int, counts: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
+                     kv_heads: int, counts: torch.Tensor | None = None, chunk: int | None = None,
+                     grouped: bool = False) -> torch.Tensor:
     """qkv [M, (heads + 2 kv_heads) * D] of one new token per row at `positions` [M] in cache `slots` [M].
 
     Writes the token's K/V into the caches ([slots, kv_heads, max_len, D]) and returns attention [M, heads * D].
@@ -282,6 +310,8 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     `counts`: int32 zeros, at least M × heads, for the chunks to merge themselves (see the chunk kernel); one
     buffer per stream of launches (the model's), as two launches at once would count into each other. Without
     it (or when too small) a second kernel merges. `chunk`: cached positions per program (default ATTN_CHUNK).
+    `grouped`: a program per KV head's group of query heads (many rows: each cached K/V read once), else per
+    query head (a few rows: eight times the programs to spread one token's attention over the GPU).
     """
     rows = qkv.shape[0]
     head_dim = k_cache.shape[-1]
@@ -294,11 +324,12 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     merge = counts is not None and counts.numel() >= rows * heads
     pdl = _use_pdl(qkv.device)
     max_chunks = triton.next_power_of_2(chunks)
-    _attention_chunk_kernel[(rows, heads, chunks)](
+    grouped = grouped and heads > kv_heads
+    _attention_chunk_kernel[(rows, kv_heads if grouped else heads, chunks)](
         qkv, k_cache, v_cache, part_acc, part_stat, slots, positions, cos, sin, counts if merge else positions,
         out, qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), head_dim ** -0.5, chunks,
         HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, CHUNK=chunk, MAX_CHUNKS=max_chunks, MERGE=merge,
-        USE_PDL=pdl, num_warps=ATTN_WARPS, launch_pdl=pdl)
+        GROUPED=grouped, USE_PDL=pdl, num_warps=ATTN_WARPS_BATCHED if grouped else ATTN_WARPS, launch_pdl=pdl)
     if not merge:
         _attention_merge_kernel[(rows, heads)](
             part_acc, part_stat, positions, out, chunks, HEADS=heads, HEAD_DIM=head_dim, CHUNK=chunk,

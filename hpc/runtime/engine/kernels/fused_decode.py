@@ -109,7 +109,8 @@ class FusedDecoder:
             attn = layer.self_attn
             qkv = attn.qkv_proj(layer.input_layernorm(h)).contiguous()
             heads = self.kernels.decode_attention(qkv, kv[0], kv[1], slots, pos, cos, sin, attn.heads,
-                                                  attn.kv_heads, self.counts, self.kernels.ATTN_CHUNK_BATCHED)
+                                                  attn.kv_heads, self.counts, self.kernels.ATTN_CHUNK_BATCHED,
+                                                  grouped=self.kernels.ATTN_GROUPED_BATCHED)
             h = h + model.tp.all_reduce(attn.o_proj(heads))
             h = h + layer.feed_forward(h)
         return model.lm_head(model.model.norm(h)).float()
