@@ -85,15 +85,16 @@ def test_decode_steps_match_the_reference(slots: list[int], forced: str | None, 
     assert fused.fused_decode.counts.count_nonzero() == 0
 
 
-def test_few_rows_attend_in_wide_chunks_and_batches_in_narrow_ones(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Up to MAX_BATCH rows (the GEMV path) ATTN_CHUNK positions per program, past it ATTN_CHUNK_BATCHED: wide
-    chunks were faster at batch 1 on an H200, narrow ones at batch 64 (benchmarks/decode_knobs.py)."""
+def test_few_rows_attend_in_wide_chunks_and_batches_in_narrow_grouped_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to MAX_BATCH rows (the GEMV path) ATTN_CHUNK positions per program and a program per query head, past
+    it ATTN_CHUNK_BATCHED and a program per query group: wide chunks were faster at batch 1 on an H200, narrow
+    grouped ones at batch 64 (benchmarks/decode_knobs.py, decode_profile.py)."""
     from hpc.runtime.engine.kernels import decode_kernels, fused_decode
 
-    chunks = []
+    chunks, grouped = [], []
     attention = decode_kernels.decode_attention
-    monkeypatch.setattr(decode_kernels, "decode_attention",
-                        lambda *a, **k: chunks.append(a[-1]) or attention(*a, **k))
+    monkeypatch.setattr(decode_kernels, "decode_attention", lambda *a, **k: chunks.append(a[-1])
+                        or grouped.append(k.get("grouped", False)) or attention(*a, **k))
     device, dtype = _device(), torch.float32
     _, fused = _models(device, dtype)
     cache = fused.new_cache(8, 32, dtype, device)
@@ -103,6 +104,7 @@ def test_few_rows_attend_in_wide_chunks_and_batches_in_narrow_ones(monkeypatch: 
                            torch.arange(rows, device=device), cache)
     layers = CFG.num_hidden_layers
     assert chunks == [decode_kernels.ATTN_CHUNK] * layers + [decode_kernels.ATTN_CHUNK_BATCHED] * layers
+    assert grouped == [False] * layers + [True] * layers
     assert decode_kernels.ATTN_CHUNK != decode_kernels.ATTN_CHUNK_BATCHED
 
 
@@ -263,19 +265,3 @@ def test_grouped_attention_reads_each_kv_head_once_and_answers_as_per_head(monke
             torch.testing.assert_close(got, want, rtol=0, atol=0)
     chunks = 200 // 32 + 1
     assert grids == [(rows, heads, chunks)] * 2 + [(rows, kv_heads, chunks)] * 2
-
-
-def test_the_batched_path_attends_grouped_and_the_gemv_path_per_head(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpc.runtime.engine.kernels import decode_kernels, fused_decode
-
-    calls = []
-    attention = decode_kernels.decode_attention
-    monkeypatch.setattr(decode_kernels, "decode_attention",
-                        lambda *a, **k: calls.append(k.get("grouped", False)) or attention(*a, **k))
-    _, fused = _models(_device(), torch.float32)
-    cache = fused.new_cache(8, 32, torch.float32, _device())
-    for rows in (1, fused_decode.MAX_BATCH + 1):
-        ids = torch.randint(2, CFG.vocab_size, (rows, 1)).to(_device())
-        fused.forward_step(fused.embed(ids), torch.full((rows, 1), 3, device=_device()),
-                           torch.arange(rows, device=_device()), cache)
-    assert calls == [False] * CFG.num_hidden_layers + [True] * CFG.num_hidden_layers
