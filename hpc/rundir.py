@@ -498,11 +498,19 @@ def shown(text: str, most: int = 80) -> str:
     return quoted if len(quoted) <= most else quoted[:most] + f"... ({len(text)} characters)"
 
 
+def _is_dir(ref: str) -> bool:
+    """Whether `ref` names a directory; a name no filesystem takes (a NUL, a part past 255 bytes) names none."""
+    try:
+        return len(ref) <= 4096 and "\0" not in ref and Path(ref).is_dir()
+    except OSError:
+        return False
+
+
 def find_run(ref: str | None) -> RunDir:
     """A run directory by path, run id, or Slurm job id; the newest run when `ref` is None."""
     from hpc.errors import UserError
 
-    if ref is not None and len(ref) <= 4096 and "\0" not in ref and Path(ref).is_dir():
+    if ref is not None and _is_dir(ref):
         if (Path(ref) / "manifest.json").is_file():
             return RunDir(Path(ref).resolve())
         if (Path(ref) / ChainDir.RECORD).is_file():

@@ -59,6 +59,11 @@ def new(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     if out is not None:
         _check_out(out)
+    if args.image or args.mount:  # the user's own strings, before asking Slurm anything
+        from hpc.spec.cluster import ContainerOnly
+
+        parse_model(ContainerOnly, {"container": {"image": args.image or "-", "mounts": args.mount}},
+                    file="--image/--mount")
     facts = probe(LocalRunner(), args.partition)
     if args.image and not facts.pyxis:
         raise UserError("this cluster's srun has no --container-image (pyxis is not installed)", field="--image",

@@ -26,7 +26,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("logs", help="per-component logs of a run")
     p.add_argument("run", nargs="?")
     p.add_argument("--component", help="etcd, nats, frontend, agg, prefill, decode, encode, job")
-    p.add_argument("--index", type=int, default=0)
+    p.add_argument("--index", type=bounded_int(0, 100_000), default=0, help="which of the component's instances")
     p.add_argument("-f", "--follow", action="store_true")
     p.add_argument("-n", "--lines", type=bounded_int(1, 10_000_000, "-1 would print all but one"), default=50,
                    help="the last N lines (N from 1)")

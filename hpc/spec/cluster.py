@@ -82,6 +82,13 @@ class Container(StrictModel):
         return mounts
 
 
+
+class ContainerOnly(StrictModel):
+    """A profile's container block alone: `hpc cluster new` checks the user's --image and --mount with it before
+    it probes the cluster (errors name container.image / container.mounts, as in a profile)."""
+
+    container: Container
+
 class Network(StrictModel):
     """What address services bind to: an interface's address, or the node name's address."""
 

@@ -28,8 +28,21 @@ churn = stack_fixture("tiny-disagg", "--set", "roles.decode.count=2", "--set", "
 KILLS = 5
 
 
+def _state(stack, name: str) -> dict:
+    return json.loads((stack.run.state / f"{name}.json").read_text())
+
+
 def _pid(stack, name: str) -> int:
-    return json.loads((stack.run.state / f"{name}.json").read_text())["pid"]
+    return _state(stack, name)["pid"]
+
+
+def _back(stack, name: str, role: str, restarts: int, since: float) -> bool:
+    """Restarted (its restart count past `restarts`), registered after `since`, and routed: a new pid alone
+    is not enough, the frontend may not have seen the old one go yet."""
+    state = _state(stack, name)
+    if state.get("restarts", 0) <= restarts or state.get("phases", {}).get("registered", 0) <= since:
+        return False
+    return get_json(stack.url + "/health")[1]["live"].get(role) == 2
 
 
 def _kill(stack, name: str) -> int:
@@ -65,11 +78,12 @@ def test_a_worker_killed_under_load_fails_no_request_and_is_routed_again(churn, 
     try:
         time.sleep(2)
         for _ in range(KILLS if role == "decode" else 3):
-            victim = _kill(churn, f"{role}-1")
+            restarts = _state(churn, f"{role}-1").get("restarts", 0)
+            since = time.time()
+            _kill(churn, f"{role}-1")
             killed, took = time.monotonic(), None
             while time.monotonic() - killed < 90:
-                health = get_json(churn.url + "/health")[1]
-                if health["live"].get(role) == 2 and _pid(churn, f"{role}-1") != victim:
+                if _back(churn, f"{role}-1", role, restarts, since):
                     took = time.monotonic() - killed
                     break
                 time.sleep(0.2)

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from hpc.manifest import Manifest
 from hpc.runtime.engine.types import GenerateRequest, SamplingParams, TokenLogprob
 from hpc.runtime.frontend.openai import (MAX_CHOICES, REQUEST_ID_HEADER, ApiError, ChatRequest, CompletionRequest,
-                                         chat_logprobs, check_fields, completion_logprobs, merged_completions,
+                                         chat_logprobs, check_fields, completion_logprobs, field_error, merged_completions,
                                          new_id, now, upstream_error)
 from hpc.runtime.frontend.parsers import AnswerParser, json_answer_guide, tool_call_guide
 from hpc.runtime.frontend.chat_content import ChatInputError, template_kwargs, template_messages
@@ -218,9 +218,8 @@ class Frontend:
         try:
             parsed = model.model_validate(data)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            param = ".".join(str(p) for p in err["loc"])
-            raise ApiError(400, f"{param}: {err['msg']}"[:500], param=param[:200]) from None
+            param, message = field_error(exc.errors())
+            raise ApiError(400, message[:500], param=param[:200]) from None
         problem = parsed.problem()
         if problem is not None:
             raise ApiError(400, f"{problem[0]}: {problem[1]}", param=problem[0])
@@ -312,7 +311,7 @@ class Frontend:
         guide = tool_call_guide(model.reasoning_parser, model.tool_call_parser, forced) if forced else \
             json_answer_guide(model.reasoning_parser) if body.json_object else None
         # OpenAI's chat has no small default length: up to the model's limit (completions keep 16)
-        gen = self._build(body, await self._encode(prompt), body.max_completion_tokens or body.max_tokens,
+        gen = self._build(body, await self._encode(prompt, "messages"), body.max_completion_tokens or body.max_tokens,
                           images[0] if images else None, default_max_tokens=self.recipe.limits.max_output_tokens,
                           guide=guide)
         parsing = (model.reasoning_parser, model.tool_call_parser if tools else None)
@@ -324,20 +323,20 @@ class Frontend:
                              f"({self.recipe.frontend.request_timeout_s:g} s); its engine work was cancelled",
                         "timeout", code="timeout")
 
-    async def _encode(self, text: str) -> list[int]:
+    async def _encode(self, text: str, param: str = "prompt") -> list[int]:
         """Bound, then tokenize: a prompt with more characters than its token limit can hold is refused before
         any work; a long one goes to a thread that lets go of the GIL (encode_bounded), so the event loop keeps
-        serving everyone else meanwhile."""
+        serving everyone else meanwhile. `param`: what a refusal names (a chat's messages, rendered)."""
         limit = self.recipe.limits.max_input_tokens
         if len(text) > self.codec.most_chars(limit):
             raise ApiError(400, f"prompt has {len(text):,} characters, more than {limit} tokens can hold (at most "
                                 f"{self.codec.max_token_chars} characters a token); the limit is {limit} tokens",
-                           param="prompt", code="context_length_exceeded")
+                           param=param, code="context_length_exceeded")
         if len(text) < OFF_LOOP_CHARS:
             return self.codec.encode(text)
         ids = await asyncio.to_thread(self.codec.encode_bounded, text, limit)
         if isinstance(ids, int):
-            raise ApiError(400, f"prompt has {ids} tokens; the limit is {limit}", param="prompt",
+            raise ApiError(400, f"prompt has {ids} tokens; the limit is {limit}", param=param,
                            code="context_length_exceeded")
         return ids
 

@@ -106,17 +106,22 @@ def template_messages(messages: list[Any], content: Callable[[Any], Any], multim
     """The request's messages as the template gets them (`content`: the codec's message_content), and the
     images' URLs in order."""
     out, images = [], []
-    for m in messages:
-        for part in m.content if isinstance(m.content, list) else ():
+    for i, m in enumerate(messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+            where = f"messages.{i}.content.{j}"
             if part.get("type") == "image_url":
                 if not multimodal:
-                    raise ChatInputError("messages", "this model takes no images")
+                    raise ChatInputError(where, "this model takes no images")
                 url = part.get("image_url")
                 images.append(url.get("url") if isinstance(url, dict) else url)
             elif part.get("type") != "text":
-                raise ChatInputError("messages", f"unsupported content part type {part.get('type')!r}")
+                raise ChatInputError(f"{where}.type", f"unsupported content part type {str(part.get('type'))[:40]!r}"
+                                                      " (text, or image_url on a multimodal model)")
+            elif not isinstance(part.get("text"), str):
+                raise ChatInputError(f"{where}.text", "a text part's text must be a string")
         message: dict[str, Any] = {"role": m.role, "content": content(m.content or "")}
-        for key in ("tool_calls", "tool_call_id", "name"):  # only what is there: templates test `is defined`
+        # only what is there: templates test `is defined`
+        for key in ("tool_calls", "tool_call_id", "name", "reasoning_content"):
             if getattr(m, key) is not None:
                 message[key] = getattr(m, key)
         out.append(message)

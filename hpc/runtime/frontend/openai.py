@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from hpc.runtime.frontend.router import NoInstance
 from hpc.runtime.serve.http import Response, json_response
@@ -83,6 +83,36 @@ def unknown_param(data: dict[str, Any], model: type[BaseModel]) -> tuple[str, st
             close = difflib.get_close_matches(str(name), sorted(known), n=1, cutoff=0.75)
             return str(name), close[0] if close else None
     return None
+
+
+# The step of a validation error's location that names a union's member (pydantic's tags), not a field
+_MEMBER_TAGS = ("str", "int", "float", "bool", "dict", "list", "none")
+
+
+def _member_tag(part: Any) -> bool:
+    return isinstance(part, str) and (part in _MEMBER_TAGS or "[" in part or part[:1].isupper()
+                                      or part.startswith(("function-", "is-instance", "json-or-python")))
+
+
+def field_error(errors: list[Any]) -> tuple[str, str]:
+    """(param, message) for pydantic's errors: the field as the client wrote it. Where a field may take several
+    forms (prompt: a string, strings, token ids or arrays of them), pydantic reports each form's failure under a
+    tag of its own ("prompt.str"): the param is the field, and the message says why each form did not fit."""
+    loc = list(errors[0]["loc"])
+    tag = next((i for i, part in enumerate(loc) if _member_tag(part)), None)
+    if tag is None:
+        param = ".".join(str(p) for p in loc)
+        return param, f"{param}: {errors[0]['msg']}"
+    prefix = loc[:tag]
+    param = ".".join(str(p) for p in prefix)
+    forms: dict[str, str] = {}
+    for err in errors:
+        where = list(err["loc"])
+        if where[:tag] == prefix and len(where) > tag and _member_tag(where[tag]):
+            rest = ".".join(str(p) for p in where[tag + 1:] if not _member_tag(p))
+            forms.setdefault(str(where[tag]), f"{rest + ': ' if rest else ''}{err['msg']}")
+    listed = "; ".join(f"as {form}, {why}" for form, why in list(forms.items())[:4])
+    return param, f"{param}: fits none of its forms ({listed})"
 
 
 def check_fields(data: dict[str, Any], model: type[BaseModel], tool_parser: bool) -> None:
@@ -271,11 +301,10 @@ class CompletionRequest(_Request):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
-    @model_validator(mode="after")
-    def _zero_scores_the_prompt(self) -> "CompletionRequest":
-        if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens 0 generates nothing: it scores the prompt, with echo (and logprobs)")
-        return self
+    def problem(self) -> tuple[str, str] | None:
+        if self.max_tokens == 0 and not self.echo:  # 0 with echo: the prompt scored, nothing generated
+            return "max_tokens", "max_tokens 0 generates nothing: it scores the prompt, with echo (and logprobs)"
+        return super().problem()
 
     @property
     def logprob_count(self) -> int | None:
@@ -300,13 +329,21 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # OpenAI refuses a message field it does not know ("Additional properties are not allowed")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool's answer
     name: str | None = None
+    # an earlier answer's reasoning, sent back (vLLM's and DeepSeek's field; Qwen3's and DeepSeek-R1's templates
+    # read it)
+    reasoning_content: str | None = None
+    # what OpenAI's own client sends back of an assistant turn; nothing here reads them
+    refusal: str | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
 
 
 class ChatRequest(_Request):

@@ -304,7 +304,9 @@ def test_a_prompt_too_long_for_its_tokens_is_refused_before_tokenizing_and_one_j
         ask("the sea " * 75_000)
     body = refused.value.body
     assert "more than 512 tokens can hold" in body["message"] and "characters a token" in body["message"]
-    assert body["param"] == "prompt" and body["code"] == "context_length_exceeded"
+    # a chat's prompt is its messages, rendered: OpenAI names them
+    assert body["param"] == ("messages" if route == "chat" else "prompt")
+    assert body["code"] == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as counted:
         ask("the sea " * 2_500)
     assert "tokens; the limit is 512" in counted.value.body["message"]
