@@ -344,6 +344,7 @@ class ChatMessage(BaseModel):
     refusal: str | None = None
     audio: dict[str, Any] | None = None
     function_call: dict[str, Any] | None = None
+    annotations: list[dict[str, Any]] | None = None
 
 
 class ChatRequest(_Request):

@@ -329,3 +329,15 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(agg):
     plain = c.chat.completions.create(model=agg.model, messages=MESSAGES, max_tokens=3, stream=True,
                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     assert [ch.usage is None for ch in plain if ch.choices] == [True] * 3  # only the last chunk, as OpenAI's
+
+
+def test_an_answer_sent_back_as_the_client_dumps_it_is_a_turn_of_the_next_request(agg):
+    """Messages refuse keys OpenAI does not know; every key of the official client's own answer is known (a
+    conversation that appends `message.model_dump()` goes on)."""
+    c = client(agg)
+    first = c.chat.completions.create(model=agg.model, messages=MESSAGES, max_tokens=4)
+    turn = first.choices[0].message.model_dump()
+    assert {"refusal", "annotations", "audio", "function_call", "tool_calls"} <= set(turn)
+    again = c.chat.completions.create(model=agg.model, messages=[*MESSAGES, turn, {"role": "user", "content": "go on"}],
+                                      max_tokens=4)
+    assert again.choices[0].message.content is not None
