@@ -108,22 +108,35 @@ def test_few_rows_attend_in_wide_chunks_and_batches_in_narrow_grouped_ones(monke
     assert decode_kernels.ATTN_CHUNK != decode_kernels.ATTN_CHUNK_BATCHED
 
 
-def test_attention_merges_in_its_own_launch_or_in_a_second_one_alike(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With arrival counts the last chunk of each head merges; without (or too few counts), a merge kernel."""
-    from hpc.runtime.engine.kernels import decode_kernels
+def _launches(monkeypatch: pytest.MonkeyPatch, module, name: str) -> list:
+    """The grids of each launch of the Triton kernel `name` in `module`, which still runs."""
+    grids: list = []
+    kernel = getattr(module, name)
+    monkeypatch.setattr(module, name,
+                        type("Counted", (), {"__getitem__": lambda _, grid: grids.append(grid) or kernel[grid]})())
+    return grids
 
-    merges = []
-    kernel = decode_kernels._attention_merge_kernel
-    monkeypatch.setattr(decode_kernels, "_attention_merge_kernel",
-                        type("Counted", (), {"__getitem__": lambda _, grid: merges.append(grid) or kernel[grid]})())
 
+def _attention_inputs(seed: int, heads: int, kv_heads: int, rows: int, dim: int = 16):
+    """A cache of 4 slots x 200 positions, one new token's q/k/v per row at positions 130, 5 and 64 of slots
+    2, 0 and 3, and RoPE tables: decode_attention's arguments up to heads."""
     device = _device()
-    gen = torch.Generator().manual_seed(9)
-    heads, kv_heads, dim, rows = 4, 2, 16, 3
+    gen = torch.Generator().manual_seed(seed)
     cache = [torch.randn(4, kv_heads, 200, dim, generator=gen).to(device) for _ in range(2)]
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(device)
     slots, positions = torch.tensor([2, 0, 3], device=device), torch.tensor([130, 5, 64], device=device)
     cos, sin = (torch.randn(200, dim, generator=gen).to(device) for _ in range(2))
+    return cache, qkv, slots, positions, cos, sin
+
+
+def test_attention_merges_in_its_own_launch_or_in_a_second_one_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With arrival counts the last chunk of each head merges; without (or too few counts), a merge kernel."""
+    from hpc.runtime.engine.kernels import decode_kernels
+
+    merges = _launches(monkeypatch, decode_kernels, "_attention_merge_kernel")
+    device = _device()
+    heads, kv_heads, rows = 4, 2, 3
+    cache, qkv, slots, positions, cos, sin = _attention_inputs(9, heads, kv_heads, rows)
     outs = []
     for counts in (None, torch.zeros(rows * heads - 1, dtype=torch.int32, device=device),
                    torch.zeros(rows * heads, dtype=torch.int32, device=device)):
@@ -239,17 +252,10 @@ def test_grouped_attention_reads_each_kv_head_once_and_answers_as_per_head(monke
     outputs and the same new K/V in the cache, merged in its own launch or by the merge kernel."""
     from hpc.runtime.engine.kernels import decode_kernels
 
-    grids = []
-    kernel = decode_kernels._attention_chunk_kernel
-    monkeypatch.setattr(decode_kernels, "_attention_chunk_kernel",
-                        type("Counted", (), {"__getitem__": lambda _, grid: grids.append(grid) or kernel[grid]})())
+    grids = _launches(monkeypatch, decode_kernels, "_attention_chunk_kernel")
     device = _device()
-    gen = torch.Generator().manual_seed(11)
-    heads, kv_heads, dim, rows = 8, 2, 16, 3
-    cache = [torch.randn(4, kv_heads, 200, dim, generator=gen).to(device) for _ in range(2)]
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(device)
-    slots, positions = torch.tensor([2, 0, 3], device=device), torch.tensor([130, 5, 64], device=device)
-    cos, sin = (torch.randn(200, dim, generator=gen).to(device) for _ in range(2))
+    heads, kv_heads, rows = 8, 2, 3
+    cache, qkv, slots, positions, cos, sin = _attention_inputs(11, heads, kv_heads, rows)
     results = {}
     for grouped in (False, True):
         for counts in (None, torch.zeros(rows * heads, dtype=torch.int32, device=device)):
