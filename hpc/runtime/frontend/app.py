@@ -12,8 +12,8 @@ from pydantic import ValidationError
 from hpc.manifest import Manifest
 from hpc.runtime.engine.types import GenerateRequest, SamplingParams, TokenLogprob
 from hpc.runtime.frontend.openai import (MAX_CHOICES, REQUEST_ID_HEADER, ApiError, ChatRequest, CompletionRequest,
-                                         chat_logprobs, check_fields, completion_logprobs, field_error, merged_completions,
-                                         new_id, now, upstream_error)
+                                         chat_logprobs, check_fields, completion_logprobs, field_error,
+                                         merged_completions, new_id, now, upstream_error)
 from hpc.runtime.frontend.parsers import AnswerParser, json_answer_guide, tool_call_guide
 from hpc.runtime.frontend.chat_content import ChatInputError, template_kwargs, template_messages
 from hpc.runtime.frontend.group import FrontendGroup, health_status, live_counts
@@ -311,7 +311,8 @@ class Frontend:
         guide = tool_call_guide(model.reasoning_parser, model.tool_call_parser, forced) if forced else \
             json_answer_guide(model.reasoning_parser) if body.json_object else None
         # OpenAI's chat has no small default length: up to the model's limit (completions keep 16)
-        gen = self._build(body, await self._encode(prompt, "messages"), body.max_completion_tokens or body.max_tokens,
+        gen = self._build(body, await self._encode(prompt, "messages"),
+                          body.max_completion_tokens or body.max_tokens,
                           images[0] if images else None, default_max_tokens=self.recipe.limits.max_output_tokens,
                           guide=guide)
         parsing = (model.reasoning_parser, model.tool_call_parser if tools else None)

@@ -1,6 +1,7 @@
 """How the torch engine chooses a sequence's next token from its logits.
 
-Per row, in order: the repetition penalty, presence/frequency penalties, the canned-answer test knob, the guide, then greedy or sampling;
+Per row, in order: the repetition penalty, presence/frequency penalties, the canned-answer test knob, the guide,
+then greedy or sampling;
 logprobs report the model's own distribution (before penalties and masks). Rows that need none of this take the
 step's batched path instead (`batchable`: one argmax or one sampling kernel for all of them).
 """
