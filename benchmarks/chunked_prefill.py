@@ -96,7 +96,7 @@ def main() -> None:
         rows, label = [], ""
         for name, extra in configs:
             async with TorchEngine(model, DisaggregationMode.AGGREGATED, {**base, **extra}) as engine:
-                vocab = engine.cfg.vocab_size
+                vocab = engine.core.cfg.vocab_size
                 await _round(engine, args, vocab, random.Random(1))  # warm: this configuration's shapes
                 result = await _round(engine, args, vocab, random.Random(2))
                 rows.append((name, result, int(engine.stats().get("prefill_chunks", 0))))

@@ -101,7 +101,7 @@ async def measure(model: str, sizes: list[int], replays: int) -> tuple[str, list
     args = direct_engine_args(64, 64, 0, max(sizes), {})
     async with TorchEngine(ensure_model(f"~/.cache/hpc/models/{model}", model), DisaggregationMode.AGGREGATED,
                            args) as engine:
-        graphs = engine.graphs
+        graphs = engine.core.graphs
         if graphs is None:
             raise SystemExit("decode_graph_kernels.py: this engine captures no decode graphs (needs a CUDA GPU and "
                              "one rank)")

@@ -43,8 +43,8 @@ async def measure(model: str, sizes: list[int]) -> tuple[str, list[tuple[int, di
     args = direct_engine_args(64, 64, 0, max(sizes), {})
     async with TorchEngine(ensure_model(f"~/.cache/hpc/models/{model}", model), DisaggregationMode.AGGREGATED,
                            args) as engine:
-        graphs = engine.graphs
-        if graphs is None or engine.model.fused_decode is None:
+        graphs = engine.core.graphs
+        if graphs is None or engine.core.model.fused_decode is None:
             raise SystemExit("decode_graph_paths.py: this engine captures no decode graphs (needs a CUDA GPU, "
                              "Triton and one rank)")
         rows = []
@@ -52,7 +52,7 @@ async def measure(model: str, sizes: list[int]) -> tuple[str, list[tuple[int, di
             for size in sizes:
                 if size not in graphs.sizes.batch_sizes:
                     continue
-                only = engine.model.fused_decode.paths_for(size)[-1]
+                only = engine.core.model.fused_decode.paths_for(size)[-1]
                 seconds = graphs.timings.get(size) or {only: graphs.replay_seconds(size)}
                 rows.append((size, seconds, graphs.paths.get(size, only)))
         return device_label(engine), rows

@@ -48,14 +48,14 @@ def engine_with_stand_in_graphs(model_dir: Path, steps: int = 1) -> tuple[TorchE
     engine.load()
     logits = torch.zeros(MAX_ROWS, 8)
     picks = torch.full((MAX_ROWS,), 7, dtype=torch.long)
-    engine.graphs = DecodeGraphs(lambda tokens, positions, slots: logits[:tokens.shape[0]],
+    engine.core.graphs = DecodeGraphs(lambda tokens, positions, slots: logits[:tokens.shape[0]],
                                  GraphSizes(tuple(generated_sizes(MAX_ROWS, True)), padding=True),
                                  scratch_slot=MAX_ROWS,
                                  device=torch.device("cpu"), pick=lambda lg, temperatures: picks[:lg.shape[0]],
                                  copies_in_graph=steps > 1, steps=steps)
-    engine.graphs.capture(lambda step: (lambda: None, step()))
+    engine.core.graphs.capture(lambda step: (lambda: None, step()))
     sent: list[int] = []
-    engine.emitter = LinkEmitter(lambda message: sent.append(len(message.tokens)), lambda key: None)
+    engine.core.emitter = LinkEmitter(lambda message: sent.append(len(message.tokens)), lambda key: None)
     return engine, sent
 
 
@@ -73,10 +73,11 @@ def rows_of(engine: TorchEngine, rows: int) -> list:
 
 def steps(engine: TorchEngine, running: list, count: int) -> None:
     for i in range(count):
-        if i % (1000 // engine.graphs.steps) == 0:  # the cache's end is never reached: lengths back to the prompt's
+        # the cache's end is never reached: lengths back to the prompt's
+        if i % (1000 // engine.core.graphs.steps) == 0:
             for seq in running:
                 seq.length = PROMPT
-        engine._decode_step(running)
+        engine.decode._decode_step(running)
     assert all(seq.slot >= 0 for seq in running), "a row ended"
 
 
@@ -105,9 +106,9 @@ def main() -> None:
                 steps(engine, running, args.steps)
                 rounds.append((time.perf_counter() - began) / args.steps * 1e6)
                 relative.append(rounds[-1] / min(before, reference_us()))
-            carried = engine._counters.get("decode_steps_carried_in_graph", 0)
+            carried = engine.core.counters.get("decode_steps_carried_in_graph", 0)
             assert carried >= args.rounds * args.steps, "the launches took the decode worker's path: carried in graph"
-            multi = engine._counters.get("decode_launches_multi_step_total", 0)
+            multi = engine.core.counters.get("decode_launches_multi_step_total", 0)
             assert per_replay == 1 or multi >= args.rounds * args.steps, f"not {per_replay} steps a replay: {multi}"
             assert sum(sent) >= rows * per_replay * args.rounds * args.steps, "every row's token of every step was sent"
             print(f"{rows:>5} {per_replay:>6} {min(rounds):>8.1f} {statistics.median(rounds):>8.1f} "

@@ -182,8 +182,8 @@ def device_label(engine: Any) -> str:
         where = f"{engine.prefill.device} + {engine.decode.device}" if engine.prefill.device.type == "cuda" else ""
         return f"{device_label(engine.decode)}, prefill and decode engines{' on ' + where if where else ''}"
     if engine.device.type == "cuda":
-        return f"{torch.cuda.get_device_name(engine.device)} ({engine.dtype})".replace("torch.", "")
-    return f"CPU, {os.cpu_count()} cores ({engine.dtype})".replace("torch.", "")
+        return f"{torch.cuda.get_device_name(engine.device)} ({engine.core.dtype})".replace("torch.", "")
+    return f"CPU, {os.cpu_count()} cores ({engine.core.dtype})".replace("torch.", "")
 
 
 def stack_levels(direct: dict[int, list[float]], via: dict[int, list[float]],

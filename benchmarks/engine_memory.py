@@ -32,11 +32,11 @@ async def held(model: Any, mode: str, engine_args: dict[str, Any]) -> dict[str, 
     free_before = torch.cuda.mem_get_info()[0]
     async with TorchEngine(model, DisaggregationMode(mode), engine_args) as engine:
         stats = torch.cuda.memory_stats()
-        cache = getattr(engine.cache, "whole", None)  # one tensor, every layer's K and V (llama.KvCache)
+        cache = getattr(engine.core.cache, "whole", None)  # one tensor, every layer's K and V (llama.KvCache)
         row = {"mode": mode, "device_used_gib": (free_before - torch.cuda.mem_get_info()[0]) / GIB,
                "allocated_gib": stats["allocated_bytes.all.current"] / GIB,
                "reserved_gib": stats["reserved_bytes.all.current"] / GIB,
-               "weights_gib": sum(p.numel() * p.element_size() for p in engine.model.parameters()) / GIB,
+               "weights_gib": sum(p.numel() * p.element_size() for p in engine.core.model.parameters()) / GIB,
                "kv_gib": cache.numel() * cache.element_size() / GIB if cache is not None else None,
                "largest_blocks_gib": sorted((s["total_size"] / GIB for s in torch.cuda.memory_snapshot()),
                                             reverse=True)[:4]}

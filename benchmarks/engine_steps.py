@@ -98,18 +98,18 @@ def main() -> None:
             timers.wrap(engine, "_admit", "admit (slots, prefix cache)")
             timers.wrap(engine, "_context_step", "prefill (incl. below)")
             timers.wrap(engine, "_decode_step", "decode step (incl. below)")
-            timers.wrap(engine.picker, "pick_rows", "  pick tokens (waits for the GPU)")
-            for graphs, method, label in ((engine.graphs, "run_picking", "  decode graph launch"),
-                                          (engine.prefill_graphs, "run", "  prefill graph launch")):
+            timers.wrap(engine.core.picker, "pick_rows", "  pick tokens (waits for the GPU)")
+            for graphs, method, label in ((engine.core.graphs, "run_picking", "  decode graph launch"),
+                                          (engine.core.prefill_graphs, "run", "  prefill graph launch")):
                 if graphs is not None:
                     timers.wrap(graphs, method, label)
-            timers.wrap(engine._host_copies, "start", "  decode tokens' copy to the host")
+            timers.wrap(engine.decode._host_copies, "start", "  decode tokens' copy to the host")
             timers.wrap(engine, "_padded_prefill", "  eager prefill")
-            timers.wrap(engine.picker, "pick_on_device", "  first tokens picked on the device")
+            timers.wrap(engine.core.picker, "pick_on_device", "  first tokens picked on the device")
             timers.wrap(engine, "_store_prompts", "  prompts into the prefix cache")
-            if engine.prefix is not None:
-                timers.wrap(engine.prefix, "_stored", "    their KV event records")
-                timers.wrap(engine.prefix, "_copy_in", "    their KV's copy into the pool")
+            if engine.core.prefix is not None:
+                timers.wrap(engine.core.prefix, "_stored", "    their KV event records")
+                timers.wrap(engine.core.prefix, "_copy_in", "    their KV's copy into the pool")
             timers.wrap(engine, "_emit_inflight", "  emit a step's tokens")
             timers.wrap(engine, "_keep_for_handoff", "  KV kept for the decode engine")
             timers.wrap(engine, "_hand_over", "  answers (first token, KV handle)")

@@ -65,7 +65,7 @@ def main() -> None:
             # the scheduler thread is idle between requests: these calls stand in for it, one at a time
             print(f"a prefill step's parts, host µs (median of {args.repeats}, the device idle before each), "
                   f"{args.model} on {device_label(engine)}, {args.input_tokens}-token prompts, temperature "
-                  f"{args.temperature}, prefill graphs {'on' if engine.prefill_graphs is not None else 'off'}")
+                  f"{args.temperature}, prefill graphs {'on' if engine.core.prefill_graphs is not None else 'off'}")
             print(f"{'prompts':>8} {'replay (staged)':>16} {'replay alone':>14} {'pick':>8} {'pool copy':>10} "
                   f"{'(eagerly)':>12} {'store (all)':>12}")
             for n in counts:
@@ -76,13 +76,14 @@ def main() -> None:
                     seqs.append(Seq(request=request, emit=lambda out: None, slot=slot))
                 rows = [s.request.token_ids for s in seqs]
                 slots = [s.slot for s in seqs]
-                graphs = engine.prefill_graphs
+                graphs = engine.core.prefill_graphs
                 replay = timed(sync, lambda: graphs.run(rows, slots) if graphs is not None
-                               else engine._padded_prefill(seqs, rows, last_only=True), args.repeats)
+                               else engine.context._padded_prefill(seqs, rows, last_only=True), args.repeats)
                 logits = graphs.run(rows, slots) if graphs is not None \
-                    else engine._padded_prefill(seqs, rows, last_only=True)
-                pick = timed(sync, lambda: engine.picker.pick_on_device(seqs, logits, engine.sampler), args.repeats)
-                prefix = engine.prefix
+                    else engine.context._padded_prefill(seqs, rows, last_only=True)
+                core = engine.core
+                pick = timed(sync, lambda: core.picker.pick_on_device(seqs, logits, core.sampler), args.repeats)
+                prefix = engine.core.prefix
                 blocks = args.input_tokens // prefix.block
                 taken = {row: (slots[row % n], row // n) for row in range(n * blocks)}
                 pool = timed(sync, lambda: prefix._copy_in(taken), args.repeats)

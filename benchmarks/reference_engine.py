@@ -97,7 +97,7 @@ async def _decode_round(engine: TorchEngine, batch: int, prompt: int, steps: int
     stamps: list[list[float]] = [[] for _ in range(batch)]
 
     async def one(i: int) -> None:
-        ids = [100 + (7 * i + j) % min(5000, engine.cfg.vocab_size - 100) for j in range(prompt)]
+        ids = [100 + (7 * i + j) % min(5000, engine.core.cfg.vocab_size - 100) for j in range(prompt)]
         async for out in engine.generate(_request(i, ids, steps)):
             stamps[i].extend([time.perf_counter()] * len(out.token_ids))
 
@@ -109,8 +109,8 @@ async def _decode_round(engine: TorchEngine, batch: int, prompt: int, steps: int
 
 def decode_bound(engine: TorchEngine, bandwidth: float, batch: int, context: int) -> float:
     """Tokens/s if a step only read its bytes at copy speed: the weights (no embeddings) and each row's KV."""
-    weights = weight_bytes(engine.model)
-    cfg = engine.cfg
+    weights = weight_bytes(engine.core.model)
+    cfg = engine.core.cfg
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
     return batch * bandwidth / (weights + kv * batch * context)
 

@@ -57,15 +57,15 @@ def admitted(engine: TorchEngine, rows: int) -> list:
 def emit_step(engine: TorchEngine, seqs: list, step: int) -> None:
     """One decode step's tokens sent, as the scheduler sends an overlapped step's (DecodeSteps._emit_inflight)."""
     tokens = torch.full((len(seqs),), 100 + step % 4000, dtype=torch.long)
-    engine._emit_inflight(InflightStep(list(seqs), tokens, tokens))
+    engine.decode._emit_inflight(InflightStep(list(seqs), tokens, tokens))
 
 
 def tiny_engine(mode: DisaggregationMode, rows: int, steps: int) -> TorchEngine:
     """An engine with no model, only what its output path reads (its config, the token picker's rules)."""
     engine = TorchEngine(Path("."), mode, {"max_seq_len": steps + 128, "max_batch_size": rows}, device="cpu")
-    engine.cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+    engine.core.cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                              num_attention_heads=2, num_key_value_heads=1, eos_token_id=2)
-    engine.picker = TokenPicker(Path("."), engine.cfg.eos_token_id, engine.max_len, None)
+    engine.core.picker = TokenPicker(Path("."), engine.core.cfg.eos_token_id, engine.core.max_len, None)
     return engine
 
 
@@ -145,7 +145,7 @@ async def one_link_round(rows: int, steps: int) -> tuple[float, float, float]:
     received: list[bytes] = []
     drainer = threading.Thread(target=drain, args=(theirs, received), daemon=True)
     drainer.start()
-    engine.emitter = LinkEmitter(BlockingSender(ours).send, lambda key: None)
+    engine.core.emitter = LinkEmitter(BlockingSender(ours).send, lambda key: None)
     for key in range(rows):
         await engine.submit(GenerateRequest(request_id=f"r{key}", token_ids=list(range(10, 74)),
                                             sampling=SamplingParams(max_tokens=steps + 8, ignore_eos=True)),

@@ -33,8 +33,8 @@ async def _serve(model_dir, args: dict) -> tuple[list[list[int]], dict, list[lis
     engine = TorchEngine(model_dir, DisaggregationMode.AGGREGATED, {**BLOCKS, **args})
     async with engine:
         entered, release = threading.Event(), threading.Event()
-        step, widths = engine._decode_step, []
-        prefill = engine._prefill
+        step, widths = engine.decode._decode_step, []
+        prefill = engine.context._prefill
 
         def held(running):
             entered.set()
@@ -44,7 +44,7 @@ async def _serve(model_dir, args: dict) -> tuple[list[list[int]], dict, list[lis
         def recorded(group):
             widths.append([len(s.request.token_ids) for s, _ in group])
             return prefill(group)
-        engine._decode_step, engine._prefill = held, recorded
+        engine.decode._decode_step, engine.context._prefill = held, recorded
         first = asyncio.create_task(_tokens(engine, FIRST))
         await asyncio.to_thread(entered.wait, 10)
         waiting = [asyncio.create_task(_tokens(engine, ids)) for ids in WAITING]

@@ -64,7 +64,7 @@ async def _timeline(model_dir, args: dict) -> tuple[list[str], list[int], list[i
     async with TorchEngine(model_dir, DisaggregationMode.AGGREGATED, {**BASE, **args}) as engine:
         loop = asyncio.get_running_loop()
         timeline: list[str] = []
-        step, prefill = engine._decode_step, engine._prefill
+        step, prefill = engine.decode._decode_step, engine.context._prefill
         late: list[asyncio.Future] = []
 
         async def submit(ids):
@@ -83,7 +83,7 @@ async def _timeline(model_dir, args: dict) -> tuple[list[str], list[int], list[i
         def recorded(group):
             timeline.extend(f"chunk {n}" for s, n in group if len(s.request.token_ids) == len(LONG))
             return prefill(group)
-        engine._decode_step, engine._prefill = stepped, recorded
+        engine.decode._decode_step, engine.context._prefill = stepped, recorded
         first = await _collect(engine, DECODING, 30)
         return timeline, first, await late[0], engine.stats()
 

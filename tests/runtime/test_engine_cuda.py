@@ -36,12 +36,12 @@ async def _serve(model_dir, args: dict | None = None) -> tuple[list[list[int]], 
 def test_engine_runs_bf16_on_the_gpu_through_the_fused_kernels(tmp_path, monkeypatch) -> None:
     model_dir = build_tiny(tmp_path / "tiny", hidden=256, layers=4)
     fused_tokens, engine = _run(model_dir)
-    assert engine.model.fused_decode is not None
-    assert engine.cache[0].device.type == "cuda" and engine.cache[0].dtype == torch.bfloat16
+    assert engine.core.model.fused_decode is not None
+    assert engine.core.cache[0].device.type == "cuda" and engine.core.cache[0].dtype == torch.bfloat16
     assert all(len(t) == 12 for t in fused_tokens)
     monkeypatch.setattr(fused_decode, "available", lambda cfg, device: False)
     torch_tokens, plain = _run(model_dir)
-    assert plain.model.fused_decode is None
+    assert plain.core.model.fused_decode is None
     # bf16 rounds differently on the two paths, which can flip a greedy pick at a near-tie later on
     # (tests/runtime/test_fused_decode.py compares their logits against fp32); the start must agree
     assert [t[:6] for t in fused_tokens] == [t[:6] for t in torch_tokens]
@@ -52,7 +52,7 @@ def test_decode_steps_replay_from_cuda_graphs_with_the_eager_steps_tokens(tmp_pa
     padded = {"cuda_graph_config": {"enable_padding": True, "batch_sizes": [1, 2, 4]}}
     graphed, engine = _run(model_dir, padded)
     stats = engine.stats()
-    assert ("graphs", 3) in engine.warmed and engine.cache[0].shape[1] == 4 + 1  # the spare slot for padded rows
+    assert ("graphs", 3) in engine.warmed and engine.core.cache[0].shape[1] == 4 + 1  # the spare slot for padded rows
     # every step ran from a graph, the three-row ones padded to four
     assert stats["decode_steps"] >= 11 and stats["decode_steps_graphed"] == stats["decode_steps"]
     # the overlapped steps' greedy tokens were picked inside the graphs (and equal the eager argmax, below)
@@ -61,16 +61,16 @@ def test_decode_steps_replay_from_cuda_graphs_with_the_eager_steps_tokens(tmp_pa
     # step before inside the graph (DecodeGraphs.picks), with the eager tokens all the same
     assert stats["decode_steps_carried_in_graph"] >= 6, stats
     eager, plain = _run(model_dir, {"cuda_graph_config": None})
-    assert plain.graphs is None and plain.stats()["decode_steps"] >= 11 and "decode_steps_graphed" not in plain.stats()
+    assert plain.core.graphs is None and plain.stats()["decode_steps"] >= 11 and "decode_steps_graphed" not in plain.stats()
     # the same kernels with the same inputs: rows are independent, so padding changes nothing
     assert graphed == eager
     unpadded, default = _run(model_dir)  # the key absent: on, one graph per size up to the engine's batch
-    assert default.graphs.sizes.batch_sizes == (1, 2, 3, 4) and unpadded == eager
+    assert default.core.graphs.sizes.batch_sizes == (1, 2, 3, 4) and unpadded == eager
     assert default.stats()["decode_steps_graphed"] == default.stats()["decode_steps"]
 
     async def prefill_only():
         async with TorchEngine(model_dir, DisaggregationMode.PREFILL, {"max_batch_size": 4}) as engine:
-            return engine.graphs, engine.warmed
+            return engine.core.graphs, engine.warmed
     graphs, warmed = asyncio.run(prefill_only())
     assert graphs is None and ("graphs", 4) not in warmed  # a prefill worker never decodes: nothing captured
 
@@ -88,7 +88,7 @@ def test_decode_graphs_that_make_their_own_copies_give_the_eager_tokens(tmp_path
             monkeypatch.delenv("HPC_DECODE_GRAPH_COPIES", raising=False)
         graphed, engine = _run(model_dir, graphs)
         stats = engine.stats()
-        assert engine.graphs.copies_in_graph is in_graph
+        assert engine.core.graphs.copies_in_graph is in_graph
         assert stats["decode_steps_graphed"] == stats["decode_steps"] >= 11
         assert stats["decode_steps_carried_in_graph"] >= 6, stats
         assert graphed == eager
@@ -101,17 +101,17 @@ def test_prefills_replay_from_cuda_graphs_with_the_eager_prefills_tokens(tmp_pat
     graphed, engine = _run(model_dir, {**fp32, "torch_compile_config": {"enable_piecewise_cuda_graph": True,
                                                                         "capture_num_tokens": [4, 8, 16]}})
     stats = engine.stats()
-    assert ("prefill graphs", 3) in engine.warmed and engine.cache[0].shape[1] == 4 + 1  # the spare slot
+    assert ("prefill graphs", 3) in engine.warmed and engine.core.cache[0].shape[1] == 4 + 1  # the spare slot
     # three prompts of 5, 3 and 7 tokens, prefilled together (15 -> 16) or apart: every one from a graph
     assert stats["prefill_steps"] >= 1 and stats["prefill_steps_graphed"] == stats["prefill_steps"]
     eager, plain = _run(model_dir, {**fp32, "torch_compile_config": None})
-    assert plain.prefill_graphs is None and "prefill_steps_graphed" not in plain.stats()
+    assert plain.core.prefill_graphs is None and "prefill_steps_graphed" not in plain.stats()
     assert graphed == eager
 
     async def decode_only():
         args = {"torch_compile_config": {"enable_piecewise_cuda_graph": True}}
         async with TorchEngine(model_dir, DisaggregationMode.DECODE, {"max_batch_size": 4, **args}) as engine:
-            return engine.prefill_graphs
+            return engine.core.prefill_graphs
     assert asyncio.run(decode_only()) is None  # a decode worker takes its KV from a prefill worker
 
 
@@ -120,7 +120,7 @@ def test_a_prefill_reads_the_device_once_per_step_not_in_every_layer(tmp_path) -
 
     async def main() -> list[int]:
         async with TorchEngine(model_dir, DisaggregationMode.AGGREGATED, {"max_batch_size": 4}) as engine:
-            model, device, counts = engine.model, engine.device, []
+            model, device, counts = engine.core.model, engine.device, []
             ids = torch.arange(2, 34, device=device)
             # one prompt from scratch (causal), one after a cached prefix and two right-padded rows (masked)
             for positions, slots in ((torch.arange(32)[None], [0]), (torch.arange(8, 40)[None], [1]),
@@ -132,7 +132,7 @@ def test_a_prefill_reads_the_device_once_per_step_not_in_every_layer(tmp_path) -
                     warnings.simplefilter("always")
                     torch.cuda.set_sync_debug_mode("warn")
                     try:
-                        model.forward_step(embeds, positions, slots, engine.cache,
+                        model.forward_step(embeds, positions, slots, engine.core.cache,
                                            last=torch.tensor([31, 20], device=device) if len(slots) > 1 else None)
                     finally:
                         torch.cuda.set_sync_debug_mode("default")
@@ -193,8 +193,8 @@ def test_an_engine_on_the_second_gpu_runs_its_triton_kernels_there(tmp_path) -> 
                                   sampling=SamplingParams(max_tokens=8, ignore_eos=True))
             return [t async for out in engine.generate(req) for t in out.token_ids], engine
     tokens, engine = asyncio.run(main())
-    assert len(tokens) == 8 and engine.cache[0].device == torch.device("cuda:1")
-    assert engine.model.fused_decode is not None and engine.stats()["decode_steps_graphed"] >= 7
+    assert len(tokens) == 8 and engine.core.cache[0].device == torch.device("cuda:1")
+    assert engine.core.model.fused_decode is not None and engine.stats()["decode_steps_graphed"] >= 7
 
 
 def test_random_weights_leave_no_cached_blocks_a_worker_sharing_the_gpu_could_use(tmp_path) -> None:
@@ -212,7 +212,7 @@ def test_random_weights_leave_no_cached_blocks_a_worker_sharing_the_gpu_could_us
         args = {"dtype": "bfloat16", "max_seq_len": 256, "max_batch_size": 2, "cuda_graph_config": None,
                 "torch_compile_config": None}
         async with TorchEngine(model_dir, DisaggregationMode.PREFILL, args) as engine:
-            assert engine.model.model.embed_tokens.weight.dtype == torch.bfloat16
+            assert engine.core.model.model.embed_tokens.weight.dtype == torch.bfloat16
             return (torch.cuda.memory_reserved() - torch.cuda.memory_allocated() - before) / 2**30
 
     cached = asyncio.run(load())

@@ -21,8 +21,8 @@ def test_a_dead_scheduler_fails_requests_instead_of_hanging(tiny):
             def boom(*_):
                 raise RuntimeError("injected scheduler fault")
 
-            engine._decode_step = boom  # outside the per-batch guard: what killed the thread before
-            engine._still_running = boom
+            engine.decode._decode_step = boom  # outside the per-batch guard: what killed the thread before
+            engine.core.still_running = boom
             outs = await asyncio.wait_for(_collect(engine.generate(req)), 5)
             assert outs[-1].finished and "engine failed: RuntimeError: injected scheduler fault" in outs[-1].error
             with pytest.raises(RuntimeError, match="engine failed"):

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.unit
 
 
 def test_warm_up_covers_prefill_and_every_decode_path_before_the_first_request(tiny, monkeypatch):
-    from hpc.runtime.engine.torch import warmup
+    from hpc.runtime.engine.torch import engine as engine_module, warmup
 
     steps = []
     sampled = []  # (rows, top_k) of each sampling kernel run: their modules load before the first request
@@ -24,20 +24,19 @@ def test_warm_up_covers_prefill_and_every_decode_path_before_the_first_request(t
 
     async def main():
         engine = TorchEngine(tiny, DisaggregationMode.AGG, {"max_seq_len": 256, "max_batch_size": 8})
-        original = TorchEngine.warm_up
 
-        def counted(self):
-            forward = self.model.forward_step
+        def counted(core):
+            forward = core.model.forward_step
 
             def record(embeds, positions, slots, cache, **kw):
                 steps.append(tuple(embeds.shape[:2]))
                 return forward(embeds, positions, slots, cache, **kw)
-            self.model.forward_step = record
+            core.model.forward_step = record
             try:
-                original(self)
+                return warmup.warm_up(core)
             finally:
-                self.model.forward_step = forward
-        engine.warm_up = counted.__get__(engine)
+                core.model.forward_step = forward
+        monkeypatch.setattr(engine_module, "warm_up", counted)
         async with engine:
             assert steps, "warm-up ran inside load(), before the engine was handed out"
             warmed = list(steps)
@@ -45,7 +44,7 @@ def test_warm_up_covers_prefill_and_every_decode_path_before_the_first_request(t
             req = GenerateRequest(request_id="r", token_ids=[5, 6, 7], sampling=SamplingParams(max_tokens=3))
             outs = [o async for o in engine.generate(req)]
             assert sum(len(o.token_ids) for o in outs) == 3
-            return warmed, engine.warmed, engine.warmup_s, engine.graphs
+            return warmed, engine.warmed, engine.warmup_s, engine.core.graphs
 
     warmed, reported, seconds, graphs = asyncio.run(main())
     # a 16-token prompt, then one-token steps at 1 row, past the fused GEMVs' batch limit, and the full batch

@@ -98,7 +98,7 @@ def test_the_engine_answers_inside_the_guide_and_stops_when_it_is_complete(tiny)
                 outs = [o async for o in engine.generate(req)]
                 return [t for o in outs for t in o.token_ids], outs[-1].finish_reason
             return await asyncio.gather(one(json_answer_guide(None), 0, 40), one(json_answer_guide(None), 1.0, 12),
-                                        one(call, 0.8, 60)), engine.picker.token_texts()
+                                        one(call, 0.8, 60)), engine.core.picker.token_texts()
 
     results, texts = asyncio.run(main())
     (obj, r1), (small, r2), (tool, r3) = results

@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 
+from hpc.runtime.engine.torch.core import EngineCore
 from hpc.runtime.engine.torch.engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
 from tests.runtime.staggered import staggered as _staggered
@@ -242,13 +243,14 @@ def test_a_first_token_left_on_the_device_goes_out_before_its_prompt_is_stored_i
     async def run() -> dict:
         engine_args = {"max_seq_len": MAX_LEN, "max_batch_size": 8}
         async with TorchEngine(tiny, DisaggregationMode.AGGREGATED, engine_args) as engine:
-            store, first = engine._store_prompts, engine._first_token
-            engine._store_prompts = lambda: (order.append(f"store {len(engine._unstored)}"), store())[1]
-            engine._first_token = lambda seq, *rest: (order.append("first token"), first(seq, *rest))[1]
+            store, first = engine.core.slots.store, engine.core.first_token
+            engine.core.slots.store = lambda prefix: (
+                order.append(f"store {len(engine.core.slots.unstored)}"), store(prefix))[1]
+            engine.core.first_token = lambda seq, *rest: (order.append("first token"), first(seq, *rest))[1]
             sampling = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
             async for _ in engine.generate(GenerateRequest(request_id="r", token_ids=[7] * 40, sampling=sampling)):
                 pass
-            return {**engine.stats(), "blocks held": len(engine.prefix.match([7] * 40))}
+            return {**engine.stats(), "blocks held": len(engine.core.prefix.match([7] * 40))}
 
     stats = asyncio.run(run())
     assert stats["first_tokens_left_on_device"] == 1, stats  # the path where the decode step's launch sends it
@@ -261,7 +263,7 @@ def test_a_plain_rows_bare_tokens_stop_where_end_of_says(tiny):
     nothing else; a row that is not plain (a guide, logprobs) keeps _end_of's whole test."""
     engine = TorchEngine(tiny, DisaggregationMode.DECODE, {"max_seq_len": MAX_LEN})
     engine.load()
-    eos = engine.cfg.eos_token_id
+    eos = engine.core.cfg.eos_token_id
 
     def seq(**sampling):
         return engine._seq(GenerateRequest(request_id="r", token_ids=[5], sampling=SamplingParams(
@@ -270,7 +272,7 @@ def test_a_plain_rows_bare_tokens_stop_where_end_of_says(tiny):
     for made in (seq(), seq(ignore_eos=True), seq(stop_token_ids=[7, 8]), seq(ignore_eos=True, stop_token_ids=[9])):
         assert made.plain and made.max_tokens == 9
         for token in (eos, 7, 8, 9, 10):
-            assert (token in made.ends_on) == (engine._end_of(made, token, 1) == "stop"), (made.ends_on, token)
+            assert (token in made.ends_on) == (engine.core.end_of(made, token, 1) == "stop"), (made.ends_on, token)
     assert not seq(logprobs=1).plain  # its tokens go through _emit_token, with their logprobs
 
 
@@ -278,8 +280,8 @@ def test_the_running_rows_are_walked_only_after_one_ended_or_was_cancelled(tiny,
     # A walk over every running row at every step (a call a row) was a twentieth of a decode engine's scheduler
     # time at c=64 on an H200; now only a step after a row ended or was cancelled walks them.
     walked: list[int] = []
-    still = TorchEngine._still_running
-    monkeypatch.setattr(TorchEngine, "_still_running", lambda self, seq: walked.append(id(seq)) or still(self, seq))
+    still = EngineCore.still_running
+    monkeypatch.setattr(EngineCore, "still_running", lambda self, seq: walked.append(id(seq)) or still(self, seq))
 
     async def main():
         args = {"max_seq_len": MAX_LEN, "max_batch_size": 8}
@@ -293,7 +295,7 @@ def test_the_running_rows_are_walked_only_after_one_ended_or_was_cancelled(tiny,
             kept = asyncio.create_task(_collect(engine, long))
             await cut.aclose()  # the client went away: engine.cancel from the loop's thread
             outs = await kept
-            return got, outs, engine.stats(), len(engine.free_slots)
+            return got, outs, engine.stats(), len(engine.core.slots.free)
 
     got, outs, stats, free = asyncio.run(main())
     assert len(got) == 3 and sum(len(out.token_ids) for out in outs) == 40
@@ -318,17 +320,17 @@ def test_the_walk_that_drops_a_cancelled_row_asks_for_no_other(tiny):
     def seated(request_id: str):
         seq = engine._seq(GenerateRequest(request_id=request_id, token_ids=[5], sampling=SamplingParams(
             max_tokens=9, temperature=0)), None, None)
-        seq.slot = engine.free_slots.pop()
+        seq.slot = engine.core.slots.free.pop()
         return seq
 
     cancelled, finished = seated("c"), seated("f")
-    engine._leaving = 0
+    engine.core.leaving = 0
     engine.cancel(cancelled)
-    assert engine._leaving == 1
-    engine._leaving = 0  # as the scheduler resets it before it walks
-    assert not engine._still_running(cancelled) and cancelled.slot == -1 and engine._leaving == 0
-    engine._release(finished)
-    assert finished.slot == -1 and engine._leaving == 1
+    assert engine.core.leaving == 1
+    engine.core.leaving = 0  # as the scheduler resets it before it walks
+    assert not engine.core.still_running(cancelled) and cancelled.slot == -1 and engine.core.leaving == 0
+    engine.core.release(finished)
+    assert finished.slot == -1 and engine.core.leaving == 1
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -41,7 +41,7 @@ async def _greedy(engine: TorchEngine) -> list[list[int]]:
 
 def _held(engine: TorchEngine) -> dict:
     """What this rank holds and did: its layers, its experts, its expert-weight shape, pairs it sent away."""
-    layers = engine.model.model.layers
+    layers = engine.core.model.model.layers
     moe = getattr(layers[0], "block_sparse_moe", None)
     return {"layers": len(layers), "heads": layers[0].self_attn.heads, "experts": sorted(int(k) for k in moe.experts) if moe else [],
             "expert_rows": moe.experts[next(iter(moe.experts))].w1.weight.shape[0] if moe else 0,
@@ -49,7 +49,7 @@ def _held(engine: TorchEngine) -> dict:
 
 
 def _rank(rank: int, port: int, model_dir: str, layout: str, out: str, device_type: str) -> None:
-    from hpc.runtime.engine.torch.tp import broadcast_stop, follow, init_group
+    from hpc.runtime.engine.torch.tp import broadcast_stop, init_group
 
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     world = init_group(rank, 2, f"127.0.0.1:{port}", device)  # NCCL on GPUs, gloo on CPU, as a worker does
@@ -65,11 +65,11 @@ def _rank(rank: int, port: int, model_dir: str, layout: str, out: str, device_ty
             tokens = asyncio.run(main())
         else:
             engine.load()
-            follow(engine)
+            engine.follow()
             tokens = None
         with open(f"{out}.{rank}", "w") as handle:
             json.dump({"tokens": tokens, "world": dist.get_world_size(), "backend": dist.get_backend(),
-                       "device": str(engine.model.lm_head.weight.device), **_held(engine)}, handle)
+                       "device": str(engine.core.model.lm_head.weight.device), **_held(engine)}, handle)
         # leave together: a rank whose peer tore gloo's connections down first can abort on its way out
         # ("terminate called without an active exception", SIGABRT: once in a CI run)
         dist.barrier()

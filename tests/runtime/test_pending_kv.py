@@ -98,7 +98,7 @@ def test_an_admissions_arrivals_are_copied_in_one_go_and_a_failed_copy_ends_them
                         emit=ended.append, imported_kv=_pending(kv, settled)) for i, kv in enumerate(kvs)]
             running: list = []
             decode._admit(seqs, running)
-            return seqs, running, settled, ended, len(decode.free_slots)
+            return seqs, running, settled, ended, len(decode.core.slots.free)
 
     import torch
 
@@ -127,7 +127,7 @@ def test_a_request_that_ends_before_admission_gives_its_kv_back_uncopied(tiny, m
             seq.cancelled = True
             decode._admit([seq], [])  # the scheduler skips it: cancelled while it waited in the inbox
             other = Seq(request=_request(8), emit=lambda out: None, imported_kv=_pending(None, failed))
-            decode._finish(other, "error", error="engine failed")  # ended without a slot
+            decode.core.finish(other, "error", error="engine failed")  # ended without a slot
             return gone, failed, seq, other
 
     gone, failed, seq, other = asyncio.run(main())
@@ -176,10 +176,10 @@ def test_a_kv_that_fits_the_cache_goes_straight_into_its_slot(tiny, monkeypatch)
         async with TorchEngine(tiny, DisaggregationMode.DECODE, ARGS, fetch_kv=fetch) as decode:
             rest = [t async for out in decode.generate(_request(8, first.disaggregated_params))
                     for t in out.token_ids]
-            fits = kvpack.fits_slot(_shared_meta(kv, b"h" * 64), decode.cache.whole)
-            other_dtype = kvpack.fits_slot(_shared_meta(kv.to(torch.float16), b"h" * 64), decode.cache.whole)
+            fits = kvpack.fits_slot(_shared_meta(kv, b"h" * 64), decode.core.cache.whole)
+            other_dtype = kvpack.fits_slot(_shared_meta(kv.to(torch.float16), b"h" * 64), decode.core.cache.whole)
             longer = kvpack.fits_slot(_shared_meta(torch.zeros(*kv.shape[:3], ARGS["max_seq_len"] + 1, kv.shape[4]),
-                                                   b"h" * 64), decode.cache.whole)
+                                                   b"h" * 64), decode.core.cache.whole)
         return whole, first.token_ids + rest, slotted, settled, counters, (fits, other_dtype, longer)
 
     import torch

@@ -29,7 +29,7 @@ def _request(rid: str, ids: list[int]) -> GenerateRequest:
 
 async def _second_arrives_during_the_first(engine: TorchEngine, order: list[str]) -> dict[str, torch.Tensor]:
     """FIRST is prefilled; SECOND reaches the inbox while that step runs. Each prompt's KV as handed over."""
-    prefill, store = engine._prefill, engine._store_prompts
+    prefill, store = engine.context._prefill, engine.core.slots.store
     first_running, second_queued = threading.Event(), threading.Event()
 
     def traced_prefill(group):
@@ -39,8 +39,9 @@ async def _second_arrives_during_the_first(engine: TorchEngine, order: list[str]
             assert second_queued.wait(10)  # the scheduler thread holds here until SECOND is in the inbox
         return prefill(group)
 
-    engine._prefill = traced_prefill
-    engine._store_prompts = lambda: (order.append(f"store {len(engine._unstored)}"), store())[1]
+    engine.context._prefill = traced_prefill
+    engine.core.slots.store = lambda prefix: (
+        order.append(f"store {len(engine.core.slots.unstored)}"), store(prefix))[1]
     kvs: dict[str, torch.Tensor] = {}
 
     async def answer(rid: str, ids: list[int]) -> None:
@@ -58,16 +59,16 @@ async def _second_arrives_during_the_first(engine: TorchEngine, order: list[str]
     second_queued.set()
     await asyncio.gather(first, second)
     for _ in range(100):  # the deferred store runs once the scheduler finds nothing waiting
-        if not engine._unstored:
+        if not engine.core.slots.unstored:
             break
         await asyncio.sleep(0.01)
     return kvs
 
 
 def _pool_block(engine: TorchEngine, ids: list[int]) -> torch.Tensor:
-    rows = engine.prefix.match(ids)
+    rows = engine.core.prefix.match(ids)
     assert len(rows) == 1, "the prompt's whole block is in the prefix cache"
-    return engine.prefix.pool[rows[0]]  # [layers, 2, kv heads, block, head dim]
+    return engine.core.prefix.pool[rows[0]]  # [layers, 2, kv heads, block, head dim]
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
@@ -153,8 +154,8 @@ def test_a_request_the_store_check_took_from_the_link_is_prefilled_without_waiti
     async def run() -> None:
         args = {"max_seq_len": 128, "max_batch_size": 4, "kv_cache_config": {"tokens_per_block": BLOCK}}
         async with TorchEngine(tiny, DisaggregationMode.PREFILL, args, device="cpu") as engine:
-            engine.emitter = _OnSchedulerThread()
-            prefill, store = engine._prefill, engine._store_prompts
+            engine.core.emitter = _OnSchedulerThread()
+            prefill, store = engine.context._prefill, engine.core.slots.store
 
             def traced_prefill(group):
                 order.append("prefill " + ",".join(seq.request.request_id for seq, _ in group))
@@ -171,8 +172,9 @@ def test_a_request_the_store_check_took_from_the_link_is_prefilled_without_waiti
                     request = link.pop(0)
                     engine.submit_now(request, answers[request.request_id])
 
-            engine._prefill = traced_prefill
-            engine._store_prompts = lambda: (order.append(f"store {len(engine._unstored)}"), store())[1]
+            engine.context._prefill = traced_prefill
+            engine.core.slots.store = lambda prefix: (
+                order.append(f"store {len(engine.core.slots.unstored)}"), store(prefix))[1]
             engine.set_intake(intake, woken.set)
             link.append(_request("first", FIRST))
             woken.set()

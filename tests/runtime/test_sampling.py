@@ -160,7 +160,7 @@ def test_repetition_penalty_changes_greedy_picks_and_leaves_the_batched_path(tin
     async def main(penalty: float) -> list[int]:
         async with TorchEngine(tiny, DisaggregationMode.AGG, {"max_seq_len": 256}) as engine:
             sampling = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, repetition_penalty=penalty)
-            assert engine.picker.batchable(sampling) is (penalty == 1.0)
+            assert engine.core.picker.batchable(sampling) is (penalty == 1.0)
             req = GenerateRequest(request_id="r", token_ids=[5, 6, 7, 5, 6, 7], sampling=sampling)
             return [t for out in [o async for o in engine.generate(req)] for t in out.token_ids]
 

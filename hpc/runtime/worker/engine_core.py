@@ -122,7 +122,7 @@ class Core:
                        "stats_cpu_seconds_total": 0.0, "stats_engine_seconds_total": 0.0}
         self.stopped = asyncio.Event()
         prefill = engine.mode is DisaggregationMode.PREFILL
-        engine.emitter = LinkEmitter(sender.send, self._finished, handoff.attach_shared if prefill else None)
+        engine.core.emitter = LinkEmitter(sender.send, self._finished, handoff.attach_shared if prefill else None)
         self.handlers: dict[type, Callable[[Any], None]] = {  # what the worker asks, by message type
             Submit: self._submitted, Drop: self._dropped, AskKv: lambda message: self._start(self._answer_kv(message)),
             ReleaseHeld: lambda message: handoff.release(message.handle),

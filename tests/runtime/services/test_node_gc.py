@@ -87,7 +87,8 @@ def test_the_frozen_objects_are_counted_once_at_the_freeze_never_in_an_engines_s
     assert frozen > 1000 and walks == [1]
 
     async def made() -> tuple[dict, dict]:
-        engine = types.SimpleNamespace(mode=DisaggregationMode.AGGREGATED, stats=lambda: {"requests": 3})
+        engine = types.SimpleNamespace(mode=DisaggregationMode.AGGREGATED, stats=lambda: {"requests": 3},
+                                       core=types.SimpleNamespace(emitter=None))
         core = Core(engine, types.SimpleNamespace(send=lambda message: None),
                     types.SimpleNamespace(counters={}, attach_shared=None), GcClock())
         core.frozen_objects = frozen

@@ -1,8 +1,10 @@
 """The torch reference engine: a KV cache in slots, iteration-level batching, streaming, cancellation.
 
-One scheduler thread owns the model. Each iteration it admits the waiting requests that fit a slot, prefills
-the prompt tokens that fit the step's max_num_tokens (together; with enable_chunked_prefill a long prompt a chunk
-per iteration: context_steps), then runs one batched decode step over every running request. With tensor
+One scheduler thread owns the model. Each iteration it admits the waiting requests that fit a slot, plans the
+step (sequence.StepPlan: the prompt tokens that fit max_num_tokens, in forward passes; with
+enable_chunked_prefill a long prompt a chunk per iteration), has the context steps prefill them
+(context_steps.py), then the decode steps run one batched step over every running request (decode_steps.py).
+The parts share the engine's core (core.py: the model, the cache, the slots, the counters). With tensor
 parallelism, rank 0 runs the scheduler and broadcasts each step to the follower ranks, which run the same
 forward pass.
 """
@@ -10,7 +12,6 @@ forward pass.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import queue
@@ -24,32 +25,32 @@ from typing import Any, AsyncIterator, Callable, Sequence
 import torch
 
 from hpc.model.info import ModelInfo
-from hpc.engine_args.cuda_graphs import decode_graph_sizes, prefill_graph_tokens
-from hpc.engine_args.scheduling import chunking_policy, tokens_per_block
+from hpc.engine_args.torch_engine import TorchEngineArgs
 from hpc.runtime.engine.kernels import fused_decode
 from hpc.runtime.engine.kv import pack as kvpack
 from hpc.runtime.engine.torch.decode_graphs import DecodeGraphs
-from hpc.runtime.engine.models.llama import (LlamaConfig, LlamaForCausalLM, Pipeline, TensorParallel, VisionEncoder,
-                                      random_state, shard_state_dict, stage_state_dict)
+from hpc.runtime.engine.models.llama import (LlamaConfig, LlamaForCausalLM, TensorParallel, VisionEncoder,
+                                             random_state, shard_state_dict, stage_state_dict)
 from hpc.runtime.engine.models.moe import ExpertParallel, expert_state_dict
-from hpc.runtime.engine.torch.outputs import Direct, Emitter
+from hpc.runtime.engine.torch.outputs import Direct
 from hpc.runtime.engine.torch.picking import TokenPicker
 from hpc.runtime.engine.torch.prefix_cache import PrefixCache
-from hpc.runtime.engine.torch.kv_records import KvRecord
+from hpc.runtime.engine.torch.kv_records import KvRecord, publish_each
 from hpc.runtime.engine.torch.prefill_graphs import PrefillGraphs
 from hpc.runtime.engine.torch.context_steps import ContextSteps
+from hpc.runtime.engine.torch.core import EngineCore
 from hpc.runtime.engine.torch.cpu_reference import CpuReference
 from hpc.runtime.engine.torch.decode_steps import DecodeSteps
-from hpc.runtime.engine.torch.warmup import WarmUp
-from hpc.runtime.engine.torch.overlap import FirstTokens, HostCopies, InflightStep
-from hpc.runtime.engine.torch.sequence import BatchWait, Seq, chunkable
+from hpc.runtime.engine.torch.warmup import warm_up
+from hpc.runtime.engine.torch.sequence import BatchWait, Seq, StepPlan, chunkable, remaining
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, EngineBase, EngineTraits,
-                                      GenerateOutput, GenerateRequest, KvMeta, TokenLogprob)
+                                      GenerateOutput, GenerateRequest, KvMeta)
 from hpc.runtime.engine.torch.sampling import pick_in_graph, prepare_pinned_copies
 
 log = logging.getLogger(__name__)
 HANDOFF_TTL_S = 120.0
 INTAKE_WAIT_S = 0.05  # an idle scheduler's wait for its own requests (intake): also how soon it sees close()
+STORE_AFTER_PROMPTS = 64  # a busy prefill worker stores its prompts at the latest once this many wait (_store_due)
 
 
 # decode steps a graph replay runs at most (decode_steps_a_replay; DecodeGraphs.capture takes fewer where a step
@@ -76,7 +77,7 @@ def decode_steps_a_replay() -> int:
     return int(steps) if steps.isdigit() and int(steps) > 0 else DECODE_STEPS_PER_GRAPH
 
 
-class TorchEngine(ContextSteps, DecodeSteps, WarmUp, EngineBase):
+class TorchEngine(EngineBase):
     traits = EngineTraits(direct_stream=True, lends_kv=True, pulls_requests=True, kv_events=True)
 
     def __init__(self, model_dir: Path, mode: DisaggregationMode, engine_args: dict[str, Any], *,
@@ -88,63 +89,31 @@ class TorchEngine(ContextSteps, DecodeSteps, WarmUp, EngineBase):
         self.canned_completion = canned_completion
         self.mode = mode
         self.args = dict(engine_args)  # a copy: the caller's dict is never changed
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = _DTYPES.get(str(self.args.get("dtype") or "auto")) or \
-            (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        # `tp` is every rank of this worker (the steps are broadcast over it); with pipeline parallelism the
-        # same ranks are the stages and each keeps whole layers (no tensor parallelism inside a stage).
-        self.world = tp or TensorParallel()
-        self.pipeline = Pipeline(self.world.rank, self.world.size, self.world.group) if pipeline else Pipeline()
-        self.tp = TensorParallel() if pipeline else self.world
+        self.limits = TorchEngineArgs.read(self.args)
+        on = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = _DTYPES.get(self.limits.dtype) or (torch.bfloat16 if on.type == "cuda" else torch.float32)
+        world = tp or TensorParallel()
+        self.core = EngineCore(self.limits, mode, on, dtype, world, pipeline)
         # expert parallelism: the TP ranks also split the experts (EP == TP); attention stays tensor-parallel
-        self.ep = ExpertParallel(self.world.rank, self.world.size, self.world.group) if expert_parallel \
-            else ExpertParallel()
-        self.max_batch = int(self.args.get("max_batch_size") or 32)
-        self.max_len = int(self.args.get("max_seq_len") or 2048)
-        # TensorRT-LLM's stream_interval: a streamed output every N tokens (the first and the last always)
-        self.stream_interval = int(self.args.get("stream_interval") or 1)
-        self.batch_wait = BatchWait(int(self.args.get("batch_wait_timeout_iters") or 0),
-                                    float(self.args.get("batch_wait_max_tokens_ratio") or 0.0),
-                                    self._token_budget())
-        self._deferred: list[Seq] = []  # arrivals the batch wait holds back
-        self._leaving = 0  # rows ended or cancelled since the scheduler last dropped those from its running list
-        self.cpu_reference = CpuReference()  # the speed of the CPU under the scheduler thread, timed on it
-        self._prefilling: list[Seq] = []  # admitted, their prompts not all in the KV cache yet
-        self._unstored: dict[int, list[int]] = {}  # slot -> its prompt, prefilled, not in the prefix cache yet
-        self._held_slots: list[int] = []  # released, kept from reuse until their prompts are stored
-        # TensorRT-LLM's chunked prefill (hpc.engine_args.scheduling)
-        self.chunking, self.chunk_unit = chunking_policy(self.args), tokens_per_block(self.args)
-        if self.chunking is not None and self._token_budget() < self.chunk_unit:
-            raise ValueError(f"enable_chunked_prefill: max_num_tokens ({self._token_budget()}) is below one chunk "
-                             f"(kv_cache_config.tokens_per_block, {self.chunk_unit}): no long prompt could start")
-        # TensorRT-LLM's overlap scheduler, on unless disable_overlap_scheduler (one rank: followers step in turn)
-        self.overlap = not self.args.get("disable_overlap_scheduler") and self.world.size == 1
-        self._inflight: InflightStep | None = None
-        self._host_copies = HostCopies(self.max_batch, self.device)
-        self._first = FirstTokens(self.max_batch, self.device)  # prefills' first tokens, still on the device
-        self.fetch_kv = fetch_kv
-        self.self_address = self_address
-        self.cfg: LlamaConfig | None = None
-        self.model: LlamaForCausalLM | None = None
-        self.vision: VisionEncoder | None = None
-        self.picker: TokenPicker | None = None
-        self._inbox: queue.Queue = queue.Queue()
+        self.ep = ExpertParallel(world.rank, world.size, world.group) if expert_parallel else ExpertParallel()
         self.handoffs = kvpack.HeldKv(HANDOFF_TTL_S)  # prefill: KV waiting for its decode worker
+        self.context = ContextSteps(self.core, self.handoffs, self_address)
+        self.decode = DecodeSteps(self.core)
+        self.batch_wait = BatchWait(self.limits.batch_wait_timeout_iters, self.limits.batch_wait_max_tokens_ratio,
+                                    self.limits.max_num_tokens)
+        self._deferred: list[Seq] = []  # arrivals the batch wait holds back
+        self._prefilling: list[Seq] = []  # admitted, their prompts not all in the KV cache yet
+        self.cpu_reference = CpuReference()  # the speed of the CPU under the scheduler thread, timed on it
+        self.fetch_kv = fetch_kv
+        self.loaded = False
+        self.vision: VisionEncoder | None = None
+        self._inbox: queue.Queue[Seq | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._scheduling = threading.Event()  # the scheduler thread is set up
         self._running = False
         self.failure: str | None = None  # set when the scheduler thread dies
-        self.emitter = Emitter()
-        self._counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "running": 0, "waiting": 0,
-                          "prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "prefill_steps": 0,
-                          "decode_steps": 0, "idle_seconds_total": 0.0, "admit_seconds_total": 0.0,
-                          "idle_running_seconds_total": 0.0,  # of idle: the polls while rows were running
-                          "idle_waits_total": 0,  # the waits for work (no rows): a closed loop's waves or gaps
-                          "decode_seconds_total": 0.0, "queue_seconds_total": 0.0, "first_tokens": 0,
-                          "first_token_seconds_total": 0.0, "submit_seconds_total": 0.0,
-                          "inbox_seconds_total": 0.0,
-                          "store_seconds_total": 0.0,  # of admit: prompts into the prefix cache
-                          "finished_requests_total": 0, "finished_request_seconds_total": 0.0}
+        self.warmed: list[tuple[str, int]] = []
+        self.warmup_s = 0.0
         self.on_kv_event: Callable[[dict[str, Any]], None] | None = None  # TensorRT-LLM's stored/removed records,
         # on the loop that opened the engine; or on_kv_events: a step's KvRecords at once, on the scheduler's thread
         self.on_kv_events: Callable[[list[KvRecord]], None] | None = None
@@ -153,9 +122,10 @@ class TorchEngine(ContextSteps, DecodeSteps, WarmUp, EngineBase):
         self.intake: Callable[[float], None] | None = None
         self._wake_intake: Callable[[], None] | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
-        self.prefix: PrefixCache | None = None
-        self.graphs: DecodeGraphs | None = None
-        self.prefill_graphs: PrefillGraphs | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.core.device
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def __aenter__(self) -> "TorchEngine":
@@ -176,10 +146,8 @@ class TorchEngine(ContextSteps, DecodeSteps, WarmUp, EngineBase):
         if self._thread:
             await asyncio.to_thread(self._thread.join, 10)
 
-    def on_device(self):
-        """This engine's GPU as the thread's current device: Triton launches on the current device, so a worker
-        on cuda:1 would hand its kernels pointers they cannot reach (the CUDA runtime keeps one per thread)."""
-        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+    def on_device(self) -> Any:
+        return self.core.on_device()
 
     def load(self) -> None:
         with self.on_device():
@@ -189,82 +157,127 @@ class TorchEngine(ContextSteps, DecodeSteps, WarmUp, EngineBase):
         """Ranks > 0: run every forward pass rank 0 broadcasts, until it says stop."""
         from hpc.runtime.engine.torch.tp import follow
 
-        follow(self)
+        follow(self.core)
 
     def stop_followers(self) -> None:
-        if self.world.size > 1:
+        if self.core.world.size > 1:
             from hpc.runtime.engine.torch.tp import broadcast_stop
 
-            broadcast_stop(self.world, self.device)
+            broadcast_stop(self.core.world, self.core.device)
 
     def _load(self) -> None:
         from safetensors.torch import load_file
 
-        self.cfg = LlamaConfig.load(self.model_dir)
+        core = self.core
+        cfg = LlamaConfig.load(self.model_dir)
         if self.mode in (DisaggregationMode.ENCODE, DisaggregationMode.AGGREGATED, DisaggregationMode.PREFILL) \
-                and self.cfg.vision and (self.model_dir / "vision.safetensors").is_file():
-            v = self.cfg.vision
-            self.vision = VisionEncoder(self.cfg.hidden_size, v["image_size"], v["patch_size"])
+                and cfg.vision and (self.model_dir / "vision.safetensors").is_file():
+            v = cfg.vision
+            self.vision = VisionEncoder(cfg.hidden_size, v["image_size"], v["patch_size"])
             self.vision.load_state_dict(load_file(str(self.model_dir / "vision.safetensors")))
-            self.vision.to(self.device, self.dtype).eval()
+            self.vision.to(core.device, core.dtype).eval()
+        core.cfg = cfg
         if self.mode is DisaggregationMode.ENCODE:
             return
-        if self.ep.size > 1 and not self.cfg.moe:
+        core.model = self._load_model(cfg)
+        self._log_placement(cfg)
+        core.max_len = min(core.max_len, cfg.max_position_embeddings)
+        sizes = self.limits.decode_graphs if self._graphable() else None
+        # the decode graphs make their own copies (DecodeGraphs): a c=64 step's host time 456 -> 384 us on an H200
+        # (docs/performance-log.md, session 19); HPC_DECODE_GRAPH_COPIES=0 has the host launch them, for comparisons
+        copies = os.environ.get("HPC_DECODE_GRAPH_COPIES", "1") != "0"
+        core.graphs = DecodeGraphs(core.decode_logits, sizes, core.max_batch, core.device, pick=pick_in_graph,
+                                   copies_in_graph=copies, steps=decode_steps_a_replay()) if sizes else None
+        core.matmul_params = sum(p.numel() for n, p in core.model.named_parameters() if "embed_tokens" not in n)
+        counts = self.limits.prefill_graph_tokens if self._graphable(prefill=True) else None
+        core.prefill_graphs = PrefillGraphs(core.packed_logits, counts, core.max_batch, core.max_batch,
+                                            core.max_len, core.device) if counts else None
+        # one slot more with graphs: padded rows and tokens write their K/V there
+        core.cache = core.model.new_cache(core.max_batch + bool(sizes or counts), core.max_len, core.dtype,
+                                          core.device)
+        core.picker = TokenPicker(self.model_dir, cfg.eos_token_id, core.max_len, self.canned_completion)
+        core.prefix = self._prefix_cache()
+        core.sampler = torch.Generator(device=core.device)
+        # not torch.seed(): it reseeds every GPU's default generator, other engines' in this process too
+        core.sampler.manual_seed(random.getrandbits(63))
+        self.loaded = True
+        self.warmed, self.warmup_s = warm_up(core)
+
+    def _load_model(self, cfg: LlamaConfig) -> LlamaForCausalLM:
+        """This rank's part of the model (its TP shard, pipeline stage and experts), on the device, fused."""
+        from safetensors.torch import load_file
+
+        core = self.core
+        if self.ep.size > 1 and not cfg.moe:
             raise ValueError(f"expert parallelism {self.ep.size} needs a mixture-of-experts model; "
                              f"{self.model_dir}/config.json has no num_local_experts")
         seeded = ModelInfo.read(self.model_dir).random_weights
         if seeded:  # a model of real shapes whose weights are made here, on the device (hpc model llama-8b-shape)
             with torch.device("meta"):
-                model = LlamaForCausalLM(self.cfg, self.tp, self.pipeline, self.ep)
-            full = random_state(self.cfg, self.device, self.dtype, int(seeded.get("seed", 0)))
+                model = LlamaForCausalLM(cfg, core.tp, core.pipeline, self.ep)
+            full = random_state(cfg, core.device, core.dtype, int(seeded.get("seed", 0)))
         else:
-            model = LlamaForCausalLM(self.cfg, self.tp, self.pipeline, self.ep)
+            model = LlamaForCausalLM(cfg, core.tp, core.pipeline, self.ep)
             full = load_file(str(self.model_dir / "model.safetensors"))
-        full = expert_state_dict(full, self.ep, self.cfg.num_local_experts)
-        full = shard_state_dict(full, self.tp, experts_whole=self.ep.size > 1)
-        model.load_state_dict(stage_state_dict(full, self.cfg, self.pipeline), assign=bool(seeded))
-        self.model = model.to(self.device, self.dtype).eval().fuse_projections()
+        full = expert_state_dict(full, self.ep, cfg.num_local_experts)
+        full = shard_state_dict(full, core.tp, experts_whole=self.ep.size > 1)
+        model.load_state_dict(stage_state_dict(full, cfg, core.pipeline), assign=bool(seeded))
+        loaded = model.to(core.device, core.dtype).eval().fuse_projections()
         del full, model
-        if self.device.type == "cuda":
+        if core.device.type == "cuda":
             torch.cuda.empty_cache()  # the unfused projections' blocks, for another worker sharing the GPU
-        if fused_decode.available(self.cfg, self.device) and self.pipeline.size == 1:
-            self.model.enable_fused_decode()
-        log.info("torch engine on %s (%s), TP rank %d of %d, fused decode kernels: %s", self.device, self.dtype,
-                 self.tp.rank, self.tp.size, "on" if self.model.fused_decode else "off")
+        if fused_decode.available(cfg, core.device) and core.pipeline.size == 1:
+            loaded.enable_fused_decode()
+        return loaded
+
+    def _log_placement(self, cfg: LlamaConfig) -> None:
+        core = self.core
+        log.info("torch engine on %s (%s), TP rank %d of %d, fused decode kernels: %s", core.device, core.dtype,
+                 core.tp.rank, core.tp.size, "on" if core.model.fused_decode else "off")
         if self.ep.size > 1:
-            own = self.ep.experts(self.cfg.num_local_experts)
+            own = self.ep.experts(cfg.num_local_experts)
             log.info("expert-parallel rank %d of %d: experts %d-%d", self.ep.rank, self.ep.size, own.start,
                      own.stop - 1)
-        if self.pipeline.size > 1:
-            own = self.pipeline.layers(self.cfg.num_hidden_layers)
-            log.info("pipeline stage %d of %d: layers %d-%d", self.pipeline.rank, self.pipeline.size, own.start,
+        if core.pipeline.size > 1:
+            own = core.pipeline.layers(cfg.num_hidden_layers)
+            log.info("pipeline stage %d of %d: layers %d-%d", core.pipeline.rank, core.pipeline.size, own.start,
                      own.stop - 1)
-        self.max_len = min(self.max_len, self.cfg.max_position_embeddings)
-        sizes = decode_graph_sizes(self.args, self.max_batch) if self._graphable() else None
-        # the decode graphs make their own copies (DecodeGraphs): a c=64 step's host time 456 -> 384 us on an H200
-        # (docs/performance-log.md, session 19); HPC_DECODE_GRAPH_COPIES=0 has the host launch them, for comparisons
-        copies = os.environ.get("HPC_DECODE_GRAPH_COPIES", "1") != "0"
-        self.graphs = DecodeGraphs(self._decode_logits, sizes, self.max_batch, self.device, pick=pick_in_graph,
-                                   copies_in_graph=copies, steps=decode_steps_a_replay()) if sizes else None
-        # this rank's weights that a step multiplies by (the embeddings are looked up): a prefill step's FLOPs
-        self.matmul_params = sum(p.numel() for n, p in self.model.named_parameters() if "embed_tokens" not in n)
-        counts = prefill_graph_tokens(self.args, self._token_budget()) if self._graphable(prefill=True) else None
-        self.prefill_graphs = PrefillGraphs(self._packed_logits, counts, self.max_batch, self.max_batch,
-                                            self.max_len, self.device) if counts else None
-        # one slot more with graphs: padded rows and tokens write their K/V there
-        self.cache = self.model.new_cache(self.max_batch + bool(sizes or counts), self.max_len, self.dtype,
-                                          self.device)
-        self.free_slots = list(range(self.max_batch))
-        self.picker = TokenPicker(self.model_dir, self.cfg.eos_token_id, self.max_len, self.canned_completion)
-        self.prefix = self._prefix_cache()
-        self.sampler = torch.Generator(device=self.device)  # unseeded requests' draws, batched on the device
-        # not torch.seed(): it reseeds every GPU's default generator, other engines' in this process too
-        self.sampler.manual_seed(random.getrandbits(63))
-        self.warm_up()
 
-    WARMUP_PROMPT = 16
+    def _graphable(self, prefill: bool = False) -> bool:
+        """Steps worth capturing: one rank (collectives stay eager), no expert routing (data-dependent token
+        counts); decode: this worker decodes (a prefill worker never does) on the fused path's graph-safe
+        attention; prefill: this worker prefills (a decode worker takes its KV from one)."""
+        core = self.core
+        if core.device.type != "cuda" or core.world.size > 1 or core.cfg.moe:
+            return False
+        if prefill:
+            return self.mode in (DisaggregationMode.AGGREGATED, DisaggregationMode.PREFILL)
+        return self.mode is not DisaggregationMode.PREFILL and core.model.fused_decode is not None
 
-    @torch.inference_mode()
+    def _prefix_cache(self) -> PrefixCache | None:
+        """Prefix reuse as TensorRT-LLM's kv_cache_config sets it: on unless enable_block_reuse is false, blocks
+        of tokens_per_block (32), a pool of max_tokens (8 x max_seq_len). Prefill and aggregated workers of one
+        rank only: a decode worker takes its KV from prefill, and the ranks of a parallel worker would all have
+        to copy the same blocks."""
+        core = self.core
+        if not self.limits.block_reuse or core.world.size > 1 or self.mode not in (
+                DisaggregationMode.AGGREGATED, DisaggregationMode.PREFILL):
+            return None
+        block = self.limits.tokens_per_block
+        capacity = (self.limits.kv_max_tokens or 8 * core.max_len) // block
+        return PrefixCache(block, max(1, capacity), core.cache, on_events=self._kv_events_out)
+
+    def _kv_events_out(self, records: list[KvRecord]) -> None:
+        """A prefill step's records, from the scheduler thread to whoever listens: all at once to on_kv_events, on
+        this thread (an engine process's link: one message, as they are); else each to on_kv_event (the worker's
+        NATS publisher) in TensorRT-LLM's form, made on its event loop, in one wake-up."""
+        if self.on_kv_events is not None:
+            self.on_kv_events(records)
+            return
+        listener, loop = self.on_kv_event, self._event_loop
+        if listener is not None and loop is not None:
+            loop.call_soon_threadsafe(publish_each, listener, records)
+
     # ---- public API ------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         outputs: asyncio.Queue[GenerateOutput] = asyncio.Queue()
@@ -306,7 +319,7 @@ class TorchEngine(ContextSteps, DecodeSteps, WarmUp, EngineBase):
 
     async def submit(self, request: GenerateRequest, outputs) -> Seq:
         """Check the request, fetch its KV (decode), hand it to the scheduler; its outputs go to `outputs` through
-        `self.emitter` (generate and stream; an engine process's link sends them to its worker instead)."""
+        the core's emitter (generate and stream; an engine process's link sends them to its worker instead)."""
         loop = asyncio.get_running_loop()
         seq = self._seq(request, loop, outputs)
         self._check(request)
@@ -325,10 +338,11 @@ class TorchEngine(ContextSteps, DecodeSteps, WarmUp, EngineBase):
         return self._enqueue(seq)
 
     def _seq(self, request: GenerateRequest, loop: Any, outputs: Any) -> Seq:
-        seq = Seq(request=request, emit=lambda out: self.emitter.send(loop, outputs, out), outputs=outputs)
-        batchable = self.picker is not None and self.picker.batchable(request.sampling)
-        if self.cfg is not None:
-            seq.decode_facts(batchable, self.stream_interval, self.cfg.eos_token_id, self.cfg.vocab_size)
+        core = self.core
+        seq = Seq(request=request, emit=lambda out: core.emitter.send(loop, outputs, out), outputs=outputs)
+        if self.loaded:
+            seq.decode_facts(core.picker.batchable(request.sampling), self.limits.stream_interval,
+                             core.cfg.eos_token_id, core.cfg.vocab_size)
         return seq
 
     def set_intake(self, intake: Callable[[float], None], wake: Callable[[], None]) -> None:
@@ -354,42 +368,43 @@ class TorchEngine(ContextSteps, DecodeSteps, WarmUp, EngineBase):
         if request.media is not None:
             seq.media = torch.frombuffer(bytearray(request.media.data),
                                          dtype=torch.float32).reshape(request.media.shape)
-        self._counters["waiting"] += 1
+        self.core.counters["waiting"] += 1
         seq.queued = time.perf_counter()
-        self._counters["submit_seconds_total"] += seq.queued - seq.started  # checks, the KV fetched
+        self.core.counters["submit_seconds_total"] += seq.queued - seq.started  # checks, the KV fetched
         self._inbox.put(seq)
         self._woken()
         return seq
 
     def _validate(self, request: GenerateRequest) -> None:
+        core = self.core
         if not request.token_ids:
             raise ValueError("empty prompt")
-        if len(request.token_ids) + request.sampling.max_tokens > self.max_len:
+        if len(request.token_ids) + request.sampling.max_tokens > core.max_len:
             raise ValueError(f"prompt ({len(request.token_ids)} tokens) + max_tokens "
-                             f"({request.sampling.max_tokens}) exceeds max_seq_len {self.max_len}")
-        if self.cfg and max(request.token_ids) >= self.cfg.vocab_size:
+                             f"({request.sampling.max_tokens}) exceeds max_seq_len {core.max_len}")
+        if self.loaded and max(request.token_ids) >= core.cfg.vocab_size:
             raise ValueError("token id outside the vocabulary")
-        whole = self.chunking is None or not chunkable(request)
-        imports = request.disaggregated_params is not None and self.mode is DisaggregationMode.DECODE  # no prefill
-        if whole and not imports and len(request.token_ids) > self._token_budget():
+        whole = self.limits.chunking is None or not chunkable(request)
+        if whole and not self.imports_kv(request) and len(request.token_ids) > core.token_budget:
             # as TensorRT-LLM's LLM API refuses it (_check_arguments): one step could never hold the prompt
             raise ValueError(f"prompt ({len(request.token_ids)} tokens) exceeds max_num_tokens "
-                             f"({self._token_budget()}); set enable_chunked_prefill: true or raise max_num_tokens")
-        if request.sampling.prompt_logprobs is not None and self.pipeline.size > 1:
+                             f"({core.token_budget}); set enable_chunked_prefill: true or raise max_num_tokens")
+        if request.sampling.prompt_logprobs is not None and core.pipeline.size > 1:
             raise ValueError("the prompt's logprobs are not computed across pipeline stages")
 
     async def encode(self, pixels: torch.Tensor, prompt_token_ids: Sequence[int] = ()) -> EncodedMedia:
         """The image's embeddings (the vision tower reads no text: the prompt is not needed)."""
         if self.vision is None:
             raise RuntimeError("this model has no vision encoder")
-        emb = await asyncio.to_thread(lambda: self.vision(pixels.to(self.device, self.dtype)).float().cpu())
-        self._counters["requests"] += 1
+        vision, core = self.vision, self.core
+        emb = await asyncio.to_thread(lambda: vision(pixels.to(core.device, core.dtype)).float().cpu())
+        core.counters["requests"] += 1
         return EncodedMedia(shape=list(emb.shape), data=emb.numpy().tobytes())
 
     def take_handoff(self, handle: str, ipc: bool = False) -> tuple[KvMeta, bytes]:
         """The prefilled KV of `handle` (kv.HeldKv.take): as bytes, or shared over CUDA IPC until released."""
-        if ipc and self.device.type == "cuda":
-            self._counters["kv_ipc_shared"] = self._counters.get("kv_ipc_shared", 0) + 1
+        if ipc and self.core.device.type == "cuda":
+            self.core.count("kv_ipc_shared")
         return self.handoffs.take(handle, ipc)
 
     def handoff_ready(self, handle: str) -> torch.cuda.Event | None:
@@ -402,22 +417,21 @@ class TorchEngine(ContextSteps, DecodeSteps, WarmUp, EngineBase):
         self.handoffs.release(handle)
 
     def stats(self) -> dict[str, float]:
-        kv_usage = 0.0
-        if self.model is not None:
-            kv_usage = 1.0 - len(self.free_slots) / self.max_batch
-        prefix = {"prefix_blocks_hit": self.prefix.hits, "prefix_blocks_looked_up": self.prefix.lookups,
-                  "prefix_blocks_held": len(self.prefix.index), "prefix_copies_graphed": self.prefix.copies_graphed
-                  } if self.prefix is not None else {}
-        graphed = {"decode_steps_graphed": self.graphs.replays} if self.graphs is not None else {}
-        if self.prefill_graphs is not None:
-            graphed["prefill_steps_graphed"] = self.prefill_graphs.replays
-        if self.device.type == "cuda" and torch.cuda.is_initialized():
+        core = self.core
+        kv_usage = 1.0 - len(core.slots.free) / core.max_batch if self.loaded else 0.0
+        prefix = {"prefix_blocks_hit": core.prefix.hits, "prefix_blocks_looked_up": core.prefix.lookups,
+                  "prefix_blocks_held": len(core.prefix.index), "prefix_copies_graphed": core.prefix.copies_graphed
+                  } if core.prefix is not None else {}
+        graphed: dict[str, float] = {"decode_steps_graphed": core.graphs.replays} if core.graphs is not None else {}
+        if core.prefill_graphs is not None:
+            graphed["prefill_steps_graphed"] = core.prefill_graphs.replays
+        if core.device.type == "cuda" and torch.cuda.is_initialized():
             # segments the caching allocator took from cudaMalloc (milliseconds each), so far: a first sweep that
             # grows the allocator shows here. Not memory_stats(): it flattens a few hundred figures in Python, with
             # the GIL the scheduler thread waits for (an engine process reports its stats every second)
-            graphed["cuda_malloc_segments"] = torch.cuda.memory_stats_as_nested_dict(self.device)["segment"]["all"][
+            graphed["cuda_malloc_segments"] = torch.cuda.memory_stats_as_nested_dict(core.device)["segment"]["all"][
                 "allocated"]
-        return {**self._counters, **prefix, **graphed, **self.cpu_reference.stats(), "kv_usage": kv_usage,
+        return {**core.counters, **prefix, **graphed, **self.cpu_reference.stats(), "kv_usage": kv_usage,
                 "handoffs_waiting": len(self.handoffs)}
 
     # ---- scheduler thread ------------------------------------------------------------------------
@@ -425,10 +439,10 @@ class TorchEngine(ContextSteps, DecodeSteps, WarmUp, EngineBase):
         """The scheduler; if it ever dies, the engine says so (health, every request) instead of hanging."""
         running: list[Seq] = []
         # which thread of the process steps the engine (its OS id): where benchmarks look for the scheduler's CPU
-        self._counters["scheduler_thread_id"] = threading.get_native_id()
+        self.core.counters["scheduler_thread_id"] = threading.get_native_id()
         try:
             with self.on_device():
-                if self.device.type == "cuda":
+                if self.core.device.type == "cuda":
                     prepare_pinned_copies()
                 self._scheduling.set()
                 self._schedule(running)
@@ -438,163 +452,125 @@ class TorchEngine(ContextSteps, DecodeSteps, WarmUp, EngineBase):
             self.failure = f"{type(exc).__name__}: {exc}"
             # a prompt can be in both lists if the thread died while it moved from prefill to decode
             for seq in {id(s): s for s in running + self._deferred + self._prefilling}.values():
-                self._finish(seq, "error", error=f"engine failed: {self.failure}")
+                self.core.finish(seq, "error", error=f"engine failed: {self.failure}")
             while True:
                 try:
                     seq = self._inbox.get_nowait()
                 except queue.Empty:
                     break
                 if seq is not None:
-                    self._finish(seq, "error", error=f"engine failed: {self.failure}")
+                    self.core.finish(seq, "error", error=f"engine failed: {self.failure}")
 
     def _schedule(self, running: list[Seq]) -> None:
-        clock = self._counters  # seconds spent idle, admitting (prefill) and decoding: /metrics, per worker
+        """Each iteration: the arrivals admitted, the step planned (StepPlan), its prompts prefilled by the
+        context steps, its rows stepped by the decode steps; the prefilled prompts stored when due."""
+        clock = self.core.counters  # seconds spent idle, admitting (prefill) and decoding: /metrics, per worker
         waited = False  # the last iteration waited for work: a wait that times out goes on, not a new one
         while self._running:
-            t0 = time.perf_counter()
-            try:
-                # (a request already in the inbox, taken from the link by _store_due, waits for nothing)
-                block = not running and not self._deferred and not self._prefilling and self._inbox.empty()
-                if block and not waited:
-                    clock["idle_waits_total"] += 1
-                intake = self.intake
-                if intake is not None:  # no event loop's wake-up, and no GIL hand-off, between a request and us
-                    intake(INTAKE_WAIT_S if block else 0.0)
-                    item = self._inbox.get_nowait()
-                else:
-                    item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-            except queue.Empty:
-                item = None
-                self.handoffs.expire()
-            t1 = time.perf_counter()
-            clock["idle_seconds_total"] += t1 - t0
-            if not block:  # no wait for work: what a busy scheduler's look at its inbox cost
-                clock["idle_running_seconds_total"] += t1 - t0
-            waited = block and item is None
-            arrivals, self._deferred = self._deferred, []
-            if item is not None:
-                arrivals.append(item)
-                while len(arrivals) < len(self.free_slots):  # every waiting request that fits, before decoding
-                    try:
-                        nxt = self._inbox.get_nowait()
-                    except queue.Empty:
-                        break
-                    if nxt is not None:
-                        arrivals.append(nxt)
-            elif not self._running:
+            arrivals, waited = self._arrivals(running, waited)
+            if arrivals is None:
                 break
+            t1 = time.perf_counter()
             if arrivals and not self.batch_wait.admit_now(arrivals, len(running)):
                 self._deferred = arrivals  # prefilled together a few steps later
             elif arrivals:
-                self._counters["waiting"] -= len(arrivals)
+                clock["waiting"] -= len(arrivals)
                 self._admit(arrivals, running)
-            if self._prefilling:
-                self._context_step(running)
+            plan = self._plan(running)
+            if plan.prefill:
+                running[:] = [*plan.decode, *self.context.run(plan.prefill)]
+                self._prefilling = [s for s in self._prefilling if s.slot >= 0 and remaining(s)]
             clock["admit_seconds_total"] += time.perf_counter() - t1
-            if self._leaving:  # a row ended or was cancelled since the last look: a pass over the rows only then
-                self._leaving = 0
-                running[:] = [s for s in running if self._still_running(s)]
             if running:
                 # the CPU's speed, read while the thread is busy: a thread just woken from a wait reads slower
                 self.cpu_reference.maybe_run()
                 t2 = time.perf_counter()
-                self._decode_or_fail(running)
+                if not self.decode.run(running):
+                    running.clear()
                 clock["decode_seconds_total"] += time.perf_counter() - t2
-            if self._unstored and self._store_due(running):
+            if self.core.slots.unstored and self._store_due(running):
                 t3 = time.perf_counter()
-                self._store_prompts()
+                self.core.slots.store(self.core.prefix)
                 stored = time.perf_counter() - t3
                 clock["admit_seconds_total"] += stored
                 clock["store_seconds_total"] += stored
-            self._counters["running"] = len(running)
+            clock["running"] = len(running)
+
+    def _arrivals(self, running: list[Seq], waited: bool) -> tuple[list[Seq] | None, bool]:
+        """The requests to admit this iteration (the batch wait's held ones first), after waiting for work when
+        there is none; None once the engine closes. And whether this look waited and found nothing."""
+        clock = self.core.counters
+        t0 = time.perf_counter()
+        # (a request already in the inbox, taken from the link by _store_due, waits for nothing)
+        block = not running and not self._deferred and not self._prefilling and self._inbox.empty()
+        try:
+            if block and not waited:
+                clock["idle_waits_total"] += 1
+            intake = self.intake
+            if intake is not None:  # no event loop's wake-up, and no GIL hand-off, between a request and us
+                intake(INTAKE_WAIT_S if block else 0.0)
+                item = self._inbox.get_nowait()
+            else:
+                item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            item = None
+            self.handoffs.expire()
+        t1 = time.perf_counter()
+        clock["idle_seconds_total"] += t1 - t0
+        if not block:  # no wait for work: what a busy scheduler's look at its inbox cost
+            clock["idle_running_seconds_total"] += t1 - t0
+        arrivals, self._deferred = self._deferred, []
+        if item is not None:
+            arrivals.append(item)
+            while len(arrivals) < len(self.core.slots.free):  # every waiting request that fits, before decoding
+                try:
+                    nxt = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is not None:
+                    arrivals.append(nxt)
+        elif not self._running:
+            return None, False
+        return arrivals, block and item is None
+
+    def _admit(self, arrivals: list[Seq], running: list[Seq]) -> None:
+        """Slots for the arrivals (ContextSteps.admit): handed-over KV decodes, prompts wait for their prefill,
+        the ones with no slot go back to the inbox for the next iteration, after a decode step frees slots."""
+        admitted = self.context.admit(arrivals)
+        running += admitted.decoding
+        self._prefilling += admitted.prompts
+        for seq in admitted.no_slot:
+            self._inbox.put(seq)
+            self.core.counters["waiting"] += 1
+
+    def _plan(self, running: list[Seq]) -> StepPlan:
+        """This iteration's work: the rows ended or cancelled since the last walk dropped (only when some did),
+        the prompts' tokens that fit beside the decoding rows (ContextSteps.plan)."""
+        core = self.core
+        if core.leaving:
+            core.leaving = 0
+            running[:] = [s for s in running if core.still_running(s)]
+        if not self._prefilling:
+            return StepPlan(decode=tuple(running))
+        self._prefilling = [s for s in self._prefilling if core.still_running(s)]
+        return StepPlan(prefill=self.context.plan(self._prefilling, len(running)), decode=tuple(running))
+
+    def _store_due(self, running: list[Seq]) -> bool:
+        """Whether the prompts prefilled so far go into the prefix cache now, at the end of this iteration. An
+        aggregated engine's do, after the decode step whose launch sends their first tokens. A prefill worker's
+        wait until nothing does: no request waiting (the engine's link looked at again), or no free slot (the
+        stored prompts' slots are held until then), or STORE_AFTER_PROMPTS of them; its arrivals then no longer
+        wait behind the hashes, the pool copy and the KV events of the step before theirs."""
+        if self.mode is not DisaggregationMode.PREFILL or running or self._prefilling or self._deferred:
+            return True
+        if len(self.core.slots.unstored) >= STORE_AFTER_PROMPTS or not self.core.slots.free:
+            return True
+        if self.intake is not None:
+            self.intake(0.0)  # requests in the link to the worker come into the inbox
+        return self._inbox.empty()
 
     def cancel(self, seq: Seq) -> None:
         """Drop `seq` at the scheduler's next step (from any thread). Its flag first, then the count the scheduler
         resets before it looks at the flags: a cancel the look misses leaves the count up for the next step."""
         seq.cancelled = True
-        self._leaving += 1
-
-    def _still_running(self, seq: Seq) -> bool:
-        if seq.cancelled and seq.slot >= 0:
-            self._release(seq, walking=True)
-            return False
-        return seq.slot >= 0
-
-    def _graphable(self, prefill: bool = False) -> bool:
-        """Steps worth capturing: one rank (collectives stay eager), no expert routing (data-dependent token
-        counts); decode: this worker decodes (a prefill worker never does) on the fused path's graph-safe
-        attention; prefill: this worker prefills (a decode worker takes its KV from one)."""
-        if self.device.type != "cuda" or self.world.size > 1 or self.cfg.moe:
-            return False
-        if prefill:
-            return self.mode in (DisaggregationMode.AGGREGATED, DisaggregationMode.PREFILL)
-        return self.mode is not DisaggregationMode.PREFILL and self.model.fused_decode is not None
-
-    def _decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        return self._forward("decode", self.model.embed(tokens), positions, slots)
-
-    def _packed_logits(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                       prompts: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        """Prompts packed in one row (prefill_graphs); one rank only, so no step to broadcast."""
-        return self.model.forward_step(self.model.embed(tokens[None]), positions[None], slots[None], self.cache,
-                                       last=last, packed=prompts)
-
-    def _forward(self, kind: str, embeds, positions, slots, last_only: bool = True, last=None) -> torch.Tensor:
-        if self.world.size > 1:
-            from hpc.runtime.engine.torch.tp import broadcast_step
-
-            broadcast_step(self.world, kind, embeds, positions, slots)
-        return self.model.forward_step(embeds, positions, slots, self.cache, last_only=last_only, last=last)
-
-    def _emit_token(self, seq: Seq, token: int, logprob: TokenLogprob | None = None) -> bool:
-        """Send one token; False when the sequence finished with it."""
-        seq.generated += 1
-        seq.last_token = token
-        seq.counts[token] = seq.counts.get(token, 0) + 1
-        self._counters["generated_tokens"] += 1
-        seq.hold(token, logprob)
-        reason = self._end_of(seq, token, seq.generated)
-        if reason is not None:
-            self._finish(seq, reason)
-            return False
-        if seq.generated == 1 or seq.generated % self.stream_interval == 0:  # TensorRT-LLM's rule (_handle_responses)
-            seq.send_held()
-        return True
-
-    def _end_of(self, seq: Seq, token: int, generated: int) -> str | None:
-        """Why `token` ends the sequence when it is its `generated`-th: "stop" (EOS, a stop token, a complete
-        guide), "length" (max_tokens, the cache's last position), or None (_emit_token, and a decode step's bare
-        tokens: DecodeSteps._emit_inflight)."""
-        p = seq.request.sampling
-        stops = generated >= p.min_tokens and ((token == self.cfg.eos_token_id and not p.ignore_eos)
-                                               or token in p.stop_token_ids)
-        if stops or (seq.guide is not None and seq.guide[0].complete(seq.guide[1])):  # the guide is complete
-            return "stop"
-        if generated >= p.max_tokens or seq.length + 1 >= self.max_len:
-            return "length"
-        return None
-
-    def _finish(self, seq: Seq, reason: str, params: DisaggregatedParams | None = None,
-                error: str | None = None) -> None:
-        """The last output: the tokens still held (the last one among them), why it ended."""
-        seq.send_held(finished=True, finish_reason=reason, error=error, disaggregated_params=params)
-        self._counters["finished_requests_total"] += 1  # and their time here, from the inbox to this last output
-        self._counters["finished_request_seconds_total"] += time.perf_counter() - seq.queued
-        self._release(seq)
-        self._drop_pending(seq)
-
-    @staticmethod
-    def _drop_pending(seq: Seq) -> None:
-        """A handed-over KV never copied (its request ended first): its owner may free it now."""
-        if isinstance(seq.imported_kv, kvpack.PendingCopy):
-            seq.imported_kv.drop()
-            seq.imported_kv = None
-
-    def _release(self, seq: Seq, walking: bool = False) -> None:
-        """Its slot back; the scheduler walks its rows at the next step, unless this is that walk (`walking`)."""
-        if seq.slot >= 0:
-            # a slot whose prompt the prefix cache has yet to copy is not prefilled over before that copy
-            (self._held_slots if seq.slot in self._unstored else self.free_slots).append(seq.slot)
-            seq.slot = -1
-            if not walking:
-                self._leaving += 1
+        self.core.leaving += 1

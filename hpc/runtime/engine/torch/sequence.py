@@ -163,6 +163,18 @@ def context_work(waiting: list[Seq], capacity: int, chunking: ChunkingPolicy | N
     return [(seq, sizes[i]) for i, seq in enumerate(waiting) if sizes[i] > 0]
 
 
+PrefillGroup = tuple[tuple[Seq, int], ...]  # (sequence, prompt tokens) prefilled in one forward pass
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One scheduler iteration's work, decided before any of it runs (as vLLM's SchedulerOutput): the prompt
+    tokens, in forward passes (ContextSteps.run), then a decode step over `decode`, joined by the rows whose
+    prompt ended in this prefill (DecodeSteps.run)."""
+    prefill: tuple[PrefillGroup, ...] = ()
+    decode: tuple[Seq, ...] = ()
+
+
 def prefill_groups(work: list[tuple[Seq, int]], budget: int, pipeline: bool) -> Iterator[list[tuple[Seq, int]]]:
     """Prompt chunks prefilled in one forward pass, their padded tokens within `budget`. Alone: a prompt with
     media or asking for the prompt's logprobs, and every prompt of a pipeline (only its last stage holds the

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from hpc.runtime.engine.models.llama import KvCache, TensorParallel
 from hpc.runtime.engine.torch.sampling import on_device
+
+if TYPE_CHECKING:
+    from hpc.runtime.engine.torch.core import EngineCore
 
 _STOP, _PREFILL, _DECODE, _EXPORT_KV, _IMPORT_KV = 0, 1, 2, 3, 4
 _KINDS = {"prefill": _PREFILL, "decode": _DECODE}
@@ -99,15 +103,15 @@ def broadcast_stop(tp: TensorParallel, device: torch.device) -> None:
     dist.broadcast(torch.tensor([_STOP, 0, 0, 0], dtype=torch.long, device=device), 0, group=tp.group)
 
 
-def follow(engine) -> None:
+def follow(core: "EngineCore") -> None:
     """Ranks > 0: run every forward pass rank 0 broadcasts, until it says stop (on the rank's own GPU as the
     thread's current device, as the engine's scheduler runs)."""
-    with engine.on_device():
-        _follow(engine)
+    with core.on_device():
+        _follow(core)
 
 
-def _follow(engine) -> None:
-    device, tp = engine.device, engine.world
+def _follow(core: "EngineCore") -> None:
+    device, tp = core.device, core.world
     while True:
         header = torch.empty(4, dtype=torch.long, device=device)
         dist.broadcast(header, 0, group=tp.group)
@@ -115,18 +119,18 @@ def _follow(engine) -> None:
         if kind == _STOP:
             return
         if kind == _EXPORT_KV:  # (slot, length): hand rank 0 this rank's heads
-            local = _local_kv(engine.cache, b, t)
+            local = _local_kv(core.cache, b, t)
             dist.all_gather([torch.empty_like(local) for _ in range(tp.size)], local, group=tp.group)
             continue
         if kind == _IMPORT_KV:  # (slot, length, all heads): take this rank's heads of rank 0's whole KV
-            cache = engine.cache
+            cache = core.cache
             kv = torch.empty(len(cache), 2, h, t, cache[0].shape[-1], dtype=cache[0].dtype, device=device)
             dist.broadcast(kv, 0, group=tp.group)
             _write_own_heads(tp, cache, b, kv)
             continue
-        embeds = torch.empty(b, t, h, dtype=engine.dtype, device=device)
+        embeds = torch.empty(b, t, h, dtype=core.dtype, device=device)
         positions = torch.empty(b, t, dtype=torch.long, device=device)
         slots = torch.empty(b, dtype=torch.long, device=device)
         for tensor in (embeds, positions, slots):
             dist.broadcast(tensor, 0, group=tp.group)
-        engine.model.forward_step(embeds, positions, slots, engine.cache)
+        core.model.forward_step(embeds, positions, slots, core.cache)
