@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import socket
@@ -70,7 +69,9 @@ def local_stack(recipe: str, *overrides: str, cluster: str | None = None) -> Ite
             if code != 0:  # the run directory goes with the temporary one: its logs are kept apart
                 kept = shutil.copytree(run.path, tempfile.mkdtemp(prefix="hpc-bench-failed-"), dirs_exist_ok=True)
                 raise SystemExit(f"launch of {recipe} failed; logs in {Path(kept) / 'logs'}")
-            url = json.loads((Path(run.path) / "endpoints" / "frontend.json").read_text())["url"]
+            url = run.frontend_url()
+            if url is None:
+                raise SystemExit(f"{recipe}: the frontend said nowhere it listens (run {run.path.name})")
             yield run, url
         finally:
             if cluster:

@@ -127,6 +127,36 @@ def read_json(path: Path) -> Any:
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """Where a service of the run listens: endpoints/<service>.json, written by the service once it does (etcd,
+    NATS, the frontend, a worker's rank-0 rendezvous), read by whoever needs it — each through this record."""
+
+    host: str
+    port: int
+    url: str | None = None  # its base URL (the frontend's, NATS's)
+    health: str | None = None  # a URL that answers 200 while it is healthy (etcd, NATS)
+
+    @classmethod
+    def parse(cls, data: Any) -> "Endpoint | None":
+        """None for what is not one (a file half written by an older job, or of another shape)."""
+        if not isinstance(data, dict) or not isinstance(data.get("host"), str) or \
+                not isinstance(data.get("port"), int) or isinstance(data.get("port"), bool):
+            return None
+        url, health = data.get("url"), data.get("health")
+        return cls(data["host"], data["port"], url if isinstance(url, str) else None,
+                   health if isinstance(health, str) else None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {key: value for key, value in asdict(self).items() if value is not None}
+
+    def base_url(self) -> str:
+        """Its URL, of a service that always publishes one (the frontend, NATS)."""
+        if self.url is None:
+            raise RuntimeError(f"the endpoint at {self.host}:{self.port} published no url")
+        return self.url
+
+
 @dataclass(frozen=True)
 class RunLayout:
     """Where a run's files are: one spelling for the launcher, the job's checks and the runtime."""
@@ -149,6 +179,10 @@ class RunLayout:
 
     def endpoint(self, service: str) -> Path:
         return self.endpoints / f"{service}.json"
+
+    def read_endpoint(self, service: str) -> Endpoint | None:
+        """Where `service` listens, once it has said so."""
+        return Endpoint.parse(read_json(self.endpoint(service)))
 
 
 @dataclass(frozen=True)
@@ -249,9 +283,8 @@ class RunDir:
 
     def frontend_url(self) -> str | None:
         """Where the run's frontend listens, once it has said so (endpoints/frontend.json)."""
-        found = read_json(self.layout.endpoint("frontend"))
-        url = found.get("url") if isinstance(found, dict) else None
-        return url if isinstance(url, str) else None
+        found = self.layout.read_endpoint("frontend")
+        return found.url if found is not None else None
 
     def resubmitted(self) -> dict[str, Any]:
         """from_job, job_id, excluded (the nodes, comma-separated), at: written by the job script."""

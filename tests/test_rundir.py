@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from hpc.cli.main import main
+from hpc.rundir import Endpoint, RunDir, RunLayout, write_json
 
 pytestmark = pytest.mark.unit
 
@@ -159,3 +160,23 @@ def test_a_malformed_or_unknown_run_id_is_one_line_and_never_matches_a_run_witho
     line = refused.value.render()
     assert says in line and "\n" not in line and len(line) < 400
     assert find_run(local.name).path == local
+
+
+@pytest.mark.parametrize("written, read", [
+    ({"host": "n1", "port": 8000, "url": "http://n1:8000"}, Endpoint("n1", 8000, "http://n1:8000")),
+    ({"host": "n1", "port": 2379, "health": "http://n1:2379/health"},
+     Endpoint("n1", 2379, None, "http://n1:2379/health")),
+    ({"url": "http://n1:8000"}, None),  # no host and port: not one a service wrote
+    ({"host": "n1", "port": "8000"}, None),
+    ({"host": "n1", "port": True}, None),
+    ([1, 2], None),
+    (None, None),  # not written yet, or not JSON
+])
+def test_an_endpoint_is_read_into_one_record_or_none(tmp_path, written, read):
+    layout = RunLayout.of(tmp_path)
+    if written is not None:
+        write_json(layout.endpoint("frontend"), written)
+    assert layout.read_endpoint("frontend") == read
+    assert RunDir(tmp_path).frontend_url() == (read.url if read else None)
+    if read is not None:
+        assert Endpoint.parse(read.to_json()) == read

@@ -93,14 +93,14 @@ def _target(args: argparse.Namespace):
         if not args.model:
             raise UserError("--model is required with --url", field="--model")
         return args.url.rstrip("/").removesuffix("/v1"), args.model, None
-    from hpc.rundir import find_run, read_json
+    from hpc.rundir import find_run
 
     run = find_run(args.run)
     m = run.manifest()
-    ep = read_json(run.layout.endpoint("frontend"))
-    if not ep:
+    url = run.frontend_url()
+    if url is None:
         raise UserError(f"run {run.path.name} has no frontend endpoint yet", hint=f"hpc status {run.path.name}")
-    return ep["url"], args.model or m.recipe.model.served_name, run
+    return url, args.model or m.recipe.model.served_name, run
 
 
 def _levels(args: argparse.Namespace, spec) -> list:

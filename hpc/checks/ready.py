@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from hpc.manifest import Manifest
-from hpc.rundir import RunDir, RunLayout, read_json, write_json
+from hpc.rundir import RunDir, RunLayout, write_json
 from hpc.checks.probe import reach_json
 from hpc.waiting import Backoff, wait_until
 
@@ -116,16 +116,16 @@ def wait_ready(manifest: Manifest, timeout: float | None = None, stall_s: float 
     for service in ("etcd", "nats"):
         if any(s.name == service for s in manifest.plan.services):
             def healthy(service=service) -> bool:
-                ep = read_json(layout.endpoint(service))
-                return bool(ep) and _answers_200(ep["health"])
+                ep = layout.read_endpoint(service)
+                return ep is not None and ep.health is not None and _answers_200(ep.health)
             stages.until(f"{service} healthy", service, healthy)
-    frontend: dict = {}
+    frontend: dict[str, str] = {}
 
     def frontend_up() -> bool:
-        ep = read_json(layout.endpoint("frontend"))
-        if ep:
-            frontend.update(ep)
-            return _answers_200(ep["url"] + "/live")
+        ep = layout.read_endpoint("frontend")
+        if ep is not None and ep.url is not None:
+            frontend["url"] = ep.url
+            return _answers_200(ep.url + "/live")
         return False
     stages.until("frontend up", "frontend", frontend_up)
     names = {w.name for w in manifest.plan.workers}

@@ -158,8 +158,8 @@ class _Checks:
 
 def run_smoke(manifest_path: str) -> dict[str, Any]:
     manifest = Manifest.load(manifest_path)
-    ep = read_json(RunLayout.of(manifest.run_dir).endpoint("frontend")) or {}
-    url = ep.get("url", "")
+    ep = RunLayout.of(manifest.run_dir).read_endpoint("frontend")
+    url = ep.url or "" if ep is not None else ""
     checks: list[dict[str, Any]] = []
 
     def check(name: str, fn: Callable[[], str]) -> None:

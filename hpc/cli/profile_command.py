@@ -84,7 +84,10 @@ def profile(args: argparse.Namespace) -> int:
         raise UserError(f"the profile's engines did not come up (run {run.path.name})",
                         hint=f"hpc status {run.path.name}; hpc logs {run.path.name}")
     try:
-        url = json.loads(run.layout.endpoint("frontend").read_text())["url"]
+        url = run.frontend_url()
+        if url is None:
+            raise UserError(f"the profile's frontend said nowhere it listens (run {run.path.name})",
+                            hint=f"hpc logs {run.path.name}")
         results["run"] = run.path.name
         prefill = [p for p in todo if p.phase == "prefill"]
         run_points(prefill, req, url, recipe.model.served_name, out, results, total=len(todo))

@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from hpc.manifest import Manifest
-from hpc.rundir import RunDir, read_json
+from hpc.rundir import RunDir
 
 if TYPE_CHECKING:
     from hpc.launch.backend import Backend
@@ -93,8 +93,7 @@ def follow_up(run: RunDir, t0: float, backend: "Backend", wait: bool, smoke: boo
             print(f"smoke passed {time.monotonic() - t0:.1f} s after submission" if verdict["passed"] else "")
             if not verdict["passed"]:
                 return 1
-    ep = read_json(run.layout.endpoint("frontend")) or {}
-    url = ep.get("url", f"http://<frontend node>:{m.recipe.frontend.port}")
+    url = run.frontend_url() or f"http://<frontend node>:{m.recipe.frontend.port}"
     print(f"\nendpoint: {url}/v1")
     if m.recipe.modality == "video_diffusion":
         print(f"try:      curl {url}/v1/videos -H 'content-type: application/json' "

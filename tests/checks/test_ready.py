@@ -101,6 +101,7 @@ def test_an_endpoint_nobody_listens_on_is_waited_on_not_an_error(run):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]  # nothing listens once the socket is closed
-    write_json(run.path / "endpoints" / "etcd.json", {"health": f"http://127.0.0.1:{closed}/health"})
+    write_json(run.path / "endpoints" / "etcd.json", {"host": "127.0.0.1", "port": closed,
+                                                     "health": f"http://127.0.0.1:{closed}/health"})
     with pytest.raises(NotReady, match="stuck waiting for etcd healthy"):  # not a connection error
         wait_ready(run.manifest(), timeout=0.3, progress=lambda s: None)

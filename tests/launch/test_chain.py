@@ -77,7 +77,8 @@ def test_status_cancel_and_the_endpoint_find_the_link_that_serves(runs, capsys):
 
     assert Follow(chain).url() is None  # link 1 serves, but its frontend has not said where it listens
     (one.path / "endpoints").mkdir()
-    (one.path / "endpoints" / "frontend.json").write_text(json.dumps({"url": "http://10.0.0.1:8000"}))
+    (one.path / "endpoints" / "frontend.json").write_text(json.dumps({"host": "10.0.0.1", "port": 8000,
+                                                                 "url": "http://10.0.0.1:8000"}))
     assert Follow(chain).url() == "http://10.0.0.1:8000"
 
     lines = chain_lines(chain, {"41": "RUNNING", "42": "PENDING"}.get)

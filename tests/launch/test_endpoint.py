@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hpc.launch.endpoint import serve
-from hpc.rundir import ChainDir, RunDir, write_json
+from hpc.rundir import ChainDir, Endpoint, RunDir, write_json
 
 pytestmark = pytest.mark.unit
 
@@ -80,7 +80,7 @@ def _chain(tmp_path: Path, links: int) -> ChainDir:
 
 
 def _serve(chain: ChainDir, link: int, url: str) -> None:
-    write_json(chain.link(link).layout.endpoint("frontend"), {"url": url})
+    write_json(chain.link(link).layout.endpoint("frontend"), Endpoint("127.0.0.1", 1, url).to_json())
     write_json(chain.path / "serving.json", {"link": link, "job_id": str(40 + link), "at": time.time()})
 
 
@@ -179,7 +179,7 @@ def test_a_stream_is_relayed_as_it_comes_and_keep_alive_survives_it(tmp_path, en
 def test_a_plain_run_is_served_too(tmp_path, endpoint):
     up = Upstream("solo")
     run = RunDir(tmp_path / "run")
-    write_json(run.layout.endpoint("frontend"), {"url": up.url})
+    write_json(run.layout.endpoint("frontend"), Endpoint("127.0.0.1", 1, up.url).to_json())
     conn = http.client.HTTPConnection("127.0.0.1", endpoint(run), timeout=10)
     status, body = _post(conn)
     assert status == 200 and json.loads(body)["served_by"] == "solo"

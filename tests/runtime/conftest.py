@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from pathlib import Path
@@ -40,7 +39,7 @@ class Stack:
     def __init__(self, run: RunDir) -> None:
         self.run = run
         self.manifest = run.manifest()
-        self.url = json.loads((run.path / "endpoints" / "frontend.json").read_text())["url"]
+        self.url = run.frontend_url()
         self.model = self.manifest.recipe.model.served_name
 
 

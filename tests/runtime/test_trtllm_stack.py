@@ -124,7 +124,7 @@ def test_engine_stats_and_kv_events_reach_nats(disagg):
 
     async def collect():
         ep = wait_endpoint(manifest, "nats", 10)
-        nc = await nats.connect(ep["url"], token=nats_token(manifest))
+        nc = await nats.connect(ep.base_url(), token=nats_token(manifest))
         got = {"kv_events": [], "engine_stats": []}
         for kind in got:
             async def keep(msg, k=kind):

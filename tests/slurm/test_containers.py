@@ -69,7 +69,7 @@ def test_tiny_disagg_runs_every_component_in_a_container(slurm_env, model_cache,
             reused = [ln for ln in lines if "pyxis: reusing existing container filesystem" in ln]
             assert len(created) <= 1 and all(f"[{job}.0]" in ln for ln in created), (node, created)
             assert len(reused) >= 1 + (node == "node1") - len(created), node  # node1: etcd, nats, frontend too
-        url = json.loads((run.path / "endpoints" / "frontend.json").read_text())["url"]
+        url = run.frontend_url()
         status, body = post_json(url + "/v1/completions", {"model": "hpc/tiny", "prompt": "Hello", "temperature": 0, "max_tokens": 5})
         assert status == 200 and body["usage"]["completion_tokens"] == 5
     finally:
@@ -110,7 +110,7 @@ def test_a_tp2_worker_runs_its_mpi_ranks_in_containers_on_two_nodes(slurm_env, m
         assert {s["node"] for s in states.values()} == {"node2", "node3"}
         assert {s.get("world") for s in states.values() if "world" in s} == {2}
         assert all(s["python"].startswith("/usr/bin/python3 3.11.") for s in states.values())
-        url = json.loads((run.path / "endpoints" / "frontend.json").read_text())["url"]
+        url = run.frontend_url()
         status, body = post_json(url + "/v1/completions", {"model": "hpc/tiny", "prompt": "Hi", "temperature": 0, "max_tokens": 4})
         assert status == 200 and body["usage"]["completion_tokens"] == 4
     finally:

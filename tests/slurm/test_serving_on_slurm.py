@@ -35,7 +35,9 @@ def _launch(*args: str) -> RunDir:
 
 
 def _url(run: RunDir) -> str:
-    return json.loads((run.path / "endpoints" / "frontend.json").read_text())["url"]
+    url = run.frontend_url()
+    assert url is not None, "the frontend said where it listens"
+    return url
 
 
 def _node_processes() -> dict[str, list[str]]:

@@ -11,6 +11,7 @@ from typing import Any
 
 from hpc.engine_args.scheduling import tokens_per_block
 from hpc.manifest import Manifest
+from hpc.rundir import Endpoint
 from hpc.runtime.services.discovery import open_discovery
 from hpc.runtime.frontend.app import Frontend
 from hpc.runtime.frontend.dealer import Dealer, Taker, listen
@@ -76,7 +77,7 @@ async def serve(manifest: Manifest, bind: str | None = None, group: FrontendGrou
     if group is not None and not first:
         print(f"ready {group.port}", flush=True)  # to process 0, which waits for every process
     if first:
-        publish_endpoint(manifest, "frontend", host=host, port=port, url=url)
+        publish_endpoint(manifest, "frontend", Endpoint(host, port, url))
         reporter.phase("ready", url=url)
     await stop.wait()
     watch.cancel()
@@ -183,7 +184,7 @@ async def _follow_kv_events(manifest: Manifest, kv: KvIndex):
         log.warning("router kv_aware without NATS: no KV events, routing by load")
         return None
     ep = await asyncio.to_thread(wait_endpoint, manifest, "nats", 60)
-    nc = await nats.connect(ep["url"], token=nats_token(manifest), max_reconnect_attempts=-1,
+    nc = await nats.connect(ep.base_url(), token=nats_token(manifest), max_reconnect_attempts=-1,
                             reconnect_time_wait=0.5, disconnected_cb=lost, reconnected_cb=resync)
     await nc.subscribe(subject(manifest, "kv_events", "*"), cb=apply)
     await nc.flush()  # the subscription is in place before the workers answer

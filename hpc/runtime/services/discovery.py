@@ -250,4 +250,4 @@ def open_discovery(manifest: Manifest, timeout: float = 600.0):
     from hpc.runtime.services.node import etcd_password, wait_endpoint
 
     ep = wait_endpoint(manifest, "etcd", timeout)
-    return EtcdDiscovery(ep["host"], ep["port"], f"/hpc/{manifest.run_id}/instances/", etcd_password(manifest))
+    return EtcdDiscovery(ep.host, ep.port, f"/hpc/{manifest.run_id}/instances/", etcd_password(manifest))

@@ -113,7 +113,7 @@ class EventPublisher:
         import nats
 
         ep = await asyncio.to_thread(wait_endpoint, self.manifest, "nats", timeout)
-        self.nc = await nats.connect(ep["url"], token=nats_token(self.manifest), max_reconnect_attempts=-1,
+        self.nc = await nats.connect(ep.base_url(), token=nats_token(self.manifest), max_reconnect_attempts=-1,
                                      reconnect_time_wait=0.5, connect_timeout=5, reconnected_cb=self._reconnected)
         await self.nc.subscribe(subject(self.manifest, "kv_resync", "all"), cb=self._resync)
         return self

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from hpc.manifest import Manifest
-from hpc.rundir import write_atomic
+from hpc.rundir import Endpoint, write_atomic
 from hpc.waiting import wait_until
 from hpc.runtime.services.binaries import etcd_binary, nats_binary
 from hpc.runtime.services.node import Reporter, node_address, publish_endpoint
@@ -129,7 +129,7 @@ def _run_server(manifest: Manifest, reporter: Reporter, service: str, host: str,
             reporter.phase("failed", error=f"restart {attempt}: {exc}" if attempt else str(exc))
             raise
         if attempt == 0:
-            publish_endpoint(manifest, service, host=host, port=port, url=url, health=health)
+            publish_endpoint(manifest, service, Endpoint(host, port, url, health))
         reporter.phase("ready", address=f"{host}:{port}", server_pid=proc.pid, restarts=attempt)
 
     def after_failure(code: int, attempt: int) -> int | None:

@@ -15,7 +15,7 @@ from typing import Any
 from hpc.manifest import Manifest
 from hpc.net.addresses import advertised_address
 from hpc.waiting import wait_until
-from hpc.rundir import RunLayout, read_json, write_json
+from hpc.rundir import Endpoint, RunLayout, read_json, write_json
 
 
 def node_address(manifest: Manifest) -> str:
@@ -71,15 +71,15 @@ def endpoint_path(manifest: Manifest, name: str) -> Path:
     return RunLayout.of(manifest.run_dir).endpoint(name)
 
 
-def publish_endpoint(manifest: Manifest, name: str, **data: Any) -> None:
-    write_json(endpoint_path(manifest, name), data)
+def publish_endpoint(manifest: Manifest, name: str, endpoint: Endpoint) -> None:
+    write_json(endpoint_path(manifest, name), endpoint.to_json())
 
 
-def wait_endpoint(manifest: Manifest, name: str, timeout: float = 600.0) -> dict[str, Any]:
+def wait_endpoint(manifest: Manifest, name: str, timeout: float = 600.0) -> Endpoint:
     """Block until a service published where it listens (shared filesystem), or time out."""
-    path = endpoint_path(manifest, name)
+    layout, path = RunLayout.of(manifest.run_dir), endpoint_path(manifest, name)
     try:
-        return wait_until(lambda: read_json(path) or None, timeout, f"{name} publishing its endpoint")
+        return wait_until(lambda: layout.read_endpoint(name), timeout, f"{name} publishing its endpoint")
     except TimeoutError:
         raise TimeoutError(f"{name} did not publish its endpoint in {timeout:.0f} s ({path})") from None
 

@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 from hpc.manifest import Manifest
+from hpc.rundir import Endpoint
 from hpc.plan.placement import WorkerPlan, device_for
 from hpc.runtime.engine.builds import ensure_model
 from hpc.spec.recipe import Backend
@@ -56,11 +57,11 @@ async def serve(manifest: Manifest, role: str, index: int, manifest_file: str, r
     tp = None
     if world > 1:
         if rank == 0:
-            publish_endpoint(manifest, f"{name}-dist", host=host, port=plan.ports["dist"])
+            publish_endpoint(manifest, f"{name}-dist", Endpoint(host, plan.ports["dist"]))
         ep = await asyncio.to_thread(wait_endpoint, manifest, f"{name}-dist", 600)
         import torch
 
-        tp = await asyncio.to_thread(init_group, rank, world, f"{ep['host']}:{ep['port']}", torch.device(device))
+        tp = await asyncio.to_thread(init_group, rank, world, f"{ep.host}:{ep.port}", torch.device(device))
         reporter.phase("group_ready")
     rpc_address = f"{host}:{plan.ports['rpc']}"
     peers = Peers(token=rpc_token(manifest))
