@@ -6,7 +6,7 @@ import asyncio
 from typing import Any, AsyncIterator, Sequence
 
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, EngineBase,
-                                      GenerateOutput, GenerateRequest, KvMeta, TokenLogprob)
+                                      FinishReason, GenerateOutput, GenerateRequest, KvMeta, TokenLogprob)
 
 
 class MockEngine(EngineBase):
@@ -47,7 +47,7 @@ class MockEngine(EngineBase):
                 self._counters["generated_tokens"] += 1
                 params = DisaggregatedParams(request_handle="mock", prefill_address=self.self_address,
                                              first_token_id=first, prompt_length=len(request.token_ids))
-                yield GenerateOutput(token_ids=[first], finished=True, finish_reason="length",
+                yield GenerateOutput(token_ids=[first], finished=True, finish_reason=FinishReason.LENGTH,
                                      prompt_tokens=len(request.token_ids), disaggregated_params=params,
                                      logprobs=self._logprobs(first, request.sampling.logprobs),
                                      prompt_logprobs=self._prompt(request))
@@ -59,7 +59,7 @@ class MockEngine(EngineBase):
                 self._counters["generated_tokens"] += 1
                 last = i == n - 1
                 token = self._token(i, request.token_ids)
-                yield GenerateOutput(token_ids=[token], finished=last, finish_reason="length" if last else None,
+                yield GenerateOutput(token_ids=[token], finished=last, finish_reason=FinishReason.LENGTH if last else None,
                                      prompt_tokens=len(request.token_ids),
                                      logprobs=self._logprobs(token, request.sampling.logprobs),
                                      prompt_logprobs=self._prompt(request) if i == start and not start else None)

@@ -47,8 +47,8 @@ from typing import Any, AsyncIterator, Callable, Sequence
 from hpc.model.info import ModelInfo
 from hpc.model.placeholders import encoder_prompt
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, EngineBase, EngineTraits,
-                                      GenerateOutput, GenerateRequest, KvMeta, SamplingParams, TokenLogprob,
-                                      TrtllmContextParams)
+                                      FinishReason, GenerateOutput, GenerateRequest, KvMeta, SamplingParams,
+                                      TokenLogprob, TrtllmContextParams)
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +219,15 @@ def trtllm_sampling(s: SamplingParams, sampling_cls: Any, guided_cls: Any = None
         presence_penalty=s.presence_penalty or None, frequency_penalty=s.frequency_penalty or None,
         repetition_penalty=None if s.repetition_penalty == 1.0 else s.repetition_penalty,
         detokenize=False)  # the frontend detokenizes (as Dynamo's worker: the engine would do it twice)
+
+
+def finish_reason(upstream: str | None) -> FinishReason:
+    """CompletionOutput.finish_reason (executor/result.py: 'stop' | 'length' | 'timeout' | 'cancelled'); a
+    finished output without one (or of a reason a later release adds) stopped."""
+    try:
+        return FinishReason(upstream)
+    except ValueError:
+        return FinishReason.STOP
 
 
 def token_logprobs(new: list[int], cumulative: list[dict], top: int) -> list[TokenLogprob]:
@@ -457,7 +466,7 @@ class TrtllmEngine(EngineBase):
                                                request.sampling.prompt_logprobs)
                     sent_prompt_lp = True
                 yield GenerateOutput(token_ids=new, finished=out.finished,
-                                     finish_reason=completion.finish_reason if out.finished else None,
+                                     finish_reason=finish_reason(completion.finish_reason) if out.finished else None,
                                      prompt_tokens=len(request.token_ids), disaggregated_params=handoff,
                                      logprobs=logprobs, prompt_logprobs=prompt_lp)
         finally:

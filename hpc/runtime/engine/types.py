@@ -13,14 +13,14 @@ from enum import Enum
 from typing import Any, AsyncIterator, Callable, Protocol, Sequence
 
 from hpc.runtime.serve.wire import (  # the engine's vocabulary is the wire's
-    DisaggregatedParams, EncodedMedia, GenerateOutput, GenerateRequest, KvMeta, SamplingParams, TokenLogprob,
-    TrtllmContextParams, VideoRequest, VideoResult,
+    DisaggregatedParams, EncodedMedia, FinishReason, GenerateOutput, GenerateRequest, KvMeta, SamplingParams,
+    TokenLogprob, TrtllmContextParams, VideoRequest, VideoResult,
 )
 from hpc.spec.recipe import RoleName
 
 
 __all__ = ["DisaggregatedParams", "DisaggregationMode", "EncodedMedia", "Engine", "EngineBase", "EngineTraits",
-           "GenerateOutput", "GenerateRequest", "KvMeta", "Modality", "SamplingParams", "TokenLogprob",
+           "FinishReason", "GenerateOutput", "GenerateRequest", "KvMeta", "Modality", "SamplingParams", "TokenLogprob",
            "TrtllmContextParams"]
 
 # A worker's disaggregation mode is its recipe role: one enum for both.

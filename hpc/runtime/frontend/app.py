@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator, NamedTuple
 from pydantic import ValidationError
 
 from hpc.manifest import Manifest
-from hpc.runtime.engine.types import GenerateRequest, SamplingParams, TokenLogprob
+from hpc.runtime.engine.types import FinishReason, GenerateRequest, SamplingParams, TokenLogprob
 from hpc.runtime.frontend.openai import (MAX_CHOICES, REQUEST_ID_HEADER, ApiError, ChatRequest, CompletionRequest,
                                          chat_logprobs, check_fields, completion_logprobs, field_error,
                                          merged_completions, new_id, now, upstream_error)
@@ -641,5 +641,11 @@ async def _after(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[byte
         await rest.aclose()
 
 
-def _reason(reason: str | None) -> str | None:
-    return {"cancelled": "stop", "error": "error"}.get(reason or "", reason)
+# OpenAI's finish_reason for each engine's: a cancelled request stopped, a timed-out one ran into a limit; an
+# engine's failure keeps its name (the client's error), as before
+OPENAI_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.TIMEOUT: "length",
+                 FinishReason.CANCELLED: "stop", FinishReason.ERROR: "error"}
+
+
+def _reason(reason: FinishReason | None) -> str | None:
+    return OPENAI_FINISH[reason] if reason is not None else None

@@ -10,7 +10,7 @@ import time
 from collections.abc import Set
 from typing import AsyncGenerator, AsyncIterator
 
-from hpc.runtime.engine.types import DisaggregatedParams, GenerateOutput, GenerateRequest
+from hpc.runtime.engine.types import DisaggregatedParams, FinishReason, GenerateOutput, GenerateRequest
 from hpc.runtime.frontend.openai import RouteHints
 from hpc.runtime.frontend.pairs import PairHealth
 from hpc.runtime.frontend.pools import PoolRouter
@@ -71,7 +71,7 @@ class Orchestrator:
                                                  or token in gen.sampling.stop_token_ids)
         done = stop or gen.sampling.max_tokens == 1
         yield GenerateOutput(token_ids=[token], finished=done, prompt_tokens=isl,
-                             finish_reason=("stop" if stop else "length") if done else None,
+                             finish_reason=(FinishReason.STOP if stop else FinishReason.LENGTH) if done else None,
                              logprobs=first.logprobs, cached_tokens=first.cached_tokens,
                              prompt_logprobs=first.prompt_logprobs)
         if done:

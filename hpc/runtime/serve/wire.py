@@ -9,6 +9,7 @@ included) in the same pass, so a worker never sees an untyped dict.
 from __future__ import annotations
 
 import struct
+from enum import Enum
 from typing import Annotated, Any, Literal, Union
 
 import msgspec
@@ -120,10 +121,21 @@ class GenerateRequest(Message, tag="generate"):
     dp_rank: int | None = None  # the attention-DP rank whose KV cache holds the prompt's prefix (the router's pick)
 
 
+class FinishReason(str, Enum):
+    """Why a request's output ended: TensorRT-LLM's (CompletionOutput.finish_reason in executor/result.py: stop,
+    length, timeout, cancelled), and error, an engine's failure (GenerateOutput.error says what)."""
+
+    STOP = "stop"  # EOS, a stop token or string, a complete guide
+    LENGTH = "length"  # max_tokens, or the end of the KV cache's sequence
+    TIMEOUT = "timeout"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
 class GenerateOutput(Message, tag="output"):
     token_ids: list[int]  # new tokens since the last output
     finished: bool = False
-    finish_reason: str | None = None  # stop | length | cancelled | error
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     disaggregated_params: DisaggregatedParams | None = None
     error: str | None = None

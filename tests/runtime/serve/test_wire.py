@@ -122,3 +122,28 @@ def test_server_hands_typed_calls_and_answers_a_bad_one_on_its_own_stream():
     assert [o.token_ids for o in outs] == [[0], [1], [2]] and outs[-1].finished
     assert meta == KvMeta(shape=[4], dtype="torch.uint8") and data == b"\x01\x02\x03\x04" and code == 400
     assert all(isinstance(r, GenerateRequest) for r in seen) and [r.request_id for r in seen] == ["r2", "r3"]
+
+
+def test_a_finish_reason_crosses_the_wire_as_its_name_and_comes_back_as_the_enum():
+    from hpc.runtime.serve.wire import FinishReason
+
+    for reason in FinishReason:
+        out = GenerateOutput(token_ids=[1], finished=True, finish_reason=reason)
+        encoded = msgspec.msgpack.encode(out)
+        assert reason.value.encode() in encoded
+        assert msgspec.msgpack.decode(encoded, type=GenerateOutput).finish_reason is reason
+    with pytest.raises(msgspec.ValidationError, match="finish_reason"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode({"type": "output", "token_ids": [], "finish_reason": "done"}),
+                               type=GenerateOutput)
+
+
+def test_every_finish_reason_has_openais_name_and_tensorrt_llms_map_onto_them():
+    from hpc.runtime.engine.trtllm import finish_reason
+    from hpc.runtime.frontend.app import OPENAI_FINISH
+    from hpc.runtime.serve.wire import FinishReason
+
+    assert set(OPENAI_FINISH) == set(FinishReason)
+    assert set(OPENAI_FINISH.values()) <= {"stop", "length", "error"}
+    assert [finish_reason(r) for r in ("stop", "length", "timeout", "cancelled")] == [
+        FinishReason.STOP, FinishReason.LENGTH, FinishReason.TIMEOUT, FinishReason.CANCELLED]
+    assert finish_reason(None) is FinishReason.STOP and finish_reason("not_finished") is FinishReason.STOP

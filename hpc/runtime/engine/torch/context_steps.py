@@ -21,7 +21,7 @@ from hpc.runtime.engine.torch.sampling import make_generator, on_device, prompt_
 from hpc.runtime.engine.torch.sequence import (PrefillGroup, Seq, context_work, prefill_groups, remaining,
                                                wanted_prompt_logprobs)
 from hpc.runtime.engine.torch.tp import gather_kvs, scatter_kv
-from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode, TokenLogprob
+from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode, FinishReason, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class ContextSteps:
                 self._start_prompt(seq)
             except Exception as exc:
                 log.exception("admission failed")
-                core.finish(seq, "error", error=str(exc))
+                core.finish(seq, FinishReason.ERROR, error=str(exc))
                 continue
             admitted.prompts.append(seq)
         return admitted
@@ -116,7 +116,7 @@ class ContextSteps:
         except Exception as exc:
             log.exception("copying handed-over KV failed")
             for seq in pending:
-                self.core.finish(seq, "error", error=f"copying its KV failed: {exc}")
+                self.core.finish(seq, FinishReason.ERROR, error=f"copying its KV failed: {exc}")
             return [seq for seq in seqs if seq.slot >= 0]
         return seqs
 
@@ -185,7 +185,7 @@ class ContextSteps:
                 for slot in set(core.slots.unstored) - stored_before:  # the failed group's KV is not worth keeping
                     del core.slots.unstored[slot]
                 for seq, _ in group:
-                    core.finish(seq, "error", error=str(exc))
+                    core.finish(seq, FinishReason.ERROR, error=str(exc))
                 continue
             if core.mode is DisaggregationMode.PREFILL:
                 t0 = time.perf_counter()
@@ -223,7 +223,7 @@ class ContextSteps:
             params = DisaggregatedParams(request_handle=seq.handoff, prefill_address=self.self_address,
                                          first_token_id=first, prompt_length=seq.length)
             seq.hold(first, logprob)
-            self.core.finish(seq, "length", params=params)
+            self.core.finish(seq, FinishReason.LENGTH, params=params)
 
     def _keeps_first_on_device(self, seqs: list[Seq], want: int | None) -> bool:
         """May these prompts' first tokens stay on the device for the next decode step (FirstTokens)? Overlapped

@@ -24,7 +24,7 @@ from hpc.runtime.engine.torch.picking import TokenPicker
 from hpc.runtime.engine.torch.prefill_graphs import PrefillGraphs
 from hpc.runtime.engine.torch.prefix_cache import PrefixCache
 from hpc.runtime.engine.torch.sequence import Seq
-from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode, TokenLogprob
+from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode, FinishReason, TokenLogprob
 
 
 def new_counters() -> dict[str, float]:
@@ -154,20 +154,20 @@ class EngineCore:
         self.counters["first_tokens"] += 1  # from its arrival at the engine to its first token read
         self.counters["first_token_seconds_total"] += time.perf_counter() - seq.started
 
-    def end_of(self, seq: Seq, token: int, generated: int) -> str | None:
-        """Why `token` ends the sequence when it is its `generated`-th: "stop" (EOS, a stop token, a complete
-        guide), "length" (max_tokens, the cache's last position), or None (emit_token, and a decode step's bare
+    def end_of(self, seq: Seq, token: int, generated: int) -> FinishReason | None:
+        """Why `token` ends the sequence when it is its `generated`-th: STOP (EOS, a stop token, a complete
+        guide), LENGTH (max_tokens, the cache's last position), or None (emit_token, and a decode step's bare
         tokens: DecodeSteps._emit_inflight)."""
         p = seq.request.sampling
         stops = generated >= p.min_tokens and ((token == self.cfg.eos_token_id and not p.ignore_eos)
                                                or token in p.stop_token_ids)
         if stops or (seq.guide is not None and seq.guide[0].complete(seq.guide[1])):  # the guide is complete
-            return "stop"
+            return FinishReason.STOP
         if generated >= p.max_tokens or seq.length + 1 >= self.max_len:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
-    def finish(self, seq: Seq, reason: str, params: DisaggregatedParams | None = None,
+    def finish(self, seq: Seq, reason: FinishReason, params: DisaggregatedParams | None = None,
                error: str | None = None) -> None:
         """The last output: the tokens still held (the last one among them), why it ended."""
         seq.send_held(finished=True, finish_reason=reason, error=error, disaggregated_params=params)

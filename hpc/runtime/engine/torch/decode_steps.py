@@ -13,6 +13,7 @@ from hpc.runtime.engine.torch.core import EngineCore
 from hpc.runtime.engine.torch.overlap import HostCopies, InflightStep, carry_over, next_inputs, startable
 from hpc.runtime.engine.torch.sampling import graph_temperatures, on_device
 from hpc.runtime.engine.torch.sequence import Seq
+from hpc.runtime.engine.types import FinishReason
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ class DecodeSteps:
             self._inflight = None
             self.core.first.take()
             for s in running:
-                self.core.finish(s, "error", error=str(exc))
+                self.core.finish(s, FinishReason.ERROR, error=str(exc))
             return False
 
     @property

@@ -44,7 +44,7 @@ from hpc.runtime.engine.torch.decode_steps import DecodeSteps
 from hpc.runtime.engine.torch.warmup import warm_up
 from hpc.runtime.engine.torch.sequence import BatchWait, Seq, StepPlan, chunkable, remaining
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, EngineBase, EngineTraits,
-                                      GenerateOutput, GenerateRequest, KvMeta)
+                                      FinishReason, GenerateOutput, GenerateRequest, KvMeta)
 from hpc.runtime.engine.torch.sampling import pick_in_graph, prepare_pinned_copies
 
 log = logging.getLogger(__name__)
@@ -452,14 +452,14 @@ class TorchEngine(EngineBase):
             self.failure = f"{type(exc).__name__}: {exc}"
             # a prompt can be in both lists if the thread died while it moved from prefill to decode
             for seq in {id(s): s for s in running + self._deferred + self._prefilling}.values():
-                self.core.finish(seq, "error", error=f"engine failed: {self.failure}")
+                self.core.finish(seq, FinishReason.ERROR, error=f"engine failed: {self.failure}")
             while True:
                 try:
                     seq = self._inbox.get_nowait()
                 except queue.Empty:
                     break
                 if seq is not None:
-                    self.core.finish(seq, "error", error=f"engine failed: {self.failure}")
+                    self.core.finish(seq, FinishReason.ERROR, error=f"engine failed: {self.failure}")
 
     def _schedule(self, running: list[Seq]) -> None:
         """Each iteration: the arrivals admitted, the step planned (StepPlan), its prompts prefilled by the
