@@ -50,9 +50,12 @@ def weird_tmp_path(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def one_step_a_replay(monkeypatch) -> None:
-    """Decode graphs that run one step a replay (HPC_DECODE_STEPS_PER_GRAPH=1): for tests that count an engine's
-    steps or replays as tokens; tests/runtime/test_decode_multi_step.py covers several steps a replay."""
-    monkeypatch.setenv("HPC_DECODE_STEPS_PER_GRAPH", "1")
+    """Decode graphs that run one step a replay (torch_engine.decode_steps_per_graph 1): for tests that count an
+    engine's steps or replays as tokens; tests/runtime/test_decode_multi_step.py covers several steps a replay."""
+    from hpc.runtime.engine.torch import engine
+    from hpc.spec.recipe import TorchEngineSpec
+
+    monkeypatch.setattr(engine, "DEFAULT_SWITCHES", TorchEngineSpec(decode_steps_per_graph=1))
 
 
 @pytest.fixture(autouse=True)

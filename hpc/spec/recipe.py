@@ -243,6 +243,22 @@ class MockSpec(StrictModel):
     per_token_delay_ms: float = Field(0.0, ge=0, le=600_000, allow_inf_nan=False)
 
 
+class TorchEngineSpec(StrictModel):
+    """The torch reference engine's own switches, beside its LLM-API engine args (TensorRT-LLM has none of these):
+    the defaults are what the measurements in docs/performance-log.md chose; the others are for comparisons."""
+
+    decode_steps_per_graph: int = Field(
+        8, ge=1, le=64, description="decode steps one CUDA-graph replay runs at most where its rows allow (eight: "
+                                    "295-306k tok/s against 245-268k at four, two H200); 1: a step a replay")
+    decode_graph_copies: bool = Field(
+        True, description="the decode graphs capture their own input and output copies (a c=64 step's host time "
+                          "456 -> 384 us on an H200); false: the host launches them")
+    gil_switch_interval_s: float | None = Field(
+        None, gt=0, le=1.0, allow_inf_nan=False,
+        description="Python's switch interval in the engine's process: how long a thread that wants the GIL waits "
+                    "before it asks the holder to drop it (unset: Python's 5 ms)")
+
+
 class Limits(StrictModel):
     max_input_tokens: int = Field(4096, ge=1, le=10_000_000, description="longest prompt the frontend accepts")
     max_output_tokens: int = Field(1024, ge=1, le=10_000_000)
@@ -354,6 +370,7 @@ class Recipe(StrictModel):
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
     limits: Limits = Field(default_factory=Limits)
     mock: MockSpec = Field(default_factory=MockSpec)
+    torch_engine: TorchEngineSpec = Field(default_factory=TorchEngineSpec)
     smoke: SmokeSpec = Field(default_factory=SmokeSpec)
     benchmark: BenchmarkSpec = Field(default_factory=BenchmarkSpec)
 

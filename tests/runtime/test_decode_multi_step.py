@@ -1,8 +1,8 @@
-"""Several decode steps in one graph replay (DecodeGraphs' `steps`, HPC_DECODE_STEPS_PER_GRAPH): each step's picks
-are the next one's tokens inside the replay, and the host emits a row's tokens of all of them at once. The answers
-are the step-by-step ones — rows ending by count, by a stop token and at the cache's end between a replay's
-steps, requests joining mid-chain — and a row's tokens leave in order, never split between bare tokens and whole
-outputs.
+"""Several decode steps in one graph replay (DecodeGraphs' `steps`, the recipe's torch_engine.decode_steps_per_graph):
+each step's picks are the next one's tokens inside the replay, and the host emits a row's tokens of all of them at
+once. The answers are the step-by-step ones — rows ending by count, by a stop token and at the cache's end between
+a replay's steps, requests joining mid-chain — and a row's tokens leave in order, never split between bare tokens
+and whole outputs.
 
 On the CPU a graph is stood in for by a capture that reruns the step (tests/fakes/graphs.py), so the engine's
 decode graphs run here as on a GPU, their steps eager."""
@@ -16,8 +16,10 @@ import pytest
 from hpc.runtime.engine.torch import decode_graphs
 
 from hpc.runtime.engine.torch import warmup
+from hpc.runtime.engine.torch import engine as engine_module
 from hpc.runtime.engine.torch.engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
+from hpc.spec.recipe import TorchEngineSpec
 from tests.fakes.graphs import RecordedGraph
 from tests.runtime.staggered import staggered as _staggered
 
@@ -39,7 +41,7 @@ def stand_in_graphs(monkeypatch):
     monkeypatch.setattr(decode_graphs, "steps_for", lambda one_step_s, most: most)
 
     def steps(count: int) -> None:
-        monkeypatch.setenv("HPC_DECODE_STEPS_PER_GRAPH", str(count))
+        monkeypatch.setattr(engine_module, "DEFAULT_SWITCHES", TorchEngineSpec(decode_steps_per_graph=count))
     return steps
 
 
@@ -143,9 +145,9 @@ def test_real_graphs_of_several_steps_answer_as_graphs_of_one(tiny, monkeypatch)
     """On the GPU: CUDA graphs of four steps a replay (the fused kernels, the picks and their copies captured)
     give the greedy tokens of one step a replay."""
     requests = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (9, 30, 17, 2)]
-    monkeypatch.setenv("HPC_DECODE_STEPS_PER_GRAPH", "1")
+    monkeypatch.setattr(engine_module, "DEFAULT_SWITCHES", TorchEngineSpec(decode_steps_per_graph=1))
     one, single = asyncio.run(_outputs(tiny, {}, requests))
-    monkeypatch.setenv("HPC_DECODE_STEPS_PER_GRAPH", str(STEPS))
+    monkeypatch.setattr(engine_module, "DEFAULT_SWITCHES", TorchEngineSpec(decode_steps_per_graph=STEPS))
     several, stats = asyncio.run(_outputs(tiny, {}, requests))
     assert [_tokens(o) for o in several] == [_tokens(o) for o in one]
     assert [len(_tokens(o)) for o in several] == [9, 30, 17, 2]

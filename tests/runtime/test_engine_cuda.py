@@ -76,16 +76,17 @@ def test_decode_steps_replay_from_cuda_graphs_with_the_eager_steps_tokens(tmp_pa
 
 
 def test_decode_graphs_that_make_their_own_copies_give_the_eager_tokens(tmp_path, monkeypatch) -> None:
-    """By default each step's input and output copies are captured in its graph (HPC_DECODE_GRAPH_COPIES=0: the
-    host launches them); either way the overlapped, graphed steps give the eager steps' tokens."""
+    """By default each step's input and output copies are captured in its graph (torch_engine.decode_graph_copies
+    false: the host launches them); either way the overlapped, graphed steps give the eager steps' tokens."""
+    from hpc.runtime.engine.torch import engine as engine_module
+    from hpc.spec.recipe import TorchEngineSpec
+
     model_dir = build_tiny(tmp_path / "tiny", hidden=256, layers=4)
     eager, _ = _run(model_dir, {"cuda_graph_config": None})
     graphs = {"cuda_graph_config": {"enable_padding": True, "batch_sizes": [1, 2, 4]}}
-    for setting, in_graph in (("", True), ("0", False)):
-        if setting:
-            monkeypatch.setenv("HPC_DECODE_GRAPH_COPIES", setting)
-        else:
-            monkeypatch.delenv("HPC_DECODE_GRAPH_COPIES", raising=False)
+    for in_graph in (True, False):
+        switches = TorchEngineSpec(decode_steps_per_graph=1, decode_graph_copies=in_graph)
+        monkeypatch.setattr(engine_module, "DEFAULT_SWITCHES", switches)
         graphed, engine = _run(model_dir, graphs)
         stats = engine.stats()
         assert engine.core.graphs.copies_in_graph is in_graph

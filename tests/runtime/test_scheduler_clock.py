@@ -111,20 +111,19 @@ async def _drain(outputs) -> None:
         pass
 
 
-def test_the_gil_switch_interval_is_python_s_unless_the_environment_sets_it(tiny, monkeypatch) -> None:
-    """HPC_GIL_SWITCH_INTERVAL: an experiment's knob for how long the scheduler thread waits for the GIL back."""
+def test_the_gil_switch_interval_is_python_s_unless_the_recipe_sets_it(tiny) -> None:
+    """torch_engine.gil_switch_interval_s: an experiment's knob for how long the scheduler thread waits for the
+    GIL back."""
     import sys
+
+    from hpc.spec.recipe import TorchEngineSpec
 
     before = sys.getswitchinterval()
     try:
-        for setting, expected in ((None, before), ("0.0005", 0.0005)):
-            if setting is None:
-                monkeypatch.delenv("HPC_GIL_SWITCH_INTERVAL", raising=False)
-            else:
-                monkeypatch.setenv("HPC_GIL_SWITCH_INTERVAL", setting)
-
-            async def main():
-                async with TorchEngine(tiny, DisaggregationMode.AGGREGATED, {"max_seq_len": 128}):
+        for setting, expected in ((None, before), (0.0005, 0.0005)):
+            async def main(setting=setting):
+                async with TorchEngine(tiny, DisaggregationMode.AGGREGATED, {"max_seq_len": 128},
+                                       switches=TorchEngineSpec(gil_switch_interval_s=setting)):
                     return sys.getswitchinterval()
 
             assert asyncio.run(main()) == pytest.approx(expected)

@@ -41,7 +41,7 @@ def build_engine(manifest: Manifest, role: str, *, self_address: str, tp=None,
         return TorchEngine(Path(recipe.model.path), mode, args, device=device, tp=tp, fetch_kv=fetch_kv,
                            self_address=self_address, canned_completion=recipe.model.canned_completion,
                            pipeline=spec.pipeline_parallel_size > 1,
-                           expert_parallel=spec.expert_parallel_size > 1)
+                           expert_parallel=spec.expert_parallel_size > 1, switches=recipe.torch_engine)
     from hpc.runtime.engine.trtllm import TrtllmEngine
     from hpc.runtime.worker.media import read_image_bytes
 

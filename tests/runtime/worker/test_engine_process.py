@@ -368,7 +368,7 @@ def test_messages_are_read_whole_however_the_bytes_arrive():
 # idle_spin_us set: its auto leaves it off on a machine of fewer than 8 CPUs, as CI's
 # four decode steps a replay at most (a GPU's tiny model would take eight): the counts below follow a row's replays
 apart = stack_fixture("tiny-disagg", "--set", "runtime.engine_process=own", "--set", "runtime.idle_spin_us=3000",
-                      env={"HPC_DECODE_STEPS_PER_GRAPH": "4"})
+                      "--set", "torch_engine.decode_steps_per_graph=4")
 SPINS = ("hpc_worker_worker_idle_spin_seconds_total", "hpc_worker_engine_idle_spin_seconds_total")
 PROMPT = "The capital of France is"
 

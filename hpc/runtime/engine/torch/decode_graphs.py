@@ -115,7 +115,8 @@ class DecodeGraphs:
         """`pick`: each row's token from the step's logits at its temperature, captured with the step
         (run_picking). `copies_in_graph`: the staged inputs' copy to the device and the picks' copy to the host
         are captured in the graphs too (one graph per size and staging buffer), so a step is one replay: the
-        engine's default (HPC_DECODE_GRAPH_COPIES=0 turns it off), a fifth of a c=64 step's host time on an H200.
+        engine's default (torch_engine.decode_graph_copies: false turns it off), a fifth of a c=64 step's host
+        time on an H200.
         `steps` > 1 (with a pick and the copies captured): a second graph per size and buffer runs that many decode
         steps in one replay, each step's picks the next one's tokens (run_picking's `steps`): the host's work of
         a step — staging, the launch, the next step's rows — once per `steps` tokens a row."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import random
 import sys
@@ -26,6 +25,7 @@ import torch
 
 from hpc.model.info import ModelInfo
 from hpc.engine_args.torch_engine import TorchEngineArgs
+from hpc.spec.recipe import TorchEngineSpec
 from hpc.runtime.engine.kernels import fused_decode
 from hpc.runtime.engine.kv import pack as kvpack
 from hpc.runtime.engine.torch.decode_graphs import DecodeGraphs
@@ -53,28 +53,9 @@ INTAKE_WAIT_S = 0.05  # an idle scheduler's wait for its own requests (intake): 
 STORE_AFTER_PROMPTS = 64  # a busy prefill worker stores its prompts at the latest once this many wait (_store_due)
 
 
-# decode steps a graph replay runs at most (decode_steps_a_replay; DecodeGraphs.capture takes fewer where a step
-# is slow). Eight, not four: on two H200 the tiny model's disaggregated stack made 295-306k tok/s at c=64 against
-# 245-268k, c=1 alike, each sweep within 6 % of the other (stack_sweeps.py, alternating; docs/performance-log.md)
-DECODE_STEPS_PER_GRAPH = 8
 # the LLM API's `dtype` (TensorRT-LLM llmapi/llm_args.py): "auto" is bf16 on a GPU, fp32 on the CPU
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _take_gil_switch_interval() -> None:
-    """HPC_GIL_SWITCH_INTERVAL (seconds): how long a thread that wants the GIL back waits before it asks the holder
-    to drop it (Python's default 5 ms). The scheduler thread gives the GIL up at each CUDA call and may then wait
-    on the event loop's bursts of replies; an experiment's knob, unset by default."""
-    interval = os.environ.get("HPC_GIL_SWITCH_INTERVAL")
-    if interval:
-        sys.setswitchinterval(float(interval))
-
-
-def decode_steps_a_replay() -> int:
-    """HPC_DECODE_STEPS_PER_GRAPH: decode steps one graph replay runs at most where its rows allow (DecodeGraphs'
-    `steps`), DECODE_STEPS_PER_GRAPH by default; 1 is a step a replay, for comparisons."""
-    steps = os.environ.get("HPC_DECODE_STEPS_PER_GRAPH", "")
-    return int(steps) if steps.isdigit() and int(steps) > 0 else DECODE_STEPS_PER_GRAPH
+DEFAULT_SWITCHES = TorchEngineSpec()  # an engine made without a recipe's torch_engine section (tests, benchmarks)
 
 
 class TorchEngine(EngineBase):
@@ -84,12 +65,13 @@ class TorchEngine(EngineBase):
                  device: str | None = None, tp: TensorParallel | None = None,
                  fetch_kv: Callable[[DisaggregatedParams], Any] | None = None,
                  self_address: str = "", canned_completion: str | None = None, pipeline: bool = False,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, switches: TorchEngineSpec | None = None) -> None:
         self.model_dir = Path(model_dir).expanduser()
         self.canned_completion = canned_completion
         self.mode = mode
         self.args = dict(engine_args)  # a copy: the caller's dict is never changed
         self.limits = TorchEngineArgs.read(self.args)
+        self.switches = switches or DEFAULT_SWITCHES  # the recipe's torch_engine section
         on = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = _DTYPES.get(self.limits.dtype) or (torch.bfloat16 if on.type == "cuda" else torch.float32)
         world = tp or TensorParallel()
@@ -130,7 +112,8 @@ class TorchEngine(EngineBase):
     # ---- lifecycle -------------------------------------------------------------------------------
     async def __aenter__(self) -> "TorchEngine":
         self._event_loop = asyncio.get_running_loop()
-        _take_gil_switch_interval()
+        if self.switches.gil_switch_interval_s is not None:  # this process's, for every thread in it
+            sys.setswitchinterval(self.switches.gil_switch_interval_s)
         await asyncio.to_thread(self.load)
         self._running = True
         if self.mode is not DisaggregationMode.ENCODE:
@@ -183,11 +166,10 @@ class TorchEngine(EngineBase):
         self._log_placement(cfg)
         core.max_len = min(core.max_len, cfg.max_position_embeddings)
         sizes = self.limits.decode_graphs if self._graphable() else None
-        # the decode graphs make their own copies (DecodeGraphs): a c=64 step's host time 456 -> 384 us on an H200
-        # (docs/performance-log.md, session 19); HPC_DECODE_GRAPH_COPIES=0 has the host launch them, for comparisons
-        copies = os.environ.get("HPC_DECODE_GRAPH_COPIES", "1") != "0"
+        switches = self.switches
         core.graphs = DecodeGraphs(core.decode_logits, sizes, core.max_batch, core.device, pick=pick_in_graph,
-                                   copies_in_graph=copies, steps=decode_steps_a_replay()) if sizes else None
+                                   copies_in_graph=switches.decode_graph_copies,
+                                   steps=switches.decode_steps_per_graph) if sizes else None
         core.matmul_params = sum(p.numel() for n, p in core.model.named_parameters() if "embed_tokens" not in n)
         counts = self.limits.prefill_graph_tokens if self._graphable(prefill=True) else None
         core.prefill_graphs = PrefillGraphs(core.packed_logits, counts, core.max_batch, core.max_batch,
