@@ -248,13 +248,13 @@ class TorchEngineSpec(StrictModel):
     the defaults are what the measurements in docs/performance-log.md chose; the others are for comparisons."""
 
     decode_steps_per_graph: int = Field(
-        8, ge=1, le=64, description="decode steps one CUDA-graph replay runs at most where its rows allow (eight: "
+        default=8, ge=1, le=64, description="decode steps one CUDA-graph replay runs at most where its rows allow (eight: "
                                     "295-306k tok/s against 245-268k at four, two H200); 1: a step a replay")
     decode_graph_copies: bool = Field(
-        True, description="the decode graphs capture their own input and output copies (a c=64 step's host time "
+        default=True, description="the decode graphs capture their own input and output copies (a c=64 step's host time "
                           "456 -> 384 us on an H200); false: the host launches them")
     gil_switch_interval_s: float | None = Field(
-        None, gt=0, le=1.0, allow_inf_nan=False,
+        default=None, gt=0, le=1.0, allow_inf_nan=False,
         description="Python's switch interval in the engine's process: how long a thread that wants the GIL waits "
                     "before it asks the holder to drop it (unset: Python's 5 ms)")
 
