@@ -97,6 +97,8 @@ def test_a_bounded_encode_gives_the_ids_or_past_the_limit_only_their_count(codec
     ids = codec.encode(text)
     assert codec.encode_bounded(text, len(ids)) == ids
     assert codec.encode_bounded(text, len(ids) - 1) == len(ids)  # a count, not a list
+    for other in ("日本語 テキスト, émoji 🎉 and   spaces\n\ttabs", "<|im_start|>user", "x" * 5000, " "):
+        assert codec.encode_bounded(other, 10**6) == codec.encode(other)  # the fast encode's ids are encode's
     # no text longer than this fits the tokens, whatever it says: every piece is at most max_token_chars long
     assert all(len(codec.decode([i])) <= codec.max_token_chars for i in range(codec.tok.get_vocab_size()))
     assert codec.most_chars(512) == 512 * codec.max_token_chars
