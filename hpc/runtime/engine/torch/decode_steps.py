@@ -153,7 +153,7 @@ class DecodeSteps:
         """Read a step's tokens (the one in flight by default) and send them. A row's token that neither ends it nor
         needs more than itself sent (Seq.plain, an output streamed already) leaves as a bare token: the emitter
         gets the step's all at once (Emitter.send_tokens; an engine process sends them as two lists of ints), the
-        scheduler thread's cost of an output per row per step (_emit_token) spared."""
+        scheduler thread's cost of an output per row per step (EngineCore.emit_token) spared."""
         if step is None:
             step, self._inflight = self._inflight, None
         if step is None:
@@ -169,7 +169,7 @@ class DecodeSteps:
                 if seq.slot < 0:  # ended meanwhile (a stop token read after this step was launched, a cancel)
                     continue
                 generated = seq.generated + 1
-                # _end_of's test of a plain row (no guide), inline: a call a row a step was a tenth of the step
+                # end_of's test of a plain row (no guide), inline: a call a row a step was a tenth of the step
                 if seq.plain and seq.streamed and token not in seq.ends_on and \
                         generated < seq.max_tokens and seq.length + 1 < max_len:
                     seq.generated = generated
@@ -183,7 +183,7 @@ class DecodeSteps:
 
     def _emit_steps(self, step: InflightStep) -> None:
         """Read and send the tokens of a replay of several steps, each row's in order. A row whose tokens all leave
-        bare (the test of _emit_inflight, for each) sends them so; any other row sends each through _emit_token up
+        bare (the test of _emit_inflight, for each) sends them so; any other row sends each through emit_token up
         to its end, its cache length as it stood at that token (the rows' lengths have moved on with the launch
         after) — a row's tokens never split between the two, whose outputs the worker takes in separate passes.
         Tokens past a row's end were computed and are dropped."""
@@ -205,7 +205,7 @@ class DecodeSteps:
                     continue
                 ahead = seq.length
                 for i, token in enumerate(row_tokens):
-                    seq.length = position + i + 1  # as it stood after this token's step: _end_of's cache test
+                    seq.length = position + i + 1  # as it stood after this token's step: end_of's cache test
                     if not self.core.emit_token(seq, token):
                         break
                 else:

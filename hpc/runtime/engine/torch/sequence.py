@@ -53,7 +53,7 @@ class Seq:
     def decode_facts(self, batchable: bool, stream_interval: int, eos_token_id: int, vocab: int) -> None:
         """What a decode step asks of this row at every step, made once (the engine's _seq): whether its tokens
         may stay on the device (`batchable`) and leave bare (`plain`: every token streamed); a plain row's tokens
-        that stop it, _end_of's test without a guide (a decode step's bare tokens asked it of 64 rows a step);
+        that stop it, EngineCore.end_of's test without a guide (a decode step's bare tokens asked it of 64 rows a step);
         its temperature for a graph's pick."""
         p = self.request.sampling
         self.batchable = batchable
