@@ -56,6 +56,12 @@ async def run_apart(url: str, model: str, level: Level, streaming: bool, warmup:
         return await _run_parts(url, model, level, streaming, warmup, seed, parts, Path(folder), progress)
 
 
+def _pipes(client: asyncio.subprocess.Process) -> tuple[asyncio.StreamWriter, asyncio.StreamReader]:
+    if client.stdin is None or client.stdout is None:
+        raise RuntimeError("a client process of the load generator has no pipes")
+    return client.stdin, client.stdout
+
+
 async def _run_parts(url: str, model: str, level: Level, streaming: bool, warmup: int, seed: int | str,
                      parts: list[Level], folder: Path, progress: Callable[[int, int], None]) -> dict[str, Any]:
     clients = [await asyncio.create_subprocess_exec(sys.executable, "-m", "hpc.bench.clients",
@@ -66,15 +72,17 @@ async def _run_parts(url: str, model: str, level: Level, streaming: bool, warmup
             work = {"url": url, "model": model, "level": asdict(part), "streaming": streaming,
                     "warmup": -(-warmup // len(parts)), "seed": f"{seed}/{i}",  # prompts of its own per process
                     "out": str(folder / f"client-{i}.json")}
-            client.stdin.write(json.dumps(work).encode() + b"\n")
-            await client.stdin.drain()
+            stdin, _ = _pipes(client)
+            stdin.write(json.dumps(work).encode() + b"\n")
+            await stdin.drain()
         for client in clients:
-            if (await client.stdout.readline()).strip() != b"ready":
+            if (await _pipes(client)[1].readline()).strip() != b"ready":
                 raise RuntimeError("a client process of the load generator failed before the level (its stderr "
                                    "says why)")
         for client in clients:  # all warmed up: they start together
-            client.stdin.write(b"go\n")
-            await client.stdin.drain()
+            stdin, _ = _pipes(client)
+            stdin.write(b"go\n")
+            await stdin.drain()
         await asyncio.gather(*(client.communicate() for client in clients))
     finally:
         for client in clients:

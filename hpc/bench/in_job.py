@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TextIO
 
 from hpc.rundir import RunDir
 from hpc.spec.cluster import time_to_minutes
@@ -42,7 +42,7 @@ def bench_in_job(args: argparse.Namespace, run: RunDir, on_node: Callable[[argpa
         return 1
 
 
-def _relay(job, logs: list[tuple[Path, object]], poll_s: float = 0.3) -> None:
+def _relay(job, logs: list[tuple[Path, TextIO]], poll_s: float = 0.3) -> None:
     """Each of the job's logs to its stream here, line by line as it grows, until the job is done; submitit's
     own INFO lines (its start, its result pickle) are left out."""
     shown = [0] * len(logs)

@@ -124,7 +124,7 @@ class _Events:
         if later:
             # the events of one read share its time: the gap since the last read, spread over them (the same
             # instant for each gave ITL 0.0 wherever several events came in one read, as at c=1)
-            share = (now - self.last) / later
+            share = (now - (self.last if self.last is not None else now)) / later  # set with the first token
             sample.itls.extend([share] * later)
         if later or (sample.ttft is not None and self.last is None):
             self.last = now

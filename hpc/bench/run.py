@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import socket
 import sys
 import time
+from typing import cast
 from pathlib import Path
 
 from hpc.errors import UserError
@@ -161,7 +163,7 @@ def _bench_videos(args: argparse.Namespace, run, url: str, model: str, stamp: st
 
 def bench_on_node(args: argparse.Namespace) -> int:
     """What a bench job runs: `hpc bench` itself, on the node, with the run named by its path."""
-    sys.stdout.reconfigure(line_buffering=True)  # the submitting side relays it as it comes
+    cast(io.TextIOWrapper, sys.stdout).reconfigure(line_buffering=True)  # the submitting side relays it as it comes
     try:
         return bench(args)
     except UserError as exc:

@@ -195,7 +195,7 @@ class Mesh:
                  peer_timeout_s: float, gather_timeout_s: float) -> None:
         self.folder, self.node, self.index, self.address = folder, node, index, address
         self.expected, self.peer_timeout_s, self.gather_timeout_s = expected, peer_timeout_s, gather_timeout_s
-        self.listener: socket.socket | None = None
+        self.listener = socket.socket()  # replaced by start()'s, bound to the published address
         self.heard: set[str] = set()
         self.peers: dict[str, dict] = {}  # every node's listener, once probe() gathered them
 

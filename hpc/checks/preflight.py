@@ -83,6 +83,8 @@ def installed_trtllm_version() -> str | None:
         path = Path(folder) / "version.py"
         if path.is_file():
             module_spec = importlib.util.spec_from_file_location("_hpc_trtllm_version", path)
+            if module_spec is None or module_spec.loader is None:
+                return None
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
             return str(getattr(module, "__version__", "")) or None

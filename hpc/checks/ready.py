@@ -161,7 +161,7 @@ def warm_handoffs(manifest: Manifest, url: str) -> None:
     from hpc.checks.probe import post_json
 
     roles = manifest.recipe.roles
-    n = min(WARM_REQUESTS_MAX, roles.prefill.total_count * roles.decode.total_count)
+    n = min(WARM_REQUESTS_MAX, roles.required("prefill").total_count * roles.required("decode").total_count)
     for i in range(n):
         status, body = post_json(url + "/v1/completions", {"model": manifest.recipe.model.served_name,
                                                            "prompt": [100 + i, 200, 300, 400], "max_tokens": 2,

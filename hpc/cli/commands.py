@@ -204,7 +204,7 @@ def launch_resolved(r: Resolved, *, dry_run: bool = False, wait: bool = True, sm
         backend.check(r)
         _check_secrets(r)
         if r.cluster.container is not None:
-            _ensure_runtime_bundle(r)
+            _ensure_runtime_bundle(r, r.cluster.container.python_version)
     if chain is not None:
         chained = rundir.create_chain(r, render_sbatch, chain, handover_s or 0)
         run = chained.link(1)
@@ -238,14 +238,13 @@ def _check_secrets(r: Resolved) -> None:
                             hint="export it, or fix the path, then launch again")
 
 
-def _ensure_runtime_bundle(r: Resolved) -> None:
+def _ensure_runtime_bundle(r: Resolved, version: str) -> None:
     """hpc's runtime for the container image, beside the run directories (built once per version)."""
     import time
 
     from hpc.launch.bundle import ensure_bundle
     from hpc.rundir import bundle_dir, checked_root
 
-    version = r.cluster.container.python_version
     target = bundle_dir(checked_root(r), version)
     t0 = time.monotonic()
     ensure_bundle(target, version)

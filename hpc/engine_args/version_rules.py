@@ -62,7 +62,7 @@ def check_version(declared: str | None, image: str | None, asked: str | None, *,
     if encode_role and model_type in MROPE_MODEL_TYPES:
         needs.append(("mrope_position_ids_handle", f"{model_type} under EPD carries its M-RoPE positions"))
     for name, why in needs:
-        if facts.lacks(name):
+        if facts.lacks(name) and facts.disaggregated_params is not None:  # lacks() says so only of a known table
             newer = tv.first_with(lambda f, n=name: f.disaggregated_params is not None
                                   and n in f.disaggregated_params.fields, after=t.version)
             check.errors.append(UserError(

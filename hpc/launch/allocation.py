@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from hpc.errors import UserError
 from hpc.launch.backend import Cancelled
@@ -83,9 +83,13 @@ def _smoke_verdict(run: RunDir, script_ended: Callable[[], str | None]) -> int:
     from hpc.checks.smoke import print_verdict
 
     limit = run.manifest().recipe.smoke.timeout_s + 60
+
+    def verdict_or_end() -> dict[str, Any] | None:  # {}: the script ended without one
+        verdict = read_json(run.layout.smoke)
+        return verdict if verdict else ({} if script_ended() else None)
+
     try:
-        verdict = wait_until(lambda: read_json(run.layout.smoke) or (script_ended() and {}), limit,
-                             "the smoke verdict", Backoff(first_s=0.2, factor=1.5, cap_s=2.0))
+        verdict = wait_until(verdict_or_end, limit, "the smoke verdict", Backoff(first_s=0.2, factor=1.5, cap_s=2.0))
     except TimeoutError:
         print(f"no smoke verdict in {limit} s; see hpc logs {run.path.name} --component job", file=sys.stderr)
         return 1

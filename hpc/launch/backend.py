@@ -32,15 +32,19 @@ class Backend(Protocol):
 
     def submit(self, run: "RunDir", *, wait: bool, smoke: bool) -> int:
         """Start the run, then (with `wait`) follow it to readiness and the smoke verdict: the launch's exit code."""
+        ...
 
     def status(self, run: "RunDir") -> dict[str, Any]:
         """The scheduler's view of a submitted run: state first, then what this backend knows (elapsed, nodes...)."""
+        ...
 
     def cancel(self, run: "RunDir", grace_s: float, drained: Callable[[], bool]) -> Cancelled:
         """Drain (USR1), wait up to `grace_s` for `drained`, then stop."""
+        ...
 
     def end_if_failed(self, run: "RunDir") -> bool:
         """After a launch that did not get ready: end the run if a component failed for good (True if ended)."""
+        ...
 
     def executor(self, run: "RunDir", what: str, minutes: int) -> Any:
         """A submitit executor for a one-node helper job of this run (smoke checks, a load generator)."""

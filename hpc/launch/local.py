@@ -251,7 +251,7 @@ class LocalBackend:
         # a stopped run's clock stops when it was cancelled (or, killed some other way, is not known)
         end = info.cancelled_at if state == "STOPPED" else time.time()
         began = info.submitted_at if info.submitted_at is not None else end
-        elapsed = f"{end - began:.0f}s" if end else "-"
+        elapsed = f"{end - began:.0f}s" if end is not None and began is not None else "-"
         return {"state": state, "processes": f"{up}/{total}", "elapsed": elapsed,
                 "nodes": socket.gethostname()}  # as the components' NODE column names it
 

@@ -114,7 +114,8 @@ def _wait_running(client: SlurmClient, job_id: str, run: RunDir) -> int | None:
     from hpc.launch.follow import preflight_failure, unseen_run_dir
 
     failed = preflight_failure(run)
-    unseen = unseen_run_dir(run, start.status.state)
+    ended = start.status.state if start.status is not None else "UNKNOWN"  # "ended" is said of a state seen
+    unseen = unseen_run_dir(run, ended)
     following = resubmission(run, job_id)
     if following is not None:
         return _wait_running(client, following, run)
@@ -122,7 +123,7 @@ def _wait_running(client: SlurmClient, job_id: str, run: RunDir) -> int | None:
         print(f"preflight failed: {failed}", file=sys.stderr)
     elif unseen:
         print(unseen, file=sys.stderr)
-    print(f"job {job_id} ended {start.status.state} before it was ready" +
+    print(f"job {job_id} ended {ended} before it was ready" +
           ("" if unseen else f"; see: hpc logs {job_id}"), file=sys.stderr)
     return 1
 
@@ -148,7 +149,8 @@ class SlurmBackend:
     def status(self, run: RunDir) -> dict[str, Any]:
         from hpc.launch.follow import timed_out, unseen_run_dir
 
-        st = self.client(run).status(run.job_id())
+        job_id = run.job_id()
+        st = None if job_id is None else self.client(run).status(job_id)
         if st is None:
             return {"state": "UNKNOWN"}
         failing = [f"{s.step_id}:{s.name} exit {s.exit_code}" for s in st.steps
@@ -165,6 +167,8 @@ class SlurmBackend:
 
     def cancel(self, run: RunDir, grace_s: float, drained: Callable[[], bool]) -> Cancelled:
         job_id = run.job_id()
+        if job_id is None:  # nothing was ever submitted from this run directory
+            return Cancelled(line="no job was submitted for this run", left=[], stopped=True)
         state = self.client(run).cancel(job_id, grace_s=grace_s, drained=drained)
         return Cancelled(line=f"job {job_id}: {state.state if state else 'gone'}", left=[],
                          stopped=state is None or state.finished)

@@ -28,7 +28,7 @@ def is_local_path(value: Any) -> bool:
 
 def read_model_config(path: str | None) -> dict[str, Any] | None:
     """The model's config.json as a dict, or None when this machine cannot read it (not mounted here, a hub id)."""
-    info = ModelInfo.load(path) if is_local_path(path) else None
+    info = ModelInfo.load(path) if path is not None and is_local_path(path) else None
     return None if info is None else dict(info.config)
 
 

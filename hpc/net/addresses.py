@@ -25,7 +25,7 @@ def advertised_address(interface: str | None, address_family: str = "ipv4") -> s
     family = socket.AF_INET6 if address_family == "ipv6" else socket.AF_INET
     host = socket.gethostname()
     for info in socket.getaddrinfo(host, None, family, socket.SOCK_STREAM):
-        addr = info[4][0]
+        addr = str(info[4][0])
         if not addr.startswith("127.") and addr != "::1":
             return addr
-    return socket.getaddrinfo(host, None, family)[0][4][0]
+    return str(socket.getaddrinfo(host, None, family)[0][4][0])

@@ -7,7 +7,7 @@ streamed token cost three awaits and a generator's resumption in the load genera
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from typing import Callable, cast
 from urllib.parse import urlsplit
 
 
@@ -81,12 +81,12 @@ class _Response:
 
 class _Protocol(asyncio.Protocol):
     def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
+        self.transport: asyncio.Transport  # set by connection_made, before any other call
         self.response: _Response | None = None
         self.lost = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # create_connection's transports are Transports
 
     def data_received(self, data: bytes) -> None:
         response = self.response
@@ -115,11 +115,12 @@ class Connection:
     def usable(self) -> bool:
         return self.protocol is not None and not self.protocol.lost
 
-    async def open(self) -> None:
+    async def open(self) -> _Protocol:
         _, self.protocol = await asyncio.get_running_loop().create_connection(_Protocol, self.host, self.port)
+        return self.protocol
 
     def close(self) -> None:
-        if self.protocol is not None and self.protocol.transport is not None:
+        if self.protocol is not None:
             self.protocol.transport.close()
         self.protocol = None
 
@@ -127,9 +128,9 @@ class Connection:
         """Send a request; the response's body goes to `on_piece` as it arrives (in the loop's callback); returns
         its status once the body ended. A failure on the way (the connection lost, `on_piece` raising, a
         cancel) leaves the connection closed."""
-        if not self.usable:
-            await self.open()
         protocol = self.protocol
+        if protocol is None or protocol.lost:
+            protocol = await self.open()
         done = asyncio.get_running_loop().create_future()
         protocol.response = response = _Response(on_piece, done)
         head = (f"{method} {path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: application/json\r\n"

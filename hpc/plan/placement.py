@@ -106,7 +106,7 @@ def _tasks_per_node(workers: list[WorkerPlan]) -> int:
     return max([*per_node.values(), 1])
 
 
-def frontend_processes(setting: int | str, cluster: ClusterProfile, workers: list[WorkerPlan]) -> int:
+def frontend_processes(setting: int | Literal["auto"], cluster: ClusterProfile, workers: list[WorkerPlan]) -> int:
     """frontend.processes as a count, each with a CPU of the job's own: "auto" is one per 8 cores of the node,
     1 to 4, within what the job holds there (a whole node when exclusive, else a CPU per task slot)."""
     held = cluster.cpus_per_node if cluster.exclusive or cluster.is_local else _tasks_per_node(workers)

@@ -18,7 +18,7 @@ GRID_LO, GRID_HI, GRID_CELLS = 0.25, 2.25, 4
 GRID_MIDDLES = [GRID_LO + (i + 0.5) * (GRID_HI - GRID_LO) / GRID_CELLS for i in range(GRID_CELLS)]
 
 
-def ttft_at(points: list[Measured], tp: int, isl: int) -> float | None:
+def ttft_at(points: list[Measured], tp: int, isl: float) -> float | None:
     """TTFT (ms) of TP `tp` at input length `isl`, interpolated linearly between measured lengths (held flat
     beyond them)."""
     curve = sorted((p["isl"], p["ttft_ms"]) for p in points

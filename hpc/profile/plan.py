@@ -19,9 +19,12 @@ from hpc.spec.recipe import PoolSpec, Recipe, Roles, RoleSpec, RouterPolicy
 Form = Literal["disagg", "agg"]
 
 
+Phase = Literal["prefill", "decode", "agg"]
+
+
 class Engine(NamedTuple):
     pool: str  # the pool's name in the profile recipe
-    phase: str  # what its numbers stand for: prefill, decode, or agg (both)
+    phase: Phase  # what its numbers stand for: prefill, decode, or agg (both)
     tp: int
     index: int  # among the pools of its role in the profile recipe
 
@@ -48,7 +51,7 @@ def default_form(recipe: Recipe) -> Form:
 def engines(recipe: Recipe, tps: list[int], form: Form | None = None) -> list[Engine]:
     """Largest TP first: the planner fills nodes in order, so whole-node engines come before those that share."""
     form = form or default_form(recipe)
-    phases = ("prefill", "decode") if recipe.disaggregated else ("agg",)
+    phases: tuple[Phase, ...] = ("prefill", "decode") if recipe.disaggregated else ("agg",)
     out: list[Engine] = []
     for tp in sorted(tps, reverse=True):
         for phase in phases:

@@ -61,11 +61,12 @@ class Container(StrictModel):
     workdir: str | None = None
     writable: bool = False
     reuse: bool = Field(
-        True, description="unpack the image once per node, in the job's first step (the preflight), into a named "
-                          "container (hpc-<hash of the image>) that every later step reuses (and later jobs, where "
-                          "pyxis keeps containers: container_scope=global); false: each step starts from the image "
-                          "itself (a multi-GB image unpacked once per step)")
-    python_version: str = Field("3.12", pattern=r"^3\.[0-9]{1,2}$",
+        default=True,
+        description="unpack the image once per node, in the job's first step (the preflight), into a named "
+                    "container (hpc-<hash of the image>) that every later step reuses (and later jobs, where "
+                    "pyxis keeps containers: container_scope=global); false: each step starts from the image "
+                    "itself (a multi-GB image unpacked once per step)")
+    python_version: str = Field(default="3.12", pattern=r"^3\.[0-9]{1,2}$",
                                 description="the image's Python (major.minor): the runtime bundle is built for it")
 
     @field_validator("mounts")
@@ -100,33 +101,36 @@ class Preflight(StrictModel):
     """The hardware and fabric checks of the job's first step, on every node before any server
     (hpc.checks.node_health); each is skipped where it cannot apply (no nvidia-smi, no weight files)."""
 
-    hardware: bool = Field(True, description="GPUs, their memory and ECC state, the model's read speed, scratch "
-                                             "space and the nodes reaching each other; false: software checks only")
+    hardware: bool = Field(default=True,
+        description="GPUs, their memory and ECC state, the model's read speed, scratch "
+                    "space and the nodes reaching each other; false: software checks only")
     on_bad_node: Literal["fail", "exclude"] = Field(
-        "fail", description="a node failing a hardware check: end the job (fail), or resubmit it once with "
-                            "sbatch --exclude of the bad nodes (exclude)")
+        default="fail", description="a node failing a hardware check: end the job (fail), or resubmit it once with "
+                                    "sbatch --exclude of the bad nodes (exclude)")
     gpu_memory_used_max_mib: int = Field(
-        1024, ge=0, le=1_000_000, description="memory a GPU may hold before any server (more: a stale process)")
-    model_read_mb: int = Field(256, ge=1, le=65536, description="how much of the largest weight file is read")
-    min_read_mb_s: float | None = Field(None, gt=0, description="a slower read of the model fails the node")
-    min_free_gb: float = Field(1.0, ge=0, description="free space the run directory and TMPDIR must have")
-    peer_timeout_s: float = Field(5.0, gt=0, le=120, description="a connection from one node to another")
+        default=1024, ge=0, le=1_000_000, description="memory a GPU may hold before any server (more: a stale process)")
+    model_read_mb: int = Field(default=256, ge=1, le=65536, description="how much of the largest weight file is read")
+    min_read_mb_s: float | None = Field(default=None, gt=0, description="a slower read of the model fails the node")
+    min_free_gb: float = Field(default=1.0, ge=0, description="free space the run directory and TMPDIR must have")
+    peer_timeout_s: float = Field(default=5.0, gt=0, le=120, description="a connection from one node to another")
     transfer_mb: int = Field(
-        16, ge=0, le=1024, description="MB each decode worker's node fetches from each prefill worker's node, as "
-                                       "KV moves (over TCP at the published addresses; 0: off): a link that "
-                                       "connects but drops large frames (an MTU mismatch) or crawls shows here")
-    min_transfer_mb_s: float | None = Field(None, gt=0, description="a slower transfer fails the pair")
+        default=16, ge=0, le=1024,
+        description="MB each decode worker's node fetches from each prefill worker's node, as "
+                    "KV moves (over TCP at the published addresses; 0: off): a link that "
+                    "connects but drops large frames (an MTU mismatch) or crawls shows here")
+    min_transfer_mb_s: float | None = Field(default=None, gt=0, description="a slower transfer fails the pair")
     gather_timeout_s: float = Field(
-        120.0, gt=0, le=3600, description="how long a node waits for the others to report (their containers may "
-                                          "still be unpacking)")
+        default=120.0, gt=0, le=3600,
+        description="how long a node waits for the others to report (their containers may "
+                    "still be unpacking)")
 
 
 class SecretRef(StrictModel):
     """A secret named, not written: the job reads it at start, so it is in no script or manifest."""
 
-    from_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+    from_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
                                  description="the submitting shell's variable of this name (sbatch exports it)")
-    from_file: SingleLine | None = Field(None, description="a file on the shared filesystem holding the value")
+    from_file: SingleLine | None = Field(default=None, description="a file on the shared filesystem holding the value")
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "SecretRef":
@@ -138,6 +142,8 @@ class SecretRef(StrictModel):
         """The value on this machine, or None when it is not there."""
         if self.from_env is not None:
             return os.environ.get(self.from_env)
+        if self.from_file is None:
+            return None
         try:
             return Path(self.from_file).expanduser().read_text().strip()
         except OSError:
@@ -156,17 +162,17 @@ class ClusterProfile(StrictModel):
     account: SingleLine | None = None
     qos: SingleLine | None = None
     time_limit: str = "01:00:00"
-    max_time_limit: str | None = Field(None, description="the partition's MaxTime; the job must fit")
-    nodes_available: int = Field(1, ge=1, le=100_000)
-    gpus_per_node: int = Field(8, ge=0, le=64)
-    cpus_per_node: int = Field(1, ge=1, le=100_000)
-    memory: SingleLine | None = Field(None, description="--mem per node, e.g. 0 (all) or 480G")
+    max_time_limit: str | None = Field(default=None, description="the partition's MaxTime; the job must fit")
+    nodes_available: int = Field(default=1, ge=1, le=100_000)
+    gpus_per_node: int = Field(default=8, ge=0, le=64)
+    cpus_per_node: int = Field(default=1, ge=1, le=100_000)
+    memory: SingleLine | None = Field(default=None, description="--mem per node, e.g. 0 (all) or 480G")
     gpu_request: GpuRequest = GpuRequest.GPUS_PER_NODE
     exclusive: bool = False
     container: Container | None = None
-    python_env: str | None = Field(None, description="a virtualenv/conda prefix to activate")
+    python_env: str | None = Field(default=None, description="a virtualenv/conda prefix to activate")
     trtllm_version: str | None = Field(
-        None, pattern=rf"^{VERSION_PATTERN}$",
+        default=None, pattern=rf"^{VERSION_PATTERN}$",
         description="the TensorRT-LLM the job's environment holds (the container image's, or python_env's), e.g. "
                     "1.3.0rc11: engine configs are checked against it and the job's preflight ends the job if the "
                     "nodes hold another; an image of known tag need not say it")
@@ -174,16 +180,16 @@ class ClusterProfile(StrictModel):
     mpi: str = "pmix"
     network: Network = Field(default_factory=Network)
     preflight: Preflight = Field(default_factory=Preflight)
-    port_base: int = Field(20000, ge=1024, le=65000)
+    port_base: int = Field(default=20000, ge=1024, le=65000)
     discovery: Literal["etcd", "file"] = "etcd"
     sbatch_args: list[SingleLine] = Field(default_factory=list)
     srun_args: list[str] = Field(default_factory=list)
     env: ClusterEnv = Field(default_factory=dict, description="NAME: value, or NAME: {from_env: VAR} / "
                                                              "{from_file: PATH} for secrets")
-    slurm_conf: str | None = Field(None, description="SLURM_CONF for clients (the dev cluster needs it)")
+    slurm_conf: str | None = Field(default=None, description="SLURM_CONF for clients (the dev cluster needs it)")
     runs_dir: SingleLine | None = Field(
-        None, description="where hpc launch writes this cluster's run directories: a directory every node sees "
-                          "(Lustre, home); HPC_RUNS_DIR wins over it, ./runs is the default")
+        default=None, description="where hpc launch writes this cluster's run directories: a directory every node sees "
+                                  "(Lustre, home); HPC_RUNS_DIR wins over it, ./runs is the default")
 
     @field_validator("runs_dir")
     @classmethod

@@ -16,29 +16,30 @@ from hpc.spec.base import SingleLine, StrictModel
 
 class DiffusionSpec(StrictModel):
     output_dir: SingleLine | None = Field(
-        None, description="where videos are written (url responses); default: the run directory's videos/")
-    default_height: int = Field(480, ge=8, le=8192)
-    default_width: int = Field(832, ge=8, le=8192)
-    default_num_frames: int = Field(81, ge=1, le=4096)
-    default_num_inference_steps: int = Field(50, ge=1, le=1000)
-    default_guidance_scale: float = Field(5.0, ge=0, le=100, allow_inf_nan=False)
-    default_fps: int = Field(16, ge=1, le=240, description="frames per second of the MP4 when a request gives none")
+        default=None, description="where videos are written (url responses); default: the run directory's videos/")
+    default_height: int = Field(default=480, ge=8, le=8192)
+    default_width: int = Field(default=832, ge=8, le=8192)
+    default_num_frames: int = Field(default=81, ge=1, le=4096)
+    default_num_inference_steps: int = Field(default=50, ge=1, le=1000)
+    default_guidance_scale: float = Field(default=5.0, ge=0, le=100, allow_inf_nan=False)
+    default_fps: int = Field(default=16, ge=1, le=240,
+        description="frames per second of the MP4 when a request gives none")
     enable_teacache: bool = False
     teacache_thresh: float | None = Field(
-        None, ge=0, le=10, allow_inf_nan=False,
+        default=None, ge=0, le=10, allow_inf_nan=False,
         description="skip a transformer call while the modulated input changed less than this (relative L1, "
                     "accumulated); only with enable_teacache (0.2 when it is on and this is unset)")
     attn_type: Literal["default", "sage-attn", "sparse-videogen", "sparse-videogen2"] = "default"
     linear_type: Literal["default", "trtllm-fp8-blockwise", "trtllm-fp8-per-tensor", "trtllm-nvfp4"] = "default"
     disable_torch_compile: bool = False
     torch_compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
-    dit_dp_size: int = Field(1, ge=1, le=1024)
-    dit_tp_size: int = Field(1, ge=1, le=1024)
-    dit_ulysses_size: int = Field(1, ge=1, le=1024)
-    dit_ring_size: int = Field(1, ge=1, le=1024)
-    dit_cfg_size: Literal[1, 2] = Field(1, description="2: the conditional and unconditional branches of "
-                                                       "classifier-free guidance on two ranks")
-    dit_fsdp_size: int = Field(1, ge=1, le=1024, description="weight sharding within the ranks above")
+    dit_dp_size: int = Field(default=1, ge=1, le=1024)
+    dit_tp_size: int = Field(default=1, ge=1, le=1024)
+    dit_ulysses_size: int = Field(default=1, ge=1, le=1024)
+    dit_ring_size: int = Field(default=1, ge=1, le=1024)
+    dit_cfg_size: Literal[1, 2] = Field(default=1, description="2: the conditional and unconditional branches of "
+                                                               "classifier-free guidance on two ranks")
+    dit_fsdp_size: int = Field(default=1, ge=1, le=1024, description="weight sharding within the ranks above")
     enable_async_cpu_offload: bool = False
 
     @model_validator(mode="after")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, cast
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
@@ -101,28 +101,28 @@ class GlobalRouterConfig(_Strict):
 
     # ---- the choice -----------------------------------------------------------------------------------------
     def prefill_pool(self, isl: int, ttft_ms: float | None = None, priority: int | None = None) -> int:
-        g = self.prefill_pool_selection_strategy
+        g = _grid(self.prefill_pool_selection_strategy, "prefill")
         row = _cell(isl, g.isl_min, g.isl_max, g.isl_resolution)
         col = _cell(_mid(ttft_ms, g.ttft_min_ms, g.ttft_max_ms), g.ttft_min_ms, g.ttft_max_ms, g.ttft_resolution)
         return _override(g.prefill_pool_mapping[row][col], priority, g.priority_overrides)
 
     def decode_pool(self, context_length: int, itl_ms: float | None = None, priority: int | None = None) -> int:
-        g = self.decode_pool_selection_strategy
+        g = _grid(self.decode_pool_selection_strategy, "decode")
         row = _cell(context_length, g.context_length_min, g.context_length_max, g.context_length_resolution)
         col = _cell(_mid(itl_ms, g.itl_min_ms, g.itl_max_ms), g.itl_min_ms, g.itl_max_ms, g.itl_resolution)
         return _override(g.decode_pool_mapping[row][col], priority, g.priority_overrides)
 
     def agg_pool(self, ttft_ms: float | None = None, itl_ms: float | None = None, priority: int | None = None,
                  isl: int | None = None) -> int:
-        g = self.agg_pool_selection_strategy
+        g = _grid(self.agg_pool_selection_strategy, "agg")
         t = _cell(_mid(ttft_ms, g.ttft_min_ms, g.ttft_max_ms), g.ttft_min_ms, g.ttft_max_ms, g.ttft_resolution)
         i = _cell(_mid(itl_ms, g.itl_min_ms, g.itl_max_ms), g.itl_min_ms, g.itl_max_ms, g.itl_resolution)
-        if g.isl_resolution is None:
-            pool = g.agg_pool_mapping[t][i]
+        if g.isl_min is None or g.isl_max is None or g.isl_resolution is None:
+            pool = cast("list[list[int]]", g.agg_pool_mapping)[t][i]
         else:
             s = _cell(isl if isl is not None else (g.isl_min + g.isl_max) // 2, g.isl_min, g.isl_max,
                       g.isl_resolution)
-            pool = g.agg_pool_mapping[s][t][i]
+            pool = cast("list[list[list[int]]]", g.agg_pool_mapping)[s][t][i]
         return _override(pool, priority, g.priority_overrides)
 
     def overridden(self, kind: str, priority: int) -> bool:
@@ -137,6 +137,15 @@ class GlobalRouterConfig(_Strict):
         prio = self.priorities(kind)
         faster = sorted({p for p in prio if p < prio[chosen]}, reverse=True)
         return [chosen] + [pool for level in faster for pool, p in enumerate(prio) if p == level]
+
+
+_G = TypeVar("_G", PrefillGrid, DecodeGrid, AggGrid)
+
+
+def _grid(grid: _G | None, kind: str) -> _G:
+    if grid is None:  # check() refuses such a config as it loads
+        raise ValueError(f"{kind}_pool_selection_strategy is not set")
+    return grid
 
 
 def _mid(value: float | None, low: float, high: float) -> float:

@@ -47,30 +47,33 @@ GPU_ONLY_MODELS = {"llama-8b-shape": "16 GB of bf16 weights made on each worker'
 class ModelSpec(StrictModel):
     path: SingleLine = Field(min_length=1, description="weights directory (HF layout) or hub id")
     served_name: SingleLine = Field(min_length=1, max_length=256)
-    tokenizer: str | None = Field(None, description="defaults to the model path")
+    tokenizer: str | None = Field(default=None, description="defaults to the model path")
     multimodal: bool = False
     generate: Literal["tiny", "tiny-multimodal", "tiny-moe", "tiny-video", "llama-8b-shape"] | None = Field(
-        None, description="build this random-weight model at `path` before launch if it is missing")
-    chat_template: str | None = Field(None, description="a Jinja file replacing the tokenizer's template")
+        default=None, description="build this random-weight model at `path` before launch if it is missing")
+    chat_template: str | None = Field(default=None, description="a Jinja file replacing the tokenizer's template")
     reasoning_parser: Literal["deepseek_r1", "qwen3", "gpt_oss"] | None = Field(
-        None, description="split the model's reasoning into reasoning_content (the seeds' --dyn-reasoning-parser)")
+        default=None,
+        description="split the model's reasoning into reasoning_content (the seeds' --dyn-reasoning-parser)")
     tool_call_parser: Literal["hermes", "qwen3", "llama3_json", "deepseek_v3", "harmony"] | None = Field(
-        None, description="turn the model's tool-call markup into tool_calls (the seeds' --dyn-tool-call-parser)")
+        default=None,
+        description="turn the model's tool-call markup into tool_calls (the seeds' --dyn-tool-call-parser)")
     canned_completion: str | None = Field(
-        None, max_length=4096, description="test knob, torch backend: every answer is this text, produced through "
-                                           "the real sampler (for testing parsers on a random-weight model)")
+        default=None, max_length=4096,
+        description="test knob, torch backend: every answer is this text, produced through "
+                    "the real sampler (for testing parsers on a random-weight model)")
 
 
 class HttpSpec(StrictModel):
     """What the frontend's HTTP server accepts: beyond these a client gets 408/413/431/503, not a hung socket."""
 
-    max_concurrent_requests: int = Field(4096, ge=1, le=1_000_000,
+    max_concurrent_requests: int = Field(default=4096, ge=1, le=1_000_000,
                                          description="beyond this, 503 with Retry-After")
-    max_request_body_mb: float = Field(64.0, gt=0, le=1024, allow_inf_nan=False)
-    header_timeout_s: float = Field(10.0, gt=0, le=3600, allow_inf_nan=False)
-    body_timeout_s: float = Field(30.0, gt=0, le=3600, allow_inf_nan=False,
+    max_request_body_mb: float = Field(default=64.0, gt=0, le=1024, allow_inf_nan=False)
+    header_timeout_s: float = Field(default=10.0, gt=0, le=3600, allow_inf_nan=False)
+    body_timeout_s: float = Field(default=30.0, gt=0, le=3600, allow_inf_nan=False,
                                   description="longest silence while a request body arrives")
-    keepalive_timeout_s: float = Field(15.0, gt=0, le=3600, allow_inf_nan=False)
+    keepalive_timeout_s: float = Field(default=15.0, gt=0, le=3600, allow_inf_nan=False)
 
 
 def _int_or_auto(value: Any, low: int, high: int, what: str) -> Any:
@@ -82,29 +85,32 @@ def _int_or_auto(value: Any, low: int, high: int, what: str) -> Any:
 
 
 class FrontendSpec(StrictModel):
-    port: int = Field(8000, ge=1024, le=65535)
+    port: int = Field(default=8000, ge=1024, le=65535)
     router: RouterPolicy = RouterPolicy.ROUND_ROBIN
     # 2, not Dynamo's 1: on benchmarks/kv_routing.py's shared-prefix workload 1 sent a popular prefix to other
     # workers whenever its own was a little busy, and every copy cost cache room (1.6x fewer prompt tokens
     # computed than round robin and a worse TTFT p50; 2: 3.95x and 79 % of round robin's p50)
     kv_overlap_weight: float = Field(
-        2.0, ge=0, le=100, allow_inf_nan=False,
+        default=2.0, ge=0, le=100, allow_inf_nan=False,
         description="kv_aware: cost = weight x prompt blocks to compute + blocks queued for prefill on the worker")
     router_temperature: float = Field(
-        0.0, ge=0, le=100, allow_inf_nan=False,
+        default=0.0, ge=0, le=100, allow_inf_nan=False,
         description="kv_aware: 0 picks the cheapest worker; above 0 draws one with weight exp(-cost / temperature), "
                     "spreading near-ties (Dynamo's --router-temperature)")
     global_router: str | dict[str, Any] | None = Field(
-        None, description="seed 003's global router over the roles' pools: Dynamo's global_router JSON, as a file "
-                          "(relative to the recipe or the project) or inline; its pool names are the recipe's")
-    request_timeout_s: float = Field(600.0, gt=0, le=86400, allow_inf_nan=False)
-    max_restarts: int = Field(3, ge=0, le=1000, description="times the frontend is started again if it dies (the "
-                                                            "workers stay and resend their cached blocks to its "
-                                                            "KV-aware index; the job goes on)")
+        default=None,
+        description="seed 003's global router over the roles' pools: Dynamo's global_router JSON, as a file "
+                    "(relative to the recipe or the project) or inline; its pool names are the recipe's")
+    request_timeout_s: float = Field(default=600.0, gt=0, le=86400, allow_inf_nan=False)
+    max_restarts: int = Field(default=3, ge=0, le=1000,
+        description="times the frontend is started again if it dies (the "
+                    "workers stay and resend their cached blocks to its "
+                    "KV-aware index; the job goes on)")
     processes: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
-        "auto", description="frontend processes on one port (process 0 deals each connection to the one holding "
-                            "the fewest); one Python process saturates its core at tens of thousands of tokens/s. "
-                            "auto: one per 8 cores the frontend may use, 1 to 4")
+        default="auto",
+        description="frontend processes on one port (process 0 deals each connection to the one holding "
+                    "the fewest); one Python process saturates its core at tens of thousands of tokens/s. "
+                    "auto: one per 8 cores the frontend may use, 1 to 4")
     http: HttpSpec = Field(default_factory=HttpSpec)
 
     @field_validator("processes", mode="before")
@@ -117,30 +123,31 @@ class InfraSpec(StrictModel):
     etcd: bool = True
     nats: bool = True
     placement: Literal["shared", "dedicated"] = Field(
-        "shared", description="dedicated: etcd, NATS and the frontend get a node of their own")
-    max_restarts: int = Field(3, ge=0, le=1000, description="times etcd/NATS are started again if they die")
+        default="shared", description="dedicated: etcd, NATS and the frontend get a node of their own")
+    max_restarts: int = Field(default=3, ge=0, le=1000, description="times etcd/NATS are started again if they die")
 
 
 class FailurePolicy(StrictModel):
     on_failure: OnFailure = OnFailure.FAIL_JOB
-    max_restarts: int = Field(3, ge=0, le=1000)
+    max_restarts: int = Field(default=3, ge=0, le=1000)
 
 
 class RoleSpec(StrictModel):
-    count: int = Field(1, ge=1, le=4096, description="number of independent workers (engines) of this role")
-    tensor_parallel_size: int = Field(1, ge=1, le=1024)
-    pipeline_parallel_size: int = Field(1, ge=1, le=128)
-    expert_parallel_size: int = Field(1, ge=1, le=1024)
+    count: int = Field(default=1, ge=1, le=4096, description="number of independent workers (engines) of this role")
+    tensor_parallel_size: int = Field(default=1, ge=1, le=1024)
+    pipeline_parallel_size: int = Field(default=1, ge=1, le=128)
+    expert_parallel_size: int = Field(default=1, ge=1, le=1024)
     enable_attention_dp: bool = False
-    engine_config: str | None = Field(None, description="TensorRT-LLM LLM-API YAML (--extra-engine-args)")
+    engine_config: str | None = Field(default=None, description="TensorRT-LLM LLM-API YAML (--extra-engine-args)")
     override_engine_args: dict[str, Any] | None = Field(
-        None, description="a mapping, or a JSON object string (--override-engine-args)")
+        default=None, description="a mapping, or a JSON object string (--override-engine-args)")
     env: EnvMap = Field(default_factory=dict)
     failure: FailurePolicy = Field(default_factory=FailurePolicy)
     pools: list["PoolSpec"] | None = Field(
-        None, min_length=1, description="named groups of this role's workers, each with its own size and engine "
-                                        "config, chosen per request by frontend.global_router; a field a pool "
-                                        "leaves out comes from the role")
+        default=None, min_length=1,
+        description="named groups of this role's workers, each with its own size and engine "
+                    "config, chosen per request by frontend.global_router; a field a pool "
+                    "leaves out comes from the role")
 
     @field_validator("override_engine_args", mode="before")
     @classmethod
@@ -233,14 +240,21 @@ class Roles(StrictModel):
                 return g.spec
         raise KeyError(group)
 
+    def required(self, role: "RoleName | str") -> RoleSpec:
+        """A role the caller's mode has (validation made sure of it): a KeyError names it where not."""
+        spec = getattr(self, RoleName(role).value)
+        if spec is None:
+            raise KeyError(f"the recipe has no {RoleName(role).value} role")
+        return spec
+
     def pools(self, role: "RoleName | str") -> list[str]:
         spec = getattr(self, RoleName(role).value)
         return [p.name for p in spec.pools or []] if spec is not None else []
 
 
 class MockSpec(StrictModel):
-    prefill_delay_ms: float = Field(0.0, ge=0, le=600_000, allow_inf_nan=False)
-    per_token_delay_ms: float = Field(0.0, ge=0, le=600_000, allow_inf_nan=False)
+    prefill_delay_ms: float = Field(default=0.0, ge=0, le=600_000, allow_inf_nan=False)
+    per_token_delay_ms: float = Field(default=0.0, ge=0, le=600_000, allow_inf_nan=False)
 
 
 class TorchEngineSpec(StrictModel):
@@ -248,11 +262,13 @@ class TorchEngineSpec(StrictModel):
     the defaults are what the measurements in docs/performance-log.md chose; the others are for comparisons."""
 
     decode_steps_per_graph: int = Field(
-        default=8, ge=1, le=64, description="decode steps one CUDA-graph replay runs at most where its rows allow (eight: "
-                                    "295-306k tok/s against 245-268k at four, two H200); 1: a step a replay")
+        default=8, ge=1, le=64,
+        description="decode steps one CUDA-graph replay runs at most where its rows allow (eight: "
+                    "295-306k tok/s against 245-268k at four, two H200); 1: a step a replay")
     decode_graph_copies: bool = Field(
-        default=True, description="the decode graphs capture their own input and output copies (a c=64 step's host time "
-                          "456 -> 384 us on an H200); false: the host launches them")
+        default=True,
+        description="the decode graphs capture their own input and output copies (a c=64 step's host time "
+                    "456 -> 384 us on an H200); false: the host launches them")
     gil_switch_interval_s: float | None = Field(
         default=None, gt=0, le=1.0, allow_inf_nan=False,
         description="Python's switch interval in the engine's process: how long a thread that wants the GIL waits "
@@ -260,80 +276,85 @@ class TorchEngineSpec(StrictModel):
 
 
 class Limits(StrictModel):
-    max_input_tokens: int = Field(4096, ge=1, le=10_000_000, description="longest prompt the frontend accepts")
-    max_output_tokens: int = Field(1024, ge=1, le=10_000_000)
+    max_input_tokens: int = Field(default=4096, ge=1, le=10_000_000, description="longest prompt the frontend accepts")
+    max_output_tokens: int = Field(default=1024, ge=1, le=10_000_000)
 
 
 class SmokeSpec(StrictModel):
     enabled: bool = True
     prompt: str = "The capital of France is"
-    max_tokens: int = Field(16, ge=1, le=100_000)
-    image: str | None = Field(None, description="image for multimodal smoke requests")
-    timeout_s: float = Field(120.0, gt=0, le=86400, allow_inf_nan=False)
+    max_tokens: int = Field(default=16, ge=1, le=100_000)
+    image: str | None = Field(default=None, description="image for multimodal smoke requests")
+    timeout_s: float = Field(default=120.0, gt=0, le=86400, allow_inf_nan=False)
 
 
 class BenchShape(StrictModel):
-    input_tokens: int = Field(128, ge=1, le=10_000_000)
-    output_tokens: int = Field(64, ge=1, le=10_000_000)
+    input_tokens: int = Field(default=128, ge=1, le=10_000_000)
+    output_tokens: int = Field(default=64, ge=1, le=10_000_000)
 
 
 class BenchmarkSpec(StrictModel):
     concurrency: list[Annotated[int, Field(ge=1, le=100_000)]] = Field(default_factory=lambda: [1, 4, 16],
                                                                          min_length=1)
     shapes: list[BenchShape] = Field(default_factory=lambda: [BenchShape()])
-    requests_per_level: int = Field(64, ge=1, le=1_000_000)
-    warmup_requests: int = Field(4, ge=0, le=100_000)
+    requests_per_level: int = Field(default=64, ge=1, le=1_000_000)
+    warmup_requests: int = Field(default=4, ge=0, le=100_000)
     streaming: bool = True
 
 
 class RuntimeSpec(StrictModel):
     publish_kv_events: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = Field(
-        "info", description="every component's, and TensorRT-LLM's (TLLM_LOG_LEVEL)")
+        default="info", description="every component's, and TensorRT-LLM's (TLLM_LOG_LEVEL)")
     log_format: Literal["text", "json"] = Field(
-        "text", description="json: one object a line (ts, level, run, component, logger, message, request_id), "
-                            "for a log stack")
-    readiness_timeout_s: float = Field(1800.0, gt=0, le=7 * 86400, allow_inf_nan=False)
+        default="text", description="json: one object a line (ts, level, run, component, logger, message, request_id), "
+                                    "for a log stack")
+    readiness_timeout_s: float = Field(default=1800.0, gt=0, le=7 * 86400, allow_inf_nan=False)
     allowed_local_media_path: str | None = None
     media_allowed_hosts: list[SingleLine] = Field(
         default_factory=list, description="image URLs may reach these hosts or CIDRs even when they are loopback, "
                                           "link-local or private (by default only public addresses)")
-    max_file_size_mb: float = Field(16.0, gt=0, le=4096, allow_inf_nan=False)
+    max_file_size_mb: float = Field(default=16.0, gt=0, le=4096, allow_inf_nan=False)
     kv_transport: Literal["auto", "bytes", "nixl"] = Field(
-        "auto", description="how the torch engine's KV moves prefill -> decode. auto: CUDA IPC on one node's GPUs, "
-                            "NIXL between GPUs of different nodes when installed, else bytes over the RPC "
-                            "connection; nixl: always NIXL (host or GPU memory, any two nodes); bytes: always bytes")
+        default="auto",
+        description="how the torch engine's KV moves prefill -> decode. auto: CUDA IPC on one node's GPUs, "
+                    "NIXL between GPUs of different nodes when installed, else bytes over the RPC "
+                    "connection; nixl: always NIXL (host or GPU memory, any two nodes); bytes: always bytes")
     kv_transfer_min_s: float = Field(
-        10.0, gt=0, le=3600, allow_inf_nan=False,
+        default=10.0, gt=0, le=3600, allow_inf_nan=False,
         description="a KV transfer prefill -> decode may take this long plus its size at kv_transfer_floor_gb_s; "
                     "past it the request fails with a 504 naming the prefill worker (counted per worker)")
-    kv_transfer_floor_gb_s: float = Field(0.5, gt=0, le=10_000, allow_inf_nan=False)
+    kv_transfer_floor_gb_s: float = Field(default=0.5, gt=0, le=10_000, allow_inf_nan=False)
     kv_transfer_retries: int = Field(
-        1, ge=0, le=8, description="a request whose KV transfer passed its deadline is prefilled again and decoded "
-                                   "on another prefill -> decode pair, this many times, before it fails (504)")
+        default=1, ge=0, le=8,
+        description="a request whose KV transfer passed its deadline is prefilled again and decoded "
+                    "on another prefill -> decode pair, this many times, before it fails (504)")
     kv_pair_bench_after: int = Field(
-        2, ge=1, le=1000, description="timed-out transfers in a row after which a prefill -> decode pair leaves "
-                                      "routing (that decode is not picked for that prefill's KV)")
+        default=2, ge=1, le=1000,
+        description="timed-out transfers in a row after which a prefill -> decode pair leaves "
+                    "routing (that decode is not picked for that prefill's KV)")
     kv_pair_cooldown_s: float = Field(
-        30.0, gt=0, le=3600, allow_inf_nan=False,
+        default=30.0, gt=0, le=3600, allow_inf_nan=False,
         description="how long such a pair sits out before one request tries it again (doubled each time it fails "
                     "again, up to 600 s; a success puts it back)")
     engine_process: Literal["auto", "own", "worker"] = Field(
-        "auto", description="where the torch engine of an aggregated, prefill or decode worker of one rank runs "
-                            "(text only). own: a process of its own beside the worker's RPC and HTTP servers, so the "
-                            "scheduler and the output path do not share one GIL; worker: in the worker's process; "
-                            "auto: own on a GPU")
+        default="auto",
+        description="where the torch engine of an aggregated, prefill or decode worker of one rank runs "
+                    "(text only). own: a process of its own beside the worker's RPC and HTTP servers, so the "
+                    "scheduler and the output path do not share one GIL; worker: in the worker's process; "
+                    "auto: own on a GPU")
     idle_spin_us: Annotated[int, Field(ge=0, le=100_000)] | Literal["auto"] = Field(
-        "auto", description="each frontend process and each worker keeps polling its sockets without sleeping "
-                            "while a call is in flight (a worker whose engine shares its process: after a call's "
-                            "start) and this long after the last one ends, and an engine process's scheduler this "
-                            "long after its last work, so that the next message finds its "
-                            "CPU awake (a CPU idle for a millisecond takes 40-50 us more to wake, up to 0.5 ms, on "
-                            "the GPU machines' VMs: benchmarks/hop_latency.py --gap-us); 0: off. auto: 2000 (10000 "
-                            "for a prefill worker whose engine has a process of its own, and that process: its next "
-                            "call comes a whole decode after its last) where the "
-                            "process may use 8 CPUs or more, else 0 (on a small machine the spin takes the CPU from "
-                            "the work)")
+        default="auto",
+        description="each frontend process and each worker keeps polling its sockets without sleeping "
+                    "while a call is in flight (a worker whose engine shares its process: after a call's "
+                    "start) and this long after the last one ends, and an engine process's scheduler this "
+                    "long after its last work, so that the next message finds its "
+                    "CPU awake (a CPU idle for a millisecond takes 40-50 us more to wake, up to 0.5 ms, on "
+                    "the GPU machines' VMs: benchmarks/hop_latency.py --gap-us); 0: off. auto: 2000 (10000 "
+                    "for a prefill worker whose engine has a process of its own, and that process: its next "
+                    "call comes a whole decode after its last) where the "
+                    "process may use 8 CPUs or more, else 0 (on a small machine the spin takes the CPU from "
+                    "the work)")
 
     @field_validator("idle_spin_us", mode="before")
     @classmethod
@@ -349,12 +370,12 @@ class Recipe(StrictModel):
     description: str = ""
     model: ModelSpec
     modality: Literal["text", "multimodal", "video_diffusion"] = Field(
-        "text", description="what the workers serve (seed 004's --modality); video_diffusion needs `diffusion`")
+        default="text", description="what the workers serve (seed 004's --modality); video_diffusion needs `diffusion`")
     diffusion: DiffusionSpec | None = None
     backend: Backend
-    time_limit: str | None = Field(None, description="overrides the cluster's default time limit")
+    time_limit: str | None = Field(default=None, description="overrides the cluster's default time limit")
     drain_before_end_s: int = Field(
-        120, ge=0, le=3600,
+        default=120, ge=0, le=3600,
         description="seconds before the time limit at which Slurm asks the workers to drain (SIGUSR1, as hpc "
                     "cancel's first tier): they leave routing, so new requests get a clear 503 instead of a stream "
                     "cut at the end, and finish what they are serving. Slurm may send it up to 60 s earlier. "
@@ -363,10 +384,11 @@ class Recipe(StrictModel):
     infra: InfraSpec = Field(default_factory=InfraSpec)
     roles: Roles
     placement: Literal["pack", "spread", "hetjob"] = Field(
-        "pack", description="pack: workers of different roles share a node when its GPUs allow (each GPU "
-                            "held by one worker); spread: each role starts on a node of its own; hetjob: as "
-                            "spread, as a heterogeneous Slurm job, one component per role (#SBATCH hetjob, srun "
-                            "--het-group), so Slurm may place each role's nodes apart")
+        default="pack",
+        description="pack: workers of different roles share a node when its GPUs allow (each GPU "
+                    "held by one worker); spread: each role starts on a node of its own; hetjob: as "
+                    "spread, as a heterogeneous Slurm job, one component per role (#SBATCH hetjob, srun "
+                    "--het-group), so Slurm may place each role's nodes apart")
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
     limits: Limits = Field(default_factory=Limits)
     mock: MockSpec = Field(default_factory=MockSpec)

@@ -206,11 +206,12 @@ class Automaton:
         return None if nxt is None else (index, nxt)
 
     def feed(self, state: tuple, text: str) -> tuple | None:
+        now: tuple | None = state
         for ch in text:
-            state = self.step(state, ch)
-            if state is None:
+            now = self.step(now, ch)
+            if now is None:
                 return None
-        return state
+        return now
 
     def complete(self, state: tuple) -> bool:
         index, sub = state

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncGenerator, Sequence
 
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, EngineBase,
                                       FinishReason, GenerateOutput, GenerateRequest, KvMeta, TokenLogprob)
@@ -29,7 +29,7 @@ class MockEngine(EngineBase):
         # Deterministic and never a special token: ids 100.. cycle through the vocabulary.
         return 100 + (sum(prompt[-4:]) + i * 7) % (self.vocab_size - 100)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateOutput, None]:
         if request.sampling.guide is not None:
             raise ValueError("the mock engine cannot constrain its output (response_format json_object, a forced "
                              "tool call); use backend torch or trtllm")
@@ -70,22 +70,23 @@ class MockEngine(EngineBase):
     def _prompt(cls, request: GenerateRequest) -> list[TokenLogprob] | None:
         """The prompt's tokens after the first, scored like the answer's (echo with logprobs)."""
         k = request.sampling.prompt_logprobs
-        return None if k is None else [cls._logprobs(t, k)[0] for t in request.token_ids[1:]]
+        return None if k is None else [cls._scored(t, k) for t in request.token_ids[1:]]
 
     @staticmethod
     def _logprobs(token: int, k: int | None) -> list[TokenLogprob] | None:
         """A fixed stand-in distribution: the chosen token at log(0.5), the next ids below it."""
-        if k is None:
-            return None
-        top = [token + i for i in range(k)]
-        return [TokenLogprob(token_id=token, logprob=-0.6931, top_ids=top,
-                             top_logprobs=[-0.6931 - i for i in range(k)])]
+        return None if k is None else [MockEngine._scored(token, k)]
+
+    @staticmethod
+    def _scored(token: int, k: int) -> TokenLogprob:
+        return TokenLogprob(token_id=token, logprob=-0.6931, top_ids=[token + i for i in range(k)],
+                            top_logprobs=[-0.6931 - i for i in range(k)])
 
     async def encode(self, pixels: Any, prompt_token_ids: Sequence[int] = ()) -> EncodedMedia:
         self._counters["requests"] += 1
         return EncodedMedia(shape=[0, 0])
 
-    def take_handoff(self, handle: str, ipc: bool = False) -> tuple[KvMeta, bytes]:
+    def take_handoff(self, handle: str, ipc: bool = False) -> tuple[KvMeta, bytes | memoryview]:
         return KvMeta(shape=[0], dtype="torch.float32"), b""
 
     def stats(self) -> dict[str, float]:

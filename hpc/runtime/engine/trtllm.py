@@ -42,7 +42,7 @@ import io
 import logging
 import secrets
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncGenerator, Callable, Sequence
 
 from hpc.model.info import ModelInfo
 from hpc.model.placeholders import encoder_prompt
@@ -92,9 +92,10 @@ ITERATION_COUNTERS = (
 
 
 def _field(record: dict, path: tuple[str, ...]) -> Any:
+    value: Any = record
     for key in path:
-        record = record.get(key) if isinstance(record, dict) else None
-    return record
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
 
 
 def trtllm_metrics(stat: dict, before: dict[str, float]) -> dict[str, float]:
@@ -254,13 +255,13 @@ class TrtllmEngine(EngineBase):
         self.backend = self.args.pop("backend", "pytorch")  # AutoDeploy's LLM class sets it itself
         self.self_address = self_address
         self.load_image_bytes = load_image_bytes
-        self._llm = None
+        self._llm: Any = None  # tensorrt_llm.LLM, once loaded (imported lazily: not installed here)
         self._drains: list[asyncio.Task] = []
         self.on_kv_event: Callable[[dict], None] | None = None
         self.on_stats: Callable[[dict], None] | None = None
         self._engine_stats: dict[str, float] = {}
         self.failure: str | None = None  # set when the executor died; the worker watches it
-        self._failed: asyncio.Future | None = None
+        self._failed: asyncio.Future[None] | None = None
         self._counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "running": 0,
                           "aborted": 0, "aborts_deferred": 0, "kv_events": 0, "stats_records": 0}
         self._deferred: set[asyncio.Future] = set()  # aborts waiting for their KV transfer to land
@@ -398,13 +399,14 @@ class TrtllmEngine(EngineBase):
                 self._failed.set_result(None)
         return RuntimeError(f"engine failed: {self.failure}")
 
-    async def _until_failure(self, result: Any) -> AsyncIterator[Any]:
+    async def _until_failure(self, result: Any) -> AsyncGenerator[Any, None]:
         """The result's outputs; when the engine fails meanwhile (another request read the background error,
         and the executor that would answer this one is gone), this request fails at once instead of waiting."""
         outputs = result.__aiter__()
         while True:
             step = asyncio.ensure_future(outputs.__anext__())
-            await asyncio.wait((step, self._failed), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([step] if self._failed is None else [step, self._failed],
+                               return_when=asyncio.FIRST_COMPLETED)
             if not step.done():
                 step.cancel()
                 raise RuntimeError(f"engine failed: {self.failure}")
@@ -416,7 +418,7 @@ class TrtllmEngine(EngineBase):
                 raise self._fault(exc) from exc
             yield out
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateOutput, None]:
         if self.failure:
             raise RuntimeError(f"engine failed: {self.failure}")
         tensorrt_llm, _ = self._api
@@ -522,11 +524,11 @@ class TrtllmEngine(EngineBase):
         if not handles:
             raise RuntimeError("the multimodal encoder returned no embedding handles")
         self._counters["requests"] += 1
+        mrope: dict[str, Any] = {k: getattr(dp, k, None) for k in MROPE_FIELDS}  # Qwen-VL's positions, on to prefill
         return EncodedMedia(shape=list(handles[0].get("tensor_size", [])), handles=handles,
-                            hashes=getattr(dp, "multimodal_hashes", None),
-                            **{k: getattr(dp, k, None) for k in MROPE_FIELDS})  # Qwen-VL's positions, on to prefill
+                            hashes=getattr(dp, "multimodal_hashes", None), **mrope)
 
-    def take_handoff(self, handle: str, ipc: bool = False) -> tuple[KvMeta, bytes]:
+    def take_handoff(self, handle: str, ipc: bool = False) -> tuple[KvMeta, bytes | memoryview]:
         raise RuntimeError("with TensorRT-LLM the cache transceiver moves the KV cache, not hpc")
 
     def stats(self) -> dict[str, float]:

@@ -71,7 +71,7 @@ class Engine(Protocol):
 
     def load_image(self, data: bytes) -> Any: ...
 
-    def take_handoff(self, handle: str, ipc: bool = False) -> tuple[KvMeta, bytes]: ...
+    def take_handoff(self, handle: str, ipc: bool = False) -> tuple[KvMeta, bytes | memoryview]: ...
 
     def handoff_ready(self, handle: str) -> Any: ...
 
@@ -125,7 +125,7 @@ class EngineBase:
     def load_image(self, data: bytes) -> Any:
         raise self._lacks("load images itself")
 
-    def take_handoff(self, handle: str, ipc: bool = False) -> tuple[KvMeta, bytes]:
+    def take_handoff(self, handle: str, ipc: bool = False) -> tuple[KvMeta, bytes | memoryview]:
         raise KeyError(handle)  # holds no KV for another worker
 
     def handoff_ready(self, handle: str) -> Any:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, AsyncIterator, NamedTuple
+from typing import Any, AsyncGenerator, NamedTuple
 
 from pydantic import ValidationError
 
 from hpc.manifest import Manifest
 from hpc.runtime.engine.types import FinishReason, GenerateRequest, SamplingParams, TokenLogprob
 from hpc.runtime.frontend.openai import (MAX_CHOICES, REQUEST_ID_HEADER, ApiError, ChatRequest, CompletionRequest,
-                                         chat_logprobs, check_fields, completion_logprobs, field_error,
+                                         LogprobRow, chat_logprobs, check_fields, completion_logprobs, field_error,
                                          merged_completions, new_id, now, upstream_error)
 from hpc.runtime.frontend.parsers import AnswerParser, json_answer_guide, tool_call_guide
 from hpc.runtime.frontend.chat_content import ChatInputError, template_kwargs, template_messages
@@ -134,6 +134,8 @@ class Frontend:
     def pool_view(self) -> list[dict[str, Any]]:
         """Per pool: live workers, requests routed there, those that moved on, and why the pools were chosen."""
         rows = []
+        if self.pools is None:
+            return rows
         for kind in self.pools.config.kinds():
             for pool in self.pools.config.pools(kind):
                 reasons = {r: n for (k, p, r), n in self.pools.decisions.items() if (k, p) == (kind, pool)}
@@ -308,7 +310,9 @@ class Frontend:
             forced = body.forced_tool_names() if tools else None
         except ValueError as exc:
             raise ApiError(400, str(exc), param="tool_choice") from None
-        guide = tool_call_guide(model.reasoning_parser, model.tool_call_parser, forced) if forced else \
+        # tools come only with a tool_call_parser (check_fields refuses them without one)
+        guide = tool_call_guide(model.reasoning_parser, model.tool_call_parser, forced) \
+            if forced and model.tool_call_parser else \
             json_answer_guide(model.reasoning_parser) if body.json_object else None
         # OpenAI's chat has no small default length: up to the model's limit (completions keep 16)
         gen = self._build(body, await self._encode(prompt, "messages"),
@@ -341,7 +345,7 @@ class Frontend:
                            code="context_length_exceeded")
         return ids
 
-    async def _events(self, body: Any, gen: GenerateRequest) -> AsyncIterator[Piece]:
+    async def _events(self, body: Any, gen: GenerateRequest) -> AsyncGenerator[Piece, None]:
         """Text deltas with their finish reason, the tokens so far and the logprobs of the tokens they carry,
         honouring stop strings (text that may start one is held back until it cannot)."""
         detok, text = Detokenizer(self.codec), StopStrings(body.stop_strings)
@@ -394,12 +398,13 @@ class Frontend:
         """`prompt` (echo): the prompt's first token and the logprobs of the rest, rows before the answer's."""
         raw = self.codec.token_bytes
 
-        def rows_of(items: list[TokenLogprob]) -> list:
+        def rows_of(items: list[TokenLogprob]) -> list[LogprobRow]:
             return [(raw(e.token_id), e.logprob, [(raw(t), lp) for t, lp in zip(e.top_ids, e.top_logprobs)])
                     for e in items]
         rows = rows_of(entries)
         if prompt is not None:
-            rows = [(raw(prompt[0]), None, None)] + rows_of(prompt[1]) + rows
+            first: LogprobRow = (raw(prompt[0]), None, None)
+            rows = [first] + rows_of(prompt[1]) + rows
         return chat_logprobs(rows) if chat else completion_logprobs(rows, offset)
 
     async def _collect(self, body: Any, gen: GenerateRequest) -> tuple[str, str | None, int, list[TokenLogprob],
@@ -493,7 +498,7 @@ class Frontend:
         log.warning("%s failed: %d %s", rid, err.status, err.message)
         return err
 
-    async def _merged(self, body: Any, gen: GenerateRequest) -> AsyncIterator[tuple[int, Piece]]:
+    async def _merged(self, body: Any, gen: GenerateRequest) -> AsyncGenerator[tuple[int, Piece], None]:
         """The pieces of all `n` samples as they come, tagged with their index."""
         samples = self._samples(body, gen)
         if len(samples) == 1:
@@ -524,7 +529,7 @@ class Frontend:
             driver.cancel()
 
     async def _sse(self, body: Any, gen: GenerateRequest, chat: bool, rid: str,
-                   parsing: tuple[str | None, str | None] | None = None, echo: str = "") -> AsyncIterator[bytes]:
+                   parsing: tuple[str | None, str | None] | None = None, echo: str = "") -> AsyncGenerator[bytes, None]:
         """The stream's events; a failure before the first is raised (an HTTP error), after it an error event."""
         events = self._events_of(body, gen, chat, rid, parsing, echo)
         sent = False
@@ -545,7 +550,7 @@ class Frontend:
 
     async def _events_of(self, body: Any, gen: GenerateRequest, chat: bool, rid: str,
                          parsing: tuple[str | None, str | None] | None = None,
-                         echo: str = "") -> AsyncIterator[bytes]:
+                         echo: str = "") -> AsyncGenerator[bytes, None]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = now()
         self.counters["inflight"] += 1
@@ -630,7 +635,7 @@ class Piece(NamedTuple):
 OFF_LOOP_CHARS = 16_384  # shorter prompts tokenize faster than a thread hand-off
 
 
-async def _after(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def _after(first: bytes, rest: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
     """`first`, then the rest of the stream it came from (closed with this one)."""
     try:
         if first:

@@ -56,7 +56,7 @@ def _iterates_content(source: nodes.Node) -> bool:
             and source.arg.value == "content") or (isinstance(source, nodes.Getattr) and source.attr == "content")
 
 
-def _filters_on_type(source: nodes.Node) -> bool:
+def _filters_on_type(source: nodes.Node | None) -> bool:
     while isinstance(source, nodes.Filter):
         if source.name in ("selectattr", "rejectattr") and source.args and \
                 isinstance(source.args[0], nodes.Const) and source.args[0].value == "type":
@@ -90,7 +90,9 @@ def resolved_format(template: str | None, placeholder: ImagePlaceholder | None) 
     """The form a model registered first, else its template's shape (tensorrt_llm/inputs/utils.py,
     _resolve_content_format); no template: text."""
     registered = placeholder.content_format if placeholder else None
-    return registered or (content_format(template) if template else "string")
+    if registered in ("openai", "string"):
+        return registered
+    return content_format(template) if template else "string"
 
 
 class ChatInputError(ValueError):

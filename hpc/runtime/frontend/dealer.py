@@ -61,11 +61,12 @@ class Dealer:
         self.open = [0]  # connections each process holds, as it last told
         self.dealt = [0]  # connections each process was given
         self._turn = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop  # start()'s: the loop every reader is on
+        self._started = False
         self._resume: asyncio.TimerHandle | None = None  # accepting again after running out of descriptors
 
     def start(self) -> "Dealer":
-        self._loop = asyncio.get_running_loop()
+        self._loop, self._started = asyncio.get_running_loop(), True
         self._loop.add_reader(self.listener.fileno(), self._accept)
         return self
 
@@ -134,7 +135,7 @@ class Dealer:
 
     def _closed_there(self, index: int) -> None:
         channel = self.channels[index]
-        while True:
+        while channel is not None:  # index 0, this process, has no channel
             try:
                 message = channel.recv(16)
             except (BlockingIOError, InterruptedError):
@@ -150,11 +151,12 @@ class Dealer:
     def close(self) -> None:
         if self._resume is not None:
             self._resume.cancel()
-        if self._loop is not None:
+        if self._started:
             self._loop.remove_reader(self.listener.fileno())
             for channel in self.channels[1:]:
-                self._loop.remove_reader(channel.fileno())
-                channel.close()
+                if channel is not None:
+                    self._loop.remove_reader(channel.fileno())
+                    channel.close()
         self.listener.close()
 
 
@@ -164,12 +166,13 @@ class Taker:
     def __init__(self, channel: socket.socket, serve_here: Callable[[socket.socket], None]) -> None:
         self.channel = channel
         self.serve_here = serve_here
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop  # start()'s
+        self._started = False
         self._untold = 0  # connections closed here that process 0 has not been told of yet
 
     def start(self) -> "Taker":
         self.channel.setblocking(False)
-        self._loop = asyncio.get_running_loop()
+        self._loop, self._started = asyncio.get_running_loop(), True
         self._loop.add_reader(self.channel.fileno(), self._take)
         return self
 
@@ -205,6 +208,6 @@ class Taker:
                 self.serve_here(socket.socket(fileno=fd))
 
     def close(self) -> None:
-        if self._loop is not None:
+        if self._started:
             self._loop.remove_reader(self.channel.fileno())
         self.channel.close()

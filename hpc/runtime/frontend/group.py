@@ -148,7 +148,7 @@ class FrontendGroup:
         self.replica_ports: list[int] = []
         self.replicas: list[asyncio.subprocess.Process] = []
         # set when a process of the group ends: the frontend stops (the result: why it failed, None if it did not)
-        self.gone: asyncio.Future | None = None
+        self.gone: asyncio.Future[str | None]  # made by start()
         self._peer: HttpServer | None = None
         self._own_health: Callable[[], dict[str, Any]] = dict
         self._own_metrics: Callable[[], bytes] = bytes
@@ -156,7 +156,20 @@ class FrontendGroup:
 
     @property
     def port(self) -> int:
+        if self._peer is None:
+            raise RuntimeError("the group's loopback server is not started")
         return self._peer.port
+
+    def own_channel(self) -> socket.socket:
+        """Another process's end of its socketpair with process 0 (given as --channel-fd)."""
+        if self.channel is None:
+            raise RuntimeError(f"frontend process {self.index} of the group was started without its channel")
+        return self.channel
+
+    def _primary_port(self) -> int:
+        if self.primary_port is None:
+            raise RuntimeError(f"frontend process {self.index} of the group was started without --primary-port")
+        return self.primary_port
 
     async def start(self, own_health: Callable[[], dict[str, Any]], own_metrics: Callable[[], bytes]) -> None:
         """The loopback server the processes ask each other on."""
@@ -191,13 +204,13 @@ class FrontendGroup:
     async def health(self) -> dict[str, Any]:
         """Every process's own view, merged (asked of process 0 when this is another)."""
         if self.index > 0:
-            return json.loads(await _get(self.primary_port, "/group/health"))
+            return json.loads(await _get(self._primary_port(), "/group/health"))
         others = await asyncio.gather(*(_get(p, "/own/health") for p in self.replica_ports))
         return merge_health([self._own_health(), *map(json.loads, others)])
 
     async def metrics(self) -> bytes:
         if self.index > 0:
-            return await _get(self.primary_port, "/group/metrics")
+            return await _get(self._primary_port(), "/group/metrics")
         texts = [self._own_metrics(), *await asyncio.gather(*(_get(p, "/own/metrics") for p in self.replica_ports))]
         return merge_metrics(texts) + _per_process(texts) + (_dealt(self.dealer) if self.dealer else b"")
 
@@ -234,7 +247,7 @@ class FrontendGroup:
         """The loopback port in the process's `ready PORT` line; None if it ended or took too long."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + REPLICA_START_S
-        while True:
+        while proc.stdout is not None:  # asked for as a pipe
             try:
                 line = await asyncio.wait_for(proc.stdout.readline(), max(deadline - loop.time(), 0.01))
             except asyncio.TimeoutError:
@@ -245,6 +258,7 @@ class FrontendGroup:
             word, _, port = line.decode().strip().partition(" ")
             if word == "ready" and port.isdigit():
                 return int(port)
+        return None
 
     async def _watch_replica(self, index: int, proc: asyncio.subprocess.Process) -> None:
         """A process that dies takes the group down: as a failure, unless it stopped cleanly (code 0: the signal

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -146,12 +146,12 @@ class _Loose(BaseModel):
 class SlaTargets(_Loose):
     """What a request asks of its latency, for the global router's grids (absent: the middle of the range)."""
 
-    ttft_target: float | None = Field(None, ge=0, le=1e9)  # ms to the first token
-    itl_target: float | None = Field(None, ge=0, le=1e9)  # ms between tokens
+    ttft_target: float | None = Field(default=None, ge=0, le=1e9)  # ms to the first token
+    itl_target: float | None = Field(default=None, ge=0, le=1e9)  # ms between tokens
 
 
 class AgentHints(_Loose):
-    priority: int | None = Field(None, ge=-2**31, lt=2**31)
+    priority: int | None = Field(default=None, ge=-2**31, lt=2**31)
 
 
 class NvExt(_Loose):
@@ -179,7 +179,7 @@ class StreamOptions(_StrictPart):
 
 class FunctionDefinition(_StrictPart):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
-    description: str | None = Field(None, max_length=65_536)
+    description: str | None = Field(default=None, max_length=65_536)
     parameters: dict[str, Any] | None = None  # a JSON Schema of an object (OpenAI's function parameters)
     strict: bool | None = None
 
@@ -226,22 +226,22 @@ class _Request(BaseModel):
     model: str
     # Bounded here so that nothing out of an engine's range (a seed of 2**70 used to kill the scheduler thread)
     # gets past the frontend; NaN/inf are refused by the bounds.
-    max_tokens: int | None = Field(None, ge=1, le=10_000_000)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default: sampling, not greedy
-    n: int = Field(1, ge=1, le=128)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    max_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # OpenAI's default: sampling, not greedy
+    n: int = Field(default=1, ge=1, le=128)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     # extension (vLLM, TensorRT-LLM): over the prompt's and the answer's tokens, > 1 discourages repeats
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, le=1_000_000)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, le=1_000_000)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     stream: bool = False
     stop: str | list[str] | None = None
     ignore_eos: bool = False  # extension (vLLM, TensorRT-LLM): EOS does not end the answer
     # extension (vLLM, TensorRT-LLM; AIPerf and MLPerf harnesses send it to pin output lengths): EOS and stop tokens
     # do not end the answer before this many tokens
-    min_tokens: int = Field(0, ge=0, le=10_000_000)
+    min_tokens: int = Field(default=0, ge=0, le=10_000_000)
     stream_options: StreamOptions | None = None
     response_format: dict[str, Any] | None = None
     extra_args: SlaTargets | None = None  # seed 003: {"ttft_target": ms, "itl_target": ms}
@@ -297,8 +297,8 @@ class CompletionRequest(_Request):
     # every form OpenAI documents: a string, an array of strings, an array of tokens, an array of token arrays
     prompt: str | list[str] | list[int] | list[list[int]]
     # 0 with echo: the prompt scored, nothing generated (the classic loglikelihood request, lm-eval's)
-    max_tokens: int | None = Field(None, ge=0, le=10_000_000)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int | None = Field(default=None, ge=0, le=10_000_000)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
 
     def problem(self) -> tuple[str, str] | None:
@@ -315,8 +315,8 @@ class CompletionRequest(_Request):
         """The request's prompts, one each: its choices are indexed prompt by prompt, n to a prompt."""
         p = self.prompt
         if isinstance(p, str) or (p and isinstance(p[0], int)):
-            return [p]
-        return list(p)
+            return [cast("str | list[int]", p)]
+        return list(cast("list[str] | list[list[int]]", p))
 
     @field_validator("prompt")
     @classmethod
@@ -349,10 +349,10 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, le=10_000_000)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # for the model's chat template: vLLM's, SGLang's and trtllm-serve's extension ({"enable_thinking": false}
     # for Qwen3), and OpenAI's reasoning_effort, which gpt-oss's template reads
@@ -406,9 +406,10 @@ def _text(raw: bytes) -> str:
 def chat_logprobs(rows: list[LogprobRow]) -> dict[str, Any]:
     """OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]};
     `bytes` are the token's raw bytes (a token may hold half of a UTF-8 character)."""
-    def one(raw: bytes, logprob: float) -> dict[str, Any]:
+    def one(raw: bytes, logprob: float | None) -> dict[str, Any]:
         return {"token": _text(raw), "logprob": logprob, "bytes": list(raw)}
-    return {"content": [{**one(t, lp), "top_logprobs": [one(tt, tlp) for tt, tlp in top]} for t, lp, top in rows]}
+    return {"content": [{**one(t, lp), "top_logprobs": [one(tt, tlp) for tt, tlp in top or ()]}
+                        for t, lp, top in rows]}
 
 
 def completion_logprobs(rows: list[LogprobRow], offset: int) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Set
-from typing import AsyncGenerator, AsyncIterator
+from typing import AsyncGenerator
 
 from hpc.runtime.engine.types import DisaggregatedParams, FinishReason, GenerateOutput, GenerateRequest
 from hpc.runtime.frontend.openai import RouteHints
@@ -47,7 +47,7 @@ class Orchestrator:
         runtime = recipe.runtime
         self.pairs = PairHealth(runtime.kv_pair_bench_after, runtime.kv_pair_cooldown_s)
 
-    async def outputs(self, gen: GenerateRequest, hints: RouteHints) -> AsyncIterator[GenerateOutput]:
+    async def outputs(self, gen: GenerateRequest, hints: RouteHints) -> AsyncGenerator[GenerateOutput, None]:
         """Aggregated, or prefill (first token + KV handle) then decode, all within the request's deadline
         (frontend.request_timeout_s): past it the RPC streams are cancelled, and with them the engines' work.
         With a global router, each step goes to the pool its grid picks (and on to faster pools on failure)."""

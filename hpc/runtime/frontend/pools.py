@@ -20,8 +20,11 @@ class PoolRouter:
         self.decisions: dict[tuple[str, str, str], int] = {}  # (role, pool, reason) -> requests
 
     @classmethod
-    def from_recipe(cls, inline: dict[str, Any] | None) -> "PoolRouter | None":
-        """The manifest's recipe carries the config inline (resolve loaded and checked it)."""
+    def from_recipe(cls, inline: str | dict[str, Any] | None) -> "PoolRouter | None":
+        """The manifest's recipe carries the config inline (resolve loaded and checked it): a path here is a
+        manifest not written by resolve."""
+        if isinstance(inline, str):
+            raise ValueError(f"frontend.global_router is the path {inline!r}, not the config resolve puts inline")
         return None if inline is None else cls(parse_global_router(inline, "manifest: frontend.global_router"))
 
     def prefill(self, isl: int, hints: RouteHints) -> list[str]:

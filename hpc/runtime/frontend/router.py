@@ -18,7 +18,7 @@ import math
 import random
 import time
 from collections.abc import Set
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncGenerator, Awaitable, Callable, cast
 
 from hpc.runtime.frontend.kv_index import KvIndex, holder
 from hpc.runtime.services.discovery import Instance, Snapshot
@@ -219,7 +219,7 @@ class Router:
                        pools: list[str] | None = None,
                        before_next_pool: Callable[[Exception, Any], Awaitable[Any]] | None = None,
                        avoid: Set[str] = frozenset(), chosen: list[str] | None = None,
-                       ) -> AsyncIterator[GenerateOutput]:
+                       ) -> AsyncGenerator[GenerateOutput, None]:
         """Stream from one instance of `role`. A request that produced nothing yet is retried elsewhere: on other
         instances, and with `pools` (the global router's order: the chosen pool, then the faster ones to retry on)
         in the next pool when its own has no live worker or all that were tried failed before the first byte.
@@ -240,7 +240,7 @@ class Router:
                         yield out
                 return
             except (NoInstance, NotStarted) as exc:
-                if n == len(order) - 1:
+                if n == len(order) - 1 or pool is None:  # the last pool (None: no pools, the only one)
                     raise
                 self.pool_retried[(role, pool)] = self.pool_retried.get((role, pool), 0) + 1
                 log.warning("%s pool %s: %s; retrying on pool %s", role, pool, exc, order[n + 1])
@@ -249,7 +249,7 @@ class Router:
 
     async def _generate_in(self, role: str, request: GenerateRequest, deadline: float | None,
                            pool: str | None, avoid: Set[str],
-                           chosen: list[str] | None) -> AsyncIterator[GenerateOutput]:
+                           chosen: list[str] | None) -> AsyncGenerator[GenerateOutput, None]:
         tried: set[str] = set()
         while True:
             key, client, blocks = self.pick(role, tried | set(avoid), getattr(request, "token_ids", None), pool)
@@ -267,7 +267,7 @@ class Router:
                 async with contextlib.aclosing(client.stream(request, deadline=deadline)) as replies:
                     async for out, _ in replies:
                         started = True
-                        yield out
+                        yield cast(GenerateOutput, out)  # a generate call's replies are outputs
                 return
             except asyncio.TimeoutError:
                 raise  # the request's deadline, not the worker's fault (TimeoutError is an OSError)

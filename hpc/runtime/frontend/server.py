@@ -43,12 +43,13 @@ async def serve(manifest: Manifest, bind: str | None = None, group: FrontendGrou
     port = manifest.plan.service("frontend").ports["http"]
     server = _http_server(manifest, app)
     share: Taker | Dealer | None = None
+    dealer: Dealer | None = None
     if group is None:
         await server.start(host, port)
     elif first:  # process 0 alone listens, and deals the connections over the group
-        share = Dealer(listen(host, port), server.adopt).start()
+        share = dealer = Dealer(listen(host, port), server.adopt).start()
     else:
-        share = Taker(group.channel, server.adopt).start()
+        share = Taker(group.own_channel(), server.adopt).start()
     if share is not None:
         server.state.on_close = share.closed_here
     stop = asyncio.Event()
@@ -60,10 +61,10 @@ async def serve(manifest: Manifest, bind: str | None = None, group: FrontendGrou
         app.group = group
         await group.start(app.health_view, app.metrics_text)
         group.gone.add_done_callback(lambda _: stop.set())
-        if first:
+        if dealer is not None:
             # before discovery starts gRPC's threads (the etcd client): a process forked beside them can crash
             # before it runs anything of its own (gRPC's fork handlers; 4 in 40 starts of 4 processes here)
-            await group.spawn(host, share)
+            await group.spawn(host, dealer)
     discovery = await asyncio.to_thread(open_discovery, manifest)
 
     def on_change(snapshot) -> None:
@@ -117,10 +118,11 @@ async def _frontend_app(manifest: Manifest) -> tuple[Frontend, Router, Any]:
 
 def _http_server(manifest: Manifest, app: Frontend) -> HttpServer:
     http = manifest.recipe.frontend.http
+    spin = app.idle_spin
     return HttpServer(app.handle, HttpLimits(
         max_body_bytes=int(http.max_request_body_mb * 1024 * 1024), header_timeout_s=http.header_timeout_s,
         body_timeout_s=http.body_timeout_s, keepalive_timeout_s=http.keepalive_timeout_s,
-        max_concurrent=http.max_concurrent_requests), on_activity=app.idle_spin.calls)
+        max_concurrent=http.max_concurrent_requests), on_activity=spin.calls if spin is not None else lambda _: None)
 
 
 # what the frontend reads of a checkpoint (TextCodec): the fast tokenizer, its config and the chat templates

@@ -10,7 +10,8 @@ from jinja2 import meta
 
 from hpc.model.info import ModelInfo
 from hpc.model.placeholders import image_placeholder
-from hpc.runtime.frontend.chat_content import chat_template_environment, message_content, resolved_format
+from hpc.runtime.frontend.chat_content import (ContentFormat, chat_template_environment, message_content,
+                                               resolved_format)
 
 
 class TextCodec:
@@ -40,7 +41,7 @@ class TextCodec:
         model_config = dict(ModelInfo.read(model_dir).config)
         vision = model_config.get("hpc_vision")
         self.image_placeholder = image_placeholder(model_config)  # for templates that print content as text
-        self.content_format = resolved_format(template, self.image_placeholder)
+        self.content_format: ContentFormat = resolved_format(template, self.image_placeholder)
         self.image_token_id = vision["image_token_id"] if vision else None
         self.image_tokens = vision["num_image_tokens"] if vision else 0
 

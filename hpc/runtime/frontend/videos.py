@@ -24,15 +24,15 @@ class VideoCreate(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     prompt: str = Field(min_length=1, max_length=20_000)
-    negative_prompt: str = Field("", max_length=20_000)
+    negative_prompt: str = Field(default="", max_length=20_000)
     model: str
-    size: str | None = Field(None, pattern=r"^[0-9]{1,5}x[0-9]{1,5}$", description="WxH")
-    seconds: float | None = Field(None, gt=0, le=3600)
-    fps: int | None = Field(None, ge=1, le=240)
-    num_frames: int | None = Field(None, ge=1, le=4096)
-    num_inference_steps: int | None = Field(None, ge=1, le=1000)
-    guidance_scale: float | None = Field(None, ge=0, le=100)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    size: str | None = Field(default=None, pattern=r"^[0-9]{1,5}x[0-9]{1,5}$", description="WxH")
+    seconds: float | None = Field(default=None, gt=0, le=3600)
+    fps: int | None = Field(default=None, ge=1, le=240)
+    num_frames: int | None = Field(default=None, ge=1, le=4096)
+    num_inference_steps: int | None = Field(default=None, ge=1, le=1000)
+    guidance_scale: float | None = Field(default=None, ge=0, le=100)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     response_format: Literal["url", "b64_json"] = "url"
 
 

@@ -16,7 +16,7 @@ import logging
 import socket
 from collections import deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable, cast
 from urllib.parse import parse_qs, urlsplit
 
 import httptools
@@ -117,7 +117,7 @@ class _Protocol(asyncio.Protocol):
         self.limits = server.limits
         self.loop = asyncio.get_running_loop()
         self.parser = httptools.HttpRequestParser(self)
-        self.transport: asyncio.Transport | None = None
+        self.transport: asyncio.Transport  # set by connection_made, before any other call
         self.pending: deque[_Parsed] = deque()  # pipelined requests behind the one being answered
         self.current: asyncio.Task | None = None
         self.closed = False
@@ -134,7 +134,7 @@ class _Protocol(asyncio.Protocol):
 
     # ---- connection ------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # create_server's transports are Transports
         self.server.connections.add(self)
         self._arm(self.limits.keepalive_timeout_s, None)
 
@@ -460,6 +460,8 @@ class HttpServer:
 
     @property
     def port(self) -> int:
+        if self.server is None:
+            raise RuntimeError("the HTTP server is not listening yet")
         return self.server.sockets[0].getsockname()[1]
 
     @property
@@ -470,7 +472,7 @@ class HttpServer:
         if self.server is not None:
             self.server.close()
         for conn in list(self.state.connections):
-            if not conn.busy and conn.transport is not None:
+            if not conn.busy:
                 conn.transport.close()
 
 

@@ -12,7 +12,7 @@ import contextvars
 import hmac
 import itertools
 import logging
-from typing import AsyncIterator, Callable
+from typing import AsyncGenerator, AsyncIterator, Callable, cast
 
 from hpc.runtime.serve.wire import (
     BIG_PAYLOAD, HEADER, MAX_FRAME, REPLIES_FRAME, Call, CallBody, Cancel, DecodeError, GenerateOutput, Hello, Reply,
@@ -65,7 +65,7 @@ async def _read_raw(reader: asyncio.StreamReader) -> tuple[bytes, bytes | None]:
             raise asyncio.IncompleteReadError(bytes(view[:got]), n_payload)
         view[got:got + len(chunk)] = chunk
         got += len(chunk)
-    return body, payload
+    return body, cast(bytes, payload)  # a bytearray: read as bytes by every unpacker (no copy)
 
 
 _DEADLINE = object()  # queued by a call's deadline timer
@@ -180,6 +180,8 @@ class RpcServer:
 
     @property
     def port(self) -> int:
+        if self.server is None:
+            raise RuntimeError("the RPC server is not listening yet")
         return self.server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
@@ -201,12 +203,14 @@ class RpcServer:
             hello = decode_call(body).body
         except (asyncio.TimeoutError, DecodeError):
             return False
-        return isinstance(hello, Hello) and hmac.compare_digest(hello.token.encode(), self.token.encode())
+        return isinstance(hello, Hello) and hmac.compare_digest(hello.token.encode(), (self.token or "").encode())
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         streams: dict[int, asyncio.Task] = {}
         out = _Coalescer(writer)
         this = asyncio.current_task()
+        if this is None:
+            raise RuntimeError("an RPC connection is served outside a task")
         self._connections[this] = writer
         try:
             if self.token is not None and not await self._hello(reader):
@@ -319,13 +323,14 @@ class RpcClient:
         """Connect now, not on the first call (a worker learnt from discovery, before traffic needs it)."""
         await self._ensure()
 
-    async def _ensure(self) -> None:
+    async def _ensure(self) -> asyncio.StreamWriter:
         if self._writer is None:
             async with self._lock:
                 if self._writer is None:
                     await self.connect()
-        if not self.alive:
+        if not self.alive or self._writer is None:
             raise PeerGone(f"{self.host}:{self.port} is gone")
+        return self._writer
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         try:
@@ -345,10 +350,10 @@ class RpcClient:
                 self.on_lost(self)
 
     async def stream(self, body: CallBody, payload: bytes = b"",
-                     deadline: float | None = None) -> AsyncIterator[tuple[ReplyBody, bytes]]:
+                     deadline: float | None = None) -> AsyncGenerator[tuple[ReplyBody, bytes], None]:
         """Reply bodies of one call; past `deadline` (event-loop time) asyncio.TimeoutError, and the server is told
         to cancel. The deadline is a timer that drops a marker in the queue: nothing is paid per frame."""
-        await self._ensure()
+        writer = await self._ensure()
         sid = next(self._ids)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[sid] = queue
@@ -356,9 +361,9 @@ class RpcClient:
         timer = asyncio.get_running_loop().call_at(deadline, queue.put_nowait, _DEADLINE) if deadline else None
         what = type(body).__name__
         try:
-            if self._writer.is_closing():  # dropped, and the reader has not noticed yet
+            if writer.is_closing():  # dropped, and the reader has not noticed yet
                 raise PeerGone(f"connection to {self.host}:{self.port} lost")
-            self._writer.writelines(frame_parts(Call(sid, body), payload))
+            writer.writelines(frame_parts(Call(sid, body), payload))
             while True:
                 item = await queue.get()
                 if item is None:

@@ -21,7 +21,7 @@ class Message(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omi
 
 
 # ---- what a generation carries -------------------------------------------------------------------------------
-class GuidePiece(Message):
+class GuidePiece(Message, frozen=True):
     """One piece of a Guide: `text` (values[0] literally), `choice` (one of values, none a prefix of another),
     `until` (free text ending with values[0]), `json_object` (any JSON object)."""
 
@@ -29,14 +29,14 @@ class GuidePiece(Message):
     values: list[str] = field(default_factory=list)
 
 
-class Guide(Message):
+class Guide(Message, frozen=True):
     """Constrained decoding: the answer is these pieces in order, then it ends (response_format json_object,
     a forced tool call in the recipe's tool-call format)."""
 
     pieces: Annotated[list[GuidePiece], Meta(min_length=1, max_length=16)]
 
 
-class SamplingParams(Message):
+class SamplingParams(Message, frozen=True):
     max_tokens: Annotated[int, Meta(ge=1, le=10_000_000)] = 16
     temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 0.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
@@ -56,7 +56,7 @@ class SamplingParams(Message):
     prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # also the prompt's (echo with logprobs)
 
 
-class TokenLogprob(Message):
+class TokenLogprob(Message, frozen=True):
     """The model's log-probability of a generated token, and of the `logprobs` most likely tokens at that step."""
 
     token_id: int
@@ -65,7 +65,7 @@ class TokenLogprob(Message):
     top_logprobs: list[float] = field(default_factory=list)
 
 
-class TrtllmContextParams(Message):
+class TrtllmContextParams(Message, frozen=True):
     """TensorRT-LLM's context-phase parameters (tensorrt_llm/disaggregated_params.py), carried prefill -> decode.
 
     The generation-only request needs all of them: the C++ executor finds the context's KV cache through the
@@ -85,7 +85,7 @@ class TrtllmContextParams(Message):
     mrope_position_deltas_handle: dict[str, Any] | None = None
 
 
-class DisaggregatedParams(Message):
+class DisaggregatedParams(Message, frozen=True):
     """What a prefill worker hands to a decode worker: where the KV cache waits, and the first token."""
 
     request_handle: str
@@ -98,7 +98,7 @@ class DisaggregatedParams(Message):
     kv: KvMeta | None = None
 
 
-class EncodedMedia(Message, tag="media"):
+class EncodedMedia(Message, frozen=True, tag="media"):
     """Image embeddings from an encode worker, sent on to prefill: the tensor itself (torch engine, float32
     bytes), or TensorRT-LLM's multimodal embedding handles (CUDA IPC, so encode and prefill share a node)."""
 
@@ -110,7 +110,7 @@ class EncodedMedia(Message, tag="media"):
     mrope_position_deltas_handle: dict[str, Any] | None = None
 
 
-class GenerateRequest(Message, tag="generate"):
+class GenerateRequest(Message, frozen=True, tag="generate"):
     request_id: str
     token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -132,7 +132,7 @@ class FinishReason(str, Enum):
     ERROR = "error"
 
 
-class GenerateOutput(Message, tag="output"):
+class GenerateOutput(Message, frozen=True, tag="output"):
     token_ids: list[int]  # new tokens since the last output
     finished: bool = False
     finish_reason: FinishReason | None = None
@@ -148,7 +148,7 @@ class GenerateOutput(Message, tag="output"):
 KvVia = Literal["bytes", "cuda_ipc", "nixl"]
 
 
-class FetchKv(Message, tag="fetch_kv"):
+class FetchKv(Message, frozen=True, tag="fetch_kv"):
     """Decode -> prefill: hand over the KV cache waiting under `handle`, preferably `via`: its bytes in the answer
     (any two machines), a CUDA IPC handle (the caller shares this node and a GPU) or a NIXL location to READ from.
     The answer says what was used (a prefill worker without a GPU or NIXL sends bytes). `nixl_agent`: the prefill's
@@ -159,7 +159,7 @@ class FetchKv(Message, tag="fetch_kv"):
     nixl_agent: str = ""
 
 
-class CudaIpc(Message):
+class CudaIpc(Message, frozen=True):
     """A GPU allocation shared with another process on the node: its CUDA IPC handle (the driver's 64 bytes) and
     where in it the KV lies (hpc.runtime.engine.kv.cuda_ipc)."""
 
@@ -170,7 +170,7 @@ class CudaIpc(Message):
     size_bytes: int
 
 
-class NixlKv(Message):
+class NixlKv(Message, frozen=True):
     """Where a lent KV lies for a NIXL READ: the lender's agent, the lent region's partial metadata (with the
     connection info when the reader did not know the agent yet) and the serialized transfer descriptors."""
 
@@ -179,7 +179,7 @@ class NixlKv(Message):
     descs: bytes
 
 
-class KvMeta(Message, tag="kv"):
+class KvMeta(Message, frozen=True, tag="kv"):
     """Describes the KV in the frame's payload, or where it lies (ipc: on a GPU of this node; nixl: anywhere NIXL
     reaches): [layers, 2, kv_heads, length, head_dim]. Shared or lent KV is released with ReleaseKv once the decode
     side has its copy."""
@@ -190,39 +190,39 @@ class KvMeta(Message, tag="kv"):
     nixl: NixlKv | None = None
 
 
-class ReleaseKv(Message, tag="release_kv"):
+class ReleaseKv(Message, frozen=True, tag="release_kv"):
     """Decode -> prefill: the KV shared under `handle` was copied; free it."""
 
     handle: str
 
 
-class EncodeImage(Message, tag="encode"):
+class EncodeImage(Message, frozen=True, tag="encode"):
     image: str  # URL or local path
     # the request's prompt: an encoder whose input processor reads the text (TensorRT-LLM's, for Qwen-VL's M-RoPE
     # positions) runs on the request's own, as Dynamo's EncodeHelper does
     prompt_token_ids: list[int] = field(default_factory=list)
 
 
-class StatsQuery(Message, tag="stats"):
+class StatsQuery(Message, frozen=True, tag="stats"):
     pass
 
 
-class WorkerStats(Message, tag="stats"):
+class WorkerStats(Message, frozen=True, tag="stats"):
     values: dict[str, float]
 
 
-class Hello(Message, tag="hello"):
+class Hello(Message, frozen=True, tag="hello"):
     """The first frame on a connection to a worker that holds the job's RPC token."""
 
     token: str
 
 
-class Cancel(Message, tag="cancel"):
+class Cancel(Message, frozen=True, tag="cancel"):
     """The caller stopped reading the stream with this call's id."""
 
 
 # ---- video diffusion (seed 004) -------------------------------------------------------------------------------
-class VideoRequest(Message, tag="video"):
+class VideoRequest(Message, frozen=True, tag="video"):
     """One video: the prompt's tokens (the frontend tokenizes), the size, the loop, and where the MP4 goes."""
 
     video_id: Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")]
@@ -240,12 +240,12 @@ class VideoRequest(Message, tag="video"):
     negative_prompt: Annotated[str, Meta(max_length=20_000)] = ""
 
 
-class VideoProgress(Message, tag="video_progress"):
+class VideoProgress(Message, frozen=True, tag="video_progress"):
     step: int
     steps: int
 
 
-class VideoResult(Message, tag="video_result"):
+class VideoResult(Message, frozen=True, tag="video_result"):
     path: str
     frames: int
     width: int

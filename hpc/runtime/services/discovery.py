@@ -8,7 +8,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -35,7 +35,7 @@ class Instance(BaseModel):
     draining: bool = False
     # attention-DP ranks, each with a KV cache of its own (TensorRT-LLM's enable_attention_dp): a cache-aware
     # router picks the rank too, and the engine schedules the request there
-    dp_size: int = Field(1, ge=1, le=1024)
+    dp_size: int = Field(default=1, ge=1, le=1024)
 
     @property
     def key(self) -> str:
@@ -62,7 +62,7 @@ class EtcdDiscovery:
         import aetcd
 
         if self._client is None:
-            auth = {"username": "root", "password": self.password} if self.password else {}
+            auth: dict[str, Any] = {"username": "root", "password": self.password} if self.password else {}
             self._client = aetcd.Client(host=self.host, port=self.port, timeout=5, **auth)
             await self._client.connect()
         return self._client
@@ -86,6 +86,8 @@ class EtcdDiscovery:
 
     async def _write(self) -> None:
         client = await self._connect()
+        if self._instance is None or self._lease is None:
+            raise RuntimeError("register first")
         await client.put((self.prefix + self._instance.key).encode(), self._instance.model_dump_json().encode(),
                          lease=self._lease)
 
@@ -94,7 +96,7 @@ class EtcdDiscovery:
         while True:
             await asyncio.sleep(LEASE_TTL_S / 4)
             try:
-                if registered:
+                if registered and self._lease is not None:
                     reply = await self._lease.refresh()
                     if reply is None or reply.TTL <= 0:  # expired while we were stopped or cut off: come back
                         log.warning("lease expired; registering again")
@@ -199,12 +201,14 @@ class FileDiscovery:
         self._write()
 
     def _write(self) -> None:
+        if self._path is None or self._instance is None:
+            raise RuntimeError("register first")
         tmp = self._path.with_suffix(".tmp")
         tmp.write_text(self._instance.model_dump_json())
         os.replace(tmp, self._path)
 
     async def _heartbeat(self) -> None:
-        while True:
+        while self._path is not None:
             await asyncio.sleep(FILE_STALE_S / 5)
             try:
                 os.utime(self._path)

@@ -21,7 +21,7 @@ import signal
 import socket
 import sys
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, Callable
 
 import msgspec
 
@@ -123,7 +123,7 @@ class Core:
         self.stopped = asyncio.Event()
         prefill = engine.mode is DisaggregationMode.PREFILL
         engine.core.emitter = LinkEmitter(sender.send, self._finished, handoff.attach_shared if prefill else None)
-        self.handlers: dict[type, Callable[[Any], None]] = {  # what the worker asks, by message type
+        self.handlers: dict[type, Callable[[Any], object]] = {  # what the worker asks, by message type
             Submit: self._submitted, Drop: self._dropped, AskKv: lambda message: self._start(self._answer_kv(message)),
             ReleaseHeld: lambda message: handoff.release(message.handle),
             AskStats: lambda message: sender.send(Stats(values=self.stats())),
@@ -186,13 +186,16 @@ class Core:
         """A Submit that needs nothing awaited (its KV shared with the prefill's answer, or none), a Drop and a
         ReleaseHeld are handled here; the rest (a KV to ask for, a prefill's KV asked of it, stats, Stop) on the
         event loop, as before."""
-        closed = self.poller.closed
+        poller = self.poller
+        if poller is None:  # start_intake() made it before the engine calls this
+            return
+        closed = poller.closed
         self.looked = time.perf_counter()
-        for message in self.poller.poll(wait):
+        for message in poller.poll(wait):
             handle = self.now.get(type(message))
             if handle is None or not handle(message):
                 self._to_loop(self.on_message, message)
-        if self.poller.closed and not closed:
+        if poller.closed and not closed:
             self._to_loop(self.stopped.set)  # the worker gone: stop
 
     def _to_loop(self, callback: Callable[..., None], *args: Any) -> None:
@@ -274,7 +277,7 @@ async def flush_releases(handoff: Any, stopped: asyncio.Event) -> None:
 
 
 @contextlib.asynccontextmanager
-async def failures_told(sender: Any) -> AsyncIterator[None]:
+async def failures_told(sender: Any) -> AsyncGenerator[None, None]:
     """Building, loading, warming up or serving the engine failed: the worker is told why (Failed) before this
     process exits, so that its state and the launch say "OutOfMemoryError: CUDA out of memory..." and not only an
     exit code."""
@@ -296,7 +299,7 @@ async def run(manifest: Manifest, role: str, index: int, device: str, requests_f
 
 async def serve_engine(manifest: Manifest, role: str, index: int, device: str, requests_fd: int,
                        sender: BlockingSender) -> int:
-    from hpc.runtime.worker.engines import build_engine
+    from hpc.runtime.worker.engines import build_torch_engine
     from hpc.runtime.services.node import freeze_startup_objects, idle_spin_seconds, node_address, rpc_token, watch_gc
     from hpc.runtime.worker.handlers import Peers
     from hpc.runtime.worker.kv_handoff import KvHandoff, TransferDeadline, open_nixl
@@ -310,7 +313,7 @@ async def serve_engine(manifest: Manifest, role: str, index: int, device: str, r
                                                   manifest.recipe.runtime.kv_transfer_floor_gb_s))
     if DisaggregationMode(role) in (DisaggregationMode.PREFILL, DisaggregationMode.DECODE):
         handoff.nixl = open_nixl(manifest.recipe.runtime.kv_transport, device.startswith("cuda"), plan.name)
-    engine = build_engine(manifest, role, self_address=f"{host}:{plan.ports['rpc']}", fetch_kv=handoff.fetch,
+    engine = build_torch_engine(manifest, role, self_address=f"{host}:{plan.ports['rpc']}", fetch_kv=handoff.fetch,
                           device=device, group=plan.group)
     handoff.engine = engine
     core = Core(engine, sender, handoff, watch_gc())

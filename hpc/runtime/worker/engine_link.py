@@ -32,45 +32,45 @@ class _Link(Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
 
 
 # ---- worker -> engine ---------------------------------------------------------------------------------------
-class Submit(_Link, tag="submit"):
+class Submit(_Link, frozen=True, tag="submit"):
     key: int
     request: GenerateRequest
     sent: float = 0.0  # the worker's time.perf_counter() as it sent this (CLOCK_MONOTONIC: one clock per host)
 
 
-class Drop(_Link, tag="drop"):
+class Drop(_Link, frozen=True, tag="drop"):
     """The worker no longer wants `key`'s outputs (its caller went away): the scheduler frees the slot."""
 
     key: int
 
 
-class AskStats(_Link, tag="ask_stats"):
+class AskStats(_Link, frozen=True, tag="ask_stats"):
     pass
 
 
-class AskKv(_Link, tag="ask_kv"):
+class AskKv(_Link, frozen=True, tag="ask_kv"):
     """A decode worker's FetchKv, passed on by a prefill worker to its engine process (which holds the KV)."""
 
     ask: int
     call: FetchKv
 
 
-class ReleaseHeld(_Link, tag="release_held"):
+class ReleaseHeld(_Link, frozen=True, tag="release_held"):
     """A decode worker's ReleaseKv, passed on: the KV lent under `handle` may be freed."""
 
     handle: str
 
 
-class Stop(_Link, tag="stop"):
+class Stop(_Link, frozen=True, tag="stop"):
     pass
 
 
 # ---- engine -> worker ---------------------------------------------------------------------------------------
-class Ready(_Link, tag="ready"):
+class Ready(_Link, frozen=True, tag="ready"):
     pid: int
 
 
-class Outputs(_Link, tag="outputs"):
+class Outputs(_Link, frozen=True, tag="outputs"):
     """One decode step's outputs (or one output outside a step), in the order the engine sent them; its rows'
     bare tokens (Emitter.send_tokens) apart: a key a row and `token_steps` tokens a row in turn (a replay of
     several steps), of which the worker makes one output, with what an earlier output of the request carried."""
@@ -83,7 +83,7 @@ class Outputs(_Link, tag="outputs"):
     sent: float = 0.0  # the engine process's time.perf_counter() as it sent this (Submit's clock)
 
 
-class Refused(_Link, tag="refused"):
+class Refused(_Link, frozen=True, tag="refused"):
     """`key` never reached the scheduler: 400 for the request's fault (ValueError), else the engine's."""
 
     key: int
@@ -91,7 +91,7 @@ class Refused(_Link, tag="refused"):
     code: int
 
 
-class KvAnswer(_Link, tag="kv_answer"):
+class KvAnswer(_Link, frozen=True, tag="kv_answer"):
     """The answer to AskKv `ask`: where the KV lies (CUDA IPC, NIXL) or its bytes; or why not (`code`)."""
 
     ask: int
@@ -101,21 +101,21 @@ class KvAnswer(_Link, tag="kv_answer"):
     code: int = 0
 
 
-class Stats(_Link, tag="stats"):
+class Stats(_Link, frozen=True, tag="stats"):
     values: dict[str, float]
 
 
-class KvEvents(_Link, tag="kv_events"):
+class KvEvents(_Link, frozen=True, tag="kv_events"):
     """A prefill step's prefix-cache records (stored / removed blocks), in order: one message a step, not one a
     record (with a full pool, three a prompt); the worker publishes each in TensorRT-LLM's form."""
     records: list[KvRecord]
 
 
-class Failed(_Link, tag="failed"):
+class Failed(_Link, frozen=True, tag="failed"):
     error: str
 
 
-class ReleaseKvs(_Link, tag="release_kvs"):
+class ReleaseKvs(_Link, frozen=True, tag="release_kvs"):
     """The engine's copies of these prefills' KVs (CUDA IPC) completed: its worker tells each prefill worker
     (ReleaseKv), so that the engine process's event loop, and the GIL it would take from the scheduler thread,
     is not woken for them. `addresses[i]` is the RPC address of the prefill worker holding `handles[i]`."""
@@ -141,7 +141,7 @@ class Frames:
         self.decoder = msgspec.msgpack.Decoder(kind)
         self.buffer = bytearray()
 
-    def feed(self, data: bytes) -> list[Any]:
+    def feed(self, data: bytes | memoryview) -> list[Any]:
         self.buffer += data
         messages, pos, view = [], 0, memoryview(self.buffer)
         try:

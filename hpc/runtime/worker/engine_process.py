@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, Callable
 
 from hpc.runtime.engine.torch.kv_records import publish_each
 from hpc.runtime.engine.torch.outputs import rows_tokens
@@ -136,7 +136,8 @@ class EngineProcess(EngineBase):
         if self._proc.poll() is None:
             self._send(Stop())
         try:
-            await asyncio.wait_for(asyncio.shield(self._exited), STOP_TIMEOUT_S)
+            if self._exited is not None:  # start() made it with the process
+                await asyncio.wait_for(asyncio.shield(self._exited), STOP_TIMEOUT_S)
         except asyncio.TimeoutError:
             log.warning("the engine process did not stop in %.0f s; killing it", STOP_TIMEOUT_S)
             self._proc.kill()
@@ -259,7 +260,7 @@ class EngineProcess(EngineBase):
             if self._streams.pop(key, None) is not None:  # the caller went away first
                 self._send(Drop(key=key))
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateOutput, None]:
         outputs: asyncio.Queue[GenerateOutput] = asyncio.Queue()
         task = asyncio.create_task(self.stream(request, outputs.put_nowait))
         try:

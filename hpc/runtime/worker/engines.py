@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from hpc.manifest import Manifest
 from hpc.runtime.engine.types import DisaggregationMode, Engine
 from hpc.spec.recipe import Backend
+
+if TYPE_CHECKING:
+    from hpc.runtime.engine.torch.engine import TorchEngine
 
 
 def build_engine(manifest: Manifest, role: str, *, self_address: str, tp=None,
@@ -17,7 +20,6 @@ def build_engine(manifest: Manifest, role: str, *, self_address: str, tp=None,
     recipe = manifest.recipe
     mode = DisaggregationMode(role)
     args = manifest.engine_args[group or role]
-    spec = recipe.roles.spec(group or role)
     if recipe.modality == "video_diffusion":
         from hpc.runtime.engine.video.engine import VideoEngine
 
@@ -36,12 +38,8 @@ def build_engine(manifest: Manifest, role: str, *, self_address: str, tp=None,
 
         return MockEngine(mode, recipe.mock.prefill_delay_ms, recipe.mock.per_token_delay_ms, self_address)
     if recipe.backend is Backend.TORCH:
-        from hpc.runtime.engine.torch.engine import TorchEngine
-
-        return TorchEngine(Path(recipe.model.path), mode, args, device=device, tp=tp, fetch_kv=fetch_kv,
-                           self_address=self_address, canned_completion=recipe.model.canned_completion,
-                           pipeline=spec.pipeline_parallel_size > 1,
-                           expert_parallel=spec.expert_parallel_size > 1, switches=recipe.torch_engine)
+        return build_torch_engine(manifest, role, self_address=self_address, tp=tp, fetch_kv=fetch_kv, device=device,
+                                  group=group)
     from hpc.runtime.engine.trtllm import TrtllmEngine
     from hpc.runtime.worker.media import read_image_bytes
 
@@ -52,3 +50,17 @@ def build_engine(manifest: Manifest, role: str, *, self_address: str, tp=None,
 
     return TrtllmEngine(recipe.model.path, mode, args, self_address=self_address,
                         load_image_bytes=load_image_bytes if recipe.model.multimodal else None)
+
+
+def build_torch_engine(manifest: Manifest, role: str, *, self_address: str, tp=None,
+                       fetch_kv: Callable[..., Any] | None = None, device: str | None = None,
+                       group: str | None = None) -> "TorchEngine":
+    """The torch reference engine of a text worker (an engine process holds no other)."""
+    from hpc.runtime.engine.torch.engine import TorchEngine
+
+    recipe = manifest.recipe
+    spec = recipe.roles.spec(group or role)
+    return TorchEngine(Path(recipe.model.path), DisaggregationMode(role), manifest.engine_args[group or role],
+                       device=device, tp=tp, fetch_kv=fetch_kv, self_address=self_address,
+                       canned_completion=recipe.model.canned_completion, pipeline=spec.pipeline_parallel_size > 1,
+                       expert_parallel=spec.expert_parallel_size > 1, switches=recipe.torch_engine)

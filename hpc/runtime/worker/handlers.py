@@ -7,7 +7,7 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, Callable, cast
 
 from hpc.runtime.engine.types import DisaggregationMode, EncodedMedia, Engine, GenerateRequest
 from hpc.runtime.worker.media import MediaError, read_image_bytes, to_pixels
@@ -101,9 +101,10 @@ class HandlerBase:
 
     def ops(self) -> dict[type, StreamHandler]:
         """The calls this worker answers, keyed by the wire type of the call."""
-        return {GenerateRequest: self.generate, StatsQuery: self.stats}
+        ops = {GenerateRequest: self.generate, StatsQuery: self.stats}
+        return cast("dict[type, StreamHandler]", ops)  # each takes the call type it is keyed by
 
-    async def stats(self, query: StatsQuery, payload: bytes) -> AsyncIterator[Frame]:
+    async def stats(self, query: StatsQuery, payload: bytes) -> AsyncGenerator[Frame, None]:
         yield WorkerStats(values={**await engine_stats(self.deps.engine), **self.deps.counters}), b""
 
     async def _media(self, request: GenerateRequest) -> GenerateRequest:
@@ -125,7 +126,7 @@ class HandlerBase:
         pixels = await _load_pixels(self.deps, request.image)
         return replace(request, media=await self.deps.engine.encode(pixels))
 
-    async def generate(self, request: GenerateRequest, payload: bytes) -> AsyncIterator[Frame]:
+    async def generate(self, request: GenerateRequest, payload: bytes) -> AsyncGenerator[Frame, None]:
         request = await self._media(request)
         self.deps.counters["requests_total"] += 1
         sink, direct = current_sink(), self.deps.engine.traits.direct_stream
@@ -187,7 +188,7 @@ async def _load_pixels(deps: HandlerDeps, image: str):
                                        max_file_size_mb=deps.max_file_size_mb, allowed_hosts=deps.media_allowed_hosts)
         if own_loader:
             return await asyncio.to_thread(deps.engine.load_image, data)
-        return await asyncio.to_thread(to_pixels, data, deps.image_size)
+        return await asyncio.to_thread(to_pixels, data, deps.image_size or 0)  # set where no loader (above)
     except (MediaError, ValueError) as exc:
         raise RemoteError(str(exc), 400) from None
 
@@ -206,11 +207,11 @@ class PrefillHandler(HandlerBase):
     def _answer(self, out):
         return out if self.deps.kv is None else self.deps.kv.attach_shared(out)
 
-    async def fetch_kv(self, call: FetchKv, payload: bytes) -> AsyncIterator[Frame]:
+    async def fetch_kv(self, call: FetchKv, payload: bytes) -> AsyncGenerator[Frame, None]:
         yield await self.deps.kv.answer(call)
 
 
-    async def release_kv(self, call: ReleaseKv, payload: bytes) -> AsyncIterator[Frame]:
+    async def release_kv(self, call: ReleaseKv, payload: bytes) -> AsyncGenerator[Frame, None]:
         self.deps.kv.release(call.handle)
         return
         yield  # an async generator that answers nothing
@@ -219,7 +220,7 @@ class PrefillHandler(HandlerBase):
 class DecodeHandler(HandlerBase):
     """Continues from a prefill worker's params; the engine pulls the KV cache from that worker."""
 
-    async def generate(self, request: GenerateRequest, payload: bytes) -> AsyncIterator[Frame]:
+    async def generate(self, request: GenerateRequest, payload: bytes) -> AsyncGenerator[Frame, None]:
         if request.disaggregated_params is None:
             raise RemoteError("a decode worker needs disaggregated_params from a prefill worker", 400)
         async for frame in super().generate(request, payload):
@@ -232,7 +233,7 @@ class EncodeHandler(HandlerBase):
     def ops(self):
         return {EncodeImage: self.encode, StatsQuery: self.stats}
 
-    async def encode(self, call: EncodeImage, payload: bytes) -> AsyncIterator[Frame]:
+    async def encode(self, call: EncodeImage, payload: bytes) -> AsyncGenerator[Frame, None]:
         self.deps.counters["requests_total"] += 1
         pixels = await _load_pixels(self.deps, call.image)
         yield await self.deps.engine.encode(pixels, call.prompt_token_ids), b""
@@ -245,7 +246,7 @@ class VideoHandler(HandlerBase):
     def ops(self):
         return {VideoRequest: self.video, StatsQuery: self.stats}
 
-    async def video(self, call: VideoRequest, payload: bytes) -> AsyncIterator[Frame]:
+    async def video(self, call: VideoRequest, payload: bytes) -> AsyncGenerator[Frame, None]:
         loop = asyncio.get_running_loop()
         progress: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()

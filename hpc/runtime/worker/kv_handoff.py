@@ -125,7 +125,8 @@ class KvHandoff:
 
     def __init__(self, *, setting: TransportSetting, device: str, host: str, engine: Any, peers: Any,
                  counters: dict[str, float], nixl: Any = None, deadline: TransferDeadline = TransferDeadline()) -> None:
-        self.setting, self.device, self.host, self.deadline = setting, device, host, deadline
+        self.setting: TransportSetting = setting
+        self.device, self.host, self.deadline = device, host, deadline
         self.timeouts_by_prefill: dict[str, int] = {}  # each prefill worker's transfers that passed their deadline
         self.engine, self.peers, self.counters, self.nixl = engine, peers, counters, nixl
         self.releases = Releases()
@@ -261,7 +262,7 @@ class KvHandoff:
             for entry in self._settling:  # each copy's event asked once
                 (done if entry[2] is None or entry[2].query() else waiting).append(entry)
             self._settling = waiting
-        if done:
+        if done and self.forward_releases is not None:
             self.forward_releases([address for address, _, _ in done], [handle for _, handle, _ in done])
 
     def _release_settled(self) -> None:

@@ -56,12 +56,13 @@ class _PinnedHTTPS(http.client.HTTPSConnection):
     """HTTPS to a checked address, with the URL's host name for SNI and certificate checks."""
 
     def __init__(self, address: str, host: str, port: int, timeout: float) -> None:
-        super().__init__(host, port, timeout=timeout, context=ssl.create_default_context())
+        self._tls = ssl.create_default_context()
+        super().__init__(host, port, timeout=timeout, context=self._tls)
         self._address = address
 
     def connect(self) -> None:
         sock = socket.create_connection((self._address, self.port), self.timeout)
-        self.sock = self._context.wrap_socket(sock, server_hostname=self.host)
+        self.sock = self._tls.wrap_socket(sock, server_hostname=self.host)
 
 
 def fetch_url(url: str, limit: int, allowed_hosts: Sequence[str], resolver: Resolver = socket.getaddrinfo,

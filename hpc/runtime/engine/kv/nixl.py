@@ -10,6 +10,7 @@ nixl is imported lazily (the `nixl` extra), so nothing here costs a launcher.
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 import time
@@ -34,14 +35,15 @@ class NixlUnavailable(RuntimeError):
 def nixl_api() -> Any:
     """nixl's Python API module: the CUDA-13 build's own module, else the `nixl` meta package's alias of it."""
     try:
-        from nixl_cu13 import _api
+        return importlib.import_module("nixl_cu13._api")
     except ImportError:
         try:
-            from nixl import _api
+            from nixl import _api  # pyright: ignore[reportAttributeAccessIssue]  # the meta package's alias
+
+            return _api
         except ImportError:
             raise NixlUnavailable("NIXL is not installed here: pip install 'hpc[nixl]' (nixl-cu13) on every node, "
                                   "or set runtime.kv_transport to bytes") from None
-    return _api
 
 
 def nixl_available() -> bool:

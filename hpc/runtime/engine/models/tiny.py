@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from hpc.model.generated import (LLAMA_8B_SHAPE, TINY_MOE_EXPERTS, TINY_MOE_TOP_K, TINY_SHAPE,  # noqa: F401
                                  build_place_problem)
@@ -38,8 +39,8 @@ def build_tiny(out_dir: Path, multimodal: bool = False, hidden: int = 128, layer
                       intermediate_size=hidden if moe else hidden * 2 + hidden // 2 * 2,
                       num_hidden_layers=layers, num_attention_heads=TINY_SHAPE["num_attention_heads"],
                       num_key_value_heads=TINY_SHAPE["num_key_value_heads"],
-                      bos_token_id=tok.token_to_id("<|begin_of_text|>"),
-                      eos_token_id=tok.token_to_id("<|end_of_text|>"), vision=vision,
+                      bos_token_id=_token_id(tok, "<|begin_of_text|>"),
+                      eos_token_id=_token_id(tok, "<|end_of_text|>"), vision=vision,
                       num_local_experts=MOE_EXPERTS if moe else 0, num_experts_per_tok=MOE_TOP_K)
     model = LlamaForCausalLM(cfg)
     init_weights(model, SEED)
@@ -70,8 +71,8 @@ def build_shaped(out_dir: Path, shape: dict, seed: int = SEED) -> Path:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
-    cfg = LlamaConfig(**shape, bos_token_id=tok.token_to_id("<|begin_of_text|>"),
-                      eos_token_id=tok.token_to_id("<|end_of_text|>"))
+    cfg = LlamaConfig(**shape, bos_token_id=_token_id(tok, "<|begin_of_text|>"),
+                      eos_token_id=_token_id(tok, "<|end_of_text|>"))
     (out_dir / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}))
     (out_dir / "config.json").write_text(json.dumps({**cfg.to_hf(), "hpc_random_weights": {"seed": seed}}, indent=2))
@@ -86,3 +87,10 @@ def _pad_vocab(path: Path, have: int, want: int) -> None:
     for i in range(have, want):
         vocab[f"~{i:x}"] = i
     path.write_text(json.dumps(data))
+
+
+def _token_id(tok: Any, text: str) -> int:
+    token_id = tok.token_to_id(text)
+    if token_id is None:
+        raise ValueError(f"the tiny tokenizer has no {text} token")
+    return token_id

@@ -145,6 +145,8 @@ class ContextSteps:
             length = kv.shape[3]
         seq.length = length
         params = seq.request.disaggregated_params
+        if params is None:  # a request with imported KV came from a prefill worker, which sets them
+            raise ValueError(f"request {seq.request.request_id}: imported KV without disaggregated_params")
         seq.last_token = params.first_token_id
         seq.generated = 1  # the prefill worker produced the first token
         seq.counts = {params.first_token_id: 1}

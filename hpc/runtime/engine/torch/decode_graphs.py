@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-from typing import Callable, ContextManager, Protocol
+from typing import Callable, ContextManager, Protocol, cast
 
 import numpy as np
 import torch
@@ -173,7 +173,7 @@ class DecodeGraphs:
         for size in largest_first:
             turns = (0, 1) if self.copies_in_graph else (None,)
             options = paths.paths_for(size) if paths is not None else ()
-            if len(options) > 1:
+            if len(options) > 1 and paths is not None:
                 graphs = {}
                 for name in options:
                     with paths.path(name):
@@ -202,7 +202,8 @@ class DecodeGraphs:
 
     def _kept_path(self, paths: StepPaths | None, size: int) -> ContextManager[None]:
         """Where `size` had a choice of paths, the faster one's (captures inside it take that path)."""
-        return paths.path(self.paths[size]) if size in self.timings else contextlib.nullcontext()
+        return paths.path(self.paths[size]) if size in self.timings and paths is not None \
+            else contextlib.nullcontext()
 
     @property
     def paths(self) -> dict[int, str]:
@@ -282,6 +283,8 @@ class DecodeGraphs:
                 raise ValueError(f"no graph for {steps} steps of {rows} rows picked inside it")
             graphs = self._multi
         size = self.sizes.size_for(rows)
+        if size is None:  # covers() said it fits
+            return None
         turn = self._turn
         staged, host = self._staging[turn], self._host[turn]
         self._turn ^= 1
@@ -320,8 +323,8 @@ class DecodeGraphs:
             replay()
         self.replays += 1
         if self.pick is None:
-            return out[:rows], None
-        logits, picked = out
+            return cast(torch.Tensor, out)[:rows], None
+        logits, picked = cast("tuple[torch.Tensor, torch.Tensor]", out)  # step() with a pick returns both
         return self._rows_of(logits, rows), (self._rows_of(picked, rows) if temperatures is not None else None)
 
     def _tokens_of(self, rows: int) -> torch.Tensor:

@@ -113,7 +113,8 @@ class DecodeSteps:
                                            on_device(slots, self.core.device)), None
         for s in running:
             s.length += steps
-        return (*replayed, steps)
+        logits, picks = replayed
+        return logits, picks, steps
 
     def _launch_overlapped(self, running: list[Seq], device_tokens: torch.Tensor | None,
                            sources: list[int] | None = None, steps: int = 1) -> None:

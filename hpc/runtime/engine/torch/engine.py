@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncGenerator, Callable, Sequence
 
 import torch
 
@@ -261,7 +261,7 @@ class TorchEngine(EngineBase):
             loop.call_soon_threadsafe(publish_each, listener, records)
 
     # ---- public API ------------------------------------------------------------------------------
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateOutput, None]:
         outputs: asyncio.Queue[GenerateOutput] = asyncio.Queue()
         seq = await self.submit(request, outputs)
         try:
@@ -305,10 +305,11 @@ class TorchEngine(EngineBase):
         loop = asyncio.get_running_loop()
         seq = self._seq(request, loop, outputs)
         self._check(request)
-        if self.imports_kv(request):
+        params = request.disaggregated_params
+        if params is not None and self.imports_kv(request):
             if self.fetch_kv is None:
                 raise RuntimeError("decode engine has no KV fetcher")
-            seq.imported_kv = await self.fetch_kv(request.disaggregated_params)
+            seq.imported_kv = await self.fetch_kv(params)
         return self._enqueue(seq)
 
     def submit_now(self, request: GenerateRequest, outputs, imported_kv: Any = None) -> Seq:
@@ -383,7 +384,7 @@ class TorchEngine(EngineBase):
         core.counters["requests"] += 1
         return EncodedMedia(shape=list(emb.shape), data=emb.numpy().tobytes())
 
-    def take_handoff(self, handle: str, ipc: bool = False) -> tuple[KvMeta, bytes]:
+    def take_handoff(self, handle: str, ipc: bool = False) -> tuple[KvMeta, bytes | memoryview]:
         """The prefilled KV of `handle` (kv.HeldKv.take): as bytes, or shared over CUDA IPC until released."""
         if ipc and self.core.device.type == "cuda":
             self.core.count("kv_ipc_shared")

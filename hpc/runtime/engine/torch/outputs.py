@@ -55,6 +55,6 @@ class Emitter:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        batch, self.batch = self.batch, None
+        batch, self.batch = self.batch or {}, None
         for loop, items in batch.items():
             loop.call_soon_threadsafe(_deliver, items)

@@ -115,7 +115,7 @@ def next_inputs(step: InflightStep | None, kept: list[int], joined: list["Seq"],
     from `step`, the joined rows' from the prefill steps that picked their first token on the device, the
     others' from the host (`stage`: a host list to the device without waiting for it)."""
     rows = [step.rows[i] for i in kept] if step is not None else []
-    parts = [_gathered(step, kept, stage)] if kept else []
+    parts = [_gathered(step, kept, stage)] if kept and step is not None else []
     from_host: list["Seq"] = []
     by_prefill: dict[int, tuple[InflightStep, list[int], list["Seq"]]] = {}
     for seq in joined:

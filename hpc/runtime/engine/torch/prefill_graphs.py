@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Callable
+from typing import Callable, cast
 
 import numpy as np
 import torch
@@ -42,7 +42,7 @@ class PrefillGraphs:
         self.max_len = max_len
         self.inputs = torch.zeros(5, token_counts[-1], dtype=torch.long, device=device)
         self.inputs[_SLOT].fill_(scratch_slot)
-        self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}  # step() returns one tensor
         self.replays = 0
 
     def prompts_for(self, count: int) -> int:
@@ -53,8 +53,8 @@ class PrefillGraphs:
         for count in sorted(self.token_counts, reverse=True):  # largest first: the others reuse its memory
             rows = self.inputs[:_LAST, :count]
             last = self.inputs[_LAST, :self.prompts_for(count)]
-            self._graphs[count] = capture(lambda r=rows, i=last: self.step(r[_TOKEN], r[_POSITION], r[_SLOT],
-                                                                           r[_PROMPT], i))
+            graph = capture(lambda r=rows, i=last: self.step(r[_TOKEN], r[_POSITION], r[_SLOT], r[_PROMPT], i))
+            self._graphs[count] = cast("tuple[Callable[[], None], torch.Tensor]", graph)
         log.info("prefill CUDA graphs for %s tokens", list(self.token_counts))
 
     def run(self, prompts: list[list[int]], slots: list[int]) -> torch.Tensor | None:
