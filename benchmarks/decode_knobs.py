@@ -9,7 +9,8 @@ round, the median, and the share of the HBM roofline gpu_check uses (weights but
 tokens of KV, over the measured copy bandwidth). Knobs (module constants, see KNOBS): whether the next kernel
 launches as a GEMV starts rather than once its loads are issued (and whether before the peer all-reduce too),
 cached positions per attention program and its warps, elements per peer all-reduce program; with `--batch` past
-fused_decode.MAX_BATCH rows, the batched path's attention chunk.
+fused_decode.MAX_BATCH rows, the batched path's attention: positions a program, its tensor-core tiles, their warps and
+pipeline stages.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from hpc.runtime.engine.torch.tp import world_rank  # noqa: E402
 KNOBS = {"early": (decode_kernels, "GEMV_EARLY_TRIGGER"), "chunk": (decode_kernels, "ATTN_CHUNK"),
          "chunk_batched": (decode_kernels, "ATTN_CHUNK_BATCHED"),
          "warps": (decode_kernels, "ATTN_WARPS"), "before_peer": (fused_decode, "EARLY_BEFORE_PEER_REDUCE"),
-         "peer_block": (peer_reduce, "BLOCK")}
+         "peer_block": (peer_reduce, "BLOCK"), "tile": (decode_kernels, "ATTN_TILE"),
+         "tile_warps": (decode_kernels, "ATTN_WARPS_TILES"), "tile_stages": (decode_kernels, "ATTN_STAGES_TILES")}
 NOW = {knob: getattr(module, attr) for knob, (module, attr) in KNOBS.items()}
 VARIANTS = {  # name: the knobs it changes from what the code has now
     "now": {},
@@ -46,9 +48,11 @@ VARIANTS = {  # name: the knobs it changes from what the code has now
 }
 BATCHED_VARIANTS = {  # past fused_decode.MAX_BATCH rows: cuBLAS matmuls around the Triton attention
     "now": {},
-    "batched chunk 64": {"chunk_batched": 64},
-    "batched chunk 128": {"chunk_batched": 128},
-    "batched chunk 32": {"chunk_batched": 32},
+    "group heads one by one, chunk 64": {"tile": 0, "chunk_batched": 64},
+    "tiles of 64, chunk 64": {"tile": 64, "chunk_batched": 64},
+    "tiles of 64, chunk 128": {"tile": 64, "chunk_batched": 128},
+    "tiles of 128, chunk 256": {"tile": 128, "chunk_batched": 256},
+    "tiles of 64, chunk 256, 3 stages": {"tile": 64, "chunk_batched": 256, "tile_stages": 3},
 }
 PEER_VARIANTS = {  # with TP over peer memory
     "late, peer 512": {"early": False, "peer_block": 512},

@@ -67,12 +67,15 @@ def main() -> None:
     parser.add_argument("--no-table", action="store_true", help="the figures only, not the profiler's tables")
     parser.add_argument("--chunk", type=int, help="cached positions per attention program past the GEMV rows")
     parser.add_argument("--warps", type=int, help="warps per attention program past the GEMV rows")
+    parser.add_argument("--tile", type=int, help="positions per tensor-core dot of a grouped program (0: the "
+                                                 "group's heads one by one)")
     args = parser.parse_args()
     from hpc.runtime.engine.kernels import decode_kernels
 
     decode_kernels.ATTN_GROUPED_BATCHED = not args.ungrouped
     decode_kernels.ATTN_CHUNK_BATCHED = args.chunk or decode_kernels.ATTN_CHUNK_BATCHED
     decode_kernels.ATTN_WARPS_BATCHED = args.warps or decode_kernels.ATTN_WARPS_BATCHED
+    decode_kernels.ATTN_TILE = decode_kernels.ATTN_TILE if args.tile is None else args.tile
     if not torch.cuda.is_available():
         sys.exit("decode_profile: needs a CUDA GPU")
     asyncio.run(measure(ensure_model(f"~/.cache/hpc/models/{args.model}", args.model), args))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -18,16 +19,17 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 
 CFG = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+EXPERTS = dataclasses.replace(CFG, num_local_experts=4)  # Mixtral's feed-forward: batched steps only
 
 
-def _models(device: torch.device, dtype: torch.dtype):
-    reference = LlamaForCausalLM(CFG)
+def _models(device: torch.device, dtype: torch.dtype, cfg: LlamaConfig = CFG):
+    reference = LlamaForCausalLM(cfg)
     init_weights(reference, seed=3)
     gen = torch.Generator().manual_seed(4)
     for name, param in reference.named_parameters():  # non-trivial norms, so a skipped scale shows
         if name.endswith("norm.weight"):
             param.data.copy_(torch.rand(param.shape, generator=gen) + 0.5)
-    fused = LlamaForCausalLM(CFG)
+    fused = LlamaForCausalLM(cfg)
     fused.load_state_dict(reference.state_dict())
     reference = reference.to(device, dtype).eval().fuse_projections()
     fused = fused.to(device, dtype).eval().enable_fused_decode()
@@ -39,10 +41,11 @@ def _device() -> torch.device:
 
 
 @pytest.mark.parametrize("chunk", [4, 64], ids=["many-chunks", "one-chunk"])
-@pytest.mark.parametrize("slots,forced", [([0], None), ([2, 0, 3], None), ([5, 0, 3, 1, 6, 2], None),
-                                          ([5, 0, 3, 1, 6, 2], "gemv")],
-                         ids=["1-row", "3-rows", "6-rows-batched", "6-rows-gemv"])
-def test_decode_steps_match_the_reference(slots: list[int], forced: str | None, chunk: int,
+@pytest.mark.parametrize("slots,forced,cfg", [([0], None, CFG), ([2, 0, 3], None, CFG),
+                                              ([5, 0, 3, 1, 6, 2], None, CFG), ([5, 0, 3, 1, 6, 2], "gemv", CFG),
+                                              ([5, 0, 3, 1, 6, 2], None, EXPERTS)],
+                         ids=["1-row", "3-rows", "6-rows-batched", "6-rows-gemv", "6-rows-experts"])
+def test_decode_steps_match_the_reference(slots: list[int], forced: str | None, cfg: LlamaConfig, chunk: int,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Either path past MAX_BATCH rows (a graph is captured on the faster: DecodeGraphs.capture)."""
     import contextlib
@@ -52,7 +55,7 @@ def test_decode_steps_match_the_reference(slots: list[int], forced: str | None, 
     monkeypatch.setattr(decode_kernels, "ATTN_CHUNK", chunk)  # positions 0..13 span up to 4 chunks of 4
     monkeypatch.setattr(decode_kernels, "ATTN_CHUNK_BATCHED", chunk)  # the same past MAX_BATCH rows
     device, dtype = _device(), torch.float32
-    reference, fused = _models(device, dtype)
+    reference, fused = _models(device, dtype, cfg)
     gen = torch.Generator().manual_seed(7)
     caches = [m.new_cache(8, 32, dtype, device) for m in (reference, fused)]
     slot_ids = torch.tensor(slots, device=device)
@@ -79,16 +82,17 @@ def test_decode_steps_match_the_reference(slots: list[int], forced: str | None, 
                 torch.testing.assert_close(fused_layer, ref_layer, rtol=1e-5, atol=1e-5)
             positions += 1
     # past MAX_BATCH rows: cuBLAS matmuls around the same Triton attention (unless the GEMVs are forced); up to
-    # it: the fused GEMVs
-    assert len(batched_calls) == (4 if len(slots) > fused_decode.MAX_BATCH and forced != "gemv" else 0)
+    # it: the fused GEMVs; with experts every one-token step, the one-token prompt's too
+    want_batched = 5 if cfg.moe else 4 if len(slots) > fused_decode.MAX_BATCH and forced != "gemv" else 0
+    assert len(batched_calls) == want_batched
     # each head's last chunk merged them and set its arrival count back, ready for the next step
     assert fused.fused_decode.counts.count_nonzero() == 0
 
 
-def test_few_rows_attend_in_wide_chunks_and_batches_in_narrow_grouped_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_few_rows_attend_per_query_head_and_batches_per_query_group(monkeypatch: pytest.MonkeyPatch) -> None:
     """Up to MAX_BATCH rows (the GEMV path) ATTN_CHUNK positions per program and a program per query head, past
-    it ATTN_CHUNK_BATCHED and a program per query group: wide chunks were faster at batch 1 on an H200, narrow
-    grouped ones at batch 64 (benchmarks/decode_knobs.py, decode_profile.py)."""
+    it ATTN_CHUNK_BATCHED and a program per query group (in tensor-core tiles): on an H200 the first was faster at
+    batch 1, the second at batch 32 and 64 (benchmarks/decode_knobs.py, decode_profile.py)."""
     from hpc.runtime.engine.kernels import decode_kernels, fused_decode
 
     chunks, grouped = [], []
@@ -210,6 +214,28 @@ def test_a_gemv_over_several_slices_of_k_with_each_prologue() -> None:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_add_rms_norm_and_silu_mul_answer_as_the_torch_modules() -> None:
+    """The batched decode's element-wise launches: h + delta rounded to h's dtype, then its norm (or the norm of h
+    alone); SiLU(gate) · up of [gate | up]."""
+    from hpc.runtime.engine.kernels.decode_kernels import add_rms_norm, silu_mul
+    from hpc.runtime.engine.models.llama import RMSNorm
+
+    device = _device()
+    gen = torch.Generator().manual_seed(5)
+    h, delta = (torch.randn(6, 72, generator=gen).to(device) for _ in range(2))  # 72: a block of 128, masked
+    norm = RMSNorm(72, 1e-5).to(device)
+    norm.weight.data.copy_(torch.rand(72, generator=gen) + 0.5)
+    total, normed = add_rms_norm(h, delta, norm.weight, 1e-5)
+    torch.testing.assert_close(total, h + delta, rtol=0, atol=0)
+    torch.testing.assert_close(normed, norm(h + delta), rtol=1e-6, atol=1e-6)
+    same, normed = add_rms_norm(h, None, norm.weight, 1e-5)
+    assert same is h
+    torch.testing.assert_close(normed, norm(h), rtol=1e-6, atol=1e-6)
+    gate_up = torch.randn(6, 2 * 1100, generator=gen).to(device)  # two blocks of 1,024, the second masked
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
 def test_add_residual_rounds_once() -> None:
     from hpc.runtime.engine.kernels.decode_kernels import add_residual
 
@@ -249,25 +275,29 @@ def test_bf16_fused_logits_are_as_close_to_fp32_as_the_torch_path() -> None:
 
 def test_grouped_attention_reads_each_kv_head_once_and_answers_as_per_head(monkeypatch: pytest.MonkeyPatch) -> None:
     """grouped: one program per KV head's query group (8B: 8 programs a row and chunk instead of 32), the same
-    outputs and the same new K/V in the cache, merged in its own launch or by the merge kernel."""
+    outputs and the same new K/V in the cache, merged in its own launch or by the merge kernel; with `tile`, the
+    group's queries in tensor-core dots over tiles of a chunk (two tiles of 16 a chunk of 32, or one of 64 masked
+    at the chunk's end), else the group's heads one by one."""
     from hpc.runtime.engine.kernels import decode_kernels
 
-    grids = _launches(monkeypatch, decode_kernels, "_attention_chunk_kernel")
+    per_head = _launches(monkeypatch, decode_kernels, "_attention_chunk_kernel")
+    tiled = _launches(monkeypatch, decode_kernels, "_attention_group_kernel")
     device = _device()
     heads, kv_heads, rows = 8, 2, 3
     cache, qkv, slots, positions, cos, sin = _attention_inputs(11, heads, kv_heads, rows)
     results = {}
-    for grouped in (False, True):
+    for grouped, tile in ((False, 0), (True, 0), (True, 16), (True, 64)):
         for counts in (None, torch.zeros(rows * heads, dtype=torch.int32, device=device)):
             caches = [c.clone() for c in cache]
             out = decode_kernels.decode_attention(qkv, *caches, slots, positions, cos, sin, heads, kv_heads, counts,
-                                                  chunk=32, grouped=grouped)
+                                                  chunk=32, grouped=grouped, tile=tile)
             assert counts is None or counts.count_nonzero() == 0
-            results[grouped, counts is None] = (out, caches)
-    want_out, want_caches = results[False, True]
+            results[grouped, tile, counts is None] = (out, caches)
+    want_out, want_caches = results[False, 0, True]
     for out, caches in results.values():
         torch.testing.assert_close(out, want_out, rtol=1e-6, atol=1e-6)
         for got, want in zip(caches, want_caches):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
     chunks = 200 // 32 + 1
-    assert grids == [(rows, heads, chunks)] * 2 + [(rows, kv_heads, chunks)] * 2
+    assert per_head == [(rows, heads, chunks)] * 2 + [(rows, kv_heads, chunks)] * 2
+    assert tiled == [(rows, kv_heads, chunks)] * 4

@@ -9,7 +9,9 @@ token pays a launch-and-drain gap for. These kernels fold the element-wise work 
 - `decode_attention`: RoPE on q and k, the new K/V written into the cache slot, and attention over the
   cached positions split into chunks of `ATTN_CHUNK` (one program per query head and chunk, so a single
   token's attention still spreads over the whole GPU; past a few rows one program per KV head's query group and
-  chunk, which reads its K/V once for the group); the last chunk of each head (or group) to finish merges them.
+  chunk, which reads its K/V once for the group in tensor-core tiles); the last chunk of each head (or group) to
+  finish merges them;
+- `add_rms_norm` and `silu_mul`: the batched path's element-wise work between its cuBLAS matmuls, one launch each.
 
 Per layer: norm+qkv, rope+kv-write+attention(+merge), o+residual, norm+gate/up, act+down+residual.
 On Hopper and later the kernels use programmatic dependent launch: each one is launched while the
@@ -28,6 +30,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import cuda as tl_cuda  # programmatic dependent launch (gdc_wait, ...)
+
+from hpc.runtime.engine.kernels.launch import launch
 
 # Block sizes and warps tried the first time each shape runs (before CUDA-graph capture).
 # A BLOCK_K as wide as K lets a program fetch all its weights before it waits on the previous kernel.
@@ -48,12 +53,21 @@ if _INTERPRET:  # the CPU interpreter has nothing to time: one config
 # Measured on two H200 with the 8B shape at batch 1 (benchmarks/decode_knobs.py, docs/performance-log.md): chunks of
 # 128 with the early trigger, 244.9 tok/s at TP=1 against 239.3 with chunks of 64 and the trigger after the loads
 ATTN_CHUNK = 128  # cached positions per attention program
-ATTN_CHUNK_BATCHED = 64  # past the GEMVs' few rows (fused_decode.MAX_BATCH), where programs are many anyway
-ATTN_GROUPED_BATCHED = True  # past them too: a program per KV head's query group (decode_attention's `grouped`)
-# A grouped program's warps. The 8B shape at 64 rows, chunks of 64, one H200 (benchmarks/decode_profile.py): 2 warps
-# 5,415 tok/s, 4 warps 4,646, 8 warps 3,084; chunks of 32 or 128 were slower, 128 x 2 and 256 x 4 spill registers.
+# Past the GEMVs' few rows (fused_decode.MAX_BATCH), where programs are many anyway: a program per KV head's query
+# group (decode_attention's `grouped`) and chunks of 256 positions in tensor-core tiles of 64 (ATTN_TILE). The 8B
+# shape, one H200 (benchmarks/decode_knobs.py --batch 64 / 32): 7,530 / 4,218 tok/s, against 7,233 / 4,104 with
+# chunks of 64 and 5,552 / 3,385 with the group's heads one by one; tiles of 32 or 128, or 8 warps, were slower at 64.
+ATTN_CHUNK_BATCHED = 256
+ATTN_GROUPED_BATCHED = True
+# The warps of a grouped program without tiles (ATTN_TILE 0). The 8B shape at 64 rows, chunks of 64, one H200
+# (benchmarks/decode_profile.py): 2 warps 5,415 tok/s, 4 warps 4,646, 8 warps 3,084.
 ATTN_WARPS_BATCHED = 2
 ATTN_WARPS = 4  # 8 with chunks of 128: 240.1
+# The grouped programs' tensor-core tiles: positions a dot takes (0: the group's heads one by one, the 2-warp
+# programs above), the warps and the software pipeline's stages over a chunk's tiles.
+ATTN_TILE = 64
+ATTN_WARPS_TILES = 4
+ATTN_STAGES_TILES = 2
 # The next kernel may launch as soon as every program of a GEMV has started, not once each has issued its last
 # loads: its programs take the SMs the GEMV's last wave leaves and fetch their first weights during its tail.
 GEMV_EARLY_TRIGGER = True
@@ -120,16 +134,16 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_ptr, N, K, stride_x, strid
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)
     if USE_PDL and EARLY_TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
+        tl_cuda.gdc_launch_dependents()
     first = _weight_tile(w_ptr, cols_n, n_mask, 0, K, BLOCK_K)  # weights never change: load before waiting
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()
+        tl_cuda.gdc_wait()
     acc, squares = _gemv_block(acc, squares, x_row, norm_ptr, 0, K, first, HAS_NORM, SILU_MUL, BLOCK_K)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w = _weight_tile(w_ptr, cols_n, n_mask, k0, K, BLOCK_K)
         acc, squares = _gemv_block(acc, squares, x_row, norm_ptr, k0, K, w, HAS_NORM, SILU_MUL, BLOCK_K)
     if USE_PDL and not EARLY_TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
+        tl_cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
     if HAS_NORM:
         y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
@@ -160,7 +174,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm: torch.Tensor | None = N
         assert residual.shape == out.shape and residual.is_contiguous()
     grid = lambda meta: (rows * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     pdl = _use_pdl(x.device)
-    _gemv_kernel[grid](x, weight, out, residual if residual is not None else out,
+    launch(_gemv_kernel, grid)(x, weight, out, residual if residual is not None else out,
                        norm if norm is not None else weight, n, k, x.stride(0), out.stride(0), eps, row_class(rows),
                        HAS_NORM=norm is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None,
                        USE_PDL=pdl, launch_pdl=pdl,
@@ -195,7 +209,7 @@ def _attention_chunk_kernel(qkv_ptr, k_cache, v_cache, part_acc, part_stat, slot
     group: tl.constexpr = HEADS // KV_HEADS
     kv_head = which if GROUPED else which // group
     if USE_PDL:  # one wave of small programs: let the merge kernel take its place at once
-        tl.extra.cuda.gdc_launch_dependents()
+        tl_cuda.gdc_launch_dependents()
     # Positions, slots, the RoPE tables and the cached K/V are not written by the kernel before this one
     # (the q/k/v matmul): they load while it drains; only q/k/v wait for it.
     pos = tl.load(pos_ptr + row)
@@ -214,7 +228,7 @@ def _attention_chunk_kernel(qkv_ptr, k_cache, v_cache, part_acc, part_stat, slot
         cos = tl.load(cos_ptr + pos * HEAD_DIM + d)
         sin = tl.load(sin_ptr + pos * HEAD_DIM + d)
         if USE_PDL:
-            tl.extra.cuda.gdc_wait()
+            tl_cuda.gdc_wait()
         base = qkv_ptr + row * stride_qkv
         first = kv_head * group if GROUPED else which
         if chunk == 0:  # the new token joins chunk 0, as the cache will keep it
@@ -286,14 +300,97 @@ def _merge_chunks(part_acc, part_stat, out_ptr, row, head, used, chunks, HEADS: 
 
 
 @triton.jit
+def _attention_group_kernel(qkv_ptr, k_cache, v_cache, part_acc, part_stat, slots_ptr, pos_ptr, cos_ptr, sin_ptr,
+                            counts_ptr, out_ptr, stride_qkv, stride_slot, stride_head, stride_pos, scale, chunks,
+                            HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            CHUNK: tl.constexpr, TILE: tl.constexpr, GROUP_ROWS: tl.constexpr,
+                            MAX_CHUNKS: tl.constexpr, MERGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                            USE_PDL: tl.constexpr):
+    """Program (row, kv head, chunk): the KV head's query group as one matrix (GROUP_ROWS, padded to a tensor-core
+    tile) against its cached K/V in tiles of TILE positions, with an online softmax over the chunk's tiles
+    (FlashDecoding's split-K). The dots run on tensor cores and read each cached K/V once for the whole group,
+    where the per-head kernel's reductions ran on the CUDA cores with the keys held in fp32 registers.
+
+    As the chunk kernel: chunk 0 takes the new token from registers and writes its K/V into the cache, other
+    chunks read only positions before it, and with MERGE the group's last chunk to finish merges them all.
+    """
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    chunk = tl.program_id(2)
+    group: tl.constexpr = HEADS // KV_HEADS
+    if USE_PDL:
+        tl_cuda.gdc_launch_dependents()
+    pos = tl.load(pos_ptr + row)
+    start = chunk * CHUNK
+    if chunk == 0 or start < pos:
+        d = tl.arange(0, HEAD_DIM)
+        g = tl.arange(0, GROUP_ROWS)
+        g_mask = g < group
+        half: tl.constexpr = HEAD_DIM // 2
+        rotated = (d + half) % HEAD_DIM  # rotate_half: [-x2, x1]
+        sign = tl.where(d < half, -1.0, 1.0)
+        cos = tl.load(cos_ptr + pos * HEAD_DIM + d)
+        sin = tl.load(sin_ptr + pos * HEAD_DIM + d)
+        cache_row = tl.load(slots_ptr + row) * stride_slot + kv_head * stride_head
+        if USE_PDL:
+            tl_cuda.gdc_wait()
+        base = qkv_ptr + row * stride_qkv
+        q_at = base + (kv_head * group + g)[:, None] * HEAD_DIM
+        q = tl.load(q_at + d[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
+        q_rotated = tl.load(q_at + rotated[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
+        q = (q * cos[None, :] + sign[None, :] * q_rotated * sin[None, :]) * scale
+        if chunk == 0:  # the new token joins chunk 0 (its score and value start the running sums)
+            k_new = _rope(base + (HEADS + kv_head) * HEAD_DIM, d, rotated, sign, cos, sin).to(k_cache.dtype.element_ty)
+            v_new = tl.load(base + (HEADS + KV_HEADS + kv_head) * HEAD_DIM + d)
+            tl.store(k_cache + cache_row + pos * stride_pos + d, k_new)
+            tl.store(v_cache + cache_row + pos * stride_pos + d, v_new.to(v_cache.dtype.element_ty))
+            best = tl.sum(q * k_new.to(tl.float32)[None, :], axis=1)
+            total = tl.full([GROUP_ROWS], 1.0, tl.float32)
+            acc = tl.zeros([GROUP_ROWS, HEAD_DIM], tl.float32) + v_new.to(tl.float32)[None, :]
+        else:
+            best = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
+            total = tl.zeros([GROUP_ROWS], tl.float32)
+            acc = tl.zeros([GROUP_ROWS, HEAD_DIM], tl.float32)
+        q_dot = q.to(k_cache.dtype.element_ty)
+        end = tl.minimum(start + CHUNK, pos)
+        for tile in range(start, end, TILE):
+            ls = tile + tl.arange(0, TILE)
+            l_mask = ls < end
+            offsets = cache_row + ls[:, None] * stride_pos + d[None, :]
+            keys = tl.load(k_cache + offsets, mask=l_mask[:, None], other=0.0)
+            values = tl.load(v_cache + offsets, mask=l_mask[:, None], other=0.0)
+            scores = tl.dot(q_dot, tl.trans(keys), input_precision=DOT_PRECISION)
+            scores = tl.where(l_mask[None, :], scores, float("-inf"))
+            new_best = tl.maximum(best, tl.max(scores, axis=1))
+            alpha = tl.exp(best - new_best)
+            p = tl.exp(scores - new_best[:, None])
+            total = total * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values, input_precision=DOT_PRECISION)
+            best = new_best
+        at = (row * HEADS + kv_head * group + g) * chunks + chunk
+        tl.store(part_acc + at[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None])
+        tl.store(part_stat + at * 2, best, mask=g_mask)
+        tl.store(part_stat + at * 2 + 1, total, mask=g_mask)
+        if MERGE:
+            tl.debug_barrier()  # every thread's stores are issued before the count says this chunk is done
+            used = tl.maximum(tl.cdiv(pos, CHUNK), 1)
+            count = counts_ptr + row * KV_HEADS + kv_head
+            if tl.atomic_add(count, 1, sem="acq_rel") == used - 1:
+                for h in tl.static_range(group):  # pyright: ignore[reportGeneralTypeIssues]
+                    _merge_chunks(part_acc, part_stat, out_ptr, row, kv_head * group + h, used, chunks, HEADS,
+                                  HEAD_DIM, MAX_CHUNKS)
+                tl.store(count, 0)
+
+
+@triton.jit
 def _attention_merge_kernel(part_acc, part_stat, pos_ptr, out_ptr, chunks, HEADS: tl.constexpr,
                             HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
                             USE_PDL: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)
     if USE_PDL:  # the o matmul after this can start fetching its weights now
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+        tl_cuda.gdc_launch_dependents()
+        tl_cuda.gdc_wait()
     used = tl.maximum(tl.cdiv(tl.load(pos_ptr + row), CHUNK), 1)
     _merge_chunks(part_acc, part_stat, out_ptr, row, head, used, chunks, HEADS, HEAD_DIM, MAX_CHUNKS)
 
@@ -301,7 +398,7 @@ def _attention_merge_kernel(part_acc, part_stat, pos_ptr, out_ptr, chunks, HEADS
 def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                      positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
                      kv_heads: int, counts: torch.Tensor | None = None, chunk: int | None = None,
-                     grouped: bool = False) -> torch.Tensor:
+                     grouped: bool = False, tile: int | None = None) -> torch.Tensor:
     """qkv [M, (heads + 2 kv_heads) * D] of one new token per row at `positions` [M] in cache `slots` [M].
 
     Writes the token's K/V into the caches ([slots, kv_heads, max_len, D]) and returns attention [M, heads * D].
@@ -311,7 +408,9 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     buffer per stream of launches (the model's), as two launches at once would count into each other. Without
     it (or when too small) a second kernel merges. `chunk`: cached positions per program (default ATTN_CHUNK).
     `grouped`: a program per KV head's group of query heads (many rows: each cached K/V read once), else per
-    query head (a few rows: eight times the programs to spread one token's attention over the GPU).
+    query head (a few rows: eight times the programs to spread one token's attention over the GPU). `tile`: with
+    `grouped`, the group's queries meet the chunk's K/V in tensor-core dots over tiles of this many positions
+    (default ATTN_TILE; 0: the group's heads one by one on the CUDA cores).
     """
     rows = qkv.shape[0]
     head_dim = k_cache.shape[-1]
@@ -325,13 +424,25 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     pdl = _use_pdl(qkv.device)
     max_chunks = triton.next_power_of_2(chunks)
     grouped = grouped and heads > kv_heads
-    _attention_chunk_kernel[(rows, kv_heads if grouped else heads, chunks)](
-        qkv, k_cache, v_cache, part_acc, part_stat, slots, positions, cos, sin, counts if merge else positions,
-        out, qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), head_dim ** -0.5, chunks,
-        HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, CHUNK=chunk, MAX_CHUNKS=max_chunks, MERGE=merge,
-        GROUPED=grouped, USE_PDL=pdl, num_warps=ATTN_WARPS_BATCHED if grouped else ATTN_WARPS, launch_pdl=pdl)
+    tile = ATTN_TILE if tile is None else tile
+    if grouped and tile:
+        assert tile >= 16 and tile & (tile - 1) == 0 and head_dim >= 16, (tile, head_dim)  # a tensor-core dot's
+        launch(_attention_group_kernel, (rows, kv_heads, chunks))(
+            qkv, k_cache, v_cache, part_acc, part_stat, slots, positions, cos, sin, counts if merge else positions,
+            out, qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), head_dim ** -0.5, chunks,
+            HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, CHUNK=chunk, TILE=tile,
+            GROUP_ROWS=max(16, triton.next_power_of_2(heads // kv_heads)), MAX_CHUNKS=max_chunks, MERGE=merge,
+            DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", USE_PDL=pdl,
+            num_warps=ATTN_WARPS_TILES, num_stages=ATTN_STAGES_TILES, launch_pdl=pdl)
+    else:
+        launch(_attention_chunk_kernel, (rows, kv_heads if grouped else heads, chunks))(
+            qkv, k_cache, v_cache, part_acc, part_stat, slots, positions, cos, sin,
+            counts if merge else positions, out, qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), head_dim ** -0.5, chunks, HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+            CHUNK=chunk, MAX_CHUNKS=max_chunks, MERGE=merge, GROUPED=grouped, USE_PDL=pdl,
+            num_warps=ATTN_WARPS_BATCHED if grouped else ATTN_WARPS, launch_pdl=pdl)
     if not merge:
-        _attention_merge_kernel[(rows, heads)](
+        launch(_attention_merge_kernel, (rows, heads))(
             part_acc, part_stat, positions, out, chunks, HEADS=heads, HEAD_DIM=head_dim, CHUNK=chunk,
             MAX_CHUNKS=max_chunks, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
@@ -342,10 +453,60 @@ def _add_kernel(partial_ptr, residual_ptr, out_ptr, n, BLOCK: tl.constexpr, USE_
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+        tl_cuda.gdc_launch_dependents()
+        tl_cuda.gdc_wait()
     total = tl.load(partial_ptr + offsets, mask=mask) + tl.load(residual_ptr + offsets, mask=mask).to(tl.float32)
     tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_rms_norm_kernel(h_ptr, delta_ptr, weight_ptr, h_out, normed_out, n, eps, HAS_DELTA: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(h_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA:  # the residual stream keeps its dtype, as the torch path's `h + delta` rounds it
+        x = (x + tl.load(delta_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)).to(h_out.dtype.element_ty)
+        tl.store(h_out + row * n + cols, x, mask=mask)
+        x = x.to(tl.float32)
+    scale = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(normed_out + row * n + cols, (x * scale * weight).to(normed_out.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, RMSNorm(h + delta) · weight) for rows [M, N] in one launch (h itself, normed, without delta):
+    the batched decode's residual add and next norm, where the torch path takes nine element-wise kernels.
+    The sum rounds to h's dtype before the norm reads it, as the torch path's; the norm rounds once."""
+    assert h.is_contiguous() and (delta is None or delta.shape == h.shape and delta.is_contiguous())
+    rows, n = h.shape
+    out = torch.empty_like(h) if delta is not None else h
+    normed = torch.empty_like(h)
+    launch(_add_rms_norm_kernel, (rows,))(h, delta if delta is not None else h, weight, out, normed, n, eps,
+                                  HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(n))
+    return out, normed
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, inner, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inner
+    gate = tl.load(x_ptr + row * 2 * inner + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * inner + inner + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * inner + cols, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) · up of rows [M, 2I] holding [gate | up] -> [M, I], in fp32 and rounded once: one launch."""
+    assert gate_up.is_contiguous() and gate_up.shape[1] % 2 == 0
+    rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, inner, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    launch(_silu_mul_kernel, (rows, triton.cdiv(inner, block)))(gate_up, out, inner, BLOCK=block)
+    return out
 
 
 def add_residual(partial: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -354,6 +515,6 @@ def add_residual(partial: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(residual)
     pdl = _use_pdl(residual.device)
     block = 1024
-    _add_kernel[(triton.cdiv(out.numel(), block),)](partial, residual, out, out.numel(), BLOCK=block, USE_PDL=pdl,
-                                                     launch_pdl=pdl)
+    launch(_add_kernel, (triton.cdiv(out.numel(), block),))(partial, residual, out, out.numel(), BLOCK=block,
+                                                            USE_PDL=pdl, launch_pdl=pdl)
     return out

@@ -100,20 +100,30 @@ class FusedDecoder:
 
     def batched(self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 cache: list[torch.Tensor]) -> torch.Tensor:
-        """Past MAX_BATCH rows: the model's own (cuBLAS) projections and norms around the Triton attention."""
-        model = self.model
+        """Past MAX_BATCH rows: the model's own (cuBLAS) projections around the Triton attention; each residual
+        add and the norm after it in one launch (add_rms_norm), the MLP's activation in one (silu_mul); experts
+        through the model's own feed-forward."""
+        model, kernels = self.model, self.kernels
         cos, sin = model.rope(embeds.device)
         pos = positions[:, 0].contiguous()
-        h = embeds[:, 0]
-        for layer, kv in zip(model.model.layers, cache):
+        layers = model.model.layers
+        norms = [layer.input_layernorm.weight for layer in layers[1:]] + [model.model.norm.weight]
+        h, normed = kernels.add_rms_norm(embeds[:, 0].contiguous(), None, layers[0].input_layernorm.weight, self.eps)
+        for layer, kv, next_norm in zip(layers, cache, norms):
             attn = layer.self_attn
-            qkv = attn.qkv_proj(layer.input_layernorm(h)).contiguous()
-            heads = self.kernels.decode_attention(qkv, kv[0], kv[1], slots, pos, cos, sin, attn.heads,
-                                                  attn.kv_heads, self.counts, self.kernels.ATTN_CHUNK_BATCHED,
-                                                  grouped=self.kernels.ATTN_GROUPED_BATCHED)
-            h = h + model.tp.all_reduce(attn.o_proj(heads))
-            h = h + layer.feed_forward(h)
-        return model.lm_head(model.model.norm(h)).float()
+            heads = kernels.decode_attention(attn.qkv_proj(normed), kv[0], kv[1], slots, pos, cos, sin, attn.heads,
+                                             attn.kv_heads, self.counts, kernels.ATTN_CHUNK_BATCHED,
+                                             grouped=kernels.ATTN_GROUPED_BATCHED)
+            attended = model.tp.all_reduce(attn.o_proj(heads))
+            if model.cfg.moe:
+                h = h + attended
+                h, normed = kernels.add_rms_norm(h, layer.feed_forward(h).contiguous(), next_norm, self.eps)
+                continue
+            h, normed = kernels.add_rms_norm(h, attended, layer.post_attention_layernorm.weight, self.eps)
+            mlp = layer.mlp
+            down = model.tp.all_reduce(mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(normed))))
+            h, normed = kernels.add_rms_norm(h, down, next_norm, self.eps)
+        return model.lm_head(normed).float()
 
     def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, slot: int,
                       silu_mul: bool = False) -> torch.Tensor:

@@ -34,6 +34,9 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
+from triton.language.extra import cuda as tl_cuda  # programmatic dependent launch (gdc_wait, ...)
+
+from hpc.runtime.engine.kernels.launch import launch
 
 SLOTS = 2  # attention's all-reduce, then the MLP's
 BLOCK = 512  # elements per program (and per signal word): 8 pushes and waits at once for a row of 4,096, not 4
@@ -47,8 +50,8 @@ def _peer_reduce_kernel(buffers_ptr, pads_ptr, residual_ptr, out_ptr, slot, nume
                         USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # the next GEMV may start fetching its weights
-        tl.extra.cuda.gdc_wait()  # our partial sums, the previous kernel's output, are written
+        tl_cuda.gdc_launch_dependents()  # the next GEMV may start fetching its weights
+        tl_cuda.gdc_wait()  # our partial sums, the previous kernel's output, are written
     at = pid * BLOCK + tl.arange(0, BLOCK)
     mask = at < numel
     area = slot * WORLD * capacity  # this slot's areas, one per sending rank
@@ -134,7 +137,7 @@ class PeerReduce:
         assert residual.is_contiguous() and residual.shape[1] == self.width and rows <= self.rows
         out = torch.empty_like(residual)
         numel = rows * self.width
-        _peer_reduce_kernel[(triton.cdiv(numel, BLOCK),)](
+        launch(_peer_reduce_kernel, (triton.cdiv(numel, BLOCK),))(
             self.buffers, self.pads, residual, out, index, numel, self.capacity, RANK=self.rank, WORLD=self.world,
             BLOCK=BLOCK, MAX_PROGRAMS=MAX_PROGRAMS, USE_PDL=self.use_pdl, num_warps=4, launch_pdl=self.use_pdl)
         return out
