@@ -231,7 +231,8 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians are reported")
     parser.add_argument("--engine-only", action="store_true", help="sweeps on the engine, no stack")
-    parser.add_argument("--sweeps", type=int, default=2, help="with --engine-only: sweeps back to back")
+    parser.add_argument("--sweeps", type=int, default=2, help="with --engine-only: sweeps back to back (2 or more: "
+                                                              "the first is set against the later ones)")
     parser.add_argument("--model", default=None,
                         help="the generated model to serve (default: the recipe's, e.g. tiny, llama-8b-shape)")
     parser.add_argument("--recipe", default="tiny-agg", help="the stack to compare with (tiny-agg, tiny-disagg)")
@@ -255,6 +256,8 @@ def main() -> None:
                              "recipe's shape")
     parser.add_argument("--json", help="also write each level's tokens/s (and the stack's share) here")
     args = parser.parse_args()
+    if args.engine_only and args.sweeps < 2:
+        parser.error(f"--sweeps {args.sweeps}: at least 2, as the first sweep is compared with the later ones")
     levels = [Level(c, args.input_tokens, args.output_tokens, max(args.requests, args.requests_per_user * c),
                     output_spread=args.output_spread) for c in (int(x) for x in args.concurrency.split(","))]
     recipe = quiet_recipe(args.recipe)
