@@ -269,6 +269,10 @@ class TorchEngineSpec(StrictModel):
         default=True,
         description="the decode graphs capture their own input and output copies (a c=64 step's host time "
                     "456 -> 384 us on an H200); false: the host launches them")
+    mixed_steps: bool = Field(
+        default=True,
+        description="a prompt's tokens and the decoding rows in one forward pass (TensorRT-LLM's in-flight "
+                    "batching); false: the prompt's pass, then the decode step")
     gil_switch_interval_s: float | None = Field(
         default=None, gt=0, le=1.0, allow_inf_nan=False,
         description="Python's switch interval in the engine's process: how long a thread that wants the GIL waits "

@@ -7,12 +7,13 @@ from typing import Callable
 
 from hpc.runtime.engine.torch.engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
+from hpc.spec.recipe import TorchEngineSpec
 
 
-async def staggered(model_dir, args: dict, prompts: list[list[int]],
-                    max_tokens: Callable[[int], int]) -> tuple[list[list[int]], dict]:
+async def staggered(model_dir, args: dict, prompts: list[list[int]], max_tokens: Callable[[int], int],
+                    switches: TorchEngineSpec | None = None) -> tuple[list[list[int]], dict]:
     """Each prompt's greedy tokens (`max_tokens(i)` for the i-th) and the engine's stats."""
-    async with TorchEngine(model_dir, DisaggregationMode.AGGREGATED, args) as engine:
+    async with TorchEngine(model_dir, DisaggregationMode.AGGREGATED, args, switches=switches) as engine:
         started = [asyncio.Event() for _ in prompts]
 
         async def one(i: int) -> list[int]:

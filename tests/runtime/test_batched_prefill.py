@@ -34,7 +34,7 @@ async def _serve(model_dir, args: dict) -> tuple[list[list[int]], dict, list[lis
     async with engine:
         entered, release = threading.Event(), threading.Event()
         step, widths = engine.decode._decode_step, []
-        prefill = engine.context._prefill
+        advance = engine.context.advance  # after each pass over prompt tokens, apart or mixed with decode rows
 
         def held(running):
             entered.set()
@@ -43,8 +43,8 @@ async def _serve(model_dir, args: dict) -> tuple[list[list[int]], dict, list[lis
 
         def recorded(group):
             widths.append([len(s.request.token_ids) for s, _ in group])
-            return prefill(group)
-        engine.decode._decode_step, engine.context._prefill = held, recorded
+            return advance(group)
+        engine.decode._decode_step, engine.context.advance = held, recorded
         first = asyncio.create_task(_tokens(engine, FIRST))
         await asyncio.to_thread(entered.wait, 10)
         waiting = [asyncio.create_task(_tokens(engine, ids)) for ids in WAITING]

@@ -14,6 +14,7 @@ from hpc.engine_args.scheduling import ChunkingPolicy
 from hpc.runtime.engine.torch.sequence import context_work
 from hpc.runtime.engine.torch.engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
+from hpc.spec.recipe import TorchEngineSpec
 
 pytestmark = pytest.mark.unit
 
@@ -58,13 +59,15 @@ def test_equal_progress_gives_each_prompt_a_unit_in_turn():
     assert _sizes(context_work(waiting, 100, EQUAL, 16)) == [48, 20, 32]
 
 
-async def _timeline(model_dir, args: dict) -> tuple[list[str], list[int], list[int], dict]:
+async def _timeline(model_dir, args: dict, mixed: bool = False) -> tuple[list[str], list[int], list[int], dict]:
     """A request decodes; at its first decode step LONG arrives. What the scheduler did, in order ('chunk N' for
-    N prompt tokens of LONG, 'decode R' for a step of R rows), both answers and the engine's counters."""
-    async with TorchEngine(model_dir, DisaggregationMode.AGGREGATED, {**BASE, **args}) as engine:
+    N prompt tokens of LONG, 'decode R' for a step of R rows, 'chunk N + decode R' for a mixed step), both
+    answers and the engine's counters."""
+    async with TorchEngine(model_dir, DisaggregationMode.AGGREGATED, {**BASE, **args},
+                           switches=TorchEngineSpec(mixed_steps=mixed)) as engine:
         loop = asyncio.get_running_loop()
         timeline: list[str] = []
-        step, prefill = engine.decode._decode_step, engine.context._prefill
+        step, prefill, mixed_step = engine.decode._decode_step, engine.context._prefill, engine.mixed._step
         late: list[asyncio.Future] = []
 
         async def submit(ids):
@@ -83,7 +86,11 @@ async def _timeline(model_dir, args: dict) -> tuple[list[str], list[int], list[i
         def recorded(group):
             timeline.extend(f"chunk {n}" for s, n in group if len(s.request.token_ids) == len(LONG))
             return prefill(group)
-        engine.decode._decode_step, engine.context._prefill = stepped, recorded
+        def recorded_mixed(group, decoding):
+            timeline.extend(f"chunk {n} + decode {len(decoding)}" for s, n in group
+                            if len(s.request.token_ids) == len(LONG))
+            return mixed_step(group, decoding)
+        engine.decode._decode_step, engine.context._prefill, engine.mixed._step = stepped, recorded, recorded_mixed
         first = await _collect(engine, DECODING, 30)
         return timeline, first, await late[0], engine.stats()
 
@@ -106,6 +113,18 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_decode_steps_of_the_ot
     whole, first_whole, long_whole, stats_whole = asyncio.run(_timeline(tiny, {}))
     assert [e for e in whole if e.startswith("chunk")] == ["chunk 150"] and "prefill_chunks" not in stats_whole
     assert long_answer == long_whole and first == first_whole and len(long_answer) == 6
+
+
+def test_mixed_steps_carry_each_chunk_beside_the_decoding_row_with_the_same_tokens(tiny):
+    mixed, first, long_answer, stats = asyncio.run(_timeline(tiny, {"enable_chunked_prefill": True,
+                                                                    "max_num_tokens": 64}, mixed=True))
+    start = mixed.index("chunk 48 + decode 1")
+    # the chunks as apart, each in the decoding row's step; LONG decodes from the step after its last chunk
+    assert mixed[start:start + 4] == ["chunk 48 + decode 1"] * 2 + ["chunk 54 + decode 1", "decode 2"]
+    assert stats["mixed_steps"] == 3 and stats["prefill_chunks"] == 2
+    _, first_apart, long_apart, _ = asyncio.run(_timeline(tiny, {"enable_chunked_prefill": True,
+                                                                 "max_num_tokens": 64}))
+    assert long_answer == long_apart and first == first_apart
 
 
 def test_a_prompt_longer_than_max_num_tokens_is_refused_without_chunking_and_served_with_it(tiny):

@@ -40,8 +40,9 @@ def stand_in_graphs(monkeypatch):
     monkeypatch.setattr(warmup, "cuda_capture", lambda device: RecordedGraph())
     monkeypatch.setattr(decode_graphs, "steps_for", lambda one_step_s, most: most)
 
-    def steps(count: int) -> None:
-        monkeypatch.setattr(engine_module, "DEFAULT_SWITCHES", TorchEngineSpec(decode_steps_per_graph=count))
+    def steps(count: int, **switches: bool) -> None:
+        monkeypatch.setattr(engine_module, "DEFAULT_SWITCHES", TorchEngineSpec(decode_steps_per_graph=count,
+                                                                               **switches))
     return steps
 
 
@@ -120,7 +121,8 @@ def test_requests_join_a_chain_of_several_steps_a_replay(tiny, stand_in_graphs):
         return asyncio.run(_staggered(tiny, {"max_seq_len": MAX_LEN, "max_batch_size": 8, **args}, PROMPTS,
                                       lambda i: 20 - 3 * i))
 
-    stand_in_graphs(STEPS)
+    # prompts prefilled apart, so that their rows join the chain in flight (a mixed step reads the chain first)
+    stand_in_graphs(STEPS, mixed_steps=False)
     several, stats = staggered({})
     stepwise, _ = staggered({"disable_overlap_scheduler": True})
     assert several == stepwise and [len(t) for t in several] == [20, 17, 14, 11]

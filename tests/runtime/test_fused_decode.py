@@ -160,6 +160,38 @@ def test_prefill_keeps_the_torch_path_and_every_decode_batch_the_triton_attentio
     assert fused.fused_decode.supports(torch.zeros(3, 1, CFG.hidden_size))
 
 
+def test_a_mixed_steps_decode_rows_take_the_triton_attention_and_answer_as_the_torch_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """forward_mixed: the decode rows' attention through the kernel beside a prompt's, as the torch path's."""
+    from hpc.runtime.engine.models.llama import StepRows
+
+    device, dtype = _device(), torch.float32
+    reference, fused = _models(device, dtype)
+    reference.fused_decode = None
+    calls = []
+    attention = fused.fused_decode.attention
+    monkeypatch.setattr(fused.fused_decode, "attention", lambda *a: calls.append(a[1].shape[0]) or attention(*a))
+    caches = [m.new_cache(8, 32, dtype, device) for m in (reference, fused)]
+    gen = torch.Generator().manual_seed(8)
+    for slot, length in ((0, 6), (2, 11)):
+        ids = torch.randint(2, CFG.vocab_size, (1, length), generator=gen).to(device)
+        for model, cache in zip((reference, fused), caches):
+            model.forward_step(model.embed(ids), torch.arange(length, device=device)[None],
+                               torch.tensor([slot], device=device), cache)
+    tokens = torch.randint(2, CFG.vocab_size, (2, 1), generator=gen).to(device)
+    prompt = torch.randint(2, CFG.vocab_size, (1, 5), generator=gen).to(device)
+    got = []
+    for model, cache in zip((reference, fused), caches):
+        decode = StepRows(model.embed(tokens), torch.tensor([[6], [11]], device=device),
+                          torch.tensor([0, 2], device=device), window=12)
+        prompts = StepRows(model.embed(prompt), torch.arange(5, device=device)[None], torch.tensor([5], device=device),
+                           window=5, fresh=True, last=torch.tensor([4], device=device))
+        got.append(model.forward_mixed(decode, prompts, cache))
+    assert calls == [2] * CFG.num_hidden_layers  # the kernel ran for the two decode rows in every layer
+    torch.testing.assert_close(got[1], got[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(caches[1].whole, caches[0].whole, rtol=1e-5, atol=1e-5)
+
+
 def test_gemv_prologues_and_epilogue() -> None:
     from hpc.runtime.engine.kernels.decode_kernels import gemv
 

@@ -9,9 +9,11 @@ import asyncio
 
 import pytest
 
+from hpc.runtime.engine.torch import engine as engine_module
 from hpc.runtime.engine.torch.core import EngineCore
 from hpc.runtime.engine.torch.engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
+from hpc.spec.recipe import TorchEngineSpec
 from tests.runtime.staggered import staggered as _staggered
 
 # on a GPU the tests count steps as tokens: one step a replay (test_decode_multi_step.py: several)
@@ -56,7 +58,7 @@ def test_overlapped_steps_answer_as_step_by_step_ones(tiny):
     assert stats["decode_steps_overlapped"] == stats["decode_steps"] > 0, stats
 
 
-def test_requests_join_a_chain_of_overlapped_steps(tiny):
+def test_requests_join_a_chain_of_overlapped_steps(tiny, monkeypatch):
     # Requests arriving while others decode join the next step beside the rows going on from the device
     # tokens (TensorRT-LLM's overlap scheduler), with the answers step by step gives.
     def staggered(args: dict) -> tuple[list[list[int]], dict]:
@@ -66,6 +68,10 @@ def test_requests_join_a_chain_of_overlapped_steps(tiny):
     overlapped, stats = staggered({})
     stepwise, _ = staggered({"disable_overlap_scheduler": True})
     assert overlapped == stepwise and [len(t) for t in overlapped] == [12, 10, 8, 6]
+    assert stats["mixed_steps"] >= len(PROMPTS) - 1, stats  # each later prompt rode on a decode step: read first
+    monkeypatch.setattr(engine_module, "DEFAULT_SWITCHES", TorchEngineSpec(mixed_steps=False))
+    overlapped, stats = staggered({})  # prefilled apart, so that their rows join the chain in flight
+    assert overlapped == stepwise
     assert stats["decode_rows_joined_in_flight"] >= len(PROMPTS) - 1, stats  # each later one joined a chain
     assert stats["decode_steps_overlapped"] == stats["decode_steps"], stats
     # each prompt's first token stayed on the device as its first decode step's input, read as that launched

@@ -45,7 +45,7 @@ async def _arrivals(model_dir, args: dict) -> tuple[list[list[int]], list[list[i
     async with TorchEngine(model_dir, DisaggregationMode.AGGREGATED, {**BASE, **args}) as engine:
         loop = asyncio.get_running_loop()
         widths: list[list[int]] = []
-        step, prefill = engine.decode._decode_step, engine.context._prefill
+        step, advance = engine.decode._decode_step, engine.context.advance  # after a pass, apart or mixed
         late: list[asyncio.Future] = []
 
         async def submit(ids):  # in the engine's inbox when this returns (the scheduler waits for it meanwhile)
@@ -62,8 +62,8 @@ async def _arrivals(model_dir, args: dict) -> tuple[list[list[int]], list[list[i
 
         def recorded(group):
             widths.append([len(s.request.token_ids) for s, _ in group])
-            return prefill(group)
-        engine.decode._decode_step, engine.context._prefill = stepped, recorded
+            return advance(group)
+        engine.decode._decode_step, engine.context.advance = stepped, recorded
         await _collect(engine, [9] * 20, n=40)
         answers = await asyncio.gather(*late)
         return widths, answers, engine.stats()

@@ -88,7 +88,7 @@ class FusedDecoder:
         cos, sin = model.rope(embeds.device)
         pos = positions[:, 0].contiguous()
         h = embeds[:, 0].contiguous()
-        for layer, kv in zip(model.model.layers, cache):
+        for layer, kv in zip(model.model.decoder_layers(), cache):
             attn, mlp = layer.self_attn, layer.mlp
             qkv = gemv(h, attn.qkv_proj.weight, norm=layer.input_layernorm.weight, eps=self.eps)
             heads = self.kernels.decode_attention(qkv, kv[0], kv[1], slots, pos, cos, sin, attn.heads,
@@ -104,16 +104,13 @@ class FusedDecoder:
         add and the norm after it in one launch (add_rms_norm), the MLP's activation in one (silu_mul); experts
         through the model's own feed-forward."""
         model, kernels = self.model, self.kernels
-        cos, sin = model.rope(embeds.device)
         pos = positions[:, 0].contiguous()
-        layers = model.model.layers
+        layers = model.model.decoder_layers()
         norms = [layer.input_layernorm.weight for layer in layers[1:]] + [model.model.norm.weight]
         h, normed = kernels.add_rms_norm(embeds[:, 0].contiguous(), None, layers[0].input_layernorm.weight, self.eps)
         for layer, kv, next_norm in zip(layers, cache, norms):
             attn = layer.self_attn
-            heads = kernels.decode_attention(attn.qkv_proj(normed), kv[0], kv[1], slots, pos, cos, sin, attn.heads,
-                                             attn.kv_heads, self.counts, kernels.ATTN_CHUNK_BATCHED,
-                                             grouped=kernels.ATTN_GROUPED_BATCHED)
+            heads = self.attention(attn, attn.qkv_proj(normed), kv, slots, pos)
             attended = model.tp.all_reduce(attn.o_proj(heads))
             if model.cfg.moe:
                 h = h + attended
@@ -124,6 +121,15 @@ class FusedDecoder:
             down = model.tp.all_reduce(mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(normed))))
             h, normed = kernels.add_rms_norm(h, down, next_norm, self.eps)
         return model.lm_head(normed).float()
+
+    def attention(self, attn, qkv: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
+        """Rows' attention [rows, heads * D] from their fused projections qkv [rows, ...] (contiguous), each row's
+        token at `positions` [rows] in cache `slots`, as a batched step runs it (a mixed step's decode rows too)."""
+        kernels = self.kernels
+        cos, sin = self.model.rope(qkv.device)
+        return kernels.decode_attention(qkv, kv[0], kv[1], slots, positions, cos, sin, attn.heads, attn.kv_heads,
+                                        self.counts, kernels.ATTN_CHUNK_BATCHED, grouped=kernels.ATTN_GROUPED_BATCHED)
 
     def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, slot: int,
                       silu_mul: bool = False) -> torch.Tensor:

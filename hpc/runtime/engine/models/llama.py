@@ -11,6 +11,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,9 @@ from torch.nn.attention.bias import causal_lower_right
 from torch import nn
 
 from hpc.runtime.engine.models.moe import ExpertParallel, SparseMoE
+
+if TYPE_CHECKING:
+    from hpc.runtime.engine.kernels.fused_decode import FusedDecoder
 
 
 class KvCache(list):
@@ -154,6 +158,19 @@ def stage_state_dict(state: dict[str, torch.Tensor], cfg: "LlamaConfig",
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class StepRows:
+    """One side of a mixed step (LlamaForCausalLM.forward_mixed): embeds [B, T, H] at positions [B, T] in cache
+    slots [B]; `window`: the cache positions attention reads (the longest row's end); `fresh`: every row starts
+    at position 0; `last` [B]: each row's last real token (right-padded prompts)."""
+    embeds: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    window: int
+    fresh: bool = False
+    last: torch.Tensor | None = None
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, tp: TensorParallel) -> None:
         super().__init__()
@@ -183,12 +200,24 @@ class Attention(nn.Module):
         only to its own fresh K/V, or with `packed_mask` [1, 1, T, T] (prompts packed in one row, slots [1, T]
         per token) to the fresh K/V the mask allows, or with `continuing` (one row whose T positions are the
         last of its `window`) causally, aligned at the end."""
-        b, t, _ = x.shape
         if hasattr(self, "qkv_proj"):
-            q, k, v = self.qkv_proj(x).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
-                                              self.kv_heads * self.head_dim], dim=-1)
+            q, k, v = self.split(self.qkv_proj(x))
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        out = self.attend(q, k, v, cos, sin, cache_k, cache_v, slots, positions, lengths, window, contiguous_slots,
+                          from_scratch, packed_mask, continuing)
+        return self.tp.all_reduce(self.o_proj(out))
+
+    def split(self, qkv: torch.Tensor) -> list[torch.Tensor]:
+        """The fused projection's output [..., (heads + 2 kv_heads) * D] as q, k and v (views)."""
+        return list(qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                               self.kv_heads * self.head_dim], dim=-1))
+
+    def attend(self, q, k, v, cos, sin, cache_k, cache_v, slots, positions, lengths, window=None,
+               contiguous_slots=False, from_scratch=False, packed_mask=None, continuing=False) -> torch.Tensor:
+        """forward's attention, from the projections q [B, T, heads * D], k and v [B, T, kv_heads * D]: the
+        heads' outputs [B, T, heads * D], before o_proj."""
+        b, t, _ = q.shape
         q = q.reshape(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = k.reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -208,15 +237,11 @@ class Attention(nn.Module):
             groups = self.heads // self.kv_heads
             out = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
                                                  attn_mask=packed_mask)
-            out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
-            return self.tp.all_reduce(self.o_proj(out))
-        if from_scratch:
+        elif from_scratch:
             # A prompt from position 0 attends to itself, causally: the fresh K/V, no mask, so SDPA takes its
             # flash / memory-efficient kernels (no per-shape cuDNN plan for every new prompt length).
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
-            out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
-            return self.tp.all_reduce(self.o_proj(out))
-        if continuing:
+        elif continuing:
             # A prompt going on from its cached positions (a chunk after the first, a prefix-cache hit): each of
             # its queries sees every key up to its own position, causal aligned at the end (lower right), which
             # SDPA runs in its flash or memory-efficient kernels. Through the boolean mask below (grouped heads,
@@ -226,20 +251,22 @@ class Attention(nn.Module):
             keys = cache_k[slots, :, :window].repeat_interleave(groups, 1)
             values = cache_v[slots, :, :window].repeat_interleave(groups, 1)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(t, window))
-            out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
-            return self.tp.all_reduce(self.o_proj(out))
-        max_len = window  # the longest row: _layers reads it from the device once per step, not every layer
-        if contiguous_slots:  # slots 0..B-1: a view of the cache, no gather copy
-            keys, values = cache_k[:b, :, :max_len], cache_v[:b, :, :max_len]
         else:
-            keys, values = cache_k[slots, :, :max_len], cache_v[slots, :, :max_len]
-        key_pos = torch.arange(max_len, device=x.device)
+            out = self._masked(q, cache_k, cache_v, slots, positions, lengths, window, contiguous_slots)
+        return out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+
+    def _masked(self, q, cache_k, cache_v, slots, positions, lengths, window, contiguous_slots) -> torch.Tensor:
+        """Each query over the first `window` cache positions (the caller's longest row), masked to its own."""
+        b = q.shape[0]
+        if contiguous_slots:  # slots 0..B-1: a view of the cache, no gather copy
+            keys, values = cache_k[:b, :, :window], cache_v[:b, :, :window]
+        else:
+            keys, values = cache_k[slots, :, :window], cache_v[slots, :, :window]
+        key_pos = torch.arange(window, device=q.device)
         mask = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < lengths[:, None, None])
         # grouped-query attention without materialising repeated K/V heads
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.unsqueeze(1),
-                                             enable_gqa=self.kv_heads != self.heads)
-        out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
-        return self.tp.all_reduce(self.o_proj(out))
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.unsqueeze(1),
+                                              enable_gqa=self.kv_heads != self.heads)
 
 
 class MLP(nn.Module):
@@ -291,6 +318,10 @@ class Backbone(nn.Module):
                                                                        else layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def decoder_layers(self) -> list[Layer]:
+        """The layers, typed: to a type checker a ModuleList holds bare Modules."""
+        return cast(list[Layer], list(self.layers))
+
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig, tp: TensorParallel | None = None, pipeline: Pipeline | None = None,
@@ -303,7 +334,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = Backbone(cfg, self.tp, self.ep, len(self.pipeline.layers(cfg.num_hidden_layers)))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.fused_decode = None  # a FusedDecoder once enable_fused_decode() ran
+        self.fused_decode: FusedDecoder | None = None  # once enable_fused_decode() ran
 
     def enable_fused_decode(self) -> "LlamaForCausalLM":
         """Route every one-token step through the Triton decode kernels (needs Triton; see fused_decode)."""
@@ -323,8 +354,8 @@ class LlamaForCausalLM(nn.Module):
     def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KvCache:
         """Per layer: a [2, slots, kv_heads, max_len, head_dim] tensor, all of them views of one. Preallocated
         whole: on a GPU without room for it, one line that says which settings size it (not an out-of-memory)."""
-        attn = self.model.layers[0].self_attn
-        shape = (len(self.model.layers), 2, slots, attn.kv_heads, max_len, attn.head_dim)
+        attn = self.model.decoder_layers()[0].self_attn
+        shape = (len(self.model.decoder_layers()), 2, slots, attn.kv_heads, max_len, attn.head_dim)
         if torch.device(device).type == "cuda":
             need = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             # the driver's free memory and this process's own cached blocks, which the allocator would reuse
@@ -354,8 +385,9 @@ class LlamaForCausalLM(nn.Module):
                 packed.shape[0], packed.shape[0], dtype=torch.bool, device=packed.device).tril()
             h = self._layers(embeds, positions, slots, cache, None, False, mask[None, None])
             return self.lm_head(self.model.norm(h[0, last])).float()
-        if self.takes_fused_path(embeds):
-            return self.fused_decode(embeds, positions, slots, cache)
+        fused = self.fused_decode
+        if fused is not None and fused.supports(embeds):
+            return fused(embeds, positions, slots, cache)
         p = self.pipeline
         h = embeds
         if p.rank > 0:  # the previous stage's hidden states
@@ -376,6 +408,41 @@ class LlamaForCausalLM(nn.Module):
                 torch.distributed.recv(logits, p.size - 1, group=p.group)
         return logits
 
+    @torch.inference_mode()
+    def forward_mixed(self, decode: "StepRows", prompts: "StepRows", cache: list[torch.Tensor]) -> torch.Tensor:
+        """One pass over decoding rows (a token each) and prompt rows (right-padded chunks): the matmuls over all
+        their tokens at once, so a step's one read of each weight serves both; attention apart, the decode rows'
+        through the decode kernel (without it, the masked path) and the prompts' as a prefill's. Logits [D + B, V]:
+        each decode row's, then each prompt row's at its `last` position. One rank, one stage."""
+        d, (b, t) = decode.positions.shape[0], prompts.positions.shape
+        cos_t, sin_t = self.rope(decode.embeds.device)
+        dtype = decode.embeds.dtype
+        d_cos, d_sin = cos_t[decode.positions].to(dtype), sin_t[decode.positions].to(dtype)
+        p_cos, p_sin = cos_t[prompts.positions].to(dtype), sin_t[prompts.positions].to(dtype)
+        d_lengths, p_lengths = decode.positions[:, -1] + 1, prompts.positions[:, -1] + 1
+        d_positions = decode.positions[:, 0].contiguous()
+        continuing = not prompts.fresh and b == 1
+        fused = self.fused_decode
+        h = torch.cat([decode.embeds.reshape(d, -1), prompts.embeds.reshape(b * t, -1)])[None]
+        for layer, kv in zip(self.model.decoder_layers(), cache):
+            attn = layer.self_attn
+            qkv = attn.qkv_proj(layer.input_layernorm(h))[0]  # [D + B * T, (heads + 2 kv_heads) * head_dim]
+            if fused is not None:
+                heads_d = fused.attention(attn, qkv[:d], kv, decode.slots, d_positions)
+            else:
+                q, k, v = (x[:, None] for x in attn.split(qkv[:d]))
+                heads_d = attn.attend(q, k, v, d_cos, d_sin, kv[0], kv[1], decode.slots, decode.positions,
+                                      d_lengths, decode.window)[:, 0]
+            q, k, v = (x.reshape(b, t, -1) for x in attn.split(qkv[d:]))
+            heads_p = attn.attend(q, k, v, p_cos, p_sin, kv[0], kv[1], prompts.slots, prompts.positions, p_lengths,
+                                  prompts.window, False, prompts.fresh, None, continuing)
+            h = h + attn.tp.all_reduce(attn.o_proj(torch.cat([heads_d, heads_p.reshape(b * t, -1)])[None]))
+            h = h + layer.feed_forward(h)
+        assert prompts.last is not None, "a prompt row's logits come from its last token"
+        device = h.device
+        rows = torch.cat([torch.arange(d, device=device), d + torch.arange(b, device=device) * t + prompts.last])
+        return self.lm_head(self.model.norm(h[0, rows])).float()
+
     def _layers(self, h, positions, slots, cache, window, contiguous_slots, packed_mask=None) -> torch.Tensor:
         """This stage's layers (all of them without pipeline parallelism)."""
         cos_t, sin_t = self.rope(h.device)
@@ -391,7 +458,7 @@ class LlamaForCausalLM(nn.Module):
         continuing = prompts and positions.shape[0] == 1 and not from_scratch  # one prompt's next tokens
         if not from_scratch and window is None and packed_mask is None:
             window = int(lengths.max())
-        for layer, kv in zip(self.model.layers, cache):
+        for layer, kv in zip(self.model.decoder_layers(), cache):
             h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv[0], kv[1], slots, positions, lengths,
                                     window, contiguous_slots, from_scratch, packed_mask, continuing)
             h = h + layer.feed_forward(h)
@@ -399,7 +466,7 @@ class LlamaForCausalLM(nn.Module):
 
     def fuse_projections(self) -> "LlamaForCausalLM":
         """After loading: q/k/v and gate/up as single matmuls (the checkpoint keeps HF's names). Idempotent."""
-        for layer in self.model.layers:
+        for layer in self.model.decoder_layers():
             layer.self_attn.fuse()
             if hasattr(layer, "mlp"):
                 layer.mlp.fuse()

@@ -257,15 +257,7 @@ class ContextSteps:
         if want is not None:  # [1, T, V]: position i's logits score token i + 1
             first.prompt_lp = prompt_logprobs(logits[0, :-1], first.request.token_ids[1:], want)
             logits = logits[:, -1]
-        done = []
-        for i, (seq, n) in enumerate(group):
-            seq.length += n
-            if remaining(seq):
-                core.count("prefill_chunks")
-                continue
-            done.append(i)
-        if core.prefix is not None:  # the prompts' new blocks go into the pool once they are answered
-            core.slots.unstored.update((seqs[i].slot, seqs[i].request.token_ids) for i in done if seqs[i].reuse)
+        done = self.advance(group)
         if core.mode is DisaggregationMode.PREFILL:
             self._keep_for_handoff([seqs[i] for i in done])
             t0 = core.clocked("prefill_keep_kv_seconds_total", t0)
@@ -284,8 +276,30 @@ class ContextSteps:
             core.clocked("prefill_pick_seconds_total", t0)
         return picked
 
+    def advance(self, group: PrefillGroup) -> list[int]:
+        """After a pass over the group's tokens: each prompt's cache length moved on; the indices of those whose
+        last token is in (their blocks wait for the prefix cache: SlotBook.store)."""
+        core, done = self.core, []
+        for i, (seq, n) in enumerate(group):
+            seq.length += n
+            if remaining(seq):
+                core.count("prefill_chunks")
+                continue
+            done.append(i)
+        if core.prefix is not None:  # the prompts' new blocks go into the pool once they are answered
+            core.slots.unstored.update((group[i][0].slot, group[i][0].request.token_ids) for i in done
+                                       if group[i][0].reuse)
+        return done
+
     def _padded_prefill(self, seqs: list[Seq], rows: list[list[int]], last_only: bool) -> torch.Tensor:
         """The eager prefill: rows right-padded to the longest, each from its first token not in the cache."""
+        embeds, positions, slots, last = self.padded_inputs(seqs, rows)
+        return self.core.forward("prefill", embeds, positions, slots, last_only=last_only,
+                                 last=last if len(seqs) > 1 else None)
+
+    def padded_inputs(self, seqs: list[Seq], rows: list[list[int]]) -> tuple[torch.Tensor, ...]:
+        """A prefill's inputs, rows right-padded to the longest, each from its first token not in the cache:
+        embeds [B, T, H], positions [B, T], slots [B], and each row's last real token [B]."""
         core, first = self.core, seqs[0]
         width = max(map(len, rows))
         # staged as the decode steps' are (pinned): a chunk runs between overlapped decode steps without
@@ -302,5 +316,4 @@ class ContextSteps:
         positions = on_device([[min(seq.length + j, core.max_len - 1) for j in range(width)] for seq in seqs],
                               core.device)
         slots = on_device([seq.slot for seq in seqs], core.device)
-        last = on_device([len(row) - 1 for row in rows], core.device) if len(seqs) > 1 else None
-        return core.forward("prefill", embeds, positions, slots, last_only=last_only, last=last)
+        return embeds, positions, slots, on_device([len(row) - 1 for row in rows], core.device)

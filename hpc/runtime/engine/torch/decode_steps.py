@@ -38,6 +38,12 @@ class DecodeSteps:
                 self.core.finish(s, FinishReason.ERROR, error=str(exc))
             return False
 
+    def settle(self) -> None:
+        """Every token still on the device read and sent (a step's in flight, prefills' first ones): a mixed step
+        (mixed_steps.py) takes its rows' tokens from the host."""
+        self._emit_first_tokens()
+        self._emit_inflight()
+
     @property
     def _steps_a_launch(self) -> int:
         """Decode steps an overlapped launch runs where its rows allow (DecodeGraphs' `steps`)."""

@@ -42,6 +42,7 @@ from hpc.runtime.engine.torch.core import EngineCore
 from hpc.runtime.engine.torch.cpu_reference import CpuReference
 from hpc.runtime.engine.torch.decode_steps import DecodeSteps
 from hpc.runtime.engine.torch.warmup import warm_up
+from hpc.runtime.engine.torch.mixed_steps import MixedSteps
 from hpc.runtime.engine.torch.sequence import BatchWait, Seq, StepPlan, chunkable, remaining
 from hpc.runtime.engine.types import (DisaggregatedParams, DisaggregationMode, EncodedMedia, EngineBase, EngineTraits,
                                       FinishReason, GenerateOutput, GenerateRequest, KvMeta)
@@ -81,6 +82,7 @@ class TorchEngine(EngineBase):
         self.handoffs = kvpack.HeldKv(HANDOFF_TTL_S)  # prefill: KV waiting for its decode worker
         self.context = ContextSteps(self.core, self.handoffs, self_address)
         self.decode = DecodeSteps(self.core)
+        self.mixed = MixedSteps(self.core, self.context, self.decode, self.switches.mixed_steps)
         self.batch_wait = BatchWait(self.limits.batch_wait_timeout_iters, self.limits.batch_wait_max_tokens_ratio,
                                     self.limits.max_num_tokens)
         self._deferred: list[Seq] = []  # arrivals the batch wait holds back
@@ -460,11 +462,15 @@ class TorchEngine(EngineBase):
                 clock["waiting"] -= len(arrivals)
                 self._admit(arrivals, running)
             plan = self._plan(running)
+            stepped = False  # the decoding rows stepped with the prompts (MixedSteps)
             if plan.prefill:
-                running[:] = [*plan.decode, *self.context.run(plan.prefill)]
+                groups, decoding = plan.prefill, list(plan.decode)
+                if self.mixed.takes(groups[0], len(decoding)):
+                    decoding, groups, stepped = self.mixed.run(groups[0], decoding), groups[1:], True
+                running[:] = [*decoding, *self.context.run(groups)]
                 self._prefilling = [s for s in self._prefilling if s.slot >= 0 and remaining(s)]
             clock["admit_seconds_total"] += time.perf_counter() - t1
-            if running:
+            if running and not stepped:
                 # the CPU's speed, read while the thread is busy: a thread just woken from a wait reads slower
                 self.cpu_reference.maybe_run()
                 t2 = time.perf_counter()
