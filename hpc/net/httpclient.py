@@ -128,9 +128,7 @@ class Connection:
         """Send a request; the response's body goes to `on_piece` as it arrives (in the loop's callback); returns
         its status once the body ended. A failure on the way (the connection lost, `on_piece` raising, a
         cancel) leaves the connection closed."""
-        protocol = self.protocol
-        if protocol is None or protocol.lost:
-            protocol = await self.open()
+        protocol = self.protocol if self.usable and self.protocol is not None else await self.open()
         done = asyncio.get_running_loop().create_future()
         protocol.response = response = _Response(on_piece, done)
         head = (f"{method} {path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: application/json\r\n"

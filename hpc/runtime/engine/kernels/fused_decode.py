@@ -15,7 +15,7 @@ kernels are tested against.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -100,18 +100,24 @@ class FusedDecoder:
 
     def batched(self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 cache: list[torch.Tensor]) -> torch.Tensor:
-        """Past MAX_BATCH rows: the model's own (cuBLAS) projections around the Triton attention; each residual
-        add and the norm after it in one launch (add_rms_norm), the MLP's activation in one (silu_mul); experts
-        through the model's own feed-forward."""
-        model, kernels = self.model, self.kernels
+        """Past MAX_BATCH rows: the model's own (cuBLAS) projections around the Triton attention (layers)."""
         pos = positions[:, 0].contiguous()
+        normed = self.layers(embeds[:, 0].contiguous(), cache,
+                             lambda attn, qkv, kv: self.attention(attn, qkv, kv, slots, pos))
+        return self.model.lm_head(normed).float()
+
+    def layers(self, h: torch.Tensor, cache: list[torch.Tensor], attend: Callable) -> torch.Tensor:
+        """The layers over tokens h [N, H] (contiguous): the model's (cuBLAS) projections, attention by
+        `attend(attn, qkv, kv)` -> [N, heads * D]; each residual add and the norm after it in one launch
+        (add_rms_norm), the MLP's activation in one (silu_mul); experts through the model's own feed-forward.
+        The final norm's output [N, H]. A batched decode step's, and a mixed step's (forward_mixed)."""
+        model, kernels = self.model, self.kernels
         layers = model.model.decoder_layers()
         norms = [layer.input_layernorm.weight for layer in layers[1:]] + [model.model.norm.weight]
-        h, normed = kernels.add_rms_norm(embeds[:, 0].contiguous(), None, layers[0].input_layernorm.weight, self.eps)
+        h, normed = kernels.add_rms_norm(h, None, layers[0].input_layernorm.weight, self.eps)
         for layer, kv, next_norm in zip(layers, cache, norms):
             attn = layer.self_attn
-            heads = self.attention(attn, attn.qkv_proj(normed), kv, slots, pos)
-            attended = model.tp.all_reduce(attn.o_proj(heads))
+            attended = model.tp.all_reduce(attn.o_proj(attend(attn, attn.qkv_proj(normed), kv)))
             if model.cfg.moe:
                 h = h + attended
                 h, normed = kernels.add_rms_norm(h, layer.feed_forward(h).contiguous(), next_norm, self.eps)
@@ -120,7 +126,7 @@ class FusedDecoder:
             mlp = layer.mlp
             down = model.tp.all_reduce(mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(normed))))
             h, normed = kernels.add_rms_norm(h, down, next_norm, self.eps)
-        return model.lm_head(normed).float()
+        return normed
 
     def attention(self, attn, qkv: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
                   positions: torch.Tensor) -> torch.Tensor:

@@ -409,39 +409,67 @@ class LlamaForCausalLM(nn.Module):
         return logits
 
     @torch.inference_mode()
-    def forward_mixed(self, decode: "StepRows", prompts: "StepRows", cache: list[torch.Tensor]) -> torch.Tensor:
-        """One pass over decoding rows (a token each) and prompt rows (right-padded chunks): the matmuls over all
-        their tokens at once, so a step's one read of each weight serves both; attention apart, the decode rows'
-        through the decode kernel (without it, the masked path) and the prompts' as a prefill's. Logits [D + B, V]:
-        each decode row's, then each prompt row's at its `last` position. One rank, one stage."""
-        d, (b, t) = decode.positions.shape[0], prompts.positions.shape
-        cos_t, sin_t = self.rope(decode.embeds.device)
-        dtype = decode.embeds.dtype
-        d_cos, d_sin = cos_t[decode.positions].to(dtype), sin_t[decode.positions].to(dtype)
+    def forward_mixed(self, decode: "StepRows | None", prompts: "StepRows", cache: list[torch.Tensor]) -> torch.Tensor:
+        """One pass over decoding rows (a token each; None: none, a prefill alone) and prompt rows (right-padded
+        chunks): the matmuls over all their tokens at once, so a step's one read of each weight serves both;
+        attention apart, the decode rows' through the decode kernel (without it, the masked path) and the
+        prompts' as a prefill's. With the fused kernels, each residual add and the norm after it, and the MLP's
+        activation, in a launch each (FusedDecoder.layers). Logits [D + B, V]: each decode row's, then each prompt
+        row's at its `last` position. One rank, one stage."""
+        b, t = prompts.positions.shape
+        cos_t, sin_t = self.rope(prompts.embeds.device)
+        dtype = prompts.embeds.dtype
         p_cos, p_sin = cos_t[prompts.positions].to(dtype), sin_t[prompts.positions].to(dtype)
-        d_lengths, p_lengths = decode.positions[:, -1] + 1, prompts.positions[:, -1] + 1
-        d_positions = decode.positions[:, 0].contiguous()
+        p_lengths = prompts.positions[:, -1] + 1
         continuing = not prompts.fresh and b == 1
         fused = self.fused_decode
-        h = torch.cat([decode.embeds.reshape(d, -1), prompts.embeds.reshape(b * t, -1)])[None]
-        for layer, kv in zip(self.model.decoder_layers(), cache):
-            attn = layer.self_attn
-            qkv = attn.qkv_proj(layer.input_layernorm(h))[0]  # [D + B * T, (heads + 2 kv_heads) * head_dim]
-            if fused is not None:
-                heads_d = fused.attention(attn, qkv[:d], kv, decode.slots, d_positions)
-            else:
-                q, k, v = (x[:, None] for x in attn.split(qkv[:d]))
-                heads_d = attn.attend(q, k, v, d_cos, d_sin, kv[0], kv[1], decode.slots, decode.positions,
-                                      d_lengths, decode.window)[:, 0]
+        decode_heads = self._decode_attention(decode)
+        d = 0 if decode is None else decode.positions.shape[0]
+
+        def attend(attn: Attention, qkv: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            """qkv [D + B * T, (heads + 2 kv_heads) * head_dim] -> heads [D + B * T, heads * head_dim]"""
             q, k, v = (x.reshape(b, t, -1) for x in attn.split(qkv[d:]))
-            heads_p = attn.attend(q, k, v, p_cos, p_sin, kv[0], kv[1], prompts.slots, prompts.positions, p_lengths,
-                                  prompts.window, False, prompts.fresh, None, continuing)
-            h = h + attn.tp.all_reduce(attn.o_proj(torch.cat([heads_d, heads_p.reshape(b * t, -1)])[None]))
-            h = h + layer.feed_forward(h)
+            heads = attn.attend(q, k, v, p_cos, p_sin, kv[0], kv[1], prompts.slots, prompts.positions, p_lengths,
+                                prompts.window, False, prompts.fresh, None, continuing).reshape(b * t, -1)
+            return heads if decode_heads is None else torch.cat([decode_heads(attn, qkv[:d], kv), heads])
+
+        h = prompts.embeds.reshape(b * t, -1)
+        if decode is not None:
+            h = torch.cat([decode.embeds.reshape(d, -1), h])
+        normed = fused.layers(h.contiguous(), cache, attend) if fused is not None else self._flat_layers(h, cache,
+                                                                                                           attend)
         assert prompts.last is not None, "a prompt row's logits come from its last token"
         device = h.device
         rows = torch.cat([torch.arange(d, device=device), d + torch.arange(b, device=device) * t + prompts.last])
-        return self.lm_head(self.model.norm(h[0, rows])).float()
+        return self.lm_head(normed[rows]).float()
+
+    def _decode_attention(self, decode: "StepRows | None"):
+        """forward_mixed's attention for its decode rows, (attn, qkv [D, ...], kv) -> [D, heads * head_dim]."""
+        if decode is None:
+            return None
+        positions = decode.positions[:, 0].contiguous()
+        fused = self.fused_decode
+        if fused is not None:
+            return lambda attn, qkv, kv: fused.attention(attn, qkv, kv, decode.slots, positions)
+        cos_t, sin_t = self.rope(decode.embeds.device)
+        dtype = decode.embeds.dtype
+        cos, sin = cos_t[decode.positions].to(dtype), sin_t[decode.positions].to(dtype)
+        lengths = decode.positions[:, -1] + 1
+
+        def attend(attn: Attention, qkv: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            q, k, v = (x[:, None] for x in attn.split(qkv))
+            return attn.attend(q, k, v, cos, sin, kv[0], kv[1], decode.slots, decode.positions, lengths,
+                               decode.window)[:, 0]
+        return attend
+
+    def _flat_layers(self, h: torch.Tensor, cache: list[torch.Tensor], attend) -> torch.Tensor:
+        """The layers over tokens h [N, H] through the torch modules, attention by `attend` (forward_mixed's);
+        the final norm's output."""
+        for layer, kv in zip(self.model.decoder_layers(), cache):
+            attn = layer.self_attn
+            h = h + attn.tp.all_reduce(attn.o_proj(attend(attn, attn.qkv_proj(layer.input_layernorm(h)), kv)))
+            h = h + layer.feed_forward(h)
+        return self.model.norm(h)
 
     def _layers(self, h, positions, slots, cache, window, contiguous_slots, packed_mask=None) -> torch.Tensor:
         """This stage's layers (all of them without pipeline parallelism)."""

@@ -16,6 +16,7 @@ import torch
 
 from hpc.runtime.engine.kv import pack as kvpack
 from hpc.runtime.engine.guided import Automaton
+from hpc.runtime.engine.models.llama import StepRows
 from hpc.runtime.engine.torch.core import EngineCore, drop_pending
 from hpc.runtime.engine.torch.sampling import make_generator, on_device, prompt_logprobs
 from hpc.runtime.engine.torch.sequence import (PrefillGroup, Seq, context_work, prefill_groups, remaining,
@@ -292,14 +293,17 @@ class ContextSteps:
         return done
 
     def _padded_prefill(self, seqs: list[Seq], rows: list[list[int]], last_only: bool) -> torch.Tensor:
-        """The eager prefill: rows right-padded to the longest, each from its first token not in the cache."""
-        embeds, positions, slots, last = self.padded_inputs(seqs, rows)
-        return self.core.forward("prefill", embeds, positions, slots, last_only=last_only,
-                                 last=last if len(seqs) > 1 else None)
+        """The eager prefill: rows right-padded to the longest, each from its first token not in the cache. One
+        rank's takes the mixed steps' pass without decode rows (their fused element-wise kernels on a GPU)."""
+        core, prompts = self.core, self.padded_inputs(seqs, rows)
+        if last_only and core.world.size == 1 and core.pipeline.size == 1:
+            return core.model.forward_mixed(None, prompts, core.cache)
+        return core.forward("prefill", prompts.embeds, prompts.positions, prompts.slots, last_only=last_only,
+                            last=prompts.last if len(seqs) > 1 else None)
 
-    def padded_inputs(self, seqs: list[Seq], rows: list[list[int]]) -> tuple[torch.Tensor, ...]:
-        """A prefill's inputs, rows right-padded to the longest, each from its first token not in the cache:
-        embeds [B, T, H], positions [B, T], slots [B], and each row's last real token [B]."""
+    def padded_inputs(self, seqs: list[Seq], rows: list[list[int]]) -> StepRows:
+        """A prefill's inputs, rows right-padded to the longest, each from its first token not in the cache
+        (embeds [B, T, H], positions [B, T], slots [B], each row's last real token [B])."""
         core, first = self.core, seqs[0]
         width = max(map(len, rows))
         # staged as the decode steps' are (pinned): a chunk runs between overlapped decode steps without
@@ -316,4 +320,6 @@ class ContextSteps:
         positions = on_device([[min(seq.length + j, core.max_len - 1) for j in range(width)] for seq in seqs],
                               core.device)
         slots = on_device([seq.slot for seq in seqs], core.device)
-        return embeds, positions, slots, on_device([len(row) - 1 for row in rows], core.device)
+        return StepRows(embeds, positions, slots, window=max(seq.length + len(row) for seq, row in zip(seqs, rows)),
+                        fresh=not any(seq.length for seq in seqs),
+                        last=on_device([len(row) - 1 for row in rows], core.device))

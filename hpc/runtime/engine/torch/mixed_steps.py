@@ -66,10 +66,8 @@ class MixedSteps:
     def _step(self, group: PrefillGroup, decoding: list[Seq]) -> list[Seq]:
         core, t0 = self.core, time.perf_counter()
         seqs = [seq for seq, _ in group]
-        embeds, positions, slots, last = self.context.padded_inputs(
-            seqs, [seq.request.token_ids[seq.length:seq.length + n] for seq, n in group])
-        prompts = StepRows(embeds, positions, slots, window=max(seq.length + n for seq, n in group),
-                           fresh=not any(seq.length for seq in seqs), last=last)
+        prompts = self.context.padded_inputs(seqs, [seq.request.token_ids[seq.length:seq.length + n]
+                                                    for seq, n in group])
         tokens = on_device([[seq.last_token] for seq in decoding], core.device)
         decode = StepRows(core.model.embed(tokens), on_device([[seq.length] for seq in decoding], core.device),
                           on_device([seq.slot for seq in decoding], core.device),
