@@ -93,6 +93,8 @@ def main() -> None:
     parser.add_argument("--concurrency", default="8", help="levels, e.g. 8,32")
     parser.add_argument("--requests-per-user", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--output-spread", type=int, default=0,
+                        help="each request's output length drawn from output-tokens +- this (no waves)")
     parser.add_argument("--budgets", default="2048,1024,512", help="max_num_tokens of the chunked configurations")
     parser.add_argument("--apart", choices=("all", "whole", "none"), default="all",
                         help="which configurations also run with the prefill pass apart")
@@ -100,7 +102,7 @@ def main() -> None:
     args = parser.parse_args()
     try:
         levels = [Level(concurrency=int(c), input_tokens=args.input_tokens, output_tokens=args.output_tokens,
-                        requests=int(c) * args.requests_per_user) for c in args.concurrency.split(",")]
+                        requests=int(c) * args.requests_per_user, output_spread=args.output_spread) for c in args.concurrency.split(",")]
         budgets = [int(b) for b in args.budgets.split(",") if b]
     except ValueError as exc:
         parser.error(f"--concurrency and --budgets take comma-separated integers ({exc})")
@@ -109,7 +111,7 @@ def main() -> None:
     recipe = quiet_recipe(args.recipe)
     kind, path = direct_model(recipe, None)
     model_dir = str(ensure_model(path, kind))
-    base = direct_engine_args(args.input_tokens, args.output_tokens, 0, max(level.concurrency for level in levels),
+    base = direct_engine_args(args.input_tokens, args.output_tokens, args.output_spread, max(level.concurrency for level in levels),
                               recipe_role_args(recipe))
     prompts = [("whole", {})] + [(f"chunked {b}", {"enable_chunked_prefill": True, "max_num_tokens": b})
                                  for b in budgets]
