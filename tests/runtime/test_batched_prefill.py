@@ -10,6 +10,7 @@ import pytest
 
 from hpc.runtime.engine.torch.engine import TorchEngine
 from hpc.runtime.engine.types import DisaggregationMode, GenerateRequest, SamplingParams
+from hpc.spec.recipe import TorchEngineSpec
 
 pytestmark = pytest.mark.unit
 
@@ -28,9 +29,10 @@ async def _tokens(engine: TorchEngine, ids: list[int]) -> list[int]:
     return [t async for out in engine.generate(req) for t in out.token_ids]
 
 
-async def _serve(model_dir, args: dict) -> tuple[list[list[int]], dict, list[list[int]]]:
+async def _serve(model_dir, args: dict, mixed: bool = True) -> tuple[list[list[int]], dict, list[list[int]]]:
     """FIRST runs alone; while its first decode step is held, the others queue, then are admitted at once."""
-    engine = TorchEngine(model_dir, DisaggregationMode.AGGREGATED, {**BLOCKS, **args})
+    engine = TorchEngine(model_dir, DisaggregationMode.AGGREGATED, {**BLOCKS, **args},
+                         switches=TorchEngineSpec(mixed_steps=mixed))
     async with engine:
         entered, release = threading.Event(), threading.Event()
         step, widths = engine.decode._decode_step, []
@@ -62,8 +64,8 @@ async def _one_by_one(model_dir) -> tuple[list[list[int]], dict]:
 
 def test_waiting_prompts_are_prefilled_together_with_the_answers_of_one_at_a_time(tiny):
     together, stats, widths = asyncio.run(_serve(tiny, {}))
-    # FIRST alone, then the four waiting prompts in one forward pass
-    assert widths == [[len(FIRST)], [len(ids) for ids in WAITING]]
+    # FIRST alone, then the four waiting prompts in one forward pass, the fresh ones first (ContextSteps.prompt_parts)
+    assert widths == [[len(FIRST)], [3, 19, 7, 43]]
     assert stats["prefill_steps"] == 2 and stats["requests"] == 5
     assert stats["prompt_tokens_cached"] == 32  # the row that shares FIRST's block took it from the cache
     alone, stats_alone = asyncio.run(_one_by_one(tiny))
@@ -74,9 +76,12 @@ def test_waiting_prompts_are_prefilled_together_with_the_answers_of_one_at_a_tim
 def test_the_token_budget_splits_the_waiting_prompts(tiny):
     # padded to the widest row's computed tokens (the 43-token prompt computes 11, its first 32 come from the
     # prefix cache): 2 x 11 = 22 tokens fit in 44, a third row (3 x 19) does not; then 2 x 19
-    _, stats, widths = asyncio.run(_serve(tiny, {"max_num_tokens": 44}))
+    _, stats, widths = asyncio.run(_serve(tiny, {"max_num_tokens": 44}, mixed=False))
     assert widths == [[len(FIRST)], [3, 43], [19, 7]]
     assert stats["prefill_steps"] == 3
+    # a mixed step takes the step's whole work (40 tokens beside the decoding row), its parts unpadded apart
+    _, stats, widths = asyncio.run(_serve(tiny, {"max_num_tokens": 44}))
+    assert widths == [[len(FIRST)], [3, 19, 7, 43]] and stats["mixed_steps"] == 1
 
 
 def test_a_prefill_worker_hands_over_each_prompt_of_a_step_with_its_own_kv(tiny):

@@ -186,7 +186,7 @@ def test_a_mixed_steps_decode_rows_take_the_triton_attention_and_answer_as_the_t
                           torch.tensor([0, 2], device=device), window=12)
         prompts = StepRows(model.embed(prompt), torch.arange(5, device=device)[None], torch.tensor([5], device=device),
                            window=5, fresh=True, last=torch.tensor([4], device=device))
-        got.append(model.forward_mixed(decode, prompts, cache))
+        got.append(model.forward_mixed(decode, [prompts], cache))
     assert calls == [2] * CFG.num_hidden_layers  # the kernel ran for the two decode rows in every layer
     torch.testing.assert_close(got[1], got[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(caches[1].whole, caches[0].whole, rtol=1e-5, atol=1e-5)

@@ -53,7 +53,7 @@ def test_the_mixed_pass_gives_the_logits_and_cache_of_the_two_passes_apart(promp
 
     decode = StepRows(model.embed(tokens), torch.tensor([[cached[s]] for s in decoding]), torch.tensor(decoding),
                       window=max(cached[s] for s in decoding) + 1)
-    got = model.forward_mixed(decode, _rows(model, chunks, prompt_starts, prompts), cache)
+    got = model.forward_mixed(decode, [_rows(model, chunks, prompt_starts, prompts)], cache)
 
     want_decode = model.forward_step(decode.embeds, decode.positions, decode.slots, apart)
     rows = _rows(model, chunks, prompt_starts, prompts)
@@ -66,7 +66,25 @@ def test_the_mixed_pass_gives_the_logits_and_cache_of_the_two_passes_apart(promp
                                    rtol=1e-5, atol=1e-5)
 
 
-ARGS = {"max_seq_len": 256, "max_batch_size": 8, "dtype": "float32", "kv_cache_config": {"tokens_per_block": 16}}
+def test_parts_that_attend_apart_give_the_logits_of_a_pass_each():
+    """A fresh prompt and one going on from its cache, two parts of one pass (ContextSteps.prompt_parts)."""
+    model = _model()
+    gen = torch.Generator().manual_seed(6)
+    cache = model.new_cache(8, 32, torch.float32, torch.device("cpu"))
+    ids = torch.randint(2, CFG.vocab_size, (1, 7), generator=gen)
+    model.forward_step(model.embed(ids), torch.arange(7)[None], torch.tensor([2]), cache)
+    apart = type(cache)(cache.whole.clone())
+    fresh, going_on = ([torch.randint(2, CFG.vocab_size, (n,), generator=gen).tolist()] for n in (9, 4))
+    got = model.forward_mixed(None, [_rows(model, fresh, [0], [5]), _rows(model, going_on, [7], [2])], cache)
+    want = [model.forward_step(rows.embeds, rows.positions, rows.slots, apart)
+            for rows in (_rows(model, fresh, [0], [5]), _rows(model, going_on, [7], [2]))]
+    torch.testing.assert_close(got, torch.cat(want), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cache.whole, apart.whole, rtol=1e-5, atol=1e-5)
+
+
+# no prefill graphs: on a GPU the tiny model's fresh prompts would replay them, apart (MixedSteps.takes)
+ARGS = {"max_seq_len": 256, "max_batch_size": 8, "dtype": "float32", "kv_cache_config": {"tokens_per_block": 16},
+        "torch_compile_config": None}
 PROMPTS = [[(i * 7 + j * 13) % 90 + 5 for j in range(20 + 9 * i)] for i in range(5)]
 
 

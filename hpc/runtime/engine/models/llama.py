@@ -409,39 +409,55 @@ class LlamaForCausalLM(nn.Module):
         return logits
 
     @torch.inference_mode()
-    def forward_mixed(self, decode: "StepRows | None", prompts: "StepRows", cache: list[torch.Tensor]) -> torch.Tensor:
-        """One pass over decoding rows (a token each; None: none, a prefill alone) and prompt rows (right-padded
-        chunks): the matmuls over all their tokens at once, so a step's one read of each weight serves both;
-        attention apart, the decode rows' through the decode kernel (without it, the masked path) and the
-        prompts' as a prefill's. With the fused kernels, each residual add and the norm after it, and the MLP's
-        activation, in a launch each (FusedDecoder.layers). Logits [D + B, V]: each decode row's, then each prompt
-        row's at its `last` position. One rank, one stage."""
-        b, t = prompts.positions.shape
-        cos_t, sin_t = self.rope(prompts.embeds.device)
-        dtype = prompts.embeds.dtype
-        p_cos, p_sin = cos_t[prompts.positions].to(dtype), sin_t[prompts.positions].to(dtype)
-        p_lengths = prompts.positions[:, -1] + 1
-        continuing = not prompts.fresh and b == 1
-        fused = self.fused_decode
+    def forward_mixed(self, decode: "StepRows | None", parts: "list[StepRows]",
+                      cache: list[torch.Tensor]) -> torch.Tensor:
+        """One pass over decoding rows (a token each; None: none, a prefill alone) and prompt rows (`parts`, each
+        right-padded rows that attend alike: fresh prompts together, a prompt going on from its cache alone): the
+        matmuls over all their tokens at once, so a step's one read of each weight serves them all; attention
+        apart, the decode rows' through the decode kernel (without it, the masked path) and each part's as a
+        prefill's. With the fused kernels, each residual add and the norm after it, and the MLP's activation, in a
+        launch each (FusedDecoder.layers). Logits [D + rows, V]: each decode row's, then each part's rows' at their
+        `last` positions. One rank, one stage."""
         decode_heads = self._decode_attention(decode)
         d = 0 if decode is None else decode.positions.shape[0]
+        part_heads = [self._part_attention(part) for part in parts]
+        sizes = [part.positions.numel() for part in parts]
 
         def attend(attn: Attention, qkv: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-            """qkv [D + B * T, (heads + 2 kv_heads) * head_dim] -> heads [D + B * T, heads * head_dim]"""
-            q, k, v = (x.reshape(b, t, -1) for x in attn.split(qkv[d:]))
-            heads = attn.attend(q, k, v, p_cos, p_sin, kv[0], kv[1], prompts.slots, prompts.positions, p_lengths,
-                                prompts.window, False, prompts.fresh, None, continuing).reshape(b * t, -1)
-            return heads if decode_heads is None else torch.cat([decode_heads(attn, qkv[:d], kv), heads])
+            """qkv [tokens, (heads + 2 kv_heads) * head_dim] -> heads [tokens, heads * head_dim]"""
+            heads, start = [] if decode_heads is None else [decode_heads(attn, qkv[:d], kv)], d
+            for part_attend, size in zip(part_heads, sizes):
+                heads.append(part_attend(attn, qkv[start:start + size], kv))
+                start += size
+            return heads[0] if len(heads) == 1 else torch.cat(heads)
 
-        h = prompts.embeds.reshape(b * t, -1)
-        if decode is not None:
-            h = torch.cat([decode.embeds.reshape(d, -1), h])
-        normed = fused.layers(h.contiguous(), cache, attend) if fused is not None else self._flat_layers(h, cache,
-                                                                                                           attend)
-        assert prompts.last is not None, "a prompt row's logits come from its last token"
-        device = h.device
-        rows = torch.cat([torch.arange(d, device=device), d + torch.arange(b, device=device) * t + prompts.last])
-        return self.lm_head(normed[rows]).float()
+        hidden = self.cfg.hidden_size
+        h = torch.cat(([] if decode is None else [decode.embeds.reshape(d, hidden)])
+                      + [part.embeds.reshape(-1, hidden) for part in parts])
+        fused = self.fused_decode
+        normed = fused.layers(h, cache, attend) if fused is not None else self._flat_layers(h, cache, attend)
+        device, rows, start = h.device, [torch.arange(d, device=h.device)], d
+        for part, size in zip(parts, sizes):
+            assert part.last is not None, "a prompt row's logits come from its last token"
+            b, t = part.positions.shape
+            rows.append(start + torch.arange(b, device=device) * t + part.last)
+            start += size
+        return self.lm_head(normed[torch.cat(rows)]).float()
+
+    def _part_attention(self, part: "StepRows"):
+        """forward_mixed's attention for one part of its prompt rows, (attn, qkv [B * T, ...], kv) -> heads."""
+        b, t = part.positions.shape
+        cos_t, sin_t = self.rope(part.embeds.device)
+        dtype = part.embeds.dtype
+        cos, sin = cos_t[part.positions].to(dtype), sin_t[part.positions].to(dtype)
+        lengths = part.positions[:, -1] + 1
+        continuing = not part.fresh and b == 1
+
+        def attend(attn: Attention, qkv: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            q, k, v = (x.reshape(b, t, -1) for x in attn.split(qkv))
+            return attn.attend(q, k, v, cos, sin, kv[0], kv[1], part.slots, part.positions, lengths, part.window,
+                               False, part.fresh, None, continuing).reshape(b * t, -1)
+        return attend
 
     def _decode_attention(self, decode: "StepRows | None"):
         """forward_mixed's attention for its decode rows, (attn, qkv [D, ...], kv) -> [D, heads * head_dim]."""

@@ -19,8 +19,8 @@ from hpc.runtime.engine.guided import Automaton
 from hpc.runtime.engine.models.llama import StepRows
 from hpc.runtime.engine.torch.core import EngineCore, drop_pending
 from hpc.runtime.engine.torch.sampling import make_generator, on_device, prompt_logprobs
-from hpc.runtime.engine.torch.sequence import (PrefillGroup, Seq, context_work, prefill_groups, remaining,
-                                               wanted_prompt_logprobs)
+from hpc.runtime.engine.torch.sequence import (PrefillGroup, Seq, context_work, fresh_first, prefill_groups,
+                                               remaining, wanted_prompt_logprobs)
 from hpc.runtime.engine.torch.tp import gather_kvs, scatter_kv
 from hpc.runtime.engine.types import DisaggregatedParams, DisaggregationMode, FinishReason, TokenLogprob
 
@@ -179,7 +179,7 @@ class ContextSteps:
         """Prefill each group; a prompt whose last token is in picks its first new token and decodes (the rows
         returned: they join this iteration's decode step) or, on a prefill worker, is handed over."""
         core, joined = self.core, []
-        for group in groups:
+        for group in map(fresh_first, groups):  # the order of the prompt rows' logits (prompt_parts)
             stored_before = set(core.slots.unstored)
             try:
                 picked = self._prefill(group)
@@ -252,7 +252,7 @@ class ContextSteps:
         logits = core.prefill_graphs.run(rows, [seq.slot for seq in seqs]) if core.prefill_graphs is not None \
             and want is None and first.media is None and not any(seq.length for seq in seqs) else None
         if logits is None:
-            logits = self._padded_prefill(seqs, rows, last_only=want is None)
+            logits = self._padded_prefill(group, last_only=want is None)
         t0 = core.clocked("prefill_launch_seconds_total", t0)
         core.counters["prefill_steps"] += 1
         if want is not None:  # [1, T, V]: position i's logits score token i + 1
@@ -292,19 +292,34 @@ class ContextSteps:
                                        if group[i][0].reuse)
         return done
 
-    def _padded_prefill(self, seqs: list[Seq], rows: list[list[int]], last_only: bool) -> torch.Tensor:
-        """The eager prefill: rows right-padded to the longest, each from its first token not in the cache. One
-        rank's takes the mixed steps' pass without decode rows (their fused element-wise kernels on a GPU)."""
-        core, prompts = self.core, self.padded_inputs(seqs, rows)
+    def _padded_prefill(self, group: PrefillGroup, last_only: bool) -> torch.Tensor:
+        """The eager prefill, each row from its first token not in the cache. One rank's takes the mixed steps'
+        pass without decode rows (prompt_parts; their fused element-wise kernels on a GPU); else the rows
+        right-padded to the longest in one batch."""
+        core = self.core
         if last_only and core.world.size == 1 and core.pipeline.size == 1:
-            return core.model.forward_mixed(None, prompts, core.cache)
+            return core.model.forward_mixed(None, self.prompt_parts(group), core.cache)
+        prompts = self.padded_inputs(group)
         return core.forward("prefill", prompts.embeds, prompts.positions, prompts.slots, last_only=last_only,
-                            last=prompts.last if len(seqs) > 1 else None)
+                            last=prompts.last if len(group) > 1 else None)
 
-    def padded_inputs(self, seqs: list[Seq], rows: list[list[int]]) -> StepRows:
+    def prompt_parts(self, group: PrefillGroup) -> list[StepRows]:
+        """A group's rows as forward_mixed's parts, in the group's order (fresh_first's): the fresh prompts
+        right-padded together (one causal attention), each prompt going on from its cache alone (a causal
+        attention over its cache; rows of several lengths going on together took the masked path, SDPA's math
+        kernel in fp32, which made chunked prefill slower than whole prompts)."""
+        assert list(group) == list(fresh_first(group)), "a group's fresh prompts come first"
+        fresh = [(seq, n) for seq, n in group if not seq.length]
+        return ([self.padded_inputs(fresh)] if fresh else []) + [self.padded_inputs([(seq, n)])
+                                                                 for seq, n in group if seq.length]
+
+    def padded_inputs(self, group: PrefillGroup | list[tuple[Seq, int]]) -> StepRows:
         """A prefill's inputs, rows right-padded to the longest, each from its first token not in the cache
         (embeds [B, T, H], positions [B, T], slots [B], each row's last real token [B])."""
-        core, first = self.core, seqs[0]
+        core = self.core
+        seqs = [seq for seq, _ in group]
+        rows = [seq.request.token_ids[seq.length:seq.length + n] for seq, n in group]
+        first = seqs[0]
         width = max(map(len, rows))
         # staged as the decode steps' are (pinned): a chunk runs between overlapped decode steps without
         # waiting for the one in flight

@@ -465,8 +465,8 @@ class TorchEngine(EngineBase):
             stepped = False  # the decoding rows stepped with the prompts (MixedSteps)
             if plan.prefill:
                 groups, decoding = plan.prefill, list(plan.decode)
-                if self.mixed.takes(groups[0], len(decoding)):
-                    decoding, groups, stepped = self.mixed.run(groups[0], decoding), groups[1:], True
+                if self.mixed.takes(groups, len(decoding)):  # every prompt chunk beside the decoding rows
+                    decoding, groups, stepped = self.mixed.run(groups, decoding), (), True
                 running[:] = [*decoding, *self.context.run(groups)]
                 self._prefilling = [s for s in self._prefilling if s.slot >= 0 and remaining(s)]
             clock["admit_seconds_total"] += time.perf_counter() - t1

@@ -21,7 +21,7 @@ from hpc.runtime.engine.torch.context_steps import EAGER_MIN_GFLOP, ContextSteps
 from hpc.runtime.engine.torch.core import EngineCore
 from hpc.runtime.engine.torch.decode_steps import DecodeSteps
 from hpc.runtime.engine.torch.sampling import on_device
-from hpc.runtime.engine.torch.sequence import PrefillGroup, Seq, chunkable
+from hpc.runtime.engine.torch.sequence import PrefillGroup, Seq, chunkable, fresh_first
 from hpc.runtime.engine.types import DisaggregationMode, FinishReason
 
 log = logging.getLogger(__name__)
@@ -35,25 +35,27 @@ class MixedSteps:
         self.enabled = enabled and core.mode is DisaggregationMode.AGGREGATED and core.world.size == 1 \
             and core.pipeline.size == 1
 
-    def takes(self, group: PrefillGroup, decoding: int) -> bool:
-        """Whether this prompt group goes in a mixed step beside `decoding` rows: plain prompts (no media, no
-        prompt logprobs), and unless a prefill graph would run it, or its work is large enough that one eager pass
-        beats the graphs' replays (the torch path's rule, EAGER_MIN_GFLOP): on the tiny model graphs win."""
-        if not (self.enabled and decoding and all(chunkable(seq.request) for seq, _ in group)):
+    def takes(self, groups: tuple[PrefillGroup, ...], decoding: int) -> bool:
+        """Whether this step's prompt work goes in a mixed step beside `decoding` rows: plain prompts (no media,
+        no prompt logprobs), and unless a prefill graph would run it, or its work is large enough that one eager
+        pass beats the graphs' replays (the torch path's rule, EAGER_MIN_GFLOP): on the tiny model graphs win."""
+        work = [item for group in groups for item in group]
+        if not (self.enabled and decoding and work and all(chunkable(seq.request) for seq, _ in work)):
             return False
-        fresh = not any(seq.length for seq, _ in group)
-        tokens = sum(n for _, n in group)
+        fresh = not any(seq.length for seq, _ in work)
+        tokens = sum(n for _, n in work)
         return self.core.prefill_graphs is None or not fresh \
             or 2 * self.core.matmul_params * tokens >= EAGER_MIN_GFLOP * 1e9
 
-    def run(self, group: PrefillGroup, running: list[Seq]) -> list[Seq]:
-        """The group's tokens and a decode step of `running` in one pass; the rows that decode on (the running
+    def run(self, groups: tuple[PrefillGroup, ...], running: list[Seq]) -> list[Seq]:
+        """The groups' tokens and a decode step of `running` in one pass; the rows that decode on (the running
         ones, then the prompts whose first token this step picked). A failed step ends its rows with the error."""
         core = self.core
         self.decode.settle()  # the rows' last tokens on the host: a step in flight read first
         decoding = [seq for seq in running if core.still_running(seq)]
         if not decoding:
-            return self.context.run((group,))
+            return self.context.run(groups)
+        group = fresh_first(tuple(item for one in groups for item in one))
         try:
             return self._step(group, decoding)
         except Exception as exc:
@@ -66,13 +68,12 @@ class MixedSteps:
     def _step(self, group: PrefillGroup, decoding: list[Seq]) -> list[Seq]:
         core, t0 = self.core, time.perf_counter()
         seqs = [seq for seq, _ in group]
-        prompts = self.context.padded_inputs(seqs, [seq.request.token_ids[seq.length:seq.length + n]
-                                                    for seq, n in group])
+        parts = self.context.prompt_parts(group)
         tokens = on_device([[seq.last_token] for seq in decoding], core.device)
         decode = StepRows(core.model.embed(tokens), on_device([[seq.length] for seq in decoding], core.device),
                           on_device([seq.slot for seq in decoding], core.device),
                           window=max(seq.length for seq in decoding) + 1)
-        logits = core.model.forward_mixed(decode, prompts, core.cache)
+        logits = core.model.forward_mixed(decode, parts, core.cache)
         for seq in decoding:
             seq.length += 1
         done = self.context.advance(group)

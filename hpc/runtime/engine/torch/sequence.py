@@ -175,6 +175,11 @@ class StepPlan:
     decode: tuple[Seq, ...] = ()
 
 
+def fresh_first(group: PrefillGroup) -> PrefillGroup:
+    """The group's prompts from position 0 first, then those going on from their cache, each in arrival order."""
+    return tuple(sorted(group, key=lambda item: item[0].length > 0))
+
+
 def prefill_groups(work: list[tuple[Seq, int]], budget: int, pipeline: bool) -> Iterator[list[tuple[Seq, int]]]:
     """Prompt chunks prefilled in one forward pass, their padded tokens within `budget`. Alone: a prompt with
     media or asking for the prompt's logprobs, and every prompt of a pipeline (only its last stage holds the
