@@ -460,23 +460,15 @@ class LlamaForCausalLM(nn.Module):
         return attend
 
     def _decode_attention(self, decode: "StepRows | None"):
-        """forward_mixed's attention for its decode rows, (attn, qkv [D, ...], kv) -> [D, heads * head_dim]."""
+        """forward_mixed's attention for its decode rows, (attn, qkv [D, ...], kv) -> [D, heads * head_dim]: the
+        decode kernel, or without it the torch path's, as a part of D rows of one token."""
         if decode is None:
             return None
         positions = decode.positions[:, 0].contiguous()
         fused = self.fused_decode
         if fused is not None:
             return lambda attn, qkv, kv: fused.attention(attn, qkv, kv, decode.slots, positions)
-        cos_t, sin_t = self.rope(decode.embeds.device)
-        dtype = decode.embeds.dtype
-        cos, sin = cos_t[decode.positions].to(dtype), sin_t[decode.positions].to(dtype)
-        lengths = decode.positions[:, -1] + 1
-
-        def attend(attn: Attention, qkv: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-            q, k, v = (x[:, None] for x in attn.split(qkv))
-            return attn.attend(q, k, v, cos, sin, kv[0], kv[1], decode.slots, decode.positions, lengths,
-                               decode.window)[:, 0]
-        return attend
+        return self._part_attention(decode)  # rows of one token each, over their cache
 
     def _flat_layers(self, h: torch.Tensor, cache: list[torch.Tensor], attend) -> torch.Tensor:
         """The layers over tokens h [N, H] through the torch modules, attention by `attend` (forward_mixed's);

@@ -33,9 +33,14 @@ log = logging.getLogger(__name__)
 EAGER_MIN_GFLOP = 1000.0
 
 
+def outweighs_launches(tokens: int, matmul_params: int) -> bool:
+    """Whether this much prompt work's matmuls outweigh the launches a prefill graph saves (EAGER_MIN_GFLOP)."""
+    return 2 * matmul_params * tokens >= EAGER_MIN_GFLOP * 1e9
+
+
 def one_eager_step(tokens: int, largest_graph: int, matmul_params: int) -> bool:
     """Whether this much prompt work goes in one eager step rather than graphed steps of the largest size."""
-    return tokens > largest_graph and 2 * matmul_params * tokens >= EAGER_MIN_GFLOP * 1e9
+    return tokens > largest_graph and outweighs_launches(tokens, matmul_params)
 
 
 Picked = tuple[int, TokenLogprob | None]
@@ -297,7 +302,7 @@ class ContextSteps:
         pass without decode rows (prompt_parts; their fused element-wise kernels on a GPU); else the rows
         right-padded to the longest in one batch."""
         core = self.core
-        if last_only and core.world.size == 1 and core.pipeline.size == 1:
+        if last_only and core.alone:
             return core.model.forward_mixed(None, self.prompt_parts(group), core.cache)
         prompts = self.padded_inputs(group)
         return core.forward("prefill", prompts.embeds, prompts.positions, prompts.slots, last_only=last_only,

@@ -97,6 +97,11 @@ class EngineCore:
         self.prefill_graphs: PrefillGraphs | None = None
         self.prefix: PrefixCache | None = None
 
+    @property
+    def alone(self) -> bool:
+        """One rank, one stage: no follower to broadcast a step to (a mixed pass has no broadcast kind)."""
+        return self.world.size == 1 and self.pipeline.size == 1
+
     def on_device(self) -> ContextManager[Any]:
         """This engine's GPU as the thread's current device: Triton launches on the current device, so a worker
         on cuda:1 would hand its kernels pointers they cannot reach (the CUDA runtime keeps one per thread)."""

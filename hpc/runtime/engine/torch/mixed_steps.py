@@ -17,7 +17,7 @@ import logging
 import time
 
 from hpc.runtime.engine.models.llama import StepRows
-from hpc.runtime.engine.torch.context_steps import EAGER_MIN_GFLOP, ContextSteps
+from hpc.runtime.engine.torch.context_steps import ContextSteps, outweighs_launches
 from hpc.runtime.engine.torch.core import EngineCore
 from hpc.runtime.engine.torch.decode_steps import DecodeSteps
 from hpc.runtime.engine.torch.sampling import on_device
@@ -32,20 +32,18 @@ class MixedSteps:
         self.core, self.context, self.decode = core, context, decode
         # one rank and one stage (followers step by broadcast kinds that have no mixed one); an aggregated engine
         # is the only one with both prompts and decoding rows
-        self.enabled = enabled and core.mode is DisaggregationMode.AGGREGATED and core.world.size == 1 \
-            and core.pipeline.size == 1
+        self.enabled = enabled and core.mode is DisaggregationMode.AGGREGATED and core.alone
 
     def takes(self, groups: tuple[PrefillGroup, ...], decoding: int) -> bool:
         """Whether this step's prompt work goes in a mixed step beside `decoding` rows: plain prompts (no media,
         no prompt logprobs), and unless a prefill graph would run it, or its work is large enough that one eager
-        pass beats the graphs' replays (the torch path's rule, EAGER_MIN_GFLOP): on the tiny model graphs win."""
+        pass beats the graphs' replays (the torch path's rule, outweighs_launches): on the tiny model graphs win."""
         work = [item for group in groups for item in group]
         if not (self.enabled and decoding and work and all(chunkable(seq.request) for seq, _ in work)):
             return False
         fresh = not any(seq.length for seq, _ in work)
         tokens = sum(n for _, n in work)
-        return self.core.prefill_graphs is None or not fresh \
-            or 2 * self.core.matmul_params * tokens >= EAGER_MIN_GFLOP * 1e9
+        return self.core.prefill_graphs is None or not fresh or outweighs_launches(tokens, self.core.matmul_params)
 
     def run(self, groups: tuple[PrefillGroup, ...], running: list[Seq]) -> list[Seq]:
         """The groups' tokens and a decode step of `running` in one pass; the rows that decode on (the running
